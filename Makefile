@@ -1,0 +1,30 @@
+# Two commands do all setup on a fresh machine: `make demo` and `make test`.
+PY      ?= python3
+VENV    ?= .venv
+BIN      = $(VENV)/bin
+TORCH   ?= torch==2.13.0
+DATA    ?= data/beauty
+
+.PHONY: install demo test bench clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[dev,report]"
+	touch $@
+
+install: $(BIN)/.installed
+
+$(DATA)/items.parquet: $(BIN)/.installed
+	$(BIN)/python -m jobs.prepare_data --out $(DATA)
+
+# The main job on the embedded default: Amazon Beauty, a small randomly initialised target.
+demo: $(DATA)/items.parquet
+	$(BIN)/python -m jobs.bench decode --data $(DATA)
+
+test: $(BIN)/.installed
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) data .pytest_cache

@@ -1,0 +1,114 @@
+"""Exact constrained beam search over a catalog with shared-prefix tree attention.
+
+prefill once per user -> L steps: score the K beams' children (catalog CSR), keep the top K
+(beam, token) pairs, append them to the token tree, one forward over K tree tokens per user.
+
+Returns what `model.generate(num_beams=k, num_return_sequences=k, max_new_tokens=L, length_penalty=0.0,
+prefix_allowed_tokens_fn=<trie>)` returns: scores are sums of log_softmax over the full vocabulary (float32).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from decoding.catalog import Catalog
+from decoding.tree import TokenTree, prompt_position_ids
+
+
+@dataclass
+class Recommendations:
+    item_ids: torch.Tensor  # [B, k] int64, -1 where fewer than k items exist
+    token_ids: torch.Tensor  # [B, k, L] int64, -1 on padding
+    scores: torch.Tensor  # [B, k] float32, sorted descending, -inf on padding
+    stats: dict = field(default_factory=dict)
+
+
+def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """Left-padded prompts [B, S] -> (cache holding each prompt once, next-token logprobs [B, V] float32)."""
+    cache = DynamicCache(config=model.config)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=prompt_position_ids(attention_mask),
+                past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return cache, out.logits[:, -1].float().log_softmax(-1)
+
+
+def tree_forward(model, tree: TokenTree, cache: DynamicCache, tokens: torch.Tensor, parent: torch.Tensor,
+                 block_depth: int = 1) -> torch.Tensor:
+    """Adds tokens [B, Q] as tree nodes under parent [B, Q]; returns next-token logprobs [B, Q, V] float32."""
+    mask, position_ids = tree.add(parent, model.dtype, block_depth)
+    out = model(input_ids=tokens, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
+                use_cache=True)
+    return out.logits.float().log_softmax(-1)
+
+
+def topk_stable(scores: torch.Tensor, k: int):
+    """scores [B, C] -> (values [B, k], indices [B, k]): descending, ties to the lower index; -inf padded."""
+    b, c = scores.shape
+    if c < k:
+        scores = torch.cat([scores, scores.new_full((b, k - c), float("-inf"))], 1)
+    values, indices = torch.sort(scores, dim=1, descending=True, stable=True)
+    return values[:, :k], indices[:, :k]
+
+
+def expand_beams(catalog: Catalog, level: int, logp: torch.Tensor, score: torch.Tensor, node: torch.Tensor, k: int):
+    """Top-k children of W beams at catalog `level`.
+    logp [B, W, V], score [B, W] (-inf = dead beam), node [B, W] (catalog node at `level`, -1 = dead)
+    -> score [B, k], parent beam [B, k], token [B, k], child node [B, k] (-1 = dead)."""
+    b, w, _ = logp.shape
+    child_tok, child_node, valid = (x.view(b, w, -1) for x in catalog.children(level, node.flatten()))  # [B, W, D]
+    d = child_tok.shape[2]
+    cand = (score[:, :, None] + logp.gather(2, child_tok)).masked_fill(~valid, float("-inf"))  # [B, W, D]
+    top, flat = topk_stable(cand.view(b, w * d), k)  # flat indexes (beam, token) pairs in that order
+    alive = top > float("-inf")
+    flat = torch.where(alive, flat, 0)
+    token = torch.where(alive, child_tok.view(b, -1).gather(1, flat), 0)
+    child = torch.where(alive, child_node.view(b, -1).gather(1, flat), -1)
+    return top, torch.where(alive, flat // d, -1), token, child
+
+
+@torch.no_grad()
+def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, catalog: Catalog, k: int) -> Recommendations:
+    """input_ids, attention_mask [B, S] left-padded -> the top-k catalog items per user."""
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    b, s = input_ids.shape
+    code_len = catalog.code_len
+    t0 = time.perf_counter()
+    cache, logp = prefill(model, input_ids, attention_mask)  # logp [B, V]
+    t_prefill = time.perf_counter() - t0
+
+    tree = TokenTree.from_prompt(attention_mask)
+    score = torch.zeros(b, 1, device=input_ids.device)  # [B, W], W = 1 beam (the prompt) at level 0
+    node = torch.zeros(b, 1, dtype=torch.int64, device=input_ids.device)
+    leaf = torch.full((b, 1), -1, dtype=torch.int64, device=input_ids.device)  # tree node of each beam's last token
+    tokens = torch.zeros(b, 1, 0, dtype=torch.int64, device=input_ids.device)  # [B, W, t]
+    logp = logp[:, None, :]  # [B, W, V]
+    forwards = 1
+    for level in range(code_len):
+        score, beam, token, node = expand_beams(catalog, level, logp, score, node, k)  # [B, k] each
+        alive = beam >= 0
+        tokens = torch.cat([tokens.gather(1, beam.clamp(min=0)[:, :, None].expand(-1, -1, level)), token[:, :, None]], 2)
+        if level == code_len - 1:
+            break
+        parent = torch.where(alive, leaf.gather(1, beam.clamp(min=0)), -1)  # [B, k] tree node of the parent
+        parent = tree.keep_paths(parent, cache)  # pruned branches leave the cache
+        logp = tree_forward(model, tree, cache, token, parent)  # [B, k, V]
+        leaf = tree.num_nodes - k + torch.arange(k, device=input_ids.device).expand(b, k)
+        forwards += 1
+
+    alive = node >= 0
+    stats = {
+        "prefill_s": t_prefill,
+        "decode_s": time.perf_counter() - t0 - t_prefill,
+        "target_forwards": forwards,
+        "kv_tokens": b * tree.kv_len,  # held at the end: each prompt once plus the tree tokens
+        "kv_tokens_beam_batch": b * k * (s + code_len - 1),  # what a batch beam search holds
+    }
+    return Recommendations(
+        item_ids=catalog.item_of_node(node),
+        token_ids=torch.where(alive[:, :, None], tokens, -1),
+        scores=torch.where(alive, score, float("-inf")),
+        stats=stats,
+    )

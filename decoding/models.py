@@ -1,0 +1,87 @@
+"""Model loading (local directories, safetensors only, no remote code, never a hub) and tiny test models."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+ATTENTION = ("eager", "sdpa")
+
+# Tiny architectures for tests and CPU benchmarks: Llama with grouped-query attention, Qwen2 with
+# attention biases, Qwen3 with q/k norms. Sizes are set by `tiny_model(..., **overrides)`.
+TINY = {
+    "llama": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512),
+    "qwen2": dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  use_sliding_window=False),
+    "qwen3": dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                  use_sliding_window=False),
+}
+
+
+def tiny_config(arch: str, vocab_size: int, **overrides):
+    if arch not in TINY:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose from {sorted(TINY)}")
+    spec = {**TINY[arch], **overrides}
+    model_type = spec.pop("model_type")
+    return AutoConfig.for_model(model_type, vocab_size=vocab_size, tie_word_embeddings=False,
+                                pad_token_id=0, bos_token_id=1, eos_token_id=2, **spec)
+
+
+def tiny_model(arch: str, vocab_size: int, seed: int = 0, attn_implementation: str = "sdpa",
+               dtype: torch.dtype = torch.float32, **overrides):
+    """A randomly initialised causal LM built from a config in memory (never downloaded)."""
+    if attn_implementation not in ATTENTION:
+        raise ValueError(f"attn_implementation must be one of {ATTENTION}, got {attn_implementation!r}")
+    torch.manual_seed(seed)
+    config = tiny_config(arch, vocab_size, **overrides)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
+    return model.eval()
+
+
+def pick_device(device: str | None = None) -> torch.device:
+    if device:
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"dtype must be one of {sorted(names)} or 'auto', got {dtype!r}")
+    return names[dtype]
+
+
+def check_model_dir(path) -> Path:
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path}: not a model directory (no config.json)")
+    if not list(path.glob("*.safetensors")):
+        unsafe = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+        raise ValueError(f"{path}: no *.safetensors weights" + (f" (refusing pickled weights {unsafe})" if unsafe else ""))
+    return path
+
+
+def load_model(path, device: str | None = None, dtype: str | torch.dtype | None = None,
+               attn_implementation: str = "sdpa"):
+    """A causal LM from a local directory: safetensors only, no remote code, no hub."""
+    path = check_model_dir(path)
+    dev = pick_device(device)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, local_files_only=True, trust_remote_code=False, use_safetensors=True,
+        dtype=pick_dtype(dtype, dev), attn_implementation=attn_implementation)
+    return model.to(dev).eval()
+
+
+def load_tokenizer(path):
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"{path}: tokenizer directory does not exist")
+    return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)

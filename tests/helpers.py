@@ -1,0 +1,93 @@
+"""Shared test fixtures: random catalogs, left-padded prompts, a CPU trie for `generate`, comparisons."""
+from __future__ import annotations
+
+import torch
+
+from decoding.catalog import Catalog
+
+SPECIALS = 4  # <pad> <bos> <eos> <unk>
+
+
+def random_catalog(n_items: int, levels: int, codes: int, seed: int = 0, skew: float = 0.0) -> Catalog:
+    """n_items distinct semantic IDs over `levels` x `codes`; token id = SPECIALS + level * codes + code.
+    skew > 0 concentrates the first levels on few codes, so that some prefixes have few continuations."""
+    g = torch.Generator().manual_seed(seed)
+    space = codes ** levels
+    if n_items > space:
+        raise ValueError("more items than semantic IDs")
+    weights = torch.ones(space) if skew == 0 else torch.rand(space, generator=g) ** (1 + 10 * skew)
+    flat = torch.multinomial(weights, n_items, replacement=False, generator=g)
+    digits = torch.stack([(flat // codes ** (levels - 1 - j)) % codes for j in range(levels)], 1)
+    tokens = SPECIALS + torch.arange(levels) * codes + digits
+    item_ids = 1000 + torch.randperm(n_items, generator=g)
+    return Catalog.from_token_ids(item_ids, tokens, SPECIALS + levels * codes)
+
+
+def left_padded_prompts(batch: int, lengths, vocab_size: int, seed: int = 0):
+    """Prompts of the given lengths (cycled), <bos> first, left-padded with <pad>=0 -> ids, mask [B, S]."""
+    g = torch.Generator().manual_seed(seed)
+    lens = [lengths[i % len(lengths)] for i in range(batch)]
+    s = max(lens)
+    ids = torch.zeros(batch, s, dtype=torch.int64)
+    mask = torch.zeros(batch, s, dtype=torch.int64)
+    for i, n in enumerate(lens):
+        ids[i, s - n] = 1
+        ids[i, s - n + 1:] = torch.randint(SPECIALS, vocab_size, (n - 1,), generator=g)
+        mask[i, s - n:] = 1
+    return ids, mask
+
+
+def cpu_trie(catalog: Catalog) -> dict:
+    """prefix tuple -> sorted list of allowed next tokens (what users hand to `prefix_allowed_tokens_fn`)."""
+    trie: dict = {}
+    for row in catalog.tokens.tolist():
+        for t in range(len(row)):
+            trie.setdefault(tuple(row[:t]), set()).add(row[t])
+    return {p: sorted(v) for p, v in trie.items()}
+
+
+def hf_beam_search(model, input_ids, attention_mask, catalog: Catalog, k: int):
+    """transformers' constrained beam search -> (item ids [B, k], token ids [B, k, L], scores [B, k])."""
+    trie = cpu_trie(catalog)
+    s, code_len = input_ids.shape[1], catalog.code_len
+
+    def allowed(batch_id, sent):
+        # dead beams (prefix not in the catalog) still need a non-empty list; their score is already -inf
+        return trie.get(tuple(sent[s:].tolist()), [0])
+
+    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, num_beams=k, num_return_sequences=k,
+                         max_new_tokens=code_len, min_new_tokens=code_len, length_penalty=0.0, do_sample=False,
+                         prefix_allowed_tokens_fn=allowed, output_scores=True,
+                         return_dict_in_generate=True, pad_token_id=0, eos_token_id=2, bos_token_id=1,
+                         top_k=None, top_p=None, temperature=None)
+    b = input_ids.shape[0]
+    tokens = out.sequences[:, s:].reshape(b, k, code_len)
+    items = catalog.lookup(tokens.reshape(-1, code_len)).view(b, k)
+    if k == 1:  # generate() runs greedy search, which returns no sequence scores: score the sequences
+        return items, tokens, sequence_logprob(model, out.sequences, attention_mask, code_len).view(b, 1)
+    return items, tokens, out.sequences_scores.view(b, k).float()
+
+
+@torch.no_grad()
+def sequence_logprob(model, sequences, prompt_mask, n_new: int):
+    """Full forward over [B, S + n] sequences -> sum of log_softmax (full vocabulary) of the last n tokens [B]."""
+    mask = torch.cat([prompt_mask, prompt_mask.new_ones(prompt_mask.shape[0], n_new)], 1)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    logp = model(input_ids=sequences, attention_mask=mask, position_ids=pos).logits.float().log_softmax(-1)
+    picked = logp[:, -n_new - 1:-1].gather(2, sequences[:, -n_new:, None]).squeeze(2)
+    return picked.sum(1)
+
+
+def assert_same_ranking(items_a, scores_a, items_b, scores_b, atol=1e-4, tie=1e-5):
+    """Same items in the same order (up to swaps among scores within `tie`), scores within `atol`."""
+    assert items_a.shape == items_b.shape
+    torch.testing.assert_close(scores_a, scores_b, atol=atol, rtol=0)
+    for r in range(items_a.shape[0]):
+        a, b, sa = items_a[r].tolist(), items_b[r].tolist(), scores_a[r].tolist()
+        i = 0
+        while i < len(a):  # compare groups of (near-)tied scores as sets
+            j = i + 1
+            while j < len(a) and abs(sa[j] - sa[i]) <= tie:
+                j += 1
+            assert sorted(a[i:j]) == sorted(b[i:j]), f"row {r}, ranks {i + 1}..{j}: {a[i:j]} != {b[i:j]}"
+            i = j
