@@ -103,7 +103,10 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, ca
         "prefill_s": t_prefill,
         "decode_s": time.perf_counter() - t0 - t_prefill,
         "target_forwards": forwards,
-        "kv_tokens": b * tree.kv_len,  # held at the end: each prompt once plus the tree tokens
+        "kv_len": cache.get_seq_length(),  # padded prompt + tree tokens
+        "kv_batch": cache.layers[0].keys.shape[0],  # cache rows: one per user
+        "tree_tokens": tree.num_nodes,
+        "kv_tokens": b * cache.get_seq_length(),  # held at the end: each prompt once plus the tree tokens
         "kv_tokens_beam_batch": b * k * (s + code_len - 1),  # what a batch beam search holds
     }
     return Recommendations(
