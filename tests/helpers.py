@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from decoding.catalog import Catalog
+from decoding.reference import generate_beam_search, sequence_logprob  # noqa: F401
 
 SPECIALS = 4  # <pad> <bos> <eos> <unk>
 
@@ -37,45 +38,9 @@ def left_padded_prompts(batch: int, lengths, vocab_size: int, seed: int = 0):
     return ids, mask
 
 
-def cpu_trie(catalog: Catalog) -> dict:
-    """prefix tuple -> sorted list of allowed next tokens (what users hand to `prefix_allowed_tokens_fn`)."""
-    trie: dict = {}
-    for row in catalog.tokens.tolist():
-        for t in range(len(row)):
-            trie.setdefault(tuple(row[:t]), set()).add(row[t])
-    return {p: sorted(v) for p, v in trie.items()}
-
-
 def hf_beam_search(model, input_ids, attention_mask, catalog: Catalog, k: int):
     """transformers' constrained beam search -> (item ids [B, k], token ids [B, k, L], scores [B, k])."""
-    trie = cpu_trie(catalog)
-    s, code_len = input_ids.shape[1], catalog.code_len
-
-    def allowed(batch_id, sent):
-        # dead beams (prefix not in the catalog) still need a non-empty list; their score is already -inf
-        return trie.get(tuple(sent[s:].tolist()), [0])
-
-    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, num_beams=k, num_return_sequences=k,
-                         max_new_tokens=code_len, min_new_tokens=code_len, length_penalty=0.0, do_sample=False,
-                         prefix_allowed_tokens_fn=allowed, output_scores=True,
-                         return_dict_in_generate=True, pad_token_id=0, eos_token_id=2, bos_token_id=1,
-                         top_k=None, top_p=None, temperature=None)
-    b = input_ids.shape[0]
-    tokens = out.sequences[:, s:].reshape(b, k, code_len)
-    items = catalog.lookup(tokens.reshape(-1, code_len)).view(b, k)
-    if k == 1:  # generate() runs greedy search, which returns no sequence scores: score the sequences
-        return items, tokens, sequence_logprob(model, out.sequences, attention_mask, code_len).view(b, 1)
-    return items, tokens, out.sequences_scores.view(b, k).float()
-
-
-@torch.no_grad()
-def sequence_logprob(model, sequences, prompt_mask, n_new: int):
-    """Full forward over [B, S + n] sequences -> sum of log_softmax (full vocabulary) of the last n tokens [B]."""
-    mask = torch.cat([prompt_mask, prompt_mask.new_ones(prompt_mask.shape[0], n_new)], 1)
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    logp = model(input_ids=sequences, attention_mask=mask, position_ids=pos).logits.float().log_softmax(-1)
-    picked = logp[:, -n_new - 1:-1].gather(2, sequences[:, -n_new:, None]).squeeze(2)
-    return picked.sum(1)
+    return generate_beam_search(model, input_ids, attention_mask, catalog, k)[:3]
 
 
 def assert_same_ranking(items_a, scores_a, items_b, scores_b, atol=1e-4, tie=1e-5):

@@ -1,0 +1,325 @@
+"""Benchmarks, side by side in one run: `python -m jobs.bench decode [options]`.
+
+decode: `transformers` constrained beam search (generate + prefix_allowed_tokens_fn over a CPU trie) against
+genrec-batch's `beam_search` on the same model and the same Amazon Beauty prompts, batch by batch, alternating;
+then the per-step cost of the catalog index (CSR `allowed_next`, PPV `verify`) against a CPU trie.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+from decoding.beam import beam_search
+from decoding.catalog import Catalog
+from decoding.models import load_model, load_tokenizer, pick_device, tiny_model
+from decoding.reference import cpu_trie, generate_beam_search
+from operators.prompts import ItemTokens, build_prompts
+
+
+class PeakMemory:
+    """Peak memory above the start of the block: CUDA allocator peak, or sampled process RSS on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.peak = device, 0
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.start = torch.cuda.memory_allocated()
+        else:
+            self.start, self.done = _rss(), False
+            self.thread = threading.Thread(target=self._sample, daemon=True)
+            self.thread.start()
+        return self
+
+    def _sample(self):
+        while not self.done:
+            self.peak = max(self.peak, _rss() - self.start)
+            time.sleep(0.002)
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            self.peak = torch.cuda.max_memory_allocated() - self.start
+        else:
+            self.done = True
+            self.thread.join()
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def timed(fn, device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with PeakMemory(device) as mem:
+        out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - t0, mem.peak
+
+
+# ------------------------------------------------------------------ data and model
+
+
+def load_beauty(data: Path, users: int, history_len: int, device):
+    """Prepared data dir -> (tokenizer, catalog, input_ids [U, S], attention_mask [U, S])."""
+    for name in ("items.parquet", "test.parquet", "tokenizer"):
+        if not (data / name).exists():
+            raise SystemExit(f"{data / name} not found: run `python -m jobs.prepare_data --out {data}` first")
+    tok = load_tokenizer(data / "tokenizer")
+    catalog = Catalog.from_parquet(data / "items.parquet", tok, on_duplicate="first", device=device)
+    histories = pq.read_table(data / "test.parquet", columns=["history"]).column("history").to_pylist()
+    histories = [h for h in histories if h][:users]
+    items = ItemTokens.from_catalog(pq.read_table(data / "items.parquet"), tok)
+    prompts = build_prompts(histories, items, tok.bos_token_id, tok.pad_token_id, history_len)
+    return tok, catalog, prompts.input_ids.to(device), prompts.attention_mask.to(device)
+
+
+def bench_model(args, vocab_size: int, device):
+    if args.model:
+        return load_model(args.model, device=str(device), dtype=args.dtype, attn_implementation=args.attn)
+    model = tiny_model("llama", vocab_size, seed=args.seed, attn_implementation=args.attn,
+                       hidden_size=args.hidden, intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
+                       num_attention_heads=args.heads, num_key_value_heads=args.heads)
+    return model.to(device)
+
+
+# ------------------------------------------------------------------ decode: transformers vs beam_search
+
+
+def bench_decode(args) -> dict:
+    device = pick_device(args.device)
+    torch.manual_seed(args.seed)
+    tok, catalog, ids, mask = load_beauty(Path(args.data), args.users, args.history_len, device)
+    model = bench_model(args, len(tok), device)
+    trie = cpu_trie(catalog.to("cpu"))
+    k, n_users = args.k, ids.shape[0]
+    beam_search(model, ids[: args.batch], mask[: args.batch], catalog, k)  # warm-up, both paths
+    generate_beam_search(model, ids[:2], mask[:2], catalog, k, trie)
+
+    rows = {"transformers": _zero(), "beam_search": _zero()}
+    same_order = same_set = 0
+    max_score_diff = 0.0
+    for start in range(0, n_users, args.batch):
+        b_ids, b_mask = ids[start:start + args.batch], mask[start:start + args.batch]
+        (hf_items, _, hf_scores, hf_kv), t_hf, m_hf = timed(
+            lambda: generate_beam_search(model, b_ids, b_mask, catalog, k, trie), device)
+        rec, t_bs, m_bs = timed(lambda: beam_search(model, b_ids, b_mask, catalog, k), device)
+        _add(rows["transformers"], len(b_ids), t_hf, m_hf, hf_kv)
+        _add(rows["beam_search"], len(b_ids), t_bs, m_bs, rec.stats["kv_tokens"])
+        same_order += int((rec.item_ids == hf_items).all(1).sum())
+        same_set += int((rec.item_ids.sort(1).values == hf_items.sort(1).values).all(1).sum())
+        max_score_diff = max(max_score_diff, float((rec.scores - hf_scores).abs().max()))
+        print(f"  users {start + len(b_ids)}/{n_users}: transformers {t_hf:.2f}s, beam_search {t_bs:.3f}s",
+              file=sys.stderr)
+    for r in rows.values():
+        r["users_per_s"] = r["users"] / r["seconds"]
+        r["kv_tokens_per_user"] = r["kv_tokens"] / r["users"]
+    return {
+        "prompt_tokens_max": ids.shape[1],
+        "prompt_tokens_mean": float(mask.sum(1).float().mean()),
+        "methods": rows,
+        "speedup_users_per_s": rows["beam_search"]["users_per_s"] / rows["transformers"]["users_per_s"],
+        "kv_ratio": rows["beam_search"]["kv_tokens"] / rows["transformers"]["kv_tokens"],
+        "agreement": {"users": n_users, "same_items_same_order": same_order / n_users,
+                      "same_item_set": same_set / n_users, "max_abs_score_diff": max_score_diff},
+    }
+
+
+def _zero():
+    return {"users": 0, "seconds": 0.0, "peak_memory_mb": 0.0, "kv_tokens": 0}
+
+
+def _add(row, users, seconds, peak, kv_tokens):
+    row["users"] += users
+    row["seconds"] += seconds
+    row["peak_memory_mb"] = max(row["peak_memory_mb"], peak / 2 ** 20)
+    row["kv_tokens"] += kv_tokens
+
+
+# ------------------------------------------------------------------ catalog index: CSR, PPV, CPU trie
+
+
+def synthetic_token_catalog(n_items: int, levels: int, codes: int, seed: int, device) -> Catalog:
+    from pipeline.prepare import synthetic_catalog  # distinct random semantic IDs, any size
+
+    table = synthetic_catalog(n_items, levels, codes, seed)
+    sid = table.column("semantic_id").combine_chunks().flatten().to_numpy().reshape(-1, levels)
+    tokens = 4 + np.arange(levels) * codes + sid.astype(np.int64)  # the project tokenizer's id layout
+    item_ids = table.column("item_id").to_numpy().copy()
+    return Catalog.from_token_ids(torch.from_numpy(item_ids), torch.from_numpy(tokens), 4 + levels * codes,
+                                  device=device)
+
+
+def bench_index(catalog: Catalog, rows: int, top_m: int, repeats: int, with_trie: bool, seed: int) -> dict:
+    """Mean seconds per decoding step (rows = users x beams prefixes, averaged over the L levels)."""
+    g = torch.Generator().manual_seed(seed)
+    dev = catalog.device
+    out = {"items": len(catalog), "rows": rows, "top_m": top_m}
+    t0 = time.perf_counter()
+    trie = cpu_trie(catalog.to("cpu")) if with_trie else None
+    out["trie_build_s"] = time.perf_counter() - t0 if with_trie else None
+    times = {"allowed_next": [], "verify": [], "cpu_trie": []}
+    for level in range(catalog.code_len):
+        pick = torch.randint(len(catalog), (rows,), generator=g)
+        prefix = catalog.tokens[pick.to(dev), :level]  # [R, t] real prefixes, as beams have
+        cands = torch.randint(catalog.vocab_size, (rows, top_m), generator=g).to(dev)
+        cands[:, 0] = catalog.tokens[pick.to(dev), level]
+        for name, fn in (("allowed_next", lambda: catalog.allowed_next(prefix)),
+                         ("verify", lambda: catalog.verify(prefix, cands)),
+                         ("cpu_trie", lambda: _trie_mask(trie, prefix, catalog.vocab_size) if trie else None)):
+            if name == "cpu_trie" and trie is None:
+                continue
+            fn()
+            times[name].append(_best_of(fn, repeats, dev))
+    for name, ts in times.items():
+        out[f"{name}_ms"] = 1e3 * float(np.mean(ts)) if ts else None
+    return out
+
+
+def _trie_mask(trie: dict, prefix: torch.Tensor, vocab: int) -> torch.Tensor:
+    """What `PrefixConstrainedLogitsProcessor` does per step: one dict lookup per row, then fill a mask."""
+    mask = torch.zeros(prefix.shape[0], vocab, dtype=torch.bool)
+    for i, p in enumerate(prefix.tolist()):
+        mask[i, trie.get(tuple(p), [])] = True
+    return mask
+
+
+def _best_of(fn, repeats: int, dev) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def run_index(args, beauty_catalog: Catalog | None) -> list[dict]:
+    device = pick_device(args.device)
+    rows = args.batch * args.k
+    out = []
+    if beauty_catalog is not None:
+        out.append({"catalog": "amazon-beauty", **bench_index(beauty_catalog, rows, args.top_m, args.repeats,
+                                                                True, args.seed)})
+    for n in args.index_items:
+        print(f"  index: building a synthetic catalog of {n:,} items", file=sys.stderr)
+        cat = synthetic_token_catalog(n, 4, 256, args.seed, device)
+        out.append({"catalog": f"synthetic-{n}", **bench_index(cat, rows, args.top_m, args.repeats,
+                                                               n <= args.trie_max_items, args.seed)})
+    return out
+
+
+# ------------------------------------------------------------------ report
+
+
+def environment(args) -> dict:
+    import transformers
+
+    device = pick_device(args.device)
+    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+            "cpu_threads": torch.get_num_threads(), "command": "python -m jobs.bench " + " ".join(sys.argv[1:])}
+
+
+def markdown(result: dict) -> str:
+    d, env = result["decode"], result["environment"]
+    lines = [f"## decode: K={result['args']['k']}, batch {result['args']['batch']}, {d['agreement']['users']} "
+             f"Amazon Beauty users (prompt up to {d['prompt_tokens_max']} tokens), {env['device']}",
+             "", "| method | users/s | peak memory (MB) | KV tokens / user |", "|---|---:|---:|---:|"]
+    for name, r in d["methods"].items():
+        lines.append(f"| {name} | {r['users_per_s']:.2f} | {r['peak_memory_mb']:.1f} | {r['kv_tokens_per_user']:.0f} |")
+    a = d["agreement"]
+    lines += ["", f"speed-up: **{d['speedup_users_per_s']:.1f}x** users/s; KV held: {d['kv_ratio']:.3f}x; "
+              f"same items in the same order: {a['same_items_same_order']:.1%}, same item set: {a['same_item_set']:.1%}, "
+              f"max |score diff| {a['max_abs_score_diff']:.2e}", ""]
+    if result.get("index"):
+        lines += [f"## catalog index: ms per decoding step ({result['index'][0]['rows']} prefixes, PPV top-M = "
+                  f"{result['index'][0]['top_m']}), mean over levels", "",
+                  "| catalog | items | allowed_next (CSR) | verify (PPV) | CPU trie | trie build (s) |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
+        for r in result["index"]:
+            lines.append(f"| {r['catalog']} | {r['items']:,} | {fmt(r['allowed_next_ms'], '.3f')} | "
+                         f"{fmt(r['verify_ms'], '.3f')} | {fmt(r['cpu_trie_ms'], '.3f')} | {fmt(r['trie_build_s'], '.1f')} |")
+    lines += ["", f"`{env['command']}` (torch {env['torch']}, transformers {env['transformers']}, "
+              f"{env['cpu_threads']} threads)"]
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    root = Path(__file__).resolve().parents[1]
+    p = argparse.ArgumentParser(prog="python -m jobs.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="bench", required=True)
+    d = sub.add_parser("decode", help="transformers beam search vs beam_search, and the catalog index")
+    d.add_argument("--data", default=str(root / "data" / "beauty"), help="prepared data dir (jobs.prepare_data)")
+    d.add_argument("--model", help="local model dir; default: a random Llama of --layers x --hidden")
+    d.add_argument("--users", type=_positive, default=128)
+    d.add_argument("--batch", type=_positive, default=32)
+    d.add_argument("--k", type=_positive, default=20)
+    d.add_argument("--history-len", type=_positive, default=20)
+    d.add_argument("--layers", type=_positive, default=4)
+    d.add_argument("--hidden", type=_positive, default=256)
+    d.add_argument("--heads", type=_positive, default=4)
+    d.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa")
+    d.add_argument("--dtype", default="auto")
+    d.add_argument("--device", help="cpu or cuda (default: cuda if available)")
+    d.add_argument("--index-items", type=_positive, nargs="*", default=[10_000_000],
+                   help="synthetic catalog sizes for the index benchmark")
+    d.add_argument("--trie-max-items", type=int, default=10_000_000, help="skip the CPU trie above this size")
+    d.add_argument("--top-m", type=_positive, default=50, help="PPV candidates per row")
+    d.add_argument("--repeats", type=_positive, default=5)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--out", default=str(root / "bench-out"), help="folder for decode.json and decode.md")
+    return p.parse_args(argv)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    result = {"args": vars(args), "environment": environment(args)}
+    print("decode: transformers vs beam_search", file=sys.stderr)
+    result["decode"] = bench_decode(args)
+    tok = load_tokenizer(Path(args.data) / "tokenizer")
+    beauty = Catalog.from_parquet(Path(args.data) / "items.parquet", tok, on_duplicate="first",
+                                  device=pick_device(args.device))
+    print("catalog index", file=sys.stderr)
+    result["index"] = run_index(args, beauty)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "decode.json").write_text(json.dumps(result, indent=2, default=str))
+    (out / "decode.md").write_text(markdown(result) + "\n")
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
