@@ -16,7 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+
+from decoding.codes import code_token_ids, format_rows, semantic_id_matrix
 
 
 @dataclass
@@ -47,12 +50,12 @@ class Catalog:
             raise ValueError(f"the catalog is empty: token_ids has shape {tuple(token_ids.shape)}")
         bad = ((token_ids < 0) | (token_ids >= vocab_size)).any(1).nonzero().flatten()
         if bad.numel():
-            raise ValueError(f"token ids outside [0, {vocab_size}) in rows {_head(bad)} "
-                             f"(item ids {_head(item_ids[bad])})")
+            raise ValueError(f"token ids outside [0, {vocab_size}) in rows {format_rows(bad)} "
+                             f"(item ids {format_rows(item_ids[bad])})")
         ids_sorted, _ = item_ids.sort()
         rep = ids_sorted[1:][ids_sorted[1:] == ids_sorted[:-1]].unique()
         if rep.numel():
-            raise ValueError(f"duplicate item ids: {_head(rep)}")
+            raise ValueError(f"duplicate item ids: {format_rows(rep)}")
 
         order = _lexsort(token_ids)  # [N], stable: equal rows keep input order
         tokens, item_ids, input_row = token_ids[order], item_ids[order], order
@@ -65,8 +68,8 @@ class Catalog:
             if on_duplicate == "error":
                 raise ValueError(
                     f"{dup.numel()} items share a semantic ID with another item, e.g. input rows "
-                    f"{_head(input_row[dup])} repeat rows {_head(input_row[kept])} "
-                    f"(item ids {_head(item_ids[dup])} vs {_head(item_ids[kept])}); "
+                    f"{format_rows(input_row[dup])} repeat rows {format_rows(input_row[kept])} "
+                    f"(item ids {format_rows(item_ids[dup])} vs {format_rows(item_ids[kept])}); "
                     "pass on_duplicate='first' to keep the first item of each semantic ID")
             duplicates = list(zip(item_ids[dup].tolist(), item_ids[kept].tolist()))
             tokens, item_ids = tokens[first], item_ids[first]
@@ -79,21 +82,19 @@ class Catalog:
     def from_parquet(cls, path, tokenizer, on_duplicate: str = "error", device=None) -> "Catalog":
         """Builds the catalog from `items.parquet` (`item_id`, `semantic_id` list of L codes) and a tokenizer
         whose vocabulary holds the code tokens `<a_12>`, `<b_3>`, ... (level letter, code)."""
-        import pyarrow.parquet as pq  # the only file access; kept out of the hot path
+        import pyarrow.parquet as pq  # the one file this module reads, outside any decoding path
 
         table = pq.read_table(path)
-        for col in ("item_id", "semantic_id"):
-            if col not in table.column_names:
-                raise ValueError(f"{path}: missing column {col!r} (has {table.column_names})")
-        codes = table.column("semantic_id").to_pylist()
-        lens = torch.tensor([len(c) if c is not None else 0 for c in codes])
-        if lens.numel() and (lens != lens[0]).any():
-            bad = (lens != torch.mode(lens).values).nonzero().flatten()
-            raise ValueError(f"{path}: ragged semantic_id lengths in rows {_head(bad)}")
-        codes = torch.tensor(codes, dtype=torch.int64)  # [N, L]
-        token_ids = code_token_ids(tokenizer, codes, source=str(path))
-        item_ids = torch.tensor(table.column("item_id").to_pylist(), dtype=torch.int64)
-        return cls.from_token_ids(item_ids, token_ids, len(tokenizer), on_duplicate, device)
+        if "item_id" not in table.column_names:
+            raise ValueError(f"{path}: missing column 'item_id' (has {table.column_names})")
+        codes = semantic_id_matrix(table, str(path))  # [N, L], checked: not ragged, no nulls, no negatives
+        try:
+            token_ids = code_token_ids(tokenizer, codes)  # [N, L]
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+        item_ids = table.column("item_id").to_numpy().astype(np.int64)
+        return cls.from_token_ids(torch.from_numpy(item_ids), torch.from_numpy(token_ids), len(tokenizer),
+                                  on_duplicate, device)
 
     def to(self, device) -> "Catalog":
         move = lambda ts: [t.to(device) for t in ts]  # noqa: E731
@@ -197,27 +198,6 @@ class Catalog:
 # -------------------------------------------------------------------- helpers
 
 
-def code_token_ids(tokenizer, codes: torch.Tensor, source: str = "catalog") -> torch.Tensor:
-    """codes [N, L] (one code per level) -> token ids [N, L] of the tokens `<a_12>`, `<b_3>`, ..."""
-    n, code_len = codes.shape
-    vocab = tokenizer.get_vocab()
-    unknown = []
-    table = []  # per level: [max_code + 1] token id, -1 if missing
-    for level in range(code_len):
-        top = int(codes[:, level].max()) + 1 if n else 0
-        ids = [vocab.get(f"<{chr(ord('a') + level)}_{c}>", -1) for c in range(top)]
-        table.append(torch.tensor(ids, dtype=torch.int64))
-    out = torch.stack([table[j][codes[:, j].clamp(min=0)] for j in range(code_len)], dim=1)
-    out[codes < 0] = -1
-    bad = (out < 0).any(1).nonzero().flatten()
-    if bad.numel():
-        unknown = [f"<{chr(ord('a') + j)}_{int(codes[r, j])}>" for r in bad[:5].tolist()
-                   for j in range(code_len) if out[r, j] < 0]
-        raise ValueError(f"{source}: rows {_head(bad)} have codes without a token in the tokenizer "
-                         f"(e.g. {unknown[:5]})")
-    return out
-
-
 def _as_matrix(token_ids) -> torch.Tensor:
     if isinstance(token_ids, torch.Tensor):
         if token_ids.dim() != 2:
@@ -226,9 +206,9 @@ def _as_matrix(token_ids) -> torch.Tensor:
     rows = [list(r) for r in token_ids]
     lens = torch.tensor([len(r) for r in rows])
     if lens.numel() and (lens != lens[0]).any():
-        common = torch.mode(lens).values
+        common = lens[0] if 2 * int((lens == lens[0]).sum()) >= len(lens) else torch.mode(lens).values
         bad = (lens != common).nonzero().flatten()
-        raise ValueError(f"ragged code lengths: rows {_head(bad)} have lengths {_head(lens[bad])}, "
+        raise ValueError(f"ragged code lengths: rows {format_rows(bad)} have lengths {format_rows(lens[bad])}, "
                          f"expected {int(common)}")
     return torch.tensor(rows, dtype=torch.int64).reshape(len(rows), -1)
 
@@ -270,8 +250,3 @@ def _csr_levels(tokens: torch.Tensor, vocab_size: int):
         max_children.append(int(counts.max()))
         new_prefix = starts_child
     return child_ptr, child_tok, child_key, max_children
-
-
-def _head(t, n: int = 10) -> str:
-    vals = t.tolist() if isinstance(t, torch.Tensor) else list(t)
-    return str(vals[:n])[:-1] + (f", ... ({len(vals)} in all)]" if len(vals) > n else "]")

@@ -1,0 +1,106 @@
+"""Semantic-ID code tokens: their names (`<a_47>`: level letter, code) and their token ids.
+
+Shared by the catalog index, prompt building and data preparation. Parses Arrow arrays; opens no file.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")  # ids 0, 1, 2, 3
+
+
+# ---------------------------------------------------------------- code tokens
+
+
+def level_letter(level: int) -> str:
+    """Level 0 -> 'a', 1 -> 'b', ... (at most 26 levels)."""
+    if not 0 <= level < 26:
+        raise ValueError(f"level must be in [0, 26), got {level}")
+    return chr(ord("a") + level)
+
+
+def code_token(level: int, code: int) -> str:
+    """(level 0, code 47) -> '<a_47>'."""
+    return f"<{level_letter(level)}_{code}>"
+
+
+def format_rows(rows, limit: int = 10) -> str:
+    """Row numbers (array or tensor) -> '[3, 7, 9] and 4 more' for error messages."""
+    rows = np.asarray(rows.cpu() if hasattr(rows, "cpu") else rows)
+    shown = ", ".join(str(int(r)) for r in rows[:limit])
+    more = f" and {len(rows) - limit} more" if len(rows) > limit else ""
+    return f"[{shown}]{more}"
+
+
+def code_token_ids(tokenizer, semantic_ids: np.ndarray) -> np.ndarray:
+    """Semantic IDs [N, L] (codes) -> token ids [N, L] int64 through the tokenizer's vocab.
+
+    Vectorised: one lookup table [L, max_code + 1] is built from the vocab, then indexed.
+    Raises ValueError naming the rows whose code tokens are not in the vocabulary.
+    """
+    sid = np.asarray(semantic_ids)
+    if sid.ndim != 2:
+        raise ValueError(f"semantic_ids must be a 2-D array [N, L], got shape {sid.shape}")
+    n, levels = sid.shape
+    if n == 0:
+        return np.zeros((0, levels), dtype=np.int64)
+    sid = sid.astype(np.int64, copy=False)
+    vocab = tokenizer.get_vocab()  # {token: id}
+    max_code = max(int(sid.max()), 0)
+    table = np.full((levels, max_code + 1), -1, dtype=np.int64)  # [L, C]
+    for j in range(levels):
+        table[j] = [vocab.get(code_token(j, c), -1) for c in range(max_code + 1)]
+    ok = (sid >= 0).all(axis=1)  # [N]
+    safe = np.where(sid >= 0, sid, 0)
+    ids = table[np.arange(levels)[None, :], safe]  # [N, L]
+    ok &= (ids >= 0).all(axis=1)
+    if not ok.all():
+        bad = np.flatnonzero(~ok)
+        example = sid[bad[0]].tolist()
+        raise ValueError(
+            f"semantic ids of rows {format_rows(bad)} use code tokens missing from the "
+            f"tokenizer vocabulary (first bad row {int(bad[0])}: codes {example})"
+        )
+    return ids
+
+
+def semantic_id_matrix(table: pa.Table, name: str = "items.parquet",
+                       column: str = "semantic_id") -> np.ndarray:
+    """The `semantic_id` list column of a catalog table -> int64 array [N, L].
+
+    Raises ValueError naming `name` and the rows when the column is missing, null,
+    ragged (not all rows have the same number of codes) or has negative codes.
+    """
+    if column not in table.column_names:
+        raise ValueError(f"{name}: missing column {column!r} (has {table.column_names})")
+    col = table.column(column).combine_chunks()  # ListArray [N]
+    is_list = pa.types.is_list(col.type) or pa.types.is_large_list(col.type) or pa.types.is_fixed_size_list(col.type)
+    if not is_list or not pa.types.is_integer(col.type.value_type):
+        raise ValueError(f"{name}: column {column!r} must be a list of ints, got {col.type}")
+    n = len(col)
+    if n == 0:
+        return np.zeros((0, 0), dtype=np.int64)
+    nulls = col.is_null().to_numpy(zero_copy_only=False)
+    if nulls.any():
+        raise ValueError(f"{name}: column {column!r} is null in rows {format_rows(np.flatnonzero(nulls))}")
+    lengths = pc.list_value_length(col).to_numpy(zero_copy_only=False)  # [N]
+    levels = int(np.bincount(lengths).argmax())  # the common length
+    if levels == 0:
+        raise ValueError(f"{name}: column {column!r} has empty semantic ids in rows {format_rows(np.flatnonzero(lengths == 0))}")
+    ragged = np.flatnonzero(lengths != levels)
+    if len(ragged):
+        raise ValueError(
+            f"{name}: column {column!r} is ragged: rows {format_rows(ragged)} do not have "
+            f"{levels} codes like the other rows"
+        )
+    values = col.flatten()
+    if values.null_count:
+        rows = np.unique(np.flatnonzero(values.is_null().to_numpy(zero_copy_only=False)) // levels)
+        raise ValueError(f"{name}: column {column!r} has null codes in rows {format_rows(rows)}")
+    sid = values.to_numpy().astype(np.int64).reshape(n, levels)  # [N, L]
+    negative = np.flatnonzero((sid < 0).any(axis=1))
+    if len(negative):
+        raise ValueError(f"{name}: column {column!r} has negative codes in rows {format_rows(negative)}")
+    return sid

@@ -1,0 +1,74 @@
+"""Prepare data: `python -m jobs.prepare_data [--source DIR] [--out DIR] [--history-len N]`
+or `python -m jobs.prepare_data --synthetic --users N --items M [--levels 4 --codes 256 --seed 0] --out DIR`.
+
+Prints the summary as JSON. The logic lives in pipeline/prepare.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from pipeline.prepare import prepare_beauty, write_synthetic
+
+DEFAULT_SOURCE = Path(__file__).resolve().parents[1].parent / "shared" / "datasets" / "amazon-beauty"
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m jobs.prepare_data", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--source", type=Path, default=DEFAULT_SOURCE,
+                   help="Amazon Beauty folder (items/train/valid/test.parquet), default %(default)s")
+    p.add_argument("--out", type=Path, default=Path("data/beauty"), help="output folder, default %(default)s")
+    p.add_argument("--history-len", type=_positive_int, default=20, help="items per prompt, default %(default)s")
+    p.add_argument("--synthetic", action="store_true", help="write a synthetic catalog and users instead")
+    p.add_argument("--users", type=_positive_int, help="synthetic users")
+    p.add_argument("--items", type=_positive_int, help="synthetic catalog items")
+    p.add_argument("--levels", type=_positive_int, default=4, help="synthetic semantic-ID levels, default %(default)s")
+    p.add_argument("--codes", type=_positive_int, default=256, help="synthetic codes per level, default %(default)s")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chunk-users", type=_positive_int, default=1_000_000,
+                   help="synthetic users per parquet row group, default %(default)s")
+    args = p.parse_args(argv)
+    if args.synthetic:
+        if args.users is None or args.items is None:
+            p.error("--synthetic needs --users and --items")
+        if args.levels > 26:
+            p.error(f"--levels must be at most 26, got {args.levels}")
+        if args.items > args.codes ** args.levels:
+            p.error(f"--items {args.items} > codes**levels = {args.codes ** args.levels}")
+    elif args.users is not None or args.items is not None:
+        p.error("--users / --items need --synthetic")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        if args.synthetic:
+            summary = write_synthetic(args.out, args.users, args.items, args.levels, args.codes, args.seed,
+                                      history_len=args.history_len, chunk_users=args.chunk_users)
+        else:
+            summary = prepare_beauty(args.source, args.out, history_len=args.history_len)
+    except ValueError as e:  # a bad input file: name it, no traceback
+        print(f"prepare_data: error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(asdict(summary), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
