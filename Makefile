@@ -21,7 +21,7 @@ $(DATA)/items.parquet: $(BIN)/.installed
 
 # The main job on the embedded default: Amazon Beauty, a small randomly initialised target.
 demo: $(DATA)/items.parquet
-	$(BIN)/python -m jobs.bench decode --data $(DATA)
+	$(BIN)/python -m jobs.bench decode --data $(DATA) --index-items 1000000
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q

@@ -73,6 +73,14 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, ca
     """input_ids, attention_mask [B, S] left-padded -> the top-k catalog items per user."""
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
+    if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
+        raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} "
+                         "must both be [B, S]")
+    if catalog.device != input_ids.device:
+        raise ValueError(f"catalog is on {catalog.device} but input_ids on {input_ids.device}: use catalog.to(...)")
+    if (attention_mask[:, -1] == 0).any():
+        raise ValueError("prompts must be left-padded: attention_mask[:, -1] is 0 in rows "
+                         f"{(attention_mask[:, -1] == 0).nonzero().flatten().tolist()[:10]}")
     b, s = input_ids.shape
     code_len = catalog.code_len
     t0 = time.perf_counter()

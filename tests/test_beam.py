@@ -96,7 +96,13 @@ def test_deterministic_tie_break():
     assert torch.equal(rec.item_ids, cat.item_ids.expand(2, -1))
 
 
-def test_bad_k():
+def test_bad_arguments():
     cat = random_catalog(10, 2, 4)
+    model = tiny_model("llama", cat.vocab_size)
+    ids, mask = left_padded_prompts(2, [3, 5], cat.vocab_size)
     with pytest.raises(ValueError, match="k must be >= 1"):
-        beam_search(tiny_model("llama", cat.vocab_size), *left_padded_prompts(1, [3], cat.vocab_size), cat, 0)
+        beam_search(model, ids, mask, cat, 0)
+    with pytest.raises(ValueError, match="must both be"):
+        beam_search(model, ids, mask[:, 1:], cat, 3)
+    with pytest.raises(ValueError, match=r"left-padded: attention_mask\[:, -1\] is 0 in rows \[0, 1\]"):
+        beam_search(model, ids, mask.flip(1), cat, 3)
