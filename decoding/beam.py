@@ -69,8 +69,10 @@ def expand_beams(catalog: Catalog, level: int, logp: torch.Tensor, score: torch.
 
 
 @torch.no_grad()
-def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, catalog: Catalog, k: int) -> Recommendations:
-    """input_ids, attention_mask [B, S] left-padded -> the top-k catalog items per user."""
+def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, catalog: Catalog, k: int,
+                steps: int | None = None) -> Recommendations:
+    """input_ids, attention_mask [B, S] left-padded -> the top-k catalog items per user.
+    `steps` < L stops early: token_ids are then the top-k prefixes [B, k, steps] and item_ids are -1."""
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
@@ -82,7 +84,9 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, ca
         raise ValueError("prompts must be left-padded: attention_mask[:, -1] is 0 in rows "
                          f"{(attention_mask[:, -1] == 0).nonzero().flatten().tolist()[:10]}")
     b, s = input_ids.shape
-    code_len = catalog.code_len
+    depth = catalog.code_len if steps is None else steps
+    if not 1 <= depth <= catalog.code_len:
+        raise ValueError(f"steps must be in [1, {catalog.code_len}], got {steps}")
     t0 = time.perf_counter()
     cache, logp = prefill(model, input_ids, attention_mask)  # logp [B, V]
     t_prefill = time.perf_counter() - t0
@@ -94,11 +98,11 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, ca
     tokens = torch.zeros(b, 1, 0, dtype=torch.int64, device=input_ids.device)  # [B, W, t]
     logp = logp[:, None, :]  # [B, W, V]
     forwards = 1
-    for level in range(code_len):
+    for level in range(depth):
         score, beam, token, node = expand_beams(catalog, level, logp, score, node, k)  # [B, k] each
         alive = beam >= 0
         tokens = torch.cat([tokens.gather(1, beam.clamp(min=0)[:, :, None].expand(-1, -1, level)), token[:, :, None]], 2)
-        if level == code_len - 1:
+        if level == depth - 1:
             break
         parent = torch.where(alive, leaf.gather(1, beam.clamp(min=0)), -1)  # [B, k] tree node of the parent
         parent = tree.keep_paths(parent, cache)  # pruned branches leave the cache
@@ -115,10 +119,10 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, ca
         "kv_batch": cache.layers[0].keys.shape[0],  # cache rows: one per user
         "tree_tokens": tree.num_nodes,
         "kv_tokens": b * cache.get_seq_length(),  # held at the end: each prompt once plus the tree tokens
-        "kv_tokens_beam_batch": b * k * (s + code_len - 1),  # what a batch beam search holds
+        "kv_tokens_beam_batch": b * k * (s + depth - 1),  # what a batch beam search holds
     }
     return Recommendations(
-        item_ids=catalog.item_of_node(node),
+        item_ids=catalog.item_of_node(node) if depth == catalog.code_len else torch.full_like(node, -1),
         token_ids=torch.where(alive[:, :, None], tokens, -1),
         scores=torch.where(alive, score, float("-inf")),
         stats=stats,

@@ -104,3 +104,27 @@ class TokenTree:
 def prompt_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     """Left-padded [B, S] -> positions [B, S] counted over real tokens (as `generate` does)."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def chain_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, chains: torch.Tensor) -> torch.Tensor:
+    """Scores C token chains per user under the shared prompt in ONE forward (training, teacher data; no cache).
+    input_ids, attention_mask [B, S] left-padded; chains [B, C, T] -> logits [B, C, T, V] where [:, c, j]
+    predicts chains[:, c, j] from prompt + chains[:, c, :j]. The prompt is encoded once for all chains."""
+    b, c, t = chains.shape
+    s = input_ids.shape[1]
+    n = t - 1  # a chain's last token predicts nothing needed here
+    tree = TokenTree.from_prompt(attention_mask)
+    parent = torch.arange(c * n, device=chains.device).view(c, n) - 1  # node (c, j) at index c * n + j
+    parent[:, :1] = -1
+    tree_mask, tree_pos = tree.add(parent.reshape(1, -1).expand(b, -1), model.dtype, block_depth=max(n, 1))
+    causal = torch.ones(s, s, dtype=torch.bool, device=chains.device).tril()  # [S, S]
+    prompt_rows = torch.cat([causal & tree.prompt_mask[:, None, :],
+                             torch.zeros(b, s, c * n, dtype=torch.bool, device=chains.device)], 2)  # [B, S, S+Q]
+    prompt_mask = torch.zeros(prompt_rows.shape, dtype=model.dtype, device=chains.device)
+    prompt_mask.masked_fill_(~prompt_rows, torch.finfo(model.dtype).min)
+    out = model(input_ids=torch.cat([input_ids, chains[:, :, :n].reshape(b, c * n)], 1),
+                attention_mask=torch.cat([prompt_mask[:, None], tree_mask], 2),
+                position_ids=torch.cat([prompt_position_ids(attention_mask), tree_pos], 1),
+                logits_to_keep=1 + c * n).logits  # [B, 1 + C*n, V]
+    first = out[:, :1].expand(b, c, -1)[:, :, None]  # the prompt's last position predicts every chain's token 0
+    return torch.cat([first, out[:, 1:].reshape(b, c, n, out.shape[-1])], 2)

@@ -87,3 +87,19 @@ def test_prompt_kv_is_held_once():
     assert st["kv_len"] == ids.shape[1] + st["tree_tokens"]  # padded prompt + tree tokens
     assert st["tree_tokens"] <= k * (cat.code_len - 1)
     assert st["kv_tokens"] == 8 * st["kv_len"] < 8 * k * ids.shape[1]
+
+
+@pytest.mark.parametrize("arch, attn", [("llama", "eager"), ("qwen2", "sdpa")])
+def test_chain_forward_equals_unshared_sequences(arch, attn):
+    from decoding.tree import chain_forward
+    model = tiny_model(arch, V, seed=5, attn_implementation=attn)
+    ids, mask = left_padded_prompts(3, [4, 9, 6], V, seed=2)
+    chains = torch.randint(4, V, (3, 2, 4), generator=torch.Generator().manual_seed(1))
+    logits = chain_forward(model, ids, mask, chains).float().log_softmax(-1)  # [B, C, T, V]
+    for c in range(2):
+        for j in range(4):
+            want = unshared_logp(model, ids, mask, chains[:, c, :j])
+            torch.testing.assert_close(logits[:, c, j], want, atol=1e-5, rtol=0)
+    out = chain_forward(model, ids, mask, chains[:, :, :1])  # T = 1: only the prompt's prediction
+    torch.testing.assert_close(out[:, 0, 0].float().log_softmax(-1), unshared_logp(model, ids, mask, chains[:, 0, :0]),
+                               atol=1e-5, rtol=0)

@@ -1,0 +1,96 @@
+"""Draft-model training objectives: recommendation loss, KD baselines, and the AtSpeed alignment losses.
+
+Pure tensors in, scalar out. `draft` are the draft model's logits, `target` the target model's logits at the
+same positions ([..., V], any leading shape); the target side never receives gradients. `valid` [..., V] marks
+the tokens that continue a catalog item (constrained alignment: the other tokens are excluded before
+normalising, the paper's ablation shows this matters). Positions whose `weight` is 0 (padding) do not count.
+
+With p = target, q = draft, p_c / q_c their softmax over the valid tokens only:
+- word KD         KL(p || q) over the full vocabulary, per token;
+- TVD KD          1/2 sum_v |p_v - q_v| over the full vocabulary, per token;
+- seq KD          the recommendation loss on the target's top-K sequences (call `recommendation_loss`);
+- AtSpeed-S       S = the K valid tokens with the highest q_c (draft order, y_K its K-th), per position
+                    sum_{y in S} q_c(y) (log q_c(y) - log p_c(y))        reverse KL over the constrained top-K
+                  + p_c(y_K) * (- sum_{y in S} q_c(y) log q_c(y))        density regularisation
+                  (as in the authors' released implementation of Eq. 3-5);
+- AtSpeed-R       T = the K valid tokens with the highest p_c, per position 1/2 sum_{y in T} |q_c(y) - p_c(y)|
+                  (TVD over the constrained top-K, Eq. 7-9), on the target's top-K sequences.
+The AtSpeed and KD objectives are mixed with the recommendation loss as (1 - alpha) * L_rec + alpha * L_align.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+OBJECTIVES = ("sft", "wordkd", "seqkd", "tvdkd", "atspeed-s", "atspeed-r")
+
+
+def recommendation_loss(logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Cross-entropy of labels [...] under logits [..., V] (full vocabulary), mean over weighted positions."""
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), reduction="none")
+    return _mean(ce, weight, labels.shape)
+
+
+def word_kd(draft: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Token-level forward KL(p || q) over the full vocabulary."""
+    log_p = target.detach().float().log_softmax(-1)
+    log_q = draft.float().log_softmax(-1)
+    return _mean((log_p.exp() * (log_p - log_q)).sum(-1), weight, draft.shape[:-1])
+
+
+def tvd_kd(draft: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Token-level total variation distance over the full vocabulary."""
+    p = target.detach().float().softmax(-1)
+    q = draft.float().softmax(-1)
+    return _mean(0.5 * (p - q).abs().sum(-1), weight, draft.shape[:-1])
+
+
+def constrained_log_softmax(logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """log_softmax over the valid tokens only; -inf elsewhere. [..., V] (a row without valid tokens: unconstrained)"""
+    valid = valid | ~valid.any(-1, keepdim=True)
+    return logits.float().masked_fill(~valid, float("-inf")).log_softmax(-1)
+
+
+def atspeed_s(draft: torch.Tensor, target: torch.Tensor, valid: torch.Tensor, k: int,
+              weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Reverse KL over the draft's constrained top-k tokens plus the density regularisation term."""
+    log_q = constrained_log_softmax(draft, valid)  # [..., V]
+    log_p = constrained_log_softmax(target.detach(), valid)
+    log_q_s, top, in_s = _top_valid(log_q, k)  # [..., k]; in_s False where fewer than k tokens are valid
+    log_p_s = torch.where(in_s, log_p.gather(-1, top), 0.0)
+    q_s = torch.where(in_s, log_q_s.exp(), 0.0)
+    rkl = (q_s * (log_q_s - log_p_s)).sum(-1)
+    entropy_s = -(q_s * log_q_s).sum(-1)
+    last = in_s.sum(-1, keepdim=True) - 1  # position of y_K, the last token of S
+    p_k = log_p_s.gather(-1, last).squeeze(-1).exp()
+    return _mean(rkl + p_k * entropy_s, weight, draft.shape[:-1])
+
+
+def atspeed_r(draft: torch.Tensor, target: torch.Tensor, valid: torch.Tensor, k: int,
+              weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Total variation distance over the target's constrained top-k tokens."""
+    log_q = constrained_log_softmax(draft, valid)
+    log_p = constrained_log_softmax(target.detach(), valid)
+    log_p_t, top, in_t = _top_valid(log_p, k)
+    q_t = torch.where(in_t, log_q.gather(-1, top), float("-inf")).exp()
+    p_t = torch.where(in_t, log_p_t.exp(), 0.0)
+    return _mean(0.5 * (q_t - p_t).abs().sum(-1), weight, draft.shape[:-1])
+
+
+def mix(rec: torch.Tensor, align: torch.Tensor, alpha: float) -> torch.Tensor:
+    return (1 - alpha) * rec + alpha * align
+
+
+def _top_valid(log_probs: torch.Tensor, k: int):
+    """Top-k of constrained log_probs [..., V] -> (values with 0 off the valid set, indices, in-set mask) [..., k]."""
+    values, top = log_probs.topk(min(k, log_probs.shape[-1]), dim=-1)
+    in_set = torch.isfinite(values)
+    return torch.where(in_set, values, 0.0), top, in_set
+
+
+def _mean(values: torch.Tensor, weight: torch.Tensor | None, shape) -> torch.Tensor:
+    values = values.reshape(shape)
+    if weight is None:
+        return values.mean()
+    weight = weight.to(values.dtype).reshape(shape)
+    return (values * weight).sum() / weight.sum().clamp(min=1e-12)
