@@ -42,6 +42,32 @@ def tiny_model(arch: str, vocab_size: int, seed: int = 0, attn_implementation: s
     return model.eval()
 
 
+def build_model(vocab_size: int, layers: int, hidden: int, heads: int, kv_heads: int, seed: int = 0,
+                arch: str = "llama", attn_implementation: str = "sdpa", max_positions: int = 512):
+    """A model trained from scratch: `arch` (Llama by default) of the given size, randomly initialised."""
+    if hidden % heads or heads % kv_heads:
+        raise ValueError(f"hidden ({hidden}) must divide by heads ({heads}), heads by kv_heads ({kv_heads})")
+    return tiny_model(arch, vocab_size, seed=seed, attn_implementation=attn_implementation, hidden_size=hidden,
+                      intermediate_size=4 * hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, head_dim=hidden // heads, max_position_embeddings=max_positions)
+
+
+def add_code_tokens(model, tokenizer, levels: int, codes: int) -> list[str]:
+    """The LC-Rec recipe: add the semantic-ID code tokens (and <pad>/<bos> if missing) to a pretrained causal LM's
+    vocabulary and resize its embeddings. Returns the tokens added."""
+    from decoding.codes import code_token
+
+    specials = {name: tok for name, tok in (("pad_token", "<pad>"), ("bos_token", "<bos>"))
+                if getattr(tokenizer, name) is None}
+    tokenizer.add_special_tokens(specials)
+    vocab = tokenizer.get_vocab()
+    new = [code_token(j, c) for j in range(levels) for c in range(codes) if code_token(j, c) not in vocab]
+    tokenizer.add_tokens(new)
+    model.resize_token_embeddings(len(tokenizer))
+    model.config.pad_token_id, model.config.bos_token_id = tokenizer.pad_token_id, tokenizer.bos_token_id
+    return list(specials.values()) + new
+
+
 def pick_device(device: str | None = None) -> torch.device:
     if device:
         return torch.device(device)
@@ -67,6 +93,19 @@ def check_model_dir(path) -> Path:
         unsafe = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
         raise ValueError(f"{path}: no *.safetensors weights" + (f" (refusing pickled weights {unsafe})" if unsafe else ""))
     return path
+
+
+def fingerprint(path) -> str:
+    """sha256 over a model directory's safetensors weight files (name and bytes, sorted by name)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in sorted(check_model_dir(path).glob("*.safetensors")):
+        h.update(f.name.encode())
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
 
 
 def load_model(path, device: str | None = None, dtype: str | torch.dtype | None = None,

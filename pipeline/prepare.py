@@ -446,8 +446,8 @@ class SyntheticSummary:
 
 def write_synthetic(out_dir, n_users: int, n_items: int, levels: int = 4, codes: int = 256, seed: int = 0,
                     *, history_len: int = 20, chunk_users: int = 1_000_000) -> SyntheticSummary:
-    """Synthetic catalog + users in `out_dir`: items, train (full histories), test (last
-    history_len items + 1 target), tokenizer/, prepare.json. Users are generated and
+    """Synthetic catalog + users in `out_dir`: items, train (histories without their last item), valid (that last
+    item as target), test (last history_len items + 1 held-out target), tokenizer/, prepare.json. Users are generated and
     written `chunk_users` at a time (one parquet row group each)."""
     if n_users <= 0 or chunk_users <= 0 or history_len <= 0:
         raise ValueError(f"n_users, chunk_users and history_len must be positive, got "
@@ -468,14 +468,23 @@ def write_synthetic(out_dir, n_users: int, n_items: int, levels: int = 4, codes:
     train_schema = pa.schema([("user_id", pa.int64()), ("history", _LIST_INT64)])
     test_schema = pa.schema([("user_id", pa.int64()), ("history", _LIST_INT64), ("target_items", _LIST_INT64)])
     lengths, row_groups = [], 0
+    # leave-one-out like the real splits: train = history without its last item, valid targets that item,
+    # test targets the held-out next item (with the full history as prompt)
     with pq.ParquetWriter(out_dir / "train.parquet", train_schema) as train_w, \
+         pq.ParquetWriter(out_dir / "valid.parquet", test_schema) as valid_w, \
          pq.ParquetWriter(out_dir / "test.parquet", test_schema) as test_w:
         for lo in range(0, n_users, chunk_users):
             n = min(chunk_users, n_users - lo)
             users = synthetic_histories(n, popularity[0], rng, first_user_id=1 + lo, popularity=popularity)
             history = users.column("history").combine_chunks()
             values, starts, lens, _ = ragged_arrays(history)
-            train_w.write_table(users.select(["user_id", "history"]), row_group_size=n)
+            train_w.write_table(pa.table({"user_id": users.column("user_id"),
+                                          "history": list_array(values, starts, lens - 1)}), row_group_size=n)
+            valid_w.write_table(pa.table({"user_id": users.column("user_id"),
+                                          "history": tail_lists(values, starts, lens - 1, history_len),
+                                          "target_items": list_array(values, starts + lens - 1,
+                                                                     np.ones(n, dtype=np.int64))}),
+                                row_group_size=n)
             test_w.write_table(users.set_column(1, "history", tail_lists(values, starts, lens, history_len)),
                                row_group_size=n)
             lengths.append(lens)

@@ -230,14 +230,18 @@ def test_write_synthetic_chunks(tmp_path):
     items = pq.read_table(tmp_path / "items.parquet")
     assert items.num_rows == 20_000
     assert len(np.unique(np.array(_lists(items, "semantic_id")), axis=0)) == 20_000
-    for name in ("train", "test"):
+    for name in ("train", "valid", "test"):
         meta = pq.read_metadata(tmp_path / f"{name}.parquet")
         assert (meta.num_rows, meta.num_row_groups) == (5000, 4)
     train, test = pq.read_table(tmp_path / "train.parquet"), pq.read_table(tmp_path / "test.parquet")
+    valid = pq.read_table(tmp_path / "valid.parquet")
     assert train.column("user_id").to_pylist() == test.column("user_id").to_pylist() == list(range(1, 5001))
-    histories = _lists(train, "history")
-    assert min(map(len, histories)) >= 5
-    assert _lists(test, "history") == [h[-20:] for h in histories]
+    histories = _lists(train, "history")  # leave-one-out: the last history item is the valid target
+    assert min(map(len, histories)) >= 4
+    full = [h + t for h, t in zip(histories, _lists(valid, "target_items"))]
+    assert all(len(t) == 1 for t in _lists(valid, "target_items"))
+    assert _lists(valid, "history") == [h[-20:] for h in histories]
+    assert _lists(test, "history") == [h[-20:] for h in full]
     catalog = items.column("item_id").to_numpy()
     assert np.isin(np.concatenate(histories), catalog).all()
     assert np.isin(np.concatenate(_lists(test, "target_items")), catalog).all()

@@ -1,0 +1,235 @@
+"""Training loops shared by `python -m jobs.train_target` and `python -m jobs.train_draft` (no entry point here).
+
+Samples: every prefix of every training history; the prompt is the last `history_len` items before position j
+(the `prepare_data` prompt format), the label is item j's L code tokens. The losses live in `decoding/alignment.py`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+from tqdm import tqdm
+from transformers import get_cosine_schedule_with_warmup
+
+from decoding.beam import beam_search
+from decoding.catalog import Catalog
+from decoding.metrics import recall_ndcg
+from operators.prompts import ItemTokens, build_prompts, ragged_ranges
+
+
+@dataclass
+class Data:
+    tokenizer: object
+    catalog: Catalog  # on the training device
+    item_tokens: ItemTokens
+    values: np.ndarray  # [T] all training interactions, users concatenated
+    sample_end: np.ndarray  # [N] position of each sample's label item in `values`
+    sample_start: np.ndarray  # [N] first position of the sample's user in `values`
+    eval_histories: list  # validation users with targets
+    eval_targets: list
+    fingerprint: str
+
+
+def sha256_files(paths) -> str:
+    h = hashlib.sha256()
+    for p in paths:
+        with open(p, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def load_data(data_dir, tokenizer, history_len: int, eval_users: int, device, split: str = "valid") -> Data:
+    """Reads a `prepare_data` folder, checks the catalog against the tokenizer, and builds the samples."""
+    data_dir = Path(data_dir)
+    for name in ("items.parquet", "train.parquet", f"{split}.parquet"):
+        if not (data_dir / name).is_file():
+            raise ValueError(f"{data_dir / name} not found: run `python -m jobs.prepare_data --out {data_dir}`")
+    items = pq.read_table(data_dir / "items.parquet")
+    try:  # a catalog/tokenizer mismatch fails here, before any training
+        catalog = Catalog.from_parquet(data_dir / "items.parquet", tokenizer, on_duplicate="first", device=device)
+    except ValueError as e:
+        raise ValueError(f"catalog and tokenizer do not match: {e}") from None
+    item_tokens = ItemTokens.from_catalog(items, tokenizer)
+
+    train = pq.read_table(data_dir / "train.parquet", columns=["history"]).column("history").combine_chunks()
+    values = train.flatten().to_numpy().astype(np.int64)  # [T]
+    offsets = train.offsets.to_numpy().astype(np.int64)  # [U + 1]
+    lengths = np.diff(offsets)
+    known = item_tokens.lookup(values)[1]  # [T]
+    # sample = (user, j) for 1 <= j < n: label values[start + j], prompt the items before it
+    per_user = np.maximum(lengths - 1, 0)
+    end = ragged_ranges(offsets[:-1] + 1, per_user)  # [N]
+    start = np.repeat(offsets[:-1], per_user)
+    # drop samples whose label or any prompt item is not in the catalog
+    unknown_before = np.concatenate([[0], np.cumsum(~known)])
+    window = np.maximum(start, end - history_len)
+    ok = known[end] & (unknown_before[end] - unknown_before[window] == 0) if len(end) else np.zeros(0, bool)
+    end, start = end[ok], start[ok]
+    if len(end) == 0:
+        raise ValueError(f"{data_dir / 'train.parquet'}: empty training set (no history with two known items)")
+
+    histories, targets = load_eval_users(data_dir, split, eval_users)
+    return Data(tokenizer, catalog, item_tokens, values, end, start, histories, targets,
+                sha256_files([data_dir / "items.parquet", data_dir / "train.parquet", data_dir / f"{split}.parquet"]))
+
+
+def load_eval_users(data_dir, split: str, limit: int | None) -> tuple[list, list]:
+    """The first `limit` users of a split that have a history and targets -> (histories, target lists)."""
+    path = Path(data_dir) / f"{split}.parquet"
+    if not path.is_file():
+        raise ValueError(f"{path} not found")
+    ev = pq.read_table(path, columns=["history", "target_items"]).to_pydict()
+    keep = [i for i, (h, t) in enumerate(zip(ev["history"], ev["target_items"])) if h and t][:limit]
+    return [ev["history"][i] for i in keep], [ev["target_items"][i] for i in keep]
+
+
+def prompts(data: Data, histories, history_len: int, device):
+    """Histories -> left-padded (input_ids, attention_mask) on the device; all rows must be valid."""
+    tok = data.tokenizer
+    p = build_prompts(histories, data.item_tokens, tok.bos_token_id, tok.pad_token_id, history_len)
+    if p.bad:
+        raise ValueError(f"bad prompt rows: {p.bad[:5]}")
+    return p.input_ids.to(device), p.attention_mask.to(device)
+
+
+def sample_batch(data: Data, idx: np.ndarray, history_len: int, device):
+    """Sample indices [B] -> (input_ids [B, S], attention_mask [B, S], label tokens [B, L])."""
+    end, start = data.sample_end[idx], data.sample_start[idx]
+    window = np.maximum(start, end - history_len)
+    histories = [data.values[a:b] for a, b in zip(window, end)]
+    ids, mask = prompts(data, histories, history_len, device)
+    labels = torch.from_numpy(data.item_tokens.lookup(data.values[end])[0]).to(device)
+    return ids, mask, labels
+
+
+def batches(data: Data, subset: np.ndarray, batch_size: int, rng: np.random.Generator, history_len: int):
+    """Shuffled batches of sample indices, length-bucketed (sorted within chunks of 50 batches) to cut padding."""
+    order = rng.permutation(subset)
+    lengths = np.minimum(data.sample_end[order] - data.sample_start[order], history_len)
+    out = []
+    chunk = 50 * batch_size
+    for a in range(0, len(order), chunk):
+        part = order[a:a + chunk][np.argsort(lengths[a:a + chunk], kind="stable")]
+        out += [part[i:i + batch_size] for i in range(0, len(part), batch_size)]
+    return [out[i] for i in rng.permutation(len(out))]
+
+
+def optimizer_and_schedule(model, lr: float, weight_decay: float, warmup: int, total_steps: int):
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
+    return opt, get_cosine_schedule_with_warmup(opt, min(warmup, total_steps // 10 + 1), total_steps)
+
+
+def autocast(device: torch.device):
+    """bf16 mixed precision on GPU; full precision on CPU."""
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
+def train_epoch(model, step_loss, data: Data, subset, batch_size, rng, history_len, opt, sched, clip, device,
+                desc: str) -> float:
+    """One pass over `subset`; step_loss(model, batch_idx) -> scalar loss. Returns the mean training loss."""
+    model.train()
+    total, count = 0.0, 0
+    bar = tqdm(batches(data, subset, batch_size, rng, history_len), desc=desc, mininterval=5, leave=False)
+    for idx in bar:
+        with autocast(device):
+            loss = step_loss(model, idx)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"{desc}: loss became {loss.item()}")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        sched.step()
+        total += loss.item() * len(idx)
+        count += len(idx)
+        bar.set_postfix(loss=f"{total / count:.4f}", refresh=False)
+    return total / max(count, 1)
+
+
+@torch.no_grad()
+def evaluate_recommendations(model, data: Data, histories, targets, history_len: int, batch_size: int, device,
+                             ks=(5, 10, 20)) -> dict:
+    """Recall@K / NDCG@K of beam_search on held-out users (targets = the split's items)."""
+    model.eval()
+    recs = []
+    for a in range(0, len(histories), batch_size):
+        ids, mask = prompts(data, histories[a:a + batch_size], history_len, device)
+        recs.append(beam_search(model, ids, mask, data.catalog, max(ks)).item_ids.cpu().numpy())
+    if not recs:
+        return {"users": 0}
+    return recall_ndcg(np.concatenate(recs), targets, ks)
+
+
+def save_checkpoint(model, tokenizer, out: Path) -> None:
+    """Writes safetensors weights + config + tokenizer into `out`, replacing what was there atomically enough:
+    a temporary folder is filled first, then swapped in."""
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():
+        _rmtree(tmp)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    for f in out.glob("*") if out.exists() else []:
+        if f.name != "training.json" and f.is_file():
+            f.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    for f in tmp.iterdir():
+        f.replace(out / f.name)
+    tmp.rmdir()
+
+
+def _rmtree(path: Path) -> None:
+    for f in path.iterdir():
+        f.unlink()
+    path.rmdir()
+
+
+def write_report(out: Path, report: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "training.json").write_text(json.dumps(report, indent=2, default=_json_default))
+
+
+def _json_default(x):
+    if isinstance(x, (np.integer, np.floating)):
+        return x.item()
+    if isinstance(x, Path):
+        return str(x)
+    return str(x)
+
+
+def seed_everything(seed: int) -> np.random.Generator:
+    torch.manual_seed(seed)
+    return np.random.default_rng(seed)
+
+
+def subset_of(n: int, max_samples: int | None, rng: np.random.Generator) -> np.ndarray:
+    """All sample indices, or a seeded random subset of at most max_samples."""
+    if max_samples is None or max_samples >= n:
+        return np.arange(n)
+    return np.sort(rng.choice(n, size=max_samples, replace=False))
+
+
+def total_steps(n: int, batch_size: int, epochs: int) -> int:
+    return max(1, math.ceil(n / batch_size) * epochs)
+
+
+def config_dict(cfg) -> dict:
+    return asdict(cfg) if hasattr(cfg, "__dataclass_fields__") else dict(cfg)
+
+
+class Timer:
+    def __init__(self):
+        self.t0 = time.perf_counter()
+
+    def __call__(self) -> float:
+        return time.perf_counter() - self.t0

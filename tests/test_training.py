@@ -1,0 +1,136 @@
+"""Tiny end-to-end training on generated data: target and draft losses fall, the saved directories reload
+through decoding/models.py, beam_search runs on them; bad input fails before any training starts."""
+import json
+import shutil
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from decoding.beam import beam_search
+from decoding.catalog import Catalog
+from decoding.models import build_model, load_model, load_tokenizer
+from jobs import train_draft, train_target
+from pipeline.prepare import build_tokenizer, write_synthetic
+
+TINY_TARGET = ["--layers", "1", "--hidden", "32", "--heads", "2", "--kv-heads", "1", "--epochs", "3",
+               "--batch-size", "32", "--lr", "0.01", "--warmup", "5", "--eval-users", "40", "--test-users", "40",
+               "--device", "cpu", "--patience", "5"]
+TINY_DRAFT = ["--layers", "1", "--hidden", "16", "--heads", "2", "--kv-heads", "1", "--epochs", "2",
+              "--batch-size", "32", "--lr", "0.01", "--warmup", "5", "--eval-users", "30", "--test-users", "30",
+              "--max-samples", "600", "--k", "4", "--draft-beams", "8", "--device", "cpu", "--patience", "5"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    out = tmp_path_factory.mktemp("synth")
+    write_synthetic(out, n_users=250, n_items=120, levels=3, codes=6, seed=0, history_len=8)
+    return out
+
+
+@pytest.fixture(scope="module")
+def target(data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("target")
+    assert train_target.main(["--data", str(data), "--out", str(out), "--history-len", "8"] + TINY_TARGET) == 0
+    return out
+
+
+def report(path):
+    return json.loads((path / "training.json").read_text())
+
+
+def assert_runs_beam_search(model_dir, data):
+    model = load_model(model_dir, device="cpu", dtype="float32")
+    tok = load_tokenizer(model_dir)
+    cat = Catalog.from_parquet(data / "items.parquet", tok)
+    ids = torch.tensor([[tok.bos_token_id] + cat.tokens[3].tolist() + cat.tokens[9].tolist()])
+    rec = beam_search(model, ids, torch.ones_like(ids), cat, 5)
+    assert (rec.item_ids >= 0).all() and torch.isfinite(rec.scores).all()
+
+
+def test_target_trains_reloads_and_decodes(target, data):
+    r = report(target)
+    losses = [e["train_loss"] for e in r["epochs"]]
+    assert losses[-1] < losses[0]
+    assert r["samples"] > 500 and r["data_fingerprint"] and r["best_epoch"] >= 1
+    assert set(r["test"]) >= {"recall@10", "ndcg@10", "users"} and r["test"]["users"] == 40
+    assert r["config"]["hidden"] == 32 and list(target.glob("*.safetensors"))
+    assert_runs_beam_search(target, data)
+
+
+@pytest.mark.parametrize("objective", ["sft", "wordkd", "seqkd", "tvdkd", "atspeed-s", "atspeed-r"])
+def test_draft_objectives_train_reload_and_decode(objective, target, data, tmp_path):
+    out = tmp_path / objective
+    argv = ["--data", str(data), "--target", str(target), "--out", str(out), "--objective", objective,
+            "--history-len", "8"] + TINY_DRAFT
+    assert train_draft.main(argv) == 0
+    r = report(out)
+    losses = [e["train_loss"] for e in r["epochs"]]
+    assert losses[-1] < losses[0], losses
+    assert len(r["test_coverage"]) == 3 and all(0 <= c <= 1 for c in r["test_coverage"])
+    assert load_tokenizer(out).get_vocab() == load_tokenizer(target).get_vocab()  # the draft shares the tokenizer
+    assert_runs_beam_search(out, data)
+    if objective != "sft":
+        assert len(list((target / "teacher").glob("teacher-*.safetensors"))) == 1  # one cache, reused
+
+
+def test_lcrec_base_model_gets_the_code_tokens(data, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"<unk>": 0, "</s>": 1, "hello": 2, "world": 3}
+    raw = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    base_tok = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", eos_token="</s>")
+    base = tmp_path / "base"
+    build_model(len(words), 1, 32, 2, 1).save_pretrained(base)
+    base_tok.save_pretrained(base)
+    out = tmp_path / "lcrec"
+    argv = ["--data", str(data), "--out", str(out), "--base-model", str(base), "--history-len", "8"] + TINY_TARGET
+    argv[argv.index("--epochs") + 1] = "1"
+    assert train_target.main(argv) == 0
+    tok = load_tokenizer(out)
+    assert {"<a_0>", "<c_5>", "<bos>", "<pad>", "hello"} <= set(tok.get_vocab())
+    assert load_model(out).config.vocab_size == len(tok) == 4 + 2 + 3 * 6
+    assert_runs_beam_search(out, data)
+
+
+def test_catalog_tokenizer_mismatch_fails_before_training(data, tmp_path, capsys):
+    bad = tmp_path / "data"
+    shutil.copytree(data, bad)
+    shutil.rmtree(bad / "tokenizer")
+    build_tokenizer(3, 4).save_pretrained(bad / "tokenizer")  # the catalog uses codes up to 5
+    out = tmp_path / "out"
+    assert train_target.main(["--data", str(bad), "--out", str(out)] + TINY_TARGET) == 2
+    assert "catalog and tokenizer do not match" in capsys.readouterr().err and not out.exists()
+
+
+def test_empty_training_set_fails_before_training(data, tmp_path, capsys):
+    bad = tmp_path / "data"
+    shutil.copytree(data, bad)
+    one_item = pa.table({"user_id": pa.array([1, 2], pa.int64()), "history": pa.array([[1], []], pa.list_(pa.int64()))})
+    pq.write_table(one_item, bad / "train.parquet")
+    out = tmp_path / "out"
+    assert train_target.main(["--data", str(bad), "--out", str(out)] + TINY_TARGET) == 2
+    assert "empty training set" in capsys.readouterr().err and not out.exists()
+
+
+def test_draft_with_another_vocabulary_fails_before_training(target, data, tmp_path, capsys):
+    other = tmp_path / "other"
+    build_model(load_model(target).config.vocab_size + 7, 1, 16, 2, 1).save_pretrained(other)
+    out = tmp_path / "out"
+    argv = ["--data", str(data), "--target", str(target), "--out", str(out), "--objective", "sft",
+            "--init", str(other)] + TINY_DRAFT
+    assert train_draft.main(argv) == 2
+    assert "draft vocabulary" in capsys.readouterr().err and not out.exists()
+
+
+def test_unknown_objective(target, data, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        train_draft.parse_args(["--data", str(data), "--target", str(target), "--out", "x", "--objective", "kd9"])
+    assert e.value.code == 2 and "invalid choice: 'kd9'" in capsys.readouterr().err
+    cfg = train_draft.DraftConfig(data=str(data), target=str(target), out=str(tmp_path / "o"), objective="kd9")
+    with pytest.raises(ValueError, match="unknown objective 'kd9'"):
+        train_draft.train_draft(cfg)
+    assert not (tmp_path / "o").exists()
