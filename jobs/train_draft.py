@@ -30,11 +30,10 @@ from decoding.models import build_model, load_model, load_tokenizer, pick_device
 from decoding.tree import chain_forward
 from jobs import training as T
 from jobs.teacher import span_logits, span_valid, teacher_data
-from jobs.train_target import add_common_args, config_from_args
 
 PRESETS = {
-    "demo": dict(layers=1, hidden=64, heads=2, kv_heads=1, epochs=3, batch_size=64, lr=3e-3, max_samples=20000,
-                 eval_users=500),
+    "demo": dict(layers=1, hidden=64, heads=2, kv_heads=1, epochs=3, batch_size=64, lr=3e-3, warmup=100,
+                 max_samples=20000, eval_users=500, test_users=1000),
     "gpu-small": dict(layers=2, hidden=256, heads=4, kv_heads=2, epochs=20, batch_size=128, lr=1e-3,
                       max_samples=None, eval_users=2000),
     "gpu-base": dict(layers=2, hidden=512, heads=8, kv_heads=4, epochs=20, batch_size=128, lr=5e-4,
@@ -42,8 +41,8 @@ PRESETS = {
 }
 
 
-@dataclass
-class DraftConfig:
+@dataclass(kw_only=True)
+class DraftConfig(T.TrainConfig):
     data: str
     target: str
     out: str
@@ -51,27 +50,14 @@ class DraftConfig:
     init: str | None = None
     teacher_cache: str | None = None
     alpha: float = 0.5
-    k: int = 10
-    draft_beams: int = 40
-    layers: int = 1
+    k: int = 10  # the target's top-K: teacher beams, and the top-K of the alignment objectives
+    draft_beams: int = 40  # N: draft beams when scoring coverage
+    teacher_batch: int = 64
+    layers: int = 1  # a draft is much smaller than its target
     hidden: int = 64
     heads: int = 2
     kv_heads: int = 1
-    epochs: int = 3
-    batch_size: int = 64
-    lr: float = 3e-3
-    weight_decay: float = 0.01
-    warmup: int = 100
-    clip: float = 1.0
-    patience: int = 2
-    history_len: int = 20
     max_samples: int | None = 20000
-    eval_users: int = 500
-    test_users: int | None = 1000
-    eval_batch: int = 32
-    teacher_batch: int = 64
-    device: str | None = None
-    seed: int = 0
 
 
 def check_config(cfg: DraftConfig, target, tokenizer, draft) -> None:
@@ -146,40 +132,23 @@ def train_draft(cfg: DraftConfig) -> dict:
         return A.mix(rec, loss(draft_span, target_span, valid, cfg.k, weight), cfg.alpha)
 
     target_valid = beams_per_step(target, data, data.eval_histories, cfg.k, cfg.history_len, cfg.eval_batch, device)
-    opt, sched = T.optimizer_and_schedule(draft, cfg.lr, cfg.weight_decay, cfg.warmup,
-                                          T.total_steps(len(subset), cfg.batch_size, cfg.epochs))
     report = {"kind": "draft", "objective": cfg.objective, "config": T.config_dict(cfg),
               "data_fingerprint": data.fingerprint, "samples": int(len(subset)), "device": str(device),
               "parameters": sum(p.numel() for p in draft.parameters()),
               "target_parameters": sum(p.numel() for p in target.parameters()), "epochs": []}
-    best, bad_epochs, clock, out = -1.0, 0, T.Timer(), Path(cfg.out)
-    for epoch in range(1, cfg.epochs + 1):
-        loss = T.train_epoch(draft, step_loss, data, subset, cfg.batch_size, rng, cfg.history_len, opt, sched,
-                             cfg.clip, device, f"draft {cfg.objective} epoch {epoch}")
-        cov = coverage(target_valid, beams_per_step(draft, data, data.eval_histories, cfg.draft_beams,
-                                                    cfg.history_len, cfg.eval_batch, device))
-        report["epochs"].append({"epoch": epoch, "train_loss": loss, "valid_coverage": cov, "seconds": clock()})
-        print(f"draft {cfg.objective} epoch {epoch}: loss {loss:.4f}, valid coverage "
-              f"(target top-{cfg.k} in draft top-{cfg.draft_beams}, steps 1..L) "
-              f"{[round(c, 3) for c in cov]} ({clock():.0f}s)", file=sys.stderr)
-        score = float(np.mean(cov))
-        if score > best:
-            best, bad_epochs = score, 0
-            report["best_epoch"] = epoch
-            T.save_checkpoint(draft, tokenizer, out)
-        else:
-            bad_epochs += 1
-        T.write_report(out, report)
-        if bad_epochs >= cfg.patience:
-            break
-    # the kept checkpoint, reloaded from disk, on test users
-    best_draft = load_model(out, device=str(device), dtype="float32")
+    def validate(m):  # what strict verification needs, at every step
+        cov = coverage(target_valid, beams_per_step(m, data, data.eval_histories, cfg.draft_beams, cfg.history_len,
+                                                    cfg.eval_batch, device))
+        return {"coverage": cov}, float(np.mean(cov))
+
+    best_draft = T.fit(draft, tokenizer, step_loss, validate, data, subset, cfg, rng, device, Path(cfg.out), report,
+                       f"draft {cfg.objective}")
     histories, _ = T.load_eval_users(cfg.data, "test", cfg.test_users)
     report["test_coverage"] = coverage(
         beams_per_step(target, data, histories, cfg.k, cfg.history_len, cfg.eval_batch, device),
         beams_per_step(best_draft, data, histories, cfg.draft_beams, cfg.history_len, cfg.eval_batch, device))
     report["test_users"] = len(histories)
-    T.write_report(out, report)
+    T.write_report(Path(cfg.out), report)
     print(f"draft {cfg.objective} test coverage (users {len(histories)}): {report['test_coverage']}", file=sys.stderr)
     return report
 
@@ -194,8 +163,8 @@ def parse_args(argv=None) -> DraftConfig:
     p.add_argument("--preset", choices=sorted(PRESETS))
     p.add_argument("--init", help="start from this local draft model instead of a fresh one")
     p.add_argument("--teacher-cache", help="teacher data folder (default: <target>/teacher)")
-    add_common_args(p, DraftConfig)
-    return config_from_args(p.parse_args(argv), DraftConfig, PRESETS)
+    T.add_common_args(p, DraftConfig)
+    return T.config_from_args(p.parse_args(argv), DraftConfig, PRESETS)
 
 
 def main(argv=None) -> int:

@@ -29,29 +29,11 @@ PRESETS = {  # small: CPU demo within minutes; gpu-*: real runs on an accelerato
 }
 
 
-@dataclass
-class TargetConfig:
+@dataclass(kw_only=True)
+class TargetConfig(T.TrainConfig):
     data: str
     out: str
     base_model: str | None = None
-    layers: int = 2
-    hidden: int = 128
-    heads: int = 4
-    kv_heads: int = 2
-    epochs: int = 3
-    batch_size: int = 128
-    lr: float = 3e-3
-    weight_decay: float = 0.01
-    warmup: int = 200
-    clip: float = 1.0
-    patience: int = 2
-    history_len: int = 20
-    max_samples: int | None = None
-    eval_users: int = 1000
-    test_users: int | None = None
-    eval_batch: int = 64
-    device: str | None = None
-    seed: int = 0
 
 
 def train_target(cfg: TargetConfig) -> dict:
@@ -69,9 +51,6 @@ def train_target(cfg: TargetConfig) -> dict:
     data = T.load_data(data_dir, tokenizer, cfg.history_len, cfg.eval_users, device)
     model.to(device)
     subset = T.subset_of(len(data.sample_end), cfg.max_samples, rng)
-    opt, sched = T.optimizer_and_schedule(model, cfg.lr, cfg.weight_decay, cfg.warmup,
-                                          T.total_steps(len(subset), cfg.batch_size, cfg.epochs))
-
     def step_loss(m, idx):
         ids, mask, labels = T.sample_batch(data, idx, cfg.history_len, device)
         logits = chain_forward(m, ids, mask, labels[:, None])[:, 0]  # [B, L, V]
@@ -80,27 +59,13 @@ def train_target(cfg: TargetConfig) -> dict:
     report = {"kind": "target", "config": T.config_dict(cfg), "data_fingerprint": data.fingerprint,
               "samples": int(len(subset)), "eval_users": len(data.eval_histories), "device": str(device),
               "parameters": sum(p.numel() for p in model.parameters()), "epochs": []}
-    best, bad_epochs, clock = -1.0, 0, T.Timer()
-    for epoch in range(1, cfg.epochs + 1):
-        loss = T.train_epoch(model, step_loss, data, subset, cfg.batch_size, rng, cfg.history_len, opt, sched,
-                             cfg.clip, device, f"target epoch {epoch}")
-        metrics = T.evaluate_recommendations(model, data, data.eval_histories, data.eval_targets, cfg.history_len,
+    def validate(m):
+        metrics = T.evaluate_recommendations(m, data, data.eval_histories, data.eval_targets, cfg.history_len,
                                              cfg.eval_batch, device)
-        score = metrics.get("ndcg@10", 0.0)
-        report["epochs"].append({"epoch": epoch, "train_loss": loss, "valid": metrics, "seconds": clock()})
-        print(f"target epoch {epoch}: loss {loss:.4f}, valid recall@10 {metrics.get('recall@10', 0):.4f} "
-              f"ndcg@10 {score:.4f} ({clock():.0f}s)", file=sys.stderr)
-        if score > best:
-            best, bad_epochs = score, 0
-            report["best_epoch"] = epoch
-            T.save_checkpoint(model, tokenizer, out)
-        else:
-            bad_epochs += 1
-        T.write_report(out, report)
-        if bad_epochs >= cfg.patience:
-            break
-    # the kept checkpoint, reloaded from disk, on the test split (the paper's protocol: users without targets skipped)
-    best_model = load_model(out, device=str(device), dtype="float32")
+        return metrics, metrics.get("ndcg@10", 0.0)
+
+    best_model = T.fit(model, tokenizer, step_loss, validate, data, subset, cfg, rng, device, out, report, "target")
+    # the kept checkpoint on the test split (the paper's protocol: users without targets are skipped)
     histories, targets = T.load_eval_users(data_dir, "test", cfg.test_users)
     report["test"] = T.evaluate_recommendations(best_model, data, histories, targets, cfg.history_len,
                                                 cfg.eval_batch, device)
@@ -116,54 +81,9 @@ def parse_args(argv=None) -> TargetConfig:
     p.add_argument("--out", required=True, help="output model directory")
     p.add_argument("--preset", choices=sorted(PRESETS), help="size and schedule defaults; flags override")
     p.add_argument("--base-model", help="local HF causal LM to extend with the code tokens (LC-Rec recipe)")
-    add_common_args(p, TargetConfig)
+    T.add_common_args(p, TargetConfig)
     args = p.parse_args(argv)
-    return config_from_args(args, TargetConfig, PRESETS)
-
-
-def add_common_args(p: argparse.ArgumentParser, cls) -> None:
-    """One flag per dataclass field (defaults come from the preset, then the dataclass)."""
-    skip = {"data", "out", "base_model", "target", "objective", "init", "teacher_cache"}
-    for name, f in cls.__dataclass_fields__.items():
-        if name in skip:
-            continue
-        base = str(f.type).split(" |")[0]
-        kind = {"int": _non_negative if name in ("seed", "warmup") else _positive, "float": _non_negative_float}
-        p.add_argument("--" + name.replace("_", "-"), type=kind.get(base, str), default=None)
-
-
-def config_from_args(args, cls, presets):
-    values = dict(presets.get(args.preset, {}))
-    values.update({k: v for k, v in vars(args).items() if k in cls.__dataclass_fields__ and v is not None})
-    return cls(**values)
-
-
-def _integer(text: str, low: int) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < low:
-        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
-    return value
-
-
-def _positive(text: str) -> int:
-    return _integer(text, 1)
-
-
-def _non_negative(text: str) -> int:
-    return _integer(text, 0)
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
-    return value
+    return T.config_from_args(args, TargetConfig, PRESETS)
 
 
 def main(argv=None) -> int:

@@ -5,9 +5,11 @@ Samples: every prefix of every training history; the prompt is the last `history
 """
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -21,7 +23,31 @@ from transformers import get_cosine_schedule_with_warmup
 from decoding.beam import beam_search
 from decoding.catalog import Catalog
 from decoding.metrics import recall_ndcg
+from decoding.models import load_model
 from operators.prompts import ItemTokens, build_prompts, ragged_ranges
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Settings shared by target and draft training (the jobs' presets fill them; flags override)."""
+    layers: int = 2
+    hidden: int = 128
+    heads: int = 4
+    kv_heads: int = 2
+    epochs: int = 3
+    batch_size: int = 128
+    lr: float = 3e-3
+    weight_decay: float = 0.01
+    warmup: int = 200
+    clip: float = 1.0
+    patience: int = 2  # epochs without improvement before stopping
+    history_len: int = 20
+    max_samples: int | None = None  # a seeded random subset of the training samples
+    eval_users: int = 1000  # validation users scored each epoch
+    test_users: int | None = None  # test users scored with the kept checkpoint (None: all)
+    eval_batch: int = 64
+    device: str | None = None
+    seed: int = 0
 
 
 @dataclass
@@ -157,6 +183,32 @@ def train_epoch(model, step_loss, data: Data, subset, batch_size, rng, history_l
     return total / max(count, 1)
 
 
+def fit(model, tokenizer, step_loss, validate, data: Data, subset, cfg: TrainConfig, rng, device, out: Path,
+        report: dict, name: str):
+    """Trains for cfg.epochs; after each epoch validate(model) -> (metrics, score). The best-scoring checkpoint is
+    written to `out` (with training.json); training stops after cfg.patience epochs without improvement.
+    Returns the kept checkpoint, reloaded from disk."""
+    opt, sched = optimizer_and_schedule(model, cfg.lr, cfg.weight_decay, cfg.warmup,
+                                        total_steps(len(subset), cfg.batch_size, cfg.epochs))
+    best, bad_epochs, clock = float("-inf"), 0, Timer()
+    for epoch in range(1, cfg.epochs + 1):
+        loss = train_epoch(model, step_loss, data, subset, cfg.batch_size, rng, cfg.history_len, opt, sched,
+                           cfg.clip, device, f"{name} epoch {epoch}")
+        metrics, score = validate(model)
+        report["epochs"].append({"epoch": epoch, "train_loss": loss, "valid": metrics, "seconds": clock()})
+        print(f"{name} epoch {epoch}: loss {loss:.4f}, valid {json.dumps(metrics)} ({clock():.0f}s)", file=sys.stderr)
+        if score > best:
+            best, bad_epochs = score, 0
+            report["best_epoch"] = epoch
+            save_checkpoint(model, tokenizer, out)
+        else:
+            bad_epochs += 1
+        write_report(out, report)
+        if bad_epochs >= cfg.patience:
+            break
+    return load_model(out, device=str(device), dtype="float32")
+
+
 @torch.no_grad()
 def evaluate_recommendations(model, data: Data, histories, targets, history_len: int, batch_size: int, device,
                              ks=(5, 10, 20)) -> dict:
@@ -233,3 +285,51 @@ class Timer:
 
     def __call__(self) -> float:
         return time.perf_counter() - self.t0
+
+
+# ------------------------------------------------------------------ command line: presets and flags
+
+
+def add_common_args(p: argparse.ArgumentParser, cls) -> None:
+    """One flag per dataclass field (defaults come from the preset, then the dataclass)."""
+    skip = {"data", "out", "base_model", "target", "objective", "init", "teacher_cache"}
+    for name, f in cls.__dataclass_fields__.items():
+        if name in skip:
+            continue
+        base = str(f.type).split(" |")[0]
+        kind = {"int": _non_negative if name in ("seed", "warmup") else _positive, "float": _non_negative_float}
+        p.add_argument("--" + name.replace("_", "-"), type=kind.get(base, str), default=None)
+
+
+def config_from_args(args, cls, presets):
+    values = dict(presets.get(args.preset, {}))
+    values.update({k: v for k, v in vars(args).items() if k in cls.__dataclass_fields__ and v is not None})
+    return cls(**values)
+
+
+def _integer(text: str, low: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+    return value
+
+
+def _positive(text: str) -> int:
+    return _integer(text, 1)
+
+
+def _non_negative(text: str) -> int:
+    return _integer(text, 0)
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
+    return value

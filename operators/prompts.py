@@ -17,7 +17,6 @@ from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import torch
 
 from decoding.codes import code_token_ids, format_rows, semantic_id_matrix
