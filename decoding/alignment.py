@@ -11,7 +11,7 @@ With p = target, q = draft, p_c / q_c their softmax over the valid tokens only:
 - seq KD          the recommendation loss on the target's top-K sequences (call `recommendation_loss`);
 - AtSpeed-S       S = the K valid tokens with the highest q_c (draft order, y_K its K-th), per position
                     sum_{y in S} q_c(y) (log q_c(y) - log p_c(y))        reverse KL over the constrained top-K
-                  + p_c(y_K) * (- sum_{y in S} q_c(y) log q_c(y))        density regularisation
+                  + beta * p_c(y_K) * (- sum_{y in S} q_c(y) log q_c(y)) density regularisation (beta = 1)
                   (as in the authors' released implementation of Eq. 3-5);
 - AtSpeed-R       T = the K valid tokens with the highest p_c, per position 1/2 sum_{y in T} |q_c(y) - p_c(y)|
                   (TVD over the constrained top-K, Eq. 7-9), on the target's top-K sequences.
@@ -52,8 +52,8 @@ def constrained_log_softmax(logits: torch.Tensor, valid: torch.Tensor) -> torch.
 
 
 def atspeed_s(draft: torch.Tensor, target: torch.Tensor, valid: torch.Tensor, k: int,
-              weight: torch.Tensor | None = None) -> torch.Tensor:
-    """Reverse KL over the draft's constrained top-k tokens plus the density regularisation term."""
+              weight: torch.Tensor | None = None, beta: float = 1.0) -> torch.Tensor:
+    """Reverse KL over the draft's constrained top-k tokens plus beta times the density regularisation term."""
     log_q = constrained_log_softmax(draft, valid)  # [..., V]
     log_p = constrained_log_softmax(target.detach(), valid)
     log_q_s, top, in_s = _top_valid(log_q, k)  # [..., k]; in_s False where fewer than k tokens are valid
@@ -63,7 +63,7 @@ def atspeed_s(draft: torch.Tensor, target: torch.Tensor, valid: torch.Tensor, k:
     entropy_s = -(q_s * log_q_s).sum(-1)
     last = in_s.sum(-1, keepdim=True) - 1  # position of y_K, the last token of S
     p_k = log_p_s.gather(-1, last).squeeze(-1).exp()
-    return _mean(rkl + p_k * entropy_s, weight, draft.shape[:-1])
+    return _mean(rkl + beta * p_k * entropy_s, weight, draft.shape[:-1])
 
 
 def atspeed_r(draft: torch.Tensor, target: torch.Tensor, valid: torch.Tensor, k: int,

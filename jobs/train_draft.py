@@ -50,6 +50,7 @@ class DraftConfig(T.TrainConfig):
     init: str | None = None
     teacher_cache: str | None = None
     alpha: float = 0.5
+    beta: float = 1.0  # weight of AtSpeed-S's density regularisation
     k: int = 10  # the target's top-K: teacher beams, and the top-K of the alignment objectives
     draft_beams: int = 40  # N: draft beams when scoring coverage
     teacher_batch: int = 64
@@ -128,8 +129,11 @@ def train_draft(cfg: DraftConfig) -> dict:
         draft_span = span_logits(logits[:, 1:], span_lo, width)  # [B, K, L, W]
         target_span = teacher.top_logits[rows].to(device).float()
         valid = span_valid(data.catalog, top, span_lo.to(device), width)
-        loss = A.atspeed_s if cfg.objective == "atspeed-s" else A.atspeed_r
-        return A.mix(rec, loss(draft_span, target_span, valid, cfg.k, weight), cfg.alpha)
+        if cfg.objective == "atspeed-s":
+            align = A.atspeed_s(draft_span, target_span, valid, cfg.k, weight, cfg.beta)
+        else:
+            align = A.atspeed_r(draft_span, target_span, valid, cfg.k, weight)
+        return A.mix(rec, align, cfg.alpha)
 
     target_valid = beams_per_step(target, data, data.eval_histories, cfg.k, cfg.history_len, cfg.eval_batch, device)
     report = {"kind": "draft", "objective": cfg.objective, "config": T.config_dict(cfg),

@@ -45,6 +45,7 @@ def test_atspeed_s_equals_the_formula():
     rkl = sum(q[y] * (math.log(q[y]) - math.log(p[y])) for y in s)
     reg = p[s[-1]] * -sum(q[y] * math.log(q[y]) for y in s)
     assert atspeed_s(DRAFT, TARGET, VALID, k=2).item() == pytest.approx(rkl + reg, rel=1e-5)
+    assert atspeed_s(DRAFT, TARGET, VALID, k=2, beta=0.25).item() == pytest.approx(rkl + 0.25 * reg, rel=1e-5)
 
 
 def test_atspeed_r_equals_the_formula():
