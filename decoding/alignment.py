@@ -9,10 +9,12 @@ With p = target, q = draft, p_c / q_c their softmax over the valid tokens only:
 - word KD         KL(p || q) over the full vocabulary, per token;
 - TVD KD          1/2 sum_v |p_v - q_v| over the full vocabulary, per token;
 - seq KD          the recommendation loss on the target's top-K sequences (call `recommendation_loss`);
-- AtSpeed-S       S = the K valid tokens with the highest q_c (draft order, y_K its K-th), per position
-                    sum_{y in S} q_c(y) (log q_c(y) - log p_c(y))        reverse KL over the constrained top-K
-                  + beta * p_c(y_K) * (- sum_{y in S} q_c(y) log q_c(y)) density regularisation (beta = 1)
-                  (as in the authors' released implementation of Eq. 3-5);
+- AtSpeed-S       S = the K valid tokens with the highest q_c (draft order, y_K its K-th), q_S / p_S = q_c / p_c
+                  renormalised over S, per position
+                    sum_{y in S} q_S(y) (log q_S(y) - log p_S(y))        reverse KL over the constrained top-K
+                  + beta * p_S(y_K) * (- sum_{y in S} q_S(y) log q_S(y)) density regularisation (beta = 1)
+                  (Eq. 3-5, as in the authors' released implementation; without the renormalisation the partial
+                  sum is minimised at q = p / e on S and drives the draft's mass off its top-K);
 - AtSpeed-R       T = the K valid tokens with the highest p_c, per position 1/2 sum_{y in T} |q_c(y) - p_c(y)|
                   (TVD over the constrained top-K, Eq. 7-9), on the target's top-K sequences.
 The AtSpeed and KD objectives are mixed with the recommendation loss as (1 - alpha) * L_rec + alpha * L_align.
@@ -57,7 +59,9 @@ def atspeed_s(draft: torch.Tensor, target: torch.Tensor, valid: torch.Tensor, k:
     log_q = constrained_log_softmax(draft, valid)  # [..., V]
     log_p = constrained_log_softmax(target.detach(), valid)
     log_q_s, top, in_s = _top_valid(log_q, k)  # [..., k]; in_s False where fewer than k tokens are valid
-    log_p_s = torch.where(in_s, log_p.gather(-1, top), 0.0)
+    off = torch.where(in_s, 0.0, float("-inf"))
+    log_q_s = torch.where(in_s, (log_q_s + off).log_softmax(-1), 0.0)  # renormalised over S
+    log_p_s = torch.where(in_s, (log_p.gather(-1, top) + off).log_softmax(-1), 0.0)
     q_s = torch.where(in_s, log_q_s.exp(), 0.0)
     rkl = (q_s * (log_q_s - log_p_s)).sum(-1)
     entropy_s = -(q_s * log_q_s).sum(-1)

@@ -54,10 +54,11 @@ def topk_stable(scores: torch.Tensor, k: int):
 
 def expand_beams(catalog: Catalog, level: int, logp: torch.Tensor, score: torch.Tensor, node: torch.Tensor, k: int):
     """Top-k children of W beams at catalog `level`.
-    logp [B, W, V], score [B, W] (-inf = dead beam), node [B, W] (catalog node at `level`, -1 = dead)
+    logp [B, W, V], score [B, W] (-inf = dead beam), node [B, W] (catalog nodes at `level`, -1 = dead)
     -> score [B, k], parent beam [B, k], token [B, k], child node [B, k] (-1 = dead)."""
     b, w, _ = logp.shape
-    child_tok, child_node, valid = (x.view(b, w, -1) for x in catalog.children(level, node.flatten()))  # [B, W, D]
+    width = catalog.max_children[level]
+    child_tok, child_node, valid = (x.view(b, w, -1) for x in catalog.children(node.flatten(), width))  # [B, W, D]
     d = child_tok.shape[2]
     cand = (score[:, :, None] + logp.gather(2, child_tok)).masked_fill(~valid, float("-inf"))  # [B, W, D]
     top, flat = topk_stable(cand.view(b, w * d), k)  # flat indexes (beam, token) pairs in that order

@@ -5,10 +5,11 @@ catalog's device, and two structures are derived from them:
 
 - PPV (parallel prefix verification, DISC paper Algorithm 2): a vectorised binary search of
   `prefix + candidate` rows in the sorted matrix (`verify`, `lookup`).
-- CSR transition index: per level t, the sorted unique prefixes of length t are the trie's nodes;
-  `child_ptr[t][u] : child_ptr[t][u + 1]` is the range of node u's children, `child_tok[t]` their
-  tokens (ascending). A child's position in that range is also its node id at level t + 1, so
-  beam search walks the trie by node id, and `allowed_next` gathers whole child ranges at once.
+- CSR transition index: the trie's nodes are the sorted unique prefixes, level by level (node 0 is the
+  root, then the prefixes of length 1, 2, ..., then the L-token items), so a node id says its level too.
+  Node g's children are nodes `node_ptr[g] + 1 .. node_ptr[g + 1]`, reached by the tokens `edge_tok`
+  (ascending). Beam search walks the trie by node id, beams at different levels expand in one call
+  (speculative decoding needs that), and `allowed_next` gathers whole child ranges at once.
 
 No Python loop runs over rows, beams or users; loops run over the L levels or log2(N) bisection steps.
 """
@@ -27,10 +28,11 @@ class Catalog:
     item_ids: torch.Tensor  # [N] int64, in the order of `tokens`
     tokens: torch.Tensor  # [N, L] int64, rows sorted lexicographically, unique
     vocab_size: int
-    child_ptr: list[torch.Tensor]  # per level t: [U_t + 1] int64, U_0 = 1 (the root)
-    child_tok: list[torch.Tensor]  # per level t: [U_{t+1}] int64, children's tokens, ascending per node
-    child_key: list[torch.Tensor]  # per level t: [U_{t+1}] int64, parent * vocab_size + token, ascending
-    max_children: list[int]  # per level t: the largest number of children of one node
+    node_ptr: torch.Tensor  # [G + 1] int64: node g's children are edges node_ptr[g] .. node_ptr[g + 1] - 1
+    edge_tok: torch.Tensor  # [G - 1] int64: edge e leads to node e + 1 through this token
+    edge_key: torch.Tensor  # [G - 1] int64: parent * vocab_size + token, ascending
+    level_start: list[int]  # [L + 2]: first node id of each level (level_start[L + 1] = G)
+    max_children: list[int]  # per level t < L: the largest number of children of one node
     duplicates: list[tuple[int, int]] = field(default_factory=list)  # (dropped item, kept item) sharing one semantic ID
 
     # ---------------------------------------------------------------- construction
@@ -74,8 +76,7 @@ class Catalog:
             duplicates = list(zip(item_ids[dup].tolist(), item_ids[kept].tolist()))
             tokens, item_ids = tokens[first], item_ids[first]
 
-        child_ptr, child_tok, child_key, max_children = _csr_levels(tokens, vocab_size)
-        cat = cls(item_ids, tokens, int(vocab_size), child_ptr, child_tok, child_key, max_children, duplicates)
+        cat = cls(item_ids, tokens, int(vocab_size), *_csr(tokens, vocab_size), duplicates)
         return cat.to(device) if device is not None else cat
 
     @classmethod
@@ -97,9 +98,8 @@ class Catalog:
                                   on_duplicate, device)
 
     def to(self, device) -> "Catalog":
-        move = lambda ts: [t.to(device) for t in ts]  # noqa: E731
-        return Catalog(self.item_ids.to(device), self.tokens.to(device), self.vocab_size,
-                       move(self.child_ptr), move(self.child_tok), move(self.child_key), self.max_children,
+        return Catalog(self.item_ids.to(device), self.tokens.to(device), self.vocab_size, self.node_ptr.to(device),
+                       self.edge_tok.to(device), self.edge_key.to(device), self.level_start, self.max_children,
                        self.duplicates)
 
     @property
@@ -116,47 +116,52 @@ class Catalog:
     # ---------------------------------------------------------------- CSR transition index
 
     def node_of(self, prefix: torch.Tensor) -> torch.Tensor:
-        """prefix [R, t] -> trie node id at level t [R], -1 where the prefix is not in the catalog."""
-        rows, t = prefix.shape
-        node = torch.zeros(rows, dtype=torch.int64, device=self.device)
-        for level in range(t):
-            node = self.child_node(level, node, prefix[:, level])
+        """prefix [R, t] -> trie node id [R], -1 where the prefix is not in the catalog."""
+        node = torch.zeros(prefix.shape[0], dtype=torch.int64, device=self.device)
+        for level in range(prefix.shape[1]):
+            node = self.child_node(node, prefix[:, level])
         return node
 
-    def child_node(self, level: int, node: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-        """node [R] at `level` (-1 = none), token [R] -> node id at level + 1 [R], -1 if not a child."""
-        keys = self.child_key[level]  # [U_{t+1}] ascending; an edge's index is its child's node id
+    def child_node(self, node: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        """node [R] (-1 = none), token [R] -> the child reached by the token [R], -1 if there is none."""
         query = node.clamp(min=0) * self.vocab_size + token.clamp(min=0, max=self.vocab_size - 1)
-        idx = torch.searchsorted(keys, query).clamp(max=keys.numel() - 1)  # [R]
-        found = (node >= 0) & (token >= 0) & (token < self.vocab_size) & (keys[idx] == query)
-        return torch.where(found, idx, -1)
+        edge = torch.searchsorted(self.edge_key, query).clamp(max=self.edge_key.numel() - 1)  # [R]
+        found = (node >= 0) & (token >= 0) & (token < self.vocab_size) & (self.edge_key[edge] == query)
+        return torch.where(found, edge + 1, -1)
 
-    def children(self, level: int, node: torch.Tensor):
-        """node [R] at `level` (-1 = none) -> (tokens [R, D], child nodes [R, D], valid [R, D]),
-        D = the widest node of the level; children in ascending token order, padding has token 0."""
-        ptr, tok = self.child_ptr[level], self.child_tok[level]
-        width = self.max_children[level]
-        start = ptr[node.clamp(min=0)]  # [R]
-        count = torch.where(node >= 0, ptr[node.clamp(min=0) + 1] - start, 0)  # [R]
+    def children(self, node: torch.Tensor, width: int | None = None):
+        """node [R] (any levels, -1 = none) -> (tokens [R, D], child nodes [R, D], valid [R, D]), D = `width`
+        (default: the widest node of any level); children in ascending token order, padding has token 0."""
+        width = max(self.max_children) if width is None else width
+        start = self.node_ptr[node.clamp(min=0)]  # [R]
+        count = torch.where(node >= 0, self.node_ptr[node.clamp(min=0) + 1] - start, 0)  # [R]
         offset = torch.arange(width, device=self.device)  # [D]
         valid = offset < count[:, None]  # [R, D]
-        child = torch.where(valid, start[:, None] + offset, 0)  # [R, D]
-        tokens = torch.where(valid, tok[child], 0)
-        return tokens, torch.where(valid, child, -1), valid
+        edge = torch.where(valid, start[:, None] + offset, 0)  # [R, D]
+        return torch.where(valid, self.edge_tok[edge], 0), torch.where(valid, edge + 1, -1), valid
+
+    def num_children(self, node: torch.Tensor) -> torch.Tensor:
+        return self.node_ptr[node + 1] - self.node_ptr[node]
+
+    def level_of(self, node: torch.Tensor) -> torch.Tensor:
+        """node ids [*] -> their levels (prefix lengths) [*]."""
+        starts = torch.tensor(self.level_start[1:-1], device=self.device)
+        return torch.searchsorted(starts, node, right=True)
 
     def allowed_next(self, prefix: torch.Tensor) -> torch.Tensor:
         """prefix [R, t] (0 <= t < L) -> bool [R, vocab_size]: the exact set of valid next tokens."""
         rows, t = prefix.shape
         if not 0 <= t < self.code_len:
             raise ValueError(f"prefix length {t} outside [0, {self.code_len})")
-        tokens, _, valid = self.children(t, self.node_of(prefix.to(self.device)))  # [R, D]
+        tokens, _, valid = self.children(self.node_of(prefix.to(self.device)), self.max_children[t])  # [R, D]
         mask = torch.zeros(rows, self.vocab_size + 1, dtype=torch.bool, device=self.device)
         column = torch.where(valid, tokens, self.vocab_size)  # padding lands in a spare last column
         return mask.scatter_(1, column, True)[:, : self.vocab_size]
 
     def item_of_node(self, node: torch.Tensor) -> torch.Tensor:
-        """Level-L node ids [*] -> item ids [*], -1 for node -1 (level-L nodes are the sorted rows)."""
-        return torch.where(node >= 0, self.item_ids[node.clamp(min=0)], -1)
+        """Node ids [*] -> item ids [*] for leaves (the level-L nodes are the sorted rows), -1 otherwise."""
+        row = node - self.level_start[self.code_len]
+        return torch.where(row >= 0, self.item_ids[row.clamp(0, len(self) - 1)], -1)
 
     # ---------------------------------------------------------------- PPV: binary search in sorted rows
 
@@ -230,23 +235,26 @@ def _lex_less(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return diff.any(1) & (a.gather(1, first) < b.gather(1, first)).squeeze(1)
 
 
-def _csr_levels(tokens: torch.Tensor, vocab_size: int):
-    """Sorted unique rows [N, L] -> per level t: child_ptr [U_t + 1], child_tok and child_key [U_{t+1}],
-    and the largest number of children of one node."""
+def _csr(tokens: torch.Tensor, vocab_size: int):
+    """Sorted unique rows [N, L] -> the global CSR trie: node_ptr [G + 1], edge_tok [G - 1], edge_key [G - 1],
+    level_start [L + 2], max_children [L]. Nodes are numbered level by level, prefixes sorted within a level."""
     n, code_len = tokens.shape
-    child_ptr, child_tok, child_key, max_children = [], [], [], []
+    counts, edge_tok, parent_of_edge, level_start = [], [], [], [0, 1]
     new_prefix = torch.zeros(n, dtype=torch.bool, device=tokens.device)
     new_prefix[0] = True  # level 0: one node, the root
     for t in range(code_len):
         # row r starts a new prefix of length t + 1 if its first t + 1 tokens differ from row r - 1
         starts_child = new_prefix.clone()
         starts_child[1:] |= tokens[1:, t] != tokens[:-1, t]
-        parent = torch.cumsum(new_prefix.long(), 0) - 1  # [N] node id at level t of each row
-        child_rows = starts_child.nonzero().flatten()  # first row of each node at level t + 1
-        counts = torch.bincount(parent[child_rows], minlength=int(parent[-1]) + 1)  # [U_t]
-        child_ptr.append(torch.cat([counts.new_zeros(1), counts.cumsum(0)]))
-        child_tok.append(tokens[child_rows, t])
-        child_key.append(parent[child_rows] * vocab_size + tokens[child_rows, t])
-        max_children.append(int(counts.max()))
+        parent = torch.cumsum(new_prefix.long(), 0) - 1  # [N] level-t node (local id) of each row
+        child_rows = starts_child.nonzero().flatten()  # first row of each level-(t + 1) node
+        counts.append(torch.bincount(parent[child_rows], minlength=int(parent[-1]) + 1))  # [U_t]
+        edge_tok.append(tokens[child_rows, t])
+        parent_of_edge.append(parent[child_rows] + level_start[t])  # global id of the parent
+        level_start.append(level_start[-1] + len(child_rows))
         new_prefix = starts_child
-    return child_ptr, child_tok, child_key, max_children
+    counts.append(torch.zeros(n, dtype=torch.int64, device=tokens.device))  # the leaves have no children
+    node_ptr = torch.cat([torch.zeros(1, dtype=torch.int64, device=tokens.device), torch.cat(counts).cumsum(0)])
+    edge_tok = torch.cat(edge_tok)
+    edge_key = torch.cat(parent_of_edge) * vocab_size + edge_tok
+    return node_ptr, edge_tok, edge_key, level_start, [int(c.max()) for c in counts[:-1]]

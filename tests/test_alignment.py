@@ -42,8 +42,10 @@ def test_atspeed_s_equals_the_formula():
     p = softmax_over(TARGET[0].tolist(), [1, 2, 3, 4])
     s = sorted(q, key=q.get, reverse=True)[:2]  # draft's top-2 valid tokens: [2, 1]
     assert s == [2, 1]
-    rkl = sum(q[y] * (math.log(q[y]) - math.log(p[y])) for y in s)
-    reg = p[s[-1]] * -sum(q[y] * math.log(q[y]) for y in s)
+    q_s = {y: q[y] / sum(q[x] for x in s) for y in s}  # renormalised over S
+    p_s = {y: p[y] / sum(p[x] for x in s) for y in s}
+    rkl = sum(q_s[y] * (math.log(q_s[y]) - math.log(p_s[y])) for y in s)
+    reg = p_s[s[-1]] * -sum(q_s[y] * math.log(q_s[y]) for y in s)
     assert atspeed_s(DRAFT, TARGET, VALID, k=2).item() == pytest.approx(rkl + reg, rel=1e-5)
     assert atspeed_s(DRAFT, TARGET, VALID, k=2, beta=0.25).item() == pytest.approx(rkl + 0.25 * reg, rel=1e-5)
 

@@ -37,7 +37,8 @@ def test_prefixes_with_fewer_than_k_continuations(k):
     flat = torch.randperm(3 * 4 * 12, generator=g)[:60]
     digits = torch.stack([flat // 48, flat // 12 % 4, flat % 12], 1)
     cat = Catalog.from_token_ids(torch.arange(60), SPECIALS + torch.tensor([0, 3, 7]) + digits, SPECIALS + 19)
-    assert cat.max_children[0] == 3 and cat.max_children[1] <= 4 and int(cat.child_ptr[2].diff().min()) < 5
+    level2 = torch.arange(cat.level_start[2], cat.level_start[3])
+    assert cat.max_children[0] == 3 and cat.max_children[1] <= 4 and int(cat.num_children(level2).min()) < 5
     model = tiny_model("llama", cat.vocab_size, seed=7)
     ids, mask = left_padded_prompts(8, LENGTHS, cat.vocab_size, seed=3)
     rec = beam_search(model, ids, mask, cat, k)

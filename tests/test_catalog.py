@@ -60,12 +60,19 @@ def test_children_walk_the_trie_by_node_id():
     cat = random_catalog(200, 3, 6, seed=4, skew=0.7)
     node = torch.zeros(1, dtype=torch.int64)
     for level in range(3):  # follow one item down the trie through child node ids
-        tok, child, valid = cat.children(level, node)
+        assert cat.level_of(node).item() == level
+        tok, child, valid = cat.children(node, cat.max_children[level])
         j = (tok[0] == cat.tokens[57, level]) & valid[0]
         node = child[0][j]
         assert node.numel() == 1
     assert cat.item_of_node(node).item() == cat.item_ids[57].item()
-    assert torch.equal(cat.node_of(cat.tokens), torch.arange(len(cat)))  # level-L nodes are the sorted rows
+    leaves = cat.node_of(cat.tokens)
+    assert torch.equal(leaves, cat.level_start[3] + torch.arange(len(cat)))  # level-L nodes are the sorted rows
+    assert torch.equal(cat.item_of_node(leaves), cat.item_ids) and (cat.num_children(leaves) == 0).all()
+    mixed = torch.tensor([0, int(cat.node_of(cat.tokens[5:6, :1])), int(cat.node_of(cat.tokens[5:6, :2]))])
+    tok, child, valid = cat.children(mixed)  # beams at three different levels in one call
+    assert torch.equal(valid.sum(1), cat.num_children(mixed))
+    assert cat.tokens[5, 1].item() in tok[1][valid[1]].tolist() and cat.tokens[5, 2].item() in tok[2][valid[2]].tolist()
     assert cat.node_of(torch.tensor([[0, 0]])).item() == -1
 
 
