@@ -52,12 +52,12 @@ def topk_stable(scores: torch.Tensor, k: int):
     return values[:, :k], indices[:, :k]
 
 
-def expand_beams(catalog: Catalog, level: int, logp: torch.Tensor, score: torch.Tensor, node: torch.Tensor, k: int):
-    """Top-k children of W beams at catalog `level`.
-    logp [B, W, V], score [B, W] (-inf = dead beam), node [B, W] (catalog nodes at `level`, -1 = dead)
+def expand_beams(catalog: Catalog, logp: torch.Tensor, score: torch.Tensor, node: torch.Tensor, k: int,
+                 width: int | None = None):
+    """Top-k children of W beams (any trie levels; `width` >= their widest node, default: any level's).
+    logp [B, W, V], score [B, W] (-inf = dead beam), node [B, W] (catalog nodes, -1 = dead)
     -> score [B, k], parent beam [B, k], token [B, k], child node [B, k] (-1 = dead)."""
     b, w, _ = logp.shape
-    width = catalog.max_children[level]
     child_tok, child_node, valid = (x.view(b, w, -1) for x in catalog.children(node.flatten(), width))  # [B, W, D]
     d = child_tok.shape[2]
     cand = (score[:, :, None] + logp.gather(2, child_tok)).masked_fill(~valid, float("-inf"))  # [B, W, D]
@@ -100,7 +100,7 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, ca
     logp = logp[:, None, :]  # [B, W, V]
     forwards = 1
     for level in range(depth):
-        score, beam, token, node = expand_beams(catalog, level, logp, score, node, k)  # [B, k] each
+        score, beam, token, node = expand_beams(catalog, logp, score, node, k, catalog.max_children[level])
         alive = beam >= 0
         tokens = torch.cat([tokens.gather(1, beam.clamp(min=0)[:, :, None].expand(-1, -1, level)), token[:, :, None]], 2)
         if level == depth - 1:

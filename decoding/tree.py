@@ -94,6 +94,13 @@ class TokenTree:
         remap = self.compact(self.ancestors_of(nodes), cache)
         return torch.where(nodes >= 0, remap.gather(1, nodes.clamp(min=0)), -1)
 
+    def select_users(self, users: torch.Tensor, cache: DynamicCache) -> None:
+        """Keeps only the given batch rows [B'] of the tree and the cache (finished users stop costing compute)."""
+        self.prompt_mask, self.prompt_len = self.prompt_mask[users], self.prompt_len[users]
+        self.anc, self.depth = self.anc[users], self.depth[users]
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys[users], layer.values[users]
+
     def ancestors_of(self, nodes: torch.Tensor) -> torch.Tensor:
         """nodes [B, Q] (-1 = none) -> bool [B, T]: every node on the path of any of them."""
         b, q = nodes.shape

@@ -1,0 +1,219 @@
+"""AtSpeed speculative beam search with strict top-K verification, batched across users.
+
+Each round, for every unfinished user at depth d whose K accepted beams are the target's exact top-K at d:
+  draft   the draft beam-searches N = `draft_beams` sequences for g = min(gamma, L - d - 1) steps, from the
+          accepted beams (scored by the target) and adding its own log-probabilities: drafted sets D_1 .. D_g;
+  verify  the target scores every drafted node of every step (plus the accepted beams' own tokens when they
+          are not in its tree yet) in ONE forward pass over its token tree;
+  accept  for j = 1 .. g the target's exact top-K T_j (expanded from the accepted beams with the target's own
+          log-probabilities, exactly as `beam_search` does) is accepted iff every sequence of T_j is in D_j.
+          At the first rejected step the output is T_j itself; if all g steps are accepted, T_{g+1} comes from
+          the same forward pass. Either way a round advances a user by (accepted steps + 1) with one target
+          forward, where beam search needs one forward per step (step 1 is free from the prefill in both).
+The result equals `beam_search(target, ...)`. Users accept different numbers of steps, so one forward pass holds
+users at different depths (per-node position ids, trie node ids that carry their level); finished users leave
+the batch. Both models keep one tree over the single prompt prefill; rejected branches are compacted away and
+accepted tokens are never recomputed.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from decoding.beam import Recommendations, expand_beams, prefill, tree_forward
+from decoding.catalog import Catalog
+from decoding.tree import TokenTree
+
+NEG_INF = float("-inf")
+
+
+@dataclass
+class Side:
+    """One model's view: its token tree and cache, and where the K accepted beams of each user sit in it."""
+    model: object
+    tree: TokenTree
+    cache: object
+    leaf: torch.Tensor  # [A, K] tree node of each beam's last token (-1: the prompt itself)
+    logp: torch.Tensor  # [A, K, V] next-token log-probs at the beams (stale where pending)
+    pending: torch.Tensor  # [A] the beams' last tokens are not in the tree yet
+    parent: torch.Tensor  # [A, K] tree node of a pending beam's parent (-1: the prompt)
+
+    def select(self, users: torch.Tensor) -> None:
+        self.tree.select_users(users, self.cache)
+        self.leaf, self.logp = self.leaf[users], self.logp[users]
+        self.pending, self.parent = self.pending[users], self.parent[users]
+
+    def add_pending(self, last_token: torch.Tensor, alive: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block of K nodes per user holding the pending beams' last tokens (dummies elsewhere) -> (tokens, parents)."""
+        use = self.pending[:, None] & alive
+        return torch.where(use, last_token, 0), torch.where(use, self.parent, -1)
+
+    def compact(self, alive: torch.Tensor) -> None:
+        """Keeps the paths of the accepted beams (of their parents, where pending); drops every other node."""
+        nodes = torch.where(self.pending[:, None], self.parent, self.leaf)
+        kept = self.tree.keep_paths(torch.where(alive, nodes, -1), self.cache)
+        self.leaf = torch.where(self.pending[:, None], self.leaf, kept)
+        self.parent = torch.where(self.pending[:, None], kept, self.parent)
+
+
+def start(model, input_ids, attention_mask, k: int) -> Side:
+    cache, logp = prefill(model, input_ids, attention_mask)  # [A, V]
+    a = input_ids.shape[0]
+    none = torch.full((a, k), -1, dtype=torch.int64, device=input_ids.device)
+    return Side(model, TokenTree.from_prompt(attention_mask), cache, none, logp[:, None, :].repeat(1, k, 1),
+                torch.zeros(a, dtype=torch.bool, device=input_ids.device), none.clone())
+
+
+def last_tokens(tokens: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+    """tokens [A, K, L], depth [A] -> the beams' last tokens [A, K] (0 at depth 0)."""
+    col = (depth - 1).clamp(min=0)[:, None, None].expand(-1, tokens.shape[1], 1)
+    return tokens.gather(2, col).squeeze(2).clamp(min=0)
+
+
+def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x [A, N, ...], idx [A, K] -> [A, K, ...]."""
+    return x.gather(1, idx.view(*idx.shape, *([1] * (x.dim() - 2))).expand(*idx.shape, *x.shape[2:]))
+
+
+@torch.no_grad()
+def speculative_beam_search(target, draft, input_ids: torch.Tensor, attention_mask: torch.Tensor, catalog: Catalog,
+                            k: int, draft_beams: int = 40, gamma: int | None = None, verification: str = "strict",
+                            temperature: float = 1.0, generator: torch.Generator | None = None) -> Recommendations:
+    """input_ids, attention_mask [B, S] left-padded -> exactly `beam_search(target, ...)`'s top-k items per user.
+    stats: target_forwards, draft_forwards, accepted_steps [B], drafted_steps [B], rounds [B], seconds per phase."""
+    code_len = catalog.code_len
+    gamma = code_len if gamma is None else gamma
+    if verification != "strict":
+        raise ValueError(f"verification must be 'strict', got {verification!r}")
+    if k < 1 or draft_beams < k or gamma < 1:
+        raise ValueError(f"need 1 <= k <= draft_beams and gamma >= 1, got k={k}, draft_beams={draft_beams}, "
+                         f"gamma={gamma}")
+    if target.config.vocab_size != draft.config.vocab_size:
+        raise ValueError(f"target and draft vocabularies differ: {target.config.vocab_size} vs "
+                         f"{draft.config.vocab_size}")
+    if catalog.device != input_ids.device or (attention_mask[:, -1] == 0).any():
+        raise ValueError("catalog and prompts must be on one device, and prompts left-padded")
+    b, n, dev = input_ids.shape[0], draft_beams, input_ids.device
+    width = max(catalog.max_children)
+    clock = {"prefill_s": 0.0, "draft_s": 0.0, "verify_s": 0.0}
+    t0 = time.perf_counter()
+    tgt, drf = start(target, input_ids, attention_mask, k), start(draft, input_ids, attention_mask, k)
+    clock["prefill_s"] = time.perf_counter() - t0
+    forwards = {"target": 1, "draft": 1}
+
+    # step 1 is free: the prefill already gives the target's log-probs at the prompt
+    root = torch.zeros(b, 1, dtype=torch.int64, device=dev)
+    score, _, first, node = expand_beams(catalog, tgt.logp[:, :1], root.float(), root, k, width)  # [B, K]
+    tokens = torch.full((b, k, code_len), -1, dtype=torch.int64, device=dev)
+    tokens[:, :, 0] = torch.where(node >= 0, first, -1)
+    depth = torch.ones(b, dtype=torch.int64, device=dev)
+    for side in (tgt, drf):  # the beams' tokens enter both trees with the next forward
+        side.pending = torch.ones_like(side.pending)
+    users = torch.arange(b, device=dev)  # original row of each active user
+    out_tokens, out_score, out_node = tokens.clone(), score.clone(), node.clone()
+    accepted, drafted, rounds = (torch.zeros(b, dtype=torch.int64, device=dev) for _ in range(3))
+
+    if code_len == 1:  # done after the free step
+        users = users[:0]
+    while users.numel():
+        a = users.numel()
+        # [A] steps drafted this round: the step after the last drafted one is free (from the verify pass)
+        g = (code_len - 1 - depth).clamp(max=gamma)
+        steps = int(g.max())
+        alive = score > NEG_INF  # [A, K]
+
+        # ---- draft: N beams for g steps from the accepted beams, one draft forward per step
+        t1 = time.perf_counter()
+        if steps and drf.pending.any():
+            tok, par = drf.add_pending(last_tokens(tokens, depth), alive)
+            logp = tree_forward(draft, drf.tree, drf.cache, tok, par)  # [A, K, V]
+            drf.logp = torch.where(drf.pending[:, None, None], logp, drf.logp)
+            drf.leaf = torch.where(drf.pending[:, None], drf.tree.num_nodes - k + torch.arange(k, device=dev), drf.leaf)
+            drf.pending = torch.zeros_like(drf.pending)
+            forwards["draft"] += 1
+        drafts = []  # per step: node, token, parent index, draft logp, draft tree node  ([A, N] / [A, N, V])
+        cur_score, cur_node, cur_logp, cur_tree = score, node, drf.logp, drf.leaf
+        for i in range(1, steps + 1):
+            s, parent, tok, nd = expand_beams(catalog, cur_logp, cur_score, cur_node, n, width)
+            live = (nd >= 0) & (i <= g)[:, None]
+            par_tree = torch.where(live, cur_tree.gather(1, parent.clamp(min=0)), -1)
+            logp = tree_forward(draft, drf.tree, drf.cache, torch.where(live, tok, 0), par_tree)  # [A, N, V]
+            forwards["draft"] += 1
+            tree_idx = (drf.tree.num_nodes - n + torch.arange(n, device=dev)).expand(a, n)
+            drafts.append((torch.where(live, nd, -1), tok, parent.clamp(min=0), logp, tree_idx))
+            cur_score, cur_node, cur_logp, cur_tree = torch.where(live, s, NEG_INF), torch.where(live, nd, -1), logp, tree_idx
+        clock["draft_s"] += time.perf_counter() - t1
+
+        # ---- verify: every drafted node of every step (and pending beams) in ONE target forward
+        t2 = time.perf_counter()
+        base = tgt.tree.num_nodes
+        tok, par = tgt.add_pending(last_tokens(tokens, depth), alive)
+        block_tok, block_par = [tok], [par]
+        prev = torch.where(tgt.pending[:, None], base + torch.arange(k, device=dev), tgt.leaf)  # accepted beams
+        for i, (nd, tok, parent, _, _) in enumerate(drafts):
+            block_tok.append(torch.where(nd >= 0, tok, 0))
+            block_par.append(torch.where(nd >= 0, prev.gather(1, parent), -1))
+            prev = (base + k + i * n + torch.arange(n, device=dev)).expand(a, n)
+        logp_v = tree_forward(target, tgt.tree, tgt.cache, torch.cat(block_tok, 1), torch.cat(block_par, 1),
+                              block_depth=steps + 1)  # [A, K + steps * N, V]
+        forwards["target"] += 1
+        tgt.logp = torch.where(tgt.pending[:, None, None], logp_v[:, :k], tgt.logp)
+        tgt.leaf = torch.where(tgt.pending[:, None], base + torch.arange(k, device=dev), tgt.leaf)
+        tgt.pending = torch.zeros_like(tgt.pending)
+        clock["verify_s"] += time.perf_counter() - t2
+
+        # ---- accept: the target's exact top-K step by step, while it is covered by the drafted set
+        accepting = torch.ones(a, dtype=torch.bool, device=dev)
+        t_pending, d_pending = torch.zeros_like(accepting), torch.zeros_like(accepting)
+        for j in range(1, steps + 2):
+            t_score, t_parent, t_tok, t_node = expand_beams(catalog, tgt.logp, score, node, k, width)
+            take = accepting & (depth < code_len)  # these users' beams advance to T_j
+            if j <= steps:
+                d_node, _, _, d_logp, d_tree = drafts[j - 1]
+                hit = (t_node[:, :, None] == d_node[:, None, :]) & (d_node[:, None, :] >= 0)  # [A, K, N]
+                idx = hit.int().argmax(-1)  # [A, K] drafted node holding each target beam
+                ok = take & (j <= g) & (hit.any(-1) | (t_node < 0)).all(-1)
+            else:
+                ok = torch.zeros_like(take)
+            pend = take & ~ok  # correction (rejected step) or bonus step: not in the trees yet
+            live_t = t_node >= 0
+            new_t_parent = torch.where(live_t, tgt.leaf.gather(1, t_parent.clamp(min=0)), -1)
+            new_d_parent = torch.where(live_t, drf.leaf.gather(1, t_parent.clamp(min=0)), -1)
+            moved = tokens.gather(1, t_parent.clamp(min=0)[:, :, None].expand(-1, -1, code_len))
+            moved = moved.scatter(2, depth.clamp(max=code_len - 1)[:, None, None].expand(-1, k, 1), t_tok[:, :, None])
+            moved = torch.where(live_t[:, :, None], moved, -1)
+            tokens = torch.where(take[:, None, None], moved, tokens)
+            score = torch.where(take[:, None], t_score, score)
+            node = torch.where(take[:, None], t_node, node)
+            depth = depth + take.long()
+            if j <= steps:
+                rows = base + k + (j - 1) * n + idx  # target tree nodes of the matched drafted nodes
+                tgt.logp = torch.where(ok[:, None, None], gather_rows(logp_v[:, k + (j - 1) * n: k + j * n], idx), tgt.logp)
+                tgt.leaf = torch.where(ok[:, None], rows, tgt.leaf)
+                drf.logp = torch.where(ok[:, None, None], gather_rows(d_logp, idx), drf.logp)
+                drf.leaf = torch.where(ok[:, None], d_tree.gather(1, idx), drf.leaf)
+            tgt.parent = torch.where(pend[:, None], new_t_parent, tgt.parent)
+            drf.parent = torch.where(pend[:, None], new_d_parent, drf.parent)
+            t_pending, d_pending = t_pending | pend, d_pending | pend
+            accepted[users] += ok.long()
+            accepting = ok
+        tgt.pending, drf.pending = t_pending, d_pending
+        drafted[users] += g
+        rounds[users] += 1
+
+        done = depth >= code_len
+        if done.any():  # finished users leave the batch
+            out_tokens[users[done]], out_score[users[done]], out_node[users[done]] = tokens[done], score[done], node[done]
+            keep = (~done).nonzero().flatten()
+            users, depth, score, node, tokens = users[keep], depth[keep], score[keep], node[keep], tokens[keep]
+            tgt.select(keep)
+            drf.select(keep)
+        if users.numel():  # pruned branches leave both caches
+            tgt.compact(score > NEG_INF)
+            drf.compact(score > NEG_INF)
+
+    stats = {**clock, "target_forwards": forwards["target"], "draft_forwards": forwards["draft"],
+             "accepted_steps": accepted, "drafted_steps": drafted, "rounds": rounds}
+    return Recommendations(catalog.item_of_node(out_node), out_tokens, out_score, stats)

@@ -1,0 +1,93 @@
+"""Strict AtSpeed speculative beam search returns exactly beam_search(target), with fewer target forwards."""
+import pytest
+import torch
+
+from decoding.beam import beam_search
+from decoding.models import tiny_model
+from decoding.speculative import speculative_beam_search
+from tests.helpers import assert_same_ranking, left_padded_prompts, random_catalog
+
+LENGTHS = [3, 11, 6, 17, 9, 4, 14, 8]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cat = random_catalog(400, 4, 8, seed=11)
+    target = tiny_model("llama", cat.vocab_size, seed=1)
+    drafts = {
+        "target": target,  # every drafted step is accepted when N = K
+        "random": tiny_model("llama", cat.vocab_size, seed=99, num_hidden_layers=1),  # almost every step rejected
+        "qwen2": tiny_model("qwen2", cat.vocab_size, seed=5, num_hidden_layers=1, hidden_size=32, head_dim=8),
+    }
+    ids, mask = left_padded_prompts(8, LENGTHS, cat.vocab_size, seed=3)
+    return cat, target, drafts, ids, mask
+
+
+@pytest.mark.parametrize("draft_name", ["target", "random", "qwen2"])
+@pytest.mark.parametrize("k", [1, 5, 20])
+def test_strict_equals_beam_search(setup, draft_name, k):
+    cat, target, drafts, ids, mask = setup
+    ref = beam_search(target, ids, mask, cat, k)
+    for n in sorted({k, 2 * k, 40}):
+        for gamma in (1, 2, cat.code_len):
+            rec = speculative_beam_search(target, drafts[draft_name], ids, mask, cat, k, draft_beams=n, gamma=gamma)
+            assert_same_ranking(rec.item_ids, rec.scores, ref.item_ids, ref.scores)
+            assert torch.equal(rec.token_ids, ref.token_ids) or not torch.equal(rec.item_ids, ref.item_ids)
+            st = rec.stats
+            assert_forward_accounting(st, ref.stats["target_forwards"], cat.code_len)
+            if draft_name == "target" and n == k:
+                assert torch.equal(st["accepted_steps"], st["drafted_steps"])  # every drafted step accepted
+                rounds = -(-(cat.code_len - 1) // (gamma + 1))  # each round: up to gamma accepted + 1 free step
+                assert st["target_forwards"] == 1 + rounds
+
+
+def assert_forward_accounting(st, beam_forwards: int, code_len: int):
+    """Each user costs 1 + rounds target forwards (the batch: 1 + the most rounds); after the free first step a
+    round advances a user by its accepted steps plus one: fewer forwards than beam_search whenever a user accepted
+    a step, never more."""
+    per_user = 1 + st["rounds"]
+    assert st["target_forwards"] == int(per_user.max()) <= beam_forwards == code_len
+    assert torch.equal(st["rounds"] + st["accepted_steps"], torch.full_like(st["rounds"], code_len - 1))
+    accepted = st["accepted_steps"] > 0
+    assert (per_user[accepted] < beam_forwards).all() and (per_user[~accepted] == beam_forwards).all()
+
+
+def test_random_draft_is_rejected_and_costs_no_extra_target_forward(setup):
+    cat, target, drafts, ids, mask = setup
+    rec = speculative_beam_search(target, drafts["random"], ids, mask, cat, 20, draft_beams=20)
+    assert rec.stats["accepted_steps"].float().mean() < 0.5
+    assert rec.stats["target_forwards"] <= beam_search(target, ids, mask, cat, 20).stats["target_forwards"]
+
+
+def test_users_finish_at_different_rounds(setup):
+    # a draft that is the target for some users' prompts and random for others is not possible, but a weak draft
+    # makes users accept different numbers of steps: results stay exact per user
+    cat, target, drafts, ids, mask = setup
+    weak = tiny_model("llama", cat.vocab_size, seed=1, num_hidden_layers=1)
+    weak.load_state_dict(target.state_dict(), strict=False)  # the target's embeddings and first layer
+    rec = speculative_beam_search(target, weak, ids, mask, cat, 5, draft_beams=10, gamma=2)
+    ref = beam_search(target, ids, mask, cat, 5)
+    assert_same_ranking(rec.item_ids, rec.scores, ref.item_ids, ref.scores)
+    assert_forward_accounting(rec.stats, ref.stats["target_forwards"], cat.code_len)
+
+
+def test_fewer_items_than_k(setup):
+    cat = random_catalog(7, 3, 4, seed=2)
+    target = tiny_model("qwen2", cat.vocab_size, seed=1)
+    draft = tiny_model("llama", cat.vocab_size, seed=2, num_hidden_layers=1)
+    ids, mask = left_padded_prompts(3, [5, 2, 9], cat.vocab_size, seed=1)
+    rec = speculative_beam_search(target, draft, ids, mask, cat, 10, draft_beams=10)
+    ref = beam_search(target, ids, mask, cat, 10)
+    assert torch.equal(rec.item_ids, ref.item_ids) and (rec.item_ids[:, 7:] == -1).all()
+    torch.testing.assert_close(rec.scores, ref.scores, atol=1e-4, rtol=0)
+
+
+def test_bad_arguments(setup):
+    cat, target, drafts, ids, mask = setup
+    with pytest.raises(ValueError, match="k <= draft_beams"):
+        speculative_beam_search(target, target, ids, mask, cat, 10, draft_beams=5)
+    with pytest.raises(ValueError, match="verification must be 'strict'"):
+        speculative_beam_search(target, target, ids, mask, cat, 5, verification="lossy")
+    other = tiny_model("llama", cat.vocab_size + 3, num_hidden_layers=1)
+    with pytest.raises(ValueError, match="vocabularies differ"):
+        speculative_beam_search(target, other, ids, mask, cat, 5)
