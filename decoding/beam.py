@@ -69,13 +69,44 @@ def expand_beams(catalog: Catalog, logp: torch.Tensor, score: torch.Tensor, node
     return top, torch.where(alive, flat // d, -1), token, child
 
 
+def gumbel_like(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    u = torch.rand(x.shape, generator=generator, device=x.device, dtype=torch.float64).clamp(1e-300, 1.0)
+    return -torch.log(-torch.log(u))
+
+
+def sample_beams(catalog: Catalog, logp: torch.Tensor, score: torch.Tensor, node: torch.Tensor, k: int,
+                 width: int | None, temperature: float, generator: torch.Generator | None):
+    """Sampling-based beam step: k (beam, token) pairs drawn WITHOUT replacement with probability proportional to
+    exp((score + log p(token)) / temperature) over the valid children (Gumbel top-k), in draw order.
+    Same shapes as `expand_beams`, plus the candidates' log-weights [B, W * D] and the drawn flat indices [B, k]."""
+    b, w, _ = logp.shape
+    child_tok, child_node, valid = (x.view(b, w, -1) for x in catalog.children(node.flatten(), width))  # [B, W, D]
+    d = child_tok.shape[2]
+    cand = (score[:, :, None] + logp.gather(2, child_tok)).masked_fill(~valid, float("-inf")).view(b, w * d)
+    weight = cand.double() / temperature  # [B, W * D] log-weights
+    _, flat = topk_stable((weight + gumbel_like(weight, generator)).float(), k)  # draw order
+    top = cand.gather(1, flat.clamp(max=w * d - 1)) if w * d >= k else torch.cat(
+        [cand, cand.new_full((b, k - w * d), float("-inf"))], 1).gather(1, flat)
+    alive = top > float("-inf")
+    flat = torch.where(alive, flat, 0)
+    token = torch.where(alive, child_tok.view(b, -1).gather(1, flat), 0)
+    child = torch.where(alive, child_node.view(b, -1).gather(1, flat), -1)
+    return top, torch.where(alive, flat // d, -1), token, child, weight, flat
+
+
 @torch.no_grad()
 def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, catalog: Catalog, k: int,
-                steps: int | None = None) -> Recommendations:
+                steps: int | None = None, do_sample: bool = False, temperature: float = 1.0,
+                generator: torch.Generator | None = None) -> Recommendations:
     """input_ids, attention_mask [B, S] left-padded -> the top-k catalog items per user.
-    `steps` < L stops early: token_ids are then the top-k prefixes [B, k, steps] and item_ids are -1."""
+    `steps` < L stops early: token_ids are then the top-k prefixes [B, k, steps] and item_ids are -1.
+    do_sample: sampling-based beam search, each step draws k (beam, token) pairs without replacement with
+    probability proportional to exp(sequence log-prob / temperature) (the reference for relaxed speculation);
+    the final k are returned by score, descending."""
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
+    if do_sample and not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
     if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} "
                          "must both be [B, S]")
@@ -100,7 +131,11 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, ca
     logp = logp[:, None, :]  # [B, W, V]
     forwards = 1
     for level in range(depth):
-        score, beam, token, node = expand_beams(catalog, logp, score, node, k, catalog.max_children[level])
+        width = catalog.max_children[level]
+        if do_sample:
+            score, beam, token, node, _, _ = sample_beams(catalog, logp, score, node, k, width, temperature, generator)
+        else:
+            score, beam, token, node = expand_beams(catalog, logp, score, node, k, width)
         alive = beam >= 0
         tokens = torch.cat([tokens.gather(1, beam.clamp(min=0)[:, :, None].expand(-1, -1, level)), token[:, :, None]], 2)
         if level == depth - 1:
@@ -111,6 +146,10 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, ca
         leaf = tree.num_nodes - k + torch.arange(k, device=input_ids.device).expand(b, k)
         forwards += 1
 
+    if do_sample:  # drawn in sampling order: rank them by score
+        order = torch.sort(score, dim=1, descending=True, stable=True).indices
+        score, node, tokens = score.gather(1, order), node.gather(1, order), tokens.gather(
+            1, order[:, :, None].expand_as(tokens))
     alive = node >= 0
     stats = {
         "prefill_s": t_prefill,
