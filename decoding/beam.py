@@ -52,21 +52,32 @@ def topk_stable(scores: torch.Tensor, k: int):
     return values[:, :k], indices[:, :k]
 
 
-def expand_beams(catalog: Catalog, logp: torch.Tensor, score: torch.Tensor, node: torch.Tensor, k: int,
-                 width: int | None = None):
-    """Top-k children of W beams (any trie levels; `width` >= their widest node, default: any level's).
-    logp [B, W, V], score [B, W] (-inf = dead beam), node [B, W] (catalog nodes, -1 = dead)
-    -> score [B, k], parent beam [B, k], token [B, k], child node [B, k] (-1 = dead)."""
+def candidates(catalog: Catalog, logp: torch.Tensor, score: torch.Tensor, node: torch.Tensor, width: int | None):
+    """Every (beam, valid child) extension of W beams, beam-major, children by ascending token.
+    logp [B, W, V], score [B, W] (-inf = dead beam), node [B, W] (catalog nodes, any levels, -1 = dead); `width` >=
+    their widest node (default: any level's) -> (sequence scores [B, W*D] (-inf = none), tokens, nodes [B, W*D], D)."""
     b, w, _ = logp.shape
     child_tok, child_node, valid = (x.view(b, w, -1) for x in catalog.children(node.flatten(), width))  # [B, W, D]
-    d = child_tok.shape[2]
     cand = (score[:, :, None] + logp.gather(2, child_tok)).masked_fill(~valid, float("-inf"))  # [B, W, D]
-    top, flat = topk_stable(cand.view(b, w * d), k)  # flat indexes (beam, token) pairs in that order
+    return cand.view(b, -1), child_tok.view(b, -1), child_node.view(b, -1), child_tok.shape[2]
+
+
+def pick(cand: torch.Tensor, tok: torch.Tensor, child: torch.Tensor, d: int, flat: torch.Tensor):
+    """Chosen candidates flat [B, k] (may point past the end: none) -> score, parent beam, token, node [B, k]."""
+    n = cand.shape[1]
+    top = torch.where(flat < n, cand.gather(1, flat.clamp(max=n - 1)), float("-inf"))
     alive = top > float("-inf")
     flat = torch.where(alive, flat, 0)
-    token = torch.where(alive, child_tok.view(b, -1).gather(1, flat), 0)
-    child = torch.where(alive, child_node.view(b, -1).gather(1, flat), -1)
-    return top, torch.where(alive, flat // d, -1), token, child
+    return (top, torch.where(alive, flat // d, -1), torch.where(alive, tok.gather(1, flat), 0),
+            torch.where(alive, child.gather(1, flat), -1))
+
+
+def expand_beams(catalog: Catalog, logp: torch.Tensor, score: torch.Tensor, node: torch.Tensor, k: int,
+                 width: int | None = None):
+    """Top-k (beam, token) extensions -> score, parent beam, token, child node [B, k] (-1 / -inf = none).
+    Ties go to the lower (beam, token) pair."""
+    cand, tok, child, d = candidates(catalog, logp, score, node, width)
+    return pick(cand, tok, child, d, topk_stable(cand, k)[1])
 
 
 def gumbel_like(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -78,20 +89,11 @@ def sample_beams(catalog: Catalog, logp: torch.Tensor, score: torch.Tensor, node
                  width: int | None, temperature: float, generator: torch.Generator | None):
     """Sampling-based beam step: k (beam, token) pairs drawn WITHOUT replacement with probability proportional to
     exp((score + log p(token)) / temperature) over the valid children (Gumbel top-k), in draw order.
-    Same shapes as `expand_beams`, plus the candidates' log-weights [B, W * D] and the drawn flat indices [B, k]."""
-    b, w, _ = logp.shape
-    child_tok, child_node, valid = (x.view(b, w, -1) for x in catalog.children(node.flatten(), width))  # [B, W, D]
-    d = child_tok.shape[2]
-    cand = (score[:, :, None] + logp.gather(2, child_tok)).masked_fill(~valid, float("-inf")).view(b, w * d)
-    weight = cand.double() / temperature  # [B, W * D] log-weights
-    _, flat = topk_stable((weight + gumbel_like(weight, generator)).float(), k)  # draw order
-    top = cand.gather(1, flat.clamp(max=w * d - 1)) if w * d >= k else torch.cat(
-        [cand, cand.new_full((b, k - w * d), float("-inf"))], 1).gather(1, flat)
-    alive = top > float("-inf")
-    flat = torch.where(alive, flat, 0)
-    token = torch.where(alive, child_tok.view(b, -1).gather(1, flat), 0)
-    child = torch.where(alive, child_node.view(b, -1).gather(1, flat), -1)
-    return top, torch.where(alive, flat // d, -1), token, child, weight, flat
+    -> score, parent beam, token, node [B, k], the candidates' log-weights [B, W*D] and the drawn flat indices [B, k]."""
+    cand, tok, child, d = candidates(catalog, logp, score, node, width)
+    weight = cand.double() / temperature
+    flat = topk_stable((weight + gumbel_like(weight, generator)).float(), k)[1]  # draw order
+    return (*pick(cand, tok, child, d, flat), weight, flat)
 
 
 @torch.no_grad()

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decoding.beam import Recommendations, expand_beams, prefill, tree_forward
+from decoding.beam import Recommendations, candidates, expand_beams, gumbel_like, pick, prefill, sample_beams, tree_forward
 from decoding.catalog import Catalog
 from decoding.tree import TokenTree
 
@@ -77,6 +77,46 @@ def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return x.gather(1, idx.view(*idx.shape, *([1] * (x.dim() - 2))).expand(*idx.shape, *x.shape[2:]))
 
 
+def relaxed_draws(p_weight: torch.Tensor, q_weight: torch.Tensor, proposals: torch.Tensor, generator):
+    """Relaxed sampling verification of one step, exact in distribution.
+    p_weight, q_weight [A, C]: the target's and the draft's log-weights over the same candidates (-inf = none);
+    proposals [A, k]: the draft's draws, without replacement from Q, in draw order. Draw i accepts proposal i with
+    probability min(1, P_i / Q_i), P_i and Q_i being P and Q without the earlier draws; the first rejected draw is
+    resampled from norm(max(0, P_i - Q_i)) and the later ones come from P. The k draws are then k draws without
+    replacement from P, as in the target's sampling-based beam search.
+    -> (drawn candidates [A, k] in draw order, C where none; all k proposals accepted [A])."""
+    a, c = p_weight.shape
+    k = proposals.shape[1]
+    lp, lq = p_weight.log_softmax(-1), q_weight.log_softmax(-1)  # float64
+    live = proposals < c
+    prop = proposals.clamp(max=c - 1)
+    p_d = torch.where(live, lp.gather(1, prop).exp(), 0.0)  # [A, k]
+    q_d = torch.where(live, lq.gather(1, prop).exp(), 0.0)
+    rest_p = (1 - (p_d.cumsum(1) - p_d)).clamp(min=1e-300)  # mass left before draw i
+    rest_q = (1 - (q_d.cumsum(1) - q_d)).clamp(min=1e-300)
+    ratio = (p_d / rest_p) / (q_d / rest_q).clamp(min=1e-300)
+    u = torch.rand(a, k, generator=generator, device=p_weight.device, dtype=torch.float64)
+    accept = (u < ratio) | ~live
+    r = accept.long().cumprod(1).sum(1)  # [A] accepted draws before the first rejection (k: all)
+    m = torch.arange(k, device=p_weight.device)
+    taken = torch.zeros(a, c + 1, dtype=torch.bool, device=p_weight.device)
+    taken.scatter_(1, torch.where((m < r[:, None]) & live, prop, c), True)
+    taken = taken[:, :c]  # [A, C] the accepted proposals
+    at = r.clamp(max=k - 1)[:, None]
+    residual = (lp.exp() / rest_p.gather(1, at) - lq.exp() / rest_q.gather(1, at)).clamp(min=0).masked_fill(taken, 0)
+    log_res = torch.where(residual > 0, residual.log(), float("-inf"))
+    fallback = torch.where(taken, float("-inf"), lp)  # only if rounding left no residual mass
+    log_res = torch.where(torch.isfinite(log_res).any(1, keepdim=True), log_res, fallback)
+    x = (log_res + gumbel_like(log_res, generator)).argmax(1)  # [A] the resampled draw
+    later = torch.where(taken | (torch.arange(c, device=p_weight.device) == x[:, None]), float("-inf"), lp)
+    rest = torch.topk(later + gumbel_like(later, generator), k, dim=1)  # the remaining draws, from P
+    rest_idx = torch.where(torch.isfinite(rest.values), rest.indices, c)
+    drawn = torch.where(m < r[:, None], torch.where(live, prop, c),
+                        torch.where(m == r[:, None], torch.where(torch.isfinite(lp.gather(1, x[:, None])), x[:, None], c),
+                                    rest_idx.gather(1, (m - r[:, None] - 1).clamp(min=0))))
+    return drawn, r >= k
+
+
 @torch.no_grad()
 def speculative_beam_search(target, draft, input_ids: torch.Tensor, attention_mask: torch.Tensor, catalog: Catalog,
                             k: int, draft_beams: int = 40, gamma: int | None = None, verification: str = "strict",
@@ -85,8 +125,11 @@ def speculative_beam_search(target, draft, input_ids: torch.Tensor, attention_ma
     stats: target_forwards, draft_forwards, accepted_steps [B], drafted_steps [B], rounds [B], seconds per phase."""
     code_len = catalog.code_len
     gamma = code_len if gamma is None else gamma
-    if verification != "strict":
-        raise ValueError(f"verification must be 'strict', got {verification!r}")
+    if verification not in ("strict", "relaxed"):
+        raise ValueError(f"verification must be 'strict' or 'relaxed', got {verification!r}")
+    if verification == "relaxed" and not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    relaxed = verification == "relaxed"
     if k < 1 or draft_beams < k or gamma < 1:
         raise ValueError(f"need 1 <= k <= draft_beams and gamma >= 1, got k={k}, draft_beams={draft_beams}, "
                          f"gamma={gamma}")
@@ -95,7 +138,8 @@ def speculative_beam_search(target, draft, input_ids: torch.Tensor, attention_ma
                          f"{draft.config.vocab_size}")
     if catalog.device != input_ids.device or (attention_mask[:, -1] == 0).any():
         raise ValueError("catalog and prompts must be on one device, and prompts left-padded")
-    b, n, dev = input_ids.shape[0], draft_beams, input_ids.device
+    b, dev = input_ids.shape[0], input_ids.device
+    n = k if relaxed else draft_beams  # relaxed: the draft samples k sequences per step, each verified by a draw
     width = max(catalog.max_children)
     clock = {"prefill_s": 0.0, "draft_s": 0.0, "verify_s": 0.0}
     t0 = time.perf_counter()
@@ -105,7 +149,11 @@ def speculative_beam_search(target, draft, input_ids: torch.Tensor, attention_ma
 
     # step 1 is free: the prefill already gives the target's log-probs at the prompt
     root = torch.zeros(b, 1, dtype=torch.int64, device=dev)
-    score, _, first, node = expand_beams(catalog, tgt.logp[:, :1], root.float(), root, k, width)  # [B, K]
+    if relaxed:
+        score, _, first, node, _, _ = sample_beams(catalog, tgt.logp[:, :1], root.float(), root, k, width,
+                                                   temperature, generator)
+    else:
+        score, _, first, node = expand_beams(catalog, tgt.logp[:, :1], root.float(), root, k, width)  # [B, K]
     tokens = torch.full((b, k, code_len), -1, dtype=torch.int64, device=dev)
     tokens[:, :, 0] = torch.where(node >= 0, first, -1)
     depth = torch.ones(b, dtype=torch.int64, device=dev)
@@ -136,13 +184,18 @@ def speculative_beam_search(target, draft, input_ids: torch.Tensor, attention_ma
         drafts = []  # per step: node, token, parent index, draft logp, draft tree node  ([A, N] / [A, N, V])
         cur_score, cur_node, cur_logp, cur_tree = score, node, drf.logp, drf.leaf
         for i in range(1, steps + 1):
-            s, parent, tok, nd = expand_beams(catalog, cur_logp, cur_score, cur_node, n, width)
+            if relaxed:  # Q: the draft's own sampling-based beam step, recorded for the verification
+                s, parent, tok, nd, q_weight, flat = sample_beams(catalog, cur_logp, cur_score, cur_node, n, width,
+                                                                  temperature, generator)
+            else:
+                s, parent, tok, nd = expand_beams(catalog, cur_logp, cur_score, cur_node, n, width)
+                q_weight, flat = None, None
             live = (nd >= 0) & (i <= g)[:, None]
             par_tree = torch.where(live, cur_tree.gather(1, parent.clamp(min=0)), -1)
             logp = tree_forward(draft, drf.tree, drf.cache, torch.where(live, tok, 0), par_tree)  # [A, N, V]
             forwards["draft"] += 1
             tree_idx = (drf.tree.num_nodes - n + torch.arange(n, device=dev)).expand(a, n)
-            drafts.append((torch.where(live, nd, -1), tok, parent.clamp(min=0), logp, tree_idx))
+            drafts.append((torch.where(live, nd, -1), tok, parent.clamp(min=0), logp, tree_idx, q_weight, flat))
             cur_score, cur_node, cur_logp, cur_tree = torch.where(live, s, NEG_INF), torch.where(live, nd, -1), logp, tree_idx
         clock["draft_s"] += time.perf_counter() - t1
 
@@ -152,7 +205,7 @@ def speculative_beam_search(target, draft, input_ids: torch.Tensor, attention_ma
         tok, par = tgt.add_pending(last_tokens(tokens, depth), alive)
         block_tok, block_par = [tok], [par]
         prev = torch.where(tgt.pending[:, None], base + torch.arange(k, device=dev), tgt.leaf)  # accepted beams
-        for i, (nd, tok, parent, _, _) in enumerate(drafts):
+        for i, (nd, tok, parent, *_) in enumerate(drafts):
             block_tok.append(torch.where(nd >= 0, tok, 0))
             block_par.append(torch.where(nd >= 0, prev.gather(1, parent), -1))
             prev = (base + k + i * n + torch.arange(n, device=dev)).expand(a, n)
@@ -168,15 +221,28 @@ def speculative_beam_search(target, draft, input_ids: torch.Tensor, attention_ma
         accepting = torch.ones(a, dtype=torch.bool, device=dev)
         t_pending, d_pending = torch.zeros_like(accepting), torch.zeros_like(accepting)
         for j in range(1, steps + 2):
-            t_score, t_parent, t_tok, t_node = expand_beams(catalog, tgt.logp, score, node, k, width)
             take = accepting & (depth < code_len)  # these users' beams advance to T_j
+            if relaxed:  # T_j: k draws without replacement from the target's P (fresh where nothing was drafted)
+                t_score, t_parent, t_tok, t_node, p_weight, _ = sample_beams(catalog, tgt.logp, score, node, k, width,
+                                                                             temperature, generator)
+            else:  # T_j: the target's exact top-K
+                t_score, t_parent, t_tok, t_node = expand_beams(catalog, tgt.logp, score, node, k, width)
+            ok = torch.zeros_like(take)
             if j <= steps:
-                d_node, _, _, d_logp, d_tree = drafts[j - 1]
-                hit = (t_node[:, :, None] == d_node[:, None, :]) & (d_node[:, None, :] >= 0)  # [A, K, N]
-                idx = hit.int().argmax(-1)  # [A, K] drafted node holding each target beam
-                ok = take & (j <= g) & (hit.any(-1) | (t_node < 0)).all(-1)
-            else:
-                ok = torch.zeros_like(take)
+                d_node, _, _, d_logp, d_tree, q_weight, flat = drafts[j - 1]
+                drafted_here = take & (j <= g)
+                if relaxed:  # draws that accept the drafted sequences, in their order
+                    cand, tok, child, d = candidates(catalog, tgt.logp, score, node, width)
+                    drawn, ok = relaxed_draws(p_weight, q_weight, flat, generator)
+                    verified = pick(cand, tok, child, d, drawn)
+                    t_score, t_parent, t_tok, t_node = (torch.where(drafted_here[:, None], v, w)
+                                                        for v, w in zip(verified, (t_score, t_parent, t_tok, t_node)))
+                    idx = torch.arange(n, device=dev).expand(a, n)  # accepted = the drafted set, in its order
+                    ok = drafted_here & ok
+                else:
+                    hit = (t_node[:, :, None] == d_node[:, None, :]) & (d_node[:, None, :] >= 0)  # [A, K, N]
+                    idx = hit.int().argmax(-1)  # [A, K] drafted node holding each target beam
+                    ok = drafted_here & (hit.any(-1) | (t_node < 0)).all(-1)
             pend = take & ~ok  # correction (rejected step) or bonus step: not in the trees yet
             live_t = t_node >= 0
             new_t_parent = torch.where(live_t, tgt.leaf.gather(1, t_parent.clamp(min=0)), -1)
@@ -214,6 +280,10 @@ def speculative_beam_search(target, draft, input_ids: torch.Tensor, attention_ma
             tgt.compact(score > NEG_INF)
             drf.compact(score > NEG_INF)
 
+    if relaxed:  # drawn in sampling order: rank by score, as the sampling-based beam search does
+        order = torch.sort(out_score, dim=1, descending=True, stable=True).indices
+        out_score, out_node = out_score.gather(1, order), out_node.gather(1, order)
+        out_tokens = out_tokens.gather(1, order[:, :, None].expand_as(out_tokens))
     stats = {**clock, "target_forwards": forwards["target"], "draft_forwards": forwards["draft"],
              "accepted_steps": accepted, "drafted_steps": drafted, "rounds": rounds}
     return Recommendations(catalog.item_of_node(out_node), out_tokens, out_score, stats)

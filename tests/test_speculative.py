@@ -91,3 +91,92 @@ def test_bad_arguments(setup):
     other = tiny_model("llama", cat.vocab_size + 3, num_hidden_layers=1)
     with pytest.raises(ValueError, match="vocabularies differ"):
         speculative_beam_search(target, other, ids, mask, cat, 5)
+
+
+# ---------------------------------------------------------------- relaxed sampling verification
+
+def chi2_critical(df: int, alpha_z: float = 3.09) -> float:
+    """Wilson-Hilferty approximation of the chi-square quantile; z = 3.09 is alpha = 0.001."""
+    return df * (1 - 2 / (9 * df) + alpha_z * (2 / (9 * df)) ** 0.5) ** 3
+
+
+def homogeneity_chi2(a: torch.Tensor, b: torch.Tensor) -> tuple[float, int]:
+    """Two-sample chi-square test of equal distributions from category counts; sparse categories (expected < 5)
+    are pooled into one bin. -> (statistic, degrees of freedom)."""
+    order = torch.argsort(a + b, descending=True)
+    a, b = a[order].double(), b[order].double()
+    big = (a + b) / 2 >= 5
+    a = torch.cat([a[big], a[~big].sum()[None]]) if (~big).any() else a
+    b = torch.cat([b[big], b[~big].sum()[None]]) if (~big).any() else b
+    expected = (a + b) / 2
+    keep = expected > 0
+    stat = (((a - expected) ** 2 + (b - expected) ** 2) / expected)[keep].sum()
+    return float(stat), int(keep.sum()) - 1
+
+
+def top1_counts(rec, catalog) -> torch.Tensor:
+    ids = catalog.item_ids.sort().values
+    return (rec.item_ids[:, :1] == ids[None]).sum(0)
+
+
+@pytest.fixture(scope="module")
+def small():
+    """An enumerable catalog (24 items of 3 levels x 4 codes), a peaked target and two drafts."""
+    cat = random_catalog(24, 3, 4, seed=3)
+    target = tiny_model("llama", cat.vocab_size, seed=1)
+    far = tiny_model("qwen2", cat.vocab_size, seed=7, num_hidden_layers=1)
+    near = tiny_model("llama", cat.vocab_size, seed=1)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(8)
+        far.lm_head.weight.mul_(8)
+        near.load_state_dict(target.state_dict())
+        near.lm_head.weight.add_(0.5 * torch.randn(near.lm_head.weight.shape, generator=torch.Generator().manual_seed(0)))
+    return cat, target, {"near": near, "far": far}
+
+
+RUNS = 3000  # one batch of 3000 copies of one prompt: 3000 independent seeded runs
+
+
+@pytest.mark.parametrize("k, temperature, draft", [(1, 1.0, "far"), (3, 1.0, "far"), (3, 1.0, "near"),
+                                                   (2, 0.7, "near")])
+def test_relaxed_matches_sampling_beam_search_in_distribution(small, k, temperature, draft):
+    """H0: the top-1 item of relaxed speculative beam search has the distribution of the target's sampling-based
+    beam search. Two-sample chi-square homogeneity test on 3000 runs each, alpha = 0.001. Power: a shift of 0.05
+    probability between two items of probability about 0.2 (total variation 0.05) gives a noncentrality of about
+    3000 / 2 * 0.025 = 38, detected with probability about 0.87 at ~15 degrees of freedom."""
+    cat, target, drafts = small
+    ids, mask = left_padded_prompts(1, [6], cat.vocab_size, seed=0)
+    ids, mask = ids.repeat(RUNS, 1), mask.repeat(RUNS, 1)
+    ref = beam_search(target, ids, mask, cat, k, do_sample=True, temperature=temperature,
+                      generator=torch.Generator().manual_seed(11))
+    rel = speculative_beam_search(target, drafts[draft], ids, mask, cat, k, verification="relaxed",
+                                  temperature=temperature, generator=torch.Generator().manual_seed(12))
+    assert (rel.item_ids >= 0).all() and (rel.scores[:, :-1] >= rel.scores[:, 1:]).all()
+    assert all(len(set(r)) == k for r in rel.item_ids.tolist())  # k distinct items
+    stat, df = homogeneity_chi2(top1_counts(ref, cat), top1_counts(rel, cat))
+    assert df >= 3 and stat < chi2_critical(df), (stat, df)
+
+
+def test_relaxed_detects_a_different_distribution(small):
+    """The test above has teeth: the same statistic rejects a sampler at another temperature."""
+    cat, target, drafts = small
+    ids, mask = left_padded_prompts(1, [6], cat.vocab_size, seed=0)
+    ids, mask = ids.repeat(RUNS, 1), mask.repeat(RUNS, 1)
+    ref = beam_search(target, ids, mask, cat, 3, do_sample=True, generator=torch.Generator().manual_seed(11))
+    hot = speculative_beam_search(target, drafts["near"], ids, mask, cat, 3, verification="relaxed",
+                                  temperature=1.3, generator=torch.Generator().manual_seed(12))
+    stat, df = homogeneity_chi2(top1_counts(ref, cat), top1_counts(hot, cat))
+    assert stat > chi2_critical(df)
+
+
+@pytest.mark.parametrize("draft", ["near", "far"])
+def test_relaxed_accepts_at_least_as_many_steps_as_strict(small, draft):
+    cat, target, drafts = small
+    ids, mask = left_padded_prompts(1, [6], cat.vocab_size, seed=0)
+    ids, mask = ids.repeat(500, 1), mask.repeat(500, 1)
+    strict = speculative_beam_search(target, drafts[draft], ids, mask, cat, 3, draft_beams=3)
+    relaxed = speculative_beam_search(target, drafts[draft], ids, mask, cat, 3, verification="relaxed",
+                                      generator=torch.Generator().manual_seed(5))
+    assert relaxed.stats["accepted_steps"].float().mean() >= strict.stats["accepted_steps"].float().mean()
+    if draft == "near":
+        assert relaxed.stats["accepted_steps"].float().mean() > strict.stats["accepted_steps"].float().mean()
