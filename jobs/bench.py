@@ -1,4 +1,8 @@
-"""Benchmarks, side by side in one run: `python -m jobs.bench decode [options]`.
+"""Benchmarks, side by side in one run: `python -m jobs.bench {decode,speculative} [options]`.
+
+speculative: AtSpeed speculative beam search (strict and relaxed) with every trained draft against `beam_search`
+of the same target on the same Amazon Beauty prompts, in the layout of the AtSpeed paper's Table 1 (WS@K = walltime
+speed-up, AS@K = accepted steps per target verification), at batch size 1 and at a throughput batch size.
 
 decode: `transformers` constrained beam search (generate + prefix_allowed_tokens_fn over a CPU trie) against
 genrec-batch's `beam_search` on the same model and the same Amazon Beauty prompts, batch by batch, alternating;
@@ -76,12 +80,12 @@ def timed(fn, device):
 # ------------------------------------------------------------------ data and model
 
 
-def load_beauty(data: Path, users: int, history_len: int, device):
+def load_beauty(data: Path, users: int, history_len: int, device, tokenizer_dir: Path | None = None):
     """Prepared data dir -> (tokenizer, catalog, input_ids [U, S], attention_mask [U, S])."""
     for name in ("items.parquet", "test.parquet", "tokenizer"):
         if not (data / name).exists():
             raise SystemExit(f"{data / name} not found: run `python -m jobs.prepare_data --out {data}` first")
-    tok = load_tokenizer(data / "tokenizer")
+    tok = load_tokenizer(tokenizer_dir or data / "tokenizer")
     catalog = Catalog.from_parquet(data / "items.parquet", tok, on_duplicate="first", device=device)
     histories = pq.read_table(data / "test.parquet", columns=["history"]).column("history").to_pylist()
     histories = [h for h in histories if h][:users]
@@ -228,6 +232,118 @@ def run_index(args, beauty_catalog: Catalog | None) -> list[dict]:
     return out
 
 
+# ------------------------------------------------------------------ speculative: Table 1 of the AtSpeed paper
+
+
+def in_batches(fn, ids, mask, batch: int, device):
+    """Runs fn(ids, mask) over consecutive batches -> (results, seconds)."""
+    out = []
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for a in range(0, ids.shape[0], batch):
+        out.append(fn(ids[a:a + batch], mask[a:a + batch]))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - t0
+
+
+def load_drafts(paths, device) -> dict:
+    drafts = {}
+    for path in paths:
+        report = json.loads((Path(path) / "training.json").read_text()) if (Path(path) / "training.json").is_file() else {}
+        name = report.get("objective", Path(path).name)
+        beta = report.get("config", {}).get("beta", 1.0)
+        name += "" if name != "atspeed-s" or beta == 1.0 else f" (beta={beta:g})"
+        drafts[name] = load_model(path, device=str(device), dtype="float32")
+    return drafts
+
+
+def bench_speculative(args) -> dict:
+    from decoding.speculative import speculative_beam_search
+
+    device = pick_device(args.device)
+    torch.manual_seed(args.seed)
+    target = load_model(args.target, device=str(device), dtype=args.dtype)
+    drafts = load_drafts(args.drafts, device)
+    if not drafts:
+        raise SystemExit("no drafts given: --drafts DIR [DIR ...] (trained with python -m jobs.train_draft)")
+    _, catalog, ids, mask = load_beauty(Path(args.data), max(args.users, args.throughput_users), args.history_len,
+                                        device, Path(args.target))
+    out = {"target_parameters": sum(p.numel() for p in target.parameters()),
+           "draft_parameters": {n: sum(p.numel() for p in d.parameters()) for n, d in drafts.items()}, "batches": []}
+    for batch, users in ((1, args.users), (args.batch, args.throughput_users)):
+        b_ids, b_mask = ids[:users], mask[:users]
+        table = {"batch": batch, "users": users, "k": {}}
+        for k in args.ks:
+            print(f"  speculative: batch {batch}, K={k}", file=sys.stderr)
+            run_beam = lambda i, m: beam_search(target, i, m, catalog, k)  # noqa: E731
+            in_batches(run_beam, b_ids[:batch], b_mask[:batch], batch, device)  # warm-up
+            ref, t_beam = in_batches(run_beam, b_ids, b_mask, batch, device)
+            ref_items = torch.cat([r.item_ids for r in ref])
+            row = {"beam_search_s": t_beam, "beam_search_users_per_s": users / t_beam, "drafts": {}}
+            if batch == 1 and args.with_transformers:
+                trie = cpu_trie(catalog.to("cpu"))
+                _, t_hf = in_batches(lambda i, m: generate_beam_search(target, i, m, catalog, k, trie), b_ids, b_mask,
+                                     batch, device)
+                row["transformers_s"] = t_hf
+            for name, draft in drafts.items():
+                for mode in ("strict", "relaxed"):
+                    g = torch.Generator(device=device).manual_seed(args.seed)
+                    run = lambda i, m: speculative_beam_search(  # noqa: E731
+                        target, draft, i, m, catalog, k, draft_beams=max(args.draft_beams, k), gamma=args.gamma,
+                        verification=mode, temperature=args.temperature, generator=g)
+                    in_batches(run, b_ids[:batch], b_mask[:batch], batch, device)  # warm-up
+                    recs, t = in_batches(run, b_ids, b_mask, batch, device)
+                    accepted = torch.cat([r.stats["accepted_steps"] for r in recs]).float()
+                    rounds = torch.cat([r.stats["rounds"] for r in recs]).float().clamp(min=1)
+                    cell = {"seconds": t, "ws": t_beam / t, "as": float((accepted / rounds).mean()),
+                            "target_forwards": sum(r.stats["target_forwards"] for r in recs),
+                            "draft_forwards": sum(r.stats["draft_forwards"] for r in recs)}
+                    if "transformers_s" in row:
+                        cell["ws_vs_transformers"] = row["transformers_s"] / t
+                    if mode == "strict":
+                        cell["same_as_beam_search"] = float((torch.cat([r.item_ids for r in recs]) == ref_items)
+                                                            .all(1).float().mean())
+                    row["drafts"][f"{name}|{mode}"] = cell
+            row["beam_search_target_forwards"] = sum(r.stats["target_forwards"] for r in ref)
+            table["k"][k] = row
+        out["batches"].append(table)
+    return out
+
+
+def markdown_speculative(result: dict) -> str:
+    env = result["environment"]
+    s = result["speculative"]
+    lines = [f"## speculative beam search vs beam_search ({env['device']}; target {s['target_parameters']:,} "
+             f"parameters; WS@K = walltime speed-up over beam_search, AS@K = accepted steps per target verification)"]
+    for table in s["batches"]:
+        ks = list(table["k"])
+        lines += ["", f"### batch size {table['batch']}, {table['users']} Amazon Beauty users", "",
+                  "| draft | verification | " + " | ".join(f"WS@{k} | AS@{k}" for k in ks) + " |",
+                  "|---|---|" + "---:|---:|" * len(ks)]
+        names = list(next(iter(table["k"].values()))["drafts"])
+        for key in names:
+            name, mode = key.split("|")
+            cells = " | ".join(f"{table['k'][k]['drafts'][key]['ws']:.2f} | {table['k'][k]['drafts'][key]['as']:.2f}"
+                               for k in ks)
+            lines.append(f"| {name} | {mode} | {cells} |")
+        lines.append("| beam_search users/s | | " + " | ".join(
+            f"{table['k'][k]['beam_search_users_per_s']:.1f} | " for k in ks) + " |")
+        if "transformers_s" in next(iter(table["k"].values())):
+            best = {k: max((c for c in table["k"][k]["drafts"].values()), key=lambda c: c["ws"]) for k in ks}
+            lines.append("| WS vs transformers (beam_search / best draft) | | " + " | ".join(
+                f"{table['k'][k]['transformers_s'] / table['k'][k]['beam_search_s']:.1f} / "
+                f"{best[k]['ws_vs_transformers']:.1f} | " for k in ks) + " |")
+        strict_same = [c["same_as_beam_search"] for k in ks for c in table["k"][k]["drafts"].values()
+                       if "same_as_beam_search" in c]
+        lines.append(f"\nstrict results identical to beam_search for {min(strict_same):.0%} of users or more "
+                     "(every draft, every K).")
+    lines += ["", f"`{env['command']}` (torch {env['torch']}, transformers {env['transformers']}, "
+              f"{env['cpu_threads']} threads)"]
+    return "\n".join(lines)
+
+
 # ------------------------------------------------------------------ report
 
 
@@ -290,7 +406,27 @@ def parse_args(argv=None):
     d.add_argument("--repeats", type=_positive, default=5)
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--out", default=str(root / "bench-out"), help="folder for decode.json and decode.md")
-    return p.parse_args(argv)
+    sp = sub.add_parser("speculative", help="AtSpeed Table 1: speculative vs beam_search, every draft, strict/relaxed")
+    sp.add_argument("--data", default=str(root / "data" / "beauty"))
+    sp.add_argument("--target", default=str(root / "models" / "demo-target"))
+    sp.add_argument("--drafts", nargs="*", default=None, help="draft model dirs (default: models/demo-draft-*)")
+    sp.add_argument("--ks", type=_positive, nargs="+", default=[1, 3, 5, 10, 20])
+    sp.add_argument("--users", type=_positive, default=20, help="users at batch size 1")
+    sp.add_argument("--batch", type=_positive, default=64, help="the throughput batch size")
+    sp.add_argument("--throughput-users", type=_positive, default=128)
+    sp.add_argument("--draft-beams", type=_positive, default=40)
+    sp.add_argument("--gamma", type=_positive, default=None)
+    sp.add_argument("--temperature", type=float, default=1.0)
+    sp.add_argument("--with-transformers", action=argparse.BooleanOptionalAction, default=True)
+    sp.add_argument("--history-len", type=_positive, default=20)
+    sp.add_argument("--dtype", default="auto")
+    sp.add_argument("--device")
+    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--out", default=str(root / "bench-out"))
+    args = p.parse_args(argv)
+    if args.bench == "speculative" and args.drafts is None:
+        args.drafts = sorted(str(d) for d in (root / "models").glob("demo-draft*") if (d / "config.json").is_file())
+    return args
 
 
 def _positive(text: str) -> int:
@@ -306,6 +442,14 @@ def _positive(text: str) -> int:
 def main(argv=None) -> int:
     args = parse_args(argv)
     result = {"args": vars(args), "environment": environment(args)}
+    if args.bench == "speculative":
+        result["speculative"] = bench_speculative(args)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "speculative.json").write_text(json.dumps(result, indent=2, default=str))
+        (out / "speculative.md").write_text(markdown_speculative(result) + "\n")
+        print(markdown_speculative(result))
+        return 0
     print("decode: transformers vs beam_search", file=sys.stderr)
     result["decode"] = bench_decode(args)
     tok = load_tokenizer(Path(args.data) / "tokenizer")

@@ -134,3 +134,23 @@ def test_unknown_objective(target, data, tmp_path, capsys):
     with pytest.raises(ValueError, match="unknown objective 'kd9'"):
         train_draft.train_draft(cfg)
     assert not (tmp_path / "o").exists()
+
+
+def test_bench_speculative_on_trained_models(target, data, tmp_path):
+    """python -m jobs.bench speculative runs on a trained target and draft; strict results equal beam_search."""
+    from jobs import bench
+
+    draft = tmp_path / "draft"
+    assert train_draft.main(["--data", str(data), "--target", str(target), "--out", str(draft), "--objective",
+                             "seqkd", "--history-len", "8"] + TINY_DRAFT) == 0
+    out = tmp_path / "bench"
+    assert bench.main(["speculative", "--data", str(data), "--target", str(target), "--drafts", str(draft),
+                       "--ks", "1", "3", "--users", "3", "--batch", "4", "--throughput-users", "8", "--draft-beams", "6",
+                       "--history-len", "8", "--device", "cpu", "--out", str(out)]) == 0
+    result = json.loads((out / "speculative.json").read_text())["speculative"]
+    assert [t["batch"] for t in result["batches"]] == [1, 4]
+    cells = [c for t in result["batches"] for row in t["k"].values() for c in row["drafts"].values()]
+    assert len(cells) == 2 * 2 * 2  # batch sizes x K x verification modes
+    assert all(c["same_as_beam_search"] == 1.0 for c in cells if "same_as_beam_search" in c)
+    assert all(c["ws"] > 0 and c["as"] >= 0 for c in cells)
+    assert "WS@3" in (out / "speculative.md").read_text()
