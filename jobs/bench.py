@@ -439,16 +439,20 @@ def _positive(text: str) -> int:
     return value
 
 
+def write_result(out: Path, name: str, result: dict, md: str) -> None:
+    """bench-out/NAME.json and NAME.md, and the table on stdout."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2, default=str))
+    (out / f"{name}.md").write_text(md + "\n")
+    print(md)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     result = {"args": vars(args), "environment": environment(args)}
     if args.bench == "speculative":
         result["speculative"] = bench_speculative(args)
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "speculative.json").write_text(json.dumps(result, indent=2, default=str))
-        (out / "speculative.md").write_text(markdown_speculative(result) + "\n")
-        print(markdown_speculative(result))
+        write_result(Path(args.out), "speculative", result, markdown_speculative(result))
         return 0
     print("decode: transformers vs beam_search", file=sys.stderr)
     result["decode"] = bench_decode(args)
@@ -457,11 +461,7 @@ def main(argv=None) -> int:
                                   device=pick_device(args.device))
     print("catalog index", file=sys.stderr)
     result["index"] = run_index(args, beauty)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "decode.json").write_text(json.dumps(result, indent=2, default=str))
-    (out / "decode.md").write_text(markdown(result) + "\n")
-    print(markdown(result))
+    write_result(Path(args.out), "decode", result, markdown(result))
     return 0
 
 
