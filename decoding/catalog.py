@@ -33,6 +33,7 @@ class Catalog:
     edge_key: torch.Tensor  # [G - 1] int64: parent * vocab_size + token, ascending
     level_start: list[int]  # [L + 2]: first node id of each level (level_start[L + 1] = G)
     max_children: list[int]  # per level t < L: the largest number of children of one node
+    leaf_count: torch.Tensor  # [G] int64: items under each node
     duplicates: list[tuple[int, int]] = field(default_factory=list)  # (dropped item, kept item) sharing one semantic ID
 
     # ---------------------------------------------------------------- construction
@@ -100,7 +101,7 @@ class Catalog:
     def to(self, device) -> "Catalog":
         return Catalog(self.item_ids.to(device), self.tokens.to(device), self.vocab_size, self.node_ptr.to(device),
                        self.edge_tok.to(device), self.edge_key.to(device), self.level_start, self.max_children,
-                       self.duplicates)
+                       self.leaf_count.to(device), self.duplicates)
 
     @property
     def code_len(self) -> int:
@@ -237,9 +238,11 @@ def _lex_less(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def _csr(tokens: torch.Tensor, vocab_size: int):
     """Sorted unique rows [N, L] -> the global CSR trie: node_ptr [G + 1], edge_tok [G - 1], edge_key [G - 1],
-    level_start [L + 2], max_children [L]. Nodes are numbered level by level, prefixes sorted within a level."""
+    level_start [L + 2], max_children [L], leaf_count [G]. Nodes are numbered level by level, prefixes sorted
+    within a level, so each node's items are a contiguous run of rows."""
     n, code_len = tokens.shape
     counts, edge_tok, parent_of_edge, level_start = [], [], [], [0, 1]
+    first_rows = [torch.zeros(1, dtype=torch.int64, device=tokens.device)]  # per level: each node's first row
     new_prefix = torch.zeros(n, dtype=torch.bool, device=tokens.device)
     new_prefix[0] = True  # level 0: one node, the root
     for t in range(code_len):
@@ -252,9 +255,12 @@ def _csr(tokens: torch.Tensor, vocab_size: int):
         edge_tok.append(tokens[child_rows, t])
         parent_of_edge.append(parent[child_rows] + level_start[t])  # global id of the parent
         level_start.append(level_start[-1] + len(child_rows))
+        first_rows.append(child_rows)
         new_prefix = starts_child
     counts.append(torch.zeros(n, dtype=torch.int64, device=tokens.device))  # the leaves have no children
     node_ptr = torch.cat([torch.zeros(1, dtype=torch.int64, device=tokens.device), torch.cat(counts).cumsum(0)])
     edge_tok = torch.cat(edge_tok)
     edge_key = torch.cat(parent_of_edge) * vocab_size + edge_tok
-    return node_ptr, edge_tok, edge_key, level_start, [int(c.max()) for c in counts[:-1]]
+    end = torch.full((1,), n, dtype=torch.int64, device=tokens.device)
+    leaf_count = torch.cat([torch.cat([f, end]).diff() for f in first_rows])
+    return node_ptr, edge_tok, edge_key, level_start, [int(c.max()) for c in counts[:-1]], leaf_count

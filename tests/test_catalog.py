@@ -69,6 +69,11 @@ def test_children_walk_the_trie_by_node_id():
     leaves = cat.node_of(cat.tokens)
     assert torch.equal(leaves, cat.level_start[3] + torch.arange(len(cat)))  # level-L nodes are the sorted rows
     assert torch.equal(cat.item_of_node(leaves), cat.item_ids) and (cat.num_children(leaves) == 0).all()
+    assert (cat.leaf_count[leaves] == 1).all() and cat.leaf_count[0] == len(cat)
+    for t in range(1, 3):  # items under a prefix node = rows sharing the prefix
+        prefix = cat.tokens[57:58, :t]
+        want = (cat.tokens[:, :t] == prefix).all(1).sum()
+        assert cat.leaf_count[cat.node_of(prefix)].item() == want.item()
     mixed = torch.tensor([0, int(cat.node_of(cat.tokens[5:6, :1])), int(cat.node_of(cat.tokens[5:6, :2]))])
     tok, child, valid = cat.children(mixed)  # beams at three different levels in one call
     assert torch.equal(valid.sum(1), cat.num_children(mixed))
