@@ -119,9 +119,10 @@ def sample_items(model, input_ids, attention_mask, catalog: Catalog, k: int, rou
             choice = torch.where(ok, first, resampled)
             used[:, draw] = torch.where(ok, first + 1, 2 * rounds).float()
             accepted[:, draw] = ok
-        else:
+        else:  # the baseline keeps its one proposal
             choice = torch.zeros(b, dtype=torch.int64, device=dev)
             used[:, draw] = 1.0
+            accepted[:, draw] = True
         mean_x[:, draw] = log_x.exp().mean(1)
         live = torch.isfinite(log_x.gather(1, choice[:, None])).squeeze(1)  # an item is left to draw
         path = paths[torch.arange(b, device=dev), choice]  # [B, L + 1]

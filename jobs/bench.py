@@ -1,4 +1,7 @@
-"""Benchmarks, side by side in one run: `python -m jobs.bench {decode,speculative} [options]`.
+"""Benchmarks, side by side in one run: `python -m jobs.bench {decode,speculative,disc} [options]`.
+
+disc: time per user of `disc_sample` (rounds 1..R, exact mask and PPV top-M) against `constrained_sample` and
+`beam_search` on the same Amazon Beauty prompts, with proposals per item, acceptance rate and estimated p_b.
 
 speculative: AtSpeed speculative beam search (strict and relaxed) with every trained draft against `beam_search`
 of the same target on the same Amazon Beauty prompts, in the layout of the AtSpeed paper's Table 1 (WS@K = walltime
@@ -344,6 +347,58 @@ def markdown_speculative(result: dict) -> str:
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------------ disc: sampling modes against beam search
+
+
+def bench_disc(args) -> dict:
+    from decoding.disc import constrained_sample, disc_sample
+
+    device = pick_device(args.device)
+    torch.manual_seed(args.seed)
+    model_dir = Path(args.model) if args.model else None
+    _, catalog, ids, mask = load_beauty(Path(args.data), args.users, args.history_len, device, model_dir)
+    model = load_model(model_dir, device=str(device), dtype=args.dtype) if model_dir else bench_model(
+        args, catalog.vocab_size, device)
+    k, g = args.k, torch.Generator(device=device)
+    methods = {"beam_search": lambda i, m: beam_search(model, i, m, catalog, k),
+               "constrained_sample": lambda i, m: constrained_sample(model, i, m, catalog, k,
+                                                                     temperature=args.temperature, generator=g)}
+    for top_m in (None, args.top_m):
+        for rounds in range(1, args.max_rounds + 1):
+            methods[f"disc rounds={rounds} {'exact' if top_m is None else f'PPV top-{top_m}'}"] = (
+                lambda i, m, r=rounds, t=top_m: disc_sample(model, i, m, catalog, k, rounds=r, top_m=t,
+                                                            temperature=args.temperature, generator=g))
+    rows = {}
+    for name, fn in methods.items():
+        print(f"  disc: {name}", file=sys.stderr)
+        g.manual_seed(args.seed)
+        in_batches(fn, ids[:args.batch], mask[:args.batch], args.batch, device)  # warm-up
+        recs, seconds = in_batches(fn, ids, mask, args.batch, device)
+        row = {"seconds": seconds, "ms_per_user": 1e3 * seconds / ids.shape[0], "users_per_s": ids.shape[0] / seconds}
+        if "proposals" in recs[0].stats:
+            cat = lambda key: torch.cat([r.stats[key] for r in recs]).double()  # noqa: E731
+            row.update(proposals_per_item=float(cat("proposals").mean()) / k,
+                       acceptance_rate=float(cat("acceptance_rate").mean()), invalid_mass=float(cat("invalid_mass").mean()))
+        rows[name] = row
+    return {"k": k, "users": ids.shape[0], "batch": args.batch, "temperature": args.temperature,
+            "model": str(model_dir) if model_dir else "random", "methods": rows}
+
+
+def markdown_disc(result: dict) -> str:
+    d, env = result["disc"], result["environment"]
+    lines = [f"## DISC vs constrained sampling vs beam search: k={d['k']}, {d['users']} Amazon Beauty users, batch "
+             f"{d['batch']}, temperature {d['temperature']}, model {d['model']} ({env['device']})", "",
+             "| method | ms / user | users/s | proposals / item | acceptance | est. invalid mass p_b |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for name, r in d["methods"].items():
+        extra = (f"{r['proposals_per_item']:.2f} | {r['acceptance_rate']:.3f} | {r['invalid_mass']:.3f}"
+                 if "proposals_per_item" in r else "- | - | -")
+        lines.append(f"| {name} | {r['ms_per_user']:.1f} | {r['users_per_s']:.1f} | {extra} |")
+    lines += ["", f"`{env['command']}` (torch {env['torch']}, transformers {env['transformers']}, "
+              f"{env['cpu_threads']} threads)"]
+    return "\n".join(lines)
+
+
 # ------------------------------------------------------------------ report
 
 
@@ -423,6 +478,26 @@ def parse_args(argv=None):
     sp.add_argument("--device")
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--out", default=str(root / "bench-out"))
+    dc = sub.add_parser("disc", help="DISC (rounds 1..R, exact and PPV) vs constrained sampling vs beam_search")
+    dc.add_argument("--data", default=str(root / "data" / "beauty"))
+    demo = root / "models" / "demo-target"
+    dc.add_argument("--model", default=str(demo) if (demo / "config.json").is_file() else None,
+                    help="local model dir (default: models/demo-target if trained, else a random Llama)")
+    dc.add_argument("--k", type=_positive, default=10)
+    dc.add_argument("--users", type=_positive, default=128)
+    dc.add_argument("--batch", type=_positive, default=32)
+    dc.add_argument("--max-rounds", type=_positive, default=4)
+    dc.add_argument("--top-m", type=_positive, default=50)
+    dc.add_argument("--temperature", type=float, default=1.0)
+    dc.add_argument("--layers", type=_positive, default=4)
+    dc.add_argument("--hidden", type=_positive, default=256)
+    dc.add_argument("--heads", type=_positive, default=4)
+    dc.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa")
+    dc.add_argument("--history-len", type=_positive, default=20)
+    dc.add_argument("--dtype", default="auto")
+    dc.add_argument("--device")
+    dc.add_argument("--seed", type=int, default=0)
+    dc.add_argument("--out", default=str(root / "bench-out"))
     args = p.parse_args(argv)
     if args.bench == "speculative" and args.drafts is None:
         args.drafts = sorted(str(d) for d in (root / "models").glob("demo-draft*") if (d / "config.json").is_file())
@@ -453,6 +528,10 @@ def main(argv=None) -> int:
     if args.bench == "speculative":
         result["speculative"] = bench_speculative(args)
         write_result(Path(args.out), "speculative", result, markdown_speculative(result))
+        return 0
+    if args.bench == "disc":
+        result["disc"] = bench_disc(args)
+        write_result(Path(args.out), "disc", result, markdown_disc(result))
         return 0
     print("decode: transformers vs beam_search", file=sys.stderr)
     result["decode"] = bench_decode(args)
