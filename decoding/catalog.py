@@ -86,14 +86,19 @@ class Catalog:
         whose vocabulary holds the code tokens `<a_12>`, `<b_3>`, ... (level letter, code)."""
         import pyarrow.parquet as pq  # the one file this module reads, outside any decoding path
 
-        table = pq.read_table(path)
+        return cls.from_table(pq.read_table(path), tokenizer, on_duplicate, device, source=str(path))
+
+    @classmethod
+    def from_table(cls, table, tokenizer, on_duplicate: str = "error", device=None,
+                   source: str = "items.parquet") -> "Catalog":
+        """The same from an Arrow table already in memory (read from anywhere)."""
         if "item_id" not in table.column_names:
-            raise ValueError(f"{path}: missing column 'item_id' (has {table.column_names})")
-        codes = semantic_id_matrix(table, str(path))  # [N, L], checked: not ragged, no nulls, no negatives
+            raise ValueError(f"{source}: missing column 'item_id' (has {table.column_names})")
+        codes = semantic_id_matrix(table, source)  # [N, L], checked: not ragged, no nulls, no negatives
         try:
             token_ids = code_token_ids(tokenizer, codes)  # [N, L]
         except ValueError as e:
-            raise ValueError(f"{path}: {e}") from None
+            raise ValueError(f"{source}: {e}") from None
         item_ids = table.column("item_id").to_numpy().astype(np.int64)
         return cls.from_token_ids(torch.from_numpy(item_ids), torch.from_numpy(token_ids), len(tokenizer),
                                   on_duplicate, device)

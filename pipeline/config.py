@@ -1,0 +1,174 @@
+"""The nightly job's config: one YAML file plus `--set a.b=value` overrides, validated before anything runs.
+
+Errors name the field (`config: decoding.k must be an integer >= 1, got 0`). Credentials never come from the file:
+a key that looks like one is an error; object-store credentials come from the environment (AWS_ACCESS_KEY_ID /
+AWS_SECRET_ACCESS_KEY) or the cloud's default chain, and are never logged or written to the manifest.
+"""
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import yaml
+
+MODES = ("beam", "atspeed-strict", "atspeed-relaxed", "disc")
+SECRET_WORDS = ("secret", "password", "token", "access_key", "credential")
+
+
+@dataclass
+class Models:
+    target: str = ""  # local directory or s3:// prefix
+    draft: str | None = None  # needed by the atspeed modes
+    cache_dir: str = "~/.cache/genrec-batch/models"  # where s3:// models are copied, once per node
+
+
+@dataclass
+class Decoding:
+    mode: str = "beam"
+    k: int = 10
+    draft_beams: int = 40
+    gamma: int | None = None  # None: the item length
+    history_len: int = 20
+    temperature: float = 1.0  # atspeed-relaxed and disc
+    rounds: int = 4  # disc
+    top_m: int | None = None  # disc: None = exact mask, M = PPV over the top-M tokens
+    seed: int = 0
+
+
+@dataclass
+class Compute:
+    batch_size: int = 32
+    num_actors: int = 1
+    gpus_per_actor: float = 0.0  # 0: CPU actors
+    cpus_per_actor: float = 1.0
+    dtype: str = "auto"
+
+
+@dataclass
+class Storage:
+    endpoint: str | None = None  # S3-compatible endpoint override, e.g. http://127.0.0.1:8333
+    region: str = "us-east-1"
+
+
+@dataclass
+class Config:
+    input: str = ""  # histories parquet: file, folder or s3:// URI
+    catalog: str = ""  # items.parquet
+    output: str = ""  # output root (local folder or s3://bucket/prefix)
+    run_date: str = ""  # YYYY-MM-DD; default: today (UTC)
+    models: Models = field(default_factory=Models)
+    decoding: Decoding = field(default_factory=Decoding)
+    compute: Compute = field(default_factory=Compute)
+    storage: Storage = field(default_factory=Storage)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
+    """YAML file (optional) + `a.b=value` overrides (values parsed as YAML) -> a validated Config."""
+    raw: dict = {}
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"config file {path} not found")
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ValueError(f"config file {path} is not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"config file {path}: expected a mapping at the top level")
+    for item in overrides or []:
+        if "=" not in item:
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE, e.g. decoding.k=20")
+        key, value = item.split("=", 1)
+        node = raw
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"--set {key}: {part} is not a section")
+        node[parts[-1]] = yaml.safe_load(value) if value.strip() else None
+    cfg = _build(Config, raw, "")
+    if not cfg.run_date:
+        cfg.run_date = dt.datetime.now(dt.timezone.utc).date().isoformat()
+    validate(cfg)
+    return cfg
+
+
+def _build(cls, raw: dict, prefix: str):
+    known = {f.name: f for f in fields(cls)}
+    for key in raw:
+        name = f"{prefix}{key}"
+        if any(w in str(key).lower() for w in SECRET_WORDS):
+            raise ValueError(f"config: {name} looks like a credential; credentials come from the environment "
+                             "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) or the cloud's default chain, never the file")
+        if key not in known:
+            raise ValueError(f"config: unknown field {name} (known: {', '.join(sorted(known))})")
+    values = {}
+    for name, f in known.items():
+        if name not in raw:
+            continue
+        value = raw[name]
+        sub = {"models": Models, "decoding": Decoding, "compute": Compute, "storage": Storage}.get(name) \
+            if cls is Config else None
+        if sub is not None:
+            if not isinstance(value, dict):
+                raise ValueError(f"config: {prefix}{name} must be a section (mapping), got {value!r}")
+            values[name] = _build(sub, value, f"{prefix}{name}.")
+        else:
+            values[name] = _typed(value, f.type, f"{prefix}{name}")
+    return cls(**values)
+
+
+def _typed(value, kind: str, name: str):
+    optional = "None" in kind
+    if value is None:
+        if optional:
+            return None
+        raise ValueError(f"config: {name} must be set")
+    base = kind.split(" |")[0]
+    if isinstance(value, dt.date) and base == "str":
+        return value.isoformat()  # YAML reads 2026-11-21 as a date
+    ok = {"str": isinstance(value, str), "int": isinstance(value, int) and not isinstance(value, bool),
+          "float": isinstance(value, (int, float)) and not isinstance(value, bool)}[base]
+    if not ok:
+        raise ValueError(f"config: {name} must be {'a number' if base == 'float' else 'an ' + base if base == 'int' else 'a string'}, "
+                         f"got {value!r}")
+    return float(value) if base == "float" else value
+
+
+def validate(cfg: Config) -> None:
+    def need(cond: bool, name: str, what: str, value) -> None:
+        if not cond:
+            raise ValueError(f"config: {name} {what}, got {value!r}")
+
+    for name in ("input", "catalog", "output"):
+        uri = getattr(cfg, name)
+        need(bool(uri), name, "must be set (a local path or an s3:// URI)", uri)
+        need("://" not in uri or uri.startswith("s3://"), name, "must be a local path or an s3:// URI", uri)
+    try:
+        dt.date.fromisoformat(cfg.run_date)
+    except ValueError:
+        need(False, "run_date", "must be a date YYYY-MM-DD", cfg.run_date)
+    need(bool(cfg.models.target), "models.target", "must be set (a local model directory or s3:// prefix)",
+         cfg.models.target)
+    d, c = cfg.decoding, cfg.compute
+    need(d.mode in MODES, "decoding.mode", f"must be one of {', '.join(MODES)}", d.mode)
+    if d.mode.startswith("atspeed"):
+        need(bool(cfg.models.draft), "models.draft", f"must be set for decoding.mode {d.mode}", cfg.models.draft)
+    for name, value in (("decoding.k", d.k), ("decoding.draft_beams", d.draft_beams),
+                        ("decoding.history_len", d.history_len), ("decoding.rounds", d.rounds),
+                        ("compute.batch_size", c.batch_size), ("compute.num_actors", c.num_actors)):
+        need(value >= 1, name, "must be an integer >= 1", value)
+    need(d.draft_beams >= d.k, "decoding.draft_beams", f"must be >= decoding.k ({d.k})", d.draft_beams)
+    need(d.gamma is None or d.gamma >= 1, "decoding.gamma", "must be >= 1 or null", d.gamma)
+    need(d.top_m is None or d.top_m >= 1, "decoding.top_m", "must be >= 1 or null", d.top_m)
+    need(d.temperature > 0, "decoding.temperature", "must be > 0", d.temperature)
+    need(c.gpus_per_actor >= 0, "compute.gpus_per_actor", "must be >= 0", c.gpus_per_actor)
+    need(c.cpus_per_actor > 0, "compute.cpus_per_actor", "must be > 0", c.cpus_per_actor)
+    need(c.dtype in ("auto", "float32", "bfloat16", "float16"), "compute.dtype",
+         "must be auto, float32, bfloat16 or float16", c.dtype)
+    e = cfg.storage.endpoint
+    need(e is None or e.startswith(("http://", "https://")), "storage.endpoint", "must be an http(s):// URL", e)

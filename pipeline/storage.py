@@ -1,0 +1,199 @@
+"""Storage: local paths and s3:// URIs (pyarrow's S3FileSystem for tables, boto3 for small objects), model
+directories copied once per node into a verified cache, and atomic publication of a run's outputs.
+
+Output layout of one run (ARCHITECTURE.md section 3):
+    <output>/run_date=<D>/run_id=<R>/recommendations/*.parquet   user_id, rank, item_id, score, mode
+    <output>/run_date=<D>/run_id=<R>/metrics/*.parquet           one row per processed batch
+    <output>/run_date=<D>/run_id=<R>/rejects/*.parquet           user_id, reason, detail
+    <output>/run_date=<D>/run_id=<R>/manifest.json, then _SUCCESS (written last)
+    <output>/run_date=<D>/_LATEST                                {"run_id": R}, replaced in one put
+A reader resolves _LATEST, then trusts the run only if it has _SUCCESS. A rerun writes a new run id, publishes it by
+replacing _LATEST, then deletes the older run ids of that date: readers never see a mixture.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pyarrow.fs as pafs
+
+from pipeline.config import Storage
+
+
+def is_s3(uri: str) -> bool:
+    return uri.startswith("s3://")
+
+
+def split_s3(uri: str) -> tuple[str, str]:
+    parsed = urlparse(uri)
+    return parsed.netloc, parsed.path.lstrip("/")
+
+
+def filesystem(uri: str, storage: Storage) -> tuple[pafs.FileSystem, str]:
+    """URI -> (pyarrow filesystem, path inside it). s3:// uses the environment's credentials (default chain)."""
+    if not is_s3(uri):
+        return pafs.LocalFileSystem(), str(Path(uri).expanduser().resolve())
+    kwargs = {"region": storage.region}
+    if storage.endpoint:
+        endpoint = urlparse(storage.endpoint)
+        kwargs.update(endpoint_override=endpoint.netloc, scheme=endpoint.scheme)
+    bucket, key = split_s3(uri)
+    return pafs.S3FileSystem(**kwargs), f"{bucket}/{key}".rstrip("/")
+
+
+def s3_client(storage: Storage):
+    import boto3
+
+    return boto3.client("s3", endpoint_url=storage.endpoint, region_name=storage.region)
+
+
+def join(uri: str, *parts: str) -> str:
+    return "/".join([uri.rstrip("/"), *parts])
+
+
+# ------------------------------------------------------------------ small objects (manifests, markers)
+
+
+def write_bytes(uri: str, data: bytes, storage: Storage) -> None:
+    """One put on S3; write-then-rename locally: either way a reader sees the old or the new object, whole."""
+    if is_s3(uri):
+        bucket, key = split_s3(uri)
+        s3_client(storage).put_object(Bucket=bucket, Key=key, Body=data)
+        return
+    path = Path(uri).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def read_bytes(uri: str, storage: Storage) -> bytes | None:
+    if is_s3(uri):
+        bucket, key = split_s3(uri)
+        client = s3_client(storage)
+        try:
+            return client.get_object(Bucket=bucket, Key=key)["Body"].read()
+        except client.exceptions.NoSuchKey:
+            return None
+    path = Path(uri).expanduser()
+    return path.read_bytes() if path.is_file() else None
+
+
+def delete_tree(uri: str, storage: Storage) -> None:
+    if is_s3(uri):
+        bucket, key = split_s3(uri)
+        client = s3_client(storage)
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=key.rstrip("/") + "/"):
+            objects = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if objects:
+                client.delete_objects(Bucket=bucket, Delete={"Objects": objects})
+    else:
+        shutil.rmtree(Path(uri).expanduser(), ignore_errors=True)
+
+
+def list_children(uri: str, storage: Storage) -> list[str]:
+    """Names of the immediate sub-folders of a URI."""
+    fs, path = filesystem(uri, storage)
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+    except OSError:
+        return []
+    return sorted(Path(i.path).name for i in infos if i.type == pafs.FileType.Directory)
+
+
+def check_access(uri: str, storage: Storage) -> None:
+    """Fails fast, naming the URI, when the object store rejects the credentials; never prints a secret."""
+    if not is_s3(uri):
+        return
+    import botocore.exceptions
+
+    bucket, _ = split_s3(uri)
+    try:
+        s3_client(storage).head_bucket(Bucket=bucket)
+    except botocore.exceptions.NoCredentialsError:
+        raise PermissionError(f"{uri}: no object-store credentials (set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY "
+                              "or use the cloud's default credential chain)") from None
+    except botocore.exceptions.ClientError as e:
+        code = e.response.get("Error", {}).get("Code", "?")
+        raise PermissionError(f"{uri}: the object store refused access to bucket {bucket!r} ({code}); check the "
+                              "credentials in the environment and storage.endpoint") from None
+
+
+# ------------------------------------------------------------------ runs: write under a run id, publish atomically
+
+
+def run_dir(output: str, run_date: str, run_id: str) -> str:
+    return join(output, f"run_date={run_date}", f"run_id={run_id}")
+
+
+def publish(output: str, run_date: str, run_id: str, storage: Storage) -> None:
+    """Points _LATEST of the date at this run (one atomic put), then deletes the date's other runs."""
+    date_dir = join(output, f"run_date={run_date}")
+    write_bytes(join(date_dir, "_LATEST"), json.dumps({"run_id": run_id}).encode(), storage)
+    for child in list_children(date_dir, storage):
+        if child.startswith("run_id=") and child != f"run_id={run_id}":
+            delete_tree(join(date_dir, child), storage)
+
+
+def latest_run(output: str, run_date: str, storage: Storage) -> str | None:
+    """The published, complete run of a date (its folder URI), or None."""
+    latest = read_bytes(join(output, f"run_date={run_date}", "_LATEST"), storage)
+    if latest is None:
+        return None
+    run = run_dir(output, run_date, json.loads(latest)["run_id"])
+    return run if read_bytes(join(run, "_SUCCESS"), storage) is not None else None
+
+
+# ------------------------------------------------------------------ model directories
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def upload_model_dir(local: str, uri: str, storage: Storage) -> None:
+    """Copies a model directory to s3:// with a sha256sums.json that `local_model_dir` verifies."""
+    files = sorted(p for p in Path(local).iterdir() if p.is_file())
+    sums = {p.name: sha256_file(p) for p in files}
+    bucket, key = split_s3(uri)
+    client = s3_client(storage)
+    for p in files:
+        client.upload_file(str(p), bucket, f"{key.rstrip('/')}/{p.name}")
+    client.put_object(Bucket=bucket, Key=f"{key.rstrip('/')}/sha256sums.json", Body=json.dumps(sums).encode())
+
+
+def local_model_dir(uri: str, cache_dir: str, storage: Storage) -> Path:
+    """A local directory holding the model: the path itself, or an s3:// prefix copied once per node into the cache
+    (a file lock serialises the actors of one node) and checked against the prefix's sha256sums.json."""
+    if not is_s3(uri):
+        path = Path(uri).expanduser()
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model directory {uri} not found (no config.json)")
+        return path
+    target = Path(cache_dir).expanduser() / hashlib.sha256(uri.encode()).hexdigest()[:16]
+    target.mkdir(parents=True, exist_ok=True)
+    with open(target / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / ".complete").is_file():
+            return target
+        bucket, key = split_s3(uri)
+        client = s3_client(storage)
+        raw = read_bytes(join(uri, "sha256sums.json"), storage)
+        if raw is None:
+            raise FileNotFoundError(f"model {uri}: no sha256sums.json (upload it with pipeline.storage.upload_model_dir)")
+        sums = json.loads(raw)
+        for name, digest in sums.items():
+            client.download_file(bucket, f"{key.rstrip('/')}/{name}", str(target / name))
+            if sha256_file(target / name) != digest:
+                raise ValueError(f"model {uri}: {name} does not match its sha256 in sha256sums.json")
+        (target / ".complete").write_text(uri)
+    return target
