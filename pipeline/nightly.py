@@ -107,7 +107,7 @@ def run_nightly(cfg: Config) -> dict:
     dup, kept, dup_rejects = split_duplicates(data)
     log.info("run %s: input %s (%d files), %d duplicate user ids", run_id, cfg.input, len(data.files), len(dup))
     try:
-        ds = ray.data.read_parquet(in_path, filesystem=in_fs, columns=["user_id", "history"])
+        ds = ray.data.read_parquet(in_path, filesystem=in_fs).select_columns(["user_id", "history"])
         if len(dup):
             ds = ds.map_batches(lambda t: t.filter(pc.invert(pc.is_in(t["user_id"], dup))), batch_format="pyarrow")
             ds = ds.union(ray.data.from_arrow(kept.cast(ds.schema().base_schema)))

@@ -1,0 +1,43 @@
+import pytest
+
+from pipeline.config import load_config
+
+BASE = ["input=data/in.parquet", "catalog=data/items.parquet", "output=out", "models.target=models/t"]
+
+
+def test_file_plus_overrides(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("input: a.parquet\ncatalog: b.parquet\noutput: s3://bucket/out\nmodels: {target: m}\n"
+                 "decoding: {mode: disc, k: 5}\nrun_date: 2026-01-02\n")
+    cfg = load_config(str(f), ["decoding.k=20", "compute.gpus_per_actor=1", "decoding.top_m=null"])
+    assert (cfg.decoding.k, cfg.decoding.mode, cfg.compute.gpus_per_actor, cfg.run_date) == (20, "disc", 1.0, "2026-01-02")
+    assert cfg.output == "s3://bucket/out" and cfg.decoding.top_m is None
+    assert len(load_config(None, BASE).run_date) == 10  # default: today
+
+
+@pytest.mark.parametrize("override, message", [
+    ("decoding.k=0", "decoding.k must be an integer >= 1, got 0"),
+    ("decoding.k=ten", "decoding.k must be an int, got 'ten'"),
+    ("decoding.mode=greedy", "decoding.mode must be one of beam, atspeed-strict"),
+    ("decoding.mode=atspeed-strict", "models.draft must be set for decoding.mode atspeed-strict"),
+    ("decoding.draft_beams=3", "decoding.draft_beams must be >= decoding.k (10)"),
+    ("run_date=21/11/2026", "run_date must be a date YYYY-MM-DD"),
+    ("output=gs://bucket/x", "output must be a local path or an s3:// URI"),
+    ("storage.endpoint=127.0.0.1:9000", "storage.endpoint must be an http(s):// URL"),
+    ("compute.gpus=1", "unknown field compute.gpus"),
+    ("storage.secret_key=abc", "storage.secret_key looks like a credential"),
+    ("decoding=3", "decoding must be a section"),
+])
+def test_errors_name_the_field(override, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config(None, BASE + [override])
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ValueError, match="config file .*nope.yaml not found"):
+        load_config(str(tmp_path / "nope.yaml"))
+    (tmp_path / "bad.yaml").write_text("input: [unclosed")
+    with pytest.raises(ValueError, match="bad.yaml is not valid YAML"):
+        load_config(str(tmp_path / "bad.yaml"))
+    with pytest.raises(ValueError, match="expected KEY=VALUE"):
+        load_config(None, BASE + ["decoding.k"])

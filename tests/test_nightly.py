@@ -1,0 +1,147 @@
+"""The nightly graph on a real local Ray with local files: exactly-once outputs equal to beam_search, bad rows in
+rejects, fail-fast on bad files and models, atomic reruns, and an actor killed mid-run."""
+import shutil
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from decoding.beam import beam_search
+from decoding.catalog import Catalog
+from decoding.models import build_model, load_model, load_tokenizer
+from operators.prompts import ItemTokens, build_prompts
+from pipeline import storage as S
+from pipeline.config import load_config
+from pipeline.prepare import write_synthetic
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("nightly")
+    write_synthetic(root / "data", n_users=100, n_items=150, levels=3, codes=6, seed=1, history_len=8)
+    for name, seed in (("target", 0), ("draft", 1)):
+        build_model(4 + 3 * 6, 1, 32, 2, 1, seed=seed).save_pretrained(root / name)
+        for f in (root / "data" / "tokenizer").iterdir():
+            shutil.copy(f, root / name / f.name)
+    return root
+
+
+@pytest.fixture(scope="module")
+def ray_session(world):
+    import ray
+
+    marker = world / "actor-crashed"  # the first actor exits once, after 2 batches; Ray restarts it
+    ray.init(num_cpus=2, include_dashboard=False,
+             runtime_env={"env_vars": {"GENREC_TEST_FAIL_AFTER": f"2:{marker}"}})
+    yield marker
+    ray.shutdown()
+
+
+def config(world, out, *extra):
+    return load_config(None, [f"input={world / 'data' / 'test.parquet'}", f"catalog={world / 'data' / 'items.parquet'}",
+                              f"output={out}", f"models.target={world / 'target'}", f"models.draft={world / 'draft'}",
+                              "decoding.k=5", "decoding.history_len=8", "compute.batch_size=16", "run_date=2026-11-21",
+                              f"models.cache_dir={world / 'cache'}", *extra])
+
+
+def read_run(cfg):
+    run = S.latest_run(cfg.output, cfg.run_date, cfg.storage)
+    assert run is not None
+    tables = {name: pq.read_table(f"{run}/{name}") for name in ("recommendations", "rejects", "metrics")}
+    return run, tables
+
+
+def direct_beam_search(world, histories, k=5):
+    tok = load_tokenizer(world / "target")
+    items = pq.read_table(world / "data" / "items.parquet")
+    cat = Catalog.from_table(items, tok, on_duplicate="first")
+    p = build_prompts(histories, ItemTokens.from_catalog(items, tok), tok.bos_token_id, tok.pad_token_id, 8)
+    return beam_search(load_model(world / "target"), p.input_ids, p.attention_mask, cat, k), p
+
+
+def test_nightly_outputs_equal_beam_search_exactly_once(world, ray_session, tmp_path):
+    from pipeline.nightly import run_nightly
+
+    cfg = config(world, tmp_path / "out")
+    manifest = run_nightly(cfg)
+    assert ray_session.exists()  # an actor was killed mid-run and the run still completed
+    run, t = read_run(cfg)
+    assert S.read_bytes(f"{run}/_SUCCESS", cfg.storage) is not None and manifest["status"] == "succeeded"
+    recs = t["recommendations"].to_pandas().sort_values(["user_id", "rank"])
+    users = pq.read_table(world / "data" / "test.parquet").to_pandas()
+    assert set(recs.user_id) == set(users.user_id)  # every valid user ...
+    assert (recs.groupby("user_id").size() == 5).all()  # ... exactly once, with k ranked items
+    assert (recs.groupby("user_id")["rank"].apply(list) == [[1, 2, 3, 4, 5]] * len(users)).all()
+    assert np.isin(recs.item_id, pq.read_table(world / "data" / "items.parquet").column("item_id").to_numpy()).all()
+    ref, _ = direct_beam_search(world, users.history.tolist())
+    want = dict(zip(users.user_id, ref.item_ids.tolist()))
+    assert all(want[u] == g.item_id.tolist() for u, g in recs.groupby("user_id"))
+    metrics = t["metrics"].to_pandas()
+    assert metrics.users_ok.sum() == len(users) and metrics.users_in.sum() == len(users)
+    assert manifest["counts"]["recommendations"] == len(recs) and manifest["models"]["target"]["sha256"]
+
+
+def test_bad_rows_land_in_rejects(world, ray_session, tmp_path):
+    from pipeline.nightly import run_nightly
+
+    good = pq.read_table(world / "data" / "test.parquet", columns=["user_id", "history"]).slice(0, 20)
+    hist = [[str(i) for i in h] for h in good.column("history").to_pylist()]
+    bad = {"user_id": [9001, 9002, 9003, 9004, good["user_id"][0].as_py(), good["user_id"][1].as_py()],
+           "history": [None, [], ["12", "abc"], [str(10 ** 12)], hist[0], hist[1]]}
+    table = pa.table({"user_id": good["user_id"].to_pylist() + bad["user_id"],
+                      "history": pa.array(hist + bad["history"], pa.list_(pa.string()))})  # wrong column type
+    pq.write_table(table, tmp_path / "in.parquet")
+    cfg = config(world, tmp_path / "out", f"input={tmp_path / 'in.parquet'}")
+    run_nightly(cfg)
+    _, t = read_run(cfg)
+    reasons = dict(zip(t["rejects"]["user_id"].to_pylist(), t["rejects"]["reason"].to_pylist()))
+    assert reasons[9001] == reasons[9002] == "empty_history"
+    assert reasons[9003] == "bad_type" and reasons[9004] == "unknown_item"
+    dup = t["rejects"].filter(pa.compute.equal(t["rejects"]["reason"], "duplicate_user"))
+    assert sorted(dup["user_id"].to_pylist()) == sorted(bad["user_id"][4:])  # first kept, the rest rejected
+    recs = t["recommendations"].to_pandas()
+    assert sorted(set(recs.user_id)) == sorted(good["user_id"].to_pylist())  # numeric strings were fine
+    assert (recs.groupby("user_id").size() == 5).all()
+
+
+def test_corrupt_file_and_missing_model_fail_without_success(world, ray_session, tmp_path):
+    from pipeline.nightly import run_nightly
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    shutil.copy(world / "data" / "test.parquet", folder / "part-0.parquet")
+    (folder / "part-1.parquet").write_bytes(b"PAR1 this is not parquet")
+    cfg = config(world, tmp_path / "out", f"input={folder}")
+    with pytest.raises(ValueError, match="part-1.parquet"):
+        run_nightly(cfg)
+    assert S.latest_run(cfg.output, cfg.run_date, cfg.storage) is None
+    cfg = config(world, tmp_path / "out2", f"models.target={tmp_path / 'no-such-model'}")
+    with pytest.raises(FileNotFoundError, match="models.target: .*no-such-model"):
+        run_nightly(cfg)
+    assert S.latest_run(cfg.output, cfg.run_date, cfg.storage) is None and not (tmp_path / "out2").exists()
+
+
+def test_rerun_leaves_exactly_one_complete_output(world, ray_session, tmp_path):
+    from pipeline.nightly import run_nightly
+
+    cfg = config(world, tmp_path / "out", "decoding.mode=atspeed-strict")
+    first = run_nightly(cfg)["run_id"]
+    second = run_nightly(cfg)["run_id"]
+    assert first != second
+    date_dir = tmp_path / "out" / "run_date=2026-11-21"
+    assert S.list_children(str(date_dir), cfg.storage) == [f"run_id={second}"]
+    run, t = read_run(cfg)
+    assert run.endswith(second) and t["recommendations"].num_rows == 100 * 5
+    assert set(t["recommendations"]["mode"].to_pylist()) == {"atspeed-strict"}
+
+
+def test_sampling_modes_return_distinct_catalog_items(world, ray_session, tmp_path):
+    from pipeline.nightly import run_nightly
+
+    for mode in ("disc", "atspeed-relaxed"):
+        cfg = config(world, tmp_path / mode, f"decoding.mode={mode}")
+        run_nightly(cfg)
+        recs = read_run(cfg)[1]["recommendations"].to_pandas()
+        assert (recs.groupby("user_id").item_id.nunique() == 5).all()
