@@ -5,7 +5,7 @@ BIN      = $(VENV)/bin
 TORCH   ?= torch==2.13.0
 DATA    ?= data/beauty
 
-.PHONY: install demo models test clean
+.PHONY: install demo models nightly bench test clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -19,12 +19,20 @@ install: $(BIN)/.installed
 $(DATA)/items.parquet: $(BIN)/.installed
 	$(BIN)/python -m jobs.prepare_data --out $(DATA)
 
-# The main job on the embedded default: Amazon Beauty, a small randomly initialised target.
-demo: $(DATA)/items.parquet
+# The main job on the embedded default, end to end: prepare Amazon Beauty, train the small target and draft
+# (minutes on a CPU, once), run the nightly job on a local Ray, print where the tables are.
+demo: models/demo-draft/config.json nightly
+
+nightly: $(DATA)/items.parquet
+	$(BIN)/python -m jobs.nightly --config infra/configs/demo.yaml
+
+bench: $(DATA)/items.parquet
 	$(BIN)/python -m jobs.bench decode --data $(DATA) --index-items 1000000
 
 # The demo target and AtSpeed-S draft, trained on Amazon Beauty (about 15 minutes on 2 CPU cores).
-models: $(DATA)/items.parquet
+models: models/demo-draft/config.json
+
+models/demo-draft/config.json: $(DATA)/items.parquet
 	$(BIN)/python -m jobs.train_target --data $(DATA) --out models/demo-target --preset demo
 	$(BIN)/python -m jobs.train_draft --data $(DATA) --target models/demo-target --out models/demo-draft \
 		--objective atspeed-s --preset demo
