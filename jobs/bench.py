@@ -399,6 +399,66 @@ def markdown_disc(result: dict) -> str:
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------------ nightly: the Ray job vs direct calls
+
+
+def bench_nightly(args) -> dict:
+    """The nightly job on a local Ray (one actor) against the same recommender called directly in this process on
+    the same users and batches, and against bare `beam_search` on the same prompts."""
+    import pyarrow as pa
+
+    import ray
+    from operators.recommender import Recommender
+    from pipeline.config import load_config
+    from pipeline.nightly import open_input, run_nightly
+
+    cfg = load_config(args.config, args.set + [f"output={args.out}/nightly-bench", "compute.num_actors=1"])
+    data, _, _ = open_input(cfg)
+    table = data.to_table(columns=["user_id", "history"])
+    ray.init(num_cpus=args.cpus, include_dashboard=False, ignore_reinit_error=True)
+    t0 = time.perf_counter()
+    manifest = run_nightly(cfg)
+    t_job = time.perf_counter() - t0
+    ray.shutdown()
+    actor = Recommender(cfg, "direct")  # load once, as the actor does; not timed
+    if cfg.compute.threads_per_actor is None:
+        torch.set_num_threads(int(cfg.compute.cpus_per_actor))  # what Ray gives an actor
+    batches = [table.slice(a, cfg.compute.batch_size) for a in range(0, table.num_rows, cfg.compute.batch_size)]
+    t0 = time.perf_counter()
+    for b in batches:
+        actor(b)
+    t_direct = time.perf_counter() - t0
+    users = manifest["counts"]["users_ok"]
+    metrics = pq.read_table(manifest["outputs"]["metrics"]).to_pandas()
+    return {"users": users, "input_rows": table.num_rows, "job_s": t_job, "job_users_per_s": users / t_job,
+            "actor_wall_s": float(metrics.wall_s.sum()), "direct_s": t_direct, "direct_users_per_s": users / t_direct,
+            "ratio_job_vs_direct": t_direct / t_job, "torch_threads": torch.get_num_threads(),
+            "metrics_summary": {"batches": len(metrics), "users_ok": int(metrics.users_ok.sum()),
+                                "users_rejected": int(metrics.users_rejected.sum()),
+                                "mean_batch_users_per_s": float(metrics.users_per_s.mean()),
+                                "prefill_s": float(metrics.prefill_s.sum()), "decode_s": float(metrics.decode_s.sum()),
+                                "target_forwards": int(metrics.target_forwards.sum())},
+            "config": {"mode": cfg.decoding.mode, "k": cfg.decoding.k, "batch_size": cfg.compute.batch_size},
+            "arrow": pa.__version__}
+
+
+def markdown_nightly(result: dict) -> str:
+    n, env = result["nightly"], result["environment"]
+    m = n["metrics_summary"]
+    return "\n".join([
+        f"## nightly job (one actor) vs direct calls: {n['users']} users, mode {n['config']['mode']}, k "
+        f"{n['config']['k']}, batch {n['config']['batch_size']}, {env['device']}", "",
+        "| path | seconds | users/s |", "|---|---:|---:|",
+        f"| `ray` nightly job (read, validate, actor pool, write, manifest, publish) | {n['job_s']:.1f} | "
+        f"{n['job_users_per_s']:.1f} |",
+        f"| recommender called directly in one process (same batches) | {n['direct_s']:.1f} | "
+        f"{n['direct_users_per_s']:.1f} |", "",
+        f"job / direct users/s: **{n['ratio_job_vs_direct']:.2f}** (torch threads {n['torch_threads']}); shard metrics: "
+        f"{m['batches']} batches, {m['users_ok']} users ok, {m['users_rejected']} rejected, prefill {m['prefill_s']:.1f}s, "
+        f"decode {m['decode_s']:.1f}s, {m['target_forwards']} target forwards, mean {m['mean_batch_users_per_s']:.0f} "
+        "users/s per batch", "", f"`{env['command']}`"])
+
+
 # ------------------------------------------------------------------ report
 
 
@@ -492,6 +552,12 @@ def parse_args(argv=None):
     dc.add_argument("--max-rounds", type=_positive, default=4)
     dc.add_argument("--top-m", type=_positive, default=50)
     dc.add_argument("--temperature", type=float, default=1.0)
+    nb = sub.add_parser("nightly", help="the nightly job on one actor vs direct calls on the same users")
+    nb.add_argument("--config", default=str(root / "infra" / "configs" / "demo.yaml"))
+    nb.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    nb.add_argument("--cpus", type=_positive, default=2, help="CPUs of the local Ray")
+    nb.add_argument("--device")
+    nb.add_argument("--out", default=str(root / "bench-out"))
     args = p.parse_args(argv)
     if args.bench == "speculative" and args.drafts is None:
         args.drafts = sorted(str(d) for d in (root / "models").glob("demo-draft*") if (d / "config.json").is_file())
@@ -522,6 +588,10 @@ def main(argv=None) -> int:
     if args.bench == "speculative":
         result["speculative"] = bench_speculative(args)
         write_result(Path(args.out), "speculative", result, markdown_speculative(result))
+        return 0
+    if args.bench == "nightly":
+        result["nightly"] = bench_nightly(args)
+        write_result(Path(args.out), "nightly", result, markdown_nightly(result))
         return 0
     if args.bench == "disc":
         result["disc"] = bench_disc(args)

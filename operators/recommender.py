@@ -48,6 +48,8 @@ def read_catalog_table(cfg: Config) -> pa.Table:
 class Recommender:
     def __init__(self, config: Config, run_id: str):
         self.cfg, self.run_id = config, run_id
+        if config.compute.threads_per_actor:
+            torch.set_num_threads(config.compute.threads_per_actor)
         use_gpu = config.compute.gpus_per_actor > 0 and torch.cuda.is_available()
         self.device = torch.device("cuda" if use_gpu else "cpu")
         target_dir = local_model_dir(config.models.target, config.models.cache_dir, config.storage)

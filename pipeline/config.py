@@ -42,6 +42,7 @@ class Compute:
     num_actors: int = 1
     gpus_per_actor: float = 0.0  # 0: CPU actors
     cpus_per_actor: float = 1.0
+    threads_per_actor: int | None = None  # torch CPU threads in an actor (None: Ray's OMP_NUM_THREADS = CPUs)
     dtype: str = "auto"
 
 
@@ -168,6 +169,8 @@ def validate(cfg: Config) -> None:
     need(d.temperature > 0, "decoding.temperature", "must be > 0", d.temperature)
     need(c.gpus_per_actor >= 0, "compute.gpus_per_actor", "must be >= 0", c.gpus_per_actor)
     need(c.cpus_per_actor > 0, "compute.cpus_per_actor", "must be > 0", c.cpus_per_actor)
+    need(c.threads_per_actor is None or c.threads_per_actor >= 1, "compute.threads_per_actor", "must be >= 1 or null",
+         c.threads_per_actor)
     need(c.dtype in ("auto", "float32", "bfloat16", "float16"), "compute.dtype",
          "must be auto, float32, bfloat16 or float16", c.dtype)
     e = cfg.storage.endpoint

@@ -17,15 +17,19 @@ from pipeline.config import load_config
 from pipeline.prepare import write_synthetic
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    root = tmp_path_factory.mktemp("nightly")
+def make_world(root):
+    """Synthetic histories and catalog (3 levels x 6 codes) and two tiny random models with the data's tokenizer."""
     write_synthetic(root / "data", n_users=100, n_items=150, levels=3, codes=6, seed=1, history_len=8)
     for name, seed in (("target", 0), ("draft", 1)):
         build_model(4 + 3 * 6, 1, 32, 2, 1, seed=seed).save_pretrained(root / name)
         for f in (root / "data" / "tokenizer").iterdir():
             shutil.copy(f, root / name / f.name)
     return root
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    return make_world(tmp_path_factory.mktemp("nightly"))
 
 
 @pytest.fixture(scope="module")
