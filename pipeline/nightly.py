@@ -33,7 +33,13 @@ REJECT_COLUMNS = ["user_id", "reason", "detail"]
 def open_input(cfg: Config) -> tuple[pads.Dataset, object, str]:
     """The histories as a pyarrow dataset; every file's footer is read here, so a corrupt file fails fast, named."""
     fs, path = S.filesystem(cfg.input, cfg.storage)
-    info = fs.get_file_info(path)
+    try:
+        info = fs.get_file_info(path)
+    except OSError as e:
+        if "ACCESS_DENIED" in str(e) or "AccessDenied" in str(e):
+            raise PermissionError(f"input {cfg.input}: the object store refused access; check the credentials in "
+                                  "the environment and storage.endpoint") from None
+        raise
     if info.type == pa.fs.FileType.NotFound:
         raise FileNotFoundError(f"input {cfg.input} not found")
     try:

@@ -47,9 +47,10 @@ def filesystem(uri: str, storage: Storage) -> tuple[pafs.FileSystem, str]:
 
 
 def s3_client(storage: Storage):
+    """A boto3 client resolving credentials now (a fresh session: the environment may have changed)."""
     import boto3
 
-    return boto3.client("s3", endpoint_url=storage.endpoint, region_name=storage.region)
+    return boto3.session.Session().client("s3", endpoint_url=storage.endpoint, region_name=storage.region)
 
 
 def join(uri: str, *parts: str) -> str:

@@ -1,0 +1,133 @@
+"""The nightly graph on a real Ray head node (token auth) against a real S3 server (SeaweedFS): inputs, models
+and outputs all on s3://; wrong credentials fail clearly and leak no secret; `ray job submit` end to end."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline import storage as S
+from pipeline.config import load_config
+from tests.servers import ray_head, seaweedfs
+from tests.test_nightly import direct_beam_search, make_world
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """SeaweedFS + a Ray head whose drivers and workers get the S3 credentials from their environment; the world's
+    data and models uploaded to the bucket."""
+    root = tmp_path_factory.mktemp("s3world")
+    world = make_world(root / "world")
+    with seaweedfs(root / "s3") as s3, ray_head(root / "ray", env=s3.env()) as head:
+        saved = dict(os.environ)
+        os.environ.update({**s3.env(), **head.env()})
+        try:
+            fs = s3.filesystem()
+            for name in ("test.parquet", "items.parquet"):
+                fs.create_dir(f"{s3.bucket}/data")
+                with open(world / "data" / name, "rb") as src, fs.open_output_stream(f"{s3.bucket}/data/{name}") as dst:
+                    dst.write(src.read())
+            storage = load_config(None, ["input=x", "catalog=x", "output=x", "models.target=x",
+                                         f"storage.endpoint={s3.endpoint}"]).storage
+            for name in ("target", "draft"):
+                S.upload_model_dir(str(world / name), s3.uri("models", name), storage)
+            yield world, s3, head, root
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+
+
+def s3_config(s3, root, *extra):
+    return [f"input={s3.uri('data', 'test.parquet')}", f"catalog={s3.uri('data', 'items.parquet')}",
+            f"output={s3.uri('nightly')}", f"models.target={s3.uri('models', 'target')}",
+            f"models.draft={s3.uri('models', 'draft')}", f"storage.endpoint={s3.endpoint}",
+            f"models.cache_dir={root / 'cache'}", "decoding.k=5", "decoding.history_len=8", "compute.batch_size=32",
+            "run_date=2026-11-21", *extra]
+
+
+def test_nightly_on_s3_equals_beam_search(cluster):
+    import ray
+
+    from pipeline.nightly import run_nightly
+
+    world, s3, head, root = cluster
+    cfg = load_config(None, s3_config(s3, root))
+    ray.init(address=head.address)
+    try:
+        manifest = run_nightly(cfg)
+    finally:
+        ray.shutdown()
+    run = S.latest_run(cfg.output, cfg.run_date, cfg.storage)
+    assert run and run.startswith("s3://") and manifest["run_id"] in run
+    assert json.loads(S.read_bytes(S.join(run, "manifest.json"), cfg.storage))["status"] == "succeeded"
+    fs, path = S.filesystem(run, cfg.storage)
+    recs = pq.read_table(f"{path}/recommendations", filesystem=fs).to_pandas()
+    metrics = pq.read_table(f"{path}/metrics", filesystem=fs).to_pandas()
+    users = pq.read_table(world / "data" / "test.parquet").to_pandas()
+    assert sorted(recs.user_id.unique()) == sorted(users.user_id) and (recs.groupby("user_id").size() == 5).all()
+    ref, _ = direct_beam_search(world, users.history.tolist())
+    want = dict(zip(users.user_id, ref.item_ids.tolist()))
+    assert all(want[u] == g.sort_values("rank").item_id.tolist() for u, g in recs.groupby("user_id"))
+    assert metrics.users_ok.sum() == len(users)
+    assert manifest["models"]["target"]["uri"] == s3.uri("models", "target")
+
+
+def test_wrong_credentials_fail_clearly_without_leaking(cluster, caplog):
+    import ray
+
+    from pipeline.nightly import run_nightly
+
+    world, s3, head, root = cluster
+    cfg = load_config(None, s3_config(s3, root, f"output={s3.uri('nightly-bad')}"))
+    wrong = "WrongSecret" + "x" * 20
+    os.environ["AWS_SECRET_ACCESS_KEY"] = wrong
+    try:
+        with pytest.raises(PermissionError) as err:
+            run_nightly(cfg)
+    finally:
+        os.environ["AWS_SECRET_ACCESS_KEY"] = s3.secret_key
+    message = str(err.value)
+    assert "refused access" in message and s3.uri("nightly-bad") in message
+    for secret in (wrong, s3.secret_key):
+        assert secret not in message and secret not in caplog.text
+    assert S.latest_run(cfg.output, cfg.run_date, cfg.storage) is None
+
+
+def test_ray_job_submit_end_to_end(cluster, tmp_path):
+    """`ray job submit` of the nightly entry point to a token-authenticated head, config pointed at S3."""
+    world, s3, head, root = cluster
+    config = tmp_path / "nightly.yaml"
+    lines = [item.split("=", 1) for item in s3_config(s3, root, f"output={s3.uri('e2e')}")]
+    nested: dict = {}
+    for key, value in lines:
+        node = nested
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = int(value) if value.isdigit() else value
+    config.write_text(json.dumps(nested))  # JSON is YAML
+    env = {**os.environ, **head.env()}
+    cmd = [str(Path(sys.executable).parent / "ray"), "job", "submit", "--address", head.dashboard_url,
+           "--working-dir", str(ROOT), "--runtime-env", str(ROOT / "infra" / "runtime_env.yaml"), "--",
+           "python", "-m", "jobs.nightly", "--config", str(config)]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    logs = run.stdout + run.stderr
+    assert run.returncode == 0 and "succeeded" in logs, logs[-3000:]
+    storage = load_config(None, s3_config(s3, root)).storage
+    published = S.latest_run(s3.uri("e2e"), "2026-11-21", storage)
+    assert published is not None
+    manifest = S.read_bytes(S.join(published, "manifest.json"), storage).decode()
+    fs, path = S.filesystem(published, storage)
+    assert pq.read_table(f"{path}/recommendations", filesystem=fs).num_rows == 100 * 5
+    for secret in (s3.secret_key, head.token):
+        assert secret not in logs and secret not in manifest
+    # without the token the cluster refuses the job
+    bare = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_TOKEN", "RAY_AUTH_MODE")}
+    refused = subprocess.run(cmd[:5] + ["--", "python", "-c", "print(1)"], env=bare, capture_output=True, text=True,
+                             timeout=120)
+    assert refused.returncode != 0
