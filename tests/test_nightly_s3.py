@@ -50,22 +50,35 @@ def s3_config(s3, root, *extra):
             "run_date=2026-11-21", *extra]
 
 
-def test_nightly_on_s3_equals_beam_search(cluster):
-    import ray
+def write_config(path: Path, items: list[str]) -> Path:
+    """`a.b=value` items -> a config file (JSON is YAML)."""
+    nested: dict = {}
+    for key, value in (item.split("=", 1) for item in items):
+        node = nested
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = int(value) if value.isdigit() else value
+    path.write_text(json.dumps(nested))
+    return path
 
-    from pipeline.nightly import run_nightly
 
+def test_nightly_on_s3_equals_beam_search(cluster, tmp_path):
+    """The driver in its own process (as on a cluster), connected to the token-authenticated head."""
     world, s3, head, root = cluster
-    cfg = load_config(None, s3_config(s3, root))
-    ray.init(address=head.address)
-    try:
-        manifest = run_nightly(cfg)
-    finally:
-        ray.shutdown()
-    run = S.latest_run(cfg.output, cfg.run_date, cfg.storage)
-    assert run and run.startswith("s3://") and manifest["run_id"] in run
-    assert json.loads(S.read_bytes(S.join(run, "manifest.json"), cfg.storage))["status"] == "succeeded"
-    fs, path = S.filesystem(run, cfg.storage)
+    config = write_config(tmp_path / "nightly.yaml", s3_config(s3, root))
+    env = {**os.environ, **head.env(), "RAY_ADDRESS": head.address}
+    run = subprocess.run([sys.executable, "-m", "jobs.nightly", "--config", str(config)], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    summary = json.loads(run.stdout[run.stdout.index("{"):])
+    cfg = load_config(str(config))
+    published = S.latest_run(cfg.output, cfg.run_date, cfg.storage)
+    assert published and published.startswith("s3://") and summary["run_id"] in published
+    manifest = json.loads(S.read_bytes(S.join(published, "manifest.json"), cfg.storage))
+    assert manifest["status"] == "succeeded" and manifest["models"]["target"]["uri"] == s3.uri("models", "target")
+    assert S.read_bytes(S.join(published, "_SUCCESS"), cfg.storage) is not None
+    fs, path = S.filesystem(published, cfg.storage)
     recs = pq.read_table(f"{path}/recommendations", filesystem=fs).to_pandas()
     metrics = pq.read_table(f"{path}/metrics", filesystem=fs).to_pandas()
     users = pq.read_table(world / "data" / "test.parquet").to_pandas()
@@ -74,12 +87,9 @@ def test_nightly_on_s3_equals_beam_search(cluster):
     want = dict(zip(users.user_id, ref.item_ids.tolist()))
     assert all(want[u] == g.sort_values("rank").item_id.tolist() for u, g in recs.groupby("user_id"))
     assert metrics.users_ok.sum() == len(users)
-    assert manifest["models"]["target"]["uri"] == s3.uri("models", "target")
 
 
 def test_wrong_credentials_fail_clearly_without_leaking(cluster, caplog):
-    import ray
-
     from pipeline.nightly import run_nightly
 
     world, s3, head, root = cluster
@@ -101,16 +111,7 @@ def test_wrong_credentials_fail_clearly_without_leaking(cluster, caplog):
 def test_ray_job_submit_end_to_end(cluster, tmp_path):
     """`ray job submit` of the nightly entry point to a token-authenticated head, config pointed at S3."""
     world, s3, head, root = cluster
-    config = tmp_path / "nightly.yaml"
-    lines = [item.split("=", 1) for item in s3_config(s3, root, f"output={s3.uri('e2e')}")]
-    nested: dict = {}
-    for key, value in lines:
-        node = nested
-        parts = key.split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-        node[parts[-1]] = int(value) if value.isdigit() else value
-    config.write_text(json.dumps(nested))  # JSON is YAML
+    config = write_config(tmp_path / "nightly.yaml", s3_config(s3, root, f"output={s3.uri('e2e')}"))
     env = {**os.environ, **head.env()}
     cmd = [str(Path(sys.executable).parent / "ray"), "job", "submit", "--address", head.dashboard_url,
            "--working-dir", str(ROOT), "--runtime-env", str(ROOT / "infra" / "runtime_env.yaml"), "--",
