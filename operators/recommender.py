@@ -93,6 +93,7 @@ class Recommender:
                 "rank": (rows[1] + 1).tolist(), "item_id": items[rows].tolist(), "score": scores[rows].tolist(),
                 "mode": [d.mode] * len(rows[0])}
         metric = self._metric_row(len(batch), len(p.kept), len(rejects), int(p.attention_mask.sum()), wall, stats)
+        metric["recommendations"] = len(rows[0])
         table = pa.concat_tables([
             pa.Table.from_pydict(recs, schema=_subset(output_schema(user_type), recs)),
             pa.Table.from_pydict({"kind": ["reject"] * len(rejects), "user_id": [r[0] for r in rejects],

@@ -142,7 +142,8 @@ def run_nightly(cfg: Config) -> dict:
         out_fs.create_dir(f"{out_root}/metrics")
         pq.write_table(metrics, f"{out_root}/metrics/metrics.parquet", filesystem=out_fs)
         counts = {"input_rows": data.count_rows(), "users_ok": int(pc.sum(metrics["users_ok"]).as_py() or 0),
-                  "users_rejected": reject_table.num_rows, "recommendations": _count_recs(out),
+                  "users_rejected": reject_table.num_rows,
+                  "recommendations": int(pc.sum(metrics["recommendations"]).as_py() or 0),
                   "batches": metrics.num_rows}
         manifest = {"run_id": run_id, "run_date": cfg.run_date, "status": "succeeded", "config": cfg.to_dict(),
                     "code_version": code_version(), "models": models, "counts": counts,
@@ -157,7 +158,3 @@ def run_nightly(cfg: Config) -> dict:
         S.delete_tree(run, cfg.storage)  # a failed run leaves nothing a reader could mistake for output
         raise
 
-
-def _count_recs(out) -> int:
-    return int(out.map_batches(lambda t: pa.table({"n": [int(pc.sum(pc.equal(t["kind"], "rec")).as_py() or 0)]}),
-                               batch_format="pyarrow").sum("n") or 0)
