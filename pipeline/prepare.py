@@ -13,7 +13,6 @@ items.parquet is written last, so a crash part-way never leaves a folder that lo
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,6 +25,7 @@ from transformers import PreTrainedTokenizerFast
 
 from decoding.codes import SPECIAL_TOKENS, code_token, code_token_ids, format_rows, semantic_id_matrix
 from operators.prompts import ragged_arrays, ragged_ranges
+from pipeline.storage import sha256_file
 
 __all__ = [
     "build_tokenizer", "prepare_beauty", "PrepareSummary",
@@ -87,14 +87,6 @@ def build_tokenizer(levels: int = 4, codes: int = 256) -> PreTrainedTokenizerFas
 
 
 # ---------------------------------------------------------------- small helpers
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _read_parquet(path: Path, columns: list[str]) -> pa.Table:
@@ -319,7 +311,7 @@ def prepare_beauty(source_dir, out_dir, history_len: int = 20, codes: int | None
             "train": length_summary(train_items[2]),
             "test_prompt": length_summary(eval_tables["test"].column("history").combine_chunks().value_lengths()),
         },
-        "sha256": {f: _sha256(source_dir / f) for f in BEAUTY_FILES},
+        "sha256": {f: sha256_file(source_dir / f) for f in BEAUTY_FILES},
     }
     (out_dir / "prepare.json").write_text(json.dumps(report, indent=2))
     pq.write_table(pa.table({
