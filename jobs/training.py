@@ -25,6 +25,7 @@ from decoding.catalog import Catalog
 from decoding.metrics import recall_ndcg
 from decoding.models import load_model
 from operators.prompts import ItemTokens, build_prompts, ragged_ranges
+from pipeline.storage import sha256_file
 
 
 @dataclass(kw_only=True)
@@ -64,12 +65,8 @@ class Data:
 
 
 def sha256_files(paths) -> str:
-    h = hashlib.sha256()
-    for p in paths:
-        with open(p, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-    return h.hexdigest()
+    """One fingerprint for several files: sha256 over their sha256s, in order."""
+    return hashlib.sha256("".join(sha256_file(Path(p)) for p in paths).encode()).hexdigest()
 
 
 def load_data(data_dir, tokenizer, history_len: int, eval_users: int, device, split: str = "valid") -> Data:
