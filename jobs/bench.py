@@ -1,4 +1,14 @@
-"""Benchmarks, side by side in one run: `python -m jobs.bench {decode,speculative,disc} [options]`.
+"""Benchmarks, side by side in one run: `python -m jobs.bench {all,decode,speculative,disc,disc-bias,nightly} ...`.
+
+all: decode, speculative, disc and disc-bias in one process at sizes that take minutes on a CPU with the demo models
+(flags scale them up on a GPU), written as one Markdown report plus JSON with the hardware, versions, seeds, the
+command, and a one-line verdict per claim.
+
+disc-bias: DISC's bias reduction on Amazon Beauty. Per user, the exact constrained distribution P_S over the whole
+catalog (every item scored); then N draws of constrained sampling, DISC at several rounds and an exact sampler
+(draws from P_S itself: the noise floor at this N), compared to P_S by total variation (items and the first code's
+marginal), KL, and the mean valid mass x(a) of the drawn items (constrained decoding's exact distribution Q = p / x
+is computed too, so its bias is known without sampling noise).
 
 disc: time per user of `disc_sample` (rounds 1..R, exact mask and PPV top-M) against `constrained_sample` and
 `beam_search` on the same Amazon Beauty prompts, with proposals per item, acceptance rate and estimated p_b.
@@ -17,18 +27,23 @@ import argparse
 import json
 import os
 import platform
+import shlex
+import subprocess
 import sys
 import threading
 import time
+from datetime import datetime, timezone
+from importlib import metadata
 from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
 import torch
+from tqdm import tqdm
 
 from decoding.beam import beam_search
 from decoding.catalog import Catalog
-from decoding.models import load_model, load_tokenizer, pick_device, tiny_model
+from decoding.models import load_model, load_tokenizer, pick_device, pick_dtype, tiny_model
 from decoding.reference import cpu_trie, generate_beam_search
 from operators.prompts import ItemTokens, build_prompts
 
@@ -62,6 +77,11 @@ class PeakMemory:
         else:
             self.done = True
             self.thread.join()
+
+
+def progress(iterable=None, desc: str = "", total: int | None = None, leave: bool = False):
+    """A progress bar on stderr for one benchmark sweep (inner bars clear themselves when done)."""
+    return tqdm(iterable, desc=desc, total=total, leave=leave, dynamic_ncols=True, mininterval=0.5)
 
 
 def _rss() -> int:
@@ -122,7 +142,8 @@ def bench_decode(args) -> dict:
     rows = {"transformers": _zero(), "beam_search": _zero()}
     same_order = same_set = 0
     max_score_diff = 0.0
-    for start in range(0, n_users, args.batch):
+    bar = progress(range(0, n_users, args.batch), "decode: transformers vs beam_search")
+    for start in bar:
         b_ids, b_mask = ids[start:start + args.batch], mask[start:start + args.batch]
         (hf_items, _, hf_scores, hf_kv), t_hf, m_hf = timed(
             lambda: generate_beam_search(model, b_ids, b_mask, catalog, k, trie), device)
@@ -132,8 +153,7 @@ def bench_decode(args) -> dict:
         same_order += int((rec.item_ids == hf_items).all(1).sum())
         same_set += int((rec.item_ids.sort(1).values == hf_items.sort(1).values).all(1).sum())
         max_score_diff = max(max_score_diff, float((rec.scores - hf_scores).abs().max()))
-        print(f"  users {start + len(b_ids)}/{n_users}: transformers {t_hf:.2f}s, beam_search {t_bs:.3f}s",
-              file=sys.stderr)
+        bar.set_postfix_str(f"transformers {t_hf:.2f}s, beam_search {t_bs:.3f}s per batch")
     for r in rows.values():
         r["users_per_s"] = r["users"] / r["seconds"]
         r["kv_tokens_per_user"] = r["kv_tokens"] / r["users"]
@@ -227,8 +247,7 @@ def run_index(args, beauty_catalog: Catalog | None) -> list[dict]:
     if beauty_catalog is not None:
         out.append({"catalog": "amazon-beauty", **bench_index(beauty_catalog, rows, args.top_m, args.repeats,
                                                                 True, args.seed)})
-    for n in args.index_items:
-        print(f"  index: building a synthetic catalog of {n:,} items", file=sys.stderr)
+    for n in progress(args.index_items, "index: synthetic catalogs"):
         cat = synthetic_token_catalog(n, 4, 256, args.seed, device)
         out.append({"catalog": f"synthetic-{n}", **bench_index(cat, rows, args.top_m, args.repeats,
                                                                n <= args.trie_max_items, args.seed)})
@@ -251,6 +270,19 @@ def in_batches(fn, ids, mask, batch: int, device):
     return out, time.perf_counter() - t0
 
 
+def require_models(target, drafts=None) -> None:
+    """Fails with how to train them when the target (or every draft) is missing."""
+    how = ("train the demo models with `make models` (python -m jobs.train_target --preset demo, then "
+           "python -m jobs.train_draft --preset demo; about 15 minutes on a CPU), or pass your own")
+    if not target or not (Path(target) / "config.json").is_file():
+        raise SystemExit(f"no target model at {target}: {how} with --target / --model DIR")
+    if drafts is not None and not drafts:
+        raise SystemExit(f"no draft models (models/demo-draft*): {how} with --drafts DIR [DIR ...]")
+    for d in drafts or []:
+        if not (Path(d) / "config.json").is_file():
+            raise SystemExit(f"no draft model at {d}: {how} with --drafts DIR [DIR ...]")
+
+
 def load_drafts(paths, device) -> dict:
     drafts = {}
     for path in paths:
@@ -267,10 +299,9 @@ def bench_speculative(args) -> dict:
 
     device = pick_device(args.device)
     torch.manual_seed(args.seed)
+    require_models(args.target, args.drafts)
     target = load_model(args.target, device=str(device), dtype=args.dtype)
     drafts = load_drafts(args.drafts, device)
-    if not drafts:
-        raise SystemExit("no drafts given: --drafts DIR [DIR ...] (trained with python -m jobs.train_draft)")
     _, catalog, ids, mask = load_beauty(Path(args.data), max(args.users, args.throughput_users), args.history_len,
                                         device, Path(args.target))
     out = {"target_parameters": sum(p.numel() for p in target.parameters()),
@@ -278,8 +309,8 @@ def bench_speculative(args) -> dict:
     for batch, users in ((1, args.users), (args.batch, args.throughput_users)):
         b_ids, b_mask = ids[:users], mask[:users]
         table = {"batch": batch, "users": users, "k": {}}
+        bar = progress(desc=f"speculative: batch {batch}, K x draft x mode", total=len(args.ks) * len(drafts) * 2)
         for k in args.ks:
-            print(f"  speculative: batch {batch}, K={k}", file=sys.stderr)
             run_beam = lambda i, m: beam_search(target, i, m, catalog, k)  # noqa: E731
             in_batches(run_beam, b_ids[:batch], b_mask[:batch], batch, device)  # warm-up
             ref, t_beam = in_batches(run_beam, b_ids, b_mask, batch, device)
@@ -292,6 +323,7 @@ def bench_speculative(args) -> dict:
                 row["transformers_s"] = t_hf
             for name, draft in drafts.items():
                 for mode in ("strict", "relaxed"):
+                    bar.set_postfix_str(f"K={k} {name} {mode}")
                     g = torch.Generator(device=device).manual_seed(args.seed)
                     run = lambda i, m: speculative_beam_search(  # noqa: E731
                         target, draft, i, m, catalog, k, draft_beams=max(args.draft_beams, k), gamma=args.gamma,
@@ -309,8 +341,10 @@ def bench_speculative(args) -> dict:
                         cell["same_as_beam_search"] = float((torch.cat([r.item_ids for r in recs]) == ref_items)
                                                             .all(1).float().mean())
                     row["drafts"][f"{name}|{mode}"] = cell
+                    bar.update()
             row["beam_search_target_forwards"] = sum(r.stats["target_forwards"] for r in ref)
             table["k"][k] = row
+        bar.close()
         out["batches"].append(table)
     return out
 
@@ -369,8 +403,9 @@ def bench_disc(args) -> dict:
                 lambda i, m, r=rounds, t=top_m: disc_sample(model, i, m, catalog, k, rounds=r, top_m=t,
                                                             temperature=args.temperature, generator=g))
     rows = {}
-    for name, fn in methods.items():
-        print(f"  disc: {name}", file=sys.stderr)
+    bar = progress(methods.items(), "disc: methods", total=len(methods))
+    for name, fn in bar:
+        bar.set_postfix_str(name)
         g.manual_seed(args.seed)
         in_batches(fn, ids[:args.batch], mask[:args.batch], args.batch, device)  # warm-up
         recs, seconds = in_batches(fn, ids, mask, args.batch, device)
@@ -395,6 +430,112 @@ def markdown_disc(result: dict) -> str:
                  if "proposals_per_item" in r else "- | - | -")
         lines.append(f"| {name} | {r['ms_per_user']:.1f} | {r['users_per_s']:.1f} | {extra} |")
     lines += ["", f"`{env['command']}` (torch {env['torch']}, transformers {env['transformers']}, "
+              f"{env['cpu_threads']} threads)"]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ disc-bias: distance to the exact P_S
+
+
+def bench_disc_bias(args) -> dict:
+    """Per user: P_S and constrained decoding's own distribution Q over the whole catalog (`catalog_logprob`), then
+    `draws` single-item draws (k=1, the prompt repeated) of constrained sampling, DISC at each of `rounds` and an
+    exact sampler, compared to P_S. Besides TV and KL, the mean valid mass x(a) of the drawn items measures the bias
+    along its direction with little noise: constrained decoding over-draws items whose prefixes are mostly invalid
+    (small x), Q(a) = P_S(a) (1 - p_b) / x(a)."""
+    from decoding.disc import constrained_sample, disc_sample
+    from decoding.reference import catalog_logprob
+
+    device = pick_device(args.device)
+    torch.manual_seed(args.seed)
+    require_models(args.model)
+    _, catalog, ids, mask = load_beauty(Path(args.data), args.users, args.history_len, device, Path(args.model))
+    model = load_model(args.model, device=str(device), dtype=args.dtype)
+    t, g = args.temperature, torch.Generator(device=device)
+    samplers = {"constrained_sample": lambda i, m: constrained_sample(model, i, m, catalog, 1, temperature=t,
+                                                                      generator=g)}
+    for rounds in args.rounds:
+        samplers[f"disc rounds={rounds}"] = lambda i, m, r=rounds: disc_sample(model, i, m, catalog, 1, rounds=r,
+                                                                              temperature=t, generator=g)
+    users = []
+    for u in progress(range(ids.shape[0]), "disc bias: users"):
+        t0 = time.perf_counter()
+        log_p, log_x = catalog_logprob(model, ids[u:u + 1], mask[u:u + 1], catalog, t, args.chunk,
+                                       valid_mass=True)  # [N], [N]
+        p_s = (log_p - log_p.logsumexp(0)).exp()  # [N] P_S over the catalog rows
+        q, x = (log_p - log_x).exp(), log_x.exp()  # [N] constrained decoding's distribution, valid masses
+        row = {"p_b": float(1 - log_p.exp().sum()), "exact_scoring_s": time.perf_counter() - t0,
+               "exact": {"P_S": {"mean_x": float((p_s * x).sum())},
+                         "constrained decoding Q": {**distances(p_s, q, catalog), "mean_x": float((q * x).sum())}},
+               "methods": {}}
+        g.manual_seed(args.seed)
+        drawn = torch.multinomial(p_s, args.draws, replacement=True, generator=g)  # [D] catalog rows
+        row["methods"]["exact sampler"] = draw_stats(p_s, x, drawn, catalog)
+        u_ids, u_mask = ids[u:u + 1].repeat(args.draws, 1), mask[u:u + 1].repeat(args.draws, 1)  # [D, S]
+        for name, fn in samplers.items():
+            g.manual_seed(args.seed)
+            recs, seconds = in_batches(fn, u_ids, u_mask, args.batch, device)
+            tokens = torch.cat([r.token_ids[:, 0] for r in recs])  # [D, L]
+            drawn = catalog.node_of(tokens) - catalog.level_start[catalog.code_len]  # [D] catalog rows
+            p_b = torch.cat([r.stats["invalid_mass"] for r in recs]).double().mean()  # 1 - E_q[x] over proposals
+            row["methods"][name] = {**draw_stats(p_s, x, drawn, catalog), "est_invalid_mass": float(p_b),
+                                    "seconds": seconds}
+        users.append(row)
+    return {"users": len(users), "draws": args.draws, "items": len(catalog), "temperature": t,
+            "model": str(args.model), "p_b": [u["p_b"] for u in users],
+            "exact": {name: mean_over_users([u["exact"][name] for u in users]) for name in users[0]["exact"]},
+            "methods": {name: mean_over_users([u["methods"][name] for u in users]) for name in users[0]["methods"]},
+            "per_user": users}
+
+
+def distances(p_s: torch.Tensor, q: torch.Tensor, catalog: Catalog) -> dict:
+    """Two distributions over the catalog rows [N] -> total variation distance over the items and over the first
+    code's (level a) marginal, and KL(P_S || q)."""
+    level_a = lambda p: p.new_zeros(catalog.vocab_size).index_add_(0, catalog.tokens[:, 0], p)  # noqa: E731 [V]
+    return {"tv_items": 0.5 * float((p_s - q).abs().sum()),
+            "tv_level_a": 0.5 * float((level_a(p_s) - level_a(q)).abs().sum()),
+            "kl": float((torch.special.xlogy(p_s, p_s) - p_s * q.log()).sum())}
+
+
+def draw_stats(p_s: torch.Tensor, x: torch.Tensor, drawn: torch.Tensor, catalog: Catalog) -> dict:
+    """P_S [N], valid masses x [N], drawn [D] catalog rows -> TV of the empirical distribution to P_S (items, level a),
+    KL(P_S || empirical smoothed by +0.5 per item), and the mean x of the drawn items with its standard error."""
+    if (drawn < 0).any():
+        raise RuntimeError(f"{int((drawn < 0).sum())} draws are not catalog items")
+    counts = torch.bincount(drawn, minlength=p_s.numel()).to(p_s.dtype)  # [N]
+    smoothed = (counts + 0.5) / (counts.sum() + 0.5 * counts.numel())
+    return {**distances(p_s, counts / counts.sum(), catalog), "kl": distances(p_s, smoothed, catalog)["kl"],
+            "mean_x": float(x[drawn].mean()), "mean_x_se": float(x[drawn].std() / drawn.numel() ** 0.5)}
+
+
+def mean_over_users(cells: list[dict]) -> dict:
+    """Per-user dicts of numbers -> their mean; standard errors (`*_se`) combine as those of a mean."""
+    return {key: float(np.sqrt(np.sum(np.square([c[key] for c in cells]))) / len(cells)) if key.endswith("_se")
+            else float(np.mean([c[key] for c in cells])) for key in cells[0]}
+
+
+def markdown_disc_bias(result: dict) -> str:
+    b, env = result["disc_bias"], result["environment"]
+    p_b = ", ".join(f"{x:.3f}" for x in b["p_b"])
+    lines = [f"## DISC bias: distance to the exact constrained distribution P_S, {b['users']} Amazon Beauty users x "
+             f"{b['draws']:,} draws (k=1), temperature {b['temperature']}, model {b['model']} ({env['device']})", "",
+             f"P_S and constrained decoding's own distribution Q computed exactly over all {b['items']:,} catalog "
+             f"items per user; invalid mass p_b per user: {p_b}. Means over the users. The exact sampler draws "
+             "from P_S itself: its distances are the noise floor at this number of draws. x(a) = the valid mass "
+             "along item a's prefix; constrained decoding over-draws items with small x.", "",
+             "| method | TV items | TV level a | KL(P_S ‖ ·) | mean x(a) of the draws | est. p_b | "
+             f"s / {b['draws']:,} draws |", "|---|---:|---:|---:|---:|---:|---:|",
+             f"| P_S, exact (DISC's target) | - | - | - | {b['exact']['P_S']['mean_x']:.4f} | - | - |"]
+    q = b["exact"]["constrained decoding Q"]
+    lines.append(f"| constrained decoding, exact Q (no sampling) | {q['tv_items']:.3f} | {q['tv_level_a']:.3f} | "
+                 f"{q['kl']:.3f} | {q['mean_x']:.4f} | - | - |")
+    for name, r in b["methods"].items():
+        extra = f"{r['est_invalid_mass']:.3f} | {r['seconds']:.1f}" if "seconds" in r else "- | -"
+        label = f"{name} (draws from P_S)" if name == "exact sampler" else name
+        lines.append(f"| {label} | {r['tv_items']:.3f} | {r['tv_level_a']:.3f} | {r['kl']:.3f} | "
+                     f"{r['mean_x']:.4f} ± {r['mean_x_se']:.4f} | {extra} |")
+    lines += ["", "KL of the draws: to the empirical distribution smoothed by +0.5 per item; ± one standard error.",
+              "", f"`{env['command']}` (torch {env['torch']}, transformers {env['transformers']}, "
               f"{env['cpu_threads']} threads)"]
     return "\n".join(lines)
 
@@ -459,16 +600,190 @@ def markdown_nightly(result: dict) -> str:
         "users/s per batch", "", f"`{env['command']}`"])
 
 
+# ------------------------------------------------------------------ all: every claim, one process, one report
+
+SECTIONS = ("decode", "speculative", "disc", "disc-bias")
+
+
+def section_argvs(a) -> dict[str, list[str]]:
+    """The `all` flags -> each section's own command line; a flag not named keeps that section's default."""
+    shared = ["--data", a.data, "--history-len", str(a.history_len), "--dtype", a.dtype, "--seed", str(a.seed),
+              "--out", a.out, *(["--device", a.device] if a.device else [])]
+    users, batch, temperature = str(a.users), str(a.batch), str(a.temperature)
+    argvs = {
+        "decode": ["decode", *shared, "--model", a.target, "--users", users, "--batch", batch, "--k", str(a.k),
+                   "--index-items", *map(str, a.index_items), "--repeats", str(a.repeats)],
+        "speculative": ["speculative", *shared, "--target", a.target, "--drafts", *a.drafts, "--ks", *map(str, a.ks),
+                        "--users", str(a.batch1_users), "--batch", batch, "--throughput-users", users,
+                        "--temperature", temperature],
+        "disc": ["disc", *shared, "--model", a.target, "--users", users, "--batch", batch, "--k", str(a.disc_k),
+                 "--max-rounds", str(max(a.rounds)), "--temperature", temperature],
+        "disc-bias": ["disc-bias", *shared, "--model", a.target, "--users", str(a.bias_users), "--draws",
+                      str(a.draws), "--rounds", *map(str, a.rounds), "--temperature", temperature,
+                      "--chunk", str(a.chunk)],
+    }
+    return {name: argvs[name] for name in a.sections}
+
+
+def bench_all(args, argv: list[str]) -> tuple[dict, str]:
+    """Every section in this process, in order -> (all.json content, all.md)."""
+    require_models(args.target, args.drafts if "speculative" in args.sections else None)
+    started, t0 = datetime.now(timezone.utc).isoformat(timespec="seconds"), time.perf_counter()
+    result = {"command": command_line(argv), "started": started, "hardware": hardware(pick_device(args.device), args.dtype),
+              "versions": versions(), "seeds": {"seed": args.seed, "where": SEED_USES}, "args": vars(args),
+              "sections": {}}
+    md = {}
+    bar = progress(section_argvs(args).items(), "bench all: sections", total=len(args.sections), leave=True)
+    for name, section_argv in bar:
+        bar.set_postfix_str(name)
+        t_section = time.perf_counter()
+        _, section, md[name] = run(parse_args(section_argv), section_argv)
+        section.update(seconds=time.perf_counter() - t_section, verdict=VERDICTS[name](section))
+        result["sections"][name] = section
+    result["seconds"] = time.perf_counter() - t0
+    return result, markdown_all(result, md)
+
+
+SEED_USES = ("torch.manual_seed at the start of every section; every sampling torch.Generator (relaxed speculative, "
+             "DISC, constrained sampling, the exact sampler) re-seeded with it for each method; the synthetic index "
+             "catalogs")
+
+
+def verdict_decode(r: dict) -> str:
+    d, a = r["decode"], r["decode"]["agreement"]
+    m = d["methods"]
+    line = (f"beam_search = transformers on {a['same_items_same_order']:.0%} of users (same items, same order; max "
+            f"|score diff| {a['max_abs_score_diff']:.1e}), {d['speedup_users_per_s']:.1f}x users/s, "
+            f"{1 / d['kv_ratio']:.1f}x fewer KV tokens, peak memory {m['beam_search']['peak_memory_mb']:.0f} vs "
+            f"{m['transformers']['peak_memory_mb']:.0f} MB")
+    with_trie = [i for i in r["index"] if i["cpu_trie_ms"] is not None]
+    if with_trie:
+        i = max(with_trie, key=lambda i: i["items"])
+        line += (f"; catalog index on {i['items']:,} items: CSR allowed_next {i['allowed_next_ms']:.2f} ms per step "
+                 f"vs CPU trie {i['cpu_trie_ms']:.2f} ms ({i['cpu_trie_ms'] / i['allowed_next_ms']:.0f}x), "
+                 f"PPV verify {i['verify_ms']:.2f} ms")
+    return line
+
+
+def verdict_speculative(r: dict) -> str:
+    s = r["speculative"]
+    strict = [c["same_as_beam_search"] for t in s["batches"] for row in t["k"].values()
+              for c in row["drafts"].values() if "same_as_beam_search" in c]
+    best = []
+    for t in s["batches"]:
+        ws, k, key = max((c["ws"], k, key) for k, row in t["k"].items() for key, c in row["drafts"].items())
+        best.append(f"batch {t['batch']} {ws:.2f} ({key.replace('|', ' ')}, K={k})")
+    return (f"strict speculative identical to beam_search on {min(strict):.0%} of users (every draft, every K); "
+            f"best WS@K over beam_search: {', '.join(best)}")
+
+
+def verdict_disc(r: dict) -> str:
+    d, rounds = r["disc"], r["args"]["max_rounds"]
+    m = d["methods"]
+    disc, base, beam = m[f"disc rounds={rounds} exact"], m["constrained_sample"], m["beam_search"]
+    return (f"DISC rounds={rounds} (exact mask) {disc['ms_per_user']:.1f} ms/user for k={d['k']}: "
+            f"{disc['ms_per_user'] / base['ms_per_user']:.1f}x constrained sampling, "
+            f"{disc['ms_per_user'] / beam['ms_per_user']:.1f}x beam_search; {disc['proposals_per_item']:.2f} proposals "
+            f"per item, acceptance {disc['acceptance_rate']:.2f}")
+
+
+def verdict_disc_bias(r: dict) -> str:
+    b, rounds = r["disc_bias"], max(r["args"]["rounds"])
+    m, q, target = b["methods"], b["exact"]["constrained decoding Q"], b["exact"]["P_S"]["mean_x"]
+    floor, base, disc = m["exact sampler"], m["constrained_sample"], m[f"disc rounds={rounds}"]
+    return (f"mean x(a) of the draws: DISC rounds={rounds} {disc['mean_x']:.3f} ± {disc['mean_x_se']:.3f}, "
+            f"constrained {base['mean_x']:.3f} ± {base['mean_x_se']:.3f}, exact P_S {target:.3f}; "
+            f"DISC rounds={rounds} TV (level a) {disc['tv_level_a']:.3f} vs constrained {base['tv_level_a']:.3f}, "
+            f"exact-sampler floor {floor['tv_level_a']:.3f} (constrained decoding's exact bias: TV "
+            f"{q['tv_level_a']:.3f} level a, {q['tv_items']:.3f} items); p_b {np.mean(b['p_b']):.2f}")
+
+
+VERDICTS = {"decode": verdict_decode, "speculative": verdict_speculative, "disc": verdict_disc,
+            "disc-bias": verdict_disc_bias}
+
+
+def markdown_all(result: dict, sections_md: dict[str, str]) -> str:
+    h, v, a = result["hardware"], result["versions"], result["args"]
+    gpu = f"{h['gpu']} ({h['gpu_memory_gib']} GiB) x {h['gpus']}, CUDA {h['cuda']}" if "gpu" in h else "none"
+    lines = ["# genrec-batch: the project's claims on Amazon Beauty", "",
+             f"`{result['command']}`: {result['seconds'] / 60:.1f} min, started {result['started']}", "",
+             "| | |", "|---|---|",
+             f"| hardware | {h['cpu']}, {h['cpu_cores']} cores ({h['cpu_cores_usable']} usable), {h['ram_gib']} GiB "
+             f"RAM; GPU: {gpu} |",
+             f"| run on | {h['device']}, dtype {a['dtype']} ({h['dtype']}), {h['torch_threads']} torch threads |",
+             f"| versions | python {v['python']}, torch {v['torch']}, transformers {v['transformers']}, "
+             f"ray {v['ray']}, pyarrow {v['pyarrow']}, numpy {v['numpy']}, tqdm {v['tqdm']} |",
+             f"| genrec-batch | {v['genrec-batch']}, commit {v['git_commit']} |",
+             f"| seeds | {result['seeds']['seed']}: {result['seeds']['where']} |",
+             f"| models | target {a['target']}; drafts {', '.join(a['drafts'])} |", "", "## verdicts", ""]
+    lines += [f"- **{name}** ({s['seconds']:.0f} s): {s['verdict']}" for name, s in result["sections"].items()]
+    for name, s in result["sections"].items():
+        heading, rest = sections_md[name].split("\n", 1)
+        lines += ["", heading, "", f"**verdict**: {s['verdict']}", rest]
+    return "\n".join(lines)
+
+
+def hardware(device: torch.device, dtype: str) -> dict:
+    """CPU model, cores, memory, the GPU if there is one, and the precision `dtype` resolves to on `device`."""
+    out = {"cpu": cpu_model(), "cpu_cores": os.cpu_count(),
+           "cpu_cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+           "ram_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30, 1),
+           "device": str(device), "dtype": str(pick_dtype(dtype, device)).removeprefix("torch."),
+           "torch_threads": torch.get_num_threads()}
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(device if device.type == "cuda" else 0)
+        out.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2 ** 30, 1),
+                   gpus=torch.cuda.device_count(), cuda=torch.version.cuda)
+    return out
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version()}
+    for name in ("torch", "transformers", "ray", "pyarrow", "numpy", "tqdm", "genrec-batch"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    out["git_commit"] = git_commit(Path(__file__).resolve().parents[1])
+    return out
+
+
+def git_commit(root: Path) -> str:
+    """HEAD of the checkout, `+dirty` when tracked files differ from it."""
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    return head + ("+dirty" if dirty else "")
+
+
 # ------------------------------------------------------------------ report
 
 
-def environment(args) -> dict:
+def environment(args, argv: list[str]) -> dict:
     import transformers
 
     device = pick_device(args.device)
     return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
-            "cpu_threads": torch.get_num_threads(), "command": "python -m jobs.bench " + " ".join(sys.argv[1:])}
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+            "cpu_threads": torch.get_num_threads(), "command": command_line(argv)}
+
+
+def command_line(argv: list[str]) -> str:
+    return "python -m jobs.bench " + shlex.join(argv)
 
 
 def markdown(result: dict) -> str:
@@ -552,6 +867,39 @@ def parse_args(argv=None):
     dc.add_argument("--max-rounds", type=_positive, default=4)
     dc.add_argument("--top-m", type=_positive, default=50)
     dc.add_argument("--temperature", type=float, default=1.0)
+    db = sub.add_parser("disc-bias", help="DISC's bias: TV / KL of each sampler to the exact constrained P_S")
+    common(db)
+    db.add_argument("--model", default=str(demo), help="trained model dir (default: models/demo-target)")
+    db.add_argument("--users", type=_positive, default=4)
+    db.add_argument("--draws", type=_positive, default=2000, help="items drawn per user and method (k=1 each)")
+    db.add_argument("--batch", type=_positive, default=500, help="draws per batch")
+    db.add_argument("--rounds", type=_positive, nargs="+", default=[1, 2, 4], help="DISC rounds to compare")
+    db.add_argument("--temperature", type=float, default=1.0)
+    db.add_argument("--chunk", type=_positive, default=1024, help="catalog items per forward when scoring P_S "
+                    "(lower it for large vocabularies: the chunk holds [chunk, L, vocab] float64)")
+    al = sub.add_parser("all", help="every claim in one run (decode, speculative, disc, disc-bias) -> all.{md,json}")
+    common(al)
+    al.add_argument("--target", default=str(demo), help="the target model of every section")
+    al.add_argument("--drafts", nargs="*", default=None, help="draft model dirs (default: models/demo-draft*)")
+    al.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    al.add_argument("--users", type=_positive, default=64, help="users of decode, disc and the speculative "
+                    "throughput batch")
+    al.add_argument("--batch", type=_positive, default=32, help="batch size of decode, disc and speculative")
+    al.add_argument("--k", type=_positive, default=20, help="K of decode")
+    al.add_argument("--index-items", type=_positive, nargs="*", default=[1_000_000],
+                    help="synthetic catalog sizes for the index benchmark")
+    al.add_argument("--repeats", type=_positive, default=3, help="index timings: best of")
+    al.add_argument("--ks", type=_positive, nargs="+", default=[1, 3, 5, 10, 20],
+                    help="speculative K (the Table 1 columns)")
+    al.add_argument("--batch1-users", type=_positive, default=10, help="speculative users at batch size 1")
+    al.add_argument("--disc-k", type=_positive, default=10, help="items per user of the disc timing")
+    al.add_argument("--rounds", type=_positive, nargs="+", default=[1, 2, 4],
+                    help="DISC rounds of disc-bias (the disc timing runs 1..max)")
+    al.add_argument("--bias-users", type=_positive, default=4)
+    al.add_argument("--draws", type=_positive, default=2000, help="disc-bias draws per user and method")
+    al.add_argument("--temperature", type=float, default=1.0)
+    al.add_argument("--chunk", type=_positive, default=1024, help="disc-bias: catalog items per forward when "
+                    "scoring P_S (lower it for large vocabularies: the chunk holds [chunk, L, vocab] float64)")
     nb = sub.add_parser("nightly", help="the nightly job on one actor vs direct calls on the same users")
     nb.add_argument("--config", default=str(root / "infra" / "configs" / "demo.yaml"))
     nb.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -559,7 +907,7 @@ def parse_args(argv=None):
     nb.add_argument("--device")
     nb.add_argument("--out", default=str(root / "bench-out"))
     args = p.parse_args(argv)
-    if args.bench == "speculative" and args.drafts is None:
+    if args.bench in ("speculative", "all") and args.drafts is None:
         args.drafts = sorted(str(d) for d in (root / "models").glob("demo-draft*") if (d / "config.json").is_file())
     return args
 
@@ -582,29 +930,32 @@ def write_result(out: Path, name: str, result: dict, md: str) -> None:
     print(md)
 
 
+def run(args, argv: list[str]) -> tuple[str, dict, str]:
+    """One benchmark -> (name, result, Markdown)."""
+    result = {"args": vars(args), "environment": environment(args, argv)}
+    if args.bench == "decode":
+        result["decode"] = bench_decode(args)
+        tok = load_tokenizer(Path(args.data) / "tokenizer")
+        beauty = Catalog.from_parquet(Path(args.data) / "items.parquet", tok, on_duplicate="first",
+                                      device=pick_device(args.device))
+        result["index"] = run_index(args, beauty)
+        return "decode", result, markdown(result)
+    bench, md = {"speculative": (bench_speculative, markdown_speculative), "disc": (bench_disc, markdown_disc),
+                 "disc-bias": (bench_disc_bias, markdown_disc_bias), "nightly": (bench_nightly, markdown_nightly)
+                 }[args.bench]
+    result[args.bench.replace("-", "_")] = bench(args)
+    return args.bench, result, md(result)
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
-    result = {"args": vars(args), "environment": environment(args)}
-    if args.bench == "speculative":
-        result["speculative"] = bench_speculative(args)
-        write_result(Path(args.out), "speculative", result, markdown_speculative(result))
-        return 0
-    if args.bench == "nightly":
-        result["nightly"] = bench_nightly(args)
-        write_result(Path(args.out), "nightly", result, markdown_nightly(result))
-        return 0
-    if args.bench == "disc":
-        result["disc"] = bench_disc(args)
-        write_result(Path(args.out), "disc", result, markdown_disc(result))
-        return 0
-    print("decode: transformers vs beam_search", file=sys.stderr)
-    result["decode"] = bench_decode(args)
-    tok = load_tokenizer(Path(args.data) / "tokenizer")
-    beauty = Catalog.from_parquet(Path(args.data) / "items.parquet", tok, on_duplicate="first",
-                                  device=pick_device(args.device))
-    print("catalog index", file=sys.stderr)
-    result["index"] = run_index(args, beauty)
-    write_result(Path(args.out), "decode", result, markdown(result))
+    if args.bench == "all":
+        result, md = bench_all(args, argv)
+        write_result(Path(args.out), "all", result, md)
+    else:
+        name, result, md = run(args, argv)
+        write_result(Path(args.out), name, result, md)
     return 0
 
 

@@ -1,21 +1,49 @@
-"""The decode benchmark runs end to end on real Beauty prompts and reports agreement with transformers."""
+"""The benchmarks run end to end on real Beauty prompts: decode agreement with transformers, DISC timing, and
+`bench all` (every section, one report); the exact catalog scorer behind the DISC bias section."""
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+import torch
+
+from decoding.disc import constrained_sample
+from decoding.models import build_model, tiny_model
+from decoding.reference import catalog_logprob, sequence_logprob
+from tests.helpers import left_padded_prompts, random_catalog
 
 ROOT = Path(__file__).resolve().parents[1]
 BEAUTY = ROOT.parent / "shared" / "datasets" / "amazon-beauty"
 
 
-def test_bench_decode_small(tmp_path):
-    data, out = tmp_path / "beauty", tmp_path / "out"
-    subprocess.run([sys.executable, "-m", "jobs.prepare_data", "--source", str(BEAUTY), "--out", str(data)],
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """Amazon Beauty prepared once for the module."""
+    out = tmp_path_factory.mktemp("beauty")
+    subprocess.run([sys.executable, "-m", "jobs.prepare_data", "--source", str(BEAUTY), "--out", str(out)],
                    cwd=ROOT, check=True, capture_output=True)
-    run = subprocess.run([sys.executable, "-m", "jobs.bench", "decode", "--data", str(data), "--users", "6",
-                          "--batch", "3", "--k", "5", "--layers", "1", "--hidden", "32", "--heads", "2",
-                          "--index-items", "3000", "--repeats", "1", "--device", "cpu", "--out", str(out)],
-                         cwd=ROOT, capture_output=True, text=True)
+    return out
+
+
+def tiny_beauty_model(path: Path, data: Path, hidden: int, seed: int) -> Path:
+    """A random 1-layer Llama over the Beauty vocabulary, saved with the prepared tokenizer."""
+    build_model(1028, 1, hidden, 2, 1, seed=seed).save_pretrained(path)
+    for f in (data / "tokenizer").iterdir():
+        shutil.copy(f, path / f.name)
+    return path
+
+
+def bench(*argv):
+    return subprocess.run([sys.executable, "-m", "jobs.bench", *argv], cwd=ROOT, capture_output=True, text=True)
+
+
+def test_bench_decode_small(data, tmp_path):
+    out = tmp_path / "out"
+    run = bench("decode", "--data", str(data), "--users", "6", "--batch", "3", "--k", "5", "--layers", "1",
+                "--hidden", "32", "--heads", "2", "--index-items", "3000", "--repeats", "1", "--device", "cpu",
+                "--out", str(out))
     assert run.returncode == 0, run.stderr
     result = json.loads((out / "decode.json").read_text())
     decode = result["decode"]
@@ -25,34 +53,127 @@ def test_bench_decode_small(tmp_path):
     assert decode["methods"]["beam_search"]["kv_tokens_per_user"] < decode["methods"]["transformers"]["kv_tokens_per_user"]
     assert [r["items"] for r in result["index"]] == [12023, 3000]
     assert "speed-up" in (out / "decode.md").read_text()
+    assert "decode: transformers vs beam_search" in run.stderr  # the progress bar
 
 
-def test_bench_bad_arguments():
-    run = subprocess.run([sys.executable, "-m", "jobs.bench", "decode", "--k", "0"], cwd=ROOT,
-                         capture_output=True, text=True)
-    assert run.returncode == 2 and "expected a positive integer, got 0" in run.stderr
-    run = subprocess.run([sys.executable, "-m", "jobs.bench", "decode", "--data", "/nonexistent"], cwd=ROOT,
-                         capture_output=True, text=True)
-    assert run.returncode != 0 and "/nonexistent/items.parquet not found" in run.stderr
+def test_bench_bad_arguments(tmp_path, capsys):
+    from jobs.bench import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["decode", "--k", "0"])
+    assert exit_.value.code == 2 and "expected a positive integer, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="/nonexistent/items.parquet not found"):
+        main(["decode", "--data", "/nonexistent"])
+    with pytest.raises(SystemExit, match=r"no target model at .*missing: train the demo models with `make models`"):
+        main(["all", "--target", str(tmp_path / "missing"), "--out", str(tmp_path)])
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text("{}")
+    with pytest.raises(SystemExit, match=r"no draft models .*`make models`.*--drafts"):
+        main(["all", "--target", str(tmp_path / "target"), "--drafts", "--out", str(tmp_path)])
+    assert not (tmp_path / "all.json").exists()
 
 
-def test_bench_disc_small(tmp_path):
-    import shutil
-
-    from decoding.models import build_model
-
-    data, out, model = tmp_path / "beauty", tmp_path / "out", tmp_path / "model"
-    subprocess.run([sys.executable, "-m", "jobs.prepare_data", "--source", str(BEAUTY), "--out", str(data)],
-                   cwd=ROOT, check=True, capture_output=True)
-    build_model(1028, 1, 32, 2, 1).save_pretrained(model)
-    for f in (data / "tokenizer").iterdir():
-        shutil.copy(f, model / f.name)
-    run = subprocess.run([sys.executable, "-m", "jobs.bench", "disc", "--data", str(data), "--model", str(model),
-                          "--users", "4", "--batch", "2", "--k", "3", "--max-rounds", "2", "--top-m", "20",
-                          "--device", "cpu", "--out", str(out)], cwd=ROOT, capture_output=True, text=True)
+def test_bench_disc_small(data, tmp_path):
+    out, model = tmp_path / "out", tiny_beauty_model(tmp_path / "model", data, 32, 0)
+    run = bench("disc", "--data", str(data), "--model", str(model), "--users", "4", "--batch", "2", "--k", "3",
+                "--max-rounds", "2", "--top-m", "20", "--device", "cpu", "--out", str(out))
     assert run.returncode == 0, run.stderr
     methods = json.loads((out / "disc.json").read_text())["disc"]["methods"]
     assert set(methods) == {"beam_search", "constrained_sample", "disc rounds=1 exact", "disc rounds=2 exact",
                             "disc rounds=1 PPV top-20", "disc rounds=2 PPV top-20"}
     assert methods["constrained_sample"]["acceptance_rate"] == 1.0
     assert all(0 <= m["invalid_mass"] <= 1 for n, m in methods.items() if n != "beam_search")
+
+
+def test_bench_all_small(data, tmp_path):
+    """Every section in one run at tiny sizes: one JSON and one Markdown report with hardware, versions, seeds,
+    the command, and a verdict per claim."""
+    out = tmp_path / "out"
+    target = tiny_beauty_model(tmp_path / "target", data, 32, 0)
+    drafts = [tiny_beauty_model(tmp_path / f"draft-{i}", data, 16, i + 1) for i in range(2)]
+    run = bench("all", "--data", str(data), "--target", str(target), "--drafts", *map(str, drafts), "--users", "4",
+                "--batch", "2", "--k", "3", "--index-items", "2000", "--repeats", "1", "--ks", "1", "3",
+                "--batch1-users", "2", "--disc-k", "2", "--rounds", "1", "2", "--bias-users", "2", "--draws", "64",
+                "--device", "cpu", "--seed", "7", "--out", str(out))
+    assert run.returncode == 0, run.stderr
+    result = json.loads((out / "all.json").read_text())
+    sections = result["sections"]
+    assert list(sections) == ["decode", "speculative", "disc", "disc-bias"]
+    assert result["command"].startswith("python -m jobs.bench all --data") and result["seeds"]["seed"] == 7
+    assert {"python", "torch", "transformers", "ray", "pyarrow", "numpy", "git_commit"} <= set(result["versions"])
+    assert result["hardware"]["cpu_cores"] >= 1 and result["hardware"]["ram_gib"] > 0
+    assert all(s["args"]["seed"] == 7 and s["args"]["device"] == "cpu" for s in sections.values())
+
+    decode = sections["decode"]["decode"]
+    assert decode["agreement"]["users"] == 4 and decode["agreement"]["same_items_same_order"] == 1.0
+    assert [r["items"] for r in sections["decode"]["index"]] == [12023, 2000]
+
+    spec = sections["speculative"]["speculative"]
+    assert [(t["batch"], t["users"], list(t["k"])) for t in spec["batches"]] == [(1, 2, ["1", "3"]), (2, 4, ["1", "3"])]
+    strict = [c for t in spec["batches"] for row in t["k"].values() for n, c in row["drafts"].items() if "strict" in n]
+    assert len(strict) == 2 * 2 * 2 and all(c["same_as_beam_search"] == 1.0 for c in strict)
+
+    disc = sections["disc"]["disc"]
+    assert disc["k"] == 2 and disc["users"] == 4 and "disc rounds=2 exact" in disc["methods"]
+
+    bias = sections["disc-bias"]["disc_bias"]
+    assert bias["users"] == 2 and bias["draws"] == 64 and len(bias["p_b"]) == 2
+    assert list(bias["methods"]) == ["exact sampler", "constrained_sample", "disc rounds=1", "disc rounds=2"]
+    cells = [*bias["methods"].values(), bias["exact"]["constrained decoding Q"]]
+    assert all(0 <= c[key] <= 1 for c in cells for key in ("tv_items", "tv_level_a"))
+    assert all(0 < c["mean_x"] <= 1 for c in cells) and all(0 < p <= 1 for p in bias["p_b"])
+
+    md = (out / "all.md").read_text()
+    for text in ("# genrec-batch", "| hardware |", "| versions |", "| seeds | 7", result["versions"]["git_commit"],
+                 "## decode", "## catalog index", "## speculative beam search", "## DISC vs constrained",
+                 "## DISC bias", "| exact sampler (draws from P_S) |",
+                 "strict speculative identical to beam_search on 100% of users",
+                 "beam_search = transformers on 100% of users"):
+        assert text in md, text
+    assert md.count("**verdict**") == 4
+    assert "bench all: sections" in run.stderr  # the progress bar
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_catalog_logprob_scores_every_item_exactly(temperature):
+    """The whole-catalog scorer (prompt cache shared by chunks) = a full forward per item; Q = p / x is constrained
+    decoding's distribution: it sums to 1 and x is the importance weight constrained_sample reports."""
+    cat = random_catalog(30, 3, 5, seed=1)
+    model = tiny_model("llama", cat.vocab_size, seed=2)
+    ids, mask = left_padded_prompts(2, [6, 3], cat.vocab_size, seed=3)
+    ids, mask = ids[1:], mask[1:]  # the left-padded prompt
+    log_p, log_x = catalog_logprob(model, ids, mask, cat, temperature=temperature, chunk=7, valid_mass=True)
+    n = len(cat)
+    full = sequence_logprob(model, torch.cat([ids.repeat(n, 1), cat.tokens], 1), mask.repeat(n, 1), cat.code_len,
+                            temperature=temperature).double()
+    torch.testing.assert_close(log_p, full, atol=1e-5, rtol=0)
+    torch.testing.assert_close(catalog_logprob(model, ids, mask, cat, temperature=temperature, chunk=n), log_p)
+    assert (log_x <= 1e-9).all() and (log_x > log_p).all()
+    assert (log_p - log_x).exp().sum().item() == pytest.approx(1.0, abs=1e-9)
+    rec = constrained_sample(model, ids.repeat(20, 1), mask.repeat(20, 1), cat, 1, temperature=temperature,
+                             generator=torch.Generator().manual_seed(0))
+    row = cat.node_of(rec.token_ids[:, 0]) - cat.level_start[cat.code_len]
+    torch.testing.assert_close(rec.stats["importance_weight"][:, 0].double(), log_x[row].exp(), atol=1e-6, rtol=1e-5)
+
+
+def test_disc_bias_distances():
+    """TV over the items and over the level-a marginal, KL, and the mean valid mass of the draws, by hand."""
+    from jobs.bench import distances, draw_stats
+
+    cat = random_catalog(4, 2, 3, seed=0)  # 4 items over 2 levels x 3 codes
+    p_s = torch.tensor([0.4, 0.3, 0.2, 0.1], dtype=torch.float64)
+    q = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
+    d = distances(p_s, q, cat)
+    assert d["tv_items"] == pytest.approx(0.4) and d["kl"] == pytest.approx(float((p_s * (p_s / q).log()).sum()))
+    first = cat.tokens[:, 0]
+    marg = lambda p: torch.stack([p[first == t].sum() for t in first.unique()])  # noqa: E731
+    assert d["tv_level_a"] == pytest.approx(0.5 * float((marg(p_s) - marg(q)).abs().sum()))
+    assert distances(p_s, p_s, cat) == pytest.approx({"tv_items": 0.0, "tv_level_a": 0.0, "kl": 0.0})
+    x = torch.tensor([1.0, 0.5, 0.25, 0.125], dtype=torch.float64)
+    s = draw_stats(p_s, x, torch.tensor([0, 0, 0, 1]), cat)  # empirical (0.75, 0.25, 0, 0)
+    assert s["tv_items"] == pytest.approx(0.5 * (0.35 + 0.05 + 0.2 + 0.1))
+    assert s["mean_x"] == pytest.approx(0.875) and s["mean_x_se"] == pytest.approx(0.25 / 4 ** 0.5)
+    smoothed = torch.tensor([3.5, 1.5, 0.5, 0.5], dtype=torch.float64) / 6
+    assert s["kl"] == pytest.approx(float((p_s * (p_s / smoothed).log()).sum()))
+    with pytest.raises(RuntimeError, match="not catalog items"):
+        draw_stats(p_s, x, torch.tensor([0, -1]), cat)

@@ -8,6 +8,7 @@ import torch
 from decoding.catalog import Catalog
 from decoding.disc import constrained_sample, disc_sample
 from decoding.models import tiny_model
+from decoding.reference import catalog_logprob
 from tests.helpers import SPECIALS, left_padded_prompts, random_catalog
 
 T = 0.5  # a low temperature puts almost all the model's mass on invalid sequences: p_b is large
@@ -28,13 +29,7 @@ def setup():
 
 def exact_constrained(model, ids, mask, cat):
     """Scores every item at temperature T -> (P_S over the catalog rows [N], invalid mass p_b)."""
-    n = len(cat)
-    seq = torch.cat([ids.repeat(n, 1), cat.tokens], 1)
-    full = torch.cat([mask.repeat(n, 1), torch.ones(n, cat.code_len, dtype=torch.int64)], 1)
-    with torch.no_grad():
-        logits = model(input_ids=seq, attention_mask=full, position_ids=(full.cumsum(-1) - 1).clamp(min=0)).logits
-    log_p = (logits[:, -cat.code_len - 1:-1].double() / T).log_softmax(-1).gather(2, cat.tokens[:, :, None]).squeeze(2)
-    log_p = log_p.sum(1)  # [N]
+    log_p = catalog_logprob(model, ids, mask, cat, temperature=T, chunk=16)  # [N], 3 chunks
     return (log_p - log_p.logsumexp(0)).exp(), 1 - log_p.exp().sum().item()
 
 
