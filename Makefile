@@ -5,7 +5,7 @@ BIN      = $(VENV)/bin
 TORCH   ?= torch==2.13.0
 DATA    ?= data/beauty
 
-.PHONY: install demo models nightly bench test clean
+.PHONY: install browser demo models nightly bench report test clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -15,6 +15,12 @@ $(BIN)/.installed: pyproject.toml
 	touch $@
 
 install: $(BIN)/.installed
+
+# Headless Chromium (Debian's package), for the test that looks at a rendered report and `jobs.report --screenshot`.
+SUDO    ?= $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+browser:
+	@command -v chromium >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends chromium >/dev/null; }
 
 $(DATA)/items.parquet: $(BIN)/.installed
 	$(BIN)/python -m jobs.prepare_data --out $(DATA)
@@ -29,6 +35,11 @@ nightly: $(DATA)/items.parquet
 bench: $(DATA)/items.parquet
 	$(BIN)/python -m jobs.bench decode --data $(DATA) --index-items 1000000
 
+# Offline evaluation and the cost/throughput report of the newest demo run (out/nightly), with a screenshot.
+report: browser
+	$(BIN)/python -m jobs.evaluate --run out/nightly
+	$(BIN)/python -m jobs.report --run out/nightly --screenshot out/report.png
+
 # The demo target and AtSpeed-S draft, trained on Amazon Beauty (about 15 minutes on 2 CPU cores).
 models: models/demo-draft/config.json
 
@@ -37,7 +48,7 @@ models/demo-draft/config.json: $(DATA)/items.parquet
 	$(BIN)/python -m jobs.train_draft --data $(DATA) --target models/demo-target --out models/demo-draft \
 		--objective atspeed-s --preset demo
 
-test: $(BIN)/.installed
+test: $(BIN)/.installed browser
 	$(BIN)/python -m pytest -q
 
 clean:

@@ -5,27 +5,31 @@ import numpy as np
 import torch
 
 
-def recall_ndcg(recommended: np.ndarray, targets, ks=(5, 10, 20)) -> dict:
+def recall_ndcg(recommended: np.ndarray, targets, ks=(5, 10, 20), chunk: int = 65536) -> dict:
     """recommended [U, K] item ids (-1 = none, best first); targets: U lists of relevant item ids.
     Recall@k = |top-k ∩ targets| / |targets|, NDCG@k with binary relevance; users without targets are skipped
     (the paper's convention). Returns {"recall@k": ..., "ndcg@k": ..., "users": n}."""
-    recommended = np.asarray(recommended)
-    keep = [i for i, t in enumerate(targets) if t is not None and len(t)]
+    recommended = np.asarray(recommended, dtype=np.int64)
+    lengths = np.array([0 if t is None else len(t) for t in targets], dtype=np.int64)  # [U]
+    keep = np.nonzero(lengths)[0]
     out = {"users": len(keep)}
-    if not keep:
+    if not len(keep):
         return {**out, **{f"{m}@{k}": 0.0 for k in ks for m in ("recall", "ndcg")}}
-    rec = recommended[keep]  # [U', K]
-    width = max(len(targets[i]) for i in keep)
-    tgt = np.full((len(keep), width), -2, dtype=np.int64)  # -2 never matches a recommendation
-    for row, i in enumerate(keep):
-        tgt[row, : len(targets[i])] = np.unique(np.asarray(targets[i], dtype=np.int64))[: width]
+    rec, n = recommended[keep], lengths[keep]  # [U', K], [U']
+    flat = np.concatenate([np.asarray(targets[i], dtype=np.int64) for i in keep])
+    tgt = np.full((len(keep), int(n.max())), -2, dtype=np.int64)  # [U', W]; -2 never matches a recommendation
+    tgt[np.repeat(np.arange(len(keep)), n), np.arange(len(flat)) - np.repeat(np.cumsum(n) - n, n)] = flat
+    tgt.sort(1)
+    tgt[:, 1:][tgt[:, 1:] == tgt[:, :-1]] = -2  # a target listed twice counts once
     n_tgt = (tgt != -2).sum(1)  # [U']
-    hit = (rec[:, :, None] == tgt[:, None, :]).any(2) & (rec >= 0)  # [U', K]
-    discount = 1.0 / np.log2(np.arange(2, rec.shape[1] + 2))  # [K]
+    hit = np.concatenate([(rec[a:a + chunk, :, None] == tgt[a:a + chunk, None, :]).any(2)
+                          for a in range(0, len(keep), chunk)]) & (rec >= 0)  # [U', K]
+    discount = 1.0 / np.log2(np.arange(2, max(max(ks), rec.shape[1], tgt.shape[1]) + 2))
+    ideal_at = np.concatenate([[0.0], np.cumsum(discount)])  # ideal DCG of the first i relevant items
     for k in ks:
         out[f"recall@{k}"] = float((hit[:, :k].sum(1) / n_tgt).mean())
-        ideal = np.array([discount[: min(n, k)].sum() for n in n_tgt])
-        out[f"ndcg@{k}"] = float(((hit[:, :k] * discount[:k]).sum(1) / ideal).mean())
+        dcg = (hit[:, :k] * discount[: min(k, rec.shape[1])]).sum(1)
+        out[f"ndcg@{k}"] = float((dcg / ideal_at[np.minimum(n_tgt, k)]).mean())
     return out
 
 

@@ -122,7 +122,9 @@ def speculative_beam_search(target, draft, input_ids: torch.Tensor, attention_ma
                             k: int, draft_beams: int = 40, gamma: int | None = None, verification: str = "strict",
                             temperature: float = 1.0, generator: torch.Generator | None = None) -> Recommendations:
     """input_ids, attention_mask [B, S] left-padded -> exactly `beam_search(target, ...)`'s top-k items per user.
-    stats: target_forwards, draft_forwards, accepted_steps [B], drafted_steps [B], rounds [B], seconds per phase."""
+    stats: target_forwards, draft_forwards, accepted_steps [B], drafted_steps [B], rounds [B], seconds per phase,
+    accepted_hist [gamma + 1]: (user, round) pairs by the number of drafted steps the round accepted; kv_tokens: the
+    most KV tokens target and draft held together, against kv_tokens_beam_batch of a batch beam search."""
     code_len = catalog.code_len
     gamma = code_len if gamma is None else gamma
     if verification not in ("strict", "relaxed"):
@@ -162,6 +164,8 @@ def speculative_beam_search(target, draft, input_ids: torch.Tensor, attention_ma
     users = torch.arange(b, device=dev)  # original row of each active user
     out_tokens, out_score, out_node = tokens.clone(), score.clone(), node.clone()
     accepted, drafted, rounds = (torch.zeros(b, dtype=torch.int64, device=dev) for _ in range(3))
+    accepted_hist = torch.zeros(gamma + 1, dtype=torch.int64, device=dev)
+    kv_peak = b * (tgt.tree.kv_len + drf.tree.kv_len)  # KV tokens held by target + draft
 
     if code_len == 1:  # done after the free step
         users = users[:0]
@@ -212,6 +216,7 @@ def speculative_beam_search(target, draft, input_ids: torch.Tensor, attention_ma
         logp_v = tree_forward(target, tgt.tree, tgt.cache, torch.cat(block_tok, 1), torch.cat(block_par, 1),
                               block_depth=steps + 1)  # [A, K + steps * N, V]
         forwards["target"] += 1
+        kv_peak = max(kv_peak, a * (tgt.tree.kv_len + drf.tree.kv_len))  # both caches are largest right here
         tgt.logp = torch.where(tgt.pending[:, None, None], logp_v[:, :k], tgt.logp)
         tgt.leaf = torch.where(tgt.pending[:, None], base + torch.arange(k, device=dev), tgt.leaf)
         tgt.pending = torch.zeros_like(tgt.pending)
@@ -219,6 +224,7 @@ def speculative_beam_search(target, draft, input_ids: torch.Tensor, attention_ma
 
         # ---- accept: the target's exact top-K step by step, while it is covered by the drafted set
         accepting = torch.ones(a, dtype=torch.bool, device=dev)
+        accepted_now = torch.zeros(a, dtype=torch.int64, device=dev)  # [A] steps this round accepted
         t_pending, d_pending = torch.zeros_like(accepting), torch.zeros_like(accepting)
         for j in range(1, steps + 2):
             take = accepting & (depth < code_len)  # these users' beams advance to T_j
@@ -263,9 +269,11 @@ def speculative_beam_search(target, draft, input_ids: torch.Tensor, attention_ma
             tgt.parent = torch.where(pend[:, None], new_t_parent, tgt.parent)
             drf.parent = torch.where(pend[:, None], new_d_parent, drf.parent)
             t_pending, d_pending = t_pending | pend, d_pending | pend
-            accepted[users] += ok.long()
+            accepted_now += ok.long()
             accepting = ok
         tgt.pending, drf.pending = t_pending, d_pending
+        accepted[users] += accepted_now
+        accepted_hist += torch.bincount(accepted_now, minlength=gamma + 1)
         drafted[users] += g
         rounds[users] += 1
 
@@ -285,5 +293,7 @@ def speculative_beam_search(target, draft, input_ids: torch.Tensor, attention_ma
         out_score, out_node = out_score.gather(1, order), out_node.gather(1, order)
         out_tokens = out_tokens.gather(1, order[:, :, None].expand_as(out_tokens))
     stats = {**clock, "target_forwards": forwards["target"], "draft_forwards": forwards["draft"],
-             "accepted_steps": accepted, "drafted_steps": drafted, "rounds": rounds}
+             "accepted_steps": accepted, "drafted_steps": drafted, "rounds": rounds,
+             "accepted_hist": accepted_hist, "kv_tokens": kv_peak,
+             "kv_tokens_beam_batch": b * k * (input_ids.shape[1] + code_len - 1)}  # a batch beam search's KV
     return Recommendations(catalog.item_of_node(out_node), out_tokens, out_score, stats)

@@ -134,6 +134,7 @@ class Recommender:
             "target_forwards": int(stats.get("target_forwards", 0)), "draft_forwards": int(stats.get("draft_forwards", 0)),
             "mean_accepted_steps": float((accepted.float() / rounds.clamp(min=1).float()).mean())
             if accepted is not None and len(accepted) else None,
+            "accepted_hist": stats["accepted_hist"].tolist() if "accepted_hist" in stats else None,
             "peak_memory_bytes": torch.cuda.max_memory_allocated() if self.device.type == "cuda" else None,
             "kv_tokens": stats.get("kv_tokens"), "kv_tokens_beam_batch": stats.get("kv_tokens_beam_batch"),
             "users_per_s": users_ok / wall if wall > 0 else None,

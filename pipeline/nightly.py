@@ -118,6 +118,8 @@ def run_nightly(cfg: Config) -> dict:
             ds = ds.map_batches(lambda t: t.filter(pc.invert(pc.is_in(t["user_id"], dup))), batch_format="pyarrow")
             ds = ds.union(ray.data.from_arrow(kept.cast(ds.schema().base_schema)))
         c = cfg.compute
+        # blocks of one batch each (streaming): a single large input file still feeds every actor of the pool
+        ds = ds.repartition(target_num_rows_per_block=c.batch_size)
         out = ds.map_batches(Recommender, fn_constructor_kwargs={"config": cfg, "run_id": run_id},
                              batch_size=c.batch_size, batch_format="pyarrow",
                              compute=ray.data.ActorPoolStrategy(size=c.num_actors),

@@ -87,6 +87,14 @@ def test_nightly_on_s3_equals_beam_search(cluster, tmp_path):
     want = dict(zip(users.user_id, ref.item_ids.tolist()))
     assert all(want[u] == g.sort_values("rank").item_id.tolist() for u, g in recs.groupby("user_id"))
     assert metrics.users_ok.sum() == len(users)
+    # evaluation and report read the run from the bucket (the output root resolves to its newest run) and write there
+    for job in ("evaluate", "report"):
+        done = subprocess.run([sys.executable, "-m", f"jobs.{job}", "--run", cfg.output, "--endpoint", s3.endpoint],
+                              env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+    report = S.read_bytes(S.join(published, "report", "report.md"), cfg.storage).decode()
+    assert f"| users ok | {len(users):,} |" in report and "## Quality (offline evaluation)" in report
+    assert S.read_bytes(S.join(published, "report", "figures", "cost.png"), cfg.storage)[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_wrong_credentials_fail_clearly_without_leaking(cluster, caplog):

@@ -35,6 +35,8 @@ def test_strict_equals_beam_search(setup, draft_name, k):
             assert torch.equal(rec.token_ids, ref.token_ids) or not torch.equal(rec.item_ids, ref.item_ids)
             st = rec.stats
             assert_forward_accounting(st, ref.stats["target_forwards"], cat.code_len)
+            b, s = ids.shape  # both caches hold every prompt once, plus the drafted tree
+            assert 2 * b * s < st["kv_tokens"] and st["kv_tokens_beam_batch"] == ref.stats["kv_tokens_beam_batch"]
             if draft_name == "target" and n == k:
                 assert torch.equal(st["accepted_steps"], st["drafted_steps"])  # every drafted step accepted
                 rounds = -(-(cat.code_len - 1) // (gamma + 1))  # each round: up to gamma accepted + 1 free step
@@ -50,6 +52,9 @@ def assert_forward_accounting(st, beam_forwards: int, code_len: int):
     assert torch.equal(st["rounds"] + st["accepted_steps"], torch.full_like(st["rounds"], code_len - 1))
     accepted = st["accepted_steps"] > 0
     assert (per_user[accepted] < beam_forwards).all() and (per_user[~accepted] == beam_forwards).all()
+    hist = st["accepted_hist"]  # (user, round) pairs by steps accepted in the round
+    assert int(hist.sum()) == int(st["rounds"].sum())
+    assert int((hist * torch.arange(len(hist))).sum()) == int(st["accepted_steps"].sum())
 
 
 def test_random_draft_is_rejected_and_costs_no_extra_target_forward(setup):

@@ -1,0 +1,67 @@
+"""Offline evaluation of a published run: Recall@K and NDCG@K against the input's `target_items`.
+
+The paper's convention: users without target items are skipped. A user with targets but no recommendations (a
+rejected row) counts as a miss, so a run cannot look better by rejecting users. Duplicate user ids: the first row's
+targets, as the nightly job keeps the first row.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as pads
+
+from decoding.metrics import recall_ndcg
+from pipeline import storage as S
+from pipeline.config import Storage
+from pipeline.report import Run, num, read_recommendations
+
+KS = (1, 5, 10, 20)
+
+
+def read_targets(input_uri: str, storage: Storage) -> pa.Table:
+    """The input's (user_id, target_items) of the users that have targets, one row per user (the first)."""
+    fs, path = S.filesystem(input_uri, storage)
+    try:
+        data = pads.dataset(path, filesystem=fs, format="parquet")
+    except (OSError, pa.ArrowInvalid) as e:
+        raise ValueError(f"input {input_uri}: not readable as parquet ({e})") from None
+    if "target_items" not in data.schema.names:
+        raise ValueError(f"input {input_uri}: no target_items column; offline evaluation needs each user's held-out "
+                         f"items (has {data.schema.names})")
+    table = data.to_table(columns=["user_id", "target_items"])
+    table = table.append_column("row", pa.array(np.arange(table.num_rows)))
+    first = table.group_by("user_id", use_threads=False).aggregate([("row", "min")]).column("row_min")
+    table = table.take(np.sort(first.to_numpy()))  # the first row of every user, in input order
+    has = pc.fill_null(pc.greater(pc.list_value_length(table["target_items"]), 0), False)
+    return table.filter(has).select(["user_id", "target_items"])
+
+
+def evaluate_run(run: Run, input_uri: str, storage: Storage, ks=KS) -> dict:
+    """Recall@k and NDCG@k of the run's published recommendations -> a dict (ks, users, metrics, counts)."""
+    targets = read_targets(input_uri, storage)
+    recs = read_recommendations(run, storage, ("user_id", "rank", "item_id"))
+    k = int(run.manifest["config"]["decoding"]["k"])
+    user_type = targets.schema.field("user_id").type
+    row = pc.index_in(pc.cast(recs["user_id"], user_type), value_set=targets["user_id"])  # target user of each rec
+    found = pc.is_valid(row).to_numpy(zero_copy_only=False)
+    rows = row.to_numpy(zero_copy_only=False)[found].astype(np.int64)
+    ranks = recs["rank"].to_numpy()[found].astype(np.int64)
+    matrix = np.full((targets.num_rows, max(k, int(ranks.max(initial=0)))), -1, np.int64)  # [U, K] best first
+    matrix[rows, ranks - 1] = recs["item_id"].to_numpy()[found]
+    metrics = recall_ndcg(matrix, targets["target_items"].to_pylist(), ks)
+    return {"run_id": run.run_id, "run": run.uri, "input": input_uri, "ks": list(ks), "k": k,
+            "users_without_recommendations": int((matrix[:, 0] < 0).sum()), **metrics}
+
+
+def to_markdown(ev: dict) -> str:
+    ks = ev["ks"]
+    lines = [f"# Offline evaluation of run {ev['run_id']}", "",
+             f"`{ev['input']}`: {num(ev['users'])} users with target items (users without targets skipped; "
+             f"{num(ev['users_without_recommendations'])} of them got no recommendations and count as misses); "
+             f"the run returned k = {ev['k']} items per user.", "",
+             "| metric | " + " | ".join(f"@{k}" for k in ks) + " |", "|---|" + "---:|" * len(ks)]
+    for m in ("recall", "ndcg"):
+        lines.append(f"| {'Recall' if m == 'recall' else 'NDCG'} | "
+                     + " | ".join(num(ev[f"{m}@{k}"], 4) for k in ks) + " |")
+    return "\n".join(lines) + "\n"

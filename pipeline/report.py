@@ -1,0 +1,462 @@
+"""Cost/throughput report of published nightly runs: a Markdown file and a self-contained HTML page with PNG plots.
+
+    load_run(uri)            a run folder, a `run_date=D` folder (its _LATEST) or an output root (its newest date)
+    summarize(run, price)    the shard metrics aggregated: users, users/s, time split, forwards, accepted steps,
+                             KV tokens held vs a batch beam search, accelerator-hours and cost per million users
+    compare_outputs(a, b)    whether two runs published the same items for every user and rank
+    write_report(...)        report.md + report.html (figures embedded) + figures/*.png + report.json
+
+Throughput is counted two ways: users per second of the job's decode wall time (read, shard, decode over all actors;
+what a nightly window sees) and users per busy actor-second (the sum of the batches' wall times; what one actor
+sustains). Cost is accelerator-hours x price: allocated = actors x GPUs per actor x decode wall time (what is billed;
+a CPU actor counts as one accelerator), busy = the batches' wall times (the floor at full utilisation).
+"""
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import math
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from pipeline import storage as S
+from pipeline.config import Storage
+
+PHASES = ("prefill_s", "draft_s", "verify_s", "decode_s")
+
+
+@dataclass
+class Run:
+    uri: str  # the run folder
+    manifest: dict
+    metrics: pd.DataFrame  # one row per processed batch (operators/recommender.py)
+
+    @property
+    def run_id(self) -> str:
+        return self.manifest["run_id"]
+
+    @property
+    def mode(self) -> str:
+        return self.manifest["config"]["decoding"]["mode"]
+
+
+def resolve_run(uri: str, storage: Storage) -> str:
+    """A run folder, `<output>/run_date=D` or `<output>` -> the folder of a complete, published run."""
+    uri = uri.rstrip("/")
+    run = uri
+    if S.read_bytes(S.join(uri, "manifest.json"), storage) is None:
+        parent, _, name = uri.rpartition("/")
+        if name.startswith("run_date="):
+            run = S.latest_run(parent, name.removeprefix("run_date="), storage)
+        else:
+            dates = sorted(c for c in S.list_children(uri, storage) if c.startswith("run_date="))
+            runs = [S.latest_run(uri, d.removeprefix("run_date="), storage) for d in reversed(dates)]
+            run = next((r for r in runs if r), None)
+        if run is None:
+            raise FileNotFoundError(f"{uri}: no published run (expected a run folder with manifest.json, a run_date= "
+                                    "folder with _LATEST, or an output root)")
+    if S.read_bytes(S.join(run, "_SUCCESS"), storage) is None:
+        raise ValueError(f"run {run}: no _SUCCESS marker; the run is incomplete or failed and is not reported")
+    return run
+
+
+def load_run(uri: str, storage: Storage) -> Run:
+    run = resolve_run(uri, storage)
+    manifest = json.loads(S.read_bytes(S.join(run, "manifest.json"), storage))
+    fs, path = S.filesystem(S.join(run, "metrics"), storage)
+    metrics = pq.read_table(path, filesystem=fs).to_pandas()
+    if metrics.empty:
+        raise ValueError(f"run {run}: the metrics table is empty")
+    return Run(run, manifest, metrics)
+
+
+def read_recommendations(run: Run, storage: Storage, columns=("user_id", "rank", "item_id", "score")) -> pa.Table:
+    fs, path = S.filesystem(S.join(run.uri, "recommendations"), storage)
+    return pq.read_table(path, filesystem=fs, columns=list(columns))
+
+
+# ------------------------------------------------------------------ numbers
+
+
+def accepted_histogram(metrics: pd.DataFrame) -> np.ndarray | None:
+    """Sum of the batches' accepted-steps histograms -> [gamma + 1] (user, round) counts, or None (no speculation)."""
+    if "accepted_hist" not in metrics:
+        return None
+    hists = [np.asarray(h, np.int64) for h in metrics["accepted_hist"] if h is not None]
+    if not hists:
+        return None
+    out = np.zeros(max(len(h) for h in hists), np.int64)
+    for h in hists:
+        out[: len(h)] += h
+    return out
+
+
+def summarize(run: Run, gpu_hour_price: float) -> dict:
+    m, man = run.metrics, run.manifest
+    compute = man["config"]["compute"]
+    users = int(m.users_ok.sum())
+    busy = float(m.wall_s.sum())
+    wall = float(man["timings"]["decode_s"])
+    per_actor = m.groupby("actor").agg(users=("users_ok", "sum"), busy_s=("wall_s", "sum"), batches=("shard", "size"))
+    per_actor["users_per_s"] = per_actor.users / per_actor.busy_s
+    hist = accepted_histogram(m)
+    accelerators = compute["num_actors"] * (compute["gpus_per_actor"] or 1)
+    gpus_per_actor = compute["gpus_per_actor"] or 1
+    kv, kv_beam = m.kv_tokens.sum(), m.kv_tokens_beam_batch.sum()
+    hours = {"allocated": accelerators * wall / 3600, "busy": gpus_per_actor * busy / 3600}
+    peak = m.peak_memory_bytes.dropna() if "peak_memory_bytes" in m else pd.Series(dtype=float)
+    return {
+        "run_id": run.run_id, "uri": run.uri, "run_date": man["run_date"], "mode": run.mode,
+        "k": man["config"]["decoding"]["k"], "devices": sorted(set(m.device)), "code_version": man.get("code_version"),
+        "models": {role: v["sha256"][:12] for role, v in man.get("models", {}).items()},
+        "users_ok": users, "users_rejected": int(man["counts"]["users_rejected"]),
+        "input_rows": int(man["counts"]["input_rows"]), "recommendations": int(m.recommendations.sum()),
+        "batches": len(m), "actors": len(per_actor), "accelerators": accelerators,
+        "decode_wall_s": wall, "total_s": float(man["timings"]["total_s"]), "busy_s": busy,
+        "users_per_s": users / wall, "users_per_busy_s": users / busy,
+        "phase_s": {p: float(m[p].sum()) for p in PHASES},
+        "target_forwards": int(m.target_forwards.sum()), "draft_forwards": int(m.draft_forwards.sum()),
+        "accepted_hist": None if hist is None else hist.tolist(),
+        "mean_accepted_steps": None if hist is None or hist.sum() == 0
+        else float((hist * np.arange(len(hist))).sum() / hist.sum()),
+        "kv_tokens_per_user": float(kv / users) if users else None,
+        "kv_tokens_beam_batch_per_user": float(kv_beam / users) if users else None,
+        "kv_ratio": float(kv / kv_beam) if kv_beam else None,
+        "peak_memory_gb": float(peak.max() / 2 ** 30) if len(peak) else None,
+        "gpu_hour_price": gpu_hour_price, "accelerator_hours": hours,
+        "cost_per_million_users": {k: gpu_hour_price * h / users * 1e6 if users else None for k, h in hours.items()},
+        "per_shard": [{"shard": s, "actor": a, "users": int(u), "users_per_s": float(r)}
+                      for s, a, u, r in zip(m.shard, m.actor, m.users_ok, m.users_per_s.fillna(0.0))],
+        "per_actor": [{"actor": a, "users": int(r.users), "batches": int(r.batches), "busy_s": float(r.busy_s),
+                       "users_per_s": float(r.users_per_s)} for a, r in per_actor.iterrows()],
+    }
+
+
+def compare_outputs(a: Run, b: Run, storage: Storage) -> dict:
+    """Outputs of two runs, (user, rank) by (user, rank): identical when both hold the same rows and items."""
+    ta, tb = read_recommendations(a, storage), read_recommendations(b, storage)
+    if ta.schema.field("user_id").type != tb.schema.field("user_id").type:
+        ta = ta.set_column(0, "user_id", pc.cast(ta["user_id"], pa.string()))
+        tb = tb.set_column(0, "user_id", pc.cast(tb["user_id"], pa.string()))
+    j = ta.join(tb, keys=["user_id", "rank"], join_type="full outer", left_suffix="_a", right_suffix="_b")
+    same = pc.fill_null(pc.equal(j["item_id_a"], j["item_id_b"]), False)
+    differ = j.filter(pc.invert(same))
+    both = j.filter(same)
+    diff = pc.max(pc.abs(pc.subtract(both["score_a"], both["score_b"]))).as_py() if both.num_rows else None
+    users = pc.count_distinct(j["user_id"]).as_py()
+    users_differ = pc.count_distinct(differ["user_id"]).as_py() if differ.num_rows else 0
+    return {"users": users, "users_differ": users_differ, "rows_a": ta.num_rows, "rows_b": tb.num_rows,
+            "identical": users_differ == 0, "max_abs_score_diff": diff}
+
+
+# ------------------------------------------------------------------ figures
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+    _plt().close(fig)
+    return buf.getvalue()
+
+
+def _label(s: dict) -> str:
+    return f"{s['mode']} ({s['run_id'][-6:]})"
+
+
+def fig_throughput(runs: list[dict]) -> bytes:
+    plt = _plt()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.6), gridspec_kw={"width_ratios": [2, 1]})
+    width = 0.8 / len(runs)
+    for i, s in enumerate(runs):
+        actors = sorted({r["actor"] for r in s["per_shard"]})
+        shards = sorted(s["per_shard"], key=lambda r: (actors.index(r["actor"]), _batch_index(r["shard"])))
+        left.plot(range(1, len(shards) + 1), [r["users_per_s"] for r in shards], marker="o", ms=3, label=_label(s))
+        right.bar(np.arange(len(actors)) + i * width, [next(a["users_per_s"] for a in s["per_actor"] if a["actor"] == x)
+                                                        for x in actors], width, label=_label(s))
+    left.set(title="users/s per shard (batch), by actor then batch", xlabel="shard", ylabel="users/s")
+    right.set(title="users/s per actor (busy seconds)", xlabel="actor", ylabel="users/s")
+    right.set_xticks(np.arange(max(s["actors"] for s in runs)) + 0.4 - width / 2,
+                     [str(i + 1) for i in range(max(s["actors"] for s in runs))])
+    left.legend(fontsize=8)
+    left.set_ylim(bottom=0)
+    return _png(fig)
+
+
+def _batch_index(shard: str) -> int:
+    tail = shard.rsplit(":", 1)[-1]
+    return int(tail) if tail.isdigit() else 0
+
+
+def fig_time_split(runs: list[dict]) -> bytes:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(11, 1.2 + 0.7 * len(runs)))
+    left = np.zeros(len(runs))
+    for p in PHASES:
+        values = np.array([s["phase_s"][p] for s in runs])
+        ax.barh([_label(s) for s in runs], values, left=left, label=p.removesuffix("_s"))
+        for y, (v, x0, s) in enumerate(zip(values, left, runs)):
+            share = v / max(sum(s["phase_s"].values()), 1e-12)
+            if share > 0.06:
+                ax.text(x0 + v / 2, y, f"{share:.0%}", ha="center", va="center", fontsize=8, color="white")
+        left += values
+    ax.set(title="time split: seconds summed over batches", xlabel="seconds")
+    ax.legend(ncol=4, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.35 / len(runs) - 0.25))
+    return _png(fig)
+
+
+def fig_accepted_steps(runs: list[dict]) -> bytes:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    spec = [s for s in runs if s["accepted_hist"]]
+    if not spec:
+        ax.text(0.5, 0.5, "no speculative rounds in " + ", ".join(s["mode"] for s in runs), ha="center",
+                va="center", transform=ax.transAxes)
+        ax.set_axis_off()
+        return _png(fig)
+    width = 0.8 / len(spec)
+    for i, s in enumerate(spec):
+        h = np.asarray(s["accepted_hist"], float)
+        ax.bar(np.arange(len(h)) + i * width, h / h.sum(), width, label=f"{_label(s)}: mean {s['mean_accepted_steps']:.2f}")
+    n = max(len(s["accepted_hist"]) for s in spec)
+    ax.set_xticks(np.arange(n) + 0.4 - width / 2, [str(i) for i in range(n)])
+    ax.set(title="accepted steps per verification (user-rounds)", xlabel="drafted steps accepted",
+           ylabel="share of user-rounds")
+    _legend_above_bars(ax)
+    return _png(fig)
+
+
+def fig_kv_memory(runs: list[dict]) -> bytes:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    x = np.arange(len(runs))
+    held = [s["kv_tokens_per_user"] or 0 for s in runs]
+    beam = [s["kv_tokens_beam_batch_per_user"] or 0 for s in runs]
+    ax.bar(x - 0.2, held, 0.4, label="held (shared-prefix tree)")
+    ax.bar(x + 0.2, beam, 0.4, label="batch beam search (K prompt copies)")
+    for xi, h, b in zip(x, held, beam):
+        if b:
+            ax.text(xi - 0.2, h, f"{h / b:.2f}x", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(x, [_label(s) for s in runs])
+    ax.set(title="KV cache tokens per user", ylabel="tokens")
+    _legend_above_bars(ax)
+    return _png(fig)
+
+
+def fig_cost(runs: list[dict]) -> bytes:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    x = np.arange(len(runs))
+    for off, kind in ((-0.2, "allocated"), (0.2, "busy")):
+        values = [s["cost_per_million_users"][kind] or 0 for s in runs]
+        bars = ax.bar(x + off, values, 0.4, label=f"{kind} accelerator-hours")
+        ax.bar_label(bars, [f"\\${v:,.2f}" for v in values], fontsize=8)
+    ax.set_xticks(x, [_label(s) for s in runs])
+    ax.set(title=f"cost per million users at \\${runs[0]['gpu_hour_price']:g} per accelerator-hour", ylabel="USD")
+    _legend_above_bars(ax)
+    return _png(fig)
+
+
+def _legend_above_bars(ax) -> None:
+    """Headroom above the tallest bar for the legend, so that it never hides a bar."""
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.35)
+    ax.legend(fontsize=8, loc="upper left")
+
+
+FIGURES = {"throughput": (fig_throughput, "Throughput"), "time_split": (fig_time_split, "Time split"),
+           "accepted_steps": (fig_accepted_steps, "Accepted steps"), "kv_memory": (fig_kv_memory, "KV memory"),
+           "cost": (fig_cost, "Cost")}
+
+
+# ------------------------------------------------------------------ document: blocks rendered as Markdown and HTML
+
+
+def num(x, digits: int = 3) -> str:
+    """The report's number format: integers with thousands separators, floats with `digits` decimals."""
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    if isinstance(x, (int, np.integer)):
+        return f"{int(x):,}"
+    return f"{x:,.{digits}f}"
+
+
+def summary_rows(runs: list[dict]) -> list[list[str]]:
+    """(metric, value per run) rows of the summary table."""
+    def row(name, fn):
+        return [name] + [fn(s) for s in runs]
+
+    rows = [row("mode / k", lambda s: f"{s['mode']} / {s['k']}"),
+            row("device", lambda s: ", ".join(s["devices"])),
+            row("users ok", lambda s: num(s["users_ok"])),
+            row("users rejected", lambda s: num(s["users_rejected"])),
+            row("recommendations", lambda s: num(s["recommendations"])),
+            row("batches / actors", lambda s: f"{num(s['batches'])} / {num(s['actors'])}"),
+            row("decode wall time (s)", lambda s: num(s["decode_wall_s"])),
+            row("users/s (decode wall time)", lambda s: num(s["users_per_s"])),
+            row("users/s per busy actor-second", lambda s: num(s["users_per_busy_s"]))]
+    rows += [row(f"{p.removesuffix('_s')} (s, summed over batches)", lambda s, p=p: num(s["phase_s"][p])) for p in PHASES]
+    rows += [row("target forwards", lambda s: num(s["target_forwards"])),
+             row("draft forwards", lambda s: num(s["draft_forwards"])),
+             row("mean accepted steps per verification", lambda s: num(s["mean_accepted_steps"])),
+             row("KV tokens held per user", lambda s: num(s["kv_tokens_per_user"], 1)),
+             row("KV tokens per user, batch beam search", lambda s: num(s["kv_tokens_beam_batch_per_user"], 1)),
+             row("peak accelerator memory (GiB)", lambda s: num(s["peak_memory_gb"])),
+             row("accelerator-hours (allocated / busy)", lambda s: f"{num(s['accelerator_hours']['allocated'], 6)} / "
+                                                                 f"{num(s['accelerator_hours']['busy'], 6)}"),
+             row("cost per million users, allocated (USD)", lambda s: num(s["cost_per_million_users"]["allocated"], 2)),
+             row("cost per million users, busy (USD)", lambda s: num(s["cost_per_million_users"]["busy"], 2))]
+    return rows
+
+
+def comparison_text(run: dict, base: dict, outputs: dict) -> str:
+    speed = run["users_per_s"] / base["users_per_s"]
+    busy = run["users_per_busy_s"] / base["users_per_busy_s"]
+    same = ("identical" if outputs["identical"] else
+            f"NOT identical: {num(outputs['users_differ'])} of {num(outputs['users'])} users differ")
+    diff = outputs["max_abs_score_diff"]
+    return (f"Speed-up of {_label(run)} over {_label(base)}: **{speed:.2f}x** users/s (decode wall time), "
+            f"**{busy:.2f}x** per busy actor-second. Outputs: **{same}** ({num(outputs['users'])} users compared by "
+            f"user and rank; max |score difference| {'-' if diff is None else f'{diff:.2e}'}).")
+
+
+def build_blocks(runs: list[dict], outputs: dict | None, evaluation: dict | None) -> list[tuple]:
+    title = "genrec-batch run report: " + " vs ".join(s["run_id"] for s in runs)
+    blocks = [("h1", title),
+              ("p", "; ".join(f"`{s['uri']}` (run date {s['run_date']}, code {str(s['code_version'])[:12]}, models "
+                              + ", ".join(f"{r} {h}" for r, h in s["models"].items()) + ")" for s in runs))]
+    header = ["metric"] + [_label(s) for s in runs]
+    blocks += [("h2", "Summary"), ("table", header, summary_rows(runs))]
+    if outputs is not None:
+        blocks += [("h2", "Comparison"), ("p", comparison_text(runs[0], runs[1], outputs))]
+    for name, (_, heading) in FIGURES.items():
+        blocks += [("h2", heading), ("img", name)]
+        if name == "throughput":
+            rows = [[_label(s), str(i + 1), a["actor"], num(a["batches"]), num(a["users"]), num(a["users_per_s"])]
+                    for s in runs for i, a in enumerate(sorted(s["per_actor"], key=lambda a: a["actor"]))]
+            blocks.append(("table", ["run", "actor", "actor id", "batches", "users", "users/s"], rows))
+    if evaluation is not None:
+        ks = evaluation["ks"]
+        blocks += [("h2", "Quality (offline evaluation)"),
+                   ("p", f"{num(evaluation['users'])} users with target items (users without targets skipped; "
+                         f"{num(evaluation['users_without_recommendations'])} of them got no recommendations and "
+                         f"count as misses); the run returned k = {evaluation['k']} items."),
+                   ("table", ["metric"] + [f"@{k}" for k in ks],
+                    [[m] + [num(evaluation[f"{m.lower()}@{k}"], 4) for k in ks] for m in ("Recall", "NDCG")])]
+    return blocks
+
+
+def to_markdown(blocks, figure_dir: str = "figures") -> str:
+    out = []
+    for b in blocks:
+        if b[0] == "h1":
+            out.append(f"# {b[1]}")
+        elif b[0] == "h2":
+            out.append(f"## {b[1]}")
+        elif b[0] == "p":
+            out.append(b[1])
+        elif b[0] == "img":
+            out.append(f"![{b[1]}]({figure_dir}/{b[1]}.png)")
+        elif b[0] == "table":
+            out.append("\n".join(["| " + " | ".join(b[1]) + " |", "|" + "---|" * len(b[1])]
+                                 + ["| " + " | ".join(r) + " |" for r in b[2]]))
+    return "\n\n".join(out) + "\n"
+
+
+def to_html(blocks, figures: dict[str, bytes]) -> str:
+    def inline(text: str) -> str:  # `code` and **bold**, the only Markdown the blocks use
+        parts = html.escape(text).split("`")
+        text = "".join(f"<code>{p}</code>" if i % 2 else p for i, p in enumerate(parts))
+        parts = text.split("**")
+        return "".join(f"<b>{p}</b>" if i % 2 else p for i, p in enumerate(parts))
+
+    body = []
+    for b in blocks:
+        if b[0] in ("h1", "h2", "p"):
+            body.append(f"<{b[0]}>{inline(b[1])}</{b[0]}>")
+        elif b[0] == "img":
+            data = base64.b64encode(figures[b[1]]).decode()
+            body.append(f'<img alt="{b[1]}" src="data:image/png;base64,{data}">')
+        elif b[0] == "table":
+            head = "".join(f"<th>{inline(h)}</th>" for h in b[1])
+            rows = "".join("<tr>" + "".join(f"<td>{inline(c)}</td>" for c in r) + "</tr>" for r in b[2])
+            body.append(f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>")
+    style = ("body{font-family:sans-serif;max-width:1150px;margin:24px auto;color:#222}"
+             "table{border-collapse:collapse;margin:8px 0}td,th{border:1px solid #ccc;padding:3px 8px;"
+             "text-align:right}td:first-child,th:first-child{text-align:left}img{max-width:100%;display:block}"
+             "code{background:#f3f3f3;padding:0 3px}")
+    title = html.escape(blocks[0][1])
+    return (f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>{title}</title><style>{style}</style>"
+            f"</head><body>\n" + "\n".join(body) + "\n</body></html>\n")
+
+
+def write_report(runs: list[Run], out: str, storage: Storage, gpu_hour_price: float = 2.5,
+                 evaluation: dict | None = None) -> dict:
+    """Writes out/report.md, report.html, report.json and figures/*.png -> the report's JSON."""
+    summaries = [summarize(r, gpu_hour_price) for r in runs]
+    outputs = compare_outputs(runs[0], runs[1], storage) if len(runs) == 2 else None
+    figures = {name: fn(summaries) for name, (fn, _) in FIGURES.items()}
+    blocks = build_blocks(summaries, outputs, evaluation)
+    doc = {"runs": summaries, "outputs": outputs, "evaluation": evaluation,
+           "speedup": None if outputs is None else {
+               "users_per_s": summaries[0]["users_per_s"] / summaries[1]["users_per_s"],
+               "users_per_busy_s": summaries[0]["users_per_busy_s"] / summaries[1]["users_per_busy_s"]}}
+    for name, png in figures.items():
+        S.write_bytes(S.join(out, "figures", f"{name}.png"), png, storage)
+    S.write_bytes(S.join(out, "report.md"), to_markdown(blocks).encode(), storage)
+    S.write_bytes(S.join(out, "report.html"), to_html(blocks, figures).encode(), storage)
+    S.write_bytes(S.join(out, "report.json"), json.dumps(doc, indent=2, default=str).encode(), storage)
+    return doc
+
+
+def default_out(run: Run, compare: Run | None) -> str:
+    return S.join(run.uri, "report" if compare is None else f"report-vs-{compare.run_id}")
+
+
+# ------------------------------------------------------------------ looking at it as a person would
+
+
+def chromium() -> str:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        path = shutil.which(name)
+        if path:
+            return path
+    raise FileNotFoundError("no chromium on PATH: `make browser` installs Debian's chromium")
+
+
+def screenshot(html_file: Path, png_file: Path, width: int = 1200, height: int = 4000) -> Path:
+    """Renders a local HTML file in headless Chromium -> a PNG of the page, cropped below the last content."""
+    from PIL import Image
+
+    with tempfile.TemporaryDirectory() as profile:
+        cmd = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+               "--disable-background-networking", "--disable-component-update", "--disable-sync",
+               "--hide-scrollbars", f"--user-data-dir={profile}", f"--window-size={width},{height}",
+               f"--screenshot={png_file.resolve()}", html_file.resolve().as_uri()]
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    if run.returncode != 0 or not png_file.is_file():
+        raise RuntimeError(f"chromium screenshot of {html_file} failed: {run.stderr[-2000:]}")
+    image = Image.open(png_file).convert("RGB")
+    pixels = np.asarray(image)
+    content = np.nonzero((pixels != pixels[-1:, :, :]).any(axis=(1, 2)))[0]  # rows unlike the bottom background
+    if len(content):
+        image.crop((0, 0, image.width, min(image.height, int(content[-1]) + 24))).save(png_file)
+    return png_file

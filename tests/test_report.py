@@ -1,0 +1,212 @@
+"""Reports and offline evaluation of real nightly runs (local Ray): the numbers equal the shard metrics aggregated
+here independently, the plots are valid PNGs, a comparison of a run with itself (and of strict speculative with
+beam search) shows identical outputs, the evaluation equals a hand-computed example, and Chromium renders the page."""
+import json
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from jobs import evaluate as evaluate_job
+from jobs import report as report_job
+from pipeline.report import screenshot
+from tests.test_nightly import config, make_world
+
+PRICE = 3.0
+FIGURES = ("throughput", "time_split", "accepted_steps", "kv_memory", "cost")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One beam and one atspeed-strict run of the same 100 users, two actors each."""
+    import ray
+
+    from pipeline.nightly import run_nightly
+
+    root = tmp_path_factory.mktemp("report")
+    world = make_world(root)
+    ray.init(num_cpus=4, include_dashboard=False)  # two 1-CPU actors plus the read and write tasks
+    try:
+        out = {mode: run_nightly(config(world, root / mode, f"decoding.mode={mode}", "compute.num_actors=2"))
+               for mode in ("beam", "atspeed-strict")}
+    finally:
+        ray.shutdown()
+    return {mode: str(root / mode / f"run_date={m['run_date']}" / f"run_id={m['run_id']}") for mode, m in out.items()}
+
+
+def num(x, digits=3):  # the report's documented format: thousands separators, fixed decimals
+    return f"{x:,}" if isinstance(x, int) else f"{x:,.{digits}f}"
+
+
+def independent_summary(run: str) -> dict:
+    m = pd.read_parquet(f"{run}/metrics")
+    manifest = json.loads(open(f"{run}/manifest.json").read())
+    users = int(m.users_ok.sum())
+    wall = manifest["timings"]["decode_s"]
+    hist = np.zeros(8, np.int64)
+    for h in m.accepted_hist.dropna():
+        hist[: len(h)] += np.asarray(h)
+    actors = manifest["config"]["compute"]["num_actors"]
+    return {"users": users, "users_per_s": users / wall, "busy_users_per_s": users / m.wall_s.sum(),
+            "prefill": m.prefill_s.sum(), "verify": m.verify_s.sum(), "target_forwards": int(m.target_forwards.sum()),
+            "kv": m.kv_tokens.sum() / users, "kv_beam": m.kv_tokens_beam_batch.sum() / users,
+            "cost": PRICE * actors * wall / 3600 / users * 1e6, "busy_cost": PRICE * m.wall_s.sum() / 3600 / users * 1e6,
+            "accepted": (hist * np.arange(8)).sum() / hist.sum() if hist.sum() else None, "rounds": int(hist.sum()),
+}
+
+
+def assert_png(path):
+    import matplotlib.image
+
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pixels = matplotlib.image.imread(path)  # decodes the whole file
+    assert pixels.shape[0] > 100 and pixels.shape[1] > 100 and pixels.std() > 0.01  # not a blank image
+    return pixels
+
+
+@pytest.mark.parametrize("mode", ["beam", "atspeed-strict"])
+def test_report_numbers_equal_the_metrics(runs, mode, capsys):
+    run = runs[mode]
+    assert report_job.main(["--run", run, "--gpu-hour-price", str(PRICE)]) == 0
+    out = Path(run) / "report"
+    for name in FIGURES:
+        assert_png(out / "figures" / f"{name}.png")
+    md, html = (out / "report.md").read_text(), (out / "report.html").read_text()
+    want = independent_summary(run)
+    assert want["users"] == 100
+    for line in (f"| users ok | {num(want['users'])} |",
+                 f"| users/s (decode wall time) | {num(want['users_per_s'])} |",
+                 f"| users/s per busy actor-second | {num(want['busy_users_per_s'])} |",
+                 f"| prefill (s, summed over batches) | {num(want['prefill'])} |",
+                 f"| verify (s, summed over batches) | {num(want['verify'])} |",
+                 f"| target forwards | {num(want['target_forwards'])} |",
+                 f"| KV tokens held per user | {num(want['kv'], 1)} |",
+                 f"| KV tokens per user, batch beam search | {num(want['kv_beam'], 1)} |",
+                 f"| cost per million users, allocated (USD) | {num(want['cost'], 2)} |",
+                 f"| cost per million users, busy (USD) | {num(want['busy_cost'], 2)} |"):
+        assert line in md, line
+    per_actor = pd.read_parquet(f"{run}/metrics").groupby("actor").agg(users=("users_ok", "sum"), busy=("wall_s", "sum"))
+    for actor, r in per_actor.iterrows():  # one table row per actor (how many actors got batches is Ray's choice)
+        assert f"| {actor} | " in md and f"| {num(int(r.users))} | {num(r.users / r.busy)} |" in md
+    if mode == "beam":
+        assert "| mean accepted steps per verification | - |" in md and want["rounds"] == 0
+    else:  # every user-round of speculation is in the histogram
+        assert f"| mean accepted steps per verification | {num(want['accepted'])} |" in md and want["rounds"] >= 100
+    assert md.count("![") == len(FIGURES) and html.count('src="data:image/png;base64,') == len(FIGURES)
+    assert "<table>" in html and "figures/" not in html  # self-contained: nothing to fetch
+    assert "report.html" in capsys.readouterr().err
+
+
+def test_compare_a_run_with_itself_and_with_strict_speculation(runs):
+    assert report_job.main(["--run", runs["beam"], "--compare", runs["beam"]]) == 0
+    out = next(Path(runs["beam"]).glob("report-vs-*"))
+    doc = json.loads((out / "report.json").read_text())
+    assert doc["speedup"] == {"users_per_s": 1.0, "users_per_busy_s": 1.0}
+    assert doc["outputs"]["identical"] and doc["outputs"]["users"] == 100 and doc["outputs"]["max_abs_score_diff"] == 0
+    assert "**1.00x** users/s" in (out / "report.md").read_text() and "Outputs: **identical**" in (out / "report.md").read_text()
+    # strict speculative decoding is lossless: the same items as beam search, user by user, rank by rank
+    assert report_job.main(["--run", runs["atspeed-strict"], "--compare", runs["beam"]]) == 0
+    doc = json.loads(next(Path(runs["atspeed-strict"]).glob("report-vs-*/report.json")).read_text())
+    assert doc["outputs"]["identical"] and doc["outputs"]["max_abs_score_diff"] < 1e-4
+    want = independent_summary(runs["atspeed-strict"])["users_per_s"] / independent_summary(runs["beam"])["users_per_s"]
+    assert doc["speedup"]["users_per_s"] == pytest.approx(want, rel=1e-12)
+    for name in FIGURES:  # side by side: both runs in every figure
+        assert_png(next(Path(runs["atspeed-strict"]).glob(f"report-vs-*/figures/{name}.png")))
+
+
+def test_compare_detects_a_changed_recommendation(runs, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(runs["beam"], copy)
+    recs = pq.read_table(copy / "recommendations").to_pandas()
+    shutil.rmtree(copy / "recommendations")
+    (copy / "recommendations").mkdir()
+    recs.loc[(recs.user_id == recs.user_id.iloc[0]) & (recs["rank"] == 3), "item_id"] = -7
+    pq.write_table(pa.Table.from_pandas(recs, preserve_index=False), copy / "recommendations" / "part.parquet")
+    assert report_job.main(["--run", str(copy), "--compare", runs["beam"], "--out", str(tmp_path / "rep")]) == 0
+    doc = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert not doc["outputs"]["identical"] and doc["outputs"]["users_differ"] == 1
+    assert "NOT identical: 1 of 100 users differ" in (tmp_path / "rep" / "report.md").read_text()
+
+
+def test_evaluation_of_a_real_run_lands_in_the_report(runs):
+    from decoding.metrics import recall_ndcg
+
+    run = runs["beam"]
+    assert evaluate_job.main(["--run", run]) == 0
+    ev = json.loads((Path(run) / "report" / "evaluation.json").read_text())
+    recs = pd.read_parquet(f"{run}/recommendations").sort_values(["user_id", "rank"])
+    users = pd.read_parquet(json.loads((Path(run) / "manifest.json").read_text())["config"]["input"])
+    lists = recs.groupby("user_id").item_id.apply(list)
+    want = recall_ndcg(np.array([lists[u] for u in users.user_id]), users.target_items.tolist(), (1, 5, 10, 20))
+    assert ev["users"] == 100 and all(ev[key] == pytest.approx(value) for key, value in want.items())
+    assert report_job.main(["--run", run]) == 0
+    md = (Path(run) / "report" / "report.md").read_text()
+    assert "## Quality (offline evaluation)" in md
+    assert f"| Recall | {ev['recall@1']:.4f} | {ev['recall@5']:.4f} | {ev['recall@10']:.4f} | {ev['recall@20']:.4f} |" in md
+
+
+def hand_run(root, recs: dict[int, list[int]], k: int):
+    """A minimal published run folder: manifest, _SUCCESS, one metrics row, recommendations."""
+    root.mkdir(parents=True)
+    rows = [(u, r + 1, item) for u, items in recs.items() for r, item in enumerate(items)]
+    (root / "recommendations").mkdir()
+    pq.write_table(pa.table({"user_id": [r[0] for r in rows], "rank": pa.array([r[1] for r in rows], pa.int32()),
+                             "item_id": [r[2] for r in rows], "score": pa.array([0.0] * len(rows), pa.float32())}),
+                   root / "recommendations" / "part.parquet")
+    (root / "metrics").mkdir()
+    pq.write_table(pa.table({"users_ok": [len(recs)]}), root / "metrics" / "metrics.parquet")
+    (root / "manifest.json").write_text(json.dumps({"run_id": "hand", "config": {"decoding": {"k": k}}}))
+    (root / "_SUCCESS").write_text("")
+    return root
+
+
+def test_evaluation_equals_a_hand_computed_example(tmp_path):
+    run = hand_run(tmp_path / "run", {1: [10, 11, 12, 13], 2: [20, 21, 22, 23], 3: [30, 31, 32, 33],
+                                      4: [40, 41, 42, 43]}, k=4)
+    pq.write_table(pa.table({"user_id": [1, 2, 3, 4, 5, 1, 6],
+                             "history": [[1]] * 7,
+                             "target_items": [[11], [99], [], [40, 42, 42], [50], [10], None]}), tmp_path / "in.parquet")
+    assert evaluate_job.main(["--run", str(run), "--input", str(tmp_path / "in.parquet")]) == 0
+    ev = json.loads((run / "report" / "evaluation.json").read_text())
+    # users 1 (hit at rank 2), 2 (miss), 4 (two targets, hits at ranks 1 and 3), 5 (no recommendations: a miss);
+    # user 3 (no targets) and 6 (null) skipped; user 1's second row ignored (the first row is kept)
+    assert ev["users"] == 4 and ev["users_without_recommendations"] == 1
+    assert ev["recall@1"] == pytest.approx((0 + 0 + 1 / 2 + 0) / 4)
+    assert ev["ndcg@1"] == pytest.approx((0 + 0 + 1 / 1 + 0) / 4)
+    ndcg_4 = (1 + 1 / math.log2(4)) / (1 + 1 / math.log2(3))
+    for k in (5, 10, 20):  # the run returned 4 items: every target within them is found by @5
+        assert ev[f"recall@{k}"] == pytest.approx((1 + 0 + 1 + 0) / 4)
+        assert ev[f"ndcg@{k}"] == pytest.approx((1 / math.log2(3) + 0 + ndcg_4 + 0) / 4)
+    assert "| Recall | 0.1250 | 0.5000 | 0.5000 | 0.5000 |" in (run / "report" / "evaluation.md").read_text()
+
+
+def test_bad_runs_and_inputs_fail_clearly(runs, tmp_path, capsys):
+    assert report_job.main(["--run", str(tmp_path / "nothing-here")]) == 2
+    assert "no published run" in capsys.readouterr().err
+    broken = tmp_path / "broken"
+    shutil.copytree(runs["beam"], broken)
+    (broken / "_SUCCESS").unlink()
+    assert report_job.main(["--run", str(broken)]) == 2
+    assert "no _SUCCESS marker" in capsys.readouterr().err
+    pq.write_table(pa.table({"user_id": [1], "history": [[1]]}), tmp_path / "no-targets.parquet")
+    assert evaluate_job.main(["--run", runs["beam"], "--input", str(tmp_path / "no-targets.parquet")]) == 2
+    assert "no target_items column" in capsys.readouterr().err
+
+
+def test_chromium_renders_the_report_with_its_plots(runs, tmp_path):
+    """Looked at as a person would: the page in headless Chromium shows the summary table and the plots."""
+    from PIL import Image
+
+    assert report_job.main(["--run", runs["atspeed-strict"], "--compare", runs["beam"], "--out", str(tmp_path / "r"),
+                            "--screenshot", str(tmp_path / "shot.png")]) == 0
+    shot = np.asarray(Image.open(tmp_path / "shot.png").convert("RGB")).astype(int)
+    assert shot.shape[0] > 1500  # the page is long: table, five figures
+    colour = lambda rgb: (np.abs(shot - np.array(rgb)).sum(-1) < 30).sum()  # noqa: E731
+    assert colour((31, 119, 180)) > 5000 and colour((255, 127, 14)) > 5000  # matplotlib's first two series colours
+    assert (shot.sum(-1) < 150).sum() > 5000  # dark text: the tables and headings rendered
+    assert Path(tmp_path / "r" / "report.html").is_file()
