@@ -32,8 +32,9 @@ demo: models/demo-draft/config.json nightly
 nightly: $(DATA)/items.parquet
 	$(BIN)/python -m jobs.nightly --config infra/configs/demo.yaml
 
-bench: $(DATA)/items.parquet
-	$(BIN)/python -m jobs.bench decode --data $(DATA) --index-items 1000000
+# Every claim (decode, index, speculative Table 1, DISC cost and bias) -> bench-out/all.{md,json}, ~3 min on 2 CPUs.
+bench: models
+	$(BIN)/python -m jobs.bench all --data $(DATA)
 
 # Offline evaluation and the cost/throughput report of the newest demo run (out/nightly), with a screenshot.
 report: browser

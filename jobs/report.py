@@ -6,12 +6,11 @@ newest published run); local or s3:// (endpoint from --endpoint or AWS_ENDPOINT_
 environment). Writes report.md, report.html (self-contained: plots embedded), report.json and figures/*.png into
 --out (default: `<run>/report`, or `<run>/report-vs-<compare run id>` with --compare). With --compare, the speed-up is
 the users/s of --run over those of --compare, and the outputs are checked for identity user by user, rank by rank.
-An evaluation.json written by `python -m jobs.evaluate` into the same folder adds a quality section.
+A run evaluated by `python -m jobs.evaluate` (its `<run>/report/evaluation.json`) adds a quality section.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -46,9 +45,7 @@ def main(argv=None) -> int:
         run = load_run(args.run, storage)
         compare = load_run(args.compare, storage) if args.compare else None
         out = args.out or default_out(run, compare)
-        evaluation = S.read_bytes(S.join(out, "evaluation.json"), storage)
-        doc = write_report([run] + ([compare] if compare else []), out, storage, args.gpu_hour_price,
-                           json.loads(evaluation) if evaluation else None)
+        doc = write_report([run] + ([compare] if compare else []), out, storage, args.gpu_hour_price)
     except (FileNotFoundError, ValueError, PermissionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

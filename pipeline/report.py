@@ -234,10 +234,10 @@ def fig_accepted_steps(runs: list[dict]) -> bytes:
         ax.set_axis_off()
         return _png(fig)
     width = 0.8 / len(spec)
+    n = max(int(np.nonzero(s["accepted_hist"])[0].max()) + 1 for s in spec)  # up to the largest bin in use
     for i, s in enumerate(spec):
-        h = np.asarray(s["accepted_hist"], float)
+        h = np.asarray(s["accepted_hist"][:n], float)
         ax.bar(np.arange(len(h)) + i * width, h / h.sum(), width, label=f"{_label(s)}: mean {s['mean_accepted_steps']:.2f}")
-    n = max(len(s["accepted_hist"]) for s in spec)
     ax.set_xticks(np.arange(n) + 0.4 - width / 2, [str(i) for i in range(n)])
     ax.set(title="accepted steps per verification (user-rounds)", xlabel="drafted steps accepted",
            ylabel="share of user-rounds")
@@ -245,35 +245,35 @@ def fig_accepted_steps(runs: list[dict]) -> bytes:
     return _png(fig)
 
 
-def fig_kv_memory(runs: list[dict]) -> bytes:
+def _paired_bars(runs: list[dict], bars: list[tuple[str, list[float], list[str]]], title: str, ylabel: str) -> bytes:
+    """Two bars per run: bars = [(legend label, value per run, text above each bar)] x 2."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 3.4))
     x = np.arange(len(runs))
-    held = [s["kv_tokens_per_user"] or 0 for s in runs]
-    beam = [s["kv_tokens_beam_batch_per_user"] or 0 for s in runs]
-    ax.bar(x - 0.2, held, 0.4, label="held (shared-prefix tree)")
-    ax.bar(x + 0.2, beam, 0.4, label="batch beam search (K prompt copies)")
-    for xi, h, b in zip(x, held, beam):
-        if b:
-            ax.text(xi - 0.2, h, f"{h / b:.2f}x", ha="center", va="bottom", fontsize=8)
+    for off, (label, values, texts) in zip((-0.2, 0.2), bars):
+        ax.bar_label(ax.bar(x + off, values, 0.4, label=label), texts, fontsize=8)
     ax.set_xticks(x, [_label(s) for s in runs])
-    ax.set(title="KV cache tokens per user", ylabel="tokens")
+    ax.set(title=title, ylabel=ylabel)
     _legend_above_bars(ax)
     return _png(fig)
+
+
+def fig_kv_memory(runs: list[dict]) -> bytes:
+    held = [s["kv_tokens_per_user"] or 0 for s in runs]
+    beam = [s["kv_tokens_beam_batch_per_user"] or 0 for s in runs]
+    ratio = [f"{h / b:.2f}x" if b else "" for h, b in zip(held, beam)]
+    return _paired_bars(runs, [("held (shared-prefix tree)", held, ratio),
+                               ("batch beam search (K prompt copies)", beam, [""] * len(runs))],
+                        "KV cache tokens per user", "tokens")
 
 
 def fig_cost(runs: list[dict]) -> bytes:
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(6, 3.4))
-    x = np.arange(len(runs))
-    for off, kind in ((-0.2, "allocated"), (0.2, "busy")):
+    bars = []
+    for kind in ("allocated", "busy"):
         values = [s["cost_per_million_users"][kind] or 0 for s in runs]
-        bars = ax.bar(x + off, values, 0.4, label=f"{kind} accelerator-hours")
-        ax.bar_label(bars, [f"\\${v:,.2f}" for v in values], fontsize=8)
-    ax.set_xticks(x, [_label(s) for s in runs])
-    ax.set(title=f"cost per million users at \\${runs[0]['gpu_hour_price']:g} per accelerator-hour", ylabel="USD")
-    _legend_above_bars(ax)
-    return _png(fig)
+        bars.append((f"{kind} accelerator-hours", values, [f"\\${v:,.2f}" for v in values]))
+    return _paired_bars(runs, bars, f"cost per million users at \\${runs[0]['gpu_hour_price']:g} per accelerator-hour",
+                        "USD")
 
 
 def _legend_above_bars(ax) -> None:
@@ -338,7 +338,7 @@ def comparison_text(run: dict, base: dict, outputs: dict) -> str:
             f"user and rank; max |score difference| {'-' if diff is None else f'{diff:.2e}'}).")
 
 
-def build_blocks(runs: list[dict], outputs: dict | None, evaluation: dict | None) -> list[tuple]:
+def build_blocks(runs: list[dict], outputs: dict | None, evaluations: list[dict | None]) -> list[tuple]:
     title = "genrec-batch run report: " + " vs ".join(s["run_id"] for s in runs)
     blocks = [("h1", title),
               ("p", "; ".join(f"`{s['uri']}` (run date {s['run_date']}, code {str(s['code_version'])[:12]}, models "
@@ -353,14 +353,17 @@ def build_blocks(runs: list[dict], outputs: dict | None, evaluation: dict | None
             rows = [[_label(s), str(i + 1), a["actor"], num(a["batches"]), num(a["users"]), num(a["users_per_s"])]
                     for s in runs for i, a in enumerate(sorted(s["per_actor"], key=lambda a: a["actor"]))]
             blocks.append(("table", ["run", "actor", "actor id", "batches", "users", "users/s"], rows))
-    if evaluation is not None:
-        ks = evaluation["ks"]
+    evaluated = [(s, e) for s, e in zip(runs, evaluations) if e is not None]
+    if evaluated:
+        ks = sorted({k for _, e in evaluated for k in e["ks"]})
         blocks += [("h2", "Quality (offline evaluation)"),
-                   ("p", f"{num(evaluation['users'])} users with target items (users without targets skipped; "
-                         f"{num(evaluation['users_without_recommendations'])} of them got no recommendations and "
-                         f"count as misses); the run returned k = {evaluation['k']} items."),
-                   ("table", ["metric"] + [f"@{k}" for k in ks],
-                    [[m] + [num(evaluation[f"{m.lower()}@{k}"], 4) for k in ks] for m in ("Recall", "NDCG")])]
+                   ("p", "; ".join(f"{_label(s)}: {num(e['users'])} users with target items, "
+                                   f"{num(e['users_without_recommendations'])} of them without recommendations "
+                                   f"(misses), k = {e['k']}" for s, e in evaluated)
+                    + ". Users without targets are skipped (`python -m jobs.evaluate`)."),
+                   ("table", ["metric"] + [_label(s) for s, _ in evaluated],
+                    [[f"{m}@{k}"] + [num(e.get(f"{m.lower()}@{k}"), 4) for _, e in evaluated]
+                     for m in ("Recall", "NDCG") for k in ks])]
     return blocks
 
 
@@ -408,14 +411,20 @@ def to_html(blocks, figures: dict[str, bytes]) -> str:
             f"</head><body>\n" + "\n".join(body) + "\n</body></html>\n")
 
 
-def write_report(runs: list[Run], out: str, storage: Storage, gpu_hour_price: float = 2.5,
-                 evaluation: dict | None = None) -> dict:
+def read_evaluation(run: Run, storage: Storage) -> dict | None:
+    """The run's offline evaluation (`python -m jobs.evaluate` writes it into `<run>/report`), if any."""
+    raw = S.read_bytes(S.join(default_out(run, None), "evaluation.json"), storage)
+    return json.loads(raw) if raw else None
+
+
+def write_report(runs: list[Run], out: str, storage: Storage, gpu_hour_price: float = 2.5) -> dict:
     """Writes out/report.md, report.html, report.json and figures/*.png -> the report's JSON."""
     summaries = [summarize(r, gpu_hour_price) for r in runs]
+    evaluations = [read_evaluation(r, storage) for r in runs]
     outputs = compare_outputs(runs[0], runs[1], storage) if len(runs) == 2 else None
     figures = {name: fn(summaries) for name, (fn, _) in FIGURES.items()}
-    blocks = build_blocks(summaries, outputs, evaluation)
-    doc = {"runs": summaries, "outputs": outputs, "evaluation": evaluation,
+    blocks = build_blocks(summaries, outputs, evaluations)
+    doc = {"runs": summaries, "outputs": outputs, "evaluations": evaluations,
            "speedup": None if outputs is None else {
                "users_per_s": summaries[0]["users_per_s"] / summaries[1]["users_per_s"],
                "users_per_busy_s": summaries[0]["users_per_busy_s"] / summaries[1]["users_per_busy_s"]}}

@@ -133,7 +133,7 @@ def test_compare_detects_a_changed_recommendation(runs, tmp_path):
     assert "NOT identical: 1 of 100 users differ" in (tmp_path / "rep" / "report.md").read_text()
 
 
-def test_evaluation_of_a_real_run_lands_in_the_report(runs):
+def test_evaluation_of_a_real_run_lands_in_the_report(runs, tmp_path):
     from decoding.metrics import recall_ndcg
 
     run = runs["beam"]
@@ -147,7 +147,13 @@ def test_evaluation_of_a_real_run_lands_in_the_report(runs):
     assert report_job.main(["--run", run]) == 0
     md = (Path(run) / "report" / "report.md").read_text()
     assert "## Quality (offline evaluation)" in md
-    assert f"| Recall | {ev['recall@1']:.4f} | {ev['recall@5']:.4f} | {ev['recall@10']:.4f} | {ev['recall@20']:.4f} |" in md
+    for k in (1, 5, 10, 20):
+        assert f"| Recall@{k} | {ev[f'recall@{k}']:.4f} |" in md and f"| NDCG@{k} | {ev[f'ndcg@{k}']:.4f} |" in md
+    # side by side, each run with its own evaluation (strict speculation: the same items, the same quality)
+    assert evaluate_job.main(["--run", runs["atspeed-strict"]]) == 0
+    assert report_job.main(["--run", runs["atspeed-strict"], "--compare", run, "--out", str(tmp_path / "both")]) == 0
+    md = (tmp_path / "both" / "report.md").read_text()
+    assert f"| Recall@10 | {ev['recall@10']:.4f} | {ev['recall@10']:.4f} |" in md
 
 
 def hand_run(root, recs: dict[int, list[int]], k: int):
