@@ -9,14 +9,24 @@ def recall_ndcg(recommended: np.ndarray, targets, ks=(5, 10, 20), chunk: int = 6
     """recommended [U, K] item ids (-1 = none, best first); targets: U lists of relevant item ids.
     Recall@k = |top-k ∩ targets| / |targets|, NDCG@k with binary relevance; users without targets are skipped
     (the paper's convention). Returns {"recall@k": ..., "ndcg@k": ..., "users": n}."""
-    recommended = np.asarray(recommended, dtype=np.int64)
     lengths = np.array([0 if t is None else len(t) for t in targets], dtype=np.int64)  # [U]
+    flat = np.concatenate([np.asarray(t, dtype=np.int64) for t in targets if t is not None and len(t)] or
+                          [np.zeros(0, np.int64)])
+    return recall_ndcg_flat(recommended, flat, lengths, ks, chunk)
+
+
+def recall_ndcg_flat(recommended: np.ndarray, flat: np.ndarray, lengths: np.ndarray, ks=(5, 10, 20),
+                     chunk: int = 65536) -> dict:
+    """`recall_ndcg` with the targets as one flat array [T] and each user's count [U] (an Arrow list column's
+    values and lengths: no Python object per user)."""
+    recommended = np.asarray(recommended, dtype=np.int64)
+    lengths = np.asarray(lengths, dtype=np.int64)
     keep = np.nonzero(lengths)[0]
     out = {"users": len(keep)}
     if not len(keep):
         return {**out, **{f"{m}@{k}": 0.0 for k in ks for m in ("recall", "ndcg")}}
     rec, n = recommended[keep], lengths[keep]  # [U', K], [U']
-    flat = np.concatenate([np.asarray(targets[i], dtype=np.int64) for i in keep])
+    flat = np.asarray(flat, dtype=np.int64)
     tgt = np.full((len(keep), int(n.max())), -2, dtype=np.int64)  # [U', W]; -2 never matches a recommendation
     tgt[np.repeat(np.arange(len(keep)), n), np.arange(len(flat)) - np.repeat(np.cumsum(n) - n, n)] = flat
     tgt.sort(1)

@@ -54,7 +54,11 @@ def main(argv=None) -> int:
         if S.is_s3(out):
             html = Path(tempfile.mkdtemp()) / "report.html"
             html.write_bytes(S.read_bytes(S.join(out, "report.html"), storage))
-        screenshot(html, Path(args.screenshot))
+        try:
+            screenshot(html, Path(args.screenshot))
+        except (FileNotFoundError, RuntimeError) as e:
+            print(f"error: the report is written, but --screenshot failed: {e}", file=sys.stderr)
+            return 2
     print(S.read_bytes(S.join(out, "report.md"), storage).decode())
     print(f"report: {S.join(out, 'report.html')}" + (f", speed-up {doc['speedup']['users_per_s']:.2f}x, outputs "
           f"{'identical' if doc['outputs']['identical'] else 'differ'}" if doc["outputs"] else ""), file=sys.stderr)

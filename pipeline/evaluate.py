@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as pads
 
-from decoding.metrics import recall_ndcg
+from decoding.metrics import recall_ndcg_flat
 from pipeline import storage as S
 from pipeline.config import Storage
 from pipeline.report import Run, num, read_recommendations
@@ -29,7 +29,12 @@ def read_targets(input_uri: str, storage: Storage) -> pa.Table:
     if "target_items" not in data.schema.names:
         raise ValueError(f"input {input_uri}: no target_items column; offline evaluation needs each user's held-out "
                          f"items (has {data.schema.names})")
+    kind = data.schema.field("target_items").type
+    if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or not pa.types.is_integer(kind.value_type):
+        raise ValueError(f"input {input_uri}: target_items must be a list of integer item ids, got {kind}")
     table = data.to_table(columns=["user_id", "target_items"])
+    if pc.list_flatten(table["target_items"]).null_count:
+        raise ValueError(f"input {input_uri}: target_items holds null item ids")
     table = table.append_column("row", pa.array(np.arange(table.num_rows)))
     first = table.group_by("user_id", use_threads=False).aggregate([("row", "min")]).column("row_min")
     table = table.take(np.sort(first.to_numpy()))  # the first row of every user, in input order
@@ -49,7 +54,8 @@ def evaluate_run(run: Run, input_uri: str, storage: Storage, ks=KS) -> dict:
     ranks = recs["rank"].to_numpy()[found].astype(np.int64)
     matrix = np.full((targets.num_rows, max(k, int(ranks.max(initial=0)))), -1, np.int64)  # [U, K] best first
     matrix[rows, ranks - 1] = recs["item_id"].to_numpy()[found]
-    metrics = recall_ndcg(matrix, targets["target_items"].to_pylist(), ks)
+    lists = targets["target_items"]
+    metrics = recall_ndcg_flat(matrix, pc.list_flatten(lists).to_numpy(), pc.list_value_length(lists).to_numpy(), ks)
     return {"run_id": run.run_id, "run": run.uri, "input": input_uri, "ks": list(ks), "k": k,
             "users_without_recommendations": int((matrix[:, 0] < 0).sum()), **metrics}
 

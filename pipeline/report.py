@@ -191,8 +191,8 @@ def fig_throughput(runs: list[dict]) -> bytes:
         actors = sorted({r["actor"] for r in s["per_shard"]})
         shards = sorted(s["per_shard"], key=lambda r: (actors.index(r["actor"]), _batch_index(r["shard"])))
         left.plot(range(1, len(shards) + 1), [r["users_per_s"] for r in shards], marker="o", ms=3, label=_label(s))
-        right.bar(np.arange(len(actors)) + i * width, [next(a["users_per_s"] for a in s["per_actor"] if a["actor"] == x)
-                                                        for x in actors], width, label=_label(s))
+        rate = {a["actor"]: a["users_per_s"] for a in s["per_actor"]}
+        right.bar(np.arange(len(actors)) + i * width, [rate[x] for x in actors], width, label=_label(s))
     left.set(title="users/s per shard (batch), by actor then batch", xlabel="shard", ylabel="users/s")
     right.set(title="users/s per actor (busy seconds)", xlabel="actor", ylabel="users/s")
     right.set_xticks(np.arange(max(s["actors"] for s in runs)) + 0.4 - width / 2,

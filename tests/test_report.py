@@ -202,6 +202,17 @@ def test_bad_runs_and_inputs_fail_clearly(runs, tmp_path, capsys):
     pq.write_table(pa.table({"user_id": [1], "history": [[1]]}), tmp_path / "no-targets.parquet")
     assert evaluate_job.main(["--run", runs["beam"], "--input", str(tmp_path / "no-targets.parquet")]) == 2
     assert "no target_items column" in capsys.readouterr().err
+    pq.write_table(pa.table({"user_id": [1], "history": [[1]], "target_items": [["a"]]}), tmp_path / "str.parquet")
+    assert evaluate_job.main(["--run", runs["beam"], "--input", str(tmp_path / "str.parquet")]) == 2
+    assert "target_items must be a list of integer item ids" in capsys.readouterr().err
+
+
+def test_screenshot_without_chromium_fails_clearly(runs, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no chromium on it
+    assert report_job.main(["--run", runs["beam"], "--out", str(tmp_path / "r"), "--screenshot",
+                            str(tmp_path / "shot.png")]) == 2
+    assert "--screenshot failed: no chromium on PATH" in capsys.readouterr().err
+    assert (tmp_path / "r" / "report.html").is_file()  # the report itself is written
 
 
 def test_chromium_renders_the_report_with_its_plots(runs, tmp_path):
