@@ -8,13 +8,13 @@ prefix_allowed_tokens_fn=<trie>)` returns: scores are sums of log_softmax over t
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
 
 from decoding.catalog import Catalog
+from decoding.stats import Meter, beam_batch_kv
 from decoding.tree import TokenTree, prompt_position_ids
 
 
@@ -23,23 +23,28 @@ class Recommendations:
     item_ids: torch.Tensor  # [B, k] int64, -1 where fewer than k items exist
     token_ids: torch.Tensor  # [B, k, L] int64, -1 on padding
     scores: torch.Tensor  # [B, k] float32, sorted descending, -inf on padding
-    stats: dict = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)  # the base keys of decoding/stats.py, plus the mode's extras
 
 
-def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, meter: Meter | None = None,
+            role: str = "target"):
     """Left-padded prompts [B, S] -> (cache holding each prompt once, next-token logprobs [B, V] float32)."""
     cache = DynamicCache(config=model.config)
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=prompt_position_ids(attention_mask),
                 past_key_values=cache, use_cache=True, logits_to_keep=1)
+    if meter is not None:
+        meter.forward(role, input_ids)
     return cache, out.logits[:, -1].float().log_softmax(-1)
 
 
 def tree_forward(model, tree: TokenTree, cache: DynamicCache, tokens: torch.Tensor, parent: torch.Tensor,
-                 block_depth: int = 1) -> torch.Tensor:
+                 block_depth: int = 1, meter: Meter | None = None, role: str = "target") -> torch.Tensor:
     """Adds tokens [B, Q] as tree nodes under parent [B, Q]; returns next-token logprobs [B, Q, V] float32."""
     mask, position_ids = tree.add(parent, model.dtype, block_depth)
     out = model(input_ids=tokens, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
                 use_cache=True)
+    if meter is not None:
+        meter.forward(role, tokens)
     return out.logits.float().log_softmax(-1)
 
 
@@ -121,9 +126,10 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, ca
     depth = catalog.code_len if steps is None else steps
     if not 1 <= depth <= catalog.code_len:
         raise ValueError(f"steps must be in [1, {catalog.code_len}], got {steps}")
-    t0 = time.perf_counter()
-    cache, logp = prefill(model, input_ids, attention_mask)  # logp [B, V]
-    t_prefill = time.perf_counter() - t0
+    meter = Meter(input_ids.device)
+    with meter.phase("prefill"):
+        cache, logp = prefill(model, input_ids, attention_mask, meter)  # logp [B, V]
+    meter.kv(b * s)
 
     tree = TokenTree.from_prompt(attention_mask)
     score = torch.zeros(b, 1, device=input_ids.device)  # [B, W], W = 1 beam (the prompt) at level 0
@@ -131,7 +137,6 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, ca
     leaf = torch.full((b, 1), -1, dtype=torch.int64, device=input_ids.device)  # tree node of each beam's last token
     tokens = torch.zeros(b, 1, 0, dtype=torch.int64, device=input_ids.device)  # [B, W, t]
     logp = logp[:, None, :]  # [B, W, V]
-    forwards = 1
     for level in range(depth):
         width = catalog.max_children[level]
         if do_sample:
@@ -144,25 +149,19 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, ca
             break
         parent = torch.where(alive, leaf.gather(1, beam.clamp(min=0)), -1)  # [B, k] tree node of the parent
         parent = tree.keep_paths(parent, cache)  # pruned branches leave the cache
-        logp = tree_forward(model, tree, cache, token, parent)  # [B, k, V]
+        logp = tree_forward(model, tree, cache, token, parent, meter=meter)  # [B, k, V]
+        meter.kv(b * tree.kv_len)  # each prompt once plus the tree tokens
         leaf = tree.num_nodes - k + torch.arange(k, device=input_ids.device).expand(b, k)
-        forwards += 1
 
     if do_sample:  # drawn in sampling order: rank them by score
         order = torch.sort(score, dim=1, descending=True, stable=True).indices
         score, node, tokens = score.gather(1, order), node.gather(1, order), tokens.gather(
             1, order[:, :, None].expand_as(tokens))
     alive = node >= 0
-    stats = {
-        "prefill_s": t_prefill,
-        "decode_s": time.perf_counter() - t0 - t_prefill,
-        "target_forwards": forwards,
-        "kv_len": cache.get_seq_length(),  # padded prompt + tree tokens
-        "kv_batch": cache.layers[0].keys.shape[0],  # cache rows: one per user
-        "tree_tokens": tree.num_nodes,
-        "kv_tokens": b * cache.get_seq_length(),  # held at the end: each prompt once plus the tree tokens
-        "kv_tokens_beam_batch": b * k * (s + depth - 1),  # what a batch beam search holds
-    }
+    stats = meter.result(beam_batch_kv(b, k, s, depth),
+                         kv_len=cache.get_seq_length(),  # padded prompt + tree tokens
+                         kv_batch=cache.layers[0].keys.shape[0],  # cache rows: one per user
+                         tree_tokens=tree.num_nodes)
     return Recommendations(
         item_ids=catalog.item_of_node(node) if depth == catalog.code_len else torch.full_like(node, -1),
         token_ids=torch.where(alive[:, :, None], tokens, -1),

@@ -15,12 +15,47 @@ No Python loop runs over rows, beams or users; loops run over the L levels or lo
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
 from decoding.codes import code_token_ids, format_rows, semantic_id_matrix
+
+
+@dataclass
+class ItemTokens:
+    """Every catalog item (items sharing a semantic ID included) -> its L code token ids: the map prompts are
+    rendered with. A sorted id array and np.searchsorted, on the CPU."""
+
+    item_ids: np.ndarray  # [N] int64, sorted ascending, unique
+    token_ids: np.ndarray  # [N, L] int64, row i belongs to item_ids[i]
+
+    @classmethod
+    def from_arrays(cls, item_ids, token_ids) -> "ItemTokens":
+        item_ids = np.asarray(item_ids, dtype=np.int64).reshape(-1)
+        token_ids = np.asarray(token_ids, dtype=np.int64)
+        if token_ids.ndim != 2 or len(token_ids) != len(item_ids):
+            raise ValueError(f"token_ids must be [N, L] with N = {len(item_ids)}, got {token_ids.shape}")
+        order = np.argsort(item_ids, kind="stable")
+        item_ids, token_ids = item_ids[order], token_ids[order]
+        dup = np.flatnonzero(item_ids[1:] == item_ids[:-1])
+        if len(dup):
+            raise ValueError(f"duplicate item ids: {format_rows(np.unique(item_ids[dup]))}")
+        return cls(item_ids=item_ids, token_ids=token_ids)
+
+    @property
+    def levels(self) -> int:
+        return self.token_ids.shape[1]
+
+    def lookup(self, item_ids) -> tuple[np.ndarray, np.ndarray]:
+        """item ids [U] -> (token ids [U, L], known [U] bool); unknown rows hold -1."""
+        item_ids = np.asarray(item_ids, dtype=np.int64)
+        if len(self.item_ids) == 0:
+            return np.full((len(item_ids), self.levels), -1, dtype=np.int64), np.zeros(len(item_ids), bool)
+        pos = np.minimum(np.searchsorted(self.item_ids, item_ids), len(self.item_ids) - 1)  # [U]
+        known = self.item_ids[pos] == item_ids  # [U]
+        return np.where(known[:, None], self.token_ids[pos], -1), known
 
 
 @dataclass
@@ -34,6 +69,7 @@ class Catalog:
     level_start: list[int]  # [L + 2]: first node id of each level (level_start[L + 1] = G)
     max_children: list[int]  # per level t < L: the largest number of children of one node
     leaf_count: torch.Tensor  # [G] int64: items under each node
+    item_tokens: ItemTokens  # every input item, those dropped as duplicates included -> its token ids (prompts)
     duplicates: list[tuple[int, int]] = field(default_factory=list)  # (dropped item, kept item) sharing one semantic ID
 
     # ---------------------------------------------------------------- construction
@@ -41,7 +77,9 @@ class Catalog:
     @classmethod
     def from_token_ids(cls, item_ids, token_ids, vocab_size: int, on_duplicate: str = "error",
                        device: torch.device | str | None = None) -> "Catalog":
-        """item_ids [N]; token_ids [N, L] (tensor, array or list of rows; ragged rows are an error)."""
+        """item_ids [N]; token_ids [N, L] (tensor, array or list of rows; ragged rows are an error). Items that share
+        a semantic ID: an error, or (on_duplicate="first") the first keeps it in the index and the others are listed
+        in `duplicates`; all of them stay in `item_tokens`, since histories may name any of them."""
         if on_duplicate not in ("error", "first"):
             raise ValueError(f"on_duplicate must be 'error' or 'first', got {on_duplicate!r}")
         token_ids = _as_matrix(token_ids)
@@ -55,10 +93,7 @@ class Catalog:
         if bad.numel():
             raise ValueError(f"token ids outside [0, {vocab_size}) in rows {format_rows(bad)} "
                              f"(item ids {format_rows(item_ids[bad])})")
-        ids_sorted, _ = item_ids.sort()
-        rep = ids_sorted[1:][ids_sorted[1:] == ids_sorted[:-1]].unique()
-        if rep.numel():
-            raise ValueError(f"duplicate item ids: {format_rows(rep)}")
+        item_tokens = ItemTokens.from_arrays(item_ids.cpu().numpy(), token_ids.cpu().numpy())  # checks: unique ids
 
         order = _lexsort(token_ids)  # [N], stable: equal rows keep input order
         tokens, item_ids, input_row = token_ids[order], item_ids[order], order
@@ -77,7 +112,9 @@ class Catalog:
             duplicates = list(zip(item_ids[dup].tolist(), item_ids[kept].tolist()))
             tokens, item_ids = tokens[first], item_ids[first]
 
-        cat = cls(item_ids, tokens, int(vocab_size), *_csr(tokens, vocab_size), duplicates)
+        node_ptr, edge_tok, edge_key, level_start, max_children, leaf_count = _csr(tokens, vocab_size)
+        cat = cls(item_ids, tokens, int(vocab_size), node_ptr, edge_tok, edge_key, level_start, max_children,
+                  leaf_count, item_tokens, duplicates)
         return cat.to(device) if device is not None else cat
 
     @classmethod
@@ -91,22 +128,30 @@ class Catalog:
     @classmethod
     def from_table(cls, table, tokenizer, on_duplicate: str = "error", device=None,
                    source: str = "items.parquet") -> "Catalog":
-        """The same from an Arrow table already in memory (read from anywhere)."""
+        """The one parser of a catalog table (`item_id`, `semantic_id`), read from anywhere: the index and the
+        item-to-tokens map of prompts, from one pass over the semantic IDs."""
         if "item_id" not in table.column_names:
             raise ValueError(f"{source}: missing column 'item_id' (has {table.column_names})")
+        if table.column("item_id").null_count:
+            nulls = np.flatnonzero(table.column("item_id").is_null().to_numpy(zero_copy_only=False))
+            raise ValueError(f"{source}: column 'item_id' is null in rows {format_rows(nulls)}")
         codes = semantic_id_matrix(table, source)  # [N, L], checked: not ragged, no nulls, no negatives
         try:
             token_ids = code_token_ids(tokenizer, codes)  # [N, L]
         except ValueError as e:
             raise ValueError(f"{source}: {e}") from None
         item_ids = table.column("item_id").to_numpy().astype(np.int64)
-        return cls.from_token_ids(torch.from_numpy(item_ids), torch.from_numpy(token_ids), len(tokenizer),
-                                  on_duplicate, device)
+        try:
+            return cls.from_token_ids(torch.from_numpy(item_ids), torch.from_numpy(token_ids), len(tokenizer),
+                                      on_duplicate, device)
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
 
     def to(self, device) -> "Catalog":
-        return Catalog(self.item_ids.to(device), self.tokens.to(device), self.vocab_size, self.node_ptr.to(device),
-                       self.edge_tok.to(device), self.edge_key.to(device), self.level_start, self.max_children,
-                       self.leaf_count.to(device), self.duplicates)
+        """The index on `device` (the item-to-tokens map stays on the CPU, where prompts are rendered)."""
+        return replace(self, item_ids=self.item_ids.to(device), tokens=self.tokens.to(device),
+                       node_ptr=self.node_ptr.to(device), edge_tok=self.edge_tok.to(device),
+                       edge_key=self.edge_key.to(device), leaf_count=self.leaf_count.to(device))
 
     @property
     def code_len(self) -> int:

@@ -14,12 +14,11 @@ log-probability under the model (temperature 1); items come back sorted by score
 """
 from __future__ import annotations
 
-import time
-
 import torch
 
 from decoding.beam import Recommendations, gumbel_like, prefill, tree_forward
 from decoding.catalog import Catalog
+from decoding.stats import Meter, beam_batch_kv
 from decoding.tree import TokenTree
 
 
@@ -50,7 +49,7 @@ def step_candidates(catalog: Catalog, logp_t: torch.Tensor, node: torch.Tensor, 
 
 @torch.no_grad()
 def propose(model, tree: TokenTree, cache, prompt_logp: torch.Tensor, catalog: Catalog, proposals: int,
-            drawn_paths: torch.Tensor, top_m: int | None, temperature: float, generator):
+            drawn_paths: torch.Tensor, top_m: int | None, temperature: float, generator, meter: Meter):
     """`proposals` constrained samples per user, token by token, as tree nodes over the prompt.
     -> tokens [B, P, L], paths [B, P, L + 1] (trie nodes, -1 = dead), log x [B, P], log p [B, P] (temperature 1)."""
     b, dev = prompt_logp.shape[0], prompt_logp.device
@@ -65,7 +64,8 @@ def propose(model, tree: TokenTree, cache, prompt_logp: torch.Tensor, catalog: C
     parent = torch.full((b, proposals), -1, dtype=torch.int64, device=dev)
     for level in range(code_len):
         if level:
-            logp = tree_forward(model, tree, cache, tokens[:, :, level - 1], parent)  # [B, P, V]
+            logp = tree_forward(model, tree, cache, tokens[:, :, level - 1], parent, meter=meter)  # [B, P, V]
+            meter.kv(b * tree.kv_len)
             parent = tree.num_nodes - proposals + torch.arange(proposals, device=dev).expand(b, proposals)
         logp_t = (logp / temperature).log_softmax(-1).double() if temperature != 1.0 else logp.double()
         tok, child, valid = step_candidates(catalog, logp_t, node, tokens[:, :, :level], drawn_paths, level, top_m)
@@ -93,8 +93,10 @@ def sample_items(model, input_ids, attention_mask, catalog: Catalog, k: int, rou
     if catalog.device != input_ids.device or (attention_mask[:, -1] == 0).any():
         raise ValueError("catalog and prompts must be on one device, and prompts left-padded")
     b, dev, code_len = input_ids.shape[0], input_ids.device, catalog.code_len
-    t0 = time.perf_counter()
-    cache, prompt_logp = prefill(model, input_ids, attention_mask)
+    meter = Meter(dev)
+    with meter.phase("prefill"):
+        cache, prompt_logp = prefill(model, input_ids, attention_mask, meter)
+    meter.kv(input_ids.numel())
     tree = TokenTree.from_prompt(attention_mask)
     proposals = 2 * rounds if disc else 1
     drawn_paths = torch.full((b, k, code_len + 1), -1, dtype=torch.int64, device=dev)
@@ -107,7 +109,7 @@ def sample_items(model, input_ids, attention_mask, catalog: Catalog, k: int, rou
     out_log_x = torch.full((b, k), float("-inf"), dtype=torch.float64, device=dev)
     for draw in range(k):
         tokens, paths, log_x, log_p = propose(model, tree, cache, prompt_logp, catalog, proposals, drawn_paths,
-                                              top_m, temperature, generator)
+                                              top_m, temperature, generator, meter)
         tree.keep_paths(torch.full((b, 1), -1, dtype=torch.int64, device=dev), cache)  # back to the prompt alone
         if disc:  # accept proposal i with probability x; else importance-resample the fresh half by x
             u = torch.rand(b, rounds, generator=generator, device=dev, dtype=torch.float64)
@@ -133,12 +135,12 @@ def sample_items(model, input_ids, attention_mask, catalog: Catalog, k: int, rou
         out_log_x[:, draw] = log_x.gather(1, choice[:, None]).squeeze(1)
     order = torch.sort(out_score, dim=1, descending=True, stable=True).indices
     live = out_node >= 0
-    stats = {"seconds": time.perf_counter() - t0,
-             "proposals": used.masked_fill(~live, 0).sum(1),  # as the sequential algorithm would draw them
-             "proposals_decoded": proposals * k,
-             "acceptance_rate": (accepted & live).sum(1) / live.sum(1).clamp(min=1),
-             "invalid_mass": 1 - (mean_x * live).sum(1) / live.sum(1).clamp(min=1),  # p_b = 1 - E_q[x]
-             "importance_weight": out_log_x.gather(1, order).exp()}  # x(a) of each returned item
+    stats = meter.result(beam_batch_kv(b, k, input_ids.shape[1], code_len),
+                         proposals=used.masked_fill(~live, 0).sum(1),  # as the sequential algorithm draws them
+                         proposals_decoded=proposals * k,
+                         acceptance_rate=(accepted & live).sum(1) / live.sum(1).clamp(min=1),
+                         invalid_mass=1 - (mean_x * live).sum(1) / live.sum(1).clamp(min=1),  # p_b = 1 - E_q[x]
+                         importance_weight=out_log_x.gather(1, order).exp())  # x(a) of each returned item
     return Recommendations(catalog.item_of_node(out_node.gather(1, order)),
                            out_tokens.gather(1, order[:, :, None].expand_as(out_tokens)),
                            out_score.gather(1, order), stats)
@@ -154,6 +156,7 @@ def constrained_sample(model, input_ids, attention_mask, catalog: Catalog, k: in
 def disc_sample(model, input_ids, attention_mask, catalog: Catalog, k: int, rounds: int = 4, top_m: int | None = None,
                 temperature: float = 1.0, generator: torch.Generator | None = None) -> Recommendations:
     """k distinct items per user drawn with DISC (Algorithm 1): asymptotically the model's distribution restricted
-    to the catalog (and to the items not drawn yet). stats: proposals [B] (sequential count), proposals_decoded,
-    acceptance_rate [B], invalid_mass [B] (estimated p_b)."""
+    to the catalog (and to the items not drawn yet). stats: the base keys (decoding/stats.py) plus proposals [B]
+    (sequential count), proposals_decoded, acceptance_rate [B], invalid_mass [B] (estimated p_b),
+    importance_weight [B, k]."""
     return sample_items(model, input_ids, attention_mask, catalog, k, rounds, True, top_m, temperature, generator)

@@ -95,19 +95,6 @@ def check_model_dir(path) -> Path:
     return path
 
 
-def fingerprint(path) -> str:
-    """sha256 over a model directory's safetensors weight files (name and bytes, sorted by name)."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for f in sorted(check_model_dir(path).glob("*.safetensors")):
-        h.update(f.name.encode())
-        with open(f, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
-    return h.hexdigest()
-
-
 def load_model(path, device: str | None = None, dtype: str | torch.dtype | None = None,
                attn_implementation: str = "sdpa"):
     """A causal LM from a local directory: safetensors only, no remote code, no hub."""

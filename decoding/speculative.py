@@ -1,4 +1,5 @@
-"""AtSpeed speculative beam search with strict top-K verification, batched across users.
+"""AtSpeed speculative beam search, batched across users: strict top-K verification (lossless) and relaxed
+sampling verification.
 
 Each round, for every unfinished user at depth d whose K accepted beams are the target's exact top-K at d:
   draft   the draft beam-searches N = `draft_beams` sequences for g = min(gamma, L - d - 1) steps, from the
@@ -14,16 +15,23 @@ The result equals `beam_search(target, ...)`. Users accept different numbers of 
 users at different depths (per-node position ids, trie node ids that carry their level); finished users leave
 the batch. Both models keep one tree over the single prompt prefill; rejected branches are compacted away and
 accepted tokens are never recomputed.
+
+Relaxed verification (`verification="relaxed"`): the draft samples K sequences per step (sampling-based beam
+search, N = K); draw i accepts the i-th with probability min(1, P_i / Q_i) and the first rejected draw is resampled
+from the residual, so every step is K draws without replacement from the target's P: the output has exactly the
+distribution of `beam_search(target, do_sample=True)`.
+
+Read top to bottom: `speculative_beam_search` (the loop), `start`, `first_step`, `draft`, `verify`, `accept`.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 
 from decoding.beam import Recommendations, candidates, expand_beams, gumbel_like, pick, prefill, sample_beams, tree_forward
 from decoding.catalog import Catalog
+from decoding.stats import Meter, beam_batch_kv
 from decoding.tree import TokenTree
 
 NEG_INF = float("-inf")
@@ -33,6 +41,7 @@ NEG_INF = float("-inf")
 class Side:
     """One model's view: its token tree and cache, and where the K accepted beams of each user sit in it."""
     model: object
+    role: str  # "target" or "draft"
     tree: TokenTree
     cache: object
     leaf: torch.Tensor  # [A, K] tree node of each beam's last token (-1: the prompt itself)
@@ -50,6 +59,27 @@ class Side:
         use = self.pending[:, None] & alive
         return torch.where(use, last_token, 0), torch.where(use, self.parent, -1)
 
+    def take_pending(self, logp: torch.Tensor, first_node: int) -> None:
+        """The pending beams' tokens are now tree nodes first_node .. first_node + K - 1, with next-token log-probs
+        logp [A, K, V]."""
+        k = self.leaf.shape[1]
+        self.logp = torch.where(self.pending[:, None, None], logp, self.logp)
+        self.leaf = torch.where(self.pending[:, None], first_node + torch.arange(k, device=self.leaf.device),
+                                self.leaf)
+        self.pending = torch.zeros_like(self.pending)
+
+    def follow(self, ok: torch.Tensor, logp: torch.Tensor, leaf: torch.Tensor) -> None:
+        """Users ok [A] move their beams onto tree nodes leaf [A, K] already scored (logp [A, K, V])."""
+        self.logp = torch.where(ok[:, None, None], logp, self.logp)
+        self.leaf = torch.where(ok[:, None], leaf, self.leaf)
+
+    def defer(self, users: torch.Tensor, beam_parent: torch.Tensor, alive: torch.Tensor) -> None:
+        """Users [A] take beams that are not in this tree yet, children of their beams beam_parent [A, K]: their
+        tokens enter with the next forward."""
+        parent = torch.where(alive, self.leaf.gather(1, beam_parent.clamp(min=0)), -1)
+        self.parent = torch.where(users[:, None], parent, self.parent)
+        self.pending = self.pending | users
+
     def compact(self, alive: torch.Tensor) -> None:
         """Keeps the paths of the accepted beams (of their parents, where pending); drops every other node."""
         nodes = torch.where(self.pending[:, None], self.parent, self.leaf)
@@ -57,19 +87,280 @@ class Side:
         self.leaf = torch.where(self.pending[:, None], self.leaf, kept)
         self.parent = torch.where(self.pending[:, None], kept, self.parent)
 
+    def forward(self, tokens: torch.Tensor, parent: torch.Tensor, meter: Meter, block_depth: int = 1) -> torch.Tensor:
+        return tree_forward(self.model, self.tree, self.cache, tokens, parent, block_depth, meter, self.role)
 
-def start(model, input_ids, attention_mask, k: int) -> Side:
-    cache, logp = prefill(model, input_ids, attention_mask)  # [A, V]
+
+@dataclass
+class Step:
+    """K (or N) sequences one level below the beams: score, parent beam, token and catalog node [A, K] (-1 / -inf:
+    none); relaxed: the candidates' log-weights [A, C] they were drawn with and the draws [A, K] in draw order."""
+    score: torch.Tensor
+    parent: torch.Tensor
+    token: torch.Tensor
+    node: torch.Tensor
+    weight: torch.Tensor | None = None
+    flat: torch.Tensor | None = None
+
+    def where(self, use: torch.Tensor, other: "Step") -> "Step":
+        """This step for the users use [A], `other` for the rest."""
+        pick_ = lambda a, b: torch.where(use[:, None], a, b)  # noqa: E731
+        return Step(pick_(self.score, other.score), pick_(self.parent, other.parent), pick_(self.token, other.token),
+                    pick_(self.node, other.node), other.weight, other.flat)
+
+
+@dataclass
+class Extend:
+    """One beam step over the catalog: the exact top-`count` extensions (strict) or `count` draws without
+    replacement (relaxed), from beams scored `score` [A, W] at catalog nodes `node` [A, W] with next-token
+    log-probs `logp` [A, W, V]."""
+    catalog: Catalog
+    relaxed: bool
+    temperature: float
+    generator: torch.Generator | None
+
+    def __call__(self, logp: torch.Tensor, score: torch.Tensor, node: torch.Tensor, count: int) -> Step:
+        width = max(self.catalog.max_children)
+        if self.relaxed:
+            return Step(*sample_beams(self.catalog, logp, score, node, count, width, self.temperature, self.generator))
+        return Step(*expand_beams(self.catalog, logp, score, node, count, width))
+
+
+@dataclass
+class Beams:
+    """The K accepted beams of each active user: the target's exact top-K (strict) or K draws (relaxed)."""
+    tokens: torch.Tensor  # [A, K, L] code tokens so far, -1 beyond the depth and on dead beams
+    score: torch.Tensor  # [A, K] sequence log-probs under the target, -inf = dead
+    node: torch.Tensor  # [A, K] catalog node, -1 = dead
+    depth: torch.Tensor  # [A] tokens generated
+
+    def select(self, users: torch.Tensor) -> "Beams":
+        return Beams(self.tokens[users], self.score[users], self.node[users], self.depth[users])
+
+    def last_tokens(self) -> torch.Tensor:
+        """The beams' last tokens [A, K] (0 at depth 0)."""
+        col = (self.depth - 1).clamp(min=0)[:, None, None].expand(-1, self.tokens.shape[1], 1)
+        return self.tokens.gather(2, col).squeeze(2).clamp(min=0)
+
+    def advance(self, users: torch.Tensor, step: Step) -> None:
+        """Users [A] move their beams one level down, to `step`'s sequences."""
+        code_len = self.tokens.shape[2]
+        live = step.node >= 0
+        moved = self.tokens.gather(1, step.parent.clamp(min=0)[:, :, None].expand(-1, -1, code_len))
+        at = self.depth.clamp(max=code_len - 1)[:, None, None].expand(-1, step.token.shape[1], 1)
+        moved = torch.where(live[:, :, None], moved.scatter(2, at, step.token[:, :, None]), -1)
+        self.tokens = torch.where(users[:, None, None], moved, self.tokens)
+        self.score = torch.where(users[:, None], step.score, self.score)
+        self.node = torch.where(users[:, None], step.node, self.node)
+        self.depth = self.depth + users.long()
+
+
+@dataclass
+class Drafted:
+    """The draft's sequences D_j at one drafted step: catalog node (-1 = none), token and parent (index into D_{j-1},
+    or into the beams for j = 1) [A, N]; the draft's next-token log-probs at them [A, N, V] and their draft tree
+    nodes [A, N]; the step they were drawn by (relaxed verification needs its weights and draws)."""
+    node: torch.Tensor
+    token: torch.Tensor
+    parent: torch.Tensor
+    logp: torch.Tensor
+    tree: torch.Tensor
+    step: Step
+
+
+@torch.no_grad()
+def speculative_beam_search(target, draft, input_ids: torch.Tensor, attention_mask: torch.Tensor, catalog: Catalog,
+                            k: int, draft_beams: int = 40, gamma: int | None = None, verification: str = "strict",
+                            temperature: float = 1.0, generator: torch.Generator | None = None) -> Recommendations:
+    """input_ids, attention_mask [B, S] left-padded -> exactly `beam_search(target, ...)`'s top-k items per user
+    (strict), or a draw of `beam_search(target, do_sample=True, ...)` (relaxed; `draft_beams` is then K: the draft
+    proposes the K sequences that the K draws verify).
+    stats: the base keys (decoding/stats.py) plus accepted_steps [B], drafted_steps [B], rounds [B] and
+    accepted_hist [gamma + 1]: (user, round) pairs by the number of drafted steps the round accepted."""
+    code_len = catalog.code_len
+    gamma = code_len if gamma is None else gamma
+    check_arguments(target, draft, input_ids, attention_mask, catalog, k, draft_beams, gamma, verification,
+                    temperature)
+    relaxed = verification == "relaxed"
+    n = k if relaxed else draft_beams
+    b, dev = input_ids.shape[0], input_ids.device
+    extend = Extend(catalog, relaxed, temperature, generator)
+    meter = Meter(dev)
+    with meter.phase("prefill"):
+        tgt = start(target, "target", input_ids, attention_mask, k, meter)
+        drf = start(draft, "draft", input_ids, attention_mask, k, meter)
+    meter.kv(b * (tgt.tree.kv_len + drf.tree.kv_len))
+    beams = first_step(extend, tgt, k, code_len)  # step 1 is free: the prefill gives the target's log-probs
+    for side in (tgt, drf):  # the beams' tokens enter both trees with the next forward
+        side.pending = torch.ones_like(side.pending)
+
+    users = torch.arange(b, device=dev)  # original row of each active user
+    out = beams.select(users)
+    accepted, drafted, rounds = (torch.zeros(b, dtype=torch.int64, device=dev) for _ in range(3))
+    accepted_hist = torch.zeros(gamma + 1, dtype=torch.int64, device=dev)
+    if code_len == 1:  # done after the free step
+        users = users[:0]
+    while users.numel():
+        g = (code_len - 1 - beams.depth).clamp(max=gamma)  # [A] steps drafted: the one after them comes free
+        with meter.phase("draft"):
+            drafts = draft_steps(drf, beams, g, n, extend, meter)
+        with meter.phase("verify"):
+            logp_v = verify(tgt, beams, drafts, meter)  # [A, K + steps * N, V]
+        meter.kv(users.numel() * (tgt.tree.kv_len + drf.tree.kv_len))  # both caches are largest right here
+        accepted_now = accept(tgt, drf, beams, drafts, logp_v, g, extend)  # [A]
+        accepted[users] += accepted_now
+        accepted_hist += torch.bincount(accepted_now, minlength=gamma + 1)
+        drafted[users] += g
+        rounds[users] += 1
+
+        done = beams.depth >= code_len
+        if done.any():  # finished users leave the batch
+            for name in ("tokens", "score", "node"):
+                getattr(out, name)[users[done]] = getattr(beams, name)[done]
+            keep = (~done).nonzero().flatten()
+            users, beams = users[keep], beams.select(keep)
+            tgt.select(keep)
+            drf.select(keep)
+        if users.numel():  # pruned branches leave both caches
+            tgt.compact(beams.score > NEG_INF)
+            drf.compact(beams.score > NEG_INF)
+
+    if relaxed:  # drawn in sampling order: rank by score, as the sampling-based beam search does
+        order = torch.sort(out.score, dim=1, descending=True, stable=True).indices
+        out.score, out.node = out.score.gather(1, order), out.node.gather(1, order)
+        out.tokens = out.tokens.gather(1, order[:, :, None].expand_as(out.tokens))
+    stats = meter.result(beam_batch_kv(b, k, input_ids.shape[1], code_len), accepted_steps=accepted,
+                         drafted_steps=drafted, rounds=rounds, accepted_hist=accepted_hist)
+    return Recommendations(catalog.item_of_node(out.node), out.tokens, out.score, stats)
+
+
+def check_arguments(target, draft, input_ids, attention_mask, catalog: Catalog, k: int, draft_beams: int, gamma: int,
+                    verification: str, temperature: float) -> None:
+    if verification not in ("strict", "relaxed"):
+        raise ValueError(f"verification must be 'strict' or 'relaxed', got {verification!r}")
+    if verification == "relaxed" and not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if k < 1 or draft_beams < k or gamma < 1:
+        raise ValueError(f"need 1 <= k <= draft_beams and gamma >= 1, got k={k}, draft_beams={draft_beams}, "
+                         f"gamma={gamma}")
+    if target.config.vocab_size != draft.config.vocab_size:
+        raise ValueError(f"target and draft vocabularies differ: {target.config.vocab_size} vs "
+                         f"{draft.config.vocab_size}")
+    if catalog.device != input_ids.device or (attention_mask[:, -1] == 0).any():
+        raise ValueError("catalog and prompts must be on one device, and prompts left-padded")
+
+
+def start(model, role: str, input_ids, attention_mask, k: int, meter: Meter) -> Side:
+    """Prefills the prompts once: a tree holding only them, every beam at the prompt."""
+    cache, logp = prefill(model, input_ids, attention_mask, meter, role)  # [A, V]
     a = input_ids.shape[0]
     none = torch.full((a, k), -1, dtype=torch.int64, device=input_ids.device)
-    return Side(model, TokenTree.from_prompt(attention_mask), cache, none, logp[:, None, :].repeat(1, k, 1),
+    return Side(model, role, TokenTree.from_prompt(attention_mask), cache, none, logp[:, None, :].repeat(1, k, 1),
                 torch.zeros(a, dtype=torch.bool, device=input_ids.device), none.clone())
 
 
-def last_tokens(tokens: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
-    """tokens [A, K, L], depth [A] -> the beams' last tokens [A, K] (0 at depth 0)."""
-    col = (depth - 1).clamp(min=0)[:, None, None].expand(-1, tokens.shape[1], 1)
-    return tokens.gather(2, col).squeeze(2).clamp(min=0)
+def first_step(extend: Extend, tgt: Side, k: int, code_len: int) -> Beams:
+    """Step 1 from the prefill's log-probs at the prompt: the K beams at depth 1."""
+    b, dev = tgt.logp.shape[0], tgt.logp.device
+    root = torch.zeros(b, 1, dtype=torch.int64, device=dev)
+    step = extend(tgt.logp[:, :1], root.float(), root, k)  # [B, K]
+    tokens = torch.full((b, k, code_len), -1, dtype=torch.int64, device=dev)
+    tokens[:, :, 0] = torch.where(step.node >= 0, step.token, -1)
+    return Beams(tokens, step.score, step.node, torch.ones(b, dtype=torch.int64, device=dev))
+
+
+def draft_steps(drf: Side, beams: Beams, g: torch.Tensor, n: int, extend: Extend, meter: Meter) -> list[Drafted]:
+    """The draft beam-searches N sequences for g [A] steps from the accepted beams, one draft forward per step (plus
+    one first for beams not yet in its tree) -> D_1 .. D_max(g); a user's steps beyond its g are dead nodes."""
+    a, k = beams.score.shape
+    steps = int(g.max())
+    if steps and drf.pending.any():
+        tok, par = drf.add_pending(beams.last_tokens(), beams.score > NEG_INF)
+        first = drf.tree.num_nodes
+        drf.take_pending(drf.forward(tok, par, meter), first)  # [A, K, V]
+    drafts = []
+    score, node, logp, tree = beams.score, beams.node, drf.logp, drf.leaf  # D_0: the beams
+    for i in range(1, steps + 1):
+        step = extend(logp, score, node, n)  # [A, N]
+        live = (step.node >= 0) & (i <= g)[:, None]
+        parent_tree = torch.where(live, tree.gather(1, step.parent.clamp(min=0)), -1)
+        first = drf.tree.num_nodes
+        logp = drf.forward(torch.where(live, step.token, 0), parent_tree, meter)  # [A, N, V]
+        tree = (first + torch.arange(n, device=g.device)).expand(a, n)
+        score, node = torch.where(live, step.score, NEG_INF), torch.where(live, step.node, -1)
+        drafts.append(Drafted(node, step.token, step.parent.clamp(min=0), logp, tree, step))
+    return drafts
+
+
+def verify(tgt: Side, beams: Beams, drafts: list[Drafted], meter: Meter) -> torch.Tensor:
+    """ONE target forward over a block of tree nodes per user: the beams' tokens where pending (K), then every
+    drafted node of every step (N each), each under its parent -> next-token log-probs [A, K + steps * N, V].
+    Node layout: block column c is tree node `base + c`, base = the tree's size before the block."""
+    a, k = beams.score.shape
+    dev = beams.score.device
+    base = tgt.tree.num_nodes
+    tok, par = tgt.add_pending(beams.last_tokens(), beams.score > NEG_INF)
+    block_tok, block_par = [tok], [par]
+    prev = torch.where(tgt.pending[:, None], base + torch.arange(k, device=dev), tgt.leaf)  # tree nodes of D_0
+    for i, d in enumerate(drafts):
+        n = d.node.shape[1]
+        block_tok.append(torch.where(d.node >= 0, d.token, 0))
+        block_par.append(torch.where(d.node >= 0, prev.gather(1, d.parent), -1))
+        prev = (base + k + i * n + torch.arange(n, device=dev)).expand(a, n)
+    logp = tgt.forward(torch.cat(block_tok, 1), torch.cat(block_par, 1), meter, block_depth=len(drafts) + 1)
+    tgt.take_pending(logp[:, :k], base)
+    return logp
+
+
+def covered(t_node: torch.Tensor, d_node: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Strict verification of one step: the target's top-K t_node [A, K] against the drafted set d_node [A, N] ->
+    (every target sequence is drafted [A], drafted index of each target beam [A, K])."""
+    hit = (t_node[:, :, None] == d_node[:, None, :]) & (d_node[:, None, :] >= 0)  # [A, K, N]
+    return (hit.any(-1) | (t_node < 0)).all(-1), hit.int().argmax(-1)
+
+
+def accept(tgt: Side, drf: Side, beams: Beams, drafts: list[Drafted], logp_v: torch.Tensor, g: torch.Tensor,
+           extend: Extend) -> torch.Tensor:
+    """Step by step j = 1 .. steps + 1: the target's own step T_j from the beams (strict: its exact top-K; relaxed:
+    K draws that accept the drafted sequences in order with probability min(1, P_i / Q_i)). A user whose step j is
+    verified (T_j covered by D_j; relaxed: all K draws accepted) moves its beams onto the drafted nodes, whose
+    target and draft log-probs this round already computed, and goes on to j + 1. At the first rejected step, or
+    after the last drafted one, its beams become T_j (the correction or the free bonus step), pending in both trees
+    until the next forward, and it stops. -> accepted steps [A] this round."""
+    a, k = beams.score.shape
+    code_len = beams.tokens.shape[2]
+    accepting = torch.ones(a, dtype=torch.bool, device=g.device)
+    accepted_now = torch.zeros(a, dtype=torch.int64, device=g.device)
+    for j in range(1, len(drafts) + 2):
+        take = accepting & (beams.depth < code_len)  # these users' beams advance to T_j
+        t = extend(tgt.logp, beams.score, beams.node, k)  # T_j: fresh where nothing was drafted
+        ok = torch.zeros_like(take)
+        if j <= len(drafts):
+            d = drafts[j - 1]
+            drafted_here = take & (j <= g)
+            if extend.relaxed:  # the draws that accept the drafted sequences, in their order
+                cand, tok, child, width = candidates(extend.catalog, tgt.logp, beams.score, beams.node,
+                                                     max(extend.catalog.max_children))
+                drawn, all_accepted = relaxed_draws(t.weight, d.step.weight, d.step.flat, extend.generator)
+                t = Step(*pick(cand, tok, child, width, drawn)).where(drafted_here, t)
+                ok = drafted_here & all_accepted
+                idx = torch.arange(k, device=g.device).expand(a, k)  # accepted = the drafted set, in its order
+            else:
+                all_drafted, idx = covered(t.node, d.node)
+                ok = drafted_here & all_drafted
+        stop = take & ~ok  # a correction or the bonus step: not in the trees yet
+        for side in (tgt, drf):
+            side.defer(stop, t.parent, t.node >= 0)
+        beams.advance(take, t)
+        if j <= len(drafts):
+            n = d.node.shape[1]
+            base = tgt.tree.num_nodes - logp_v.shape[1]  # the verify block's first tree node
+            rows = k + (j - 1) * n + idx  # block columns of the matched drafted nodes
+            tgt.follow(ok, gather_rows(logp_v, rows), base + rows)
+            drf.follow(ok, gather_rows(d.logp, idx), d.tree.gather(1, idx))
+        accepted_now += ok.long()
+        accepting = ok
+    return accepted_now
 
 
 def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -115,185 +406,3 @@ def relaxed_draws(p_weight: torch.Tensor, q_weight: torch.Tensor, proposals: tor
                         torch.where(m == r[:, None], torch.where(torch.isfinite(lp.gather(1, x[:, None])), x[:, None], c),
                                     rest_idx.gather(1, (m - r[:, None] - 1).clamp(min=0))))
     return drawn, r >= k
-
-
-@torch.no_grad()
-def speculative_beam_search(target, draft, input_ids: torch.Tensor, attention_mask: torch.Tensor, catalog: Catalog,
-                            k: int, draft_beams: int = 40, gamma: int | None = None, verification: str = "strict",
-                            temperature: float = 1.0, generator: torch.Generator | None = None) -> Recommendations:
-    """input_ids, attention_mask [B, S] left-padded -> exactly `beam_search(target, ...)`'s top-k items per user.
-    stats: target_forwards, draft_forwards, accepted_steps [B], drafted_steps [B], rounds [B], seconds per phase,
-    accepted_hist [gamma + 1]: (user, round) pairs by the number of drafted steps the round accepted; kv_tokens: the
-    most KV tokens target and draft held together, against kv_tokens_beam_batch of a batch beam search."""
-    code_len = catalog.code_len
-    gamma = code_len if gamma is None else gamma
-    if verification not in ("strict", "relaxed"):
-        raise ValueError(f"verification must be 'strict' or 'relaxed', got {verification!r}")
-    if verification == "relaxed" and not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    relaxed = verification == "relaxed"
-    if k < 1 or draft_beams < k or gamma < 1:
-        raise ValueError(f"need 1 <= k <= draft_beams and gamma >= 1, got k={k}, draft_beams={draft_beams}, "
-                         f"gamma={gamma}")
-    if target.config.vocab_size != draft.config.vocab_size:
-        raise ValueError(f"target and draft vocabularies differ: {target.config.vocab_size} vs "
-                         f"{draft.config.vocab_size}")
-    if catalog.device != input_ids.device or (attention_mask[:, -1] == 0).any():
-        raise ValueError("catalog and prompts must be on one device, and prompts left-padded")
-    b, dev = input_ids.shape[0], input_ids.device
-    n = k if relaxed else draft_beams  # relaxed: the draft samples k sequences per step, each verified by a draw
-    width = max(catalog.max_children)
-    clock = {"prefill_s": 0.0, "draft_s": 0.0, "verify_s": 0.0}
-    t0 = time.perf_counter()
-    tgt, drf = start(target, input_ids, attention_mask, k), start(draft, input_ids, attention_mask, k)
-    clock["prefill_s"] = time.perf_counter() - t0
-    forwards = {"target": 1, "draft": 1}
-
-    # step 1 is free: the prefill already gives the target's log-probs at the prompt
-    root = torch.zeros(b, 1, dtype=torch.int64, device=dev)
-    if relaxed:
-        score, _, first, node, _, _ = sample_beams(catalog, tgt.logp[:, :1], root.float(), root, k, width,
-                                                   temperature, generator)
-    else:
-        score, _, first, node = expand_beams(catalog, tgt.logp[:, :1], root.float(), root, k, width)  # [B, K]
-    tokens = torch.full((b, k, code_len), -1, dtype=torch.int64, device=dev)
-    tokens[:, :, 0] = torch.where(node >= 0, first, -1)
-    depth = torch.ones(b, dtype=torch.int64, device=dev)
-    for side in (tgt, drf):  # the beams' tokens enter both trees with the next forward
-        side.pending = torch.ones_like(side.pending)
-    users = torch.arange(b, device=dev)  # original row of each active user
-    out_tokens, out_score, out_node = tokens.clone(), score.clone(), node.clone()
-    accepted, drafted, rounds = (torch.zeros(b, dtype=torch.int64, device=dev) for _ in range(3))
-    accepted_hist = torch.zeros(gamma + 1, dtype=torch.int64, device=dev)
-    kv_peak = b * (tgt.tree.kv_len + drf.tree.kv_len)  # KV tokens held by target + draft
-
-    if code_len == 1:  # done after the free step
-        users = users[:0]
-    while users.numel():
-        a = users.numel()
-        # [A] steps drafted this round: the step after the last drafted one is free (from the verify pass)
-        g = (code_len - 1 - depth).clamp(max=gamma)
-        steps = int(g.max())
-        alive = score > NEG_INF  # [A, K]
-
-        # ---- draft: N beams for g steps from the accepted beams, one draft forward per step
-        t1 = time.perf_counter()
-        if steps and drf.pending.any():
-            tok, par = drf.add_pending(last_tokens(tokens, depth), alive)
-            logp = tree_forward(draft, drf.tree, drf.cache, tok, par)  # [A, K, V]
-            drf.logp = torch.where(drf.pending[:, None, None], logp, drf.logp)
-            drf.leaf = torch.where(drf.pending[:, None], drf.tree.num_nodes - k + torch.arange(k, device=dev), drf.leaf)
-            drf.pending = torch.zeros_like(drf.pending)
-            forwards["draft"] += 1
-        drafts = []  # per step: node, token, parent index, draft logp, draft tree node  ([A, N] / [A, N, V])
-        cur_score, cur_node, cur_logp, cur_tree = score, node, drf.logp, drf.leaf
-        for i in range(1, steps + 1):
-            if relaxed:  # Q: the draft's own sampling-based beam step, recorded for the verification
-                s, parent, tok, nd, q_weight, flat = sample_beams(catalog, cur_logp, cur_score, cur_node, n, width,
-                                                                  temperature, generator)
-            else:
-                s, parent, tok, nd = expand_beams(catalog, cur_logp, cur_score, cur_node, n, width)
-                q_weight, flat = None, None
-            live = (nd >= 0) & (i <= g)[:, None]
-            par_tree = torch.where(live, cur_tree.gather(1, parent.clamp(min=0)), -1)
-            logp = tree_forward(draft, drf.tree, drf.cache, torch.where(live, tok, 0), par_tree)  # [A, N, V]
-            forwards["draft"] += 1
-            tree_idx = (drf.tree.num_nodes - n + torch.arange(n, device=dev)).expand(a, n)
-            drafts.append((torch.where(live, nd, -1), tok, parent.clamp(min=0), logp, tree_idx, q_weight, flat))
-            cur_score, cur_node, cur_logp, cur_tree = torch.where(live, s, NEG_INF), torch.where(live, nd, -1), logp, tree_idx
-        clock["draft_s"] += time.perf_counter() - t1
-
-        # ---- verify: every drafted node of every step (and pending beams) in ONE target forward
-        t2 = time.perf_counter()
-        base = tgt.tree.num_nodes
-        tok, par = tgt.add_pending(last_tokens(tokens, depth), alive)
-        block_tok, block_par = [tok], [par]
-        prev = torch.where(tgt.pending[:, None], base + torch.arange(k, device=dev), tgt.leaf)  # accepted beams
-        for i, (nd, tok, parent, *_) in enumerate(drafts):
-            block_tok.append(torch.where(nd >= 0, tok, 0))
-            block_par.append(torch.where(nd >= 0, prev.gather(1, parent), -1))
-            prev = (base + k + i * n + torch.arange(n, device=dev)).expand(a, n)
-        logp_v = tree_forward(target, tgt.tree, tgt.cache, torch.cat(block_tok, 1), torch.cat(block_par, 1),
-                              block_depth=steps + 1)  # [A, K + steps * N, V]
-        forwards["target"] += 1
-        kv_peak = max(kv_peak, a * (tgt.tree.kv_len + drf.tree.kv_len))  # both caches are largest right here
-        tgt.logp = torch.where(tgt.pending[:, None, None], logp_v[:, :k], tgt.logp)
-        tgt.leaf = torch.where(tgt.pending[:, None], base + torch.arange(k, device=dev), tgt.leaf)
-        tgt.pending = torch.zeros_like(tgt.pending)
-        clock["verify_s"] += time.perf_counter() - t2
-
-        # ---- accept: the target's exact top-K step by step, while it is covered by the drafted set
-        accepting = torch.ones(a, dtype=torch.bool, device=dev)
-        accepted_now = torch.zeros(a, dtype=torch.int64, device=dev)  # [A] steps this round accepted
-        t_pending, d_pending = torch.zeros_like(accepting), torch.zeros_like(accepting)
-        for j in range(1, steps + 2):
-            take = accepting & (depth < code_len)  # these users' beams advance to T_j
-            if relaxed:  # T_j: k draws without replacement from the target's P (fresh where nothing was drafted)
-                t_score, t_parent, t_tok, t_node, p_weight, _ = sample_beams(catalog, tgt.logp, score, node, k, width,
-                                                                             temperature, generator)
-            else:  # T_j: the target's exact top-K
-                t_score, t_parent, t_tok, t_node = expand_beams(catalog, tgt.logp, score, node, k, width)
-            ok = torch.zeros_like(take)
-            if j <= steps:
-                d_node, _, _, d_logp, d_tree, q_weight, flat = drafts[j - 1]
-                drafted_here = take & (j <= g)
-                if relaxed:  # draws that accept the drafted sequences, in their order
-                    cand, tok, child, d = candidates(catalog, tgt.logp, score, node, width)
-                    drawn, ok = relaxed_draws(p_weight, q_weight, flat, generator)
-                    verified = pick(cand, tok, child, d, drawn)
-                    t_score, t_parent, t_tok, t_node = (torch.where(drafted_here[:, None], v, w)
-                                                        for v, w in zip(verified, (t_score, t_parent, t_tok, t_node)))
-                    idx = torch.arange(n, device=dev).expand(a, n)  # accepted = the drafted set, in its order
-                    ok = drafted_here & ok
-                else:
-                    hit = (t_node[:, :, None] == d_node[:, None, :]) & (d_node[:, None, :] >= 0)  # [A, K, N]
-                    idx = hit.int().argmax(-1)  # [A, K] drafted node holding each target beam
-                    ok = drafted_here & (hit.any(-1) | (t_node < 0)).all(-1)
-            pend = take & ~ok  # correction (rejected step) or bonus step: not in the trees yet
-            live_t = t_node >= 0
-            new_t_parent = torch.where(live_t, tgt.leaf.gather(1, t_parent.clamp(min=0)), -1)
-            new_d_parent = torch.where(live_t, drf.leaf.gather(1, t_parent.clamp(min=0)), -1)
-            moved = tokens.gather(1, t_parent.clamp(min=0)[:, :, None].expand(-1, -1, code_len))
-            moved = moved.scatter(2, depth.clamp(max=code_len - 1)[:, None, None].expand(-1, k, 1), t_tok[:, :, None])
-            moved = torch.where(live_t[:, :, None], moved, -1)
-            tokens = torch.where(take[:, None, None], moved, tokens)
-            score = torch.where(take[:, None], t_score, score)
-            node = torch.where(take[:, None], t_node, node)
-            depth = depth + take.long()
-            if j <= steps:
-                rows = base + k + (j - 1) * n + idx  # target tree nodes of the matched drafted nodes
-                tgt.logp = torch.where(ok[:, None, None], gather_rows(logp_v[:, k + (j - 1) * n: k + j * n], idx), tgt.logp)
-                tgt.leaf = torch.where(ok[:, None], rows, tgt.leaf)
-                drf.logp = torch.where(ok[:, None, None], gather_rows(d_logp, idx), drf.logp)
-                drf.leaf = torch.where(ok[:, None], d_tree.gather(1, idx), drf.leaf)
-            tgt.parent = torch.where(pend[:, None], new_t_parent, tgt.parent)
-            drf.parent = torch.where(pend[:, None], new_d_parent, drf.parent)
-            t_pending, d_pending = t_pending | pend, d_pending | pend
-            accepted_now += ok.long()
-            accepting = ok
-        tgt.pending, drf.pending = t_pending, d_pending
-        accepted[users] += accepted_now
-        accepted_hist += torch.bincount(accepted_now, minlength=gamma + 1)
-        drafted[users] += g
-        rounds[users] += 1
-
-        done = depth >= code_len
-        if done.any():  # finished users leave the batch
-            out_tokens[users[done]], out_score[users[done]], out_node[users[done]] = tokens[done], score[done], node[done]
-            keep = (~done).nonzero().flatten()
-            users, depth, score, node, tokens = users[keep], depth[keep], score[keep], node[keep], tokens[keep]
-            tgt.select(keep)
-            drf.select(keep)
-        if users.numel():  # pruned branches leave both caches
-            tgt.compact(score > NEG_INF)
-            drf.compact(score > NEG_INF)
-
-    if relaxed:  # drawn in sampling order: rank by score, as the sampling-based beam search does
-        order = torch.sort(out_score, dim=1, descending=True, stable=True).indices
-        out_score, out_node = out_score.gather(1, order), out_node.gather(1, order)
-        out_tokens = out_tokens.gather(1, order[:, :, None].expand_as(out_tokens))
-    stats = {**clock, "target_forwards": forwards["target"], "draft_forwards": forwards["draft"],
-             "accepted_steps": accepted, "drafted_steps": drafted, "rounds": rounds,
-             "accepted_hist": accepted_hist, "kv_tokens": kv_peak,
-             "kv_tokens_beam_batch": b * k * (input_ids.shape[1] + code_len - 1)}  # a batch beam search's KV
-    return Recommendations(catalog.item_of_node(out_node), out_tokens, out_score, stats)

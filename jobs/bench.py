@@ -45,7 +45,7 @@ from decoding.beam import beam_search
 from decoding.catalog import Catalog
 from decoding.models import load_model, load_tokenizer, pick_device, pick_dtype, tiny_model
 from decoding.reference import cpu_trie, generate_beam_search
-from operators.prompts import ItemTokens, build_prompts
+from operators.prompts import build_prompts
 
 
 class PeakMemory:
@@ -112,8 +112,7 @@ def load_beauty(data: Path, users: int, history_len: int, device, tokenizer_dir:
     catalog = Catalog.from_parquet(data / "items.parquet", tok, on_duplicate="first", device=device)
     histories = pq.read_table(data / "test.parquet", columns=["history"]).column("history").to_pylist()
     histories = [h for h in histories if h][:users]
-    items = ItemTokens.from_catalog(pq.read_table(data / "items.parquet"), tok)
-    prompts = build_prompts(histories, items, tok.bos_token_id, tok.pad_token_id, history_len)
+    prompts = build_prompts(histories, catalog.item_tokens, tok.bos_token_id, tok.pad_token_id, history_len)
     return tok, catalog, prompts.input_ids.to(device), prompts.attention_mask.to(device)
 
 

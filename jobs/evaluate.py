@@ -11,14 +11,14 @@ import argparse
 import json
 import sys
 
-from jobs.report import storage_args
+from jobs.cli import storage_args
 from pipeline import storage as S
 from pipeline.config import Storage
 
 
 def main(argv=None) -> int:
     from pipeline.evaluate import KS, evaluate_run, to_markdown
-    from pipeline.report import default_out, load_run
+    from pipeline.runs import load_run, report_dir
 
     p = argparse.ArgumentParser(prog="python -m jobs.evaluate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     except (FileNotFoundError, ValueError, PermissionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    out = args.out or default_out(run, None)
+    out = args.out or report_dir(run.uri)
     S.write_bytes(S.join(out, "evaluation.json"), json.dumps(result, indent=2).encode(), storage)
     S.write_bytes(S.join(out, "evaluation.md"), to_markdown(result).encode(), storage)
     print(to_markdown(result))

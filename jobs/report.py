@@ -11,23 +11,18 @@ A run evaluated by `python -m jobs.evaluate` (its `<run>/report/evaluation.json`
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 from pathlib import Path
 
+from jobs.cli import storage_args
 from pipeline import storage as S
 from pipeline.config import Storage
 
 
-def storage_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--endpoint", default=os.environ.get("AWS_ENDPOINT_URL"),
-                   help="S3-compatible endpoint for s3:// URIs (default: $AWS_ENDPOINT_URL)")
-    p.add_argument("--region", default=os.environ.get("AWS_REGION", "us-east-1"))
-
-
 def main(argv=None) -> int:
-    from pipeline.report import default_out, load_run, screenshot, write_report
+    from pipeline.report import screenshot, write_report
+    from pipeline.runs import load_run, report_dir
 
     p = argparse.ArgumentParser(prog="python -m jobs.report", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -44,7 +39,7 @@ def main(argv=None) -> int:
     try:
         run = load_run(args.run, storage)
         compare = load_run(args.compare, storage) if args.compare else None
-        out = args.out or default_out(run, compare)
+        out = args.out or report_dir(run.uri, compare.run_id if compare else None)
         doc = write_report([run] + ([compare] if compare else []), out, storage, args.gpu_hour_price)
     except (FileNotFoundError, ValueError, PermissionError) as e:
         print(f"error: {e}", file=sys.stderr)

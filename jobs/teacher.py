@@ -84,7 +84,7 @@ def build_teacher(target, data: T.Data, subset: np.ndarray, k: int, history_len:
 def teacher_data(target_dir, target, data: T.Data, subset: np.ndarray, k: int, history_len: int, batch_size: int,
                  device, cache_dir=None) -> Teacher:
     """The cached teacher data for these samples, built (and written) when missing or stale."""
-    from decoding.models import fingerprint
+    from pipeline.storage import fingerprint
 
     key = {"target": fingerprint(target_dir), "data": data.fingerprint, "k": k, "history_len": history_len,
            "samples": hashlib.sha256(np.asarray(subset, dtype=np.int64).tobytes()).hexdigest()}

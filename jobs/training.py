@@ -24,7 +24,8 @@ from decoding.beam import beam_search
 from decoding.catalog import Catalog
 from decoding.metrics import recall_ndcg
 from decoding.models import load_model
-from operators.prompts import ItemTokens, build_prompts, ragged_ranges
+from decoding.catalog import ItemTokens
+from operators.prompts import build_prompts, ragged_ranges
 from pipeline.storage import sha256_file
 
 
@@ -75,12 +76,11 @@ def load_data(data_dir, tokenizer, history_len: int, eval_users: int, device, sp
     for name in ("items.parquet", "train.parquet", f"{split}.parquet"):
         if not (data_dir / name).is_file():
             raise ValueError(f"{data_dir / name} not found: run `python -m jobs.prepare_data --out {data_dir}`")
-    items = pq.read_table(data_dir / "items.parquet")
     try:  # a catalog/tokenizer mismatch fails here, before any training
         catalog = Catalog.from_parquet(data_dir / "items.parquet", tokenizer, on_duplicate="first", device=device)
     except ValueError as e:
         raise ValueError(f"catalog and tokenizer do not match: {e}") from None
-    item_tokens = ItemTokens.from_catalog(items, tokenizer)
+    item_tokens = catalog.item_tokens
 
     train = pq.read_table(data_dir / "train.parquet", columns=["history"]).column("history").combine_chunks()
     values = train.flatten().to_numpy().astype(np.int64)  # [T]
@@ -118,8 +118,6 @@ def prompts(data: Data, histories, history_len: int, device):
     """Histories -> left-padded (input_ids, attention_mask) on the device; all rows must be valid."""
     tok = data.tokenizer
     p = build_prompts(histories, data.item_tokens, tok.bos_token_id, tok.pad_token_id, history_len)
-    if p.bad:
-        raise ValueError(f"bad prompt rows: {p.bad[:5]}")
     return p.input_ids.to(device), p.attention_mask.to(device)
 
 

@@ -12,14 +12,14 @@ The mapping from semantic IDs (codes) to code tokens and token ids is `decoding.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
 import torch
 
-from decoding.codes import code_token_ids, format_rows, semantic_id_matrix
+from decoding.catalog import ItemTokens
+from decoding.codes import format_rows
 
 # ---------------------------------------------------------------- ragged helpers
 
@@ -59,116 +59,47 @@ def ragged_arrays(histories) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nda
     return values, starts, lengths, nulls
 
 
-# ---------------------------------------------------------------- item tokens
-
-
-@dataclass
-class ItemTokens:
-    """item_id -> its L code token ids, via a sorted id array and np.searchsorted."""
-
-    item_ids: np.ndarray   # [N] int64, sorted ascending, unique
-    token_ids: np.ndarray  # [N, L] int64, row i belongs to item_ids[i]
-
-    @classmethod
-    def from_arrays(cls, item_ids: np.ndarray, token_ids: np.ndarray) -> "ItemTokens":
-        item_ids = np.asarray(item_ids, dtype=np.int64)
-        token_ids = np.asarray(token_ids, dtype=np.int64)
-        if token_ids.ndim != 2 or len(token_ids) != len(item_ids):
-            raise ValueError(f"token_ids must be [N, L] with N = {len(item_ids)}, got {token_ids.shape}")
-        order = np.argsort(item_ids, kind="stable")
-        item_ids, token_ids = item_ids[order], token_ids[order]
-        dup = np.flatnonzero(item_ids[1:] == item_ids[:-1])
-        if len(dup):
-            raise ValueError(f"catalog item_id is not unique: duplicated ids {format_rows(np.unique(item_ids[dup]))}")
-        return cls(item_ids=item_ids, token_ids=token_ids)
-
-    @classmethod
-    def from_catalog(cls, items: pa.Table, tokenizer, name: str = "items.parquet") -> "ItemTokens":
-        """Catalog table (item_id, semantic_id) + tokenizer -> ItemTokens."""
-        if "item_id" not in items.column_names:
-            raise ValueError(f"{name}: missing column 'item_id' (has {items.column_names})")
-        if items.column("item_id").null_count:
-            nulls = np.flatnonzero(items.column("item_id").is_null().to_numpy(zero_copy_only=False))
-            raise ValueError(f"{name}: column 'item_id' is null in rows {format_rows(nulls)}")
-        item_ids = items.column("item_id").to_numpy().astype(np.int64)  # [N]
-        token_ids = code_token_ids(tokenizer, semantic_id_matrix(items, name))  # [N, L]
-        return cls.from_arrays(item_ids, token_ids)
-
-    @property
-    def levels(self) -> int:
-        return self.token_ids.shape[1]
-
-    def lookup(self, item_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """item ids [U] -> (token ids [U, L], known [U] bool); unknown rows hold -1."""
-        item_ids = np.asarray(item_ids, dtype=np.int64)
-        if len(self.item_ids) == 0:
-            return np.full((len(item_ids), self.levels), -1, dtype=np.int64), np.zeros(len(item_ids), bool)
-        pos = np.searchsorted(self.item_ids, item_ids)             # [U]
-        pos = np.minimum(pos, len(self.item_ids) - 1)
-        known = self.item_ids[pos] == item_ids                     # [U]
-        tokens = np.where(known[:, None], self.token_ids[pos], -1)  # [U, L]
-        return tokens, known
-
-
 # ---------------------------------------------------------------- prompts
 
 
 class Prompts(NamedTuple):
-    input_ids: torch.Tensor       # [K, S] int64, left-padded with pad_id
-    attention_mask: torch.Tensor  # [K, S] int64, 0 on padding
-    bad: list                     # [(row_index, reason, detail)] for rows left out
-    kept: np.ndarray              # [K] int64, batch row of each prompt row
+    input_ids: torch.Tensor       # [B, S] int64, left-padded with pad_id
+    attention_mask: torch.Tensor  # [B, S] int64, 0 on padding
 
 
-def build_prompts(histories, item_tokens: ItemTokens, bos_id: int, pad_id: int,
-                  history_len: int) -> Prompts:
-    """Histories [B] (ragged item ids, oldest first) -> left-padded prompts for the good rows.
-
-    Each prompt is `<bos>` + the code tokens of the last `history_len` items: 1 + n * L
-    tokens; the batch is left-padded to its longest prompt S. Rows with an empty or null
-    history ("empty_history") or with an item id missing from the catalog among the items
-    used ("unknown_item", detail lists the ids) are left out and reported in `bad`;
-    `kept` gives the batch row of every prompt row.
-    """
+def history_window(histories, history_len: int):
+    """The items a prompt uses: the last `history_len` of each history -> (item ids [U], row of each [U],
+    items per row [B]). Histories: see `ragged_arrays`."""
     if history_len <= 0:
         raise ValueError(f"history_len must be positive, got {history_len}")
-    values, starts, lengths, nulls = ragged_arrays(histories)  # [T], [B], [B], [B]
-    n_rows = len(lengths)
+    values, starts, lengths, _ = ragged_arrays(histories)  # [T], [B], [B]
+    used = np.minimum(lengths, history_len)  # [B]
+    items = values[ragged_ranges(starts + lengths - used, used)]  # [U]
+    return items, np.repeat(np.arange(len(lengths)), used), used
+
+
+def build_prompts(histories, item_tokens: ItemTokens, bos_id: int, pad_id: int, history_len: int) -> Prompts:
+    """Histories [B] (item ids, oldest first; validated: non-empty, every used item in the catalog, see
+    operators/validate.py) -> left-padded prompts.
+
+    Each prompt is `<bos>` + the code tokens of the last `history_len` items: 1 + n * L tokens; the batch is
+    left-padded to its longest prompt S. No Python loop over users.
+    """
+    items, row_of, used = history_window(histories, history_len)  # [U], [U], [B]
+    tokens, known = item_tokens.lookup(items)  # [U, L], [U]
+    if (used == 0).any() or not known.all():
+        bad = np.union1d(np.flatnonzero(used == 0), row_of[~known])
+        raise ValueError(f"rows {format_rows(bad)} have an empty history or items missing from the catalog: "
+                         "validate them first (operators.validate)")
     levels = item_tokens.levels
-
-    used = np.minimum(lengths, history_len)                     # [B] items per prompt
-    idx = ragged_ranges(starts + lengths - used, used)          # [U] the last `used` items
-    items = values[idx]                                         # [U]
-    row_of = np.repeat(np.arange(n_rows), used)                 # [U]
-    tokens, known = item_tokens.lookup(items)                   # [U, L], [U]
-
-    unknown_rows = np.zeros(n_rows, dtype=bool)
-    unknown_rows[row_of[~known]] = True
-    empty_rows = used == 0
-    keep = ~empty_rows & ~unknown_rows                          # [B]
-
-    first = np.cumsum(used) - used                              # [B] row r's items: items[first[r]:][:used[r]]
-    bad = []
-    for r in np.flatnonzero(~keep):
-        if empty_rows[r]:
-            bad.append((int(r), "empty_history", "history is null" if nulls[r] else "history has no items"))
-        else:
-            window = slice(first[r], first[r] + used[r])
-            ids = np.unique(items[window][~known[window]])
-            bad.append((int(r), "unknown_item", "item ids not in catalog: " + ", ".join(map(str, ids.tolist()))))
-
-    kept = np.flatnonzero(keep).astype(np.int64)                # [K]
-    n_tok = 1 + used[kept] * levels                             # [K]
-    width = int(n_tok.max()) if len(kept) else 0                # S
-    input_ids = np.full((len(kept), width), pad_id, dtype=np.int64)  # [K, S]
-    left = width - n_tok                                        # [K] padding per row
-    mask = (np.arange(width)[None, :] >= left[:, None]).astype(np.int64)  # [K, S]
-    input_ids[np.arange(len(kept)), left] = bos_id
-
-    # item tokens: item q of kept row k goes to columns left[k] + 1 + q * L + [0, L)
-    take = keep[row_of]                                         # [U] items of kept rows
-    k_of_item = np.cumsum(keep)[row_of[take]] - 1               # [U'] prompt row of each item
-    q = idx[take] - (starts + lengths - used)[row_of[take]]     # [U'] position within the window
-    cols = left[k_of_item, None] + 1 + q[:, None] * levels + np.arange(levels)[None, :]  # [U', L]
-    input_ids[k_of_item[:, None], cols] = tokens[take]
-    return Prompts(torch.from_numpy(input_ids), torch.from_numpy(mask), bad, kept)
+    n_tok = 1 + used * levels  # [B]
+    width = int(n_tok.max()) if len(used) else 0  # S
+    left = width - n_tok  # [B] padding per row
+    input_ids = np.full((len(used), width), pad_id, dtype=np.int64)  # [B, S]
+    mask = (np.arange(width)[None, :] >= left[:, None]).astype(np.int64)  # [B, S]
+    input_ids[np.arange(len(used)), left] = bos_id
+    # item q of row r goes to columns left[r] + 1 + q * L + [0, L)
+    q = np.arange(len(items)) - np.repeat(np.cumsum(used) - used, used)  # [U] position within the window
+    cols = left[row_of, None] + 1 + q[:, None] * levels + np.arange(levels)[None, :]  # [U, L]
+    input_ids[row_of[:, None], cols] = tokens
+    return Prompts(torch.from_numpy(input_ids), torch.from_numpy(mask))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-MODES = ("beam", "atspeed-strict", "atspeed-relaxed", "disc")
+from operators.spec import MODES, Decoding
 SECRET_WORDS = ("secret", "password", "token", "access_key", "credential")
 
 
@@ -21,19 +21,6 @@ class Models:
     target: str = ""  # local directory or s3:// prefix
     draft: str | None = None  # needed by the atspeed modes
     cache_dir: str = "~/.cache/genrec-batch/models"  # where s3:// models are copied, once per node
-
-
-@dataclass
-class Decoding:
-    mode: str = "beam"
-    k: int = 10
-    draft_beams: int = 40
-    gamma: int | None = None  # None: the item length
-    history_len: int = 20
-    temperature: float = 1.0  # atspeed-relaxed and disc
-    rounds: int = 4  # disc
-    top_m: int | None = None  # disc: None = exact mask, M = PPV over the top-M tokens
-    seed: int = 0
 
 
 @dataclass

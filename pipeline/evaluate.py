@@ -14,7 +14,8 @@ import pyarrow.dataset as pads
 from decoding.metrics import recall_ndcg_flat
 from pipeline import storage as S
 from pipeline.config import Storage
-from pipeline.report import Run, num, read_recommendations
+from pipeline.report import num
+from pipeline.runs import Run, read_recommendations
 
 KS = (1, 5, 10, 20)
 

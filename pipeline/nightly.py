@@ -1,5 +1,5 @@
 """The nightly dataset graph: read histories, validate, recommend over an actor pool, write the tables, then the
-manifest, then _SUCCESS, then publish the run (storage.py has the layout).
+manifest, then _SUCCESS, then publish the run (runs.py has the layout).
 
 read_parquet -> (duplicate user ids: first kept, the rest rejected) -> map_batches(Recommender, actor pool, GPUs per
 actor from the config, CPU otherwise) -> materialize -> recommendations / rejects / metrics -> manifest -> _SUCCESS
@@ -7,6 +7,7 @@ actor from the config, CPU otherwise) -> materialize -> recommendations / reject
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import json
 import logging
 import subprocess
@@ -19,15 +20,23 @@ import pyarrow.compute as pc
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
-from decoding.models import fingerprint
-from operators.recommender import Recommender, output_schema, read_catalog_table
-from operators.validate import duplicates
+from operators.recommender import TABLES, Recommender
+from operators.spec import ActorSpec
+from operators.validate import duplicates, reject_schema
+from pipeline import runs
 from pipeline import storage as S
 from pipeline.config import Config
 
 log = logging.getLogger("genrec.nightly")
-REC_COLUMNS = ["user_id", "rank", "item_id", "score", "mode"]
-REJECT_COLUMNS = ["user_id", "reason", "detail"]
+
+
+def read_catalog(cfg: Config) -> pa.Table:
+    """The catalog table, read once per run by the driver (the actors get it in their ActorSpec)."""
+    fs, path = S.filesystem(cfg.catalog, cfg.storage)
+    try:
+        return pq.read_table(path, filesystem=fs)
+    except (OSError, pa.ArrowInvalid) as e:
+        raise ValueError(f"catalog {cfg.catalog}: cannot be read as parquet ({e})") from None
 
 
 def open_input(cfg: Config) -> tuple[pads.Dataset, object, str]:
@@ -84,18 +93,35 @@ def code_version() -> str:
         return f"genrec-batch {version('genrec-batch')}"
 
 
-def check_models(cfg: Config) -> dict:
-    """Resolves (and caches) the model directories on the driver: a missing model fails before any work."""
-    prints = {}
+def resolve_models(cfg: Config) -> dict:
+    """Resolves (and caches) the model directories on the driver: a missing model fails before any work.
+    -> {role: {"uri", "sha256"}} for the target, and the draft in the atspeed modes."""
+    models = {}
     for role in ("target", "draft"):
         uri = getattr(cfg.models, role)
         if uri and (role == "target" or cfg.decoding.mode.startswith("atspeed")):
             try:
-                prints[role] = {"uri": uri, "sha256": fingerprint(S.local_model_dir(uri, cfg.models.cache_dir,
-                                                                                     cfg.storage))}
+                models[role] = {"uri": uri, "sha256": S.fingerprint(fetch_model(uri, cfg.models.cache_dir,
+                                                                               cfg.storage))}
             except (FileNotFoundError, ValueError) as e:
                 raise FileNotFoundError(f"models.{role}: {e}") from None
-    return prints
+    return models
+
+
+def fetch_model(uri: str, cache_dir: str, storage) -> str:
+    """A model URI -> a local directory on this node (s3:// copied once per node, verified)."""
+    return str(S.local_model_dir(uri, cache_dir, storage))
+
+
+def actor_spec(cfg: Config, run_id: str, catalog: pa.Table) -> ActorSpec:
+    """What every actor gets: the model URIs and how to fetch them on its node, the catalog read once, the decoding
+    settings."""
+    m = cfg.models
+    return ActorSpec(run_id=run_id, target=m.target, catalog=catalog, catalog_name=cfg.catalog,
+                     decoding=cfg.decoding, draft=m.draft if cfg.decoding.mode.startswith("atspeed") else None,
+                     fetch=functools.partial(fetch_model, cache_dir=m.cache_dir, storage=cfg.storage),
+                     gpu=cfg.compute.gpus_per_actor > 0, dtype=cfg.compute.dtype,
+                     threads=cfg.compute.threads_per_actor)
 
 
 def run_nightly(cfg: Config) -> dict:
@@ -104,12 +130,13 @@ def run_nightly(cfg: Config) -> dict:
 
     t0 = time.perf_counter()
     run_id = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6]
-    run = S.run_dir(cfg.output, cfg.run_date, run_id)
+    run = runs.run_dir(cfg.output, cfg.run_date, run_id)
     for uri in (cfg.output, cfg.input, cfg.catalog):
         S.check_access(uri, cfg.storage)
     data, in_fs, in_path = open_input(cfg)
-    read_catalog_table(cfg)
-    models = check_models(cfg)
+    catalog = read_catalog(cfg)
+    models = resolve_models(cfg)
+    spec = actor_spec(cfg, run_id, catalog)
     dup, kept, dup_rejects = split_duplicates(data)
     log.info("run %s: input %s (%d files), %d duplicate user ids", run_id, cfg.input, len(data.files), len(dup))
     try:
@@ -120,40 +147,36 @@ def run_nightly(cfg: Config) -> dict:
         c = cfg.compute
         # blocks of one batch each (streaming): a single large input file still feeds every actor of the pool
         ds = ds.repartition(target_num_rows_per_block=c.batch_size)
-        out = ds.map_batches(Recommender, fn_constructor_kwargs={"config": cfg, "run_id": run_id},
+        out = ds.map_batches(Recommender, fn_constructor_kwargs={"spec": spec},
                              batch_size=c.batch_size, batch_format="pyarrow",
                              compute=ray.data.ActorPoolStrategy(size=c.num_actors),
                              num_gpus=c.gpus_per_actor or None, num_cpus=c.cpus_per_actor).materialize()
         t_decode = time.perf_counter() - t0
         log.info("ray data stats:\n%s", out.stats())
-        out_fs, out_root = S.filesystem(run, cfg.storage)
-        kinds = lambda kind, cols: out.map_batches(  # noqa: E731
-            lambda t: t.filter(pc.equal(t["kind"], kind)).select(cols), batch_format="pyarrow")
-        kinds("rec", REC_COLUMNS).write_parquet(f"{out_root}/recommendations", filesystem=out_fs)
+        kinds = lambda kind: out.map_batches(  # noqa: E731
+            lambda t: t.filter(pc.equal(t["kind"], kind)).select(TABLES[kind]), batch_format="pyarrow")
+        rec_fs, rec_path = S.filesystem(runs.table_dir(run, "recommendations"), cfg.storage)
+        kinds("rec").write_parquet(rec_path, filesystem=rec_fs)
         user_type = data.schema.field("user_id").type
-        rejects = kinds("reject", REJECT_COLUMNS).to_arrow_refs()
-        reject_table = pa.concat_tables([ray.get(r) for r in rejects] + [pa.Table.from_pydict(
+        reject_table = pa.concat_tables([ray.get(r) for r in kinds("reject").to_arrow_refs()] + [pa.Table.from_pydict(
             {"user_id": [r[0] for r in dup_rejects], "reason": [r[1] for r in dup_rejects],
-             "detail": [r[2] for r in dup_rejects]},
-            schema=pa.schema([output_schema(user_type).field(n) for n in REJECT_COLUMNS]))])
-        out_fs.create_dir(f"{out_root}/rejects")
-        pq.write_table(reject_table, f"{out_root}/rejects/rejects.parquet", filesystem=out_fs)
-        metric_rows = [json.loads(m) for r in kinds("metric", ["metrics"]).to_arrow_refs()
+             "detail": [r[2] for r in dup_rejects]}, schema=reject_schema(user_type))])
+        runs.write_table(run, "rejects", reject_table, cfg.storage)
+        metric_rows = [json.loads(m) for r in kinds("metric").to_arrow_refs()
                        for m in ray.get(r).column("metrics").to_pylist()]
         metrics = pa.Table.from_pylist(metric_rows)
-        out_fs.create_dir(f"{out_root}/metrics")
-        pq.write_table(metrics, f"{out_root}/metrics/metrics.parquet", filesystem=out_fs)
+        runs.write_table(run, "metrics", metrics, cfg.storage)
         counts = {"input_rows": data.count_rows(), "users_ok": int(pc.sum(metrics["users_ok"]).as_py() or 0),
                   "users_rejected": reject_table.num_rows,
                   "recommendations": int(pc.sum(metrics["recommendations"]).as_py() or 0),
                   "batches": metrics.num_rows}
         manifest = {"run_id": run_id, "run_date": cfg.run_date, "status": "succeeded", "config": cfg.to_dict(),
-                    "code_version": code_version(), "models": models, "counts": counts,
-                    "timings": {"decode_s": t_decode, "total_s": time.perf_counter() - t0},
-                    "outputs": {name: S.join(run, name) for name in ("recommendations", "rejects", "metrics")}}
-        S.write_bytes(S.join(run, "manifest.json"), json.dumps(manifest, indent=2, default=str).encode(), cfg.storage)
-        S.write_bytes(S.join(run, "_SUCCESS"), b"", cfg.storage)  # last: a reader only trusts a run that has it
-        S.publish(cfg.output, cfg.run_date, run_id, cfg.storage)
+                    "code_version": code_version(),
+                    "models": models,
+                    "counts": counts, "timings": {"decode_s": t_decode, "total_s": time.perf_counter() - t0},
+                    "outputs": {name: runs.table_dir(run, name) for name in runs.TABLES}}
+        runs.finish(run, manifest, cfg.storage)
+        runs.publish(cfg.output, cfg.run_date, run_id, cfg.storage)
         log.info("run %s published: %s", run_id, json.dumps(counts))
         return manifest
     except BaseException:

@@ -1,6 +1,5 @@
 """Cost/throughput report of published nightly runs: a Markdown file and a self-contained HTML page with PNG plots.
 
-    load_run(uri)            a run folder, a `run_date=D` folder (its _LATEST) or an output root (its newest date)
     summarize(run, price)    the shard metrics aggregated: users, users/s, time split, forwards, accepted steps,
                              KV tokens held vs a batch beam search, accelerator-hours and cost per million users
     compare_outputs(a, b)    whether two runs published the same items for every user and rank
@@ -21,7 +20,6 @@ import math
 import shutil
 import subprocess
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -30,60 +28,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from decoding.stats import PHASES as DECODER_PHASES
 from pipeline import storage as S
 from pipeline.config import Storage
+from pipeline.runs import Run, read_recommendations, report_dir
 
-PHASES = ("prefill_s", "draft_s", "verify_s", "decode_s")
-
-
-@dataclass
-class Run:
-    uri: str  # the run folder
-    manifest: dict
-    metrics: pd.DataFrame  # one row per processed batch (operators/recommender.py)
-
-    @property
-    def run_id(self) -> str:
-        return self.manifest["run_id"]
-
-    @property
-    def mode(self) -> str:
-        return self.manifest["config"]["decoding"]["mode"]
-
-
-def resolve_run(uri: str, storage: Storage) -> str:
-    """A run folder, `<output>/run_date=D` or `<output>` -> the folder of a complete, published run."""
-    uri = uri.rstrip("/")
-    run = uri
-    if S.read_bytes(S.join(uri, "manifest.json"), storage) is None:
-        parent, _, name = uri.rpartition("/")
-        if name.startswith("run_date="):
-            run = S.latest_run(parent, name.removeprefix("run_date="), storage)
-        else:
-            dates = sorted(c for c in S.list_children(uri, storage) if c.startswith("run_date="))
-            runs = [S.latest_run(uri, d.removeprefix("run_date="), storage) for d in reversed(dates)]
-            run = next((r for r in runs if r), None)
-        if run is None:
-            raise FileNotFoundError(f"{uri}: no published run (expected a run folder with manifest.json, a run_date= "
-                                    "folder with _LATEST, or an output root)")
-    if S.read_bytes(S.join(run, "_SUCCESS"), storage) is None:
-        raise ValueError(f"run {run}: no _SUCCESS marker; the run is incomplete or failed and is not reported")
-    return run
-
-
-def load_run(uri: str, storage: Storage) -> Run:
-    run = resolve_run(uri, storage)
-    manifest = json.loads(S.read_bytes(S.join(run, "manifest.json"), storage))
-    fs, path = S.filesystem(S.join(run, "metrics"), storage)
-    metrics = pq.read_table(path, filesystem=fs).to_pandas()
-    if metrics.empty:
-        raise ValueError(f"run {run}: the metrics table is empty")
-    return Run(run, manifest, metrics)
-
-
-def read_recommendations(run: Run, storage: Storage, columns=("user_id", "rank", "item_id", "score")) -> pa.Table:
-    fs, path = S.filesystem(S.join(run.uri, "recommendations"), storage)
-    return pq.read_table(path, filesystem=fs, columns=list(columns))
+PHASES = DECODER_PHASES + ("other_s",)  # other: the batch outside the decoder (validation, prompts, output rows)
 
 
 # ------------------------------------------------------------------ numbers
@@ -127,6 +77,8 @@ def summarize(run: Run, gpu_hour_price: float) -> dict:
         "users_per_s": users / wall, "users_per_busy_s": users / busy,
         "phase_s": {p: float(m[p].sum()) for p in PHASES},
         "target_forwards": int(m.target_forwards.sum()), "draft_forwards": int(m.draft_forwards.sum()),
+        "target_tokens_per_user": float(m.target_tokens.sum() / users) if users else None,
+        "draft_tokens_per_user": float(m.draft_tokens.sum() / users) if users else None,
         "accepted_hist": None if hist is None else hist.tolist(),
         "mean_accepted_steps": None if hist is None or hist.sum() == 0
         else float((hist * np.arange(len(hist))).sum() / hist.sum()),
@@ -316,6 +268,8 @@ def summary_rows(runs: list[dict]) -> list[list[str]]:
     rows += [row(f"{p.removesuffix('_s')} (s, summed over batches)", lambda s, p=p: num(s["phase_s"][p])) for p in PHASES]
     rows += [row("target forwards", lambda s: num(s["target_forwards"])),
              row("draft forwards", lambda s: num(s["draft_forwards"])),
+             row("target tokens per user (prompt + tree)", lambda s: num(s["target_tokens_per_user"], 1)),
+             row("draft tokens per user (prompt + tree)", lambda s: num(s["draft_tokens_per_user"], 1)),
              row("mean accepted steps per verification", lambda s: num(s["mean_accepted_steps"])),
              row("KV tokens held per user", lambda s: num(s["kv_tokens_per_user"], 1)),
              row("KV tokens per user, batch beam search", lambda s: num(s["kv_tokens_beam_batch_per_user"], 1)),
@@ -413,7 +367,7 @@ def to_html(blocks, figures: dict[str, bytes]) -> str:
 
 def read_evaluation(run: Run, storage: Storage) -> dict | None:
     """The run's offline evaluation (`python -m jobs.evaluate` writes it into `<run>/report`), if any."""
-    raw = S.read_bytes(S.join(default_out(run, None), "evaluation.json"), storage)
+    raw = S.read_bytes(S.join(report_dir(run.uri), "evaluation.json"), storage)
     return json.loads(raw) if raw else None
 
 
@@ -434,10 +388,6 @@ def write_report(runs: list[Run], out: str, storage: Storage, gpu_hour_price: fl
     S.write_bytes(S.join(out, "report.html"), to_html(blocks, figures).encode(), storage)
     S.write_bytes(S.join(out, "report.json"), json.dumps(doc, indent=2, default=str).encode(), storage)
     return doc
-
-
-def default_out(run: Run, compare: Run | None) -> str:
-    return S.join(run.uri, "report" if compare is None else f"report-vs-{compare.run_id}")
 
 
 # ------------------------------------------------------------------ looking at it as a person would

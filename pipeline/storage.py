@@ -1,14 +1,6 @@
-"""Storage: local paths and s3:// URIs (pyarrow's S3FileSystem for tables, boto3 for small objects), model
-directories copied once per node into a verified cache, and atomic publication of a run's outputs.
-
-Output layout of one run (ARCHITECTURE.md section 3):
-    <output>/run_date=<D>/run_id=<R>/recommendations/*.parquet   user_id, rank, item_id, score, mode
-    <output>/run_date=<D>/run_id=<R>/metrics/*.parquet           one row per processed batch
-    <output>/run_date=<D>/run_id=<R>/rejects/*.parquet           user_id, reason, detail
-    <output>/run_date=<D>/run_id=<R>/manifest.json, then _SUCCESS (written last)
-    <output>/run_date=<D>/_LATEST                                {"run_id": R}, replaced in one put
-A reader resolves _LATEST, then trusts the run only if it has _SUCCESS. A rerun writes a new run id, publishes it by
-replacing _LATEST, then deletes the older run ids of that date: readers never see a mixture.
+"""Storage: local paths and s3:// URIs (pyarrow's S3FileSystem for tables, boto3 for small objects), whole small
+objects written atomically, file hashes, and model directories copied once per node into a verified cache.
+The layout of a run's outputs is pipeline/runs.py.
 """
 from __future__ import annotations
 
@@ -125,39 +117,26 @@ def check_access(uri: str, storage: Storage) -> None:
                               "credentials in the environment and storage.endpoint") from None
 
 
-# ------------------------------------------------------------------ runs: write under a run id, publish atomically
-
-
-def run_dir(output: str, run_date: str, run_id: str) -> str:
-    return join(output, f"run_date={run_date}", f"run_id={run_id}")
-
-
-def publish(output: str, run_date: str, run_id: str, storage: Storage) -> None:
-    """Points _LATEST of the date at this run (one atomic put), then deletes the date's other runs."""
-    date_dir = join(output, f"run_date={run_date}")
-    write_bytes(join(date_dir, "_LATEST"), json.dumps({"run_id": run_id}).encode(), storage)
-    for child in list_children(date_dir, storage):
-        if child.startswith("run_id=") and child != f"run_id={run_id}":
-            delete_tree(join(date_dir, child), storage)
-
-
-def latest_run(output: str, run_date: str, storage: Storage) -> str | None:
-    """The published, complete run of a date (its folder URI), or None."""
-    latest = read_bytes(join(output, f"run_date={run_date}", "_LATEST"), storage)
-    if latest is None:
-        return None
-    run = run_dir(output, run_date, json.loads(latest)["run_id"])
-    return run if read_bytes(join(run, "_SUCCESS"), storage) is not None else None
-
-
 # ------------------------------------------------------------------ model directories
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
+def sha256_file(path: Path, h=None) -> str:
+    """The sha256 of a file's bytes (or, given `h`, those bytes fed into that hash)."""
+    h = hashlib.sha256() if h is None else h
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
+    return h.hexdigest()
+
+
+def fingerprint(model_dir) -> str:
+    """sha256 over a model directory's safetensors weight files (name and bytes, sorted by name)."""
+    from decoding.models import check_model_dir
+
+    h = hashlib.sha256()
+    for f in sorted(check_model_dir(model_dir).glob("*.safetensors")):
+        h.update(f.name.encode())
+        sha256_file(f, h)
     return h.hexdigest()
 
 

@@ -10,7 +10,8 @@ import pytest
 from decoding.beam import beam_search
 from decoding.catalog import Catalog
 from decoding.models import build_model, load_model, load_tokenizer
-from operators.prompts import ItemTokens, build_prompts
+from operators.prompts import build_prompts
+from pipeline import runs
 from pipeline import storage as S
 from pipeline.config import load_config
 from pipeline.prepare import write_synthetic
@@ -50,7 +51,7 @@ def config(world, out, *extra):
 
 
 def read_run(cfg):
-    run = S.latest_run(cfg.output, cfg.run_date, cfg.storage)
+    run = runs.latest_run(cfg.output, cfg.run_date, cfg.storage)
     assert run is not None
     tables = {name: pq.read_table(f"{run}/{name}") for name in ("recommendations", "rejects", "metrics")}
     return run, tables
@@ -60,7 +61,7 @@ def direct_beam_search(world, histories, k=5):
     tok = load_tokenizer(world / "target")
     items = pq.read_table(world / "data" / "items.parquet")
     cat = Catalog.from_table(items, tok, on_duplicate="first")
-    p = build_prompts(histories, ItemTokens.from_catalog(items, tok), tok.bos_token_id, tok.pad_token_id, 8)
+    p = build_prompts(histories, cat.item_tokens, tok.bos_token_id, tok.pad_token_id, 8)
     return beam_search(load_model(world / "target"), p.input_ids, p.attention_mask, cat, k), p
 
 
@@ -119,11 +120,11 @@ def test_corrupt_file_and_missing_model_fail_without_success(world, ray_session,
     cfg = config(world, tmp_path / "out", f"input={folder}")
     with pytest.raises(ValueError, match="part-1.parquet"):
         run_nightly(cfg)
-    assert S.latest_run(cfg.output, cfg.run_date, cfg.storage) is None
+    assert runs.latest_run(cfg.output, cfg.run_date, cfg.storage) is None
     cfg = config(world, tmp_path / "out2", f"models.target={tmp_path / 'no-such-model'}")
     with pytest.raises(FileNotFoundError, match="models.target: .*no-such-model"):
         run_nightly(cfg)
-    assert S.latest_run(cfg.output, cfg.run_date, cfg.storage) is None and not (tmp_path / "out2").exists()
+    assert runs.latest_run(cfg.output, cfg.run_date, cfg.storage) is None and not (tmp_path / "out2").exists()
 
 
 def test_rerun_leaves_exactly_one_complete_output(world, ray_session, tmp_path):

@@ -9,6 +9,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from pipeline import runs
 from pipeline import storage as S
 from pipeline.config import load_config
 from tests.servers import ray_head, seaweedfs
@@ -73,7 +74,7 @@ def test_nightly_on_s3_equals_beam_search(cluster, tmp_path):
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
     summary = json.loads(run.stdout[run.stdout.index("{"):])
     cfg = load_config(str(config))
-    published = S.latest_run(cfg.output, cfg.run_date, cfg.storage)
+    published = runs.latest_run(cfg.output, cfg.run_date, cfg.storage)
     assert published and published.startswith("s3://") and summary["run_id"] in published
     manifest = json.loads(S.read_bytes(S.join(published, "manifest.json"), cfg.storage))
     assert manifest["status"] == "succeeded" and manifest["models"]["target"]["uri"] == s3.uri("models", "target")
@@ -113,7 +114,7 @@ def test_wrong_credentials_fail_clearly_without_leaking(cluster, caplog):
     assert "refused access" in message and s3.uri("nightly-bad") in message
     for secret in (wrong, s3.secret_key):
         assert secret not in message and secret not in caplog.text
-    assert S.latest_run(cfg.output, cfg.run_date, cfg.storage) is None
+    assert runs.latest_run(cfg.output, cfg.run_date, cfg.storage) is None
 
 
 def test_ray_job_submit_end_to_end(cluster, tmp_path):
@@ -128,7 +129,7 @@ def test_ray_job_submit_end_to_end(cluster, tmp_path):
     logs = run.stdout + run.stderr
     assert run.returncode == 0 and "succeeded" in logs, logs[-3000:]
     storage = load_config(None, s3_config(s3, root)).storage
-    published = S.latest_run(s3.uri("e2e"), "2026-11-21", storage)
+    published = runs.latest_run(s3.uri("e2e"), "2026-11-21", storage)
     assert published is not None
     manifest = S.read_bytes(S.join(published, "manifest.json"), storage).decode()
     fs, path = S.filesystem(published, storage)

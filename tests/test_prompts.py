@@ -1,11 +1,13 @@
-"""operators/prompts.py: ItemTokens and build_prompts."""
+"""operators/prompts.py (build_prompts), operators/validate.py (row rules) and the catalog's item-to-tokens map."""
 
 import numpy as np
 import pyarrow as pa
 import pytest
 import torch
 
-from operators.prompts import ItemTokens, build_prompts, ragged_ranges
+from decoding.catalog import Catalog, ItemTokens
+from operators.prompts import build_prompts, ragged_ranges
+from operators.validate import validate
 from pipeline.prepare import build_tokenizer
 
 # L = 2 levels, 8 codes: token id of (level j, code c) = 4 + 8 j + c
@@ -21,16 +23,21 @@ def tok():
 
 @pytest.fixture(scope="module")
 def items(tok):
-    return ItemTokens.from_catalog(CATALOG, tok)
+    return Catalog.from_table(CATALOG, tok).item_tokens
 
 
-def test_item_tokens(items):
+def test_item_tokens(items, tok):
     assert items.item_ids.tolist() == [10, 20, 30] and items.levels == 2
     tokens, known = items.lookup(np.array([20, 99, 10, 5, 31]))
     assert known.tolist() == [True, False, True, False, False]
     assert tokens.tolist() == [T20, [-1, -1], T10, [-1, -1], [-1, -1]]
-    with pytest.raises(ValueError, match=r"not unique: duplicated ids \[7\]"):
+    with pytest.raises(ValueError, match=r"duplicate item ids: \[7\]"):
         ItemTokens.from_arrays(np.array([7, 8, 7]), np.zeros((3, 2)))
+    # items sharing a semantic ID: one keeps it in the index, every one of them renders in prompts
+    shared = pa.table({"item_id": [30, 10, 20, 40], "semantic_id": [[5, 0], [1, 2], [3, 4], [1, 2]]})
+    cat = Catalog.from_table(shared, tok, on_duplicate="first")
+    assert cat.duplicates == [(40, 10)] and len(cat) == 3
+    assert cat.item_tokens.lookup(np.array([40, 10]))[0].tolist() == [T10, T10]
 
 
 def test_exact_ids_left_padded(items):
@@ -42,7 +49,6 @@ def test_exact_ids_left_padded(items):
         [BOS, *T20, *T10, *T30],
     ]
     assert p.attention_mask.tolist() == [[0, 0, 1, 1, 1, 1, 1], [0, 0, 0, 0, 1, 1, 1], [1] * 7]
-    assert p.kept.tolist() == [0, 1, 2] and p.bad == []
 
 
 def test_same_as_tokenizer_text(items, tok):
@@ -53,18 +59,31 @@ def test_same_as_tokenizer_text(items, tok):
     assert p.input_ids[0].tolist() == tok(text)["input_ids"]
 
 
-def test_bad_rows_reported(items):
-    p = build_prompts([[], [10, 99, 98, 99], None, [20], np.array([5])], items, BOS, PAD, history_len=5)
-    assert p.kept.tolist() == [3]
-    assert p.input_ids.tolist() == [[BOS, *T20]]
-    assert p.bad == [
-        (0, "empty_history", "history has no items"),
-        (1, "unknown_item", "item ids not in catalog: 98, 99"),
-        (2, "empty_history", "history is null"),
-        (4, "unknown_item", "item ids not in catalog: 5"),
+def test_bad_rows_rejected_with_reasons(items):
+    batch = pa.table({"user_id": pa.array([1, 2, 3, None, 5, 6, 7], pa.int64()),
+                      "history": pa.array([[], [10, 99, 20, 98], None, [10], [20], [5], [99, 10, 20]],
+                                          pa.list_(pa.int64()))})
+    good, rejects = validate(batch, items, history_len=2)
+    assert good["user_id"].to_pylist() == [5, 7]  # user 7's unknown item is older than the window: not used
+    assert good["history"].to_pylist() == [[20], [99, 10, 20]]
+    assert rejects.to_pylist() == [
+        {"user_id": 1, "reason": "empty_history", "detail": "history has no items"},
+        {"user_id": 2, "reason": "unknown_item", "detail": "item ids not in catalog: 98"},
+        {"user_id": 3, "reason": "empty_history", "detail": "history is null"},
+        {"user_id": None, "reason": "missing_user_id", "detail": "user_id is null"},
+        {"user_id": 6, "reason": "unknown_item", "detail": "item ids not in catalog: 5"},
     ]
-    none = build_prompts([[], [99]], items, BOS, PAD, history_len=5)
-    assert tuple(none.input_ids.shape) == (0, 0) and none.kept.tolist() == [] and len(none.bad) == 2
+    wide, _ = validate(batch, items, history_len=5)  # the window now reaches user 2's 98 and user 7's 99
+    assert wide["user_id"].to_pylist() == [5]
+    assert validate(batch, items, 5)[1].to_pylist()[1] == {"user_id": 2, "reason": "unknown_item",
+                                                           "detail": "item ids not in catalog: 98, 99"}
+    strings = pa.table({"user_id": ["a", "b", "c"],
+                        "history": pa.array([["10", "20"], ["x"], None], pa.list_(pa.string()))})
+    good, rejects = validate(strings, items, history_len=5)
+    assert good["user_id"].to_pylist() == ["a"] and good["history"].to_pylist() == [[10, 20]]
+    assert [r["reason"] for r in rejects.to_pylist()] == ["bad_type", "empty_history"]
+    with pytest.raises(ValueError, match=r"rows \[1\] have an empty history or items missing"):
+        build_prompts([[10], [99]], items, BOS, PAD, history_len=5)  # prompts are rendered from validated rows
 
 
 def test_history_len_keeps_most_recent(items):
@@ -72,21 +91,20 @@ def test_history_len_keeps_most_recent(items):
     assert p.input_ids.tolist() == [[BOS, *T20, *T30], [BOS, *T30, *T20]]
     # an unknown item older than the window is not used, so the row is fine
     p = build_prompts([[99, 10, 20]], items, BOS, PAD, history_len=2)
-    assert p.input_ids.tolist() == [[BOS, *T10, *T20]] and p.bad == []
+    assert p.input_ids.tolist() == [[BOS, *T10, *T20]]
     with pytest.raises(ValueError, match="history_len"):
         build_prompts([[10]], items, BOS, PAD, history_len=0)
 
 
 def test_arrow_input_same_as_lists(items):
-    rows = [[10, 20], None, [30, 20, 10, 30], [], [99], [20]]
+    rows = [[10, 20], [30, 20, 10, 30], [20], [99, 30]]
     arrow = pa.array([[1]] + rows, pa.list_(pa.int64())).slice(1)  # sliced: offsets do not start at 0
-    a = build_prompts(arrow, items, BOS, PAD, history_len=3)
-    b = build_prompts(rows, items, BOS, PAD, history_len=3)
-    c = build_prompts(pa.chunked_array([arrow.slice(0, 2), arrow.slice(2)]), items, BOS, PAD, history_len=3)
+    a = build_prompts(arrow, items, BOS, PAD, history_len=1)
+    b = build_prompts(rows, items, BOS, PAD, history_len=1)
+    c = build_prompts(pa.chunked_array([arrow.slice(0, 2), arrow.slice(2)]), items, BOS, PAD, history_len=1)
     for other in (b, c):
         assert torch.equal(a.input_ids, other.input_ids) and torch.equal(a.attention_mask, other.attention_mask)
-        assert a.kept.tolist() == other.kept.tolist() and a.bad == other.bad
-    assert a.kept.tolist() == [0, 2, 5]
+    assert a.input_ids.tolist() == [[BOS, *T20], [BOS, *T30], [BOS, *T20], [BOS, *T30]]
 
 
 def test_ragged_ranges():

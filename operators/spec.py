@@ -1,0 +1,41 @@
+"""What a recommender actor is told: the decoding settings and the resolved inputs (plain values, no I/O here).
+
+The nightly config embeds `Decoding` as its `decoding` section; the graph builds one `ActorSpec` per run.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import pyarrow as pa
+
+MODES = ("beam", "atspeed-strict", "atspeed-relaxed", "disc")
+
+
+@dataclass
+class Decoding:
+    """How each user is decoded (the `decoding` section of the nightly config)."""
+    mode: str = "beam"  # one of MODES
+    k: int = 10
+    draft_beams: int = 40
+    gamma: int | None = None  # None: the item length
+    history_len: int = 20
+    temperature: float = 1.0  # atspeed-relaxed and disc
+    rounds: int = 4  # disc
+    top_m: int | None = None  # disc: None = exact mask, M = PPV over the top-M tokens
+    seed: int = 0
+
+
+@dataclass
+class ActorSpec:
+    """Everything an actor needs, resolved by the graph before any actor starts."""
+    run_id: str
+    target: str  # model directory (with its tokenizer): a local path, or a URI that `fetch` turns into one
+    catalog: pa.Table  # item_id, semantic_id: read once by the graph
+    catalog_name: str  # for messages
+    decoding: Decoding = field(default_factory=Decoding)
+    draft: str | None = None  # the same, atspeed modes
+    fetch: Callable[[str], str] | None = None  # model URI -> local directory on the actor's node (None: local paths)
+    gpu: bool = False  # decode on CUDA when the actor has one
+    dtype: str = "auto"
+    threads: int | None = None  # torch CPU threads (None: Ray's OMP_NUM_THREADS)
