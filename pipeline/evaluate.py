@@ -6,6 +6,8 @@ targets, as the nightly job keeps the first row.
 """
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -15,7 +17,7 @@ from decoding.metrics import recall_ndcg_flat
 from pipeline import storage as S
 from pipeline.config import Storage
 from pipeline.report import num
-from pipeline.runs import Run, read_recommendations
+from pipeline.runs import Run, load_run, read_recommendations, report_dir
 
 KS = (1, 5, 10, 20)
 
@@ -59,6 +61,19 @@ def evaluate_run(run: Run, input_uri: str, storage: Storage, ks=KS) -> dict:
     metrics = recall_ndcg_flat(matrix, pc.list_flatten(lists).to_numpy(), pc.list_value_length(lists).to_numpy(), ks)
     return {"run_id": run.run_id, "run": run.uri, "input": input_uri, "ks": list(ks), "k": k,
             "users_without_recommendations": int((matrix[:, 0] < 0).sum()), **metrics}
+
+
+def evaluate(uri: str, storage: Storage, input_uri: str | None = None, out: str | None = None, ks=KS) -> dict:
+    """Evaluates a published run against `input_uri` (default: the run's configured input) and writes
+    evaluation.json and evaluation.md into `out` (default `<run>/report`, where the report reads it) -> the result."""
+    if not ks or min(ks) < 1:
+        raise ValueError(f"the cut-offs k must be >= 1, got {list(ks)}")
+    run = load_run(uri, storage)
+    result = evaluate_run(run, input_uri or run.manifest["config"]["input"], storage, tuple(ks))
+    out = out or report_dir(run.uri)
+    S.write_bytes(S.join(out, "evaluation.json"), json.dumps(result, indent=2).encode(), storage)
+    S.write_bytes(S.join(out, "evaluation.md"), to_markdown(result).encode(), storage)
+    return result
 
 
 def to_markdown(ev: dict) -> str:

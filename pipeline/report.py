@@ -1,5 +1,6 @@
 """Cost/throughput report of published nightly runs: a Markdown file and a self-contained HTML page with PNG plots.
 
+    report_run(uri, ...)     load a published run (and a second to compare), write its report -> (doc, folder)
     summarize(run, price)    the shard metrics aggregated: users, users/s, time split, forwards, accepted steps,
                              KV tokens held vs a batch beam search, accelerator-hours and cost per million users
     compare_outputs(a, b)    whether two runs published the same items for every user and rank
@@ -31,7 +32,7 @@ import pyarrow.parquet as pq
 from decoding.stats import PHASES as DECODER_PHASES
 from pipeline import storage as S
 from pipeline.config import Storage
-from pipeline.runs import Run, read_recommendations, report_dir
+from pipeline.runs import Run, load_run, read_recommendations, report_dir
 
 PHASES = DECODER_PHASES + ("other_s",)  # other: the batch outside the decoder (validation, prompts, output rows)
 
@@ -388,6 +389,28 @@ def write_report(runs: list[Run], out: str, storage: Storage, gpu_hour_price: fl
     S.write_bytes(S.join(out, "report.html"), to_html(blocks, figures).encode(), storage)
     S.write_bytes(S.join(out, "report.json"), json.dumps(doc, indent=2, default=str).encode(), storage)
     return doc
+
+
+def report_run(uri: str, storage: Storage, compare: str | None = None, out: str | None = None,
+               gpu_hour_price: float = 2.5) -> tuple[dict, str]:
+    """The report of a published run (a run folder, a `run_date=D` folder or an output root), beside a second run
+    when `compare` is given -> (the report's JSON, the folder it was written to: default `<run>/report` or
+    `<run>/report-vs-<compare run id>`)."""
+    if gpu_hour_price < 0:
+        raise ValueError(f"the GPU-hour price must be >= 0, got {gpu_hour_price}")
+    run = load_run(uri, storage)
+    base = load_run(compare, storage) if compare else None
+    out = out or report_dir(run.uri, base.run_id if base else None)
+    return write_report([run] + ([base] if base else []), out, storage, gpu_hour_price), out
+
+
+def screenshot_report(out: str, png: Path, storage: Storage) -> Path:
+    """Renders the report.html in folder `out` (local or s3://) in headless Chromium -> png."""
+    html = Path(out) / "report.html"
+    if S.is_s3(out):
+        html = Path(tempfile.mkdtemp()) / "report.html"
+        html.write_bytes(S.read_bytes(S.join(out, "report.html"), storage))
+    return screenshot(html, png)
 
 
 # ------------------------------------------------------------------ looking at it as a person would

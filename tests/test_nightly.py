@@ -10,6 +10,7 @@ import pytest
 from decoding.beam import beam_search
 from decoding.catalog import Catalog
 from decoding.models import build_model, load_model, load_tokenizer
+from decoding.stats import BASE_KEYS
 from operators.prompts import build_prompts
 from pipeline import runs
 from pipeline import storage as S
@@ -57,6 +58,21 @@ def read_run(cfg):
     return run, tables
 
 
+def assert_metrics_contract(metrics: pa.Table, mode: str) -> None:
+    """Every mode's metric rows carry the decoders' base keys, measured: a batch that decoded users ran the target
+    (forwards, tokens, a timed prefill), and only the speculative modes ran a draft."""
+    m = metrics.to_pandas()
+    assert set(BASE_KEYS) | {"other_s", "wall_s"} <= set(m.columns) and set(m["mode"]) == {mode}
+    busy = m[m.users_ok > 0]
+    assert len(busy) and (busy.target_forwards > 0).all() and (busy.target_tokens > 0).all()
+    assert (busy.prefill_s > 0).all() and (busy.decode_s > 0).all() and (busy.kv_tokens > 0).all()
+    assert (busy.target_tokens >= busy.prompt_tokens).all()
+    speculative = mode.startswith("atspeed")
+    assert ((busy.draft_forwards > 0) == speculative).all() and ((busy.verify_s > 0) == speculative).all()
+    phases = busy.prefill_s + busy.draft_s + busy.verify_s + busy.decode_s + busy.other_s
+    assert ((phases - busy.wall_s).abs() < 1e-6 + 1e-3 * busy.wall_s).all()
+
+
 def direct_beam_search(world, histories, k=5):
     tok = load_tokenizer(world / "target")
     items = pq.read_table(world / "data" / "items.parquet")
@@ -82,6 +98,7 @@ def test_nightly_outputs_equal_beam_search_exactly_once(world, ray_session, tmp_
     ref, _ = direct_beam_search(world, users.history.tolist())
     want = dict(zip(users.user_id, ref.item_ids.tolist()))
     assert all(want[u] == g.item_id.tolist() for u, g in recs.groupby("user_id"))
+    assert_metrics_contract(t["metrics"], "beam")
     metrics = t["metrics"].to_pandas()
     assert metrics.users_ok.sum() == len(users) and metrics.users_in.sum() == len(users)
     assert manifest["counts"]["recommendations"] == len(recs) and manifest["models"]["target"]["sha256"]
@@ -139,6 +156,7 @@ def test_rerun_leaves_exactly_one_complete_output(world, ray_session, tmp_path):
     run, t = read_run(cfg)
     assert run.endswith(second) and t["recommendations"].num_rows == 100 * 5
     assert set(t["recommendations"]["mode"].to_pylist()) == {"atspeed-strict"}
+    assert_metrics_contract(t["metrics"], "atspeed-strict")
 
 
 def test_sampling_modes_return_distinct_catalog_items(world, ray_session, tmp_path):
@@ -147,5 +165,7 @@ def test_sampling_modes_return_distinct_catalog_items(world, ray_session, tmp_pa
     for mode in ("disc", "atspeed-relaxed"):
         cfg = config(world, tmp_path / mode, f"decoding.mode={mode}")
         run_nightly(cfg)
-        recs = read_run(cfg)[1]["recommendations"].to_pandas()
+        t = read_run(cfg)[1]
+        recs = t["recommendations"].to_pandas()
         assert (recs.groupby("user_id").item_id.nunique() == 5).all()
+        assert_metrics_contract(t["metrics"], mode)  # DISC: its real forwards, tokens and phases

@@ -3,7 +3,10 @@ here independently, the plots are valid PNGs, a comparison of a run with itself 
 beam search) shows identical outputs, the evaluation equals a hand-computed example, and Chromium renders the page."""
 import json
 import math
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,10 +15,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jobs import evaluate as evaluate_job
-from jobs import report as report_job
-from pipeline.report import screenshot
+from pipeline.config import Storage
+from pipeline.evaluate import evaluate
+from pipeline.report import report_run, screenshot_report
 from tests.test_nightly import config, make_world
+
+LOCAL = Storage()
+ROOT = Path(__file__).resolve().parents[1]
 
 PRICE = 3.0
 FIGURES = ("throughput", "time_split", "accepted_steps", "kv_memory", "cost")
@@ -70,10 +76,11 @@ def assert_png(path):
 
 
 @pytest.mark.parametrize("mode", ["beam", "atspeed-strict"])
-def test_report_numbers_equal_the_metrics(runs, mode, capsys):
+def test_report_numbers_equal_the_metrics(runs, mode):
     run = runs[mode]
-    assert report_job.main(["--run", run, "--gpu-hour-price", str(PRICE)]) == 0
-    out = Path(run) / "report"
+    _, out = report_run(run, LOCAL, gpu_hour_price=PRICE)
+    assert out == f"{run}/report"
+    out = Path(out)
     for name in FIGURES:
         assert_png(out / "figures" / f"{name}.png")
     md, html = (out / "report.md").read_text(), (out / "report.html").read_text()
@@ -99,18 +106,17 @@ def test_report_numbers_equal_the_metrics(runs, mode, capsys):
         assert f"| mean accepted steps per verification | {num(want['accepted'])} |" in md and want["rounds"] >= 100
     assert md.count("![") == len(FIGURES) and html.count('src="data:image/png;base64,') == len(FIGURES)
     assert "<table>" in html and "figures/" not in html  # self-contained: nothing to fetch
-    assert "report.html" in capsys.readouterr().err
 
 
 def test_compare_a_run_with_itself_and_with_strict_speculation(runs):
-    assert report_job.main(["--run", runs["beam"], "--compare", runs["beam"]]) == 0
+    report_run(runs["beam"], LOCAL, compare=runs["beam"])
     out = next(Path(runs["beam"]).glob("report-vs-*"))
     doc = json.loads((out / "report.json").read_text())
     assert doc["speedup"] == {"users_per_s": 1.0, "users_per_busy_s": 1.0}
     assert doc["outputs"]["identical"] and doc["outputs"]["users"] == 100 and doc["outputs"]["max_abs_score_diff"] == 0
     assert "**1.00x** users/s" in (out / "report.md").read_text() and "Outputs: **identical**" in (out / "report.md").read_text()
     # strict speculative decoding is lossless: the same items as beam search, user by user, rank by rank
-    assert report_job.main(["--run", runs["atspeed-strict"], "--compare", runs["beam"]]) == 0
+    report_run(runs["atspeed-strict"], LOCAL, compare=runs["beam"])
     doc = json.loads(next(Path(runs["atspeed-strict"]).glob("report-vs-*/report.json")).read_text())
     assert doc["outputs"]["identical"] and doc["outputs"]["max_abs_score_diff"] < 1e-4
     want = independent_summary(runs["atspeed-strict"])["users_per_s"] / independent_summary(runs["beam"])["users_per_s"]
@@ -127,7 +133,7 @@ def test_compare_detects_a_changed_recommendation(runs, tmp_path):
     (copy / "recommendations").mkdir()
     recs.loc[(recs.user_id == recs.user_id.iloc[0]) & (recs["rank"] == 3), "item_id"] = -7
     pq.write_table(pa.Table.from_pandas(recs, preserve_index=False), copy / "recommendations" / "part.parquet")
-    assert report_job.main(["--run", str(copy), "--compare", runs["beam"], "--out", str(tmp_path / "rep")]) == 0
+    report_run(str(copy), LOCAL, runs["beam"], str(tmp_path / "rep"))
     doc = json.loads((tmp_path / "rep" / "report.json").read_text())
     assert not doc["outputs"]["identical"] and doc["outputs"]["users_differ"] == 1
     assert "NOT identical: 1 of 100 users differ" in (tmp_path / "rep" / "report.md").read_text()
@@ -137,21 +143,21 @@ def test_evaluation_of_a_real_run_lands_in_the_report(runs, tmp_path):
     from decoding.metrics import recall_ndcg
 
     run = runs["beam"]
-    assert evaluate_job.main(["--run", run]) == 0
+    evaluate(run, LOCAL)
     ev = json.loads((Path(run) / "report" / "evaluation.json").read_text())
     recs = pd.read_parquet(f"{run}/recommendations").sort_values(["user_id", "rank"])
     users = pd.read_parquet(json.loads((Path(run) / "manifest.json").read_text())["config"]["input"])
     lists = recs.groupby("user_id").item_id.apply(list)
     want = recall_ndcg(np.array([lists[u] for u in users.user_id]), users.target_items.tolist(), (1, 5, 10, 20))
     assert ev["users"] == 100 and all(ev[key] == pytest.approx(value) for key, value in want.items())
-    assert report_job.main(["--run", run]) == 0
+    report_run(run, LOCAL)
     md = (Path(run) / "report" / "report.md").read_text()
     assert "## Quality (offline evaluation)" in md
     for k in (1, 5, 10, 20):
         assert f"| Recall@{k} | {ev[f'recall@{k}']:.4f} |" in md and f"| NDCG@{k} | {ev[f'ndcg@{k}']:.4f} |" in md
     # side by side, each run with its own evaluation (strict speculation: the same items, the same quality)
-    assert evaluate_job.main(["--run", runs["atspeed-strict"]]) == 0
-    assert report_job.main(["--run", runs["atspeed-strict"], "--compare", run, "--out", str(tmp_path / "both")]) == 0
+    evaluate(runs["atspeed-strict"], LOCAL)
+    report_run(runs["atspeed-strict"], LOCAL, run, str(tmp_path / "both"))
     md = (tmp_path / "both" / "report.md").read_text()
     assert f"| Recall@10 | {ev['recall@10']:.4f} | {ev['recall@10']:.4f} |" in md
 
@@ -177,7 +183,7 @@ def test_evaluation_equals_a_hand_computed_example(tmp_path):
     pq.write_table(pa.table({"user_id": [1, 2, 3, 4, 5, 1, 6],
                              "history": [[1]] * 7,
                              "target_items": [[11], [99], [], [40, 42, 42], [50], [10], None]}), tmp_path / "in.parquet")
-    assert evaluate_job.main(["--run", str(run), "--input", str(tmp_path / "in.parquet")]) == 0
+    evaluate(str(run), LOCAL, str(tmp_path / "in.parquet"))
     ev = json.loads((run / "report" / "evaluation.json").read_text())
     # users 1 (hit at rank 2), 2 (miss), 4 (two targets, hits at ranks 1 and 3), 5 (no recommendations: a miss);
     # user 3 (no targets) and 6 (null) skipped; user 1's second row ignored (the first row is kept)
@@ -191,36 +197,54 @@ def test_evaluation_equals_a_hand_computed_example(tmp_path):
     assert "| Recall | 0.1250 | 0.5000 | 0.5000 | 0.5000 |" in (run / "report" / "evaluation.md").read_text()
 
 
-def test_bad_runs_and_inputs_fail_clearly(runs, tmp_path, capsys):
-    assert report_job.main(["--run", str(tmp_path / "nothing-here")]) == 2
-    assert "no published run" in capsys.readouterr().err
+def test_bad_runs_and_inputs_fail_clearly(runs, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no published run"):
+        report_run(str(tmp_path / "nothing-here"), LOCAL)
     broken = tmp_path / "broken"
     shutil.copytree(runs["beam"], broken)
     (broken / "_SUCCESS").unlink()
-    assert report_job.main(["--run", str(broken)]) == 2
-    assert "no _SUCCESS marker" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="no _SUCCESS marker"):
+        report_run(str(broken), LOCAL)
+    with pytest.raises(ValueError, match="price must be >= 0"):
+        report_run(runs["beam"], LOCAL, gpu_hour_price=-1)
     pq.write_table(pa.table({"user_id": [1], "history": [[1]]}), tmp_path / "no-targets.parquet")
-    assert evaluate_job.main(["--run", runs["beam"], "--input", str(tmp_path / "no-targets.parquet")]) == 2
-    assert "no target_items column" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="no target_items column"):
+        evaluate(runs["beam"], LOCAL, str(tmp_path / "no-targets.parquet"))
     pq.write_table(pa.table({"user_id": [1], "history": [[1]], "target_items": [["a"]]}), tmp_path / "str.parquet")
-    assert evaluate_job.main(["--run", runs["beam"], "--input", str(tmp_path / "str.parquet")]) == 2
-    assert "target_items must be a list of integer item ids" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="target_items must be a list of integer item ids"):
+        evaluate(runs["beam"], LOCAL, str(tmp_path / "str.parquet"))
 
 
-def test_screenshot_without_chromium_fails_clearly(runs, tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("PATH", str(tmp_path))  # no chromium on it
-    assert report_job.main(["--run", runs["beam"], "--out", str(tmp_path / "r"), "--screenshot",
-                            str(tmp_path / "shot.png")]) == 2
-    assert "--screenshot failed: no chromium on PATH" in capsys.readouterr().err
-    assert (tmp_path / "r" / "report.html").is_file()  # the report itself is written
+def job(name: str, *argv, path: str | None = None):
+    """`python -m jobs.NAME ...` in a subprocess, as an operator runs it."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **({"PATH": path} if path is not None else {})}
+    return subprocess.run([sys.executable, "-m", f"jobs.{name}", *argv], cwd=ROOT, env=env, capture_output=True,
+                          text=True)
+
+
+def test_the_command_lines(runs, tmp_path):
+    """The entry points: the report on stdout and its path on stderr; a bad run or input is exit 2 with the message;
+    a failed --screenshot (no chromium on PATH) is exit 2 after the report is written."""
+    ok = job("report", "--run", runs["beam"], "--out", str(tmp_path / "r"))
+    assert ok.returncode == 0 and "| users ok | 100 |" in ok.stdout and "report.html" in ok.stderr
+    bad = job("report", "--run", str(tmp_path / "nothing-here"))
+    assert bad.returncode == 2 and "error:" in bad.stderr and "no published run" in bad.stderr
+    no_targets = tmp_path / "no-targets.parquet"
+    pq.write_table(pa.table({"user_id": [1], "history": [[1]]}), no_targets)
+    bad = job("evaluate", "--run", runs["beam"], "--input", str(no_targets))
+    assert bad.returncode == 2 and "no target_items column" in bad.stderr
+    shot = job("report", "--run", runs["beam"], "--out", str(tmp_path / "s"), "--screenshot",
+               str(tmp_path / "shot.png"), path=str(tmp_path))
+    assert shot.returncode == 2 and "--screenshot failed: no chromium on PATH" in shot.stderr
+    assert (tmp_path / "s" / "report.html").is_file()  # the report itself is written
 
 
 def test_chromium_renders_the_report_with_its_plots(runs, tmp_path):
     """Looked at as a person would: the page in headless Chromium shows the summary table and the plots."""
     from PIL import Image
 
-    assert report_job.main(["--run", runs["atspeed-strict"], "--compare", runs["beam"], "--out", str(tmp_path / "r"),
-                            "--screenshot", str(tmp_path / "shot.png")]) == 0
+    _, out = report_run(runs["atspeed-strict"], LOCAL, runs["beam"], str(tmp_path / "r"))
+    screenshot_report(out, tmp_path / "shot.png", LOCAL)
     shot = np.asarray(Image.open(tmp_path / "shot.png").convert("RGB")).astype(int)
     assert shot.shape[0] > 1500  # the page is long: table, five figures
     colour = lambda rgb: (np.abs(shot - np.array(rgb)).sum(-1) < 30).sum()  # noqa: E731

@@ -3,9 +3,10 @@ import pytest
 import torch
 
 from decoding.beam import beam_search
+from decoding.catalog import Catalog
 from decoding.models import tiny_model
 from decoding.speculative import speculative_beam_search
-from tests.helpers import assert_same_ranking, left_padded_prompts, random_catalog
+from tests.helpers import SPECIALS, assert_same_ranking, left_padded_prompts, random_catalog
 
 LENGTHS = [3, 11, 6, 17, 9, 4, 14, 8]
 
@@ -74,6 +75,7 @@ def test_users_finish_at_different_rounds(setup):
     ref = beam_search(target, ids, mask, cat, 5)
     assert_same_ranking(rec.item_ids, rec.scores, ref.item_ids, ref.scores)
     assert_forward_accounting(rec.stats, ref.stats["target_forwards"], cat.code_len)
+    assert len(set(rec.stats["rounds"].tolist())) > 1  # one forward held users at different depths
 
 
 def test_fewer_items_than_k(setup):
@@ -124,6 +126,23 @@ def top1_counts(rec, catalog) -> torch.Tensor:
     return (rec.item_ids[:, :1] == ids[None]).sum(0)
 
 
+def inclusion_counts(rec, catalog) -> torch.Tensor:
+    """Runs whose K-set includes each catalog item [N] (each run a Bernoulli per item)."""
+    ids = catalog.item_ids.sort().values
+    return (rec.item_ids[:, :, None] == ids[None, None]).any(1).sum(0)
+
+
+def inclusion_z(a: torch.Tensor, b: torch.Tensor, runs: int, alpha: float = 0.001) -> tuple[float, float]:
+    """Two-sample test of equal inclusion probabilities for every item at once: per item a two-proportion z statistic
+    (pooled variance), Bonferroni over the items seen -> (largest |z|, critical value at family-wise alpha)."""
+    from statistics import NormalDist
+
+    pooled = (a + b).double() / (2 * runs)
+    seen = (pooled > 0) & (pooled < 1)
+    z = (a - b).double()[seen] / runs / (pooled[seen] * (1 - pooled[seen]) * 2 / runs).sqrt()
+    return float(z.abs().max()), NormalDist().inv_cdf(1 - alpha / (2 * int(seen.sum())))
+
+
 @pytest.fixture(scope="module")
 def small():
     """An enumerable catalog (24 items of 3 levels x 4 codes), a peaked target and two drafts."""
@@ -145,10 +164,13 @@ RUNS = 3000  # one batch of 3000 copies of one prompt: 3000 independent seeded r
 @pytest.mark.parametrize("k, temperature, draft", [(1, 1.0, "far"), (3, 1.0, "far"), (3, 1.0, "near"),
                                                    (2, 0.7, "near")])
 def test_relaxed_matches_sampling_beam_search_in_distribution(small, k, temperature, draft):
-    """H0: the top-1 item of relaxed speculative beam search has the distribution of the target's sampling-based
-    beam search. Two-sample chi-square homogeneity test on 3000 runs each, alpha = 0.001. Power: a shift of 0.05
-    probability between two items of probability about 0.2 (total variation 0.05) gives a noncentrality of about
-    3000 / 2 * 0.025 = 38, detected with probability about 0.87 at ~15 degrees of freedom."""
+    """H0: relaxed speculative beam search returns the K-sets of the target's sampling-based beam search.
+    (1) The top-1 item: two-sample chi-square homogeneity test on 3000 runs each, alpha = 0.001. Power: a shift of
+    0.05 probability between two items of probability about 0.2 (total variation 0.05) gives a noncentrality of
+    about 3000 / 2 * 0.025 = 38, detected with probability about 0.87 at ~15 degrees of freedom.
+    (2) The inclusion probability of every item in the K-set: per item a two-proportion z-test, Bonferroni over the
+    (at most 24) items, family-wise alpha = 0.001, so |z| < 4.10. Power: with 3000 runs a shift of 0.064 in one
+    item's inclusion probability near 0.5 (0.038 near 0.1) is detected with probability 0.8 or more."""
     cat, target, drafts = small
     ids, mask = left_padded_prompts(1, [6], cat.vocab_size, seed=0)
     ids, mask = ids.repeat(RUNS, 1), mask.repeat(RUNS, 1)
@@ -160,6 +182,8 @@ def test_relaxed_matches_sampling_beam_search_in_distribution(small, k, temperat
     assert all(len(set(r)) == k for r in rel.item_ids.tolist())  # k distinct items
     stat, df = homogeneity_chi2(top1_counts(ref, cat), top1_counts(rel, cat))
     assert df >= 3 and stat < chi2_critical(df), (stat, df)
+    z, critical = inclusion_z(inclusion_counts(ref, cat), inclusion_counts(rel, cat), RUNS)
+    assert z < critical, (z, critical)
 
 
 def test_relaxed_detects_a_different_distribution(small):
@@ -172,6 +196,8 @@ def test_relaxed_detects_a_different_distribution(small):
                                   temperature=1.3, generator=torch.Generator().manual_seed(12))
     stat, df = homogeneity_chi2(top1_counts(ref, cat), top1_counts(hot, cat))
     assert stat > chi2_critical(df)
+    z, critical = inclusion_z(inclusion_counts(ref, cat), inclusion_counts(hot, cat), RUNS)
+    assert z > critical, (z, critical)
 
 
 @pytest.mark.parametrize("draft", ["near", "far"])
@@ -185,3 +211,82 @@ def test_relaxed_accepts_at_least_as_many_steps_as_strict(small, draft):
     assert relaxed.stats["accepted_steps"].float().mean() >= strict.stats["accepted_steps"].float().mean()
     if draft == "near":
         assert relaxed.stats["accepted_steps"].float().mean() > strict.stats["accepted_steps"].float().mean()
+
+
+# ---------------------------------------------------------------- strict verification that can fail
+
+def clustered_catalog(fanout=(32, 6, 6, 8), codes: int = 32, seed: int = 0):
+    """A 4-level catalog over `codes` codes per level whose every trie node has many children (fanout per level:
+    32 x 6 x 6 x 8 = 9,216 items), so that N = 10 drafted beams never cover all of a step's candidates (K = 5
+    beams x >= 6 children)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.zeros(1, 0, dtype=torch.int64)
+    for width in fanout:  # each prefix gets `width` distinct codes
+        pick = torch.stack([torch.randperm(codes, generator=g)[:width] for _ in range(rows.shape[0])])  # [P, w]
+        rows = torch.cat([rows.repeat_interleave(width, 0), pick.reshape(-1, 1)], 1)
+    tokens = SPECIALS + torch.arange(len(fanout)) * codes + rows
+    return Catalog.from_token_ids(5000 + torch.randperm(len(rows), generator=g), tokens, SPECIALS + len(fanout) * codes)
+
+
+@pytest.fixture(scope="module")
+def wide():
+    """The clustered catalog, a target, and a draft that agrees with the target on three quarters of the vocabulary
+    and contradicts it on the rest (a random quarter of its output rows negated): users whose top candidates avoid
+    the contradicted tokens accept drafted steps, the others are rejected, at different steps."""
+    cat = clustered_catalog()
+    target = tiny_model("llama", cat.vocab_size, seed=4)
+    near = tiny_model("llama", cat.vocab_size, seed=4)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(4)
+        near.load_state_dict(target.state_dict())
+        flipped = torch.rand(cat.vocab_size, generator=torch.Generator().manual_seed(1)) < 0.25
+        near.lm_head.weight[flipped] *= -1
+    ids, mask = left_padded_prompts(24, [3, 11, 6, 17, 9, 4, 14, 8], cat.vocab_size, seed=7)
+    return cat, target, near, ids, mask
+
+
+def test_candidates_outnumber_the_drafted_beams(wide):
+    """The premise of the tests below: at every step the K = 5 beams have more than N = 10 candidates, so strict
+    acceptance depends on the draft and not on covering everything."""
+    cat = wide[0]
+    assert cat.vocab_size == SPECIALS + 4 * 32  # 32 codes per level, (almost) all in use
+    assert all(len(cat.tokens[:, level].unique()) >= 30 for level in range(cat.code_len))
+    children = cat.num_children(torch.arange(cat.level_start[cat.code_len]))
+    assert int(children.min()) >= 6 and 5 * int(children.min()) > 10 and len(cat.tokens[:, 0].unique()) > 10
+
+
+@pytest.mark.parametrize("gamma", [1, 2, 3])
+def test_strict_equals_beam_search_when_drafts_cannot_cover_every_candidate(wide, gamma):
+    cat, target, near, ids, mask = wide
+    ref = beam_search(target, ids, mask, cat, 5)
+    rec = speculative_beam_search(target, near, ids, mask, cat, 5, draft_beams=10, gamma=gamma)
+    assert_same_ranking(rec.item_ids, rec.scores, ref.item_ids, ref.scores)
+    assert_forward_accounting(rec.stats, ref.stats["target_forwards"], cat.code_len)
+    rounds, hist = rec.stats["rounds"], rec.stats["accepted_hist"]
+    assert len(set(rounds.tolist())) > 1  # users finish in different rounds
+    assert hist[0] > 0 and hist[1:].sum() > 0  # some rounds reject the first drafted step, others accept steps
+    # random drafts are rejected: exactness does not come from accepting everything
+    random = speculative_beam_search(target, tiny_model("llama", cat.vocab_size, seed=99, num_hidden_layers=1),
+                                     ids, mask, cat, 5, draft_beams=10, gamma=gamma)
+    assert random.stats["accepted_steps"].sum() < rec.stats["accepted_steps"].sum()
+    assert_same_ranking(random.item_ids, random.scores, ref.item_ids, ref.scores)
+
+
+def test_a_lenient_verifier_fails_the_exactness_check(wide, monkeypatch):
+    """Mutation check: accept a step when all but one of the target's top-K sequences were drafted (a step strict
+    verification must reject). The outputs then differ from beam_search, so the test above would catch it."""
+    import decoding.speculative as spec
+
+    cat, target, near, ids, mask = wide
+    ref = beam_search(target, ids, mask, cat, 5)
+    strict = spec.covered
+
+    def lenient(t_node, d_node):
+        _, idx = strict(t_node, d_node)
+        hit = ((t_node[:, :, None] == d_node[:, None, :]) & (d_node[:, None, :] >= 0)).any(-1)  # [A, K]
+        return hit.sum(-1) >= t_node.shape[1] - 1, idx
+
+    monkeypatch.setattr(spec, "covered", lenient)
+    rec = speculative_beam_search(target, near, ids, mask, cat, 5, draft_beams=10, gamma=3)
+    differ = (rec.item_ids != ref.item_ids).any(1) | ((rec.scores - ref.scores).abs() > 1e-4).any(1)
+    assert differ.any()
