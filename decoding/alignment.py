@@ -18,11 +18,17 @@ With p = target, q = draft, p_c / q_c their softmax over the valid tokens only:
 - AtSpeed-R       T = the K valid tokens with the highest p_c, per position 1/2 sum_{y in T} |q_c(y) - p_c(y)|
                   (TVD over the constrained top-K, Eq. 7-9), on the target's top-K sequences.
 The AtSpeed and KD objectives are mixed with the recommendation loss as (1 - alpha) * L_rec + alpha * L_align.
+
+Level spans: every token that can appear at level t of a semantic ID lies in one span [lo_t, lo_t + W) of the
+vocabulary, so the constrained objectives can be computed on logits cut to the spans ([..., L, W] instead of
+[..., L, V]; `span_logits`, `span_valid`), which is how the teacher's logits are stored.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from decoding.catalog import Catalog
 
 OBJECTIVES = ("sft", "wordkd", "seqkd", "tvdkd", "atspeed-s", "atspeed-r")
 
@@ -83,6 +89,27 @@ def atspeed_r(draft: torch.Tensor, target: torch.Tensor, valid: torch.Tensor, k:
 
 def mix(rec: torch.Tensor, align: torch.Tensor, alpha: float) -> torch.Tensor:
     return (1 - alpha) * rec + alpha * align
+
+
+def level_spans(catalog: Catalog) -> tuple[torch.Tensor, int]:
+    """Per level t, the span [lo_t, lo_t + W) holding every token that can appear at that level."""
+    lo = catalog.tokens.min(0).values  # [L]
+    width = int((catalog.tokens.max(0).values - lo).max()) + 1
+    return lo.clamp(max=catalog.vocab_size - width).cpu(), width
+
+
+def span_logits(logits: torch.Tensor, span_lo: torch.Tensor, width: int) -> torch.Tensor:
+    """[..., L, V] -> [..., L, W]: level t keeps columns span_lo[t] : span_lo[t] + W."""
+    return torch.stack([logits[..., t, int(lo):int(lo) + width] for t, lo in enumerate(span_lo)], -2)
+
+
+def span_valid(catalog: Catalog, tokens: torch.Tensor, span_lo: torch.Tensor, width: int) -> torch.Tensor:
+    """Sequences [..., L] -> bool [..., L, W]: at each level, the tokens that continue a catalog item after the
+    sequence's prefix (the constrained objectives' support)."""
+    lead, code_len = tokens.shape[:-1], tokens.shape[-1]
+    flat = tokens.reshape(-1, code_len).clamp(min=0)
+    masks = [catalog.allowed_next(flat[:, :t])[:, int(span_lo[t]):int(span_lo[t]) + width] for t in range(code_len)]
+    return torch.stack(masks, 1).view(*lead, code_len, width)
 
 
 def _top_valid(log_probs: torch.Tensor, k: int):

@@ -36,6 +36,25 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def dataclass_args(p: argparse.ArgumentParser, cls, skip=(), zero_ok=()) -> None:
+    """One flag per field of dataclass `cls` (`--batch-size` for `batch_size`), default None so that only the
+    flags given override a preset (`config_from_args`). int fields take integers >= 1 (>= 0 for the fields named
+    in `zero_ok`), float fields numbers >= 0, the rest strings; fields in `skip` are left to the caller."""
+    for name, f in cls.__dataclass_fields__.items():
+        if name in skip:
+            continue
+        base = str(f.type).split(" |")[0]
+        kind = {"int": non_negative if name in zero_ok else positive, "float": non_negative_float}
+        p.add_argument("--" + name.replace("_", "-"), type=kind.get(base, str), default=None)
+
+
+def config_from_args(args: argparse.Namespace, cls, preset: dict):
+    """cls(**values): the preset's values, then every flag that was given (not None) and names a field of cls."""
+    values = dict(preset)
+    values.update({k: v for k, v in vars(args).items() if k in cls.__dataclass_fields__ and v is not None})
+    return cls(**values)
+
+
 def storage_args(p: argparse.ArgumentParser) -> None:
     """--endpoint / --region for s3:// URIs (credentials come from the environment, never from flags)."""
     p.add_argument("--endpoint", default=os.environ.get("AWS_ENDPOINT_URL"),

@@ -1,11 +1,10 @@
-"""Training loops shared by `python -m jobs.train_target` and `python -m jobs.train_draft` (no entry point here).
+"""Training shared by the target and the draft (`pipeline/training/target.py`, `draft.py`): data, loop, checkpoints.
 
 Samples: every prefix of every training history; the prompt is the last `history_len` items before position j
 (the `prepare_data` prompt format), the label is item j's L code tokens. The losses live in `decoding/alignment.py`.
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
@@ -21,17 +20,16 @@ from tqdm import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
 from decoding.beam import beam_search
-from decoding.catalog import Catalog
+from decoding.catalog import Catalog, ItemTokens
 from decoding.metrics import recall_ndcg
 from decoding.models import load_model
-from decoding.catalog import ItemTokens
 from operators.prompts import build_prompts, ragged_ranges
 from pipeline.storage import sha256_file
 
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    """Settings shared by target and draft training (the jobs' presets fill them; flags override)."""
+    """Settings shared by target and draft training (presets in target.py / draft.py; the jobs' flags override)."""
     layers: int = 2
     hidden: int = 128
     heads: int = 4
@@ -280,51 +278,3 @@ class Timer:
 
     def __call__(self) -> float:
         return time.perf_counter() - self.t0
-
-
-# ------------------------------------------------------------------ command line: presets and flags
-
-
-def add_common_args(p: argparse.ArgumentParser, cls) -> None:
-    """One flag per dataclass field (defaults come from the preset, then the dataclass)."""
-    skip = {"data", "out", "base_model", "target", "objective", "init", "teacher_cache"}
-    for name, f in cls.__dataclass_fields__.items():
-        if name in skip:
-            continue
-        base = str(f.type).split(" |")[0]
-        kind = {"int": _non_negative if name in ("seed", "warmup") else _positive, "float": _non_negative_float}
-        p.add_argument("--" + name.replace("_", "-"), type=kind.get(base, str), default=None)
-
-
-def config_from_args(args, cls, presets):
-    values = dict(presets.get(args.preset, {}))
-    values.update({k: v for k, v in vars(args).items() if k in cls.__dataclass_fields__ and v is not None})
-    return cls(**values)
-
-
-def _integer(text: str, low: int) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < low:
-        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
-    return value
-
-
-def _positive(text: str) -> int:
-    return _integer(text, 1)
-
-
-def _non_negative(text: str) -> int:
-    return _integer(text, 0)
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
-    return value

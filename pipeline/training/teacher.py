@@ -18,10 +18,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from decoding.alignment import level_spans, span_logits
 from decoding.beam import beam_search
-from decoding.catalog import Catalog
 from decoding.tree import chain_forward
-from jobs import training as T
+from pipeline.storage import fingerprint
+from pipeline.training.common import Data, sample_batch
 
 
 @dataclass
@@ -42,36 +43,15 @@ class Teacher:
         return torch.from_numpy(pos)
 
 
-def level_spans(catalog: Catalog) -> tuple[torch.Tensor, int]:
-    """Per level t, the span [lo_t, lo_t + W) holding every token that can appear at that level."""
-    lo = catalog.tokens.min(0).values  # [L]
-    width = int((catalog.tokens.max(0).values - lo).max()) + 1
-    return lo.clamp(max=catalog.vocab_size - width).cpu(), width
-
-
-def span_logits(logits: torch.Tensor, span_lo: torch.Tensor, width: int) -> torch.Tensor:
-    """[..., L, V] -> [..., L, W]: level t keeps columns span_lo[t] : span_lo[t] + W."""
-    return torch.stack([logits[..., t, int(lo):int(lo) + width] for t, lo in enumerate(span_lo)], -2)
-
-
-def span_valid(catalog: Catalog, tokens: torch.Tensor, span_lo: torch.Tensor, width: int) -> torch.Tensor:
-    """Sequences [..., L] -> bool [..., L, W]: at each level, the tokens that continue a catalog item after the
-    sequence's prefix (the constrained objectives' support)."""
-    lead, code_len = tokens.shape[:-1], tokens.shape[-1]
-    flat = tokens.reshape(-1, code_len).clamp(min=0)
-    masks = [catalog.allowed_next(flat[:, :t])[:, int(span_lo[t]):int(span_lo[t]) + width] for t in range(code_len)]
-    return torch.stack(masks, 1).view(*lead, code_len, width)
-
-
 @torch.no_grad()
-def build_teacher(target, data: T.Data, subset: np.ndarray, k: int, history_len: int, batch_size: int,
+def build_teacher(target, data: Data, subset: np.ndarray, k: int, history_len: int, batch_size: int,
                   device) -> Teacher:
     target.eval()
     span_lo, width = level_spans(data.catalog)
     tokens, gt_logits, top_logits = [], [], []
     for a in tqdm(range(0, len(subset), batch_size), desc="teacher data", mininterval=5):
         idx = subset[a:a + batch_size]
-        ids, mask, labels = T.sample_batch(data, idx, history_len, device)
+        ids, mask, labels = sample_batch(data, idx, history_len, device)
         top = beam_search(target, ids, mask, data.catalog, k).token_ids  # [B, K, L]
         logits = chain_forward(target, ids, mask, torch.cat([labels[:, None], top.clamp(min=0)], 1)).float()
         tokens.append(top.cpu())
@@ -81,11 +61,9 @@ def build_teacher(target, data: T.Data, subset: np.ndarray, k: int, history_len:
                    torch.cat(top_logits), span_lo)
 
 
-def teacher_data(target_dir, target, data: T.Data, subset: np.ndarray, k: int, history_len: int, batch_size: int,
+def teacher_data(target_dir, target, data: Data, subset: np.ndarray, k: int, history_len: int, batch_size: int,
                  device, cache_dir=None) -> Teacher:
     """The cached teacher data for these samples, built (and written) when missing or stale."""
-    from pipeline.storage import fingerprint
-
     key = {"target": fingerprint(target_dir), "data": data.fingerprint, "k": k, "history_len": history_len,
            "samples": hashlib.sha256(np.asarray(subset, dtype=np.int64).tobytes()).hexdigest()}
     cache = Path(cache_dir) if cache_dir else Path(target_dir) / "teacher"
