@@ -245,11 +245,7 @@ def write_report(out: Path, report: dict) -> None:
 
 
 def _json_default(x):
-    if isinstance(x, (np.integer, np.floating)):
-        return x.item()
-    if isinstance(x, Path):
-        return str(x)
-    return str(x)
+    return x.item() if isinstance(x, (np.integer, np.floating)) else str(x)
 
 
 def seed_everything(seed: int) -> np.random.Generator:
