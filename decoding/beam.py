@@ -14,6 +14,7 @@ import torch
 from transformers import DynamicCache
 
 from decoding.catalog import Catalog
+from decoding.models import check_window
 from decoding.stats import Meter, beam_batch_kv
 from decoding.tree import TokenTree, prompt_position_ids
 
@@ -29,7 +30,7 @@ class Recommendations:
 def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, meter: Meter | None = None,
             role: str = "target"):
     """Left-padded prompts [B, S] -> (cache holding each prompt once, next-token logprobs [B, V] float32)."""
-    cache = DynamicCache(config=model.config)
+    cache = DynamicCache()  # full-attention layers: a sliding window is applied through the mask, never by eviction
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=prompt_position_ids(attention_mask),
                 past_key_values=cache, use_cache=True, logits_to_keep=1)
     if meter is not None:
@@ -46,6 +47,28 @@ def tree_forward(model, tree: TokenTree, cache: DynamicCache, tokens: torch.Tens
     if meter is not None:
         meter.forward(role, tokens)
     return out.logits.float().log_softmax(-1)
+
+
+def check_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, catalog: Catalog, *models) -> None:
+    """What every decoder needs of its inputs: [B, S] left-padded prompts on the catalog's device, and models whose
+    attention window (if any) covers the longest prompt plus an item."""
+    if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
+        raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} "
+                         "must both be [B, S]")
+    if catalog.device != input_ids.device:
+        raise ValueError(f"catalog is on {catalog.device} but input_ids on {input_ids.device}: use catalog.to(...)")
+    if (attention_mask[:, -1] == 0).any():
+        raise ValueError("prompts must be left-padded: attention_mask[:, -1] is 0 in rows "
+                         f"{(attention_mask[:, -1] == 0).nonzero().flatten().tolist()[:10]}")
+    longest = int(attention_mask.sum(1).max()) if input_ids.numel() else 0
+    for model in models:
+        check_window(model.config, longest + catalog.code_len, type(model).__name__)
+
+
+def non_finite(logp: torch.Tensor) -> torch.Tensor:
+    """Log-probs [..., V] -> bool [...]: the row holds a NaN or an infinity where a real distribution holds none
+    (NaN or infinite logits, e.g. a float16 overflow, make log_softmax NaN)."""
+    return ~torch.isfinite(logp.amax(-1))
 
 
 def topk_stable(scores: torch.Tensor, k: int):
@@ -114,14 +137,7 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, ca
         raise ValueError(f"k must be >= 1, got {k}")
     if do_sample and not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
-        raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} "
-                         "must both be [B, S]")
-    if catalog.device != input_ids.device:
-        raise ValueError(f"catalog is on {catalog.device} but input_ids on {input_ids.device}: use catalog.to(...)")
-    if (attention_mask[:, -1] == 0).any():
-        raise ValueError("prompts must be left-padded: attention_mask[:, -1] is 0 in rows "
-                         f"{(attention_mask[:, -1] == 0).nonzero().flatten().tolist()[:10]}")
+    check_prompts(input_ids, attention_mask, catalog, model)
     b, s = input_ids.shape
     depth = catalog.code_len if steps is None else steps
     if not 1 <= depth <= catalog.code_len:
@@ -130,6 +146,7 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, ca
     with meter.phase("prefill"):
         cache, logp = prefill(model, input_ids, attention_mask, meter)  # logp [B, V]
     meter.kv(b * s)
+    broken = non_finite(logp)  # [B] users whose log-probs were NaN or infinite somewhere
 
     tree = TokenTree.from_prompt(attention_mask)
     score = torch.zeros(b, 1, device=input_ids.device)  # [B, W], W = 1 beam (the prompt) at level 0
@@ -150,6 +167,7 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, ca
         parent = torch.where(alive, leaf.gather(1, beam.clamp(min=0)), -1)  # [B, k] tree node of the parent
         parent = tree.keep_paths(parent, cache)  # pruned branches leave the cache
         logp = tree_forward(model, tree, cache, token, parent, meter=meter)  # [B, k, V]
+        broken |= non_finite(logp).any(1)
         meter.kv(b * tree.kv_len)  # each prompt once plus the tree tokens
         leaf = tree.num_nodes - k + torch.arange(k, device=input_ids.device).expand(b, k)
 
@@ -161,7 +179,7 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, ca
     stats = meter.result(beam_batch_kv(b, k, s, depth),
                          kv_len=cache.get_seq_length(),  # padded prompt + tree tokens
                          kv_batch=cache.layers[0].keys.shape[0],  # cache rows: one per user
-                         tree_tokens=tree.num_nodes)
+                         tree_tokens=tree.num_nodes, non_finite=broken)
     return Recommendations(
         item_ids=catalog.item_of_node(node) if depth == catalog.code_len else torch.full_like(node, -1),
         token_ids=torch.where(alive[:, :, None], tokens, -1),

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from decoding.codes import code_token_ids, format_rows, semantic_id_matrix
+from decoding.codes import code_token, code_token_ids, format_rows, semantic_id_matrix
 
 
 @dataclass
@@ -118,18 +118,19 @@ class Catalog:
         return cat.to(device) if device is not None else cat
 
     @classmethod
-    def from_parquet(cls, path, tokenizer, on_duplicate: str = "error", device=None) -> "Catalog":
+    def from_parquet(cls, path, tokenizer, on_duplicate: str = "error", device=None, code_token=code_token) -> "Catalog":
         """Builds the catalog from `items.parquet` (`item_id`, `semantic_id` list of L codes) and a tokenizer
         whose vocabulary holds the code tokens `<a_12>`, `<b_3>`, ... (level letter, code)."""
         import pyarrow.parquet as pq  # the one file this module reads, outside any decoding path
 
-        return cls.from_table(pq.read_table(path), tokenizer, on_duplicate, device, source=str(path))
+        return cls.from_table(pq.read_table(path), tokenizer, on_duplicate, device, str(path), code_token)
 
     @classmethod
-    def from_table(cls, table, tokenizer, on_duplicate: str = "error", device=None,
-                   source: str = "items.parquet") -> "Catalog":
+    def from_table(cls, table, tokenizer, on_duplicate: str = "error", device=None, source: str = "items.parquet",
+                   code_token=code_token) -> "Catalog":
         """The one parser of a catalog table (`item_id`, `semantic_id`), read from anywhere: the index and the
-        item-to-tokens map of prompts, from one pass over the semantic IDs."""
+        item-to-tokens map of prompts, from one pass over the semantic IDs. code_token(level, code) names the code
+        tokens (a prompt template's `code`); every one the catalog needs must be in the tokenizer."""
         if "item_id" not in table.column_names:
             raise ValueError(f"{source}: missing column 'item_id' (has {table.column_names})")
         if table.column("item_id").null_count:
@@ -137,7 +138,7 @@ class Catalog:
             raise ValueError(f"{source}: column 'item_id' is null in rows {format_rows(nulls)}")
         codes = semantic_id_matrix(table, source)  # [N, L], checked: not ragged, no nulls, no negatives
         try:
-            token_ids = code_token_ids(tokenizer, codes)  # [N, L]
+            token_ids = code_token_ids(tokenizer, codes, code_token)  # [N, L]
         except ValueError as e:
             raise ValueError(f"{source}: {e}") from None
         item_ids = table.column("item_id").to_numpy().astype(np.int64)

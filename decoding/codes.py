@@ -34,11 +34,12 @@ def format_rows(rows, limit: int = 10) -> str:
     return f"[{shown}]{more}"
 
 
-def code_token_ids(tokenizer, semantic_ids: np.ndarray) -> np.ndarray:
-    """Semantic IDs [N, L] (codes) -> token ids [N, L] int64 through the tokenizer's vocab.
+def code_token_ids(tokenizer, semantic_ids: np.ndarray, name=code_token) -> np.ndarray:
+    """Semantic IDs [N, L] (codes) -> token ids [N, L] int64 through the tokenizer's vocab; `name(level, code)` is
+    the code token's name (`<a_47>` by default; a prompt template's `code`).
 
     Vectorised: one lookup table [L, max_code + 1] is built from the vocab, then indexed.
-    Raises ValueError naming the rows whose code tokens are not in the vocabulary.
+    Raises ValueError naming the code tokens missing from the vocabulary and the rows that use them.
     """
     sid = np.asarray(semantic_ids)
     if sid.ndim != 2:
@@ -51,18 +52,17 @@ def code_token_ids(tokenizer, semantic_ids: np.ndarray) -> np.ndarray:
     max_code = max(int(sid.max()), 0)
     table = np.full((levels, max_code + 1), -1, dtype=np.int64)  # [L, C]
     for j in range(levels):
-        table[j] = [vocab.get(code_token(j, c), -1) for c in range(max_code + 1)]
-    ok = (sid >= 0).all(axis=1)  # [N]
-    safe = np.where(sid >= 0, sid, 0)
-    ids = table[np.arange(levels)[None, :], safe]  # [N, L]
-    ok &= (ids >= 0).all(axis=1)
-    if not ok.all():
-        bad = np.flatnonzero(~ok)
-        example = sid[bad[0]].tolist()
-        raise ValueError(
-            f"semantic ids of rows {format_rows(bad)} use code tokens missing from the "
-            f"tokenizer vocabulary (first bad row {int(bad[0])}: codes {example})"
-        )
+        table[j] = [vocab.get(name(j, c), -1) for c in range(max_code + 1)]
+    if (sid < 0).any():
+        raise ValueError(f"negative codes in rows {format_rows(np.flatnonzero((sid < 0).any(axis=1)))}")
+    ids = table[np.arange(levels)[None, :], sid]  # [N, L]
+    missing = ids < 0  # [N, L]
+    if missing.any():
+        level, code = np.unique(np.stack([np.nonzero(missing)[1], sid[missing]], 1), axis=0).T  # the distinct ones
+        names = [name(int(j), int(c)) for j, c in zip(level, code)]
+        shown = ", ".join(names[:20]) + (f" and {len(names) - 20} more" if len(names) > 20 else "")
+        raise ValueError(f"{len(names)} code tokens the catalog needs are missing from the tokenizer: {shown} "
+                         f"(used by rows {format_rows(np.flatnonzero(missing.any(axis=1)))})")
     return ids
 
 

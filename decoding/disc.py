@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from decoding.beam import Recommendations, gumbel_like, prefill, tree_forward
+from decoding.beam import Recommendations, check_prompts, gumbel_like, non_finite, prefill, tree_forward
 from decoding.catalog import Catalog
 from decoding.stats import Meter, beam_batch_kv
 from decoding.tree import TokenTree
@@ -51,7 +51,8 @@ def step_candidates(catalog: Catalog, logp_t: torch.Tensor, node: torch.Tensor, 
 def propose(model, tree: TokenTree, cache, prompt_logp: torch.Tensor, catalog: Catalog, proposals: int,
             drawn_paths: torch.Tensor, top_m: int | None, temperature: float, generator, meter: Meter):
     """`proposals` constrained samples per user, token by token, as tree nodes over the prompt.
-    -> tokens [B, P, L], paths [B, P, L + 1] (trie nodes, -1 = dead), log x [B, P], log p [B, P] (temperature 1)."""
+    -> tokens [B, P, L], paths [B, P, L + 1] (trie nodes, -1 = dead), log x [B, P], log p [B, P] (temperature 1),
+    users whose log-probs were NaN or infinite [B]."""
     b, dev = prompt_logp.shape[0], prompt_logp.device
     code_len = catalog.code_len
     node = torch.zeros(b, proposals, dtype=torch.int64, device=dev)
@@ -62,9 +63,11 @@ def propose(model, tree: TokenTree, cache, prompt_logp: torch.Tensor, catalog: C
     log_p = torch.zeros(b, proposals, device=dev)
     logp = prompt_logp[:, None, :].expand(b, proposals, -1)  # [B, P, V] model log-probs, temperature 1
     parent = torch.full((b, proposals), -1, dtype=torch.int64, device=dev)
+    broken = torch.zeros(b, dtype=torch.bool, device=dev)
     for level in range(code_len):
         if level:
             logp = tree_forward(model, tree, cache, tokens[:, :, level - 1], parent, meter=meter)  # [B, P, V]
+            broken |= non_finite(logp).any(1)
             meter.kv(b * tree.kv_len)
             parent = tree.num_nodes - proposals + torch.arange(proposals, device=dev).expand(b, proposals)
         logp_t = (logp / temperature).log_softmax(-1).double() if temperature != 1.0 else logp.double()
@@ -80,7 +83,7 @@ def propose(model, tree: TokenTree, cache, prompt_logp: torch.Tensor, catalog: C
         node = torch.where(alive, child.gather(2, pick).squeeze(2), -1)
         paths[:, :, level + 1] = node
         log_p = log_p + logp.gather(2, tokens[:, :, level:level + 1]).squeeze(2)
-    return tokens, paths, log_x, log_p
+    return tokens, paths, log_x, log_p, broken
 
 
 def sample_items(model, input_ids, attention_mask, catalog: Catalog, k: int, rounds: int, disc: bool,
@@ -90,13 +93,13 @@ def sample_items(model, input_ids, attention_mask, catalog: Catalog, k: int, rou
     if k < 1 or rounds < 1 or not temperature > 0 or (top_m is not None and top_m < 1):
         raise ValueError(f"need k, rounds, top_m >= 1 and temperature > 0; got k={k}, rounds={rounds}, "
                          f"top_m={top_m}, temperature={temperature}")
-    if catalog.device != input_ids.device or (attention_mask[:, -1] == 0).any():
-        raise ValueError("catalog and prompts must be on one device, and prompts left-padded")
+    check_prompts(input_ids, attention_mask, catalog, model)
     b, dev, code_len = input_ids.shape[0], input_ids.device, catalog.code_len
     meter = Meter(dev)
     with meter.phase("prefill"):
         cache, prompt_logp = prefill(model, input_ids, attention_mask, meter)
     meter.kv(input_ids.numel())
+    broken = non_finite(prompt_logp)  # [B] users whose log-probs were NaN or infinite somewhere
     tree = TokenTree.from_prompt(attention_mask)
     proposals = 2 * rounds if disc else 1
     drawn_paths = torch.full((b, k, code_len + 1), -1, dtype=torch.int64, device=dev)
@@ -108,8 +111,9 @@ def sample_items(model, input_ids, attention_mask, catalog: Catalog, k: int, rou
     mean_x = torch.zeros(b, k, dtype=torch.float64, device=dev)
     out_log_x = torch.full((b, k), float("-inf"), dtype=torch.float64, device=dev)
     for draw in range(k):
-        tokens, paths, log_x, log_p = propose(model, tree, cache, prompt_logp, catalog, proposals, drawn_paths,
-                                              top_m, temperature, generator, meter)
+        tokens, paths, log_x, log_p, broken_now = propose(model, tree, cache, prompt_logp, catalog, proposals,
+                                                          drawn_paths, top_m, temperature, generator, meter)
+        broken |= broken_now
         tree.keep_paths(torch.full((b, 1), -1, dtype=torch.int64, device=dev), cache)  # back to the prompt alone
         if disc:  # accept proposal i with probability x; else importance-resample the fresh half by x
             u = torch.rand(b, rounds, generator=generator, device=dev, dtype=torch.float64)
@@ -140,7 +144,8 @@ def sample_items(model, input_ids, attention_mask, catalog: Catalog, k: int, rou
                          proposals_decoded=proposals * k,
                          acceptance_rate=(accepted & live).sum(1) / live.sum(1).clamp(min=1),
                          invalid_mass=1 - (mean_x * live).sum(1) / live.sum(1).clamp(min=1),  # p_b = 1 - E_q[x]
-                         importance_weight=out_log_x.gather(1, order).exp())  # x(a) of each returned item
+                         importance_weight=out_log_x.gather(1, order).exp(),  # x(a) of each returned item
+                         non_finite=broken)
     return Recommendations(catalog.item_of_node(out_node.gather(1, order)),
                            out_tokens.gather(1, order[:, :, None].expand_as(out_tokens)),
                            out_score.gather(1, order), stats)

@@ -9,13 +9,16 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 ATTENTION = ("eager", "sdpa")
 
 # Tiny architectures for tests and CPU benchmarks: Llama with grouped-query attention, Qwen2 with
-# attention biases, Qwen3 with q/k norms. Sizes are set by `tiny_model(..., **overrides)`.
+# attention biases (and optional sliding-window layers), Mistral (sliding window), Qwen3 with q/k norms.
+# Sizes are set by `tiny_model(..., **overrides)`.
 TINY = {
     "llama": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512),
     "qwen2": dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   use_sliding_window=False),
+    "mistral": dict(model_type="mistral", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, sliding_window=None),
     "qwen3": dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
                   use_sliding_window=False),
@@ -52,16 +55,20 @@ def build_model(vocab_size: int, layers: int, hidden: int, heads: int, kv_heads:
                       num_key_value_heads=kv_heads, head_dim=hidden // heads, max_position_embeddings=max_positions)
 
 
-def add_code_tokens(model, tokenizer, levels: int, codes: int) -> list[str]:
-    """The LC-Rec recipe: add the semantic-ID code tokens (and <pad>/<bos> if missing) to a pretrained causal LM's
-    vocabulary and resize its embeddings. Returns the tokens added."""
-    from decoding.codes import code_token
+def add_code_tokens(model, tokenizer, levels: int, codes: int, template=None) -> list[str]:
+    """The LC-Rec recipe: add the semantic-ID code tokens (named by the template's `code_token`, `<a_12>` by
+    default) as tokens of their own to a pretrained causal LM's vocabulary, with a <pad> token if it has none (and a
+    <bos> if the template starts prompts with one the tokenizer lacks), and resize its embeddings.
+    Returns the tokens added."""
+    from decoding.templates import PRESETS
 
-    specials = {name: tok for name, tok in (("pad_token", "<pad>"), ("bos_token", "<bos>"))
-                if getattr(tokenizer, name) is None}
+    template = template or PRESETS["codes"]
+    wanted = (("pad_token", "<pad>"),) + ((("bos_token", "<bos>"),) if template.bos else ())
+    specials = {name: tok for name, tok in wanted if getattr(tokenizer, name) is None}
     tokenizer.add_special_tokens(specials)
     vocab = tokenizer.get_vocab()
-    new = [code_token(j, c) for j in range(levels) for c in range(codes) if code_token(j, c) not in vocab]
+    names = [template.code(j, c) for j in range(levels) for c in range(codes)]
+    new = [name for name in names if name not in vocab]
     tokenizer.add_tokens(new)
     model.resize_token_embeddings(len(tokenizer))
     model.config.pad_token_id, model.config.bos_token_id = tokenizer.pad_token_id, tokenizer.bos_token_id
@@ -95,10 +102,63 @@ def check_model_dir(path) -> Path:
     return path
 
 
+def check_causal_lm(config, source) -> None:
+    """Refuses, naming why, a model genrec-batch cannot decode exactly: an encoder-decoder, or a checkpoint without a
+    causal LM head (AutoModelForCausalLM would add an untrained one)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"{source}: {config.model_type} is an encoder-decoder model; genrec-batch decodes "
+                         "decoder-only causal LMs (a ...ForCausalLM checkpoint)")
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(f"{source}: model type {config.model_type!r} has no causal LM in transformers; genrec-batch "
+                         "decodes decoder-only causal LMs (a ...ForCausalLM checkpoint)")
+    heads = [a for a in config.architectures or [] if a.endswith(("ForCausalLM", "LMHeadModel"))]
+    if config.architectures and not heads:
+        raise ValueError(f"{source}: the checkpoint has no causal LM head (architectures {config.architectures}); "
+                         "save the ...ForCausalLM model, whose head scores the next token")
+
+
+def attention_window(config) -> int | None:
+    """The shortest attention span any layer has (a sliding window or an attention chunk), None when every layer
+    attends to the whole sequence."""
+    types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
+    if types is not None:
+        window = window if any("sliding" in t for t in types) else None
+    elif getattr(config, "use_sliding_window", True) is False:
+        window = None
+    spans = [w for w in (window, getattr(config, "attention_chunk_size", None)) if w]
+    return min(spans) if spans else None
+
+
+def check_window(config, tokens: int, source) -> None:
+    """genrec-batch keeps every prompt and tree token in the cache and applies attention through its own mask: exact
+    for a sliding-window (or chunked-attention) model only when the window covers the longest sequence it decodes,
+    `tokens` = prompt + item. Refused otherwise, naming the setting."""
+    window = attention_window(config)
+    if window is not None and window < tokens:
+        name = "sliding_window" if getattr(config, "sliding_window", None) == window else "attention_chunk_size"
+        raise ValueError(f"{source}: the model attends within {name} = {window} tokens, shorter than the longest "
+                         f"prompt plus an item ({tokens} tokens); its sliding-window attention would differ from "
+                         "the full attention genrec-batch computes. Shorten the prompt (max_items of the prompt "
+                         "template) or use a model whose window covers it")
+
+
+def load_config(path):
+    """A model directory's config, refused (`check_model_dir`, `check_causal_lm`) before any weight is read."""
+    path = check_model_dir(path)
+    config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    check_causal_lm(config, path)
+    return config
+
+
 def load_model(path, device: str | None = None, dtype: str | torch.dtype | None = None,
                attn_implementation: str = "sdpa"):
-    """A causal LM from a local directory: safetensors only, no remote code, no hub."""
-    path = check_model_dir(path)
+    """A causal LM from a local directory: safetensors only, no remote code, no hub; an encoder-decoder or a
+    checkpoint without a causal LM head is refused (`load_config`)."""
+    load_config(path)
+    path = Path(path)
     dev = pick_device(device)
     model = AutoModelForCausalLM.from_pretrained(
         path, local_files_only=True, trust_remote_code=False, use_safetensors=True,

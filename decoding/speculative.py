@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from decoding.beam import Recommendations, candidates, expand_beams, gumbel_like, pick, prefill, sample_beams, tree_forward
+from decoding.beam import (Recommendations, candidates, check_prompts, expand_beams, gumbel_like, non_finite, pick,
+                           prefill, sample_beams, tree_forward)
 from decoding.catalog import Catalog
 from decoding.stats import Meter, beam_batch_kv
 from decoding.tree import TokenTree
@@ -190,6 +191,7 @@ def speculative_beam_search(target, draft, input_ids: torch.Tensor, attention_ma
         tgt = start(target, "target", input_ids, attention_mask, k, meter)
         drf = start(draft, "draft", input_ids, attention_mask, k, meter)
     meter.kv(b * (tgt.tree.kv_len + drf.tree.kv_len))
+    broken = non_finite(tgt.logp[:, 0]) | (relaxed & non_finite(drf.logp[:, 0]))  # [B] NaN / inf log-probs
     beams = first_step(extend, tgt, k, code_len)  # step 1 is free: the prefill gives the target's log-probs
     for side in (tgt, drf):  # the beams' tokens enter both trees with the next forward
         side.pending = torch.ones_like(side.pending)
@@ -206,6 +208,10 @@ def speculative_beam_search(target, draft, input_ids: torch.Tensor, attention_ma
             drafts = draft_steps(drf, beams, g, n, extend, meter)
         with meter.phase("verify"):
             logp_v = verify(tgt, beams, drafts, meter)  # [A, K + steps * N, V]
+        # the target's numbers decide the output; relaxed verification also weighs the draft's
+        broken[users] |= non_finite(logp_v).any(1) | (relaxed & non_finite(drf.logp).any(1))
+        for d in drafts if relaxed else ():
+            broken[users] |= non_finite(d.logp).any(1)
         meter.kv(users.numel() * (tgt.tree.kv_len + drf.tree.kv_len))  # both caches are largest right here
         accepted_now = accept(tgt, drf, beams, drafts, logp_v, g, extend)  # [A]
         accepted[users] += accepted_now
@@ -230,7 +236,7 @@ def speculative_beam_search(target, draft, input_ids: torch.Tensor, attention_ma
         out.score, out.node = out.score.gather(1, order), out.node.gather(1, order)
         out.tokens = out.tokens.gather(1, order[:, :, None].expand_as(out.tokens))
     stats = meter.result(beam_batch_kv(b, k, input_ids.shape[1], code_len), accepted_steps=accepted,
-                         drafted_steps=drafted, rounds=rounds, accepted_hist=accepted_hist)
+                         drafted_steps=drafted, rounds=rounds, accepted_hist=accepted_hist, non_finite=broken)
     return Recommendations(catalog.item_of_node(out.node), out.tokens, out.score, stats)
 
 
@@ -246,8 +252,7 @@ def check_arguments(target, draft, input_ids, attention_mask, catalog: Catalog, 
     if target.config.vocab_size != draft.config.vocab_size:
         raise ValueError(f"target and draft vocabularies differ: {target.config.vocab_size} vs "
                          f"{draft.config.vocab_size}")
-    if catalog.device != input_ids.device or (attention_mask[:, -1] == 0).any():
-        raise ValueError("catalog and prompts must be on one device, and prompts left-padded")
+    check_prompts(input_ids, attention_mask, catalog, target, draft)
 
 
 def start(model, role: str, input_ids, attention_mask, k: int, meter: Meter) -> Side:

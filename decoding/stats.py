@@ -18,6 +18,9 @@
     kv_tokens_beam_batch  what a batch beam search (K copies of each prompt) holds for the same users:
                           B * k * (S + L - 1)
 
+and, per user, `non_finite` [B] bool: its log-probabilities were NaN or infinite somewhere (NaN or infinite logits,
+e.g. a float16 overflow); its items are not to be trusted (the nightly job rejects such users).
+
 Each mode adds its own extras beside them (speculative: accepted_steps, drafted_steps, rounds, accepted_hist;
 DISC: proposals, acceptance_rate, invalid_mass, importance_weight; beam search: kv_len, kv_batch, tree_tokens).
 Scalars are Python numbers; per-user extras are tensors [B].

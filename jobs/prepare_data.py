@@ -1,4 +1,6 @@
-"""Prepare data: `python -m jobs.prepare_data [--source DIR] [--out DIR] [--history-len N]`
+"""Prepare data: `python -m jobs.prepare_data [--source DIR] [--out DIR] [--history-len N]` (Amazon Beauty),
+`python -m jobs.prepare_data --format lcrec --source DIR --out DIR` (LC-Rec's layout: `*.index.json` and
+`sequential_{train,valid,test}.txt`, one line per user `user item item ...`),
 or `python -m jobs.prepare_data --synthetic --users N --items M [--levels 4 --codes 256 --seed 0] --out DIR`.
 
 Prints the summary as JSON. The logic lives in pipeline/prepare.py.
@@ -12,35 +14,30 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from pipeline.prepare import prepare_beauty, write_synthetic
+from jobs.cli import positive
+from pipeline.prepare import prepare_beauty, prepare_lcrec, write_synthetic
 
 DEFAULT_SOURCE = Path(__file__).resolve().parents[1].parent / "shared" / "datasets" / "amazon-beauty"
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m jobs.prepare_data", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--source", type=Path, default=DEFAULT_SOURCE,
-                   help="Amazon Beauty folder (items/train/valid/test.parquet), default %(default)s")
+    p.add_argument("--format", choices=["beauty", "lcrec"], default="beauty",
+                   help="beauty: items/train/valid/test.parquet; lcrec: *.index.json + sequential_*.txt")
+    p.add_argument("--source", type=Path, default=None,
+                   help=f"the source folder (default for --format beauty: {DEFAULT_SOURCE})")
+    p.add_argument("--code-token", default="<{level}_{code}>",
+                   help="how the LC-Rec index names code tokens, default %(default)s")
     p.add_argument("--out", type=Path, default=Path("data/beauty"), help="output folder, default %(default)s")
-    p.add_argument("--history-len", type=_positive_int, default=20, help="items per prompt, default %(default)s")
+    p.add_argument("--history-len", type=positive, default=20, help="items per prompt, default %(default)s")
     p.add_argument("--synthetic", action="store_true", help="write a synthetic catalog and users instead")
-    p.add_argument("--users", type=_positive_int, help="synthetic users")
-    p.add_argument("--items", type=_positive_int, help="synthetic catalog items")
-    p.add_argument("--levels", type=_positive_int, default=4, help="synthetic semantic-ID levels, default %(default)s")
-    p.add_argument("--codes", type=_positive_int, default=256, help="synthetic codes per level, default %(default)s")
+    p.add_argument("--users", type=positive, help="synthetic users")
+    p.add_argument("--items", type=positive, help="synthetic catalog items")
+    p.add_argument("--levels", type=positive, default=4, help="synthetic semantic-ID levels, default %(default)s")
+    p.add_argument("--codes", type=positive, default=256, help="synthetic codes per level, default %(default)s")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--chunk-users", type=_positive_int, default=1_000_000,
+    p.add_argument("--chunk-users", type=positive, default=1_000_000,
                    help="synthetic users per parquet row group, default %(default)s")
     args = p.parse_args(argv)
     if args.synthetic:
@@ -52,6 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--items {args.items} > codes**levels = {args.codes ** args.levels}")
     elif args.users is not None or args.items is not None:
         p.error("--users / --items need --synthetic")
+    if args.format == "lcrec" and args.source is None:
+        p.error("--format lcrec needs --source DIR")
     return args
 
 
@@ -61,8 +60,10 @@ def main(argv=None) -> int:
         if args.synthetic:
             summary = write_synthetic(args.out, args.users, args.items, args.levels, args.codes, args.seed,
                                       history_len=args.history_len, chunk_users=args.chunk_users)
+        elif args.format == "lcrec":
+            summary = prepare_lcrec(args.source, args.out, history_len=args.history_len, code_token=args.code_token)
         else:
-            summary = prepare_beauty(args.source, args.out, history_len=args.history_len)
+            summary = prepare_beauty(args.source or DEFAULT_SOURCE, args.out, history_len=args.history_len)
     except ValueError as e:  # a bad input file: name it, no traceback
         print(f"prepare_data: error: {e}", file=sys.stderr)
         return 1

@@ -1,17 +1,20 @@
-"""Prompts for generative recommenders: user histories -> left-padded token ids.
+"""Prompts for generative recommenders: user histories -> left-padded token ids, written the way the model's prompt
+template says (decoding/templates.py), with no tokenizer call per user.
 
-Prompt format (ARCHITECTURE.md section 3): `<bos>` followed by the L code tokens of
-each of the last `history_len` history items, oldest first. No separator, no eos:
+A `Renderer` is a template compiled against a tokenizer once: for every history length n = 1 .. max_items, the token
+ids of the n-item prompt with the code tokens left out (its skeleton) and where each item's L code tokens go. The
+skeletons come from tokenizing real prompts, so a batch rendered by filling code token ids into skeletons (numpy,
+no Python loop over users) has exactly the ids of `[bos] + tokenizer(text, add_special_tokens=False)`. Compiling
+checks that the code tokens stay tokens of their own whatever the codes: a tokenizer that would merge text across a
+code token's boundary is refused, never rendered differently.
 
-    <bos> <a_47><b_103><c_234><d_99> <a_130><b_66><c_209><d_146> ...
-
-For Amazon Beauty (L = 4, history_len = 20) a prompt has at most 1 + 20 * 4 = 81 tokens.
-
-The mapping from semantic IDs (codes) to code tokens and token ids is `decoding.codes`.
+For the `codes` template on Amazon Beauty (L = 4, 20 items) a prompt has at most 1 + 20 * 4 = 81 tokens; for `lcrec`
+about 44 + 20 * 7 tokens with a BPE tokenizer.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -20,6 +23,7 @@ import torch
 
 from decoding.catalog import ItemTokens
 from decoding.codes import format_rows
+from decoding.templates import PromptTemplate
 
 # ---------------------------------------------------------------- ragged helpers
 
@@ -78,28 +82,110 @@ def history_window(histories, history_len: int):
     return items, np.repeat(np.arange(len(lengths)), used), used
 
 
-def build_prompts(histories, item_tokens: ItemTokens, bos_id: int, pad_id: int, history_len: int) -> Prompts:
-    """Histories [B] (item ids, oldest first; validated: non-empty, every used item in the catalog, see
-    operators/validate.py) -> left-padded prompts.
+@dataclass
+class Renderer:
+    """A prompt template compiled against a tokenizer (`compile`), rendering batches of histories (`render`)."""
+    template: PromptTemplate
+    levels: int  # L code tokens per item
+    pad_id: int
+    skeleton: np.ndarray  # [M + 1, T] int64: row n = the n-item prompt's ids, -1 where codes go, then pad_id
+    length: np.ndarray  # [M + 1] int64: tokens of the n-item prompt (BOS included)
+    item_start: np.ndarray  # [M + 1, M] int64: column of item q's first code token in the n-item prompt
 
-    Each prompt is `<bos>` + the code tokens of the last `history_len` items: 1 + n * L tokens; the batch is
-    left-padded to its longest prompt S. No Python loop over users.
-    """
-    items, row_of, used = history_window(histories, history_len)  # [U], [U], [B]
-    tokens, known = item_tokens.lookup(items)  # [U, L], [U]
-    if (used == 0).any() or not known.all():
-        bad = np.union1d(np.flatnonzero(used == 0), row_of[~known])
-        raise ValueError(f"rows {format_rows(bad)} have an empty history or items missing from the catalog: "
-                         "validate them first (operators.validate)")
-    levels = item_tokens.levels
-    n_tok = 1 + used * levels  # [B]
-    width = int(n_tok.max()) if len(used) else 0  # S
-    left = width - n_tok  # [B] padding per row
-    input_ids = np.full((len(used), width), pad_id, dtype=np.int64)  # [B, S]
-    mask = (np.arange(width)[None, :] >= left[:, None]).astype(np.int64)  # [B, S]
-    input_ids[np.arange(len(used)), left] = bos_id
-    # item q of row r goes to columns left[r] + 1 + q * L + [0, L)
-    q = np.arange(len(items)) - np.repeat(np.cumsum(used) - used, used)  # [U] position within the window
-    cols = left[row_of, None] + 1 + q[:, None] * levels + np.arange(levels)[None, :]  # [U, L]
-    input_ids[row_of[:, None], cols] = tokens
-    return Prompts(torch.from_numpy(input_ids), torch.from_numpy(mask))
+    @property
+    def max_items(self) -> int:
+        return self.template.max_items
+
+    @property
+    def max_len(self) -> int:
+        """Tokens of the longest prompt (max_items items)."""
+        return int(self.length[-1])
+
+    @classmethod
+    def compile(cls, template: PromptTemplate, tokenizer, probes: np.ndarray) -> "Renderer":
+        """Tokenizes the prompt of every length 1 .. max_items twice, with two different sequences of probe items
+        (probes [P, L]: code token ids of real items, e.g. the catalog's), and keeps where the code tokens land.
+        Refused with a message when the tokenizer does not keep the code tokens apart from the text, or when the
+        template needs a BOS token the tokenizer does not have."""
+        probes = np.asarray(probes, dtype=np.int64)
+        m, levels = template.max_items, probes.shape[1]
+        if template.bos and tokenizer.bos_token_id is None:
+            raise ValueError(f"prompt template {template.name!r} starts prompts with BOS (bos: true), but the tokenizer "
+                             "has no BOS token: set bos to false in the template")
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        if pad_id is None:
+            raise ValueError("the tokenizer has neither a pad nor an eos token to left-pad prompts with")
+        names = np.asarray(tokenizer.convert_ids_to_tokens(probes.ravel().tolist()), dtype=object).reshape(probes.shape)
+        code_set = np.unique(probes)
+        rows = []
+        for n in range(1, m + 1):
+            shapes = []
+            for shift in (0, 1):  # two probe sequences: the text's tokens must not depend on the codes
+                pick = (np.arange(n) + shift) % len(probes)  # [n] probe rows
+                text = template.prefix + template.separator.join(
+                    template.item.format(index=q + 1, codes="".join(names[r])) for q, r in enumerate(pick)) + \
+                    template.suffix
+                ids = np.asarray(([tokenizer.bos_token_id] if template.bos else []) +
+                                 tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
+                shapes.append(_code_slots(ids, probes[pick], code_set, template, n))
+            if not (np.array_equal(shapes[0][0], shapes[1][0]) and np.array_equal(shapes[0][1], shapes[1][1])):
+                raise ValueError(f"prompt template {template.name!r}: the {n}-item prompt tokenizes differently with "
+                                 "other codes, so the tokenizer merges text across the code tokens' boundaries; the "
+                                 "code tokens must be tokens of their own (tokenizer.add_tokens, the LC-Rec recipe)")
+            rows.append(shapes[0])
+        width = max(len(skel) for skel, _ in rows)
+        skeleton = np.full((m + 1, width), pad_id, dtype=np.int64)
+        item_start = np.zeros((m + 1, m), dtype=np.int64)
+        length = np.zeros(m + 1, dtype=np.int64)
+        for n, (skel, starts) in enumerate(rows, start=1):
+            skeleton[n, :len(skel)], length[n], item_start[n, :n] = skel, len(skel), starts
+        return cls(template, levels, pad_id, skeleton, length, item_start)
+
+    def render(self, histories, items: ItemTokens) -> Prompts:
+        """Histories [B] (item ids, oldest first; validated: non-empty, every item used in the catalog, see
+        operators/validate.py) -> left-padded prompts of their last max_items items. No Python loop over users."""
+        item_ids, row_of, used = history_window(histories, self.max_items)  # [U], [U], [B]
+        tokens, known = items.lookup(item_ids)  # [U, L]
+        if (used == 0).any() or not known.all():
+            bad = np.union1d(np.flatnonzero(used == 0), row_of[~known])
+            raise ValueError(f"rows {format_rows(bad)} have an empty history or items missing from the catalog: "
+                             "validate them first (operators.validate)")
+        if items.levels != self.levels:
+            raise ValueError(f"the catalog has {items.levels} code tokens per item, the renderer {self.levels}")
+        b = len(used)
+        t = self.length[used]  # [B] tokens per prompt
+        width = int(t.max()) if b else 0  # S
+        left = width - t  # [B] left padding
+        input_ids = np.full((b, width), self.pad_id, dtype=np.int64)  # [B, S]
+        row = np.repeat(np.arange(b), t)  # [sum T] the skeleton tokens, row by row
+        col = ragged_ranges(np.zeros(b, np.int64), t)  # [sum T] position within the prompt
+        input_ids[row, left[row] + col] = self.skeleton[used[row], col]
+        q = np.arange(len(item_ids)) - np.repeat(np.cumsum(used) - used, used)  # [U] item index in its window
+        cols = (left[row_of] + self.item_start[used[row_of], q])[:, None] + np.arange(self.levels)  # [U, L]
+        input_ids[row_of[:, None], cols] = tokens
+        mask = (np.arange(width)[None, :] >= left[:, None]).astype(np.int64)  # [B, S]
+        return Prompts(torch.from_numpy(input_ids), torch.from_numpy(mask))
+
+
+def catalog_probes(items: ItemTokens, count: int = 3) -> np.ndarray:
+    """Code token ids [P, L] of a few items spread over the catalog (first, middle, last), to compile a Renderer."""
+    rows = np.unique(np.linspace(0, len(items.item_ids) - 1, count).astype(np.int64))
+    return items.token_ids[rows]
+
+
+def _code_slots(ids: np.ndarray, expected: np.ndarray, code_set: np.ndarray, template: PromptTemplate, n: int):
+    """ids [T] of an n-item prompt whose items have code token ids expected [n, L] -> (skeleton [T] with -1 at the
+    code tokens, start of each item's codes [n]); refused unless the codes are there, item by item, whole."""
+    at = np.flatnonzero(np.isin(ids, code_set))  # [n * L] where code tokens are
+    levels = expected.shape[1]
+    starts = at[::levels]  # [n]
+    whole = len(at) == expected.size and np.array_equal(ids[at], expected.ravel()) and \
+        np.array_equal(at.reshape(n, levels), starts[:, None] + np.arange(levels))
+    if not whole:
+        raise ValueError(f"prompt template {template.name!r}: in the {n}-item prompt the tokenizer does not give each "
+                         f"code token its own id (expected {expected.size} code tokens in {n} runs of {levels}, found "
+                         f"{len(at)}); the code tokens must be tokens of their own (tokenizer.add_tokens, the LC-Rec "
+                         "recipe) and the template text must not touch them")
+    skeleton = ids.copy()
+    skeleton[at] = -1
+    return skeleton, starts

@@ -12,6 +12,7 @@ import os
 import socket
 import time
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -21,14 +22,16 @@ import torch
 from decoding.beam import beam_search
 from decoding.catalog import Catalog
 from decoding.disc import disc_sample
-from decoding.models import load_model, load_tokenizer
+from decoding.models import check_window, load_config, load_model, load_tokenizer
 from decoding.speculative import speculative_beam_search
 from decoding.stats import BASE_KEYS, PHASES
-from operators.prompts import build_prompts
+from operators.prompts import Renderer, catalog_probes
 from operators.spec import ActorSpec
 from operators.validate import validate
 
 FAIL_AFTER_ENV = "GENREC_TEST_FAIL_AFTER"  # tests only: "N:/path/marker" exits the actor once, after N batches
+NON_FINITE = ("the model's log-probabilities were NaN or infinite while decoding this user (e.g. a float16 "
+              "overflow); its items would not be the model's")
 TABLES = {"rec": ["user_id", "rank", "item_id", "score", "mode"], "reject": ["user_id", "reason", "detail"],
           "metric": ["metrics"]}  # the published tables' columns, by output kind
 
@@ -39,20 +42,50 @@ def output_schema(user_type: pa.DataType) -> pa.Schema:
                       ("metrics", pa.string())])
 
 
+@dataclass
+class Inputs:
+    """What an actor builds from its spec before any weight is loaded; each step refuses bad input, naming it."""
+    target: str  # local model directories
+    draft: str | None
+    tokenizer: object
+    catalog: Catalog  # index + item-to-tokens map, every code token checked against the tokenizer
+    renderer: Renderer  # the prompt template compiled against the tokenizer
+
+
+def prepare(spec: ActorSpec, device: torch.device | str = "cpu") -> Inputs:
+    """Fetches the model directories, checks the models (causal LMs; a sliding window covering the longest prompt
+    plus an item; one vocabulary for target and draft), parses the catalog with the template's code-token names and
+    compiles the template. The graph calls it on the driver first: what an actor would refuse fails before any work."""
+    fetch = spec.fetch or str  # models on object storage: copied once per node by the graph's fetch
+    target = fetch(spec.target)
+    draft = fetch(spec.draft) if spec.decoding.mode.startswith("atspeed") else None
+    tokenizer = load_tokenizer(target)
+    catalog = Catalog.from_table(spec.catalog, tokenizer, on_duplicate=spec.on_duplicate, device=device,
+                                 source=spec.catalog_name, code_token=spec.template.code)
+    renderer = Renderer.compile(spec.template.with_max_items(spec.decoding.history_len), tokenizer,
+                                catalog_probes(catalog.item_tokens))
+    vocab = {}
+    for role, path in (("target", target), ("draft", draft)):
+        if path is not None:
+            config = load_config(path)
+            check_window(config, renderer.max_len + catalog.code_len, f"models.{role} {path}")
+            vocab[role] = config.vocab_size
+    if len(set(vocab.values())) > 1:
+        raise ValueError(f"models.draft {draft}: vocabulary of {vocab['draft']} tokens, the target's has "
+                         f"{vocab['target']}: a draft must share its target's tokenizer")
+    return Inputs(target, draft, tokenizer, catalog, renderer)
+
+
 class Recommender:
     def __init__(self, spec: ActorSpec):
-        self.spec, d = spec, spec.decoding
+        self.spec = spec
         if spec.threads:
             torch.set_num_threads(spec.threads)
         self.device = torch.device("cuda" if spec.gpu and torch.cuda.is_available() else "cpu")
-        fetch = spec.fetch or str  # models on object storage: copied once per node by the graph's fetch
-        target = fetch(spec.target)
-        self.target = load_model(target, device=str(self.device), dtype=spec.dtype)
-        self.tokenizer = load_tokenizer(target)
-        self.draft = load_model(fetch(spec.draft), device=str(self.device), dtype=spec.dtype) \
-            if d.mode.startswith("atspeed") else None
-        self.catalog = Catalog.from_table(spec.catalog, self.tokenizer, on_duplicate="first", device=self.device,
-                                          source=spec.catalog_name)
+        inputs = prepare(spec, self.device)
+        self.catalog, self.renderer = inputs.catalog, inputs.renderer
+        self.target = load_model(inputs.target, device=str(self.device), dtype=spec.dtype)
+        self.draft = load_model(inputs.draft, device=str(self.device), dtype=spec.dtype) if inputs.draft else None
         self.actor = _actor_id()
         self.host = socket.gethostname()
         self.batches = 0
@@ -62,18 +95,23 @@ class Recommender:
         t0 = time.perf_counter()
         d = self.spec.decoding
         user_type = batch.schema.field("user_id").type
-        good, rejects = validate(batch, self.catalog.item_tokens, d.history_len)
+        good, rejects = validate(batch, self.catalog.item_tokens, self.renderer.max_items)
         users = good.column("user_id")
-        p = build_prompts(good.column("history"), self.catalog.item_tokens, self.tokenizer.bos_token_id,
-                          self.tokenizer.pad_token_id, d.history_len)
+        p = self.renderer.render(good.column("history"), self.catalog.item_tokens)
         stats = dict.fromkeys(BASE_KEYS, 0)
         items, scores = np.zeros((0, d.k), np.int64), np.zeros((0, d.k), np.float32)
+        broken = np.zeros(0, bool)
         if good.num_rows:
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             rec = self._decode(p.input_ids.to(self.device), p.attention_mask.to(self.device), users)
             stats = rec.stats
             items, scores = rec.item_ids.cpu().numpy(), rec.scores.float().cpu().numpy()
+            broken = stats["non_finite"].cpu().numpy()  # [U] NaN / inf log-probs: rejected, never a short list
+            items[broken] = -1
+            rejects = pa.concat_tables([rejects, pa.table([
+                users.filter(pa.array(broken)), pa.array(["non_finite_logits"] * int(broken.sum()), pa.string()),
+                pa.array([NON_FINITE] * int(broken.sum()), pa.string())], schema=rejects.schema)])
         wall = time.perf_counter() - t0
         row, rank = np.nonzero(items >= 0)  # fewer than k only when the catalog has fewer items
         schema = output_schema(user_type)
@@ -82,8 +120,9 @@ class Recommender:
                          "rank": pa.array((rank + 1).astype(np.int32)), "item_id": pa.array(items[row, rank]),
                          "score": pa.array(scores[row, rank].astype(np.float32)),
                          "mode": pa.array(np.full(len(row), d.mode, object), pa.string())})
-        metric = self._metric_row(batch.num_rows, good.num_rows, rejects.num_rows, int(p.attention_mask.sum()),
-                                  len(row), wall, stats)
+        metric = self._metric_row(batch.num_rows, good.num_rows - int(broken.sum()), rejects.num_rows,
+                                  int(p.attention_mask.sum()), len(row), wall, stats)
+        metric["users_non_finite"] = int(broken.sum())
         table = pa.concat_tables([
             recs, rejects.add_column(0, "kind", pa.array(np.full(rejects.num_rows, "reject", object), pa.string())),
             pa.table({"kind": ["metric"], "metrics": [json.dumps(metric)]}),

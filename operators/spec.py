@@ -9,6 +9,8 @@ from typing import Callable
 
 import pyarrow as pa
 
+from decoding.templates import PRESETS, PromptTemplate
+
 MODES = ("beam", "atspeed-strict", "atspeed-relaxed", "disc")
 
 
@@ -19,7 +21,7 @@ class Decoding:
     k: int = 10
     draft_beams: int = 40
     gamma: int | None = None  # None: the item length
-    history_len: int = 20
+    history_len: int | None = None  # items per prompt (None: the prompt template's max_items)
     temperature: float = 1.0  # atspeed-relaxed and disc
     rounds: int = 4  # disc
     top_m: int | None = None  # disc: None = exact mask, M = PPV over the top-M tokens
@@ -34,6 +36,8 @@ class ActorSpec:
     catalog: pa.Table  # item_id, semantic_id: read once by the graph
     catalog_name: str  # for messages
     decoding: Decoding = field(default_factory=Decoding)
+    template: PromptTemplate = PRESETS["codes"]  # how the model's prompts are written (resolved by the graph)
+    on_duplicate: str = "first"  # items sharing a semantic ID: "first" keeps the first, "error" refuses the catalog
     draft: str | None = None  # the same, atspeed modes
     fetch: Callable[[str], str] | None = None  # model URI -> local directory on the actor's node (None: local paths)
     gpu: bool = False  # decode on CUDA when the actor has one

@@ -20,6 +20,7 @@ SECRET_WORDS = ("secret", "password", "token", "access_key", "credential")
 class Models:
     target: str = ""  # local directory or s3:// prefix
     draft: str | None = None  # needed by the atspeed modes
+    template: str | None = None  # prompt template: a preset (codes, lcrec) or a local JSON file; None: the target's
     cache_dir: str = "~/.cache/genrec-batch/models"  # where s3:// models are copied, once per node
 
 
@@ -45,6 +46,7 @@ class Config:
     catalog: str = ""  # items.parquet
     output: str = ""  # output root (local folder or s3://bucket/prefix)
     run_date: str = ""  # YYYY-MM-DD; default: today (UTC)
+    duplicate_items: str = "first"  # catalog items sharing a semantic ID: first (keep the first, report the rest) | error
     models: Models = field(default_factory=Models)
     decoding: Decoding = field(default_factory=Decoding)
     compute: Compute = field(default_factory=Compute)
@@ -144,14 +146,16 @@ def validate(cfg: Config) -> None:
          cfg.models.target)
     d, c = cfg.decoding, cfg.compute
     need(d.mode in MODES, "decoding.mode", f"must be one of {', '.join(MODES)}", d.mode)
+    need(cfg.duplicate_items in ("first", "error"), "duplicate_items", "must be first or error", cfg.duplicate_items)
     if d.mode.startswith("atspeed"):
         need(bool(cfg.models.draft), "models.draft", f"must be set for decoding.mode {d.mode}", cfg.models.draft)
     for name, value in (("decoding.k", d.k), ("decoding.draft_beams", d.draft_beams),
-                        ("decoding.history_len", d.history_len), ("decoding.rounds", d.rounds),
+                        ("decoding.rounds", d.rounds),
                         ("compute.batch_size", c.batch_size), ("compute.num_actors", c.num_actors)):
         need(value >= 1, name, "must be an integer >= 1", value)
     need(d.draft_beams >= d.k, "decoding.draft_beams", f"must be >= decoding.k ({d.k})", d.draft_beams)
     need(d.gamma is None or d.gamma >= 1, "decoding.gamma", "must be >= 1 or null", d.gamma)
+    need(d.history_len is None or d.history_len >= 1, "decoding.history_len", "must be >= 1 or null", d.history_len)
     need(d.top_m is None or d.top_m >= 1, "decoding.top_m", "must be >= 1 or null", d.top_m)
     need(d.temperature > 0, "decoding.temperature", "must be > 0", d.temperature)
     need(c.gpus_per_actor >= 0, "compute.gpus_per_actor", "must be >= 0", c.gpus_per_actor)

@@ -18,9 +18,11 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as pads
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from operators.recommender import TABLES, Recommender
+from decoding.templates import TEMPLATE_FILE, PromptTemplate, get_template, read_template
+from operators.recommender import TABLES, Recommender, output_schema, prepare
 from operators.spec import ActorSpec
 from operators.validate import duplicates, reject_schema
 from pipeline import runs
@@ -95,17 +97,31 @@ def code_version() -> str:
 
 def resolve_models(cfg: Config) -> dict:
     """Resolves (and caches) the model directories on the driver: a missing model fails before any work.
-    -> {role: {"uri", "sha256"}} for the target, and the draft in the atspeed modes."""
+    -> {role: {"uri", "sha256", "dir" (local)}} for the target, and the draft in the atspeed modes."""
     models = {}
     for role in ("target", "draft"):
         uri = getattr(cfg.models, role)
         if uri and (role == "target" or cfg.decoding.mode.startswith("atspeed")):
             try:
-                models[role] = {"uri": uri, "sha256": S.fingerprint(fetch_model(uri, cfg.models.cache_dir,
-                                                                               cfg.storage))}
+                local = fetch_model(uri, cfg.models.cache_dir, cfg.storage)
+                models[role] = {"uri": uri, "sha256": S.fingerprint(local), "dir": local}
             except (FileNotFoundError, ValueError) as e:
                 raise FileNotFoundError(f"models.{role}: {e}") from None
     return models
+
+
+def resolve_template(cfg: Config, models: dict) -> PromptTemplate:
+    """The prompt template: models.template (a preset or a JSON file) or the target directory's; a draft that carries
+    a template must carry the same one (it reads the target's prompts)."""
+    try:
+        template = get_template(cfg.models.template) if cfg.models.template else read_template(models["target"]["dir"])
+    except ValueError as e:
+        raise ValueError(f"models.template: {e}" if cfg.models.template else f"models.target: {e}") from None
+    draft = models.get("draft", {}).get("dir")
+    if draft and (Path(draft) / TEMPLATE_FILE).is_file() and read_template(draft) != template:
+        raise ValueError(f"models.draft {cfg.models.draft}: its {TEMPLATE_FILE} differs from the target's prompt "
+                         "template; a draft must read the prompts its target reads")
+    return template
 
 
 def fetch_model(uri: str, cache_dir: str, storage) -> str:
@@ -113,12 +129,13 @@ def fetch_model(uri: str, cache_dir: str, storage) -> str:
     return str(S.local_model_dir(uri, cache_dir, storage))
 
 
-def actor_spec(cfg: Config, run_id: str, catalog: pa.Table) -> ActorSpec:
-    """What every actor gets: the model URIs and how to fetch them on its node, the catalog read once, the decoding
-    settings."""
+def actor_spec(cfg: Config, run_id: str, catalog: pa.Table, template: PromptTemplate) -> ActorSpec:
+    """What every actor gets: the model URIs and how to fetch them on its node, the catalog read once, the prompt
+    template, the decoding settings."""
     m = cfg.models
     return ActorSpec(run_id=run_id, target=m.target, catalog=catalog, catalog_name=cfg.catalog,
-                     decoding=cfg.decoding, draft=m.draft if cfg.decoding.mode.startswith("atspeed") else None,
+                     decoding=cfg.decoding, template=template, on_duplicate=cfg.duplicate_items,
+                     draft=m.draft if cfg.decoding.mode.startswith("atspeed") else None,
                      fetch=functools.partial(fetch_model, cache_dir=m.cache_dir, storage=cfg.storage),
                      gpu=cfg.compute.gpus_per_actor > 0, dtype=cfg.compute.dtype,
                      threads=cfg.compute.threads_per_actor)
@@ -136,7 +153,11 @@ def run_nightly(cfg: Config) -> dict:
     data, in_fs, in_path = open_input(cfg)
     catalog = read_catalog(cfg)
     models = resolve_models(cfg)
-    spec = actor_spec(cfg, run_id, catalog)
+    spec = actor_spec(cfg, run_id, catalog, resolve_template(cfg, models))
+    inputs = prepare(spec)  # on the driver: every check an actor would make fails here, before any work
+    catalog_info = {"items": catalog.num_rows, "indexed": len(inputs.catalog),
+                    "duplicates": {"policy": cfg.duplicate_items, "dropped": len(inputs.catalog.duplicates),
+                                   "items": [{"item_id": d, "kept": k} for d, k in inputs.catalog.duplicates]}}
     dup, kept, dup_rejects = split_duplicates(data)
     log.info("run %s: input %s (%d files), %d duplicate user ids", run_id, cfg.input, len(data.files), len(dup))
     try:
@@ -158,6 +179,9 @@ def run_nightly(cfg: Config) -> dict:
         rec_fs, rec_path = S.filesystem(runs.table_dir(run, "recommendations"), cfg.storage)
         kinds("rec").write_parquet(rec_path, filesystem=rec_fs)
         user_type = data.schema.field("user_id").type
+        if not rec_fs.get_file_info(pafs.FileSelector(rec_path, allow_not_found=True)):  # every user rejected
+            rec_schema = pa.schema([output_schema(user_type).field(n) for n in TABLES["rec"]])
+            runs.write_table(run, "recommendations", rec_schema.empty_table(), cfg.storage)
         reject_table = pa.concat_tables([ray.get(r) for r in kinds("reject").to_arrow_refs()] + [pa.Table.from_pydict(
             {"user_id": [r[0] for r in dup_rejects], "reason": [r[1] for r in dup_rejects],
              "detail": [r[2] for r in dup_rejects]}, schema=reject_schema(user_type))])
@@ -168,11 +192,14 @@ def run_nightly(cfg: Config) -> dict:
         runs.write_table(run, "metrics", metrics, cfg.storage)
         counts = {"input_rows": data.count_rows(), "users_ok": int(pc.sum(metrics["users_ok"]).as_py() or 0),
                   "users_rejected": reject_table.num_rows,
+                  "users_non_finite": int(pc.sum(metrics["users_non_finite"]).as_py() or 0),
                   "recommendations": int(pc.sum(metrics["recommendations"]).as_py() or 0),
                   "batches": metrics.num_rows}
         manifest = {"run_id": run_id, "run_date": cfg.run_date, "status": "succeeded", "config": cfg.to_dict(),
                     "code_version": code_version(),
-                    "models": models,
+                    "models": {role: {"uri": m["uri"], "sha256": m["sha256"]} for role, m in models.items()},
+                    "template": inputs.renderer.template.to_dict(), "max_prompt_tokens": inputs.renderer.max_len,
+                    "catalog": catalog_info,
                     "counts": counts, "timings": {"decode_s": t_decode, "total_s": time.perf_counter() - t0},
                     "outputs": {name: runs.table_dir(run, name) for name in runs.TABLES}}
         runs.finish(run, manifest, cfg.storage)

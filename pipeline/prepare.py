@@ -14,11 +14,13 @@ items.parquet is written last, so a crash part-way never leaves a folder that lo
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
@@ -28,7 +30,7 @@ from operators.prompts import ragged_arrays, ragged_ranges
 from pipeline.storage import sha256_file
 
 __all__ = [
-    "build_tokenizer", "prepare_beauty", "PrepareSummary",
+    "build_tokenizer", "prepare_beauty", "prepare_lcrec", "PrepareSummary",
     "synthetic_catalog", "synthetic_histories", "write_synthetic", "SyntheticSummary",
 ]
 
@@ -190,6 +192,8 @@ class PrepareSummary:
     levels: int
     codes: int
     history_len: int
+    malformed_lines: dict[str, int] = field(default_factory=dict)  # LC-Rec files: lines left out, per split
+    index_problems: int = 0  # LC-Rec index entries left out
 
 
 def _read_catalog(path: Path, codes: int | None) -> tuple[np.ndarray, np.ndarray, int]:
@@ -325,6 +329,164 @@ def prepare_beauty(source_dir, out_dir, history_len: int = 20, codes: int | None
         dropped_interactions={s: d["interactions"] for s, d in dropped.items()},
         levels=levels, codes=codes, history_len=history_len,
     )
+
+
+# ---------------------------------------------------------------- the LC-Rec layout
+
+LCREC_SPLITS = {"train": "sequential_train.txt", "valid": "sequential_valid.txt", "test": "sequential_test.txt"}
+REPORTED = 1000  # problems listed by line in prepare.json (all are counted)
+
+
+def code_token_pattern(code_token: str = "<{level}_{code}>") -> re.Pattern:
+    """A code-token naming (decoding/templates.py: {level} letter, {level_index}, {code}) -> a regex whose groups
+    are (level, code)."""
+    parts = re.split(r"(\{level\}|\{level_index\}|\{code\})", code_token)
+    groups = {"{level}": "(?P<level>[a-z])", "{level_index}": "(?P<level_index>\\d+)", "{code}": "(?P<code>\\d+)"}
+    return re.compile("".join(groups.get(x, re.escape(x)) for x in parts))
+
+
+def read_lcrec_index(path: Path, code_token: str = "<{level}_{code}>") -> tuple[np.ndarray, np.ndarray, list]:
+    """LC-Rec's index JSON {"<item id>": ["<a_47>", "<b_103>", ...], ...} -> (item ids [N], semantic ids [N, L],
+    problems [{"item", "reason"}]); an entry whose tokens do not parse, are out of level order, or whose length
+    differs from the common one is a problem (reported, not kept)."""
+    try:
+        index = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{path}: file not found") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(index, dict) or not index:
+        raise ValueError(f"{path}: expected a non-empty JSON object mapping item ids to lists of code tokens")
+    pattern = code_token_pattern(code_token)
+    levels = int(np.bincount([len(v) if isinstance(v, list) else 0 for v in index.values()]).argmax())
+    item_ids, rows, problems = [], [], []
+    for key, tokens in index.items():
+        why = None
+        if not key.strip().lstrip("-").isdigit():
+            why = "item id is not an integer"
+        elif not isinstance(tokens, list) or len(tokens) != levels:
+            why = f"expected a list of {levels} code tokens, got {tokens!r}"[:200]
+        else:
+            matches = [pattern.fullmatch(t) if isinstance(t, str) else None for t in tokens]
+            if not all(matches):
+                why = f"not code tokens named like {code_token!r}: {tokens!r}"[:200]
+            else:
+                found = [ord(m["level"]) - 97 if "level" in m.groupdict() else int(m["level_index"]) for m in matches]
+                if found != list(range(levels)):
+                    why = f"code tokens out of level order: {tokens!r}"[:200]
+        if why:
+            problems.append({"item": key, "reason": why})
+            continue
+        item_ids.append(int(key))
+        rows.append([int(m["code"]) for m in matches])
+    if not rows:
+        raise ValueError(f"{path}: no usable entry ({problems[:3]})")
+    return np.array(item_ids, np.int64), np.array(rows, np.int64).reshape(len(rows), levels), problems
+
+
+def read_lcrec_split(path: Path, known_items: np.ndarray) -> tuple[dict, dict]:
+    """One interaction file, a line per user `user item item ...` (chronological) -> ({user: [items]}, problems):
+    malformed lines (not integers, no items, a user listed twice) and unknown items (not in the index) are counted
+    and listed with their line numbers; unknown items are left out of the user's list, malformed lines entirely."""
+    if not path.is_file():
+        raise ValueError(f"{path}: file not found")
+    known = set(known_items.tolist())
+    users, malformed, unknown = {}, [], []
+    n_malformed = n_unknown = 0
+    with open(path) as f:
+        for number, line in enumerate(f, start=1):
+            fields = line.split()
+            if not fields:
+                continue  # blank lines carry nothing
+            why = None
+            if not all(x.lstrip("-").isdigit() for x in fields):
+                why = "not all fields are integers"
+            elif len(fields) < 2:
+                why = "a user without items"
+            elif int(fields[0]) in users:
+                why = f"user {fields[0]} listed again"
+            if why:
+                n_malformed += 1
+                if len(malformed) < REPORTED:
+                    malformed.append({"line": number, "reason": why, "text": line.strip()[:120]})
+                continue
+            items = [int(x) for x in fields[1:]]
+            missing = [i for i in items if i not in known]
+            if missing:
+                n_unknown += len(missing)
+                if len(unknown) < REPORTED:
+                    unknown.append({"line": number, "user": int(fields[0]), "items": missing[:20]})
+            users[int(fields[0])] = [i for i in items if i in known]
+    return users, {"file": path.name, "users": len(users), "malformed_lines": n_malformed,
+                   "unknown_items": n_unknown, "malformed": malformed, "unknown": unknown}
+
+
+def prepare_lcrec(source_dir, out_dir, history_len: int = 20, code_token: str = "<{level}_{code}>") -> PrepareSummary:
+    """LC-Rec's published layout -> the project's contracts in `out_dir` (as `prepare_beauty`): the index JSON
+    (`*.index.json`: item id -> its code tokens) and `sequential_{train,valid,test}.txt` (split by global time, as in
+    the AtSpeed paper). train.parquet holds the train items; valid.parquet the last history_len train items as
+    history and the valid items as targets; test.parquet the last history_len of train + valid items and the test
+    items. Counts, semantic-ID collisions, malformed lines and unknown items (with line numbers) go to prepare.json."""
+    if history_len <= 0:
+        raise ValueError(f"history_len must be positive, got {history_len}")
+    source_dir, out_dir = Path(source_dir), Path(out_dir)
+    indexes = sorted(source_dir.glob("*.index.json"))
+    if len(indexes) != 1:
+        raise ValueError(f"{source_dir}: expected one LC-Rec index file *.index.json, found {[p.name for p in indexes]}")
+    item_ids, sid, index_problems = read_lcrec_index(indexes[0], code_token)
+    order = np.argsort(item_ids)
+    item_ids, sid = item_ids[order], sid[order]
+    n_items, levels = sid.shape
+    codes = int(sid.max()) + 1
+    read = {s: read_lcrec_split(source_dir / name, item_ids) for s, name in LCREC_SPLITS.items()}
+    splits = {s: r[0] for s, r in read.items()}
+
+    def table(users: list[int], history_of, target_of=None) -> pa.Table:
+        hist = [history_of(u)[-history_len:] if target_of else history_of(u) for u in users]
+        columns = {"user_id": pa.array(users, pa.int64()), "history": pa.array(hist, _LIST_INT64)}
+        if target_of:
+            columns["target_items"] = pa.array([target_of(u) for u in users], _LIST_INT64)
+        return pa.table(columns)
+
+    train = splits["train"]
+    everyone = sorted(set(train) | set(splits["valid"]) | set(splits["test"]))
+    tables = {
+        "train": table(sorted(train), lambda u: train[u]),
+        "valid": table(everyone, lambda u: train.get(u, []), lambda u: splits["valid"].get(u, [])),
+        "test": table(everyone, lambda u: train.get(u, []) + splits["valid"].get(u, []),
+                      lambda u: splits["test"].get(u, [])),
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(levels, codes)
+    code_token_ids(tokenizer, sid)  # every catalog code has a token
+    tokenizer.save_pretrained(out_dir / "tokenizer")
+    for name, t in tables.items():
+        pq.write_table(t, out_dir / f"{name}.parquet")
+    collisions = semantic_id_collisions(item_ids, sid)
+    interactions = {s: int(sum(map(len, splits[s].values()))) for s in splits}
+    report = {
+        "source": str(source_dir.resolve()), "format": "lcrec", "history_len": history_len, "levels": levels,
+        "codes": codes, "items": n_items,
+        "distinct_semantic_ids": n_items - sum(len(c["item_ids"]) - 1 for c in collisions),
+        "semantic_id_collisions": collisions,
+        "index_problems": {"count": len(index_problems), "entries": index_problems[:REPORTED]},
+        "users": {s: len(tables[s]) for s in tables},
+        "users_with_targets": {s: int((pc.list_value_length(tables[s]["target_items"]).to_numpy() > 0).sum())
+                               for s in ("valid", "test")},
+        "interactions": interactions,
+        "lines": {s: r[1] for s, r in read.items()},
+        "history_length": {"train": length_summary(np.array([len(v) for v in train.values()]))},
+        "sha256": {p.name: sha256_file(p) for p in [indexes[0], *(source_dir / n for n in LCREC_SPLITS.values())]},
+    }
+    (out_dir / "prepare.json").write_text(json.dumps(report, indent=2))
+    pq.write_table(pa.table({"item_id": pa.array(item_ids, pa.int64()), "semantic_id": semantic_id_array(sid),
+                             "code_tokens": code_tokens_array(sid, codes)}), out_dir / "items.parquet")
+    return PrepareSummary(
+        out_dir=str(out_dir), items=n_items, distinct_semantic_ids=report["distinct_semantic_ids"],
+        colliding_semantic_ids=len(collisions), users=report["users"]["test"], interactions=interactions,
+        dropped_interactions={s: r[1]["unknown_items"] for s, r in read.items()},
+        levels=levels, codes=codes, history_len=history_len,
+        malformed_lines={s: r[1]["malformed_lines"] for s, r in read.items()}, index_problems=len(index_problems))
 
 
 # ---------------------------------------------------------------- synthetic data

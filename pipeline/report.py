@@ -72,6 +72,9 @@ def summarize(run: Run, gpu_hour_price: float) -> dict:
         "k": man["config"]["decoding"]["k"], "devices": sorted(set(m.device)), "code_version": man.get("code_version"),
         "models": {role: v["sha256"][:12] for role, v in man.get("models", {}).items()},
         "users_ok": users, "users_rejected": int(man["counts"]["users_rejected"]),
+        "users_non_finite": int(m.users_non_finite.sum()) if "users_non_finite" in m else 0,
+        "catalog": man.get("catalog"), "template": (man.get("template") or {}).get("name"),
+        "max_prompt_tokens": man.get("max_prompt_tokens"),
         "input_rows": int(man["counts"]["input_rows"]), "recommendations": int(m.recommendations.sum()),
         "batches": len(m), "actors": len(per_actor), "accelerators": accelerators,
         "decode_wall_s": wall, "total_s": float(man["timings"]["total_s"]), "busy_s": busy,
@@ -261,6 +264,9 @@ def summary_rows(runs: list[dict]) -> list[list[str]]:
             row("device", lambda s: ", ".join(s["devices"])),
             row("users ok", lambda s: num(s["users_ok"])),
             row("users rejected", lambda s: num(s["users_rejected"])),
+            row("of them: non-finite log-probs", lambda s: num(s["users_non_finite"])),
+            row("prompt template / longest prompt (tokens)", lambda s: f"{s['template'] or '-'} / "
+                                                                     f"{num(s['max_prompt_tokens'])}"),
             row("recommendations", lambda s: num(s["recommendations"])),
             row("batches / actors", lambda s: f"{num(s['batches'])} / {num(s['actors'])}"),
             row("decode wall time (s)", lambda s: num(s["decode_wall_s"])),
@@ -282,6 +288,18 @@ def summary_rows(runs: list[dict]) -> list[list[str]]:
     return rows
 
 
+def catalog_text(s: dict) -> str:
+    """The catalog a run decoded against and what its duplicate-semantic-ID policy dropped."""
+    c, d = s["catalog"], s["catalog"]["duplicates"]
+    text = (f"Catalog of {_label(s)}: {num(c['items'])} items, {num(c['indexed'])} distinct semantic IDs in the index; "
+            f"duplicate policy `{d['policy']}`: ")
+    if not d["dropped"]:
+        return text + "no item shares a semantic ID."
+    shown = ", ".join(f"{x['item_id']} (kept {x['kept']})" for x in d["items"][:30])
+    more = f" and {num(d['dropped'] - 30)} more (manifest.json lists all)" if d["dropped"] > 30 else ""
+    return text + f"**{num(d['dropped'])} items dropped** for sharing a semantic ID with a kept item: {shown}{more}."
+
+
 def comparison_text(run: dict, base: dict, outputs: dict) -> str:
     speed = run["users_per_s"] / base["users_per_s"]
     busy = run["users_per_busy_s"] / base["users_per_busy_s"]
@@ -300,6 +318,7 @@ def build_blocks(runs: list[dict], outputs: dict | None, evaluations: list[dict 
                               + ", ".join(f"{r} {h}" for r, h in s["models"].items()) + ")" for s in runs))]
     header = ["metric"] + [_label(s) for s in runs]
     blocks += [("h2", "Summary"), ("table", header, summary_rows(runs))]
+    blocks += [("p", catalog_text(s)) for s in runs if s["catalog"]]
     if outputs is not None:
         blocks += [("h2", "Comparison"), ("p", comparison_text(runs[0], runs[1], outputs))]
     for name, (_, heading) in FIGURES.items():

@@ -1,17 +1,20 @@
 """The nightly graph on a real local Ray with local files: exactly-once outputs equal to beam_search, bad rows in
 rejects, fail-fast on bad files and models, atomic reruns, and an actor killed mid-run."""
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from decoding.beam import beam_search
 from decoding.catalog import Catalog
 from decoding.models import build_model, load_model, load_tokenizer
 from decoding.stats import BASE_KEYS
-from operators.prompts import build_prompts
+from decoding.templates import PRESETS, write_template
+from operators.prompts import Renderer, catalog_probes
 from pipeline import runs
 from pipeline import storage as S
 from pipeline.config import load_config
@@ -25,6 +28,7 @@ def make_world(root):
         build_model(4 + 3 * 6, 1, 32, 2, 1, seed=seed).save_pretrained(root / name)
         for f in (root / "data" / "tokenizer").iterdir():
             shutil.copy(f, root / name / f.name)
+        write_template(root / name, PRESETS["codes"].with_max_items(8))
     return root
 
 
@@ -47,7 +51,7 @@ def ray_session(world):
 def config(world, out, *extra):
     return load_config(None, [f"input={world / 'data' / 'test.parquet'}", f"catalog={world / 'data' / 'items.parquet'}",
                               f"output={out}", f"models.target={world / 'target'}", f"models.draft={world / 'draft'}",
-                              "decoding.k=5", "decoding.history_len=8", "compute.batch_size=16", "run_date=2026-11-21",
+                              "decoding.k=5", "compute.batch_size=16", "run_date=2026-11-21",
                               f"models.cache_dir={world / 'cache'}", *extra])
 
 
@@ -77,7 +81,8 @@ def direct_beam_search(world, histories, k=5):
     tok = load_tokenizer(world / "target")
     items = pq.read_table(world / "data" / "items.parquet")
     cat = Catalog.from_table(items, tok, on_duplicate="first")
-    p = build_prompts(histories, cat.item_tokens, tok.bos_token_id, tok.pad_token_id, 8)
+    p = Renderer.compile(PRESETS["codes"].with_max_items(8), tok, catalog_probes(cat.item_tokens)).render(
+        histories, cat.item_tokens)
     return beam_search(load_model(world / "target"), p.input_ids, p.attention_mask, cat, k), p
 
 
@@ -169,3 +174,44 @@ def test_sampling_modes_return_distinct_catalog_items(world, ray_session, tmp_pa
         recs = t["recommendations"].to_pandas()
         assert (recs.groupby("user_id").item_id.nunique() == 5).all()
         assert_metrics_contract(t["metrics"], mode)  # DISC: its real forwards, tokens and phases
+
+
+def test_non_finite_users_are_rejected_and_duplicates_reported(world, ray_session, tmp_path):
+    """A target that overflows to NaN on one last-level code token (in prompts only: generated last-level tokens are
+    never fed back): exactly the users whose prompts hold it are rejected with
+    non_finite_logits (and counted), the others are decoded; catalog items that share a semantic ID are dropped by the
+    `first` policy and listed in the manifest and the report."""
+    from pipeline.nightly import run_nightly
+    from pipeline.report import report_run
+
+    items = pq.read_table(world / "data" / "items.parquet")
+    shared = pa.table({"item_id": [9001, 9002], "semantic_id": items["semantic_id"].to_pylist()[:2],
+                       "code_tokens": items["code_tokens"].to_pylist()[:2]}).cast(items.schema)
+    pq.write_table(pa.concat_tables([items, shared]), tmp_path / "items.parquet")
+    target = tmp_path / "target"
+    shutil.copytree(world / "target", target)
+    model = load_model(target)
+    tok = load_tokenizer(target)
+    bad_token = tok.convert_tokens_to_ids("<c_2>")
+    with torch.no_grad():
+        model.get_input_embeddings().weight[bad_token] = float("inf")
+    model.save_pretrained(target)
+    cfg = config(world, tmp_path / "out", f"models.target={target}", f"catalog={tmp_path / 'items.parquet'}")
+    manifest = run_nightly(cfg)
+    _, t = read_run(cfg)
+    users = pq.read_table(world / "data" / "test.parquet").to_pandas()
+    last_code = dict(zip(items["item_id"].to_pylist(), (s[-1] for s in items["semantic_id"].to_pylist())))
+    poisoned = {u for u, h in zip(users.user_id, users.history) if 2 in {last_code[i] for i in h[-8:]}}
+    assert 0 < len(poisoned) < len(users)
+    rejects = t["rejects"].to_pandas()
+    assert set(rejects[rejects.reason == "non_finite_logits"].user_id) == poisoned
+    assert set(t["recommendations"]["user_id"].to_pylist()) == set(users.user_id) - poisoned
+    assert t["metrics"].to_pandas().users_non_finite.sum() == len(poisoned) == manifest["counts"]["users_non_finite"]
+    dup = manifest["catalog"]["duplicates"]
+    assert dup["policy"] == "first" and dup["dropped"] == 2
+    assert dup["items"] == [{"item_id": 9001, "kept": items["item_id"][0].as_py()},
+                            {"item_id": 9002, "kept": items["item_id"][1].as_py()}]
+    _, out = report_run(str(tmp_path / "out"), cfg.storage)
+    md = (Path(out) / "report.md").read_text()
+    assert "**2 items dropped** for sharing a semantic ID with a kept item: 9001" in md
+    assert f"| of them: non-finite log-probs | {len(poisoned)} |" in md

@@ -71,7 +71,7 @@ def test_code_token_ids_matches_per_token_conversion():
 
 def test_code_token_ids_unknown_codes_raise():
     tok = build_tokenizer(2, 8)
-    with pytest.raises(ValueError, match=r"rows \[2, 3\]"):
+    with pytest.raises(ValueError, match=r"2 code tokens .* missing from the tokenizer: <a_8>, <b_9> .*rows \[2, 3\]"):
         code_token_ids(tok, np.array([[0, 1], [7, 7], [8, 0], [1, 9]]))
     with pytest.raises(ValueError, match=r"rows \[1\]"):
         code_token_ids(tok, np.array([[0, 1], [-1, 0]]))
@@ -261,4 +261,56 @@ def test_cli_synthetic(tmp_path):
     assert pq.read_metadata(out / "test.parquet").num_rows == 300
     bad = subprocess.run([sys.executable, "-m", "jobs.prepare_data", "--synthetic", "--users", "0", "--items", "5",
                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "--users: must be positive" in bad.stderr
+    assert bad.returncode == 2 and "--users: expected an integer >= 1, got 0" in bad.stderr
+
+
+# ---------------------------------------------------------------- the LC-Rec layout
+
+def test_lcrec_format_with_every_problem_reported(tmp_path):
+    """An LC-Rec index JSON and sequential_*.txt files -> the project's parquet contracts; collisions, bad index
+    entries, malformed lines and unknown items are counted and listed with line numbers, never silently dropped."""
+    src = tmp_path / "lcrec"
+    src.mkdir()
+    index = {str(i): [f"<a_{i % 3}>", f"<b_{i}>", f"<c_{2 * i}>"] for i in range(7)}
+    index["7"] = index["0"]  # shares item 0's semantic ID
+    index["8"] = ["<a_1>", "<b_2>"]  # too short
+    index["9"] = ["<b_1>", "<a_2>", "<c_3>"]  # out of level order
+    (src / "Toy.index.json").write_text(json.dumps(index))
+    (src / "sequential_train.txt").write_text("1 0 1 2\n2 3 4\n\n3 5 abc\n4 6 99 1\n2 5\n5\n")
+    (src / "sequential_valid.txt").write_text("1 3\n2 5\n")
+    (src / "sequential_test.txt").write_text("1 4\n4 2\n")
+    out = tmp_path / "out"
+    run = subprocess.run([sys.executable, "-m", "jobs.prepare_data", "--format", "lcrec", "--source", str(src),
+                          "--out", str(out), "--history-len", "3"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    summary = json.loads(run.stdout)
+    assert (summary["items"], summary["colliding_semantic_ids"], summary["index_problems"]) == (8, 1, 2)
+    assert summary["malformed_lines"] == {"train": 3, "valid": 0, "test": 0}
+    assert summary["dropped_interactions"] == {"train": 1, "valid": 0, "test": 0}
+    items = pq.read_table(out / "items.parquet")
+    assert items["item_id"].to_pylist() == list(range(8))
+    assert _lists(items, "semantic_id")[5] == [2, 5, 10] and _lists(items, "code_tokens")[5] == ["<a_2>", "<b_5>",
+                                                                                                 "<c_10>"]
+    report = json.loads((out / "prepare.json").read_text())
+    assert [c["item_ids"] for c in report["semantic_id_collisions"]] == [[0, 7]]
+    assert sorted(p["item"] for p in report["index_problems"]["entries"]) == ["8", "9"]
+    lines = report["lines"]["train"]
+    assert [(m["line"], m["reason"]) for m in lines["malformed"]] == [
+        (4, "not all fields are integers"), (6, "user 2 listed again"), (7, "a user without items")]
+    assert lines["unknown"] == [{"line": 5, "user": 4, "items": [99]}]
+    train, valid, test = (pq.read_table(out / f"{s}.parquet").to_pylist() for s in ("train", "valid", "test"))
+    assert train == [{"user_id": 1, "history": [0, 1, 2]}, {"user_id": 2, "history": [3, 4]},
+                     {"user_id": 4, "history": [6, 1]}]
+    assert [(r["user_id"], r["history"], r["target_items"]) for r in valid] == [
+        (1, [0, 1, 2], [3]), (2, [3, 4], [5]), (4, [6, 1], [])]
+    # a test user's history is its train + valid items (the last history_len of them)
+    assert [(r["user_id"], r["history"], r["target_items"]) for r in test] == [
+        (1, [1, 2, 3], [4]), (2, [3, 4, 5], []), (4, [6, 1], [2])]
+    bad = subprocess.run([sys.executable, "-m", "jobs.prepare_data", "--format", "lcrec", "--out", str(out)],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--format lcrec needs --source DIR" in bad.stderr
+    (src / "sequential_valid.txt").unlink()
+    missing = subprocess.run([sys.executable, "-m", "jobs.prepare_data", "--format", "lcrec", "--source", str(src),
+                              "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 1 and "sequential_valid.txt: file not found" in missing.stderr

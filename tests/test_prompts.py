@@ -1,4 +1,7 @@
-"""operators/prompts.py (build_prompts), operators/validate.py (row rules) and the catalog's item-to-tokens map."""
+"""Prompt templates rendered by operators/prompts.py (the `codes` format exactly as before; the LC-Rec instruction
+prompt equal to the tokenizer's own ids for a real BPE tokenizer), operators/validate.py (row rules) and the
+catalog's item-to-tokens map."""
+from dataclasses import replace
 
 import numpy as np
 import pyarrow as pa
@@ -6,9 +9,19 @@ import pytest
 import torch
 
 from decoding.catalog import Catalog, ItemTokens
-from operators.prompts import build_prompts, ragged_ranges
+from decoding.templates import PRESETS, PromptTemplate, get_template, read_template, write_template
+from operators.prompts import Renderer, catalog_probes, ragged_ranges
 from operators.validate import validate
 from pipeline.prepare import build_tokenizer
+from tests.helpers import bpe_tokenizer
+
+
+def build_prompts(histories, items, bos, pad, history_len):
+    """The `codes` template (<bos> + the code tokens of the last history_len items) with the project tokenizer."""
+    tok = build_tokenizer(2, 8)
+    assert (tok.bos_token_id, tok.pad_token_id) == (bos, pad)
+    renderer = Renderer.compile(PRESETS["codes"].with_max_items(history_len), tok, catalog_probes(items))
+    return renderer.render(histories, items)
 
 # L = 2 levels, 8 codes: token id of (level j, code c) = 4 + 8 j + c
 CATALOG = pa.table({"item_id": [30, 10, 20], "semantic_id": [[5, 0], [1, 2], [3, 4]]})
@@ -92,7 +105,7 @@ def test_history_len_keeps_most_recent(items):
     # an unknown item older than the window is not used, so the row is fine
     p = build_prompts([[99, 10, 20]], items, BOS, PAD, history_len=2)
     assert p.input_ids.tolist() == [[BOS, *T10, *T20]]
-    with pytest.raises(ValueError, match="history_len"):
+    with pytest.raises(ValueError, match="max_items must be an integer >= 1"):
         build_prompts([[10]], items, BOS, PAD, history_len=0)
 
 
@@ -109,3 +122,102 @@ def test_arrow_input_same_as_lists(items):
 
 def test_ragged_ranges():
     assert ragged_ranges(np.array([5, 0, 2]), np.array([2, 0, 3])).tolist() == [5, 6, 2, 3, 4]
+
+
+# ---------------------------------------------------------------- templates with a real BPE tokenizer
+
+LEVELS, CODES = 3, 6
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    """A byte-level BPE trained here on instruction text, the code tokens added as tokens of their own, <s> added
+    by the tokenizer itself (as Llama's does); a catalog of 120 random items over 3 levels x 6 codes."""
+    tok = bpe_tokenizer(LEVELS, CODES)
+    rng = np.random.default_rng(0)
+    sid = np.unique(rng.integers(0, CODES, size=(200, LEVELS)), axis=0)[:120]
+    table = pa.table({"item_id": np.arange(len(sid)) * 7 + 3, "semantic_id": sid.tolist()})
+    return tok, Catalog.from_table(table, tok), dict(zip(table["item_id"].to_pylist(), sid.tolist()))
+
+
+@pytest.mark.parametrize("preset", ["lcrec", "codes"])
+def test_rendered_ids_equal_the_tokenizer_on_the_rendered_text(bpe, preset):
+    """Every history length 1 .. max_items (and longer histories, cut to the last max_items), 400 histories in
+    batches: the ids are exactly tokenizer(text), the text being what the template writes."""
+    tok, cat, codes_of = bpe
+    template = PRESETS[preset]
+    renderer = Renderer.compile(template, tok, catalog_probes(cat.item_tokens))
+    rng = np.random.default_rng(1)
+    item_ids = np.array(sorted(codes_of))
+    lengths = np.concatenate([np.arange(1, 26), rng.integers(1, 30, size=375)])  # 1..25 and 375 random lengths
+    histories = [rng.choice(item_ids, size=n).tolist() for n in lengths]
+    for a in range(0, len(histories), 64):
+        batch = histories[a:a + 64]
+        p = renderer.render(batch, cat.item_tokens)
+        for row, history in enumerate(batch):
+            text = template.text([codes_of[i] for i in history])
+            want = tok(text)["input_ids"]  # the way a user of the model calls it (the tokenizer adds <s>)
+            real = p.input_ids[row][p.attention_mask[row].bool()].tolist()
+            assert real == want, (preset, len(history), text)
+            assert p.attention_mask[row, : p.input_ids.shape[1] - len(want)].sum() == 0  # left padding only
+    assert renderer.max_len == len(tok(template.text([codes_of[3]] * 20))["input_ids"])
+    if preset == "lcrec":  # the AtSpeed paper's prompt, history numbered and joined with ", "
+        (a1, b1, c1), (a2, b2, c2) = codes_of[3], codes_of[10]
+        assert template.text([codes_of[3], codes_of[10]]) == (
+            "Below is an instruction that describes a task. Write a response that appropriately completes the "
+            "request.\n\n### Instruction:\nThe user has interacted with items "
+            f"1. <a_{a1}><b_{b1}><c_{c1}>, 2. <a_{a2}><b_{b2}><c_{c2}> in chronological order. Can you predict the "
+            "next possible item that the user may expect?\n\n### Response:")
+
+
+def test_a_tokenizer_that_merges_text_into_code_tokens_is_refused(bpe):
+    """A tokenizer whose vocabulary holds every code token but that does not split them out of the text around them
+    (words split at whitespace only, the way a tokenizer without added tokens treats `<a_0><b_1><c_2>,`): the
+    template is refused at compile time, never rendered differently."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    _, _, codes_of = bpe
+    words = ["<unk>", "<s>", "<pad>"] + [f"<{chr(97 + j)}_{c}>" for j in range(LEVELS) for c in range(CODES)]
+    words += sorted(set(PRESETS["lcrec"].text([]).split()))
+    raw = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    merging = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", pad_token="<pad>", unk_token="<unk>")
+    catalog = Catalog.from_table(pa.table({"item_id": list(codes_of), "semantic_id": list(codes_of.values())}),
+                                 merging)  # every code token is in the vocabulary ...
+    with pytest.raises(ValueError, match="code tokens must be tokens of their own"):  # ... but not kept apart
+        Renderer.compile(PRESETS["lcrec"], merging, catalog_probes(catalog.item_tokens))
+    with pytest.raises(ValueError, match=r"1-item prompt .* found 0\)"):  # `<a_0><b_1><c_2>` is one word to it
+        Renderer.compile(PRESETS["codes"], merging, catalog_probes(catalog.item_tokens))
+
+
+def test_template_files_and_refusals(tmp_path, bpe):
+    tok, cat, _ = bpe
+    custom = PromptTemplate(name="mine", prefix="History: ", item="[{index}] {codes}", separator="; ",
+                            suffix="\nNext:", max_items=5, bos=False, code_token="<{level}_{code}>")
+    write_template(tmp_path, custom)
+    assert read_template(tmp_path) == custom == get_template(str(tmp_path / "genrec_template.json"))
+    assert get_template("lcrec") is PRESETS["lcrec"]
+    r = Renderer.compile(custom, tok, catalog_probes(cat.item_tokens))
+    (a1, b1, c1), (a2, b2, c2) = bpe[2][3], bpe[2][10]
+    ids = r.render([[3, 10]], cat.item_tokens).input_ids[0].tolist()
+    text = f"History: [1] <a_{a1}><b_{b1}><c_{c1}>; [2] <a_{a2}><b_{b2}><c_{c2}>\nNext:"
+    assert ids == tok(text, add_special_tokens=False)["input_ids"]  # bos: false
+    with pytest.raises(ValueError, match=r"no genrec_template.json.*python -m jobs.template --model"):
+        read_template(tmp_path / "elsewhere")
+    with pytest.raises(ValueError, match=r"must contain \{codes\} exactly once"):
+        PromptTemplate(item="{index}")
+    with pytest.raises(ValueError, match="unknown prompt template field"):
+        PromptTemplate.from_dict({"prefix": "x", "colour": "red"})
+    with pytest.raises(ValueError, match="neither a preset"):
+        get_template("no-such-preset")
+    no_bos = bpe_tokenizer(LEVELS, CODES)
+    no_bos.bos_token = None
+    with pytest.raises(ValueError, match="the tokenizer has no BOS token"):
+        Renderer.compile(PRESETS["lcrec"], no_bos, catalog_probes(cat.item_tokens))
+    # code tokens named differently: every one the catalog needs must exist, named in the error
+    other = replace(PRESETS["lcrec"], code_token="<|{level_index}_{code}|>")
+    every = pa.table({"item_id": list(range(216)),
+                      "semantic_id": [[a, b, c] for a in range(6) for b in range(6) for c in range(6)]})
+    with pytest.raises(ValueError, match=r"18 code tokens the catalog needs are missing from the tokenizer: <\|0_0\|>"):
+        Catalog.from_table(every, tok, code_token=other.code)

@@ -1,7 +1,8 @@
 """Training shared by the target and the draft (`pipeline/training/target.py`, `draft.py`): data, loop, checkpoints.
 
-Samples: every prefix of every training history; the prompt is the last `history_len` items before position j
-(the `prepare_data` prompt format), the label is item j's L code tokens. The losses live in `decoding/alignment.py`.
+Samples: every prefix of every training history; the prompt is the last `history_len` items before position j,
+written by the model's prompt template (operators/prompts.py), the label is item j's L code tokens. The losses live
+in `decoding/alignment.py`.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from decoding.beam import beam_search
 from decoding.catalog import Catalog, ItemTokens
 from decoding.metrics import recall_ndcg
 from decoding.models import load_model
-from operators.prompts import build_prompts, ragged_ranges
+from decoding.templates import PromptTemplate, write_template
+from operators.prompts import Renderer, catalog_probes, ragged_ranges
 from pipeline.storage import sha256_file
 
 
@@ -41,7 +43,8 @@ class TrainConfig:
     warmup: int = 200
     clip: float = 1.0
     patience: int = 2  # epochs without improvement before stopping
-    history_len: int = 20
+    history_len: int | None = None  # items per prompt (None: the template's max_items)
+    template: str | None = None  # prompt template: a preset (codes, lcrec) or a JSON file; see target.py / draft.py
     max_samples: int | None = None  # a seeded random subset of the training samples
     eval_users: int = 1000  # validation users scored each epoch
     test_users: int | None = None  # test users scored with the kept checkpoint (None: all)
@@ -55,6 +58,7 @@ class Data:
     tokenizer: object
     catalog: Catalog  # on the training device
     item_tokens: ItemTokens
+    renderer: Renderer  # the model's prompt template, compiled against the tokenizer
     values: np.ndarray  # [T] all training interactions, users concatenated
     sample_end: np.ndarray  # [N] position of each sample's label item in `values`
     sample_start: np.ndarray  # [N] first position of the sample's user in `values`
@@ -62,23 +66,32 @@ class Data:
     eval_targets: list
     fingerprint: str
 
+    @property
+    def history_len(self) -> int:
+        """Items per prompt."""
+        return self.renderer.max_items
+
 
 def sha256_files(paths) -> str:
     """One fingerprint for several files: sha256 over their sha256s, in order."""
     return hashlib.sha256("".join(sha256_file(Path(p)) for p in paths).encode()).hexdigest()
 
 
-def load_data(data_dir, tokenizer, history_len: int, eval_users: int, device, split: str = "valid") -> Data:
-    """Reads a `prepare_data` folder, checks the catalog against the tokenizer, and builds the samples."""
+def load_data(data_dir, tokenizer, template: PromptTemplate, eval_users: int, device, split: str = "valid") -> Data:
+    """Reads a `prepare_data` folder, checks the catalog against the tokenizer (every code token named by the
+    template must exist) and the template against the tokenizer, and builds the samples."""
     data_dir = Path(data_dir)
     for name in ("items.parquet", "train.parquet", f"{split}.parquet"):
         if not (data_dir / name).is_file():
             raise ValueError(f"{data_dir / name} not found: run `python -m jobs.prepare_data --out {data_dir}`")
     try:  # a catalog/tokenizer mismatch fails here, before any training
-        catalog = Catalog.from_parquet(data_dir / "items.parquet", tokenizer, on_duplicate="first", device=device)
+        catalog = Catalog.from_parquet(data_dir / "items.parquet", tokenizer, on_duplicate="first", device=device,
+                                       code_token=template.code)
     except ValueError as e:
         raise ValueError(f"catalog and tokenizer do not match: {e}") from None
     item_tokens = catalog.item_tokens
+    renderer = Renderer.compile(template, tokenizer, catalog_probes(item_tokens))
+    history_len = renderer.max_items
 
     train = pq.read_table(data_dir / "train.parquet", columns=["history"]).column("history").combine_chunks()
     values = train.flatten().to_numpy().astype(np.int64)  # [T]
@@ -98,7 +111,7 @@ def load_data(data_dir, tokenizer, history_len: int, eval_users: int, device, sp
         raise ValueError(f"{data_dir / 'train.parquet'}: empty training set (no history with two known items)")
 
     histories, targets = load_eval_users(data_dir, split, eval_users)
-    return Data(tokenizer, catalog, item_tokens, values, end, start, histories, targets,
+    return Data(tokenizer, catalog, item_tokens, renderer, values, end, start, histories, targets,
                 sha256_files([data_dir / "items.parquet", data_dir / "train.parquet", data_dir / f"{split}.parquet"]))
 
 
@@ -112,27 +125,26 @@ def load_eval_users(data_dir, split: str, limit: int | None) -> tuple[list, list
     return [ev["history"][i] for i in keep], [ev["target_items"][i] for i in keep]
 
 
-def prompts(data: Data, histories, history_len: int, device):
+def prompts(data: Data, histories, device):
     """Histories -> left-padded (input_ids, attention_mask) on the device; all rows must be valid."""
-    tok = data.tokenizer
-    p = build_prompts(histories, data.item_tokens, tok.bos_token_id, tok.pad_token_id, history_len)
+    p = data.renderer.render(histories, data.item_tokens)
     return p.input_ids.to(device), p.attention_mask.to(device)
 
 
-def sample_batch(data: Data, idx: np.ndarray, history_len: int, device):
+def sample_batch(data: Data, idx: np.ndarray, device):
     """Sample indices [B] -> (input_ids [B, S], attention_mask [B, S], label tokens [B, L])."""
     end, start = data.sample_end[idx], data.sample_start[idx]
-    window = np.maximum(start, end - history_len)
+    window = np.maximum(start, end - data.history_len)
     histories = [data.values[a:b] for a, b in zip(window, end)]
-    ids, mask = prompts(data, histories, history_len, device)
+    ids, mask = prompts(data, histories, device)
     labels = torch.from_numpy(data.item_tokens.lookup(data.values[end])[0]).to(device)
     return ids, mask, labels
 
 
-def batches(data: Data, subset: np.ndarray, batch_size: int, rng: np.random.Generator, history_len: int):
+def batches(data: Data, subset: np.ndarray, batch_size: int, rng: np.random.Generator):
     """Shuffled batches of sample indices, length-bucketed (sorted within chunks of 50 batches) to cut padding."""
     order = rng.permutation(subset)
-    lengths = np.minimum(data.sample_end[order] - data.sample_start[order], history_len)
+    lengths = np.minimum(data.sample_end[order] - data.sample_start[order], data.history_len)
     out = []
     chunk = 50 * batch_size
     for a in range(0, len(order), chunk):
@@ -154,12 +166,12 @@ def autocast(device: torch.device):
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
-def train_epoch(model, step_loss, data: Data, subset, batch_size, rng, history_len, opt, sched, clip, device,
+def train_epoch(model, step_loss, data: Data, subset, batch_size, rng, opt, sched, clip, device,
                 desc: str) -> float:
     """One pass over `subset`; step_loss(model, batch_idx) -> scalar loss. Returns the mean training loss."""
     model.train()
     total, count = 0.0, 0
-    bar = tqdm(batches(data, subset, batch_size, rng, history_len), desc=desc, mininterval=5, leave=False)
+    bar = tqdm(batches(data, subset, batch_size, rng), desc=desc, mininterval=5, leave=False)
     for idx in bar:
         with autocast(device):
             loss = step_loss(model, idx)
@@ -185,7 +197,7 @@ def fit(model, tokenizer, step_loss, validate, data: Data, subset, cfg: TrainCon
                                         total_steps(len(subset), cfg.batch_size, cfg.epochs))
     best, bad_epochs, clock = float("-inf"), 0, Timer()
     for epoch in range(1, cfg.epochs + 1):
-        loss = train_epoch(model, step_loss, data, subset, cfg.batch_size, rng, cfg.history_len, opt, sched,
+        loss = train_epoch(model, step_loss, data, subset, cfg.batch_size, rng, opt, sched,
                            cfg.clip, device, f"{name} epoch {epoch}")
         metrics, score = validate(model)
         report["epochs"].append({"epoch": epoch, "train_loss": loss, "valid": metrics, "seconds": clock()})
@@ -193,7 +205,7 @@ def fit(model, tokenizer, step_loss, validate, data: Data, subset, cfg: TrainCon
         if score > best:
             best, bad_epochs = score, 0
             report["best_epoch"] = epoch
-            save_checkpoint(model, tokenizer, out)
+            save_checkpoint(model, tokenizer, data.renderer.template, out)
         else:
             bad_epochs += 1
         write_report(out, report)
@@ -203,27 +215,28 @@ def fit(model, tokenizer, step_loss, validate, data: Data, subset, cfg: TrainCon
 
 
 @torch.no_grad()
-def evaluate_recommendations(model, data: Data, histories, targets, history_len: int, batch_size: int, device,
+def evaluate_recommendations(model, data: Data, histories, targets, batch_size: int, device,
                              ks=(5, 10, 20)) -> dict:
     """Recall@K / NDCG@K of beam_search on held-out users (targets = the split's items)."""
     model.eval()
     recs = []
     for a in range(0, len(histories), batch_size):
-        ids, mask = prompts(data, histories[a:a + batch_size], history_len, device)
+        ids, mask = prompts(data, histories[a:a + batch_size], device)
         recs.append(beam_search(model, ids, mask, data.catalog, max(ks)).item_ids.cpu().numpy())
     if not recs:
         return {"users": 0}
     return recall_ndcg(np.concatenate(recs), targets, ks)
 
 
-def save_checkpoint(model, tokenizer, out: Path) -> None:
-    """Writes safetensors weights + config + tokenizer into `out`, replacing what was there atomically enough:
-    a temporary folder is filled first, then swapped in."""
+def save_checkpoint(model, tokenizer, template: PromptTemplate, out: Path) -> None:
+    """Writes safetensors weights + config + tokenizer + the prompt template into `out`, replacing what was there
+    atomically enough: a temporary folder is filled first, then swapped in."""
     tmp = out.with_name(out.name + ".tmp")
     if tmp.exists():
         _rmtree(tmp)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
+    write_template(tmp, template)
     for f in out.glob("*") if out.exists() else []:
         if f.name != "training.json" and f.is_file():
             f.unlink()

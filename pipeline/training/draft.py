@@ -19,6 +19,7 @@ from decoding import alignment as A
 from decoding.beam import beam_search
 from decoding.metrics import topk_coverage
 from decoding.models import build_model, load_model, load_tokenizer, pick_device
+from decoding.templates import TEMPLATE_FILE, PromptTemplate, get_template, read_template
 from decoding.tree import chain_forward
 from pipeline.training.common import (Data, TrainConfig, config_dict, fit, load_data, load_eval_users, prompts,
                                       sample_batch, seed_everything, subset_of, write_report)
@@ -69,12 +70,12 @@ def check_config(cfg: DraftConfig, target, tokenizer, draft) -> None:
 
 
 @torch.no_grad()
-def beams_per_step(model, data: Data, histories, width: int, history_len: int, batch_size: int, device):
+def beams_per_step(model, data: Data, histories, width: int, batch_size: int, device):
     """Top-`width` beams after each step t = 1..L -> list over t of [U, width, t]."""
     model.eval()
     out = [[] for _ in range(data.catalog.code_len)]
     for a in range(0, len(histories), batch_size):
-        ids, mask = prompts(data, histories[a:a + batch_size], history_len, device)
+        ids, mask = prompts(data, histories[a:a + batch_size], device)
         for t in range(1, data.catalog.code_len + 1):
             out[t - 1].append(beam_search(model, ids, mask, data.catalog, width, steps=t).token_ids.cpu())
     return [torch.cat(x) for x in out]
@@ -83,6 +84,18 @@ def beams_per_step(model, data: Data, histories, width: int, history_len: int, b
 def coverage(target_beams, draft_beams) -> list[float]:
     """Per step t: fraction of users whose target top-K beams are all among the draft's top-N."""
     return [float(topk_coverage(t, d).float().mean()) for t, d in zip(target_beams, draft_beams)]
+
+
+def draft_template(cfg: DraftConfig) -> PromptTemplate:
+    """The target's prompt template: a draft reads the prompts its target reads."""
+    template = read_template(cfg.target)
+    if cfg.template is not None and get_template(cfg.template) != template:
+        raise ValueError(f"template {cfg.template!r} differs from the target's ({cfg.target}/{TEMPLATE_FILE}): a "
+                         "draft is trained on its target's prompts")
+    if cfg.history_len is not None and cfg.history_len != template.max_items:
+        raise ValueError(f"history_len {cfg.history_len} differs from the target's template ({template.max_items} "
+                         "items): a draft is trained on its target's prompts")
+    return template
 
 
 def train_draft(cfg: DraftConfig) -> dict:
@@ -97,15 +110,16 @@ def train_draft(cfg: DraftConfig) -> dict:
     draft = load_model(cfg.init, device=str(device), dtype="float32") if cfg.init else build_model(
         target.config.vocab_size, cfg.layers, cfg.hidden, cfg.heads, cfg.kv_heads, seed=cfg.seed).to(device)
     check_config(cfg, target, tokenizer, draft)
-    data = load_data(cfg.data, tokenizer, cfg.history_len, cfg.eval_users, device)
+    template = draft_template(cfg)
+    data = load_data(cfg.data, tokenizer, template, cfg.eval_users, device)
     subset = subset_of(len(data.sample_end), cfg.max_samples, rng)
     teacher = None if cfg.objective == "sft" else teacher_data(
-        cfg.target, target, data, subset, cfg.k, cfg.history_len, cfg.teacher_batch, device, cfg.teacher_cache)
+        cfg.target, target, data, subset, cfg.k, cfg.teacher_batch, device, cfg.teacher_cache)
     span_lo = teacher.span_lo if teacher is not None else None
     width = teacher.top_logits.shape[-1] if teacher is not None else None
 
     def step_loss(m, idx):
-        ids, mask, labels = sample_batch(data, idx, cfg.history_len, device)  # labels [B, L]
+        ids, mask, labels = sample_batch(data, idx, device)  # labels [B, L]
         if cfg.objective in ("sft", "wordkd", "tvdkd"):
             logits = chain_forward(m, ids, mask, labels[:, None])  # [B, 1, L, V]
             rec = A.recommendation_loss(logits[:, 0], labels)
@@ -130,23 +144,23 @@ def train_draft(cfg: DraftConfig) -> dict:
             align = A.atspeed_r(draft_span, target_span, valid, cfg.k, weight)
         return A.mix(rec, align, cfg.alpha)
 
-    target_valid = beams_per_step(target, data, data.eval_histories, cfg.k, cfg.history_len, cfg.eval_batch, device)
-    report = {"kind": "draft", "objective": cfg.objective, "config": config_dict(cfg),
+    target_valid = beams_per_step(target, data, data.eval_histories, cfg.k, cfg.eval_batch, device)
+    report = {"kind": "draft", "objective": cfg.objective, "config": config_dict(cfg), "template": template.to_dict(),
               "data_fingerprint": data.fingerprint, "samples": int(len(subset)), "device": str(device),
               "parameters": sum(p.numel() for p in draft.parameters()),
               "target_parameters": sum(p.numel() for p in target.parameters()), "epochs": []}
 
     def validate(m):  # what strict verification needs, at every step
-        cov = coverage(target_valid, beams_per_step(m, data, data.eval_histories, cfg.draft_beams, cfg.history_len,
-                                                    cfg.eval_batch, device))
+        cov = coverage(target_valid, beams_per_step(m, data, data.eval_histories, cfg.draft_beams, cfg.eval_batch,
+                                                    device))
         return {"coverage": cov}, float(np.mean(cov))
 
     best_draft = fit(draft, tokenizer, step_loss, validate, data, subset, cfg, rng, device, Path(cfg.out), report,
                      f"draft {cfg.objective}")
     histories, _ = load_eval_users(cfg.data, "test", cfg.test_users)
     report["test_coverage"] = coverage(
-        beams_per_step(target, data, histories, cfg.k, cfg.history_len, cfg.eval_batch, device),
-        beams_per_step(best_draft, data, histories, cfg.draft_beams, cfg.history_len, cfg.eval_batch, device))
+        beams_per_step(target, data, histories, cfg.k, cfg.eval_batch, device),
+        beams_per_step(best_draft, data, histories, cfg.draft_beams, cfg.eval_batch, device))
     report["test_users"] = len(histories)
     write_report(Path(cfg.out), report)
     print(f"draft {cfg.objective} test coverage (users {len(histories)}): {report['test_coverage']}", file=sys.stderr)

@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 from decoding.alignment import recommendation_loss
 from decoding.codes import semantic_id_matrix
 from decoding.models import add_code_tokens, build_model, load_model, load_tokenizer, pick_device
+from decoding.templates import get_template
 from decoding.tree import chain_forward
 from pipeline.training.common import (TrainConfig, config_dict, evaluate_recommendations, fit, load_data,
                                       load_eval_users, sample_batch, seed_everything, subset_of, write_report)
@@ -32,7 +33,7 @@ PRESETS = {  # small: CPU demo within minutes; gpu-*: real runs on an accelerato
 class TargetConfig(TrainConfig):
     data: str
     out: str
-    base_model: str | None = None
+    base_model: str | None = None  # template default: `codes` from scratch, `lcrec` on a base model
 
 
 def train_target(cfg: TargetConfig) -> dict:
@@ -41,37 +42,37 @@ def train_target(cfg: TargetConfig) -> dict:
     device = pick_device(cfg.device)
     rng = seed_everything(cfg.seed)
     data_dir, out = Path(cfg.data), Path(cfg.out)
+    template = get_template(cfg.template or ("lcrec" if cfg.base_model else "codes")).with_max_items(cfg.history_len)
     if cfg.base_model:  # LC-Rec: a pretrained causal LM gets the code tokens
         model = load_model(cfg.base_model, device="cpu", dtype="float32")
         tokenizer = load_tokenizer(cfg.base_model)
         codes = semantic_id_matrix(pq.read_table(data_dir / "items.parquet"), str(data_dir / "items.parquet"))
-        add_code_tokens(model, tokenizer, levels=codes.shape[1], codes=int(codes.max()) + 1)
+        add_code_tokens(model, tokenizer, codes.shape[1], int(codes.max()) + 1, template)
     else:
         tokenizer = load_tokenizer(data_dir / "tokenizer")
         model = build_model(len(tokenizer), cfg.layers, cfg.hidden, cfg.heads, cfg.kv_heads, seed=cfg.seed)
-    data = load_data(data_dir, tokenizer, cfg.history_len, cfg.eval_users, device)
+    data = load_data(data_dir, tokenizer, template, cfg.eval_users, device)
     model.to(device)
     subset = subset_of(len(data.sample_end), cfg.max_samples, rng)
 
     def step_loss(m, idx):
-        ids, mask, labels = sample_batch(data, idx, cfg.history_len, device)
+        ids, mask, labels = sample_batch(data, idx, device)
         logits = chain_forward(m, ids, mask, labels[:, None])[:, 0]  # [B, L, V]
         return recommendation_loss(logits, labels)
 
-    report = {"kind": "target", "config": config_dict(cfg), "data_fingerprint": data.fingerprint,
+    report = {"kind": "target", "config": config_dict(cfg), "template": template.to_dict(),
+              "data_fingerprint": data.fingerprint,
               "samples": int(len(subset)), "eval_users": len(data.eval_histories), "device": str(device),
               "parameters": sum(p.numel() for p in model.parameters()), "epochs": []}
 
     def validate(m):
-        metrics = evaluate_recommendations(m, data, data.eval_histories, data.eval_targets, cfg.history_len,
-                                           cfg.eval_batch, device)
+        metrics = evaluate_recommendations(m, data, data.eval_histories, data.eval_targets, cfg.eval_batch, device)
         return metrics, metrics.get("ndcg@10", 0.0)
 
     best_model = fit(model, tokenizer, step_loss, validate, data, subset, cfg, rng, device, out, report, "target")
     # the kept checkpoint on the test split (the paper's protocol: users without targets are skipped)
     histories, targets = load_eval_users(data_dir, "test", cfg.test_users)
-    report["test"] = evaluate_recommendations(best_model, data, histories, targets, cfg.history_len,
-                                              cfg.eval_batch, device)
+    report["test"] = evaluate_recommendations(best_model, data, histories, targets, cfg.eval_batch, device)
     write_report(out, report)
     print(f"target test (best epoch {report['best_epoch']}): {report['test']}", file=sys.stderr)
     return report

@@ -44,14 +44,13 @@ class Teacher:
 
 
 @torch.no_grad()
-def build_teacher(target, data: Data, subset: np.ndarray, k: int, history_len: int, batch_size: int,
-                  device) -> Teacher:
+def build_teacher(target, data: Data, subset: np.ndarray, k: int, batch_size: int, device) -> Teacher:
     target.eval()
     span_lo, width = level_spans(data.catalog)
     tokens, gt_logits, top_logits = [], [], []
     for a in tqdm(range(0, len(subset), batch_size), desc="teacher data", mininterval=5):
         idx = subset[a:a + batch_size]
-        ids, mask, labels = sample_batch(data, idx, history_len, device)
+        ids, mask, labels = sample_batch(data, idx, device)
         top = beam_search(target, ids, mask, data.catalog, k).token_ids  # [B, K, L]
         logits = chain_forward(target, ids, mask, torch.cat([labels[:, None], top.clamp(min=0)], 1)).float()
         tokens.append(top.cpu())
@@ -61,10 +60,12 @@ def build_teacher(target, data: Data, subset: np.ndarray, k: int, history_len: i
                    torch.cat(top_logits), span_lo)
 
 
-def teacher_data(target_dir, target, data: Data, subset: np.ndarray, k: int, history_len: int, batch_size: int,
-                 device, cache_dir=None) -> Teacher:
-    """The cached teacher data for these samples, built (and written) when missing or stale."""
-    key = {"target": fingerprint(target_dir), "data": data.fingerprint, "k": k, "history_len": history_len,
+def teacher_data(target_dir, target, data: Data, subset: np.ndarray, k: int, batch_size: int, device,
+                 cache_dir=None) -> Teacher:
+    """The cached teacher data for these samples, built (and written) when missing or stale (keyed by the target's
+    weights, the data, K, the prompt template and the samples)."""
+    key = {"target": fingerprint(target_dir), "data": data.fingerprint, "k": k,
+           "template": data.renderer.template.to_dict(),
            "samples": hashlib.sha256(np.asarray(subset, dtype=np.int64).tobytes()).hexdigest()}
     cache = Path(cache_dir) if cache_dir else Path(target_dir) / "teacher"
     name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
@@ -73,7 +74,7 @@ def teacher_data(target_dir, target, data: Data, subset: np.ndarray, k: int, his
         print(f"teacher data: reusing {path}", file=sys.stderr)
         t = load_file(path)
         return Teacher(t["sample_index"].numpy(), t["tokens"], t["gt_logits"], t["top_logits"], t["span_lo"])
-    teacher = build_teacher(target, data, subset, k, history_len, batch_size, device)
+    teacher = build_teacher(target, data, subset, k, batch_size, device)
     cache.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     save_file({"sample_index": torch.from_numpy(teacher.sample_index), "tokens": teacher.tokens,

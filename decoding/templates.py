@@ -1,0 +1,136 @@
+"""Prompt templates: how a model's prompt is written, stored beside its `config.json` so that training and inference
+always render the same prompt.
+
+A prompt for a history of n items (the last `max_items`, oldest first, numbered 1..n) is the text
+
+    prefix + item(1) + separator + item(2) + ... + separator + item(n) + suffix
+
+where item(i) is `item` with `{index}` -> i and `{codes}` -> the item's L code tokens written back to back
+(`<a_47><b_103><c_234><d_99>`, named by `code_token`: `{level}` is the level letter a, b, ..., `{level_index}` its
+number 0, 1, ..., `{code}` the code). With `bos` the token ids start with the tokenizer's BOS token, as a tokenizer
+that adds it itself (Llama's) does: the ids are `[bos] + tokenizer(text, add_special_tokens=False)`.
+
+Presets: `codes` (the project's own format: `<bos>` + the code tokens of the last 20 items, nothing else) and `lcrec`
+(the LC-Rec / AtSpeed instruction prompt). The file `genrec_template.json` in a model directory holds one.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+TEMPLATE_FILE = "genrec_template.json"
+
+
+@dataclass(frozen=True)
+class PromptTemplate:
+    name: str = "custom"
+    prefix: str = ""  # text before the history
+    item: str = "{codes}"  # one history item; `{codes}` once, `{index}` optional
+    separator: str = ""  # between two items
+    suffix: str = ""  # text after the history
+    max_items: int = 20  # the last max_items items of a history are written
+    bos: bool = True  # the prompt's ids start with the tokenizer's BOS token
+    code_token: str = "<{level}_{code}>"  # the name of the token of (level, code)
+
+    def __post_init__(self):
+        if self.item.count("{codes}") != 1:
+            raise ValueError(f"prompt template {self.name!r}: `item` must contain {{codes}} exactly once, got "
+                             f"{self.item!r}")
+        if not isinstance(self.max_items, int) or self.max_items < 1:
+            raise ValueError(f"prompt template {self.name!r}: max_items must be an integer >= 1, got "
+                             f"{self.max_items!r}")
+        if "{code}" not in self.code_token or not ("{level}" in self.code_token or "{level_index}" in self.code_token):
+            raise ValueError(f"prompt template {self.name!r}: code_token must contain {{code}} and {{level}} or "
+                             f"{{level_index}}, got {self.code_token!r}")
+        try:
+            self.item.format(index=1, codes="")
+            self.code_token.format(level="a", level_index=0, code=0)
+        except (KeyError, IndexError, ValueError) as e:
+            raise ValueError(f"prompt template {self.name!r}: bad placeholder in item or code_token ({e!r}); use "
+                             "{index}, {codes}, {level}, {level_index}, {code}") from None
+
+    def code(self, level: int, code: int) -> str:
+        """(level 0, code 47) -> '<a_47>' by default."""
+        if not 0 <= level < 26:
+            raise ValueError(f"level must be in [0, 26), got {level}")
+        return self.code_token.format(level=chr(ord("a") + level), level_index=level, code=code)
+
+    def text(self, items: list[list[int]]) -> str:
+        """The prompt text of a history given as the items' codes [[c_0, .., c_{L-1}], ...] (oldest first); only the
+        last max_items are written."""
+        items = items[-self.max_items:]
+        written = [self.item.format(index=i + 1, codes="".join(self.code(j, c) for j, c in enumerate(codes)))
+                   for i, codes in enumerate(items)]
+        return self.prefix + self.separator.join(written) + self.suffix
+
+    def with_max_items(self, max_items: int | None) -> "PromptTemplate":
+        return self if max_items is None else replace(self, max_items=max_items)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "template") -> "PromptTemplate":
+        if not isinstance(raw, dict):
+            raise ValueError(f"{source}: a prompt template is a JSON object, got {type(raw).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"{source}: unknown prompt template field(s) {unknown} (known: {sorted(known)})")
+        return cls(**raw)
+
+
+LCREC_PREFIX = ("Below is an instruction that describes a task. Write a response that appropriately completes the "
+                "request.\n\n### Instruction:\nThe user has interacted with items ")
+LCREC_SUFFIX = (" in chronological order. Can you predict the next possible item that the user may expect?\n\n"
+                "### Response:")
+PRESETS = {
+    "codes": PromptTemplate(name="codes"),
+    "lcrec": PromptTemplate(name="lcrec", prefix=LCREC_PREFIX, item="{index}. {codes}", separator=", ",
+                            suffix=LCREC_SUFFIX),
+}
+
+
+def get_template(spec: str | PromptTemplate) -> PromptTemplate:
+    """A preset name (`codes`, `lcrec`), a path to a template JSON file, or a template."""
+    if isinstance(spec, PromptTemplate):
+        return spec
+    if spec in PRESETS:
+        return PRESETS[spec]
+    path = Path(spec)
+    if path.is_dir():
+        return read_template(path)
+    if not path.is_file():
+        raise ValueError(f"prompt template {spec!r}: neither a preset ({', '.join(PRESETS)}) nor a JSON file")
+    return _read(path)
+
+
+def _read(path: Path) -> PromptTemplate:
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a readable JSON prompt template ({e})") from None
+    try:
+        return PromptTemplate.from_dict(raw, str(path))
+    except TypeError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def read_template(model_dir) -> PromptTemplate:
+    """The prompt template a model directory carries; refused, saying how to add one, when it has none."""
+    path = Path(model_dir) / TEMPLATE_FILE
+    if not path.is_file():
+        raise ValueError(
+            f"{model_dir}: no {TEMPLATE_FILE}, so nothing says how this model's prompts are written. Add one with "
+            f"`python -m jobs.template --model {model_dir} --preset lcrec` (the LC-Rec instruction prompt; `codes` "
+            "for models trained on bare code tokens, or a JSON file of your own), or set models.template in the "
+            "nightly config")
+    return _read(path)
+
+
+def write_template(model_dir, template: PromptTemplate) -> Path:
+    path = Path(model_dir) / TEMPLATE_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(template.to_dict(), indent=2) + "\n")
+    return path

@@ -1,0 +1,40 @@
+"""Give a model directory its prompt template: `python -m jobs.template --model DIR --preset lcrec --catalog
+items.parquet [--max-items N]` (or `--file my_template.json`).
+
+A model directory must say how its prompts are written (`genrec_template.json` beside `config.json`); the trainers
+write it, a model you bring gets it here. The template is checked against the model's tokenizer and the catalog
+first (every code token present, the code tokens kept apart from the text), then written.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from decoding.templates import PRESETS
+from jobs.cli import positive
+
+
+def main(argv=None) -> int:
+    from pipeline.models import attach_template
+
+    p = argparse.ArgumentParser(prog="python -m jobs.template", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="local model directory (config.json, weights, tokenizer)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--preset", choices=sorted(PRESETS), help="a preset template")
+    source.add_argument("--file", help="a template JSON file of your own")
+    p.add_argument("--catalog", required=True, help="items.parquet the model recommends from (checked)")
+    p.add_argument("--max-items", type=positive, help="history items per prompt (default: the template's)")
+    args = p.parse_args(argv)
+    try:
+        summary = attach_template(args.model, args.preset or args.file, args.catalog, args.max_items)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
