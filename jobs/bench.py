@@ -54,7 +54,7 @@ def parser() -> argparse.ArgumentParser:
         if name != "nightly":  # every benchmark on Beauty: data, precision, device, seed
             s.add_argument("--data", default=str(ROOT / "data" / "beauty"), help="prepared data (jobs.prepare_data)")
             s.add_argument("--history-len", type=positive)
-            s.add_argument("--dtype")
+            s.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
             s.add_argument("--seed", type=int)
         s.add_argument("--device", help="cpu or cuda (None: cuda if available)")
         s.add_argument("--out", default=str(ROOT / "bench-out"), help="folder for NAME.json and NAME.md")

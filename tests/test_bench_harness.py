@@ -67,7 +67,8 @@ def test_timing_median_min_max_and_derived_quantities():
 def test_ratio_and_verdict_name_a_winner_only_for_separated_ranges():
     slow, fast = Timing([10.0, 11.0, 12.0, 9.0, 10.0]), Timing([2.0, 2.5, 1.5, 2.0, 2.0])
     r = ratio(slow, fast)  # fast's speed-up over slow
-    assert r == {"median": 5.0, "low": 9.0 / 2.5, "high": 12.0 / 1.5, "within_noise": False}
+    assert r == {"median": 5.0, "low": 9.0 / 2.5, "high": 12.0 / 1.5, "within_noise": False,
+                 "per_repeat": [5.0, 11.0 / 2.5, 8.0, 4.5, 5.0]}
     assert not overlap(slow, fast)
     assert compare("fast", "slow", r) == "fast 5.00x (3.60-8.00) faster than slow"
     assert compare("slow", "fast", ratio(fast, slow)).startswith("fast 5.00x")  # the faster one is named

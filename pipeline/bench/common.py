@@ -111,9 +111,11 @@ def spread(values) -> dict:
 
 def ratio(a: Timing, b: Timing) -> dict:
     """Seconds of a over seconds of b (b's speed-up over a): the ratio of medians, and its range from the extremes
-    (low = min a / max b, high = max a / min b); within_noise when the range holds 1 (the two ranges overlap)."""
+    (low = min a / max b, high = max a / min b); within_noise when the range holds 1 (the two ranges overlap).
+    per_repeat: the ratio within each interleaved repeat (for the record)."""
     low, high = a.min / b.max, a.max / b.min
-    return {"median": a.median / b.median, "low": low, "high": high, "within_noise": low <= 1.0 <= high}
+    return {"median": a.median / b.median, "low": low, "high": high, "within_noise": low <= 1.0 <= high,
+            "per_repeat": [x / y for x, y in zip(a.seconds, b.seconds)]}
 
 
 def overlap(a: Timing, b: Timing) -> bool:

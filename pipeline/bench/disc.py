@@ -61,7 +61,9 @@ def bench_disc(p: DiscParams) -> dict:
     for name, tm in run.timings.items():
         recs = run.outputs[name]
         row = {"timing": tm.to_dict(), "ms_per_user": tm.per(lambda s: 1e3 * s / users),
-               "users_per_s": tm.per(lambda s: users / s), "vs_beam_search": ratio(tm, beam)}
+               "users_per_s": tm.per(lambda s: users / s)}
+        if name != "beam_search":
+            row["vs_beam_search"] = ratio(tm, beam)
         if "proposals" in recs[0].stats:
             cat = lambda key: torch.cat([r.stats[key] for r in recs]).double()  # noqa: E731 [U]
             row.update(proposals_per_item=float(cat("proposals").mean()) / k,
@@ -84,9 +86,9 @@ def markdown_disc(result: dict) -> str:
     for name, r in d["methods"].items():
         extra = (f"{r['proposals_per_item']:.2f} | {r['acceptance_rate']:.3f} | {r['invalid_mass']:.3f}"
                  if "proposals_per_item" in r else "- | - | -")
-        v = r["vs_beam_search"]
-        lines.append(f"| {name} | {fmt_spread(r['ms_per_user'], 1)} | {fmt_spread(r['users_per_s'], 1)} | "
-                     f"{v['median']:.2f} ({v['low']:.2f}-{v['high']:.2f}) | {extra} |")
+        times = fmt_ratio(r["vs_beam_search"]) if "vs_beam_search" in r else "1"
+        lines.append(f"| {name} | {fmt_spread(r['ms_per_user'], 1)} | {fmt_spread(r['users_per_s'], 1)} | {times} | "
+                     f"{extra} |")
     lines += ["", footer(env)]
     return "\n".join(lines)
 

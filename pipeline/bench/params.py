@@ -91,19 +91,20 @@ class NightlyParams:
 
 @dataclass(kw_only=True)
 class AllParams(Timed):
-    """`bench all`: every section on one target (and its drafts). The defaults take about 10 minutes on 2 CPU cores
-    with the demo models: decode 32 users (batch 16, K=20; the index on Beauty and a 1M-item synthetic catalog),
-    speculative 4 users at batch 1 and 32 at batch 16 for K in 1 3 5 10 20, DISC 32 users (batch 16, k=10, rounds
-    1..4), disc-bias 4 users x 2000 draws; every timing 5 repeats."""
+    """`bench all`: every section on one target (and its drafts). The defaults: decode 64 users (batch 32, K=20; the
+    index on Beauty and a 1M-item synthetic catalog, 640 prefixes per step), speculative 10 users at batch 1 and 64 at
+    batch 32 for K in 1 3 5 10 20, DISC 64 users (batch 32, k=10, rounds 1..4), disc-bias 4 users x 2000 draws;
+    every timing 5 interleaved repeats after a warm-up run. With the demo models on 2 CPU cores: about 3 minutes on
+    a quiet machine, up to about 2x that on a busy one."""
     target: str
     drafts: list[str]
     sections: list[str] = field(default_factory=lambda: list(SECTIONS))
-    users: int = 32  # decode, disc and the speculative throughput batch
-    batch: int = 16  # batch size of decode, disc and speculative
+    users: int = 64  # decode, disc and the speculative throughput batch
+    batch: int = 32  # batch size of decode, disc and speculative
     k: int = 20  # K of decode
     index_items: list[int] = field(default_factory=lambda: [1_000_000])
     ks: list[int] = field(default_factory=lambda: [1, 3, 5, 10, 20])  # speculative K (the Table 1 columns)
-    batch1_users: int = 4  # speculative users at batch size 1
+    batch1_users: int = 10  # speculative users at batch size 1
     disc_k: int = 10  # items per user of the disc timing
     rounds: list[int] = field(default_factory=lambda: [1, 2, 4])  # disc-bias rounds; the disc timing runs 1..max
     bias_users: int = 4
