@@ -1,8 +1,11 @@
-"""Offline recommendation metrics and draft/target alignment measures (pure tensors / numpy)."""
+"""Offline recommendation metrics, draft/target alignment measures, and the distances of sampled items to an exact
+distribution over the catalog (DISC's bias) (pure tensors / numpy)."""
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+from decoding.catalog import Catalog
 
 
 def recall_ndcg(recommended: np.ndarray, targets, ks=(5, 10, 20), chunk: int = 65536) -> dict:
@@ -49,3 +52,29 @@ def topk_coverage(target_prefixes: torch.Tensor, draft_prefixes: torch.Tensor) -
     same = (target_prefixes[:, :, None, :] == draft_prefixes[:, None, :, :]).all(-1)  # [B, K, N]
     found = same.any(-1) | (target_prefixes < 0).any(-1)  # padding target beams need no match
     return found.all(-1)
+
+
+def distances(p_s: torch.Tensor, q: torch.Tensor, catalog: Catalog) -> dict:
+    """Two distributions over the catalog rows [N] -> total variation distance over the items and over the first
+    code's (level a) marginal, and KL(P_S || q)."""
+    level_a = lambda p: p.new_zeros(catalog.vocab_size).index_add_(0, catalog.tokens[:, 0], p)  # noqa: E731 [V]
+    return {"tv_items": 0.5 * float((p_s - q).abs().sum()),
+            "tv_level_a": 0.5 * float((level_a(p_s) - level_a(q)).abs().sum()),
+            "kl": float((torch.special.xlogy(p_s, p_s) - p_s * q.log()).sum())}
+
+
+def draw_stats(p_s: torch.Tensor, x: torch.Tensor, drawn: torch.Tensor, catalog: Catalog) -> dict:
+    """P_S [N], valid masses x [N], drawn [D] catalog rows -> TV of the empirical distribution to P_S (items, level a),
+    KL(P_S || empirical smoothed by +0.5 per item), and the mean x of the drawn items with its standard error."""
+    if (drawn < 0).any():
+        raise RuntimeError(f"{int((drawn < 0).sum())} draws are not catalog items")
+    counts = torch.bincount(drawn, minlength=p_s.numel()).to(p_s.dtype)  # [N]
+    smoothed = (counts + 0.5) / (counts.sum() + 0.5 * counts.numel())  # [N]
+    return {**distances(p_s, counts / counts.sum(), catalog), "kl": distances(p_s, smoothed, catalog)["kl"],
+            "mean_x": float(x[drawn].mean()), "mean_x_se": float(x[drawn].std() / drawn.numel() ** 0.5)}
+
+
+def mean_over_users(cells: list[dict]) -> dict:
+    """Per-user dicts of numbers -> their mean; standard errors (`*_se`) combine as those of a mean."""
+    return {key: float(np.sqrt(np.sum(np.square([c[key] for c in cells]))) / len(cells)) if key.endswith("_se")
+            else float(np.mean([c[key] for c in cells])) for key in cells[0]}

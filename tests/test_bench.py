@@ -1,6 +1,8 @@
-"""The benchmarks run end to end on real Beauty prompts: decode agreement with transformers, DISC timing, and
-`bench all` (every section, one report); the exact catalog scorer behind the DISC bias section."""
+"""The benchmarks run end to end on real Beauty prompts (`python -m jobs.bench` in a subprocess): decode agreement
+with transformers, DISC timing, and `bench all` (every section, one report, every timed repeat recorded); the exact
+catalog scorer and the distances behind the DISC bias section. The timing harness itself: test_bench_harness.py."""
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -10,6 +12,7 @@ import pytest
 import torch
 
 from decoding.disc import constrained_sample
+from decoding.metrics import distances, draw_stats
 from decoding.models import build_model, tiny_model
 from decoding.reference import catalog_logprob, sequence_logprob
 from tests.helpers import left_padded_prompts, random_catalog
@@ -42,7 +45,7 @@ def bench(*argv):
 def test_bench_decode_small(data, tmp_path):
     out = tmp_path / "out"
     run = bench("decode", "--data", str(data), "--users", "6", "--batch", "3", "--k", "5", "--layers", "1",
-                "--hidden", "32", "--heads", "2", "--index-items", "3000", "--repeats", "1", "--device", "cpu",
+                "--hidden", "32", "--heads", "2", "--index-items", "3000", "--repeats", "2", "--device", "cpu",
                 "--out", str(out))
     assert run.returncode == 0, run.stderr
     result = json.loads((out / "decode.json").read_text())
@@ -52,37 +55,56 @@ def test_bench_decode_small(data, tmp_path):
     assert decode["agreement"]["max_abs_score_diff"] < 1e-4
     assert decode["methods"]["beam_search"]["kv_tokens_per_user"] < decode["methods"]["transformers"]["kv_tokens_per_user"]
     assert [r["items"] for r in result["index"]] == [12023, 3000]
-    assert "speed-up" in (out / "decode.md").read_text()
+    # every repeat's seconds, interleaved with the order alternating, the median within the range
+    assert decode["order"] == ["transformers", "beam_search", "beam_search", "transformers"]
+    for row in decode["methods"].values():
+        t = row["timing"]
+        assert len(t["seconds"]) == 2 and t["min_s"] <= t["median_s"] <= t["max_s"]
+        assert row["users_per_s"]["min"] <= row["users_per_s"]["median"] <= row["users_per_s"]["max"]
+    assert set(decode["speedup"]) == {"median", "low", "high", "within_noise", "per_repeat"}
+    assert decode["speedup"]["low"] <= decode["speedup"]["median"] <= decode["speedup"]["high"]
+    for index in result["index"]:
+        assert all(len(t["seconds"]) == 2 for t in index["timings"].values())
+        assert set(index["timings"]) == {"allowed_next", "verify", "cpu_trie"}
+    md = (out / "decode.md").read_text()
+    assert "speed-up" in md and "median (min-max) of 2 interleaved repeats" in md
     assert "decode: transformers vs beam_search" in run.stderr  # the progress bar
 
 
-def test_bench_bad_arguments(tmp_path, capsys):
-    from jobs.bench import main
-
-    with pytest.raises(SystemExit) as exit_:
-        main(["decode", "--k", "0"])
-    assert exit_.value.code == 2 and "expected a positive integer, got 0" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="/nonexistent/items.parquet not found"):
-        main(["decode", "--data", "/nonexistent"])
-    with pytest.raises(SystemExit, match=r"no target model at .*missing: train the demo models with `make models`"):
-        main(["all", "--target", str(tmp_path / "missing"), "--out", str(tmp_path)])
+def test_bench_bad_arguments(tmp_path):
+    """Bad flags exit 2 with argparse's message; missing data or models exit 2 with how to make them, before any
+    output is written."""
+    run = bench("decode", "--k", "0")
+    assert run.returncode == 2 and "expected an integer >= 1, got 0" in run.stderr
+    run = bench("decode", "--repeats", "0")
+    assert run.returncode == 2 and "expected an integer >= 1, got 0" in run.stderr
+    run = bench("decode", "--data", "/nonexistent", "--out", str(tmp_path))
+    assert run.returncode == 2 and "/nonexistent/items.parquet not found" in run.stderr
+    run = bench("all", "--target", str(tmp_path / "missing"), "--out", str(tmp_path))
+    assert run.returncode == 2
+    assert re.search(r"no target model at .*missing: train the demo models with `make models`", run.stderr)
     (tmp_path / "target").mkdir()
     (tmp_path / "target" / "config.json").write_text("{}")
-    with pytest.raises(SystemExit, match=r"no draft models .*`make models`.*--drafts"):
-        main(["all", "--target", str(tmp_path / "target"), "--drafts", "--out", str(tmp_path)])
-    assert not (tmp_path / "all.json").exists()
+    run = bench("all", "--target", str(tmp_path / "target"), "--drafts", "--out", str(tmp_path))
+    assert run.returncode == 2 and re.search(r"no draft models .*`make models`.*--drafts", run.stderr)
+    assert not (tmp_path / "all.json").exists() and not (tmp_path / "decode.json").exists()
 
 
 def test_bench_disc_small(data, tmp_path):
     out, model = tmp_path / "out", tiny_beauty_model(tmp_path / "model", data, 32, 0)
     run = bench("disc", "--data", str(data), "--model", str(model), "--users", "4", "--batch", "2", "--k", "3",
-                "--max-rounds", "2", "--top-m", "20", "--device", "cpu", "--out", str(out))
+                "--max-rounds", "2", "--top-m", "20", "--repeats", "2", "--device", "cpu", "--out", str(out))
     assert run.returncode == 0, run.stderr
-    methods = json.loads((out / "disc.json").read_text())["disc"]["methods"]
+    disc = json.loads((out / "disc.json").read_text())["disc"]
+    methods = disc["methods"]
     assert set(methods) == {"beam_search", "constrained_sample", "disc rounds=1 exact", "disc rounds=2 exact",
                             "disc rounds=1 PPV top-20", "disc rounds=2 PPV top-20"}
     assert methods["constrained_sample"]["acceptance_rate"] == 1.0
     assert all(0 <= m["invalid_mass"] <= 1 for n, m in methods.items() if n != "beam_search")
+    assert all(len(m["timing"]["seconds"]) == 2 for m in methods.values())
+    assert len(disc["order"]) == 2 * 6 and disc["order"][:6] != disc["order"][6:]  # rotated every repeat
+    assert "vs_beam_search" not in methods["beam_search"]
+    assert all(len(m["vs_beam_search"]["per_repeat"]) == 2 for n, m in methods.items() if n != "beam_search")
 
 
 def test_bench_all_small(data, tmp_path):
@@ -92,7 +114,7 @@ def test_bench_all_small(data, tmp_path):
     target = tiny_beauty_model(tmp_path / "target", data, 32, 0)
     drafts = [tiny_beauty_model(tmp_path / f"draft-{i}", data, 16, i + 1) for i in range(2)]
     run = bench("all", "--data", str(data), "--target", str(target), "--drafts", *map(str, drafts), "--users", "4",
-                "--batch", "2", "--k", "3", "--index-items", "2000", "--repeats", "1", "--ks", "1", "3",
+                "--batch", "2", "--k", "3", "--index-items", "2000", "--repeats", "2", "--ks", "1", "3",
                 "--batch1-users", "2", "--disc-k", "2", "--rounds", "1", "2", "--bias-users", "2", "--draws", "64",
                 "--device", "cpu", "--seed", "7", "--out", str(out))
     assert run.returncode == 0, run.stderr
@@ -112,9 +134,17 @@ def test_bench_all_small(data, tmp_path):
     assert [(t["batch"], t["users"], list(t["k"])) for t in spec["batches"]] == [(1, 2, ["1", "3"]), (2, 4, ["1", "3"])]
     strict = [c for t in spec["batches"] for row in t["k"].values() for n, c in row["drafts"].items() if "strict" in n]
     assert len(strict) == 2 * 2 * 2 and all(c["same_as_beam_search"] == 1.0 for c in strict)
+    for t in spec["batches"]:  # every repeat of beam_search and of every draft x mode (x transformers at batch 1)
+        for row in t["k"].values():
+            assert len(row["beam_search"]["seconds"]) == 2 and len(row["order"]) == 2 * (1 + 2 * 2 + (t["batch"] == 1))
+            assert all(len(c["timing"]["seconds"]) == 2 and c["ws_range"][0] <= c["ws"] <= c["ws_range"][1]
+                       for c in row["drafts"].values())
+    assert result["repeats"] == 2
+    assert all(len(r["timing"]["seconds"]) == 2 for r in decode["methods"].values())
 
     disc = sections["disc"]["disc"]
     assert disc["k"] == 2 and disc["users"] == 4 and "disc rounds=2 exact" in disc["methods"]
+    assert all(len(m["timing"]["seconds"]) == 2 for m in disc["methods"].values())
 
     bias = sections["disc-bias"]["disc_bias"]
     assert bias["users"] == 2 and bias["draws"] == 64 and len(bias["p_b"]) == 2
@@ -128,7 +158,8 @@ def test_bench_all_small(data, tmp_path):
                  "## decode", "## catalog index", "## speculative beam search", "## DISC vs constrained",
                  "## DISC bias", "| exact sampler (draws from P_S) |",
                  "strict speculative identical to beam_search on 100% of users",
-                 "beam_search = transformers on 100% of users"):
+                 "beam_search = transformers on 100% of users", "best WS@K over beam_search by median",
+                 "2 interleaved repeats per method", "median (min-max)"):
         assert text in md, text
     assert md.count("**verdict**") == 4
     assert "bench all: sections" in run.stderr  # the progress bar
@@ -158,8 +189,6 @@ def test_catalog_logprob_scores_every_item_exactly(temperature):
 
 def test_disc_bias_distances():
     """TV over the items and over the level-a marginal, KL, and the mean valid mass of the draws, by hand."""
-    from jobs.bench import distances, draw_stats
-
     cat = random_catalog(4, 2, 3, seed=0)  # 4 items over 2 levels x 3 codes
     p_s = torch.tensor([0.4, 0.3, 0.2, 0.1], dtype=torch.float64)
     q = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)

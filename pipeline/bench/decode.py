@@ -1,0 +1,188 @@
+"""decode: `transformers` constrained beam search (generate + prefix_allowed_tokens_fn over a CPU trie) against
+genrec-batch's `beam_search` on the same model, the same Amazon Beauty prompts and the same batches, interleaved;
+then the per-step cost of the catalog index (CSR `allowed_next`, PPV `verify`) against a CPU trie, interleaved too.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from decoding.beam import beam_search
+from decoding.catalog import Catalog
+from decoding.models import pick_device
+from decoding.reference import cpu_trie, generate_beam_search
+from pipeline.bench.common import (Timing, compare, environment, fmt_ratio, fmt_spread, footer, interleaved, progress,
+                                   ratio)
+from pipeline.bench.inputs import bench_model, in_batches, load_beauty
+from pipeline.bench.params import DecodeParams
+
+
+def run_decode(p: DecodeParams, command: str) -> tuple[dict, str]:
+    """The decode section -> (result, Markdown)."""
+    device = pick_device(p.device)
+    torch.manual_seed(p.seed)
+    tok, catalog, ids, mask = load_beauty(Path(p.data), p.users, p.history_len, device)
+    model = bench_model(p, len(tok), device)
+    result = {"args": asdict(p), "environment": environment(p.device, command),
+              "decode": bench_decode(p, model, catalog, ids, mask), "index": run_index(p, catalog)}
+    return result, markdown_decode(result)
+
+
+def bench_decode(p: DecodeParams, model, catalog: Catalog, ids: torch.Tensor, mask: torch.Tensor) -> dict:
+    """transformers vs beam_search over the users [U, S] in batches of p.batch: `p.repeats` interleaved runs of
+    both over the same batches; agreement of the last run's outputs."""
+    trie = cpu_trie(catalog.to("cpu"))
+    k, n_users = p.k, ids.shape[0]
+    run_hf = lambda i, m: generate_beam_search(model, i, m, catalog, k, trie)  # noqa: E731
+    run_bs = lambda i, m: beam_search(model, i, m, catalog, k)  # noqa: E731
+    run = interleaved({"transformers": lambda: in_batches(run_hf, ids, mask, p.batch),
+                       "beam_search": lambda: in_batches(run_bs, ids, mask, p.batch)}, p.repeats, ids.device,
+                      warmup={"transformers": lambda: run_hf(ids[:2], mask[:2]),
+                              "beam_search": lambda: run_bs(ids[:p.batch], mask[:p.batch])},
+                      peak_memory=True, desc="decode: transformers vs beam_search")
+    hf, bs = run.outputs["transformers"], run.outputs["beam_search"]
+    hf_items, hf_scores = torch.cat([o[0] for o in hf]), torch.cat([o[2] for o in hf])  # [U, k]
+    items, scores = torch.cat([r.item_ids for r in bs]), torch.cat([r.scores for r in bs])  # [U, k]
+    rows = {"transformers": method_row(run.timings["transformers"], n_users, sum(o[3] for o in hf)),
+            "beam_search": method_row(run.timings["beam_search"], n_users, sum(r.stats["kv_tokens"] for r in bs))}
+    same_order = int((items == hf_items).all(1).sum())
+    same_set = int((items.sort(1).values == hf_items.sort(1).values).all(1).sum())
+    return {"prompt_tokens_max": ids.shape[1], "prompt_tokens_mean": float(mask.sum(1).float().mean()),
+            "repeats": p.repeats, "order": run.order, "methods": rows,
+            "speedup": ratio(run.timings["transformers"], run.timings["beam_search"]),
+            "kv_ratio": rows["beam_search"]["kv_tokens"] / rows["transformers"]["kv_tokens"],
+            "agreement": {"users": n_users, "same_items_same_order": same_order / n_users,
+                          "same_item_set": same_set / n_users,
+                          "max_abs_score_diff": float((scores - hf_scores).abs().max())}}
+
+
+def method_row(t: Timing, users: int, kv_tokens: int) -> dict:
+    """One method over all users: every repeat's seconds, users/s (median, min, max), peak memory, KV tokens."""
+    return {"users": users, "timing": t.to_dict(), "users_per_s": t.per(lambda s: users / s),
+            "peak_memory_mb": t.peak_memory_mb, "kv_tokens": int(kv_tokens), "kv_tokens_per_user": kv_tokens / users}
+
+
+# ------------------------------------------------------------------ catalog index: CSR, PPV, CPU trie
+
+
+def run_index(p: DecodeParams, beauty: Catalog | None) -> list[dict]:
+    """The index timings on the Beauty catalog (when given) and on synthetic catalogs of p.index_items items."""
+    device, rows = pick_device(p.device), p.batch * p.k
+    out = []
+    if beauty is not None:
+        out.append({"catalog": "amazon-beauty", **bench_index(beauty, rows, p.top_m, p.repeats, True, p.seed)})
+    for n in progress(p.index_items, "index: synthetic catalogs"):
+        cat = synthetic_token_catalog(n, 4, 256, p.seed, device)
+        out.append({"catalog": f"synthetic-{n}",
+                    **bench_index(cat, rows, p.top_m, p.repeats, n <= p.trie_max_items, p.seed)})
+    return out
+
+
+def synthetic_token_catalog(n_items: int, levels: int, codes: int, seed: int, device) -> Catalog:
+    """n_items distinct random semantic IDs, as token ids in the project tokenizer's layout."""
+    from pipeline.prepare import synthetic_catalog
+
+    table = synthetic_catalog(n_items, levels, codes, seed)
+    sid = table.column("semantic_id").combine_chunks().flatten().to_numpy().reshape(-1, levels)
+    tokens = 4 + np.arange(levels) * codes + sid.astype(np.int64)  # [N, L]
+    item_ids = table.column("item_id").to_numpy().copy()
+    return Catalog.from_token_ids(torch.from_numpy(item_ids), torch.from_numpy(tokens), 4 + levels * codes,
+                                  device=device)
+
+
+def bench_index(catalog: Catalog, rows: int, top_m: int, repeats: int, with_trie: bool, seed: int) -> dict:
+    """Milliseconds per decoding step (rows = users x beams real prefixes at each of the L levels; one timed run of a
+    backend covers the L levels): CSR allowed_next, PPV verify of top_m candidates and (with_trie) a CPU trie,
+    interleaved; the median with min and max over the repeats."""
+    g = torch.Generator().manual_seed(seed)
+    dev, levels = catalog.device, catalog.code_len
+    out = {"items": len(catalog), "rows": rows, "top_m": top_m}
+    trie, t_build = None, None
+    if with_trie:
+        trie, t_build = _timed_build(catalog)
+    prefixes, cands = [], []
+    for level in range(levels):
+        pick = torch.randint(len(catalog), (rows,), generator=g).to(dev)
+        prefixes.append(catalog.tokens[pick, :level])  # [R, t] real prefixes, as beams have
+        c = torch.randint(catalog.vocab_size, (rows, top_m), generator=g).to(dev)  # [R, M]
+        c[:, 0] = catalog.tokens[pick, level]
+        cands.append(c)
+    methods = {"allowed_next": lambda: [catalog.allowed_next(x) for x in prefixes],
+               "verify": lambda: [catalog.verify(x, c) for x, c in zip(prefixes, cands)]}
+    if trie is not None:
+        methods["cpu_trie"] = lambda: [trie_mask(trie, x, catalog.vocab_size) for x in prefixes]
+    run = interleaved(methods, repeats, dev)
+    out.update(trie_build_s=t_build, repeats=repeats, timings={n: t.to_dict() for n, t in run.timings.items()},
+               cpu_trie_ms=None, trie_over_csr=None)
+    for name, t in run.timings.items():
+        out[f"{name}_ms"] = t.per(lambda s: 1e3 * s / levels)
+    if trie is not None:
+        out["trie_over_csr"] = ratio(run.timings["cpu_trie"], run.timings["allowed_next"])
+    return out
+
+
+def _timed_build(catalog: Catalog) -> tuple[dict, float]:
+    t0 = time.perf_counter()
+    trie = cpu_trie(catalog.to("cpu"))
+    return trie, time.perf_counter() - t0
+
+
+def trie_mask(trie: dict, prefix: torch.Tensor, vocab: int) -> torch.Tensor:
+    """What `PrefixConstrainedLogitsProcessor` does per step: one dict lookup per row, then fill a mask [R, V]."""
+    mask = torch.zeros(prefix.shape[0], vocab, dtype=torch.bool)
+    for i, row in enumerate(prefix.tolist()):
+        mask[i, trie.get(tuple(row), [])] = True
+    return mask
+
+
+# ------------------------------------------------------------------ report
+
+
+def markdown_decode(result: dict) -> str:
+    d, env, a = result["decode"], result["environment"], result["args"]
+    lines = [f"## decode: K={a['k']}, batch {a['batch']}, {d['agreement']['users']} Amazon Beauty users (prompt up "
+             f"to {d['prompt_tokens_max']} tokens), {env['device']}; median (min-max) of {d['repeats']} interleaved "
+             "repeats", "", "| method | users/s | peak memory (MB) | KV tokens / user |", "|---|---:|---:|---:|"]
+    for name, r in d["methods"].items():
+        lines.append(f"| {name} | {fmt_spread(r['users_per_s'])} | {r['peak_memory_mb']:.1f} | "
+                     f"{r['kv_tokens_per_user']:.0f} |")
+    ag = d["agreement"]
+    lines += ["", f"speed-up (users/s of beam_search over transformers, ratio of medians, range): "
+              f"**{fmt_ratio(d['speedup'], 1)}**{' within noise' if d['speedup']['within_noise'] else ''}; KV held: "
+              f"{d['kv_ratio']:.3f}x; same items in the same order: {ag['same_items_same_order']:.1%}, same item set: "
+              f"{ag['same_item_set']:.1%}, max |score diff| {ag['max_abs_score_diff']:.2e}", ""]
+    if result.get("index"):
+        i0 = result["index"][0]
+        lines += [f"## catalog index: ms per decoding step ({i0['rows']} prefixes, PPV top-M = {i0['top_m']}), "
+                  f"median (min-max) of {i0['repeats']} interleaved repeats", "",
+                  "| catalog | items | allowed_next (CSR) | verify (PPV) | CPU trie | trie build (s) |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        fmt = lambda x: "-" if x is None else fmt_spread(x, 3)  # noqa: E731
+        for r in result["index"]:
+            build = "-" if r["trie_build_s"] is None else f"{r['trie_build_s']:.1f}"
+            lines.append(f"| {r['catalog']} | {r['items']:,} | {fmt(r['allowed_next_ms'])} | {fmt(r['verify_ms'])} | "
+                         f"{fmt(r['cpu_trie_ms'])} | {build} |")
+    lines += ["", footer(env)]
+    return "\n".join(lines)
+
+
+def verdict_decode(r: dict) -> str:
+    """From the medians; 'within noise' where the ranges overlap."""
+    d, ag = r["decode"], r["decode"]["agreement"]
+    m = d["methods"]
+    speed = compare("beam_search", "transformers", d["speedup"])
+    line = (f"beam_search = transformers on {ag['same_items_same_order']:.0%} of users (same items, same order; max "
+            f"|score diff| {ag['max_abs_score_diff']:.1e}); users/s: {speed}"
+            f"; {1 / d['kv_ratio']:.1f}x fewer KV tokens, peak memory {m['beam_search']['peak_memory_mb']:.0f} vs "
+            f"{m['transformers']['peak_memory_mb']:.0f} MB")
+    with_trie = [i for i in r["index"] if i["trie_over_csr"] is not None]
+    if with_trie:
+        i = max(with_trie, key=lambda i: i["items"])
+        line += (f"; catalog index on {i['items']:,} items, ms per step: CSR allowed_next "
+                 f"{fmt_spread(i['allowed_next_ms'])}, CPU trie {fmt_spread(i['cpu_trie_ms'])}, PPV verify "
+                 f"{fmt_spread(i['verify_ms'])}: {compare('CSR allowed_next', 'CPU trie', i['trie_over_csr'])}")
+    return line

@@ -1,0 +1,79 @@
+"""What the benchmarks run on: Amazon Beauty prompts from a prepared data dir, the models, consecutive batches."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import torch
+
+from decoding.catalog import Catalog
+from decoding.models import load_model, load_tokenizer, tiny_model
+from operators.prompts import build_prompts
+from pipeline.bench.params import ModelParams
+
+HOW_TO_TRAIN = ("train the demo models with `make models` (python -m jobs.train_target --preset demo, then "
+                "python -m jobs.train_draft --preset demo; about 15 minutes on a CPU), or pass your own")
+
+
+def load_beauty(data: Path, users: int, history_len: int, device, tokenizer_dir: Path | None = None):
+    """Prepared data dir -> (tokenizer, catalog, input_ids [U, S], attention_mask [U, S]) of the first `users` test
+    users with a history."""
+    for name in ("items.parquet", "test.parquet", "tokenizer"):
+        if not (data / name).exists():
+            raise FileNotFoundError(f"{data / name} not found: run `python -m jobs.prepare_data --out {data}` first")
+    tok = load_tokenizer(tokenizer_dir or data / "tokenizer")
+    catalog = Catalog.from_parquet(data / "items.parquet", tok, on_duplicate="first", device=device)
+    histories = pq.read_table(data / "test.parquet", columns=["history"]).column("history").to_pylist()
+    histories = [h for h in histories if h][:users]
+    prompts = build_prompts(histories, catalog.item_tokens, tok.bos_token_id, tok.pad_token_id, history_len)
+    return tok, catalog, prompts.input_ids.to(device), prompts.attention_mask.to(device)
+
+
+def load_beauty_catalog(data: Path, device) -> Catalog:
+    """The prepared catalog alone (for the index timings)."""
+    return Catalog.from_parquet(data / "items.parquet", load_tokenizer(data / "tokenizer"), on_duplicate="first",
+                                device=device)
+
+
+def bench_model(p: ModelParams, vocab_size: int, device: torch.device):
+    """p.model loaded, or a random Llama of p.layers x p.hidden over `vocab_size` tokens."""
+    if p.model:
+        return load_model(p.model, device=str(device), dtype=p.dtype, attn_implementation=p.attn)
+    model = tiny_model("llama", vocab_size, seed=p.seed, attn_implementation=p.attn, hidden_size=p.hidden,
+                       intermediate_size=4 * p.hidden, num_hidden_layers=p.layers, num_attention_heads=p.heads,
+                       num_key_value_heads=p.heads)
+    return model.to(device)
+
+
+def require_models(target: str | None, drafts: list[str] | None = None) -> None:
+    """FileNotFoundError, with how to train them, when the target (or every draft) is missing."""
+    if not target or not (Path(target) / "config.json").is_file():
+        raise FileNotFoundError(f"no target model at {target}: {HOW_TO_TRAIN} with --target / --model DIR")
+    if drafts is not None and not drafts:
+        raise FileNotFoundError(f"no draft models (models/demo-draft*): {HOW_TO_TRAIN} with --drafts DIR [DIR ...]")
+    for d in drafts or []:
+        if not (Path(d) / "config.json").is_file():
+            raise FileNotFoundError(f"no draft model at {d}: {HOW_TO_TRAIN} with --drafts DIR [DIR ...]")
+
+
+def load_drafts(paths: list[str], device: torch.device) -> dict:
+    """Draft dirs -> {name: model}, named by the objective in their training.json (else the folder name)."""
+    drafts = {}
+    for path in paths:
+        report_file = Path(path) / "training.json"
+        report = json.loads(report_file.read_text()) if report_file.is_file() else {}
+        name = report.get("objective", Path(path).name)
+        beta = report.get("config", {}).get("beta", 1.0)
+        name += "" if name != "atspeed-s" or beta == 1.0 else f" (beta={beta:g})"
+        drafts[name] = load_model(path, device=str(device), dtype="float32")
+    return drafts
+
+
+def in_batches(fn, ids: torch.Tensor, mask: torch.Tensor, batch: int) -> list:
+    """fn(ids, mask) over consecutive batches of the users [U, S] -> the outputs, one per batch."""
+    return [fn(ids[a:a + batch], mask[a:a + batch]) for a in range(0, ids.shape[0], batch)]
+
+
+def parameters(model) -> int:
+    return sum(p.numel() for p in model.parameters())

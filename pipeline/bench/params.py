@@ -1,0 +1,113 @@
+"""The parameters of every benchmark section, as plain dataclasses (no torch here: the command line reads the
+defaults from them before anything heavy is imported)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+REPEATS = 5  # timed repeats per method, interleaved, after one warm-up run of each
+SECTIONS = ("decode", "speculative", "disc", "disc-bias")  # what `bench all` runs, in this order
+
+
+@dataclass(kw_only=True)
+class Common:
+    """Every section: the prepared data, the prompt window, precision, device and seed."""
+    data: str  # a prepared data dir (python -m jobs.prepare_data)
+    history_len: int = 20
+    dtype: str = "auto"
+    device: str | None = None  # None: cuda if available, else cpu
+    seed: int = 0
+
+
+@dataclass(kw_only=True)
+class Timed(Common):
+    """A section that compares methods by wall time: `repeats` interleaved runs of each."""
+    repeats: int = REPEATS
+
+
+@dataclass(kw_only=True)
+class ModelParams(Timed):
+    """A section on one model: `model` (a local dir), or a random Llama of layers x hidden when None."""
+    model: str | None = None
+    layers: int = 4
+    hidden: int = 256
+    heads: int = 4
+    attn: str = "sdpa"
+
+
+@dataclass(kw_only=True)
+class DecodeParams(ModelParams):
+    users: int = 128
+    batch: int = 32
+    k: int = 20
+    index_items: list[int] = field(default_factory=lambda: [10_000_000])  # synthetic catalog sizes
+    trie_max_items: int = 10_000_000  # no CPU trie above this size
+    top_m: int = 50  # PPV candidates per row
+
+
+@dataclass(kw_only=True)
+class SpeculativeParams(Timed):
+    target: str
+    drafts: list[str]
+    ks: list[int] = field(default_factory=lambda: [1, 3, 5, 10, 20])
+    users: int = 20  # users at batch size 1
+    batch: int = 64  # the throughput batch size
+    throughput_users: int = 128
+    draft_beams: int = 40
+    gamma: int | None = None
+    temperature: float = 1.0
+    with_transformers: bool = True  # transformers beam search at batch size 1 too
+
+
+@dataclass(kw_only=True)
+class DiscParams(ModelParams):
+    k: int = 10
+    users: int = 128
+    batch: int = 32
+    max_rounds: int = 4  # DISC rounds 1..max_rounds
+    top_m: int = 50  # the PPV variant's candidates
+    temperature: float = 1.0
+
+
+@dataclass(kw_only=True)
+class DiscBiasParams(Common):
+    model: str
+    users: int = 4
+    draws: int = 2000  # items drawn per user and method (k=1 each)
+    batch: int = 500  # draws per batch
+    rounds: list[int] = field(default_factory=lambda: [1, 2, 4])
+    temperature: float = 1.0
+    chunk: int = 1024  # catalog items per forward when scoring P_S
+
+
+@dataclass(kw_only=True)
+class NightlyParams:
+    config: str  # the nightly YAML
+    overrides: list[str] = field(default_factory=list)  # KEY=VALUE, as `jobs.nightly --set`
+    out: str = "bench-out"  # the job writes under OUT/nightly-bench
+    cpus: int = 2  # CPUs of the local Ray
+    device: str | None = None
+    repeats: int = REPEATS
+
+
+@dataclass(kw_only=True)
+class AllParams(Timed):
+    """`bench all`: every section on one target (and its drafts). The defaults: decode 64 users (batch 32, K=20; the
+    index on Beauty and a 1M-item synthetic catalog, 640 prefixes per step), speculative 10 users at batch 1 and 64 at
+    batch 32 for K in 1 3 5 10 20, DISC 64 users (batch 32, k=10, rounds 1..4), disc-bias 4 users x 2000 draws;
+    every timing 5 interleaved repeats after a warm-up run. With the demo models on 2 CPU cores: about 3 minutes on
+    a quiet machine, up to about 2x that on a busy one."""
+    target: str
+    drafts: list[str]
+    sections: list[str] = field(default_factory=lambda: list(SECTIONS))
+    users: int = 64  # decode, disc and the speculative throughput batch
+    batch: int = 32  # batch size of decode, disc and speculative
+    k: int = 20  # K of decode
+    index_items: list[int] = field(default_factory=lambda: [1_000_000])
+    ks: list[int] = field(default_factory=lambda: [1, 3, 5, 10, 20])  # speculative K (the Table 1 columns)
+    batch1_users: int = 10  # speculative users at batch size 1
+    disc_k: int = 10  # items per user of the disc timing
+    rounds: list[int] = field(default_factory=lambda: [1, 2, 4])  # disc-bias rounds; the disc timing runs 1..max
+    bias_users: int = 4
+    draws: int = 2000
+    temperature: float = 1.0
+    chunk: int = 1024
