@@ -155,5 +155,6 @@ def test_from_parquet_bad_files(tmp_path):
     with pytest.raises(ValueError, match=r"b.parquet: column 'semantic_id' is ragged: rows \[1\]"):
         Catalog.from_parquet(tmp_path / "b.parquet", tok)
     pq.write_table(pa.table({"item_id": [1, 2], "semantic_id": [[0, 1], [1, 9]]}), tmp_path / "c.parquet")
-    with pytest.raises(ValueError, match=r"c.parquet: semantic ids of rows \[1\] use code tokens missing"):
+    with pytest.raises(ValueError, match=r"c.parquet: 1 code tokens the catalog needs are missing from the tokenizer: "
+                                         r"<b_9> \(used by rows \[1\]\)"):
         Catalog.from_parquet(tmp_path / "c.parquet", tok)

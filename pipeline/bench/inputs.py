@@ -9,24 +9,30 @@ import torch
 
 from decoding.catalog import Catalog
 from decoding.models import load_model, load_tokenizer, tiny_model
-from operators.prompts import build_prompts
+from decoding.templates import PRESETS, TEMPLATE_FILE, read_template
+from operators.prompts import Renderer, catalog_probes
 from pipeline.bench.params import ModelParams
 
 HOW_TO_TRAIN = ("train the demo models with `make models` (python -m jobs.train_target --preset demo, then "
                 "python -m jobs.train_draft --preset demo; about 15 minutes on a CPU), or pass your own")
 
 
-def load_beauty(data: Path, users: int, history_len: int, device, tokenizer_dir: Path | None = None):
+def load_beauty(data: Path, users: int, history_len: int, device, model_dir: Path | None = None):
     """Prepared data dir -> (tokenizer, catalog, input_ids [U, S], attention_mask [U, S]) of the first `users` test
-    users with a history."""
+    users with a history, written by the model directory's prompt template (the `codes` preset without one) with
+    its last `history_len` items."""
     for name in ("items.parquet", "test.parquet", "tokenizer"):
         if not (data / name).exists():
             raise FileNotFoundError(f"{data / name} not found: run `python -m jobs.prepare_data --out {data}` first")
-    tok = load_tokenizer(tokenizer_dir or data / "tokenizer")
-    catalog = Catalog.from_parquet(data / "items.parquet", tok, on_duplicate="first", device=device)
+    tok = load_tokenizer(model_dir or data / "tokenizer")
+    has_template = model_dir is not None and (Path(model_dir) / TEMPLATE_FILE).is_file()
+    template = (read_template(model_dir) if has_template else PRESETS["codes"]).with_max_items(history_len)
+    catalog = Catalog.from_parquet(data / "items.parquet", tok, on_duplicate="first", device=device,
+                                   code_token=template.code)
     histories = pq.read_table(data / "test.parquet", columns=["history"]).column("history").to_pylist()
     histories = [h for h in histories if h][:users]
-    prompts = build_prompts(histories, catalog.item_tokens, tok.bos_token_id, tok.pad_token_id, history_len)
+    prompts = Renderer.compile(template, tok, catalog_probes(catalog.item_tokens)).render(histories,
+                                                                                         catalog.item_tokens)
     return tok, catalog, prompts.input_ids.to(device), prompts.attention_mask.to(device)
 
 

@@ -26,14 +26,14 @@ def bench_nightly(p: NightlyParams) -> dict:
 
     from operators.recommender import Recommender
     from pipeline.config import load_config
-    from pipeline.nightly import actor_spec, open_input, read_catalog, run_nightly
+    from pipeline.nightly import actor_spec, open_input, read_catalog, resolve_models, resolve_template, run_nightly
 
     cfg = load_config(p.config, list(p.overrides) + [f"output={p.out}/nightly-bench", "compute.num_actors=1"])
     data, _, _ = open_input(cfg)
     table = data.to_table(columns=["user_id", "history"])
     size = cfg.compute.batch_size
     batches = [table.slice(a, size) for a in range(0, table.num_rows, size)]
-    actor = Recommender(actor_spec(cfg, "direct", read_catalog(cfg)))
+    actor = Recommender(actor_spec(cfg, "direct", read_catalog(cfg), resolve_template(cfg, resolve_models(cfg))))
     threads = torch.get_num_threads()
     if cfg.compute.threads_per_actor is None:
         torch.set_num_threads(max(int(cfg.compute.cpus_per_actor), 1))  # what Ray gives an actor
