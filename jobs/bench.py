@@ -1,11 +1,13 @@
-"""Benchmarks, side by side in one run: `python -m jobs.bench {all,decode,speculative,disc,disc-bias,nightly} ...`.
+"""Benchmarks, side by side in one run: `python -m jobs.bench {all,decode,speculative,disc,disc-bias,nightly,
+templates} ...`.
 
 Every timed comparison runs its methods interleaved (A B, B A, ...) --repeats times (default 5) after a warm-up run
 of each and records every repeat's seconds; reports give medians with (min-max), ratios of medians with their range,
-and verdicts say "within noise" where two methods' ranges overlap. The code lives in pipeline/bench/.
+and verdicts say "within noise" where two methods' ranges overlap. The code lives in pipeline/bench/; every flag is a
+field of that section's parameters (pipeline/bench/params.py).
 
-all: decode, speculative, disc and disc-bias in one process (about 10 minutes on 2 CPU cores with the demo models;
-flags scale it up on a GPU) -> all.md + all.json: hardware, versions, seeds, command, every repeat, verdicts.
+all: decode, speculative, disc and disc-bias in one process (about 3 minutes on 2 quiet CPU cores with the demo
+models; flags scale it up on a GPU) -> all.md + all.json: hardware, versions, seeds, command, every repeat, verdicts.
 decode: `transformers` constrained beam search vs `beam_search` on the same prompts and batches; then the catalog
 index per decoding step (CSR `allowed_next`, PPV `verify`) against a CPU trie.
 speculative: AtSpeed speculative beam search (strict, relaxed) with every draft vs `beam_search`, in the AtSpeed
@@ -13,6 +15,7 @@ Table 1 layout (WS@K walltime speed-up, AS@K accepted steps per verification), a
 disc: ms per user of `disc_sample` (rounds 1..R, exact and PPV) vs `constrained_sample` and `beam_search`.
 disc-bias: DISC's bias: TV / KL / mean valid mass of each sampler's draws against the exact constrained P_S.
 nightly: the nightly Ray job (one actor) vs the recommender called directly on the same batches.
+templates: rendering cost of each prompt template (renderer vs tokenizer), and the nightly job's users/s with each.
 """
 from __future__ import annotations
 
@@ -22,19 +25,34 @@ import sys
 from dataclasses import MISSING, fields
 from pathlib import Path
 
-from jobs.cli import non_negative, non_negative_float, positive
+from jobs.cli import dataclass_args
 from pipeline.bench import params as P
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "models" / "demo-target"
 PARAMS = {"all": P.AllParams, "decode": P.DecodeParams, "speculative": P.SpeculativeParams, "disc": P.DiscParams,
-          "disc-bias": P.DiscBiasParams, "nightly": P.NightlyParams}
+          "disc-bias": P.DiscBiasParams, "nightly": P.NightlyParams, "templates": P.TemplatesParams}
 HELP = {"all": "every claim in one run (decode, speculative, disc, disc-bias) -> all.{md,json}",
         "decode": "transformers beam search vs beam_search, and the catalog index",
         "speculative": "AtSpeed Table 1: speculative vs beam_search, every draft, strict/relaxed",
         "disc": "DISC (rounds 1..R, exact and PPV) vs constrained sampling vs beam_search",
         "disc-bias": "DISC's bias: TV / KL of each sampler to the exact constrained P_S",
-        "nightly": "the nightly job on one actor vs direct calls on the same users"}
+        "nightly": "the nightly job on one actor vs direct calls on the same users",
+        "templates": "prompt templates: rendering cost, and the nightly job's users/s with each"}
+PATHS = {"data": str(ROOT / "data" / "beauty"), "target": str(DEMO), "out": str(ROOT / "bench-out"),
+         "config": str(ROOT / "infra" / "configs" / "demo.yaml")}
+FLAG_HELP = {
+    "data": "prepared data (python -m jobs.prepare_data)", "device": "cpu or cuda (None: cuda if available)",
+    "repeats": "timed runs of each method, interleaved, after one warm-up run each (fewer than 5: smoke tests only)",
+    "model": "local model dir (None: a random Llama of --layers x --hidden)",
+    "drafts": "draft model dirs (default: models/demo-draft*)", "index_items": "synthetic catalog sizes (index)",
+    "trie_max_items": "no CPU trie above this size", "users": "users (speculative: at batch size 1; all: of decode, "
+    "disc and the speculative throughput batch)", "rounds": "DISC rounds (disc-bias; the disc timing runs 1..max)",
+    "chunk": "disc-bias: catalog items per forward when scoring P_S (lower it for large vocabularies)",
+    "draws": "items drawn per user and method (k=1 each)", "cpus": "CPUs of the local Ray",
+    "out": "results folder (the nightly job writes under OUT/nightly-bench)", "ks": "speculative K (Table 1 columns)"}
+CHOICES = {"dtype": ["auto", "float32", "bfloat16", "float16"], "attn": ["sdpa", "eager"], "sections": P.SECTIONS,
+           "templates": ["codes", "lcrec"]}
 
 
 def defaults(cls) -> dict:
@@ -47,80 +65,34 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jobs.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="bench", required=True)
-    sp = {name: sub.add_parser(name, help=HELP[name], description=HELP[name],
-                             formatter_class=argparse.ArgumentDefaultsHelpFormatter) for name in PARAMS}
-    for name, s in sp.items():
-        s.set_defaults(**defaults(PARAMS[name]))  # explicit defaults below (paths) take precedence
-        if name != "nightly":  # every benchmark on Beauty: data, precision, device, seed
-            s.add_argument("--data", default=str(ROOT / "data" / "beauty"), help="prepared data (jobs.prepare_data)")
-            s.add_argument("--history-len", type=positive)
-            s.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
-            s.add_argument("--seed", type=int)
-        s.add_argument("--device", help="cpu or cuda (None: cuda if available)")
-        s.add_argument("--out", default=str(ROOT / "bench-out"), help="folder for NAME.json and NAME.md")
-        if name != "disc-bias":
-            s.add_argument("--repeats", type=positive, help="timed runs of each method, interleaved, after one "
-                           "warm-up run each (fewer than 5 only for smoke tests)")
-    for s in (sp["decode"], sp["disc"]):  # the model when none is given: a random Llama of --layers x --hidden
-        for flag in ("--layers", "--hidden", "--heads"):
-            s.add_argument(flag, type=positive)
-        s.add_argument("--attn", choices=["sdpa", "eager"])
-    d = sp["decode"]
-    d.add_argument("--model", help="local model dir (None: a random Llama of --layers x --hidden)")
-    for flag in ("--users", "--batch", "--k", "--top-m"):
-        d.add_argument(flag, type=positive)
-    d.add_argument("--index-items", type=positive, nargs="*", help="synthetic catalog sizes for the index benchmark")
-    d.add_argument("--trie-max-items", type=non_negative, help="skip the CPU trie above this size")
-    s = sp["speculative"]
-    s.add_argument("--target", default=str(DEMO))
-    s.add_argument("--drafts", nargs="*", default=None, help="draft model dirs (None: models/demo-draft*)")
-    s.add_argument("--ks", type=positive, nargs="+")
-    s.add_argument("--users", type=positive, help="users at batch size 1")
-    s.add_argument("--batch", type=positive, help="the throughput batch size")
-    for flag in ("--throughput-users", "--draft-beams", "--gamma"):
-        s.add_argument(flag, type=positive)
-    s.add_argument("--temperature", type=non_negative_float)
-    s.add_argument("--with-transformers", action=argparse.BooleanOptionalAction)
-    dc = sp["disc"]
-    dc.add_argument("--model", default=str(DEMO) if (DEMO / "config.json").is_file() else None,
-                    help="local model dir (models/demo-target if trained, else None: a random Llama)")
-    for flag in ("--k", "--users", "--batch", "--max-rounds", "--top-m"):
-        dc.add_argument(flag, type=positive)
-    dc.add_argument("--temperature", type=non_negative_float)
-    db = sp["disc-bias"]
-    db.add_argument("--model", default=str(DEMO), help="trained model dir")
-    db.add_argument("--users", type=positive)
-    db.add_argument("--draws", type=positive, help="items drawn per user and method (k=1 each)")
-    db.add_argument("--batch", type=positive, help="draws per batch")
-    db.add_argument("--rounds", type=positive, nargs="+", help="DISC rounds to compare")
-    al = sp["all"]
-    al.add_argument("--target", default=str(DEMO), help="the target model of every section")
-    al.add_argument("--drafts", nargs="*", default=None, help="draft model dirs (None: models/demo-draft*)")
-    al.add_argument("--sections", nargs="+", choices=P.SECTIONS)
-    al.add_argument("--users", type=positive, help="users of decode, disc and the speculative throughput batch")
-    al.add_argument("--batch", type=positive, help="batch size of decode, disc and speculative")
-    al.add_argument("--k", type=positive, help="K of decode")
-    al.add_argument("--index-items", type=positive, nargs="*", help="synthetic catalog sizes for the index benchmark")
-    al.add_argument("--ks", type=positive, nargs="+", help="speculative K (the Table 1 columns)")
-    al.add_argument("--batch1-users", type=positive, help="speculative users at batch size 1")
-    al.add_argument("--disc-k", type=positive, help="items per user of the disc timing")
-    al.add_argument("--rounds", type=positive, nargs="+", help="DISC rounds of disc-bias (the disc timing: 1..max)")
-    al.add_argument("--bias-users", type=positive)
-    al.add_argument("--draws", type=positive, help="disc-bias draws per user and method")
-    for s in (db, al):
-        s.add_argument("--temperature", type=non_negative_float)
-        s.add_argument("--chunk", type=positive, help="disc-bias: catalog items per forward when scoring P_S (lower "
-                       "it for large vocabularies: the chunk holds [chunk, L, vocab] float64)")
-    nb = sp["nightly"]
-    nb.add_argument("--config", default=str(ROOT / "infra" / "configs" / "demo.yaml"))
-    nb.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    nb.add_argument("--cpus", type=positive, help="CPUs of the local Ray")
+    for name, cls in PARAMS.items():
+        s = sub.add_parser(name, help=HELP[name], description=HELP[name],
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        names = {f.name for f in fields(cls)}
+        values = {**defaults(cls), **{k: v for k, v in PATHS.items() if k in names}}
+        special = {"dtype", "attn", "sections", "templates", "seed", "drafts", "overrides"} & names
+        dataclass_args(s, cls, skip=special, zero_ok=("trie_max_items",), helps=FLAG_HELP, defaults=values)
+        for field_name in special & set(CHOICES):
+            s.add_argument("--" + field_name, choices=CHOICES[field_name], default=values[field_name],
+                           nargs="+" if field_name in ("sections", "templates") else None)
+        if "seed" in names:
+            s.add_argument("--seed", type=int, default=values["seed"])
+        if "drafts" in names:  # may be given empty: a clear error then
+            s.add_argument("--drafts", nargs="*", help=FLAG_HELP["drafts"])
+        if "overrides" in names:
+            s.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                           help="as jobs.nightly")
+        if "out" not in names:
+            s.add_argument("--out", default=PATHS["out"], help="folder for NAME.json and NAME.md")
+    if (DEMO / "config.json").is_file():  # disc: the trained target when there is one, else a random Llama
+        sub.choices["disc"].set_defaults(model=str(DEMO))
+    sub.choices["disc-bias"].set_defaults(model=str(DEMO))
     return p
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     args = parser().parse_args(argv)
-    if args.bench in ("speculative", "all") and args.drafts is None:
+    if getattr(args, "drafts", ...) is None:
         args.drafts = sorted(str(d) for d in (ROOT / "models").glob("demo-draft*") if (d / "config.json").is_file())
     return args
 
@@ -131,11 +103,12 @@ def main(argv=None) -> int:
     cls = PARAMS[args.bench]
     params = cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
     command = "python -m jobs.bench " + shlex.join(argv)
-    from pipeline.bench import common, decode, disc, nightly, speculative
+    from pipeline.bench import common, decode, disc, nightly, speculative, templates
     from pipeline.bench.all import bench_all
 
     run = {"all": bench_all, "decode": decode.run_decode, "speculative": speculative.run_speculative,
-           "disc": disc.run_disc, "disc-bias": disc.run_disc_bias, "nightly": nightly.run_nightly_bench}[args.bench]
+           "disc": disc.run_disc, "disc-bias": disc.run_disc_bias, "nightly": nightly.run_nightly_bench,
+           "templates": templates.run_templates}[args.bench]
     try:
         result, md = run(params, command)
     except FileNotFoundError as e:  # missing data or models: the message says how to make them

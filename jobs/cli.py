@@ -36,16 +36,25 @@ def non_negative_float(text: str) -> float:
     return value
 
 
-def dataclass_args(p: argparse.ArgumentParser, cls, skip=(), zero_ok=()) -> None:
-    """One flag per field of dataclass `cls` (`--batch-size` for `batch_size`), default None so that only the
-    flags given override a preset (`config_from_args`). int fields take integers >= 1 (>= 0 for the fields named
-    in `zero_ok`), float fields numbers >= 0, the rest strings; fields in `skip` are left to the caller."""
+def dataclass_args(p: argparse.ArgumentParser, cls, skip=(), zero_ok=(), helps=None, defaults=None) -> None:
+    """One flag per field of dataclass `cls` (`--batch-size` for `batch_size`), default `defaults[name]` (None when
+    not given, so that only the flags given override a preset: `config_from_args`). int fields take
+    integers >= 1 (>= 0 for the fields named in `zero_ok`), float fields numbers >= 0, list[int] / list[str] fields
+    one or more values, bool fields --name / --no-name, the rest strings; fields in `skip` are left to the caller;
+    `helps` maps field names to help texts."""
     for name, f in cls.__dataclass_fields__.items():
         if name in skip:
             continue
         base = str(f.type).split(" |")[0]
+        flag, default = "--" + name.replace("_", "-"), (defaults or {}).get(name)
+        help_ = (helps or {}).get(name, " " if defaults else None)  # " ": argparse then shows the default
+        if base == "bool":
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_)
+            continue
         kind = {"int": non_negative if name in zero_ok else positive, "float": non_negative_float}
-        p.add_argument("--" + name.replace("_", "-"), type=kind.get(base, str), default=None)
+        item = base.removeprefix("list[").removesuffix("]")
+        p.add_argument(flag, type=kind.get(item, str), nargs="+" if base.startswith("list[") else None,
+                       default=default, help=help_)
 
 
 def config_from_args(args: argparse.Namespace, cls, preset: dict):

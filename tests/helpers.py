@@ -58,30 +58,8 @@ def assert_same_ranking(items_a, scores_a, items_b, scores_b, atol=1e-4, tie=1e-
             i = j
 
 
-INSTRUCTION_TEXT = [
-    "Below is an instruction that describes a task. Write a response that appropriately completes the request.",
-    "### Instruction:", "### Response:", "The user has interacted with items in chronological order.",
-    "Can you predict the next possible item that the user may expect?",
-    "Here is the purchase history of a user. Recommend the next item the user is likely to buy.",
-]
-
-
 def bpe_tokenizer(levels: int, codes: int, vocab_size: int = 600, code_tokens: bool = True):
-    """A byte-level BPE tokenizer trained here (the `tokenizers` library, seconds) on instruction-style text with
-    numbered lists, wrapped as a transformers tokenizer that adds <s> like Llama's; with code_tokens, the LC-Rec code
-    tokens `<a_0>` .. are added as tokens of their own (tokenizer.add_tokens, the LC-Rec recipe)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
+    """A byte-level BPE trained here on instruction text (see pipeline.prepare.build_text_tokenizer)."""
+    from pipeline.prepare import build_text_tokenizer
 
-    corpus = INSTRUCTION_TEXT * 20 + [", ".join(f"{i}. item" for i in range(1, n + 1)) for n in range(1, 60)]
-    raw = Tokenizer(models.BPE())
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.decoder = decoders.ByteLevel()
-    raw.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"],
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    raw.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", raw.token_to_id("<s>"))])
-    tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                  padding_side="left")
-    if code_tokens:
-        tok.add_tokens([f"<{chr(97 + j)}_{c}>" for j in range(levels) for c in range(codes)])
-    return tok
+    return build_text_tokenizer(levels, codes, vocab_size, code_tokens)

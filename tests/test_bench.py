@@ -206,3 +206,20 @@ def test_disc_bias_distances():
     assert s["kl"] == pytest.approx(float((p_s * (p_s / smoothed).log()).sum()))
     with pytest.raises(RuntimeError, match="not catalog items"):
         draw_stats(p_s, x, torch.tensor([0, -1]), cat)
+
+
+def test_bench_templates_small(data, tmp_path):
+    """Rendering cost of every template (renderer vs tokenizer) and one nightly job per template, at tiny sizes."""
+    out = tmp_path / "out"
+    run = bench("templates", "--data", str(data), "--users", "40", "--repeats", "1", "--layers", "1", "--hidden",
+                "32", "--heads", "2", "--batch", "20", "--out", str(out))
+    assert run.returncode == 0, run.stderr[-3000:]
+    t = json.loads((out / "templates.json").read_text())["templates"]
+    render = t["render"]["templates"]
+    assert set(render) == {"codes", "lcrec"} and render["codes"]["max_prompt_tokens"] == 81
+    assert render["lcrec"]["max_prompt_tokens"] > render["codes"]["max_prompt_tokens"]
+    assert all(x["renderer_ms_per_1000"]["median"] > 0 for x in render.values())
+    jobs = t["nightly"]["templates"]
+    assert all(x["users"] == 40 for x in jobs.values())
+    assert jobs["lcrec"]["prompt_tokens_per_user"] > jobs["codes"]["prompt_tokens_per_user"]
+    assert "| lcrec |" in (out / "templates.md").read_text()

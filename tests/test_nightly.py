@@ -149,6 +149,30 @@ def test_corrupt_file_and_missing_model_fail_without_success(world, ray_session,
     assert runs.latest_run(cfg.output, cfg.run_date, cfg.storage) is None and not (tmp_path / "out2").exists()
 
 
+def test_models_and_catalogs_an_actor_would_refuse_fail_on_the_driver(world, tmp_path):
+    """Refused before Ray does any work (no ray session here: nothing reaches Ray), each naming the cause: a model
+    without a prompt template, a draft reading other prompts, code tokens missing from the tokenizer."""
+    from pipeline.nightly import run_nightly
+
+    bare = tmp_path / "bare"
+    shutil.copytree(world / "target", bare)
+    (bare / "genrec_template.json").unlink()
+    with pytest.raises(ValueError, match=r"models.target: .*no genrec_template.json.*python -m jobs.template"):
+        run_nightly(config(world, tmp_path / "o1", f"models.target={bare}"))
+    run_nightly_with = lambda *extra: run_nightly(config(world, tmp_path / "o2", *extra))  # noqa: E731
+    other = tmp_path / "draft"
+    shutil.copytree(world / "draft", other)
+    write_template(other, PRESETS["lcrec"])
+    with pytest.raises(ValueError, match="models.draft .*differs from the target's prompt template"):
+        run_nightly_with("decoding.mode=atspeed-strict", f"models.draft={other}")
+    items = pq.read_table(world / "data" / "items.parquet").to_pylist()
+    items[5]["semantic_id"] = [0, 1, 17]  # the tokenizer has codes 0..5 per level
+    pq.write_table(pa.Table.from_pylist(items), tmp_path / "items.parquet")
+    with pytest.raises(ValueError, match=r"1 code tokens the catalog needs are missing from the tokenizer: <c_17>"):
+        run_nightly_with(f"catalog={tmp_path / 'items.parquet'}")
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+
+
 def test_rerun_leaves_exactly_one_complete_output(world, ray_session, tmp_path):
     from pipeline.nightly import run_nightly
 

@@ -90,6 +90,23 @@ class NightlyParams:
 
 
 @dataclass(kw_only=True)
+class TemplatesParams(Timed):
+    """`bench templates`: rendering every Beauty test user with each template, renderer vs tokenizer; then the
+    nightly job on `users` users with each template on one random Llama (layers x hidden) over a byte-level BPE of
+    about `text_vocab` tokens plus the code tokens, one CPU actor of `cpus` CPUs."""
+    templates: list[str] = field(default_factory=lambda: ["codes", "lcrec"])
+    users: int = 2000
+    layers: int = 2
+    hidden: int = 128
+    heads: int = 4
+    k: int = 10
+    batch: int = 256
+    text_vocab: int = 4000
+    cpus: int = 2
+    out: str = "bench-out"  # the jobs write under OUT/templates-bench
+
+
+@dataclass(kw_only=True)
 class AllParams(Timed):
     """`bench all`: every section on one target (and its drafts). The defaults: decode 64 users (batch 32, K=20; the
     index on Beauty and a 1M-item synthetic catalog, 640 prefixes per step), speculative 10 users at batch 1 and 64 at
