@@ -5,18 +5,27 @@ prefill once per user -> L steps: score the K beams' children (catalog CSR), kee
 
 Returns what `model.generate(num_beams=k, num_return_sequences=k, max_new_tokens=L, length_penalty=0.0,
 prefix_allowed_tokens_fn=<trie>)` returns: scores are sums of log_softmax over the full vocabulary (float32).
+
+The forwards every decoder shares live here too: `prefill` (each prompt once, continuing a shared `Prefix` when the
+prompts have one), `forward` (tree nodes into the tree cache, decoding/cache.py) and `children` (the log-probs of a
+node's catalog children from the chunked head, decoding/head.py: no [B, Q, V] tensor is ever formed).
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
+from decoding.cache import TreeCache
 from decoding.catalog import Catalog
+from decoding.head import Head, Scores
 from decoding.models import check_window
 from decoding.stats import Meter, beam_batch_kv
 from decoding.tree import TokenTree, prompt_position_ids
+
+NEG_INF = float("-inf")
+_HEADS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -27,31 +36,109 @@ class Recommendations:
     stats: dict = field(default_factory=dict)  # the base keys of decoding/stats.py, plus the mode's extras
 
 
+@dataclass
+class Children:
+    """The catalog children of query nodes with the model's next-token log-probs (log_softmax over the full
+    vocabulary, float32): token, node (-1 = none), logp (-inf = none) [B, Q, D]; broken [B, Q]: non-finite scores."""
+    token: torch.Tensor
+    node: torch.Tensor
+    logp: torch.Tensor
+    broken: torch.Tensor
+
+    def take(self, idx: torch.Tensor) -> "Children":
+        """The query nodes idx [B, K] of every row -> Children [B, K, D]."""
+        rows = lambda x: x.gather(1, idx[:, :, None].expand(-1, -1, x.shape[2]))  # noqa: E731
+        return Children(rows(self.token), rows(self.node), rows(self.logp), self.broken.gather(1, idx))
+
+    def where(self, use: torch.Tensor, other: "Children") -> "Children":
+        """These children for rows use [B] (or query nodes use [B, Q]), `other`'s elsewhere."""
+        u = use if use.dim() == 2 else use[:, None]
+        return Children(torch.where(u[..., None], self.token, other.token), torch.where(u[..., None], self.node,
+                        other.node), torch.where(u[..., None], self.logp, other.logp),
+                        torch.where(u, self.broken, other.broken))
+
+    def select(self, users: torch.Tensor) -> "Children":
+        return Children(self.token[users], self.node[users], self.logp[users], self.broken[users])
+
+
+class Prefix:
+    """Token ids [P] that start every prompt (a prompt template's fixed text): prefilled once per model and kept,
+    so that each batch's prompts continue from it (the prompt-level analogue of the token tree). Exact: causal
+    attention makes the prefix's keys and values independent of what follows."""
+
+    def __init__(self, ids):
+        self.ids = torch.as_tensor(ids, dtype=torch.int64).reshape(-1)
+        self._kv: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+    def __len__(self) -> int:
+        return self.ids.numel()
+
+    @torch.no_grad()
+    def kv(self, model) -> list:
+        """The prefix's keys and values under `model`, per layer ([1, H_kv, P, D] each), computed on first use."""
+        if model not in self._kv:
+            cache = TreeCache(len(self))
+            ids = self.ids.to(model.device)[None]
+            model.base_model(input_ids=ids, position_ids=torch.arange(len(self), device=ids.device)[None],
+                             past_key_values=cache, use_cache=True)
+            self._kv[model] = cache.prefix_kv()
+        return self._kv[model]
+
+
+def head_of(model) -> Head:
+    """The model's chunked head (checked once per model against its own logits)."""
+    if model not in _HEADS:
+        _HEADS[model] = Head.of(model)
+    return _HEADS[model]
+
+
+def children(model, hidden: torch.Tensor, catalog: Catalog, node: torch.Tensor, width: int) -> Children:
+    """hidden [B, Q, H] at tree nodes whose catalog nodes are node [B, Q] (-1 = dead) -> their children scored."""
+    b, q = node.shape
+    tok, child, valid = (x.view(b, q, -1) for x in catalog.children(node.flatten(), width))  # [B, Q, D]
+    scores = head_of(model).score(hidden.reshape(b * q, -1), torch.where(valid, tok, -1).view(b * q, -1))
+    logp = scores.logp.view(b, q, -1)
+    broken = (~torch.isfinite(scores.lse) | torch.isnan(scores.logits).any(1)).view(b, q)
+    return Children(tok, child, logp.masked_fill(~valid, NEG_INF), broken)
+
+
 def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, meter: Meter | None = None,
-            role: str = "target"):
-    """Left-padded prompts [B, S] -> (cache holding each prompt once, next-token logprobs [B, V] float32)."""
-    cache = DynamicCache()  # full-attention layers: a sliding window is applied through the mask, never by eviction
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=prompt_position_ids(attention_mask),
-                past_key_values=cache, use_cache=True, logits_to_keep=1)
+            role: str = "target", prefix: Prefix | None = None, capacity: int = 0):
+    """Left-padded prompts [B, S] (continuing `prefix` when given) -> (tree cache holding each prompt once, with
+    room for `capacity` more columns; the last position's hidden states [B, H])."""
+    b, s = input_ids.shape
+    p = len(prefix) if prefix is not None else 0
+    cache = TreeCache(p + s + capacity)
+    if prefix is not None:
+        cache.start(b, prefix.kv(model))
+        attention_mask = torch.cat([attention_mask.new_ones(b, p), attention_mask], 1)
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
+                              position_ids=prompt_position_ids(attention_mask)[:, p:], past_key_values=cache,
+                              use_cache=True).last_hidden_state
     if meter is not None:
         meter.forward(role, input_ids)
-    return cache, out.logits[:, -1].float().log_softmax(-1)
+    return cache, hidden[:, -1]
 
 
-def tree_forward(model, tree: TokenTree, cache: DynamicCache, tokens: torch.Tensor, parent: torch.Tensor,
-                 block_depth: int = 1, meter: Meter | None = None, role: str = "target") -> torch.Tensor:
-    """Adds tokens [B, Q] as tree nodes under parent [B, Q]; returns next-token logprobs [B, Q, V] float32."""
+def forward(model, tree: TokenTree, cache: TreeCache, tokens: torch.Tensor, parent: torch.Tensor,
+            block_depth: int = 1, meter: Meter | None = None, role: str = "target",
+            rows: int | None = None) -> torch.Tensor:
+    """Adds tokens [B, Q] as tree nodes under parent [B, Q] (see TokenTree.add) -> their hidden states [B, Q, H].
+    rows: only the first rows run (users sorted so that the ones with work come first); the other users' new nodes
+    are dead columns, never attended."""
     mask, position_ids = tree.add(parent, model.dtype, block_depth)
-    out = model(input_ids=tokens, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
-                use_cache=True)
+    r = tokens.shape[0] if rows is None else rows
+    hidden = model.base_model(input_ids=tokens[:r], attention_mask=mask[:r], position_ids=position_ids[:r],
+                              past_key_values=cache, use_cache=True).last_hidden_state
     if meter is not None:
-        meter.forward(role, tokens)
-    return out.logits.float().log_softmax(-1)
+        meter.forward(role, tokens[:r])
+    return hidden
 
 
-def check_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, catalog: Catalog, *models) -> None:
+def check_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, catalog: Catalog, *models,
+                  prefix: Prefix | None = None) -> None:
     """What every decoder needs of its inputs: [B, S] left-padded prompts on the catalog's device, and models whose
-    attention window (if any) covers the longest prompt plus an item."""
+    attention window (if any) covers the longest prompt (with its prefix) plus an item."""
     if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} "
                          "must both be [B, S]")
@@ -60,51 +147,43 @@ def check_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, catalog
     if (attention_mask[:, -1] == 0).any():
         raise ValueError("prompts must be left-padded: attention_mask[:, -1] is 0 in rows "
                          f"{(attention_mask[:, -1] == 0).nonzero().flatten().tolist()[:10]}")
-    longest = int(attention_mask.sum(1).max()) if input_ids.numel() else 0
+    longest = (int(attention_mask.sum(1).max()) if input_ids.numel() else 0) + (len(prefix) if prefix else 0)
     for model in models:
         check_window(model.config, longest + catalog.code_len, type(model).__name__)
-
-
-def non_finite(logp: torch.Tensor) -> torch.Tensor:
-    """Log-probs [..., V] -> bool [...]: the row holds a NaN or an infinity where a real distribution holds none
-    (NaN or infinite logits, e.g. a float16 overflow, make log_softmax NaN)."""
-    return ~torch.isfinite(logp.amax(-1))
 
 
 def topk_stable(scores: torch.Tensor, k: int):
     """scores [B, C] -> (values [B, k], indices [B, k]): descending, ties to the lower index; -inf padded."""
     b, c = scores.shape
     if c < k:
-        scores = torch.cat([scores, scores.new_full((b, k - c), float("-inf"))], 1)
+        scores = torch.cat([scores, scores.new_full((b, k - c), NEG_INF)], 1)
     values, indices = torch.sort(scores, dim=1, descending=True, stable=True)
     return values[:, :k], indices[:, :k]
 
 
-def candidates(catalog: Catalog, logp: torch.Tensor, score: torch.Tensor, node: torch.Tensor, width: int | None):
+def candidates(kids: Children, score: torch.Tensor):
     """Every (beam, valid child) extension of W beams, beam-major, children by ascending token.
-    logp [B, W, V], score [B, W] (-inf = dead beam), node [B, W] (catalog nodes, any levels, -1 = dead); `width` >=
-    their widest node (default: any level's) -> (sequence scores [B, W*D] (-inf = none), tokens, nodes [B, W*D], D)."""
-    b, w, _ = logp.shape
-    child_tok, child_node, valid = (x.view(b, w, -1) for x in catalog.children(node.flatten(), width))  # [B, W, D]
-    cand = (score[:, :, None] + logp.gather(2, child_tok)).masked_fill(~valid, float("-inf"))  # [B, W, D]
-    return cand.view(b, -1), child_tok.view(b, -1), child_node.view(b, -1), child_tok.shape[2]
+    kids [B, W, D] (the beams' children), score [B, W] (-inf = dead beam) -> (sequence scores [B, W*D] (-inf = none),
+    tokens, nodes [B, W*D], D)."""
+    b, w, d = kids.logp.shape
+    cand = score[:, :, None] + kids.logp  # [B, W, D], -inf where no child or dead beam
+    return cand.view(b, -1), kids.token.reshape(b, -1), kids.node.reshape(b, -1), d
 
 
 def pick(cand: torch.Tensor, tok: torch.Tensor, child: torch.Tensor, d: int, flat: torch.Tensor):
     """Chosen candidates flat [B, k] (may point past the end: none) -> score, parent beam, token, node [B, k]."""
     n = cand.shape[1]
-    top = torch.where(flat < n, cand.gather(1, flat.clamp(max=n - 1)), float("-inf"))
-    alive = top > float("-inf")
+    top = torch.where(flat < n, cand.gather(1, flat.clamp(max=n - 1)), NEG_INF)
+    alive = top > NEG_INF
     flat = torch.where(alive, flat, 0)
     return (top, torch.where(alive, flat // d, -1), torch.where(alive, tok.gather(1, flat), 0),
             torch.where(alive, child.gather(1, flat), -1))
 
 
-def expand_beams(catalog: Catalog, logp: torch.Tensor, score: torch.Tensor, node: torch.Tensor, k: int,
-                 width: int | None = None):
+def expand_beams(kids: Children, score: torch.Tensor, k: int):
     """Top-k (beam, token) extensions -> score, parent beam, token, child node [B, k] (-1 / -inf = none).
     Ties go to the lower (beam, token) pair."""
-    cand, tok, child, d = candidates(catalog, logp, score, node, width)
+    cand, tok, child, d = candidates(kids, score)
     return pick(cand, tok, child, d, topk_stable(cand, k)[1])
 
 
@@ -113,12 +192,11 @@ def gumbel_like(x: torch.Tensor, generator: torch.Generator | None) -> torch.Ten
     return -torch.log(-torch.log(u))
 
 
-def sample_beams(catalog: Catalog, logp: torch.Tensor, score: torch.Tensor, node: torch.Tensor, k: int,
-                 width: int | None, temperature: float, generator: torch.Generator | None):
+def sample_beams(kids: Children, score: torch.Tensor, k: int, temperature: float, generator: torch.Generator | None):
     """Sampling-based beam step: k (beam, token) pairs drawn WITHOUT replacement with probability proportional to
     exp((score + log p(token)) / temperature) over the valid children (Gumbel top-k), in draw order.
     -> score, parent beam, token, node [B, k], the candidates' log-weights [B, W*D] and the drawn flat indices [B, k]."""
-    cand, tok, child, d = candidates(catalog, logp, score, node, width)
+    cand, tok, child, d = candidates(kids, score)
     weight = cand.double() / temperature
     flat = topk_stable((weight + gumbel_like(weight, generator)).float(), k)[1]  # draw order
     return (*pick(cand, tok, child, d, flat), weight, flat)
@@ -127,49 +205,50 @@ def sample_beams(catalog: Catalog, logp: torch.Tensor, score: torch.Tensor, node
 @torch.no_grad()
 def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, catalog: Catalog, k: int,
                 steps: int | None = None, do_sample: bool = False, temperature: float = 1.0,
-                generator: torch.Generator | None = None) -> Recommendations:
-    """input_ids, attention_mask [B, S] left-padded -> the top-k catalog items per user.
-    `steps` < L stops early: token_ids are then the top-k prefixes [B, k, steps] and item_ids are -1.
+                generator: torch.Generator | None = None, prefix: Prefix | None = None) -> Recommendations:
+    """input_ids, attention_mask [B, S] left-padded (continuing `prefix` when given) -> the top-k catalog items per
+    user. `steps` < L stops early: token_ids are then the top-k prefixes [B, k, steps] and item_ids are -1.
     do_sample: sampling-based beam search, each step draws k (beam, token) pairs without replacement with
     probability proportional to exp(sequence log-prob / temperature) (the reference for relaxed speculation);
-    the final k are returned by score, descending."""
+    the final k are returned by score, descending. The tree keeps every node (at most k per level: no compaction
+    pays for itself), written in place into a preallocated cache."""
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     if do_sample and not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    check_prompts(input_ids, attention_mask, catalog, model)
+    check_prompts(input_ids, attention_mask, catalog, model, prefix=prefix)
     b, s = input_ids.shape
+    dev = input_ids.device
     depth = catalog.code_len if steps is None else steps
     if not 1 <= depth <= catalog.code_len:
         raise ValueError(f"steps must be in [1, {catalog.code_len}], got {steps}")
-    meter = Meter(input_ids.device)
+    meter = Meter(dev)
     with meter.phase("prefill"):
-        cache, logp = prefill(model, input_ids, attention_mask, meter)  # logp [B, V]
-    meter.kv(b * s)
-    broken = non_finite(logp)  # [B] users whose log-probs were NaN or infinite somewhere
+        cache, hidden = prefill(model, input_ids, attention_mask, meter, prefix=prefix, capacity=k * (depth - 1))
+        root = torch.zeros(b, 1, dtype=torch.int64, device=dev)
+        kids = children(model, hidden[:, None], catalog, root, catalog.max_children[0])  # [B, 1, D]
+    meter.kv(b * cache.length)
+    broken = kids.broken[:, 0]  # [B] users whose log-probs were NaN or infinite somewhere
 
-    tree = TokenTree.from_prompt(attention_mask)
-    score = torch.zeros(b, 1, device=input_ids.device)  # [B, W], W = 1 beam (the prompt) at level 0
-    node = torch.zeros(b, 1, dtype=torch.int64, device=input_ids.device)
-    leaf = torch.full((b, 1), -1, dtype=torch.int64, device=input_ids.device)  # tree node of each beam's last token
-    tokens = torch.zeros(b, 1, 0, dtype=torch.int64, device=input_ids.device)  # [B, W, t]
-    logp = logp[:, None, :]  # [B, W, V]
+    tree = TokenTree.from_prompt(attention_mask, len(prefix) if prefix is not None else 0)
+    score = torch.zeros(b, 1, device=dev)  # [B, W], W = 1 beam (the prompt) at level 0
+    leaf = torch.full((b, 1), -1, dtype=torch.int64, device=dev)  # tree node of each beam's last token
+    tokens = torch.zeros(b, 1, 0, dtype=torch.int64, device=dev)  # [B, W, t]
     for level in range(depth):
-        width = catalog.max_children[level]
         if do_sample:
-            score, beam, token, node, _, _ = sample_beams(catalog, logp, score, node, k, width, temperature, generator)
+            score, beam, token, node, _, _ = sample_beams(kids, score, k, temperature, generator)
         else:
-            score, beam, token, node = expand_beams(catalog, logp, score, node, k, width)
+            score, beam, token, node = expand_beams(kids, score, k)
         alive = beam >= 0
         tokens = torch.cat([tokens.gather(1, beam.clamp(min=0)[:, :, None].expand(-1, -1, level)), token[:, :, None]], 2)
         if level == depth - 1:
             break
         parent = torch.where(alive, leaf.gather(1, beam.clamp(min=0)), -1)  # [B, k] tree node of the parent
-        parent = tree.keep_paths(parent, cache)  # pruned branches leave the cache
-        logp = tree_forward(model, tree, cache, token, parent, meter=meter)  # [B, k, V]
-        broken |= non_finite(logp).any(1)
-        meter.kv(b * tree.kv_len)  # each prompt once plus the tree tokens
-        leaf = tree.num_nodes - k + torch.arange(k, device=input_ids.device).expand(b, k)
+        hidden = forward(model, tree, cache, token, parent, meter=meter)  # [B, k, H]
+        kids = children(model, hidden, catalog, node, catalog.max_children[level + 1])  # [B, k, D]
+        broken |= kids.broken.any(1)
+        meter.kv(b * cache.length)  # each prompt once plus the tree tokens
+        leaf = tree.num_nodes - k + torch.arange(k, device=dev).expand(b, k)
 
     if do_sample:  # drawn in sampling order: rank them by score
         order = torch.sort(score, dim=1, descending=True, stable=True).indices
@@ -177,12 +256,12 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, ca
             1, order[:, :, None].expand_as(tokens))
     alive = node >= 0
     stats = meter.result(beam_batch_kv(b, k, s, depth),
-                         kv_len=cache.get_seq_length(),  # padded prompt + tree tokens
-                         kv_batch=cache.layers[0].keys.shape[0],  # cache rows: one per user
+                         kv_len=cache.length,  # shared prefix + padded prompt + tree tokens
+                         kv_batch=cache.rows,  # cache rows: one per user
                          tree_tokens=tree.num_nodes, non_finite=broken)
     return Recommendations(
         item_ids=catalog.item_of_node(node) if depth == catalog.code_len else torch.full_like(node, -1),
         token_ids=torch.where(alive[:, :, None], tokens, -1),
-        scores=torch.where(alive, score, float("-inf")),
+        scores=torch.where(alive, score, NEG_INF),
         stats=stats,
     )

@@ -16,12 +16,21 @@ users at different depths (per-node position ids, trie node ids that carry their
 the batch. Both models keep one tree over the single prompt prefill; rejected branches are compacted away and
 accepted tokens are never recomputed.
 
-Relaxed verification (`verification="relaxed"`): the draft samples K sequences per step (sampling-based beam
-search, N = K); draw i accepts the i-th with probability min(1, P_i / Q_i) and the first rejected draw is resampled
-from the residual, so every step is K draws without replacement from the target's P: the output has exactly the
-distribution of `beam_search(target, do_sample=True)`.
+No work is padded to the batch: users are kept sorted by their number of drafted steps g, so that draft step i runs
+on the first rows only (the users that draft it). The last drafted step is never run through the draft: only the
+target needs its scores, and the next round's first draft forward carries the K sequences of it that were accepted
+(when a user accepted them all) together with the beams' new tokens.
 
-Read top to bottom: `speculative_beam_search` (the loop), `start`, `first_step`, `draft`, `verify`, `accept`.
+Relaxed verification (`verification="relaxed"`): the draft samples K sequences per step (sampling-based beam
+search); draw i accepts the i-th with probability min(1, P_i / Q_i) and the first rejected draw is resampled from the
+residual, so every step is K draws without replacement from the target's P: the output has exactly the distribution
+of `beam_search(target, do_sample=True)`. This differs from the AtSpeed paper's relaxed scheme, whose draft samples
+N >= K sequences per step and verifies them against the target's distribution: with K draws per step the drafted set
+IS the proposal of the K draws, which is what makes one draw per drafted sequence exact; with N > K sequences the
+acceptance test would have to account for which K of them the draws pick. `draft_beams` is therefore K in relaxed
+mode, and any other value is refused rather than ignored.
+
+Read top to bottom: `speculative_beam_search` (the loop), `start`, `first_step`, `draft_steps`, `verify`, `accept`.
 """
 from __future__ import annotations
 
@@ -29,8 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
-from decoding.beam import (Recommendations, candidates, check_prompts, expand_beams, gumbel_like, non_finite, pick,
-                           prefill, sample_beams, tree_forward)
+from decoding.beam import (Children, Prefix, Recommendations, candidates, check_prompts, children, expand_beams,
+                           forward, gumbel_like, pick, prefill, sample_beams)
 from decoding.catalog import Catalog
 from decoding.stats import Meter, beam_batch_kv
 from decoding.tree import TokenTree
@@ -46,32 +55,47 @@ class Side:
     tree: TokenTree
     cache: object
     leaf: torch.Tensor  # [A, K] tree node of each beam's last token (-1: the prompt itself)
-    logp: torch.Tensor  # [A, K, V] next-token log-probs at the beams (stale where pending)
+    kids: Children  # [A, K, D] the beams' children with their next-token log-probs (stale where pending)
     pending: torch.Tensor  # [A] the beams' last tokens are not in the tree yet
     parent: torch.Tensor  # [A, K] tree node of a pending beam's parent (-1: the prompt)
+    carry: torch.Tensor  # [A] draft only: the pending beams' parents are not in the tree yet either
+    carry_token: torch.Tensor  # [A, K] their tokens (the last drafted step, accepted)
+    carry_parent: torch.Tensor  # [A, K] tree nodes of their parents
 
     def select(self, users: torch.Tensor) -> None:
         self.tree.select_users(users, self.cache)
-        self.leaf, self.logp = self.leaf[users], self.logp[users]
-        self.pending, self.parent = self.pending[users], self.parent[users]
+        self.leaf, self.kids, self.pending, self.parent = (self.leaf[users], self.kids.select(users),
+                                                           self.pending[users], self.parent[users])
+        self.carry, self.carry_token, self.carry_parent = (self.carry[users], self.carry_token[users],
+                                                           self.carry_parent[users])
 
-    def add_pending(self, last_token: torch.Tensor, alive: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block of K nodes per user holding the pending beams' last tokens (dummies elsewhere) -> (tokens, parents)."""
+    def pending_block(self, last_token: torch.Tensor, alive: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The tokens to add before anything else this round -> (tokens [A, Q], parents [A, Q], block depth): the
+        pending beams' last tokens (K per user, dummies elsewhere), preceded by the carried parents of theirs (K more,
+        a block of two levels) when some user carries."""
+        k = alive.shape[1]
         use = self.pending[:, None] & alive
-        return torch.where(use, last_token, 0), torch.where(use, self.parent, -1)
+        if not self.carry.any():
+            return torch.where(use, last_token, 0), torch.where(use, self.parent, -1), 1
+        carried = self.carry[:, None] & alive
+        base = self.tree.num_nodes
+        tokens = torch.cat([torch.where(carried, self.carry_token, 0), torch.where(use, last_token, 0)], 1)
+        under = torch.where(carried, base + self.parent, self.parent)  # a carried user's parent: the carried node
+        parents = torch.cat([torch.where(carried, self.carry_parent, -1), torch.where(use, under, -1)], 1)
+        return tokens, parents, 2 if k else 1
 
-    def take_pending(self, logp: torch.Tensor, first_node: int) -> None:
-        """The pending beams' tokens are now tree nodes first_node .. first_node + K - 1, with next-token log-probs
-        logp [A, K, V]."""
+    def take_pending(self, kids: Children, first_node: int) -> None:
+        """The pending beams' tokens are now tree nodes first_node .. first_node + K - 1, scored `kids`."""
         k = self.leaf.shape[1]
-        self.logp = torch.where(self.pending[:, None, None], logp, self.logp)
+        self.kids = kids.where(self.pending, self.kids)
         self.leaf = torch.where(self.pending[:, None], first_node + torch.arange(k, device=self.leaf.device),
                                 self.leaf)
         self.pending = torch.zeros_like(self.pending)
+        self.carry = torch.zeros_like(self.carry)
 
-    def follow(self, ok: torch.Tensor, logp: torch.Tensor, leaf: torch.Tensor) -> None:
-        """Users ok [A] move their beams onto tree nodes leaf [A, K] already scored (logp [A, K, V])."""
-        self.logp = torch.where(ok[:, None, None], logp, self.logp)
+    def follow(self, ok: torch.Tensor, kids: Children, leaf: torch.Tensor) -> None:
+        """Users ok [A] move their beams onto tree nodes leaf [A, K] already scored (kids [A, K, D])."""
+        self.kids = kids.where(ok, self.kids)
         self.leaf = torch.where(ok[:, None], leaf, self.leaf)
 
     def defer(self, users: torch.Tensor, beam_parent: torch.Tensor, alive: torch.Tensor) -> None:
@@ -81,15 +105,25 @@ class Side:
         self.parent = torch.where(users[:, None], parent, self.parent)
         self.pending = self.pending | users
 
+    def defer_carried(self, users: torch.Tensor, beam_parent: torch.Tensor, alive: torch.Tensor,
+                      token: torch.Tensor, parent: torch.Tensor) -> None:
+        """Users [A] take beams whose parents (tokens [A, K] under tree nodes parent [A, K]: the last drafted step,
+        accepted, never run through this model) are not in the tree either: both enter with the next forward."""
+        self.carry = self.carry | users
+        self.carry_token = torch.where(users[:, None], token, self.carry_token)
+        self.carry_parent = torch.where(users[:, None], parent, self.carry_parent)
+        self.parent = torch.where(users[:, None] & alive, beam_parent.clamp(min=0), self.parent)  # index in the block
+        self.pending = self.pending | users
+
     def compact(self, alive: torch.Tensor) -> None:
-        """Keeps the paths of the accepted beams (of their parents, where pending); drops every other node."""
-        nodes = torch.where(self.pending[:, None], self.parent, self.leaf)
+        """Keeps the paths of the accepted beams (of their parents, where pending; of the carried nodes' parents,
+        where carrying); drops every other node."""
+        nodes = torch.where(self.carry[:, None], self.carry_parent,
+                            torch.where(self.pending[:, None], self.parent, self.leaf))
         kept = self.tree.keep_paths(torch.where(alive, nodes, -1), self.cache)
         self.leaf = torch.where(self.pending[:, None], self.leaf, kept)
-        self.parent = torch.where(self.pending[:, None], kept, self.parent)
-
-    def forward(self, tokens: torch.Tensor, parent: torch.Tensor, meter: Meter, block_depth: int = 1) -> torch.Tensor:
-        return tree_forward(self.model, self.tree, self.cache, tokens, parent, block_depth, meter, self.role)
+        self.parent = torch.where(self.pending[:, None] & ~self.carry[:, None], kept, self.parent)
+        self.carry_parent = torch.where(self.carry[:, None], kept, self.carry_parent)
 
 
 @dataclass
@@ -113,18 +147,20 @@ class Step:
 @dataclass
 class Extend:
     """One beam step over the catalog: the exact top-`count` extensions (strict) or `count` draws without
-    replacement (relaxed), from beams scored `score` [A, W] at catalog nodes `node` [A, W] with next-token
-    log-probs `logp` [A, W, V]."""
+    replacement (relaxed), from beams scored `score` [A, W] whose children are `kids` [A, W, D]."""
     catalog: Catalog
     relaxed: bool
     temperature: float
     generator: torch.Generator | None
 
-    def __call__(self, logp: torch.Tensor, score: torch.Tensor, node: torch.Tensor, count: int) -> Step:
-        width = max(self.catalog.max_children)
+    def __call__(self, kids: Children, score: torch.Tensor, count: int) -> Step:
         if self.relaxed:
-            return Step(*sample_beams(self.catalog, logp, score, node, count, width, self.temperature, self.generator))
-        return Step(*expand_beams(self.catalog, logp, score, node, count, width))
+            return Step(*sample_beams(kids, score, count, self.temperature, self.generator))
+        return Step(*expand_beams(kids, score, count))
+
+    def score(self, model, hidden: torch.Tensor, node: torch.Tensor) -> Children:
+        """The children of tree nodes at catalog nodes node [A, Q] (any levels) from their hidden states."""
+        return children(model, hidden, self.catalog, node, max(self.catalog.max_children))
 
 
 @dataclass
@@ -159,39 +195,43 @@ class Beams:
 @dataclass
 class Drafted:
     """The draft's sequences D_j at one drafted step: catalog node (-1 = none), token and parent (index into D_{j-1},
-    or into the beams for j = 1) [A, N]; the draft's next-token log-probs at them [A, N, V] and their draft tree
-    nodes [A, N]; the step they were drawn by (relaxed verification needs its weights and draws)."""
+    or into the beams for j = 1) [A, N]; their children under the draft [A, N, D] and draft tree nodes [A, N] (none
+    for the last drafted step, never run through the draft); the step they were drawn by (relaxed verification
+    needs its weights and draws)."""
     node: torch.Tensor
     token: torch.Tensor
     parent: torch.Tensor
-    logp: torch.Tensor
-    tree: torch.Tensor
+    kids: Children | None
+    tree: torch.Tensor | None
     step: Step
+    parent_tree: torch.Tensor  # [A, N] draft tree node of each sequence's parent (-1: the prompt)
 
 
 @torch.no_grad()
 def speculative_beam_search(target, draft, input_ids: torch.Tensor, attention_mask: torch.Tensor, catalog: Catalog,
-                            k: int, draft_beams: int = 40, gamma: int | None = None, verification: str = "strict",
-                            temperature: float = 1.0, generator: torch.Generator | None = None) -> Recommendations:
-    """input_ids, attention_mask [B, S] left-padded -> exactly `beam_search(target, ...)`'s top-k items per user
-    (strict), or a draw of `beam_search(target, do_sample=True, ...)` (relaxed; `draft_beams` is then K: the draft
-    proposes the K sequences that the K draws verify).
+                            k: int, draft_beams: int | None = None, gamma: int | None = None,
+                            verification: str = "strict", temperature: float = 1.0,
+                            generator: torch.Generator | None = None, prefix: Prefix | None = None) -> Recommendations:
+    """input_ids, attention_mask [B, S] left-padded (continuing `prefix` when given) -> exactly
+    `beam_search(target, ...)`'s top-k items per user (strict; draft_beams N defaults to max(40, k)), or a draw of
+    `beam_search(target, do_sample=True, ...)` (relaxed: the draft proposes the K sequences that the K draws verify,
+    so draft_beams is K).
     stats: the base keys (decoding/stats.py) plus accepted_steps [B], drafted_steps [B], rounds [B] and
     accepted_hist [gamma + 1]: (user, round) pairs by the number of drafted steps the round accepted."""
     code_len = catalog.code_len
     gamma = code_len if gamma is None else gamma
-    check_arguments(target, draft, input_ids, attention_mask, catalog, k, draft_beams, gamma, verification,
-                    temperature)
     relaxed = verification == "relaxed"
-    n = k if relaxed else draft_beams
+    n = (k if relaxed else max(40, k)) if draft_beams is None else draft_beams
+    check_arguments(target, draft, input_ids, attention_mask, catalog, k, n, gamma, verification, temperature, prefix)
     b, dev = input_ids.shape[0], input_ids.device
     extend = Extend(catalog, relaxed, temperature, generator)
     meter = Meter(dev)
+    room = (k + n) * code_len
     with meter.phase("prefill"):
-        tgt = start(target, "target", input_ids, attention_mask, k, meter)
-        drf = start(draft, "draft", input_ids, attention_mask, k, meter)
-    meter.kv(b * (tgt.tree.kv_len + drf.tree.kv_len))
-    broken = non_finite(tgt.logp[:, 0]) | (relaxed & non_finite(drf.logp[:, 0]))  # [B] NaN / inf log-probs
+        tgt = start(target, "target", input_ids, attention_mask, k, meter, extend, prefix, room)
+        drf = start(draft, "draft", input_ids, attention_mask, k, meter, extend, prefix, room)
+    meter.kv(b * (tgt.cache.length + drf.cache.length))
+    broken = tgt.kids.broken[:, 0] | (relaxed & drf.kids.broken[:, 0])  # [B] NaN / inf log-probs
     beams = first_step(extend, tgt, k, code_len)  # step 1 is free: the prefill gives the target's log-probs
     for side in (tgt, drf):  # the beams' tokens enter both trees with the next forward
         side.pending = torch.ones_like(side.pending)
@@ -203,30 +243,33 @@ def speculative_beam_search(target, draft, input_ids: torch.Tensor, attention_ma
     if code_len == 1:  # done after the free step
         users = users[:0]
     while users.numel():
-        g = (code_len - 1 - beams.depth).clamp(max=gamma)  # [A] steps drafted: the one after them comes free
+        g = (code_len - 1 - beams.depth).clamp(max=gamma)  # [A] steps drafted (sorted: descending)
         with meter.phase("draft"):
             drafts = draft_steps(drf, beams, g, n, extend, meter)
         with meter.phase("verify"):
-            logp_v = verify(tgt, beams, drafts, meter)  # [A, K + steps * N, V]
-        # the target's numbers decide the output; relaxed verification also weighs the draft's
-        broken[users] |= non_finite(logp_v).any(1) | (relaxed & non_finite(drf.logp).any(1))
-        for d in drafts if relaxed else ():
-            broken[users] |= non_finite(d.logp).any(1)
-        meter.kv(users.numel() * (tgt.tree.kv_len + drf.tree.kv_len))  # both caches are largest right here
-        accepted_now = accept(tgt, drf, beams, drafts, logp_v, g, extend)  # [A]
+            kids_v, first = verify(tgt, beams, drafts, extend, meter)  # [A, K + steps * N, D]
+        broken[users] |= kids_v.broken.any(1)
+        if relaxed:  # relaxed verification also weighs the draft's numbers
+            for kids in [drf.kids] + [d.kids for d in drafts if d.kids is not None]:
+                broken[users] |= kids.broken.any(1)
+        meter.kv(users.numel() * (tgt.cache.length + drf.cache.length))  # both caches are largest right here
+        accepted_now = accept(tgt, drf, beams, drafts, kids_v, first, g, extend)  # [A]
         accepted[users] += accepted_now
         accepted_hist += torch.bincount(accepted_now, minlength=gamma + 1)
         drafted[users] += g
         rounds[users] += 1
 
         done = beams.depth >= code_len
-        if done.any():  # finished users leave the batch
+        if done.any():
             for name in ("tokens", "score", "node"):
                 getattr(out, name)[users[done]] = getattr(beams, name)[done]
-            keep = (~done).nonzero().flatten()
-            users, beams = users[keep], beams.select(keep)
-            tgt.select(keep)
-            drf.select(keep)
+        # the users left, sorted by next round's drafted steps (descending: by depth), so draft step i runs on a prefix
+        left = (~done).nonzero().flatten()
+        order = left[torch.sort(beams.depth[left], stable=True).indices]
+        if order.numel() != done.numel() or not torch.equal(order, torch.arange(done.numel(), device=dev)):
+            users, beams = users[order], beams.select(order)
+            tgt.select(order)
+            drf.select(order)
         if users.numel():  # pruned branches leave both caches
             tgt.compact(beams.score > NEG_INF)
             drf.compact(beams.score > NEG_INF)
@@ -241,80 +284,104 @@ def speculative_beam_search(target, draft, input_ids: torch.Tensor, attention_ma
 
 
 def check_arguments(target, draft, input_ids, attention_mask, catalog: Catalog, k: int, draft_beams: int, gamma: int,
-                    verification: str, temperature: float) -> None:
+                    verification: str, temperature: float, prefix: Prefix | None) -> None:
     if verification not in ("strict", "relaxed"):
         raise ValueError(f"verification must be 'strict' or 'relaxed', got {verification!r}")
     if verification == "relaxed" and not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    if verification == "relaxed" and draft_beams != k:
+        raise ValueError(f"relaxed verification drafts exactly k = {k} sequences per step (each verified by one "
+                         f"draw), so draft_beams = {draft_beams} cannot be honoured: leave it unset or set it to k")
     if k < 1 or draft_beams < k or gamma < 1:
         raise ValueError(f"need 1 <= k <= draft_beams and gamma >= 1, got k={k}, draft_beams={draft_beams}, "
                          f"gamma={gamma}")
     if target.config.vocab_size != draft.config.vocab_size:
         raise ValueError(f"target and draft vocabularies differ: {target.config.vocab_size} vs "
                          f"{draft.config.vocab_size}")
-    check_prompts(input_ids, attention_mask, catalog, target, draft)
+    check_prompts(input_ids, attention_mask, catalog, target, draft, prefix=prefix)
 
 
-def start(model, role: str, input_ids, attention_mask, k: int, meter: Meter) -> Side:
+def start(model, role: str, input_ids, attention_mask, k: int, meter: Meter, extend: Extend, prefix: Prefix | None,
+          room: int) -> Side:
     """Prefills the prompts once: a tree holding only them, every beam at the prompt."""
-    cache, logp = prefill(model, input_ids, attention_mask, meter, role)  # [A, V]
-    a = input_ids.shape[0]
-    none = torch.full((a, k), -1, dtype=torch.int64, device=input_ids.device)
-    return Side(model, role, TokenTree.from_prompt(attention_mask), cache, none, logp[:, None, :].repeat(1, k, 1),
-                torch.zeros(a, dtype=torch.bool, device=input_ids.device), none.clone())
+    cache, hidden = prefill(model, input_ids, attention_mask, meter, role, prefix, room)  # [A, H]
+    a, dev = input_ids.shape[0], input_ids.device
+    root = torch.zeros(a, 1, dtype=torch.int64, device=dev)
+    kids = extend.score(model, hidden[:, None], root).take(root.expand(a, k))  # [A, K, D] (one row per beam)
+    none = torch.full((a, k), -1, dtype=torch.int64, device=dev)
+    no = torch.zeros(a, dtype=torch.bool, device=dev)
+    tree = TokenTree.from_prompt(attention_mask, len(prefix) if prefix is not None else 0)
+    return Side(model, role, tree, cache, none, kids, no, none.clone(), no.clone(), none.clone(), none.clone())
 
 
 def first_step(extend: Extend, tgt: Side, k: int, code_len: int) -> Beams:
     """Step 1 from the prefill's log-probs at the prompt: the K beams at depth 1."""
-    b, dev = tgt.logp.shape[0], tgt.logp.device
+    b, dev = tgt.leaf.shape[0], tgt.leaf.device
     root = torch.zeros(b, 1, dtype=torch.int64, device=dev)
-    step = extend(tgt.logp[:, :1], root.float(), root, k)  # [B, K]
+    step = extend(tgt.kids.take(root), root.float(), k)  # [B, K]
     tokens = torch.full((b, k, code_len), -1, dtype=torch.int64, device=dev)
     tokens[:, :, 0] = torch.where(step.node >= 0, step.token, -1)
     return Beams(tokens, step.score, step.node, torch.ones(b, dtype=torch.int64, device=dev))
 
 
+def add_pending(side: Side, beams: Beams, extend: Extend, meter: Meter, rows: int | None = None) -> None:
+    """One forward of `side` over its pending block (see Side.pending_block), scoring the beams' children."""
+    tok, par, depth = side.pending_block(beams.last_tokens(), beams.score > NEG_INF)
+    first = side.tree.num_nodes + tok.shape[1] - beams.score.shape[1]  # the beams' block: the last K columns
+    hidden = forward(side.model, side.tree, side.cache, tok, par, depth, meter, side.role, rows)
+    kids = extend.score(side.model, hidden[:, -beams.score.shape[1]:], beams.node[:hidden.shape[0]])
+    side.take_pending(pad_rows(kids, beams.score.shape[0]), first)
+
+
 def draft_steps(drf: Side, beams: Beams, g: torch.Tensor, n: int, extend: Extend, meter: Meter) -> list[Drafted]:
-    """The draft beam-searches N sequences for g [A] steps from the accepted beams, one draft forward per step (plus
-    one first for beams not yet in its tree) -> D_1 .. D_max(g); a user's steps beyond its g are dead nodes."""
+    """The draft beam-searches N sequences for g [A] steps from the accepted beams (users sorted by g, descending):
+    draft step i runs on the users with g >= i only, and the last step is expanded but not run through the draft.
+    -> D_1 .. D_max(g); a user's steps beyond its g are dead."""
     a, k = beams.score.shape
     steps = int(g.max())
     if steps and drf.pending.any():
-        tok, par = drf.add_pending(beams.last_tokens(), beams.score > NEG_INF)
-        first = drf.tree.num_nodes
-        drf.take_pending(drf.forward(tok, par, meter), first)  # [A, K, V]
+        add_pending(drf, beams, extend, meter, int((g >= 1).sum()))
     drafts = []
-    score, node, logp, tree = beams.score, beams.node, drf.logp, drf.leaf  # D_0: the beams
+    score, node, kids, tree = beams.score, beams.node, drf.kids, drf.leaf  # D_0: the beams
     for i in range(1, steps + 1):
-        step = extend(logp, score, node, n)  # [A, N]
+        step = extend(kids, score, n)  # [A, N]
         live = (step.node >= 0) & (i <= g)[:, None]
         parent_tree = torch.where(live, tree.gather(1, step.parent.clamp(min=0)), -1)
-        first = drf.tree.num_nodes
-        logp = drf.forward(torch.where(live, step.token, 0), parent_tree, meter)  # [A, N, V]
-        tree = (first + torch.arange(n, device=g.device)).expand(a, n)
         score, node = torch.where(live, step.score, NEG_INF), torch.where(live, step.node, -1)
-        drafts.append(Drafted(node, step.token, step.parent.clamp(min=0), logp, tree, step))
+        d = Drafted(node, step.token, step.parent.clamp(min=0), None, None, step, parent_tree)
+        if i < steps:  # the draft's scores at D_i: needed to draft D_{i+1} (only by the users with g > i)
+            rows = int((g > i).sum())
+            first = drf.tree.num_nodes
+            hidden = forward(drf.model, drf.tree, drf.cache, torch.where(live, step.token, 0), parent_tree,
+                             meter=meter, role=drf.role, rows=rows)
+            kids = pad_rows(extend.score(drf.model, hidden, node[:rows]), a)
+            tree = (first + torch.arange(n, device=g.device)).expand(a, n)
+            d.kids, d.tree = kids, tree
+        drafts.append(d)
     return drafts
 
 
-def verify(tgt: Side, beams: Beams, drafts: list[Drafted], meter: Meter) -> torch.Tensor:
+def verify(tgt: Side, beams: Beams, drafts: list[Drafted], extend: Extend, meter: Meter) -> tuple[Children, int]:
     """ONE target forward over a block of tree nodes per user: the beams' tokens where pending (K), then every
-    drafted node of every step (N each), each under its parent -> next-token log-probs [A, K + steps * N, V].
-    Node layout: block column c is tree node `base + c`, base = the tree's size before the block."""
+    drafted node of every step (N each), each under its parent -> (their children scored [A, K + steps * N, D],
+    the tree node of the block's first column)."""
     a, k = beams.score.shape
     dev = beams.score.device
     base = tgt.tree.num_nodes
-    tok, par = tgt.add_pending(beams.last_tokens(), beams.score > NEG_INF)
-    block_tok, block_par = [tok], [par]
+    tok, par, _ = tgt.pending_block(beams.last_tokens(), beams.score > NEG_INF)
+    block_tok, block_par, block_node = [tok], [par], [beams.node]
     prev = torch.where(tgt.pending[:, None], base + torch.arange(k, device=dev), tgt.leaf)  # tree nodes of D_0
     for i, d in enumerate(drafts):
         n = d.node.shape[1]
         block_tok.append(torch.where(d.node >= 0, d.token, 0))
         block_par.append(torch.where(d.node >= 0, prev.gather(1, d.parent), -1))
+        block_node.append(d.node)
         prev = (base + k + i * n + torch.arange(n, device=dev)).expand(a, n)
-    logp = tgt.forward(torch.cat(block_tok, 1), torch.cat(block_par, 1), meter, block_depth=len(drafts) + 1)
-    tgt.take_pending(logp[:, :k], base)
-    return logp
+    hidden = forward(tgt.model, tgt.tree, tgt.cache, torch.cat(block_tok, 1), torch.cat(block_par, 1),
+                     len(drafts) + 1, meter, tgt.role)
+    kids = extend.score(tgt.model, hidden, torch.cat(block_node, 1))
+    tgt.take_pending(kids.take(torch.arange(k, device=dev).expand(a, k)), base)
+    return kids, base
 
 
 def covered(t_node: torch.Tensor, d_node: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -324,28 +391,30 @@ def covered(t_node: torch.Tensor, d_node: torch.Tensor) -> tuple[torch.Tensor, t
     return (hit.any(-1) | (t_node < 0)).all(-1), hit.int().argmax(-1)
 
 
-def accept(tgt: Side, drf: Side, beams: Beams, drafts: list[Drafted], logp_v: torch.Tensor, g: torch.Tensor,
+def accept(tgt: Side, drf: Side, beams: Beams, drafts: list[Drafted], kids_v: Children, first: int, g: torch.Tensor,
            extend: Extend) -> torch.Tensor:
     """Step by step j = 1 .. steps + 1: the target's own step T_j from the beams (strict: its exact top-K; relaxed:
     K draws that accept the drafted sequences in order with probability min(1, P_i / Q_i)). A user whose step j is
     verified (T_j covered by D_j; relaxed: all K draws accepted) moves its beams onto the drafted nodes, whose
-    target and draft log-probs this round already computed, and goes on to j + 1. At the first rejected step, or
+    target and draft scores this round already computed, and goes on to j + 1. At the first rejected step, or
     after the last drafted one, its beams become T_j (the correction or the free bonus step), pending in both trees
-    until the next forward, and it stops. -> accepted steps [A] this round."""
+    until the next forward, and it stops; after the last drafted step, whose nodes the draft never ran, the draft
+    carries them too. -> accepted steps [A] this round."""
     a, k = beams.score.shape
     code_len = beams.tokens.shape[2]
     accepting = torch.ones(a, dtype=torch.bool, device=g.device)
     accepted_now = torch.zeros(a, dtype=torch.int64, device=g.device)
+    on_last = torch.zeros(a, dtype=torch.bool, device=g.device)  # beams on the user's last drafted step's nodes
+    carry_token = carry_parent = torch.zeros(a, k, dtype=torch.int64, device=g.device)
     for j in range(1, len(drafts) + 2):
         take = accepting & (beams.depth < code_len)  # these users' beams advance to T_j
-        t = extend(tgt.logp, beams.score, beams.node, k)  # T_j: fresh where nothing was drafted
+        t = extend(tgt.kids, beams.score, k)  # T_j: fresh where nothing was drafted
         ok = torch.zeros_like(take)
         if j <= len(drafts):
             d = drafts[j - 1]
             drafted_here = take & (j <= g)
             if extend.relaxed:  # the draws that accept the drafted sequences, in their order
-                cand, tok, child, width = candidates(extend.catalog, tgt.logp, beams.score, beams.node,
-                                                     max(extend.catalog.max_children))
+                cand, tok, child, width = candidates(tgt.kids, beams.score)
                 drawn, all_accepted = relaxed_draws(t.weight, d.step.weight, d.step.flat, extend.generator)
                 t = Step(*pick(cand, tok, child, width, drawn)).where(drafted_here, t)
                 ok = drafted_here & all_accepted
@@ -354,23 +423,32 @@ def accept(tgt: Side, drf: Side, beams: Beams, drafts: list[Drafted], logp_v: to
                 all_drafted, idx = covered(t.node, d.node)
                 ok = drafted_here & all_drafted
         stop = take & ~ok  # a correction or the bonus step: not in the trees yet
-        for side in (tgt, drf):
-            side.defer(stop, t.parent, t.node >= 0)
+        tgt.defer(stop, t.parent, t.node >= 0)
+        drf.defer(stop & ~on_last, t.parent, t.node >= 0)
+        if (stop & on_last).any():  # the draft never ran the beams' parents: they enter with the next forward too
+            drf.defer_carried(stop & on_last, t.parent, t.node >= 0, carry_token, carry_parent)
         beams.advance(take, t)
         if j <= len(drafts):
             n = d.node.shape[1]
-            base = tgt.tree.num_nodes - logp_v.shape[1]  # the verify block's first tree node
             rows = k + (j - 1) * n + idx  # block columns of the matched drafted nodes
-            tgt.follow(ok, gather_rows(logp_v, rows), base + rows)
-            drf.follow(ok, gather_rows(d.logp, idx), d.tree.gather(1, idx))
+            tgt.follow(ok, kids_v.take(rows), first + rows)
+            on_last = ok & (j == g)  # the user's last drafted step: no draft scores, no draft tree nodes there
+            if d.kids is not None:
+                drf.follow(ok & ~on_last, d.kids.take(idx), d.tree.gather(1, idx))
+            carry_token = torch.where(on_last[:, None], d.token.gather(1, idx), carry_token)
+            carry_parent = torch.where(on_last[:, None], d.parent_tree.gather(1, idx), carry_parent)
         accepted_now += ok.long()
         accepting = ok
     return accepted_now
 
 
-def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """x [A, N, ...], idx [A, K] -> [A, K, ...]."""
-    return x.gather(1, idx.view(*idx.shape, *([1] * (x.dim() - 2))).expand(*idx.shape, *x.shape[2:]))
+def pad_rows(kids: Children, rows: int) -> Children:
+    """Children of the first rows [A', Q, D] -> [rows, Q, D], the missing rows dead (no children)."""
+    missing = rows - kids.token.shape[0]
+    if not missing:
+        return kids
+    pad = lambda x, v: torch.cat([x, x.new_full((missing, *x.shape[1:]), v)])  # noqa: E731
+    return Children(pad(kids.token, 0), pad(kids.node, -1), pad(kids.logp, NEG_INF), pad(kids.broken, False))
 
 
 def relaxed_draws(p_weight: torch.Tensor, q_weight: torch.Tensor, proposals: torch.Tensor, generator):

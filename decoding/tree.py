@@ -1,19 +1,19 @@
 """Shared-prefix token tree for a batch of users (trie-based beam search, tree attention).
 
 Each user's prompt is prefilled once. Every generated token (a beam's next token, a drafted token)
-is a node of a tree hanging off that prompt; its KV sits in the same `DynamicCache` after the
+is a node of a tree hanging off that prompt; its KV sits in the same tree cache (decoding/cache.py) after the
 prompt's. A node attends to its user's real prompt tokens and to its ancestors (itself included),
 through an additive float 4-D mask, at the position it would have in an unshared sequence:
-`prompt_len + depth - 1`. Compaction drops the KV of pruned branches with one gather per layer.
+`prompt_len + depth - 1`. Compaction drops the KV of pruned branches in place, the prompt untouched.
 
-Cache layout per user: [S padded prompt columns | T tree columns]; tree column i is node i.
+Cache layout per user: [P shared-prefix columns | S padded prompt columns | T tree columns]; tree column i is node i.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
+from decoding.cache import TreeCache
 
 
 @dataclass
@@ -24,9 +24,11 @@ class TokenTree:
     depth: torch.Tensor  # [B, T] int64, 1 for a child of the prompt
 
     @classmethod
-    def from_prompt(cls, attention_mask: torch.Tensor) -> "TokenTree":
+    def from_prompt(cls, attention_mask: torch.Tensor, prefix: int = 0) -> "TokenTree":
+        """A tree over left-padded prompts [B, S] that continue a shared prefix of `prefix` tokens."""
         prompt_mask = attention_mask.bool()  # [B, S]
         b, dev = prompt_mask.shape[0], prompt_mask.device
+        prompt_mask = torch.cat([prompt_mask.new_ones(b, prefix), prompt_mask], 1)  # [B, P + S]
         return cls(prompt_mask, prompt_mask.sum(1), torch.zeros(b, 0, 0, dtype=torch.bool, device=dev),
                    torch.zeros(b, 0, dtype=torch.int64, device=dev))
 
@@ -68,7 +70,7 @@ class TokenTree:
         mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
         return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
 
-    def compact(self, keep: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+    def compact(self, keep: torch.Tensor, cache: TreeCache) -> torch.Tensor:
         """keep [B, T] bool, closed under ancestors. Drops the other nodes from the tree and the cache
         (kept nodes first, in their old order; users with fewer keep dead padding columns).
         Returns remap [B, T]: old node index -> new index, -1 if dropped."""
@@ -77,29 +79,23 @@ class TokenTree:
         idx = torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices[:, :kept]  # [B, T']
         self.anc = self.anc.gather(1, idx[:, :, None].expand(b, kept, t)).gather(2, idx[:, None, :].expand(b, kept, kept))
         self.depth = self.depth.gather(1, idx)
-        s = self.prompt_mask.shape[1]
-        for layer in cache.layers:  # [B, H, S + T, D] -> [B, H, S + T', D]
-            heads, dim = layer.keys.shape[1], layer.keys.shape[3]
-            at = (s + idx)[:, None, :, None].expand(b, heads, kept, dim)
-            layer.keys = torch.cat([layer.keys[:, :, :s], layer.keys.gather(2, at)], 2)
-            layer.values = torch.cat([layer.values[:, :, :s], layer.values.gather(2, at)], 2)
+        cache.keep(self.prompt_mask.shape[1], idx)  # [B, H, S + T, D] -> [B, H, S + T', D], in place
         remap = torch.full((b, t), -1, dtype=torch.int64, device=keep.device)
         remap.scatter_(1, idx, torch.arange(kept, device=keep.device).expand(b, kept))
         return torch.where(keep, remap, -1)
 
-    def keep_paths(self, nodes: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+    def keep_paths(self, nodes: torch.Tensor, cache: TreeCache) -> torch.Tensor:
         """Compacts the tree and cache to the paths of nodes [B, Q] (-1 = none); returns their new indices."""
         if self.num_nodes == 0:
             return nodes
         remap = self.compact(self.ancestors_of(nodes), cache)
         return torch.where(nodes >= 0, remap.gather(1, nodes.clamp(min=0)), -1)
 
-    def select_users(self, users: torch.Tensor, cache: DynamicCache) -> None:
+    def select_users(self, users: torch.Tensor, cache: TreeCache) -> None:
         """Keeps only the given batch rows [B'] of the tree and the cache (finished users stop costing compute)."""
         self.prompt_mask, self.prompt_len = self.prompt_mask[users], self.prompt_len[users]
         self.anc, self.depth = self.anc[users], self.depth[users]
-        for layer in cache.layers:
-            layer.keys, layer.values = layer.keys[users], layer.values[users]
+        cache.select(users)
 
     def ancestors_of(self, nodes: torch.Tensor) -> torch.Tensor:
         """nodes [B, Q] (-1 = none) -> bool [B, T]: every node on the path of any of them."""

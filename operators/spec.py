@@ -19,7 +19,7 @@ class Decoding:
     """How each user is decoded (the `decoding` section of the nightly config)."""
     mode: str = "beam"  # one of MODES
     k: int = 10
-    draft_beams: int = 40
+    draft_beams: int | None = None  # N drafted sequences per step (strict: None = max(40, k); relaxed: always k)
     gamma: int | None = None  # None: the item length
     history_len: int | None = None  # items per prompt (None: the prompt template's max_items)
     temperature: float = 1.0  # atspeed-relaxed and disc

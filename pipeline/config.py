@@ -149,11 +149,15 @@ def validate(cfg: Config) -> None:
     need(cfg.duplicate_items in ("first", "error"), "duplicate_items", "must be first or error", cfg.duplicate_items)
     if d.mode.startswith("atspeed"):
         need(bool(cfg.models.draft), "models.draft", f"must be set for decoding.mode {d.mode}", cfg.models.draft)
-    for name, value in (("decoding.k", d.k), ("decoding.draft_beams", d.draft_beams),
+    for name, value in (("decoding.k", d.k),
                         ("decoding.rounds", d.rounds),
                         ("compute.batch_size", c.batch_size), ("compute.num_actors", c.num_actors)):
         need(value >= 1, name, "must be an integer >= 1", value)
-    need(d.draft_beams >= d.k, "decoding.draft_beams", f"must be >= decoding.k ({d.k})", d.draft_beams)
+    need(d.draft_beams is None or d.draft_beams >= d.k, "decoding.draft_beams", f"must be >= decoding.k ({d.k}) or null",
+         d.draft_beams)
+    need(d.draft_beams in (None, d.k) or d.mode != "atspeed-relaxed", "decoding.draft_beams",
+         f"is k ({d.k}) in atspeed-relaxed (each drafted sequence is verified by one of the k draws): leave it unset",
+         d.draft_beams)
     need(d.gamma is None or d.gamma >= 1, "decoding.gamma", "must be >= 1 or null", d.gamma)
     need(d.history_len is None or d.history_len >= 1, "decoding.history_len", "must be >= 1 or null", d.history_len)
     need(d.top_m is None or d.top_m >= 1, "decoding.top_m", "must be >= 1 or null", d.top_m)

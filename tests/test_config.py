@@ -33,6 +33,13 @@ def test_errors_name_the_field(override, message):
         load_config(None, BASE + [override])
 
 
+def test_relaxed_verification_drafts_k_sequences():
+    relaxed = BASE + ["models.draft=models/d", "decoding.mode=atspeed-relaxed"]
+    assert load_config(None, relaxed).decoding.draft_beams is None
+    with pytest.raises(ValueError, match=r"decoding.draft_beams is k \(10\) in atspeed-relaxed"):
+        load_config(None, relaxed + ["decoding.draft_beams=40"])
+
+
 def test_bad_files(tmp_path):
     with pytest.raises(ValueError, match="config file .*nope.yaml not found"):
         load_config(str(tmp_path / "nope.yaml"))

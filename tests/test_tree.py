@@ -2,12 +2,18 @@
 import pytest
 import torch
 
-from decoding.beam import beam_search, prefill, tree_forward
+from decoding.beam import beam_search, forward, head_of, prefill
 from decoding.models import tiny_model
 from decoding.tree import TokenTree
 from tests.helpers import left_padded_prompts, random_catalog
 
 V = 40
+
+
+def tree_forward(model, tree, cache, tokens, parent, block_depth=1):
+    """Tree nodes into the cache -> their next-token log-probs over the full vocabulary [B, Q, V]."""
+    hidden = forward(model, tree, cache, tokens, parent, block_depth)
+    return head_of(model).chunk_logits(hidden.flatten(0, 1), 0, V).log_softmax(-1).view(*tokens.shape, V)
 
 
 def unshared_logp(model, ids, mask, path):

@@ -60,7 +60,8 @@ def bench_row(p: SpeculativeParams, target, drafts: dict, catalog: Catalog, ids:
     for name, draft in drafts.items():
         for mode in MODES:
             fns[f"{name}|{mode}"] = lambda i, m, d=draft, v=mode: speculative_beam_search(
-                target, d, i, m, catalog, k, draft_beams=max(p.draft_beams, k), gamma=p.gamma, verification=v,
+                target, d, i, m, catalog, k, draft_beams=max(p.draft_beams, k) if v == "strict" else None,
+                gamma=p.gamma, verification=v,
                 temperature=p.temperature, generator=g)
 
     def seeded(fn, i, m):  # every call draws the same: relaxed outputs are the same in every repeat
