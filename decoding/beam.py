@@ -211,7 +211,10 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, ca
     do_sample: sampling-based beam search, each step draws k (beam, token) pairs without replacement with
     probability proportional to exp(sequence log-prob / temperature) (the reference for relaxed speculation);
     the final k are returned by score, descending. The tree keeps every node (at most k per level: no compaction
-    pays for itself), written in place into a preallocated cache."""
+    pays for itself), written in place into a preallocated cache.
+    stats: the base keys (decoding/stats.py), kv_len, kv_batch, tree_tokens, and tie_gap [B]: the smallest margin
+    by which a kept beam beat the best dropped candidate at any step (inf when none was dropped; a user whose margin
+    is below another engine's rounding error may legitimately get a different list from it)."""
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     if do_sample and not temperature > 0:
@@ -234,11 +237,16 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, ca
     score = torch.zeros(b, 1, device=dev)  # [B, W], W = 1 beam (the prompt) at level 0
     leaf = torch.full((b, 1), -1, dtype=torch.int64, device=dev)  # tree node of each beam's last token
     tokens = torch.zeros(b, 1, 0, dtype=torch.int64, device=dev)  # [B, W, t]
+    tie_gap = torch.full((b,), float("inf"), device=dev)  # [B] closest call between the k-th and (k+1)-th candidate
     for level in range(depth):
         if do_sample:
             score, beam, token, node, _, _ = sample_beams(kids, score, k, temperature, generator)
         else:
-            score, beam, token, node = expand_beams(kids, score, k)
+            cand, tok, child, d = candidates(kids, score)
+            values, flat = topk_stable(cand, k + 1)  # [B, k + 1]
+            score, beam, token, node = pick(cand, tok, child, d, flat[:, :k])
+            gap = values[:, k - 1] - values[:, k]
+            tie_gap = torch.minimum(tie_gap, torch.where(torch.isnan(gap), float("inf"), gap))
         alive = beam >= 0
         tokens = torch.cat([tokens.gather(1, beam.clamp(min=0)[:, :, None].expand(-1, -1, level)), token[:, :, None]], 2)
         if level == depth - 1:
@@ -258,7 +266,7 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, ca
     stats = meter.result(beam_batch_kv(b, k, s, depth),
                          kv_len=cache.length,  # shared prefix + padded prompt + tree tokens
                          kv_batch=cache.rows,  # cache rows: one per user
-                         tree_tokens=tree.num_nodes, non_finite=broken)
+                         tree_tokens=tree.num_nodes, non_finite=broken, tie_gap=tie_gap)
     return Recommendations(
         item_ids=catalog.item_of_node(node) if depth == catalog.code_len else torch.full_like(node, -1),
         token_ids=torch.where(alive[:, :, None], tokens, -1),

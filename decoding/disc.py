@@ -90,12 +90,23 @@ def token_gumbel(seed: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     return -torch.log(-torch.log(u))
 
 
-def open_children(catalog: Catalog, child: torch.Tensor, drawn_paths: torch.Tensor) -> torch.Tensor:
-    """child [B, P, C] node ids (-1 = none), drawn_paths [B, E, L + 1] the node paths of the user's drawn items
-    (-1 = none) -> bool [B, P, C]: the child still has an item that was not drawn."""
-    b, p, c = child.shape
-    on_path = (child.reshape(b, p * c, 1, 1) == drawn_paths[:, None]).any(-1).sum(-1).view(b, p, c)  # [B, P, C]
-    return (child >= 0) & (catalog.leaf_count[child.clamp(min=0)] > on_path)
+def drawn_counts(catalog: Catalog, drawn_paths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """drawn_paths [B, E, L + 1] the trie paths of every user's drawn items (-1 = none) -> (sorted keys user * G + node
+    of the nodes on them, how many drawn items lie under each) [U]."""
+    b, g = drawn_paths.shape[0], catalog.node_ptr.numel() - 1
+    keys = torch.arange(b, device=drawn_paths.device)[:, None, None] * g + drawn_paths
+    return torch.unique(keys[drawn_paths >= 0], return_counts=True)
+
+
+def open_children(catalog: Catalog, child: torch.Tensor, drawn: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """child [B, P, C] node ids (-1 = none), drawn: `drawn_counts` -> bool [B, P, C]: the child still has an item that
+    was not drawn (a node closes once every item under it is drawn)."""
+    keys, counts = drawn
+    b, g = child.shape[0], catalog.node_ptr.numel() - 1
+    query = torch.arange(b, device=child.device)[:, None, None] * g + child.clamp(min=0)
+    at = torch.searchsorted(keys, query).clamp(max=max(keys.numel() - 1, 0))
+    taken = torch.where((keys.numel() > 0) & (keys[at] == query), counts[at], 0) if keys.numel() else 0
+    return (child >= 0) & (catalog.leaf_count[child.clamp(min=0)] > taken)
 
 
 def expand_missing(model, tree: TokenTree, cache, catalog: Catalog, store: Expanded, node: torch.Tensor,
@@ -125,23 +136,24 @@ def expand_missing(model, tree: TokenTree, cache, catalog: Catalog, store: Expan
 
 
 @torch.no_grad()
-def propose(model, tree: TokenTree, cache, store: Expanded, catalog: Catalog, proposals: int, drawn_paths: torch.Tensor,
-            top_m: int | None, temperature: float, generator, meter: Meter):
-    """`proposals` constrained samples per user, token by token, reusing every trie node scored before.
-    -> tokens [B, P, L], paths [B, P, L + 1] (trie nodes, -1 = dead), log x [B, P], log p [B, P] (temperature 1),
-    users whose log-probs were NaN or infinite [B], the store with the newly scored nodes."""
-    b, dev = drawn_paths.shape[0], drawn_paths.device
+def propose(model, tree: TokenTree, cache, store: Expanded, catalog: Catalog, wanted: torch.Tensor,
+            drawn_paths: torch.Tensor, top_m: int | None, temperature: float, generator, meter: Meter):
+    """Constrained samples, token by token, for the proposal slots wanted [B, P] (the others stay dead), reusing every
+    trie node scored before. -> tokens [B, P, L], paths [B, P, L + 1] (trie nodes, -1 = dead), log x [B, P],
+    log p [B, P] (temperature 1), users whose log-probs were NaN or infinite [B], the store with the new nodes."""
+    (b, proposals), dev = wanted.shape, drawn_paths.device
     code_len, g = catalog.code_len, catalog.node_ptr.numel() - 1
-    node = torch.zeros(b, proposals, dtype=torch.int64, device=dev)
+    node = torch.where(wanted, 0, -1)
     tokens = torch.zeros(b, proposals, code_len, dtype=torch.int64, device=dev)
     paths = torch.full((b, proposals, code_len + 1), -1, dtype=torch.int64, device=dev)
-    paths[:, :, 0] = 0
+    paths[:, :, 0] = node
     log_x = torch.zeros(b, proposals, dtype=torch.float64, device=dev)
     log_p = torch.zeros(b, proposals, device=dev)
     broken = torch.zeros(b, dtype=torch.bool, device=dev)
     user = torch.arange(b, device=dev)[:, None].expand(b, proposals)
     seed = torch.randint(1 << 62, (1,), generator=generator, device=generator.device if generator else "cpu").to(dev)
     who = (user * proposals + torch.arange(proposals, device=dev)) * code_len  # [B, P] (user, proposal) key base
+    drawn = drawn_counts(catalog, drawn_paths)
     for level in range(code_len):
         if level:
             store = expand_missing(model, tree, cache, catalog, store, node, paths[:, :, level - 1], top_m,
@@ -159,7 +171,7 @@ def propose(model, tree: TokenTree, cache, store: Expanded, catalog: Catalog, pr
             child = torch.where(ok, catalog.child_node(node[:, :, None].expand_as(tok).reshape(-1),
                                                        tok.reshape(-1)).view(tok.shape), -1)
         child = torch.where(node[:, :, None] >= 0, child, -1)
-        valid = open_children(catalog, child, drawn_paths)
+        valid = open_children(catalog, child, drawn)
         cand = (logit.double() / temperature - store.lse_t[at][:, :, None].double()).masked_fill(~valid, NEG_INF)
         mass = cand.logsumexp(-1)  # log of the valid mass (tempered)
         noise = token_gumbel(seed, ((who + level)[:, :, None] * catalog.vocab_size + tok.clamp(min=0)))
@@ -176,71 +188,150 @@ def propose(model, tree: TokenTree, cache, store: Expanded, catalog: Catalog, pr
 
 def sample_items(model, input_ids, attention_mask, catalog: Catalog, k: int, rounds: int, disc: bool,
                  top_m: int | None, temperature: float, generator, prefix: Prefix | None = None):
-    """k draws per user without replacement; each draw is DISC (2 * rounds proposals) or plain constrained
-    sampling (one proposal, always kept)."""
+    """k distinct items per user. Drawing independently and keeping the first occurrence of each item is sampling
+    without replacement, so draws run in generations: each generation makes, in parallel, as many independent draws
+    per user as items are missing, from the catalog without the items drawn before, and keeps the new ones in draw
+    order. A draw is DISC (up to `rounds` proposals accepted in turn with probability x, else importance resampling
+    among `rounds` fresh ones) or plain constrained sampling (one proposal, kept); its proposals are decoded lazily
+    (`draw`), so a draw costs the proposals its sequential algorithm looks at, about 1 / (1 - p_b) of them."""
     if k < 1 or rounds < 1 or not temperature > 0 or (top_m is not None and top_m < 1):
         raise ValueError(f"need k, rounds, top_m >= 1 and temperature > 0; got k={k}, rounds={rounds}, "
                          f"top_m={top_m}, temperature={temperature}")
     check_prompts(input_ids, attention_mask, catalog, model, prefix=prefix)
     b, dev, code_len = input_ids.shape[0], input_ids.device, catalog.code_len
-    proposals = 2 * rounds if disc else 1
+    g = catalog.node_ptr.numel() - 1
     meter = Meter(dev)
     with meter.phase("prefill"):
-        cache, hidden = prefill(model, input_ids, attention_mask, meter, prefix=prefix,
-                                capacity=min(k * proposals, 64) * (code_len - 1))
+        cache, hidden = prefill(model, input_ids, attention_mask, meter, prefix=prefix, capacity=2 * k * code_len)
         root = torch.zeros(b, dtype=torch.int64, device=dev)
-        store = score_nodes(model, hidden, catalog, root, torch.arange(b, device=dev) * (catalog.node_ptr.numel() - 1),
+        store = score_nodes(model, hidden, catalog, root, torch.arange(b, device=dev) * g,
                             torch.full((b,), -1, dtype=torch.int64, device=dev), top_m, temperature)
     meter.kv(b * cache.length)
-    broken = store.broken.clone()  # [B] users whose log-probs were NaN or infinite somewhere
     tree = TokenTree.from_prompt(attention_mask, len(prefix) if prefix is not None else 0)
+    run = Draws(model, tree, cache, store, catalog, rounds if disc else 0, top_m, temperature, generator, meter)
+    run.broken |= store.broken
     drawn_paths = torch.full((b, k, code_len + 1), -1, dtype=torch.int64, device=dev)
-    out_node = torch.full((b, k), -1, dtype=torch.int64, device=dev)
-    out_tokens = torch.full((b, k, code_len), -1, dtype=torch.int64, device=dev)
-    out_score = torch.full((b, k), float("-inf"), device=dev)
-    used = torch.zeros(b, k, device=dev)  # proposals of the sequential algorithm, per draw
-    accepted = torch.zeros(b, k, dtype=torch.bool, device=dev)
-    mean_x = torch.zeros(b, k, dtype=torch.float64, device=dev)
-    out_log_x = torch.full((b, k), float("-inf"), dtype=torch.float64, device=dev)
-    for draw in range(k):
-        tokens, paths, log_x, log_p, broken_now, store = propose(model, tree, cache, store, catalog, proposals,
-                                                                 drawn_paths, top_m, temperature, generator, meter)
-        broken |= broken_now
-        if disc:  # accept proposal i with probability x; else importance-resample the fresh half by x
-            u = torch.rand(b, rounds, generator=generator, device=dev, dtype=torch.float64)
-            accept = u.log() < log_x[:, :rounds]  # [B, R]
-            first = accept.int().argmax(1)  # the first accepted, in order
-            fresh = log_x[:, rounds:]
-            resampled = rounds + (fresh + gumbel_like(fresh, generator)).argmax(1)
-            ok = accept.any(1)
-            choice = torch.where(ok, first, resampled)
-            used[:, draw] = torch.where(ok, first + 1, 2 * rounds).float()
-            accepted[:, draw] = ok
-        else:  # the baseline keeps its one proposal
-            choice = torch.zeros(b, dtype=torch.int64, device=dev)
-            used[:, draw] = 1.0
-            accepted[:, draw] = True
-        mean_x[:, draw] = log_x.exp().mean(1)
-        live = torch.isfinite(log_x.gather(1, choice[:, None])).squeeze(1)  # an item is left to draw
-        path = paths[torch.arange(b, device=dev), choice]  # [B, L + 1]
-        drawn_paths[:, draw] = torch.where(live[:, None], path, -1)
-        out_node[:, draw] = torch.where(live, path[:, -1], -1)
-        out_tokens[:, draw] = torch.where(live[:, None], tokens[torch.arange(b, device=dev), choice], -1)
-        out_score[:, draw] = torch.where(live, log_p.gather(1, choice[:, None]).squeeze(1), float("-inf"))
-        out_log_x[:, draw] = log_x.gather(1, choice[:, None]).squeeze(1)
-    order = torch.sort(out_score, dim=1, descending=True, stable=True).indices
-    live = out_node >= 0
+    out = {"tokens": torch.full((b, k, code_len), -1, dtype=torch.int64, device=dev),
+           "score": torch.full((b, k), NEG_INF, device=dev), "used": torch.zeros(b, k, device=dev),
+           "accepted": torch.zeros(b, k, dtype=torch.bool, device=dev),
+           "log_x": torch.full((b, k), NEG_INF, dtype=torch.float64, device=dev)}
+    count = torch.zeros(b, dtype=torch.int64, device=dev)
+    exhausted = torch.zeros(b, dtype=torch.bool, device=dev)
+    while ((count < k) & ~exhausted).any():
+        need = torch.where(exhausted, 0, k - count)  # [B] draws this generation: the items missing
+        m = int(need.max())
+        d = run.draw(torch.arange(m, device=dev)[None, :] < need[:, None], drawn_paths)  # [B, m] draws
+        leaf = d["paths"][:, :, -1]  # [B, m] the drawn item's trie node, -1: none left
+        seen = (leaf[:, :, None] == drawn_paths[:, None, :, -1]).any(-1)  # drawn in an earlier generation
+        earlier = (leaf[:, :, None] == leaf[:, None, :]) & torch.ones(m, m, dtype=torch.bool, device=dev).tril(-1)
+        new = (leaf >= 0) & ~seen & ~earlier.any(-1)  # [B, m] first occurrences, in draw order
+        slot = count[:, None] + new.long().cumsum(1) - 1  # [B, m] where each new item goes
+        keep = new & (slot < k)
+        rows, cols = keep.nonzero(as_tuple=True)
+        drawn_paths[rows, slot[rows, cols]] = d["paths"][rows, cols]
+        for name in out:
+            out[name][rows, slot[rows, cols]] = d[name][rows, cols]
+        exhausted |= ~(leaf >= 0).any(1) & (need > 0)  # nothing left to draw for these users
+        count += keep.sum(1)
+    order = torch.sort(out["score"], dim=1, descending=True, stable=True).indices
+    live = out["score"] > NEG_INF
+    node = drawn_paths[:, :, -1]
     stats = meter.result(beam_batch_kv(b, k, input_ids.shape[1], code_len),
-                         proposals=used.masked_fill(~live, 0).sum(1),  # as the sequential algorithm draws them
-                         proposals_decoded=proposals * k,
-                         acceptance_rate=(accepted & live).sum(1) / live.sum(1).clamp(min=1),
-                         invalid_mass=1 - (mean_x * live).sum(1) / live.sum(1).clamp(min=1),  # p_b = 1 - E_q[x]
-                         importance_weight=out_log_x.gather(1, order).exp(),  # x(a) of each returned item
-                         expanded_nodes=torch.bincount(store.key // (catalog.node_ptr.numel() - 1), minlength=b),
-                         non_finite=broken)
-    return Recommendations(catalog.item_of_node(out_node.gather(1, order)),
-                           out_tokens.gather(1, order[:, :, None].expand_as(out_tokens)),
-                           out_score.gather(1, order), stats)
+                         proposals=out["used"].masked_fill(~live, 0).sum(1),  # as the sequential algorithm draws them
+                         proposals_decoded=run.decoded,  # [B] proposals actually decoded, every generation
+                         acceptance_rate=(out["accepted"] & live).sum(1) / live.sum(1).clamp(min=1),
+                         invalid_mass=1 - run.x_sum / run.x_count.clamp(min=1),  # p_b = 1 - E_q[x]
+                         importance_weight=out["log_x"].gather(1, order).exp(),  # x(a) of each returned item
+                         expanded_nodes=torch.bincount(run.store.key // g, minlength=b), non_finite=run.broken)
+    return Recommendations(catalog.item_of_node(node.gather(1, order)),
+                           out["tokens"].gather(1, order[:, :, None].expand_as(out["tokens"])),
+                           out["score"].gather(1, order), stats)
+
+
+class Draws:
+    """Independent draws for many (user, draw) pairs at once, their proposals decoded lazily in waves: wave w decodes
+    the w-th proposal of every draw still undecided (accepted with probability x), and once few draws are left the
+    rest of their proposals at once: the sequential algorithm's outcome, in a few forwards per level."""
+
+    def __init__(self, model, tree, cache, store: Expanded, catalog: Catalog, rounds: int, top_m, temperature,
+                 generator, meter: Meter, single_waves: int = 2):
+        self.model, self.tree, self.cache, self.store, self.catalog = model, tree, cache, store, catalog
+        self.rounds, self.top_m, self.temperature, self.generator, self.meter = (rounds, top_m, temperature,
+                                                                                 generator, meter)
+        self.single_waves = single_waves
+        b, dev = tree.prompt_mask.shape[0], tree.prompt_mask.device
+        self.broken = torch.zeros(b, dtype=torch.bool, device=dev)
+        self.decoded = torch.zeros(b, dtype=torch.int64, device=dev)
+        self.x_sum = torch.zeros(b, dtype=torch.float64, device=dev)
+        self.x_count = torch.zeros(b, dtype=torch.float64, device=dev)
+
+    def propose(self, wanted: torch.Tensor, drawn_paths: torch.Tensor):
+        """Proposal slots wanted [B, P] -> (tokens [B, P, L], paths [B, P, L + 1], log x [B, P], log p [B, P])."""
+        tokens, paths, log_x, log_p, broken, self.store = propose(
+            self.model, self.tree, self.cache, self.store, self.catalog, wanted, drawn_paths, self.top_m,
+            self.temperature, self.generator, self.meter)
+        self.broken |= broken
+        self.decoded += wanted.sum(1)
+        live = wanted & torch.isfinite(log_x)
+        self.x_sum += torch.where(live, log_x.exp(), 0).sum(1)
+        self.x_count += live.sum(1)
+        return tokens, paths, log_x, log_p
+
+    def draw(self, wanted: torch.Tensor, drawn_paths: torch.Tensor) -> dict:
+        """Draws wanted [B, m] -> per draw the kept proposal's tokens [B, m, L], paths [B, m, L + 1], score (log p),
+        log x, proposals the sequential algorithm used, accepted (False: importance-resampled)."""
+        b, m = wanted.shape
+        dev, code_len, r = wanted.device, self.catalog.code_len, self.rounds
+        out = {"tokens": torch.full((b, m, code_len), -1, dtype=torch.int64, device=dev),
+               "paths": torch.full((b, m, code_len + 1), -1, dtype=torch.int64, device=dev),
+               "score": torch.full((b, m), NEG_INF, device=dev), "log_x": torch.full((b, m), NEG_INF,
+                                                                                       dtype=torch.float64, device=dev),
+               "used": torch.zeros(b, m, device=dev), "accepted": torch.zeros(b, m, dtype=torch.bool, device=dev)}
+        open_ = wanted.clone()  # draws not decided yet
+
+        def keep(chosen: torch.Tensor, tokens, paths, log_x, log_p, used, accepted):
+            """Draws chosen [B, m] keep these proposals [B, m]."""
+            for name, value in (("tokens", tokens), ("paths", paths)):
+                out[name] = torch.where(chosen[:, :, None], value, out[name])
+            for name, value in (("score", log_p), ("log_x", log_x), ("used", used), ("accepted", accepted)):
+                out[name] = torch.where(chosen, value, out[name])
+
+        if r == 0:  # constrained sampling: one proposal, always kept
+            tokens, paths, log_x, log_p = self.propose(wanted, drawn_paths)
+            keep(wanted, tokens, paths, log_x, log_p, torch.ones_like(log_p), torch.ones_like(wanted))
+            return self.dead_to_none(out)
+        for j in range(min(self.single_waves, r)):  # proposal j + 1 of every open draw
+            tokens, paths, log_x, log_p = self.propose(open_, drawn_paths)
+            u = torch.rand(b, m, generator=self.generator, device=dev, dtype=torch.float64)
+            ok = open_ & (u.log() < log_x)
+            keep(ok, tokens, paths, log_x, log_p, torch.full_like(log_p, j + 1), torch.ones_like(ok))
+            open_ &= ~ok
+        left = r - min(self.single_waves, r)  # proposals still to try in turn, then the r fresh ones
+        if open_.any():
+            slots = open_[:, :, None].expand(b, m, left + r).reshape(b, m * (left + r))
+            tokens, paths, log_x, log_p = (x.view(b, m, left + r, *x.shape[2:]) for x in self.propose(slots,
+                                                                                                     drawn_paths))
+            u = torch.rand(b, m, left, generator=self.generator, device=dev, dtype=torch.float64)
+            accept = u.log() < log_x[:, :, :left]  # [B, m, left]
+            first = accept.int().argmax(2) if left else torch.zeros(b, m, dtype=torch.int64, device=dev)
+            fresh = log_x[:, :, left:]  # [B, m, r]
+            resampled = left + (fresh + gumbel_like(fresh, self.generator)).argmax(2)
+            ok = accept.any(2)  # in order: the first accepted proposal
+            pick = torch.where(ok, first, resampled)[:, :, None]  # [B, m, 1]
+            used = torch.where(ok, r - left + first + 1, 2 * r).float()
+            take = lambda x: x.gather(2, pick.view(b, m, 1, *([1] * (x.dim() - 3))).expand(  # noqa: E731
+                b, m, 1, *x.shape[3:])).squeeze(2)
+            keep(open_, take(tokens), take(paths), take(log_x), take(log_p), used, ok)
+        return self.dead_to_none(out)
+
+    @staticmethod
+    def dead_to_none(out: dict) -> dict:
+        """A draw whose kept proposal found no item left (x = 0) holds no item."""
+        dead = ~torch.isfinite(out["log_x"])
+        out["paths"] = out["paths"].masked_fill(dead[:, :, None], -1)
+        out["tokens"] = out["tokens"].masked_fill(dead[:, :, None], -1)
+        out["score"] = out["score"].masked_fill(dead, NEG_INF)
+        return out
 
 
 def constrained_sample(model, input_ids, attention_mask, catalog: Catalog, k: int = 1, top_m: int | None = None,

@@ -78,3 +78,18 @@ def mean_over_users(cells: list[dict]) -> dict:
     """Per-user dicts of numbers -> their mean; standard errors (`*_se`) combine as those of a mean."""
     return {key: float(np.sqrt(np.sum(np.square([c[key] for c in cells]))) / len(cells)) if key.endswith("_se")
             else float(np.mean([c[key] for c in cells])) for key in cells[0]}
+
+
+def same_within_ties(items_a: torch.Tensor, scores_a: torch.Tensor, items_b: torch.Tensor, tie: float) -> torch.Tensor:
+    """Two engines' lists [B, K] -> bool [B]: the same items in the same order, up to swaps of items whose scores (by
+    scores_a, descending) are within `tie` of each other (near-ties that rounding may order either way)."""
+    out = []
+    for a, b, s in zip(items_a.tolist(), items_b.tolist(), scores_a.tolist()):
+        same, i = True, 0
+        while i < len(a) and same:
+            j = i + 1
+            while j < len(a) and abs(s[j] - s[i]) <= tie:
+                j += 1
+            same, i = sorted(a[i:j]) == sorted(b[i:j]), j
+        out.append(same)
+    return torch.tensor(out, dtype=torch.bool)

@@ -4,9 +4,28 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-ATTENTION = ("eager", "sdpa")
+
+def sdpa_gqa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """transformers' SDPA attention, except that grouped-query attention keeps its key/value heads under a mask on
+    the CPU, whose torch kernel takes enable_gqa with a mask: no repeat_kv copy of every key and value per layer and
+    forward (transformers repeats them whenever a mask is given, which the token tree always is). Elsewhere, or
+    without a mask, transformers' own path."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups == 1 or query.device.type != "cpu" or attention_mask is None or kwargs.get("position_bias") is not None \
+            or kwargs.get("cache") is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                                           dropout_p=dropout, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register("sdpa_gqa", sdpa_gqa)
+AttentionMaskInterface.register("sdpa_gqa", sdpa_mask)
+ATTENTION = ("eager", "sdpa", "sdpa_gqa")
 
 # Tiny architectures for tests and CPU benchmarks: Llama with grouped-query attention, Qwen2 with
 # attention biases (and optional sliding-window layers), Mistral (sliding window), Qwen3 with q/k norms.
@@ -154,7 +173,7 @@ def load_config(path):
 
 
 def load_model(path, device: str | None = None, dtype: str | torch.dtype | None = None,
-               attn_implementation: str = "sdpa"):
+               attn_implementation: str = "sdpa_gqa"):
     """A causal LM from a local directory: safetensors only, no remote code, no hub; an encoder-decoder or a
     checkpoint without a causal LM head is refused (`load_config`)."""
     load_config(path)

@@ -1,5 +1,5 @@
 """Benchmarks, side by side in one run: `python -m jobs.bench {all,decode,speculative,disc,disc-bias,nightly,
-templates} ...`.
+templates,shapes,gpu} ...`.
 
 Every timed comparison runs its methods interleaved (A B, B A, ...) --repeats times (default 5) after a warm-up run
 of each and records every repeat's seconds; reports give medians with (min-max), ratios of medians with their range,
@@ -16,6 +16,8 @@ disc: ms per user of `disc_sample` (rounds 1..R, exact and PPV) vs `constrained_
 disc-bias: DISC's bias: TV / KL / mean valid mass of each sampler's draws against the exact constrained P_S.
 nightly: the nightly Ray job (one actor) vs the recommender called directly on the same batches.
 templates: rendering cost of each prompt template (renderer vs tokenizer), and the nightly job's users/s with each.
+shapes: beam_search vs transformers over vocabulary x prompt length x K, each method in its own process (memory).
+gpu: half-precision parity, shapes, DISC and speculative on CUDA in one command and one report (`make bench-gpu`).
 """
 from __future__ import annotations
 
@@ -31,14 +33,17 @@ from pipeline.bench import params as P
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "models" / "demo-target"
 PARAMS = {"all": P.AllParams, "decode": P.DecodeParams, "speculative": P.SpeculativeParams, "disc": P.DiscParams,
-          "disc-bias": P.DiscBiasParams, "nightly": P.NightlyParams, "templates": P.TemplatesParams}
+          "disc-bias": P.DiscBiasParams, "nightly": P.NightlyParams, "templates": P.TemplatesParams,
+          "shapes": P.ShapesParams, "gpu": P.GpuParams}
 HELP = {"all": "every claim in one run (decode, speculative, disc, disc-bias) -> all.{md,json}",
         "decode": "transformers beam search vs beam_search, and the catalog index",
         "speculative": "AtSpeed Table 1: speculative vs beam_search, every draft, strict/relaxed",
         "disc": "DISC (rounds 1..R, exact and PPV) vs constrained sampling vs beam_search",
         "disc-bias": "DISC's bias: TV / KL of each sampler to the exact constrained P_S",
         "nightly": "the nightly job on one actor vs direct calls on the same users",
-        "templates": "prompt templates: rendering cost, and the nightly job's users/s with each"}
+        "templates": "prompt templates: rendering cost, and the nightly job's users/s with each",
+        "shapes": "beam_search vs transformers over vocabulary x prompt x K, users/s and working memory",
+        "gpu": "on CUDA: half-precision parity, shapes, DISC, speculative; one report (~10 min on an H100)"}
 PATHS = {"data": str(ROOT / "data" / "beauty"), "target": str(DEMO), "out": str(ROOT / "bench-out"),
          "config": str(ROOT / "infra" / "configs" / "demo.yaml")}
 FLAG_HELP = {
@@ -92,7 +97,7 @@ def parser() -> argparse.ArgumentParser:
 
 def parse_args(argv=None) -> argparse.Namespace:
     args = parser().parse_args(argv)
-    if getattr(args, "drafts", ...) is None:
+    if getattr(args, "drafts", ...) is None and args.bench != "gpu":
         args.drafts = sorted(str(d) for d in (ROOT / "models").glob("demo-draft*") if (d / "config.json").is_file())
     return args
 
@@ -103,12 +108,12 @@ def main(argv=None) -> int:
     cls = PARAMS[args.bench]
     params = cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
     command = "python -m jobs.bench " + shlex.join(argv)
-    from pipeline.bench import common, decode, disc, nightly, speculative, templates
+    from pipeline.bench import common, decode, disc, gpu, nightly, shapes, speculative, templates
     from pipeline.bench.all import bench_all
 
     run = {"all": bench_all, "decode": decode.run_decode, "speculative": speculative.run_speculative,
            "disc": disc.run_disc, "disc-bias": disc.run_disc_bias, "nightly": nightly.run_nightly_bench,
-           "templates": templates.run_templates}[args.bench]
+           "templates": templates.run_templates, "shapes": shapes.run_shapes, "gpu": gpu.run_gpu}[args.bench]
     try:
         result, md = run(params, command)
     except FileNotFoundError as e:  # missing data or models: the message says how to make them

@@ -101,6 +101,15 @@ class Renderer:
         """Tokens of the longest prompt (max_items items)."""
         return int(self.length[-1])
 
+    @property
+    def prefix_ids(self) -> np.ndarray:
+        """The token ids every prompt starts with, whatever its length [P] (BOS and the template's fixed text up to
+        the first item's codes: the part to prefill once, decoding.beam.Prefix)."""
+        rows = [self.skeleton[n, :self.item_start[n, 0]] for n in range(1, self.max_items + 1)]
+        p = min(len(r) for r in rows)
+        same = np.all([r[:p] == rows[0][:p] for r in rows], axis=0)  # [p]
+        return rows[0][:int(np.argmin(same)) if not same.all() else p].copy()
+
     @classmethod
     def compile(cls, template: PromptTemplate, tokenizer, probes: np.ndarray) -> "Renderer":
         """Tokenizes the prompt of every length 1 .. max_items twice, with two different sequences of probe items
@@ -141,9 +150,10 @@ class Renderer:
             skeleton[n, :len(skel)], length[n], item_start[n, :n] = skel, len(skel), starts
         return cls(template, levels, pad_id, skeleton, length, item_start)
 
-    def render(self, histories, items: ItemTokens) -> Prompts:
+    def render(self, histories, items: ItemTokens, skip: int = 0) -> Prompts:
         """Histories [B] (item ids, oldest first; validated: non-empty, every item used in the catalog, see
-        operators/validate.py) -> left-padded prompts of their last max_items items. No Python loop over users."""
+        operators/validate.py) -> left-padded prompts of their last max_items items, without their first `skip`
+        tokens (a shared prefix prefilled elsewhere: see prefix_ids). No Python loop over users."""
         item_ids, row_of, used = history_window(histories, self.max_items)  # [U], [U], [B]
         tokens, known = items.lookup(item_ids)  # [U, L]
         if (used == 0).any() or not known.all():
@@ -153,15 +163,15 @@ class Renderer:
         if items.levels != self.levels:
             raise ValueError(f"the catalog has {items.levels} code tokens per item, the renderer {self.levels}")
         b = len(used)
-        t = self.length[used]  # [B] tokens per prompt
+        t = self.length[used] - skip  # [B] tokens per prompt
         width = int(t.max()) if b else 0  # S
         left = width - t  # [B] left padding
         input_ids = np.full((b, width), self.pad_id, dtype=np.int64)  # [B, S]
         row = np.repeat(np.arange(b), t)  # [sum T] the skeleton tokens, row by row
         col = ragged_ranges(np.zeros(b, np.int64), t)  # [sum T] position within the prompt
-        input_ids[row, left[row] + col] = self.skeleton[used[row], col]
+        input_ids[row, left[row] + col] = self.skeleton[used[row], skip + col]
         q = np.arange(len(item_ids)) - np.repeat(np.cumsum(used) - used, used)  # [U] item index in its window
-        cols = (left[row_of] + self.item_start[used[row_of], q])[:, None] + np.arange(self.levels)  # [U, L]
+        cols = (left[row_of] + self.item_start[used[row_of], q] - skip)[:, None] + np.arange(self.levels)  # [U, L]
         input_ids[row_of[:, None], cols] = tokens
         mask = (np.arange(width)[None, :] >= left[:, None]).astype(np.int64)  # [B, S]
         return Prompts(torch.from_numpy(input_ids), torch.from_numpy(mask))

@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from decoding.beam import beam_search
+from decoding.beam import Prefix, beam_search
 from decoding.catalog import Catalog
 from decoding.disc import disc_sample
 from decoding.models import check_window, load_config, load_model, load_tokenizer
@@ -58,7 +58,7 @@ def prepare(spec: ActorSpec, device: torch.device | str = "cpu") -> Inputs:
     compiles the template. The graph calls it on the driver first: what an actor would refuse fails before any work."""
     fetch = spec.fetch or str  # models on object storage: copied once per node by the graph's fetch
     target = fetch(spec.target)
-    draft = fetch(spec.draft) if spec.decoding.mode.startswith("atspeed") else None
+    draft = fetch(spec.draft) if spec.decoding.uses_draft else None
     tokenizer = load_tokenizer(target)
     catalog = Catalog.from_table(spec.catalog, tokenizer, on_duplicate=spec.on_duplicate, device=device,
                                  source=spec.catalog_name, code_token=spec.template.code)
@@ -76,6 +76,33 @@ def prepare(spec: ActorSpec, device: torch.device | str = "cpu") -> Inputs:
     return Inputs(target, draft, tokenizer, catalog, renderer)
 
 
+class AutoMode:
+    """decoding.mode = auto: the first batches alternate between beam search and strict speculative decoding (their
+    outputs are identical) in the order A B B A ..., `trials` batches each; then the decoder with the lower time per
+    user (the better of its trials, so that a cold first call does not decide) decodes every later batch."""
+    CHOICES = ("beam", "atspeed-strict")
+
+    def __init__(self, trials: int):
+        self.plan = [self.CHOICES[(i + 1) // 2 % 2] for i in range(2 * trials)]  # beam, strict, strict, beam, ...
+        self.per_user = {m: [] for m in self.CHOICES}  # decoder seconds per user of every trial batch
+        self.choice: str | None = None
+
+    def next(self) -> str:
+        done = sum(map(len, self.per_user.values()))
+        return self.choice or self.plan[done]
+
+    def record(self, mode: str, seconds: float, users: int) -> None:
+        if self.choice is None and users:
+            self.per_user[mode].append(seconds / users)
+            if sum(map(len, self.per_user.values())) == len(self.plan):
+                self.choice = min(self.CHOICES, key=lambda m: min(self.per_user[m]))
+
+    def state(self) -> dict:
+        best = {m: 1 / min(v) if v else None for m, v in self.per_user.items()}
+        return {"choice": self.choice, "trial_users_per_s": best, "trial_batches": {m: len(v) for m, v in
+                                                                                  self.per_user.items()}}
+
+
 class Recommender:
     def __init__(self, spec: ActorSpec):
         self.spec = spec
@@ -86,6 +113,9 @@ class Recommender:
         self.catalog, self.renderer = inputs.catalog, inputs.renderer
         self.target = load_model(inputs.target, device=str(self.device), dtype=spec.dtype)
         self.draft = load_model(inputs.draft, device=str(self.device), dtype=spec.dtype) if inputs.draft else None
+        ids = self.renderer.prefix_ids  # the template's fixed text: prefilled once per model, kept
+        self.prefix = Prefix(ids) if len(ids) else None
+        self.auto = AutoMode(spec.decoding.auto_trials) if spec.decoding.mode == "auto" else None
         self.actor = _actor_id()
         self.host = socket.gethostname()
         self.batches = 0
@@ -97,15 +127,19 @@ class Recommender:
         user_type = batch.schema.field("user_id").type
         good, rejects = validate(batch, self.catalog.item_tokens, self.renderer.max_items)
         users = good.column("user_id")
-        p = self.renderer.render(good.column("history"), self.catalog.item_tokens)
+        skip = len(self.prefix) if self.prefix is not None else 0
+        p = self.renderer.render(good.column("history"), self.catalog.item_tokens, skip)
+        mode = self.auto.next() if self.auto else d.mode
         stats = dict.fromkeys(BASE_KEYS, 0)
         items, scores = np.zeros((0, d.k), np.int64), np.zeros((0, d.k), np.float32)
         broken = np.zeros(0, bool)
         if good.num_rows:
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            rec = self._decode(p.input_ids.to(self.device), p.attention_mask.to(self.device), users)
+            rec = self._decode(mode, p.input_ids.to(self.device), p.attention_mask.to(self.device), users)
             stats = rec.stats
+            if self.auto:
+                self.auto.record(mode, sum(stats[key] for key in PHASES), good.num_rows)
             items, scores = rec.item_ids.cpu().numpy(), rec.scores.float().cpu().numpy()
             broken = stats["non_finite"].cpu().numpy()  # [U] NaN / inf log-probs: rejected, never a short list
             items[broken] = -1
@@ -121,8 +155,9 @@ class Recommender:
                          "score": pa.array(scores[row, rank].astype(np.float32)),
                          "mode": pa.array(np.full(len(row), d.mode, object), pa.string())})
         metric = self._metric_row(batch.num_rows, good.num_rows - int(broken.sum()), rejects.num_rows,
-                                  int(p.attention_mask.sum()), len(row), wall, stats)
-        metric["users_non_finite"] = int(broken.sum())
+                                  int(p.attention_mask.sum()) + skip * good.num_rows, len(row), wall, stats)
+        metric.update(users_non_finite=int(broken.sum()), decoder=mode, prefix_tokens_saved=skip * good.num_rows,
+                      auto=self.auto.state() if self.auto else None)
         table = pa.concat_tables([
             recs, rejects.add_column(0, "kind", pa.array(np.full(rejects.num_rows, "reject", object), pa.string())),
             pa.table({"kind": ["metric"], "metrics": [json.dumps(metric)]}),
@@ -130,20 +165,20 @@ class Recommender:
         self.batches += 1
         return table.select(schema.names).cast(schema)
 
-    def _decode(self, ids, mask, users):
-        d = self.spec.decoding
-        if d.mode == "beam":
-            return beam_search(self.target, ids, mask, self.catalog, d.k)
+    def _decode(self, mode: str, ids, mask, users):
+        d, prefix = self.spec.decoding, self.prefix
+        if mode == "beam":
+            return beam_search(self.target, ids, mask, self.catalog, d.k, prefix=prefix)
         # sampling modes: a generator seeded by the batch's users, so a retried batch draws the same items
         g = torch.Generator(device=self.device).manual_seed(
             (d.seed * 1_000_003 + zlib.crc32(str(users.to_pylist()).encode())) % (2 ** 63))
-        if d.mode == "disc":
+        if mode == "disc":
             return disc_sample(self.target, ids, mask, self.catalog, d.k, rounds=d.rounds, top_m=d.top_m,
-                               temperature=d.temperature, generator=g)
+                               temperature=d.temperature, generator=g, prefix=prefix)
         return speculative_beam_search(self.target, self.draft, ids, mask, self.catalog, d.k,
                                        draft_beams=d.draft_beams, gamma=d.gamma,
-                                       verification=d.mode.removeprefix("atspeed-"), temperature=d.temperature,
-                                       generator=g)
+                                       verification=mode.removeprefix("atspeed-"), temperature=d.temperature,
+                                       generator=g, prefix=prefix)
 
     def _metric_row(self, users_in, users_ok, rejected, prompt_tokens, recommendations, wall, stats) -> dict:
         """One row per batch: ids, counts, the decoder's base stats (decoding/stats.py), other_s = the batch's
@@ -154,6 +189,7 @@ class Recommender:
         base = {key: float(stats[key]) if key in PHASES else int(stats[key]) for key in BASE_KEYS}
         return {
             "run_id": self.spec.run_id, "shard": f"{self.actor}:{self.batches}", "actor": self.actor,
+            "batch": self.batches,
             "host": self.host, "device": torch.cuda.get_device_name() if self.device.type == "cuda" else "cpu",
             "mode": d.mode, "k": d.k, "users_in": users_in, "users_ok": users_ok, "users_rejected": rejected,
             "recommendations": recommendations, "prompt_tokens": prompt_tokens, "wall_s": wall, **base,

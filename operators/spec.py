@@ -11,13 +11,13 @@ import pyarrow as pa
 
 from decoding.templates import PRESETS, PromptTemplate
 
-MODES = ("beam", "atspeed-strict", "atspeed-relaxed", "disc")
+MODES = ("beam", "atspeed-strict", "atspeed-relaxed", "disc", "auto")
 
 
 @dataclass
 class Decoding:
     """How each user is decoded (the `decoding` section of the nightly config)."""
-    mode: str = "beam"  # one of MODES
+    mode: str = "beam"  # one of MODES; auto: beam or atspeed-strict, whichever each actor measures faster
     k: int = 10
     draft_beams: int | None = None  # N drafted sequences per step (strict: None = max(40, k); relaxed: always k)
     gamma: int | None = None  # None: the item length
@@ -26,6 +26,11 @@ class Decoding:
     rounds: int = 4  # disc
     top_m: int | None = None  # disc: None = exact mask, M = PPV over the top-M tokens
     seed: int = 0
+    auto_trials: int = 2  # auto: batches decoded with each of beam and atspeed-strict before choosing
+
+    @property
+    def uses_draft(self) -> bool:
+        return self.mode.startswith("atspeed") or self.mode == "auto"
 
 
 @dataclass

@@ -147,10 +147,10 @@ def validate(cfg: Config) -> None:
     d, c = cfg.decoding, cfg.compute
     need(d.mode in MODES, "decoding.mode", f"must be one of {', '.join(MODES)}", d.mode)
     need(cfg.duplicate_items in ("first", "error"), "duplicate_items", "must be first or error", cfg.duplicate_items)
-    if d.mode.startswith("atspeed"):
+    if d.uses_draft:
         need(bool(cfg.models.draft), "models.draft", f"must be set for decoding.mode {d.mode}", cfg.models.draft)
     for name, value in (("decoding.k", d.k),
-                        ("decoding.rounds", d.rounds),
+                        ("decoding.rounds", d.rounds), ("decoding.auto_trials", d.auto_trials),
                         ("compute.batch_size", c.batch_size), ("compute.num_actors", c.num_actors)):
         need(value >= 1, name, "must be an integer >= 1", value)
     need(d.draft_beams is None or d.draft_beams >= d.k, "decoding.draft_beams", f"must be >= decoding.k ({d.k}) or null",

@@ -101,7 +101,7 @@ def resolve_models(cfg: Config) -> dict:
     models = {}
     for role in ("target", "draft"):
         uri = getattr(cfg.models, role)
-        if uri and (role == "target" or cfg.decoding.mode.startswith("atspeed")):
+        if uri and (role == "target" or cfg.decoding.uses_draft):
             try:
                 local = fetch_model(uri, cfg.models.cache_dir, cfg.storage)
                 models[role] = {"uri": uri, "sha256": S.fingerprint(local), "dir": local}
@@ -135,10 +135,17 @@ def actor_spec(cfg: Config, run_id: str, catalog: pa.Table, template: PromptTemp
     m = cfg.models
     return ActorSpec(run_id=run_id, target=m.target, catalog=catalog, catalog_name=cfg.catalog,
                      decoding=cfg.decoding, template=template, on_duplicate=cfg.duplicate_items,
-                     draft=m.draft if cfg.decoding.mode.startswith("atspeed") else None,
+                     draft=m.draft if cfg.decoding.uses_draft else None,
                      fetch=functools.partial(fetch_model, cache_dir=m.cache_dir, storage=cfg.storage),
                      gpu=cfg.compute.gpus_per_actor > 0, dtype=cfg.compute.dtype,
                      threads=cfg.compute.threads_per_actor)
+
+
+def auto_decisions(metric_rows: list[dict]) -> dict | None:
+    """decoding.mode = auto: each actor's choice and the trial timings behind it (its last metric row's state)."""
+    states = {r["actor"]: r["auto"] for r in sorted(metric_rows, key=lambda r: (r["actor"], r["batch"]))
+              if r.get("auto")}
+    return states or None
 
 
 def run_nightly(cfg: Config) -> dict:
@@ -199,6 +206,7 @@ def run_nightly(cfg: Config) -> dict:
                     "code_version": code_version(),
                     "models": {role: {"uri": m["uri"], "sha256": m["sha256"]} for role, m in models.items()},
                     "template": inputs.renderer.template.to_dict(), "max_prompt_tokens": inputs.renderer.max_len,
+                    "prefix_tokens": len(inputs.renderer.prefix_ids), "auto": auto_decisions(metric_rows),
                     "catalog": catalog_info,
                     "counts": counts, "timings": {"decode_s": t_decode, "total_s": time.perf_counter() - t0},
                     "outputs": {name: runs.table_dir(run, name) for name in runs.TABLES}}

@@ -75,6 +75,10 @@ def summarize(run: Run, gpu_hour_price: float) -> dict:
         "users_non_finite": int(m.users_non_finite.sum()) if "users_non_finite" in m else 0,
         "catalog": man.get("catalog"), "template": (man.get("template") or {}).get("name"),
         "max_prompt_tokens": man.get("max_prompt_tokens"),
+        "decoders": m.decoder.value_counts().to_dict() if "decoder" in m else {},
+        "auto": man.get("auto"),
+        "prefix_tokens_saved_per_user": float(m.prefix_tokens_saved.sum() / users)
+        if "prefix_tokens_saved" in m and users else None,
         "input_rows": int(man["counts"]["input_rows"]), "recommendations": int(m.recommendations.sum()),
         "batches": len(m), "actors": len(per_actor), "accelerators": accelerators,
         "decode_wall_s": wall, "total_s": float(man["timings"]["total_s"]), "busy_s": busy,
@@ -267,6 +271,8 @@ def summary_rows(runs: list[dict]) -> list[list[str]]:
             row("of them: non-finite log-probs", lambda s: num(s["users_non_finite"])),
             row("prompt template / longest prompt (tokens)", lambda s: f"{s['template'] or '-'} / "
                                                                      f"{num(s['max_prompt_tokens'])}"),
+            row("prefill tokens saved per user (shared prefix)", lambda s: num(s["prefix_tokens_saved_per_user"], 1)),
+            row("decoder (batches)", lambda s: ", ".join(f"{d} {n}" for d, n in sorted(s["decoders"].items())) or "-"),
             row("recommendations", lambda s: num(s["recommendations"])),
             row("batches / actors", lambda s: f"{num(s['batches'])} / {num(s['actors'])}"),
             row("decode wall time (s)", lambda s: num(s["decode_wall_s"])),
@@ -286,6 +292,14 @@ def summary_rows(runs: list[dict]) -> list[list[str]]:
              row("cost per million users, allocated (USD)", lambda s: num(s["cost_per_million_users"]["allocated"], 2)),
              row("cost per million users, busy (USD)", lambda s: num(s["cost_per_million_users"]["busy"], 2))]
     return rows
+
+
+def auto_text(s: dict) -> str:
+    """decoding.mode = auto: what each actor chose and the trial timings behind it."""
+    parts = [f"{actor[-8:]}: **{a['choice'] or 'undecided'}** (trials, users/s: " + ", ".join(
+        f"{d} {num(v, 1)}" for d, v in a["trial_users_per_s"].items() if v is not None) + ")"
+        for actor, a in sorted(s["auto"].items())]
+    return f"Auto mode of {_label(s)}, per actor: " + "; ".join(parts) + "."
 
 
 def catalog_text(s: dict) -> str:
@@ -319,6 +333,7 @@ def build_blocks(runs: list[dict], outputs: dict | None, evaluations: list[dict 
     header = ["metric"] + [_label(s) for s in runs]
     blocks += [("h2", "Summary"), ("table", header, summary_rows(runs))]
     blocks += [("p", catalog_text(s)) for s in runs if s["catalog"]]
+    blocks += [("p", auto_text(s)) for s in runs if s["auto"]]
     if outputs is not None:
         blocks += [("h2", "Comparison"), ("p", comparison_text(runs[0], runs[1], outputs))]
     for name, (_, heading) in FIGURES.items():

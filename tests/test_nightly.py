@@ -239,3 +239,37 @@ def test_non_finite_users_are_rejected_and_duplicates_reported(world, ray_sessio
     md = (Path(out) / "report.md").read_text()
     assert "**2 items dropped** for sharing a semantic ID with a kept item: 9001" in md
     assert f"| of them: non-finite log-probs | {len(poisoned)} |" in md
+
+
+def test_auto_mode_times_both_decoders_then_keeps_the_faster(world, ray_session, tmp_path):
+    """decoding.mode = auto: each actor decodes its first batches with beam and atspeed-strict in turn (A B B A),
+    then keeps the faster; the outputs are beam search's exactly, and the decision and its timings are recorded in the
+    metrics and the manifest."""
+    from pipeline.nightly import run_nightly
+
+    ray_session.touch()  # no injected actor crash here: a restarted actor would start its trials again
+    cfg = config(world, tmp_path / "out", "decoding.mode=auto", "decoding.auto_trials=2")
+    manifest = run_nightly(cfg)
+    _, t = read_run(cfg)
+    users = pq.read_table(world / "data" / "test.parquet").to_pandas()
+    recs = t["recommendations"].to_pandas()
+    ref, _ = direct_beam_search(world, users.history.tolist())
+    want = dict(zip(users.user_id, ref.item_ids.tolist()))
+    assert all(want[u] == g.sort_values("rank").item_id.tolist() for u, g in recs.groupby("user_id"))
+    m = t["metrics"].to_pandas().sort_values(["actor", "batch"])
+    for actor, rows in m.groupby("actor"):
+        decoders = rows.decoder.tolist()
+        trials = ["beam", "atspeed-strict", "atspeed-strict", "beam"][:len(decoders)]
+        assert decoders[:4] == trials  # the trials, in A B B A order
+        state = manifest["auto"][actor]
+        if len(decoders) > 4:  # decided: every later batch uses the choice
+            assert state["choice"] in ("beam", "atspeed-strict") and set(decoders[4:]) == {state["choice"]}
+            best = {d: min(r.users_ok / (r.prefill_s + r.draft_s + r.verify_s + r.decode_s)
+                           for r in rows.head(4).itertuples() if r.decoder == d) for d in ("beam", "atspeed-strict")}
+            assert state["choice"] == max(best, key=best.get) and state["trial_batches"] == {"beam": 2,
+                                                                                             "atspeed-strict": 2}
+    assert set(recs["mode"]) == {"auto"} and (m.draft_forwards[m.decoder == "beam"] == 0).all()
+    from pipeline.report import report_run
+
+    _, out = report_run(str(tmp_path / "out"), cfg.storage)
+    assert "Auto mode of auto" in (Path(out) / "report.md").read_text()

@@ -107,6 +107,41 @@ class TemplatesParams(Timed):
 
 
 @dataclass(kw_only=True)
+class ShapesParams:
+    """`bench shapes`: every vocabulary x prompt length x K cell, beam_search vs transformers, each method in its own
+    process (fresh memory), alternating, `repeats` times. The full grid takes hours on a CPU (transformers at
+    prompt 1000 and K = 50 alone runs minutes per repeat): choose cells with --vocabs / --prompts / --ks there."""
+    data: str  # a prepared data dir: its catalog's semantic IDs become code tokens after the text vocabulary
+    vocabs: list[int] = field(default_factory=lambda: [2048, 33024, 152667])
+    prompts: list[int] = field(default_factory=lambda: [81, 300, 1000])
+    ks: list[int] = field(default_factory=lambda: [10, 20, 50])
+    users: int = 16
+    batch: int = 8
+    layers: int = 4
+    hidden: int = 256
+    heads: int = 4
+    repeats: int = REPEATS
+    dtype: str = "float32"
+    device: str | None = None
+    seed: int = 0
+
+
+@dataclass(kw_only=True)
+class GpuParams:
+    """`bench gpu`: half-precision parity, shapes, DISC (and speculative with --target / --drafts) on CUDA."""
+    data: str
+    target: str | None = None  # a trained target and its drafts for the speculative section (skipped without)
+    drafts: list[str] = field(default_factory=list)
+    layers: int = 8
+    hidden: int = 1024
+    heads: int = 16
+    smoke: bool = False  # smoke sizes (runs on a CPU too)
+    device: str | None = None
+    seed: int = 0
+    out: str = "bench-out"
+
+
+@dataclass(kw_only=True)
 class AllParams(Timed):
     """`bench all`: every section on one target (and its drafts). The defaults: decode 64 users (batch 32, K=20; the
     index on Beauty and a 1M-item synthetic catalog, 640 prefixes per step), speculative 10 users at batch 1 and 64 at

@@ -1,0 +1,228 @@
+"""The decoding engine at production shape: the chunked head (scores of the children, never [B, Q, V]), the tree
+cache written in place, half precision within stated bounds, cheaper speculation, DISC sharing scored nodes, the
+shared prompt prefix, grouped-query attention without repeated keys."""
+import pytest
+import torch
+
+from decoding.beam import Prefix, beam_search, head_of, prefill
+from decoding.cache import TreeCache
+from decoding.disc import disc_sample
+from decoding.head import Head
+from decoding.models import load_model, tiny_model
+from decoding.speculative import speculative_beam_search
+from tests.helpers import assert_same_ranking, hf_beam_search, left_padded_prompts, random_catalog
+
+LENGTHS = [3, 11, 6, 17, 9, 4, 14, 8]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cat = random_catalog(400, 4, 8, seed=11)
+    ids, mask = left_padded_prompts(8, LENGTHS, cat.vocab_size, seed=3)
+    return cat, ids, mask
+
+
+# ---------------------------------------------------------------- the head
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_head_equals_log_softmax_over_the_full_vocabulary(temperature):
+    """Many small chunks (a budget of 64 floats per chunk), the tokens asked for anywhere in the vocabulary, the
+    top-M across chunks: equal to the full-vocabulary computation."""
+    model = tiny_model("qwen2", 3000, seed=0)
+    hidden = torch.randn(5, 64, generator=torch.Generator().manual_seed(1))
+    head = Head.of(model)
+    full = head.chunk_logits(hidden, 0, 3000)  # [5, V]
+    tokens = torch.tensor([[0, 5, 2999, -1], [1500, 1501, -1, -1], [7, 2048, 1024, 3], [-1] * 4, [2999, 0, 1, 2]])
+    for budget in (64, 10_000, 1 << 20):
+        head.budget = budget
+        s = head.score(hidden, tokens, temperature, top_m=7)
+        want = full.log_softmax(-1).gather(1, tokens.clamp(min=0))
+        torch.testing.assert_close(s.logp[tokens >= 0], want[tokens >= 0], atol=1e-5, rtol=0)
+        assert torch.isinf(s.logits[tokens < 0]).all()
+        torch.testing.assert_close(s.lse, full.logsumexp(-1), atol=1e-5, rtol=0)
+        if temperature != 1.0:
+            torch.testing.assert_close(s.lse_t, (full / temperature).logsumexp(-1), atol=1e-5, rtol=0)
+        assert torch.equal(s.top_tokens, full.topk(7).indices) and torch.allclose(s.top_logits, full.topk(7).values)
+
+
+def test_logit_transforms_and_a_foreign_head():
+    """Gemma 2's final logit softcapping is applied (beam_search = transformers); a model whose logits are not its
+    output layer applied to its last hidden state is refused, not scored differently."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cat = random_catalog(200, 3, 6, seed=0)
+    config = AutoConfig.for_model("gemma2", vocab_size=cat.vocab_size, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                  final_logit_softcapping=3.0, sliding_window=64, pad_token_id=0, bos_token_id=1,
+                                  eos_token_id=2)
+    torch.manual_seed(0)
+    gemma = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    ids, mask = left_padded_prompts(4, [5, 9, 3, 7], cat.vocab_size, seed=1)
+    rec = beam_search(gemma, ids, mask, cat, 5)
+    items, _, scores = hf_beam_search(gemma, ids, mask, cat, 5)
+    assert torch.equal(rec.item_ids, items) and head_of(gemma).softcap == 3.0
+    torch.testing.assert_close(rec.scores, scores, atol=1e-4, rtol=0)
+
+    odd = tiny_model("llama", 50, seed=1)
+    plain = odd.forward
+    odd.forward = lambda *a, **kw: type(plain(*a, **kw))(logits=2 * plain(*a, **kw).logits)
+    with pytest.raises(ValueError, match="logits are not its output layer applied to its last hidden state"):
+        Head.of(odd)
+
+
+# ---------------------------------------------------------------- the cache
+
+
+def test_tree_cache_is_written_in_place_and_grows_only_when_full(setup):
+    cat, ids, mask = setup
+    model = tiny_model("llama", cat.vocab_size, seed=1)
+    seen = []
+    update = TreeCache.update
+
+    def watch(self, *args, **kwargs):  # every layer update: where layer 0's keys live
+        out = update(self, *args, **kwargs)
+        seen.append(self.layers[0].keys.data_ptr())
+        return out
+
+    TreeCache.update = watch
+    try:
+        beam_search(model, ids, mask, cat, 5)  # the prefill reserves room for k (L - 1) tree tokens
+    finally:
+        TreeCache.update = update
+    assert len(set(seen)) == 1  # one buffer for the whole decode: no per-step copy of the cache
+    cache, _ = prefill(model, ids, mask, capacity=0)  # no room: the first tree forward doubles the buffer
+    assert cache.layers[0].keys.shape[2] == ids.shape[1] and cache.length == ids.shape[1]
+
+
+# ---------------------------------------------------------------- half precision
+
+# The documented tolerance: two engines in half precision round differently (attention kernels of other shapes), so
+# a score differs by up to TOL (the largest difference seen on these models, about 0.015 in bfloat16 and 0.0025 in
+# float16, with a margin). A user whose search came within TIE = 2 TOL of a tie at the k-th place of some step
+# (stats["tie_gap"]) may keep another beam there than the other engine, and so return another list; every other user
+# gets the same items in the same order (up to swaps of items whose scores are within TIE).
+BOUNDS = {torch.bfloat16: (2e-2, 4e-2), torch.float16: (4e-3, 8e-3)}
+
+
+@pytest.fixture(scope="module")
+def half():
+    """4 codes per level: fewer candidates per step, so that most users are clear of near-ties."""
+    cat = random_catalog(200, 4, 4, seed=11)
+    ids, mask = left_padded_prompts(16, LENGTHS, cat.vocab_size, seed=3)
+    return cat, ids, mask
+
+
+def assert_parity(rec, items, scores, tie_gap, dtype):
+    tol, tie = BOUNDS[dtype]
+    clear = tie_gap >= tie  # [B] users without a near-tie at the k-th place
+    assert clear.sum() >= 2, "too many near-ties for the test to say anything"
+    assert_same_ranking(rec.item_ids[clear], rec.scores[clear], items[clear], scores[clear].float(), atol=tol, tie=tie)
+    common = rec.item_ids[:, :, None] == items[:, None, :]  # the items both lists hold: their scores agree
+    diff = (rec.scores[:, :, None] - scores.float()[:, None, :]).abs()
+    assert (diff[common] <= tol).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("arch, attn", [("llama", "sdpa"), ("qwen2", "sdpa"), ("llama", "eager")])
+def test_half_precision_beam_search_equals_transformers_in_the_same_dtype(half, dtype, arch, attn):
+    cat, ids, mask = half
+    model = tiny_model(arch, cat.vocab_size, seed=1, dtype=dtype, attn_implementation=attn)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4)  # peaked distributions, as trained models have
+    for k in (5, 20):
+        rec = beam_search(model, ids, mask, cat, k)
+        assert rec.scores.dtype == torch.float32  # accumulated in float32 whatever the model's dtype
+        items, _, scores = hf_beam_search(model, ids, mask, cat, k)
+        assert_parity(rec, items, scores, rec.stats["tie_gap"], dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_strict_speculative_equals_beam_search(half, dtype):
+    cat, ids, mask = half
+    target = tiny_model("llama", cat.vocab_size, seed=1, dtype=dtype)
+    draft = tiny_model("qwen2", cat.vocab_size, seed=5, num_hidden_layers=1, dtype=dtype)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(4)
+    for k in (5, 20):
+        ref = beam_search(target, ids, mask, cat, k)
+        rec = speculative_beam_search(target, draft, ids, mask, cat, k, draft_beams=2 * k)
+        assert_parity(rec, ref.item_ids, ref.scores, ref.stats["tie_gap"], dtype)
+
+
+# ---------------------------------------------------------------- cheaper speculation and DISC
+
+
+def test_the_last_drafted_step_is_carried_not_run_through_the_draft(setup):
+    """With the target as its own draft (N = K: every step accepted), L = 4, gamma = 2: one round drafts D_1 and D_2;
+    the draft runs the pending beams and D_1 only (D_2's scores are the target's business), so it processes the
+    prompts, K pending tokens and N drafted tokens per user: one drafted step fewer than it drafts."""
+    cat, ids, mask = setup
+    model = tiny_model("llama", cat.vocab_size, seed=1)
+    b, s, k = *ids.shape, 5
+    rec = speculative_beam_search(model, model, ids, mask, cat, k, draft_beams=k, gamma=2)
+    st = rec.stats
+    assert torch.equal(st["rounds"], torch.ones(b, dtype=torch.int64)) and (st["accepted_steps"] == 2).all()
+    assert st["draft_forwards"] == 3 and st["draft_tokens"] == b * s + b * k + b * k
+    assert torch.equal(rec.item_ids, beam_search(model, ids, mask, cat, k).item_ids)
+
+
+def test_disc_scores_each_trie_node_once_per_user(setup):
+    """Proposals that reach a node share its forward, across the k draws: far fewer tree tokens than proposals x
+    levels x draws (the tree is never reset), the same items as sampling without the sharing would draw."""
+    cat, ids, mask = setup
+    model = tiny_model("llama", cat.vocab_size, seed=3)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(6)  # peaked: the proposals concentrate on a few prefixes, as trained models do
+    k, rounds = 10, 4
+    rec = disc_sample(model, ids, mask, cat, k, rounds=rounds, generator=torch.Generator().manual_seed(0))
+    b, s = ids.shape
+    tree_tokens = rec.stats["target_tokens"] - b * s
+    unshared = k * 2 * rounds * (cat.code_len - 1)  # per user: every proposal's nodes run again for every draw
+    assert (rec.stats["expanded_nodes"] <= unshared / 2).all()  # distinct trie nodes scored per user
+    assert tree_tokens < 0.6 * unshared * b  # what the forwards processed, users padded to the busiest
+    assert all(len(set(r)) == k for r in rec.item_ids.tolist())
+
+
+# ---------------------------------------------------------------- the shared prompt prefix
+
+
+def test_a_shared_prefix_prefilled_once_is_exact(setup):
+    """Every decoder continuing a Prefix (the template's fixed text, prefilled once per model) returns what it
+    returns on the full prompts; the prefix is computed once and reused."""
+    cat, ids, mask = setup
+    target = tiny_model("llama", cat.vocab_size, seed=1)
+    draft = tiny_model("qwen2", cat.vocab_size, seed=5, num_hidden_layers=1)
+    fixed = torch.randint(4, cat.vocab_size, (7,), generator=torch.Generator().manual_seed(9))
+    full_ids = torch.cat([fixed.expand(len(ids), -1), ids], 1)
+    full_mask = torch.cat([torch.ones(len(ids), 7, dtype=mask.dtype), mask], 1)
+    # left padding now sits between the prefix and each user's tokens: positions skip it
+    prefix = Prefix(fixed)
+    g = lambda: torch.Generator().manual_seed(4)  # noqa: E731
+    for decode in (lambda i, m, **kw: beam_search(target, i, m, cat, 10, **kw),
+                   lambda i, m, **kw: speculative_beam_search(target, draft, i, m, cat, 10, **kw),
+                   lambda i, m, **kw: disc_sample(target, i, m, cat, 5, generator=g(), **kw)):
+        want = decode(*repack(full_ids, full_mask))
+        got = decode(ids, mask, prefix=prefix)
+        assert_same_ranking(got.item_ids, got.scores, want.item_ids, want.scores)
+        assert got.stats["target_tokens"] < want.stats["target_tokens"]  # the prefix is not prefilled again
+    assert len(prefix._kv) == 2  # target and draft: computed once each
+
+
+def repack(ids, mask):
+    """Full prompts [prefix | pad | user tokens] -> left-padded ones [pad | prefix | user tokens]."""
+    order = torch.sort(mask, dim=1, stable=True).indices  # padding first, then the real tokens in order
+    return ids.gather(1, order), mask.gather(1, order)
+
+
+# ---------------------------------------------------------------- grouped-query attention
+
+
+def test_grouped_query_attention_without_repeated_keys_is_exact(setup, tmp_path):
+    cat, ids, mask = setup
+    tiny_model("llama", cat.vocab_size, seed=0).save_pretrained(tmp_path)  # 4 query heads, 2 key/value heads
+    gqa, plain = load_model(tmp_path), load_model(tmp_path, attn_implementation="sdpa")
+    assert gqa.config._attn_implementation == "sdpa_gqa"
+    a, b = beam_search(gqa, ids, mask, cat, 10), beam_search(plain, ids, mask, cat, 10)
+    assert torch.equal(a.item_ids, b.item_ids)
+    torch.testing.assert_close(a.scores, b.scores, atol=1e-5, rtol=0)
