@@ -8,8 +8,13 @@ proposals; if none is accepted it importance-resamples among `rounds` fresh prop
 are independent until acceptance, so all 2 * rounds proposals are decoded together as tree nodes over the single
 prompt prefill, and the first accepted one (in order) is kept: the sequential algorithm's distribution.
 
-k distinct items per user: k draws in sequence, each excluding the items already drawn from that user's constraint
-set (a trie node closes once every item under it has been drawn). The score of an item is its sequence
+k distinct items per user: the first k distinct items of a sequence of independent draws (sampling without
+replacement). Draws run in passes: the first pass launches k draws at once; a later pass launches one draw per item
+still missing, and a draw launched in pass e excludes the items decided before pass e (a trie node closes once
+every item under it is excluded), standing for the draws that would have repeated them. For a sampler whose law on
+C \ S is its law on C conditioned on C \ S (P_S, DISC's limit) this is exactly successive sampling, item after item
+each excluding the ones before; for plain constrained (trie) sampling, whose renormalisation moves with S, it is a
+different law (stated and tested in tests/test_disc.py); k = 1 is unaffected. The score of an item is its sequence
 log-probability under the model (temperature 1); items come back sorted by score.
 
 A user's trie nodes are scored once: every node a proposal reaches is run through the model the first time any of
@@ -18,7 +23,8 @@ proposal: proposals that share a node share its forward, and the tree is never r
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -32,50 +38,59 @@ NEG_INF = float("-inf")
 
 @dataclass
 class Expanded:
-    """The trie nodes of every user scored so far, sorted by key = user * G + node: each one's tree node (-1: the
-    prompt), its candidate next tokens (the catalog children, or the model's top-M for PPV) and their logits
-    (temperature 1) [E, C], and its log-normalisers at temperature 1 and at the sampling temperature [E]."""
+    """The trie nodes of one level scored so far, for every user, sorted by key = user * G + node: each one's tree
+    node (-1: the prompt), its candidate next tokens (the catalog children, or the model's top-M for PPV), the child
+    node each leads to (-1: none) and their logits (temperature 1) [E, C], and its log-normalisers at temperature 1
+    and at the sampling temperature [E]. C is the level's widest node (or M): one store per level."""
     key: torch.Tensor
     tree: torch.Tensor
     token: torch.Tensor
+    child: torch.Tensor
     logit: torch.Tensor
     lse: torch.Tensor
     lse_t: torch.Tensor
     broken: torch.Tensor  # [E] NaN or infinite scores
 
+    @staticmethod
+    def empty(device) -> "Expanded":
+        none = lambda dtype: torch.zeros(0, dtype=dtype, device=device)  # noqa: E731
+        return Expanded(none(torch.int64), none(torch.int64), none(torch.int64), none(torch.int64),
+                        none(torch.float32), none(torch.float32), none(torch.float32), none(torch.bool))
+
     def find(self, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """keys [...] -> (entry index, found) [...]."""
-        at = torch.searchsorted(self.key, key).clamp(max=max(self.key.numel() - 1, 0))
-        return at, (self.key.numel() > 0) & (self.key[at] == key)
+        if self.key.numel() == 0:
+            return torch.zeros_like(key), torch.zeros_like(key, dtype=torch.bool)
+        at = torch.searchsorted(self.key, key).clamp(max=self.key.numel() - 1)
+        return at, self.key[at] == key
 
     def add(self, other: "Expanded") -> "Expanded":
-        """The union (keys disjoint), sorted again."""
-        width = max(self.token.shape[1], other.token.shape[1])
-        widen = lambda x, v: torch.cat([x, x.new_full((x.shape[0], width - x.shape[1]), v)], 1)  # noqa: E731
-        merged = Expanded(torch.cat([self.key, other.key]), torch.cat([self.tree, other.tree]),
-                          torch.cat([widen(self.token, -1), widen(other.token, -1)]),
-                          torch.cat([widen(self.logit, NEG_INF), widen(other.logit, NEG_INF)]),
-                          torch.cat([self.lse, other.lse]), torch.cat([self.lse_t, other.lse_t]),
-                          torch.cat([self.broken, other.broken]))
-        order = torch.argsort(merged.key)
-        return Expanded(*(x[order] for x in (merged.key, merged.tree, merged.token, merged.logit, merged.lse,
-                                             merged.lse_t, merged.broken)))
+        """The union (keys disjoint, same width), sorted again."""
+        if self.key.numel() == 0:
+            return other
+        both = [torch.cat([getattr(self, f.name), getattr(other, f.name)]) for f in fields(Expanded)]
+        order = torch.argsort(both[0])
+        return Expanded(*(x[order] for x in both))
 
 
-def score_nodes(model, hidden: torch.Tensor, catalog: Catalog, node: torch.Tensor, key: torch.Tensor,
-                tree: torch.Tensor, top_m: int | None, temperature: float) -> Expanded:
-    """hidden [R, H] of R trie nodes node [R] -> their Expanded entries (candidates: the children, or the top-M)."""
+def score_nodes(model, hidden: torch.Tensor, catalog: Catalog, node: torch.Tensor, prefix: torch.Tensor,
+                key: torch.Tensor, tree: torch.Tensor, top_m: int | None, temperature: float) -> Expanded:
+    """hidden [R, H] of R trie nodes node [R] of one level t, prefix [R, t] their tokens -> their Expanded entries
+    (candidates: the children through the CSR index, or the model's top-M verified by PPV)."""
     if top_m is None:
-        token, _, valid = catalog.children(node, max(catalog.max_children))
-        scores = head_of(model).score(hidden, torch.where(valid, token, -1), temperature)
+        token, child, valid = catalog.children(node, catalog.max_children[prefix.shape[1]])
         token = torch.where(valid, token, -1)
+        scores = head_of(model).score(hidden, token, temperature)
     else:
         scores = head_of(model).score(hidden, torch.full((hidden.shape[0], 1), -1, device=hidden.device),
                                       temperature, top_m)
         token, scores.logits = scores.top_tokens, scores.top_logits
+        ok = catalog.verify(prefix, token)  # [R, M] PPV: binary search in the sorted rows
+        child = torch.where(ok, catalog.child_node(node[:, None].expand_as(token).reshape(-1),
+                                                   token.reshape(-1)).view(token.shape), -1)
     lse_t = scores.lse if scores.lse_t is None else scores.lse_t
     broken = ~torch.isfinite(scores.lse) | torch.isnan(scores.logits).any(1)
-    return Expanded(key, tree, token, scores.logits, scores.lse, lse_t, broken)
+    return Expanded(key, tree, token, child, scores.logits, scores.lse, lse_t, broken)
 
 
 def token_gumbel(seed: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
@@ -90,38 +105,55 @@ def token_gumbel(seed: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     return -torch.log(-torch.log(u))
 
 
-def drawn_counts(catalog: Catalog, drawn_paths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """drawn_paths [B, E, L + 1] the trie paths of every user's drawn items (-1 = none) -> (sorted keys user * G + node
-    of the nodes on them, how many drawn items lie under each) [U]."""
-    b, g = drawn_paths.shape[0], catalog.node_ptr.numel() - 1
-    keys = torch.arange(b, device=drawn_paths.device)[:, None, None] * g + drawn_paths
-    return torch.unique(keys[drawn_paths >= 0], return_counts=True)
+def drawn_counts(catalog: Catalog, draws: "Draws", epochs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The items each draw must exclude: a draw launched in pass e excludes the distinct items of the draws decided
+    before pass e. -> (sorted keys (user * E + e) * G + node of the nodes on those items' paths, how many excluded
+    items lie under each) [U], E = epochs."""
+    b, d = draws.open.shape
+    g, dev = catalog.node_ptr.numel() - 1, draws.paths.device
+    leaf, at = draws.paths[:, :, -1], draws.decided_at  # [B, D]
+    earlier = (at[:, None, :] < at[:, :, None]) | ((at[:, None, :] == at[:, :, None]) &
+                                                   torch.ones(d, d, dtype=torch.bool, device=dev).tril(-1))
+    repeat = ((leaf[:, :, None] == leaf[:, None, :]) & earlier & (at[:, None, :] >= 0)).any(2)  # [B, D]
+    item = (at >= 0) & (leaf >= 0) & ~repeat  # [B, D] each distinct decided item once, at its first decision
+    e = torch.arange(epochs, device=dev)
+    member = item[:, :, None] & (at[:, :, None] < e)  # [B, D, E] the item is excluded in epoch e
+    user = torch.arange(b, device=dev)[:, None, None, None]
+    keys = (user * epochs + e[None, None, :, None]) * g + draws.paths[:, :, None, :]  # [B, D, E, L + 1]
+    return torch.unique(keys[member[..., None] & (draws.paths[:, :, None, :] >= 0)], return_counts=True)
 
 
-def open_children(catalog: Catalog, child: torch.Tensor, drawn: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """child [B, P, C] node ids (-1 = none), drawn: `drawn_counts` -> bool [B, P, C]: the child still has an item that
-    was not drawn (a node closes once every item under it is drawn)."""
+def open_children(catalog: Catalog, child: torch.Tensor, epoch: torch.Tensor, epochs: int,
+                  drawn: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """child [B, P, C] node ids (-1 = none) of proposals launched in epoch [B, P], drawn: `drawn_counts` ->
+    bool [B, P, C]: the child still has an item its draw does not exclude (a node closes once all its items are)."""
     keys, counts = drawn
     b, g = child.shape[0], catalog.node_ptr.numel() - 1
-    query = torch.arange(b, device=child.device)[:, None, None] * g + child.clamp(min=0)
-    at = torch.searchsorted(keys, query).clamp(max=max(keys.numel() - 1, 0))
-    taken = torch.where((keys.numel() > 0) & (keys[at] == query), counts[at], 0) if keys.numel() else 0
+    user = torch.arange(b, device=child.device)[:, None, None]
+    query = (user * epochs + epoch[:, :, None]) * g + child.clamp(min=0)
+    if keys.numel():
+        at = torch.searchsorted(keys, query).clamp(max=keys.numel() - 1)
+        taken = torch.where(keys[at] == query, counts[at], 0)
+    else:
+        taken = torch.zeros_like(query)
     return (child >= 0) & (catalog.leaf_count[child.clamp(min=0)] > taken)
 
 
-def expand_missing(model, tree: TokenTree, cache, catalog: Catalog, store: Expanded, node: torch.Tensor,
-                   parent_node: torch.Tensor, top_m: int | None, temperature: float, meter: Meter) -> Expanded:
-    """Runs the trie nodes node [B, P] (-1 = dead) that no proposal of their user reached before through the model,
-    each once however many proposals stand on it (under its parent's tree node), and adds them to the store."""
-    b, g = node.shape[0], catalog.node_ptr.numel() - 1
+def expand_missing(model, tree: TokenTree, cache, catalog: Catalog, stores: list[Expanded], node: torch.Tensor,
+                   parent_node: torch.Tensor, prefix: torch.Tensor, top_m: int | None, temperature: float,
+                   meter: Meter) -> None:
+    """Runs the level-t trie nodes node [B, P] (-1 = dead; prefix [B, P, t] their tokens) that no proposal of their
+    user reached before through the model, each once however many proposals stand on it (under its parent's tree
+    node), and adds them to stores[t]."""
+    (b, p), t, g = node.shape, prefix.shape[2], catalog.node_ptr.numel() - 1
     user = torch.arange(b, device=node.device)[:, None].expand_as(node)
     key = user * g + node.clamp(min=0)
-    _, found = store.find(key)
+    _, found = stores[t].find(key)
     missing = (node >= 0) & ~found
     if not missing.any():
-        return store
+        return
     new, first = torch.unique(key[missing], return_inverse=True)  # [M] sorted, distinct
-    parent = torch.zeros_like(new).scatter_(0, first, parent_node[missing])  # [M] any proposal's parent: the same
+    one = torch.zeros_like(new).scatter_(0, first, missing.nonzero()[:, 1])  # [M] one proposal standing on each
     who, what = new // g, new % g  # [M] user, node
     count = torch.bincount(who, minlength=b)  # [B]
     slot = torch.arange(new.numel(), device=new.device) - (torch.cumsum(count, 0) - count)[who]  # [M] within its user
@@ -129,19 +161,22 @@ def expand_missing(model, tree: TokenTree, cache, catalog: Catalog, store: Expan
     block_tok = torch.zeros(b, q, dtype=torch.int64, device=node.device)
     block_par = torch.full((b, q), -1, dtype=torch.int64, device=node.device)
     block_tok[who, slot] = catalog.edge_tok[what - 1]  # the token leading into the node
-    block_par[who, slot] = store.tree[store.find(who * g + parent)[0]]  # the parent's tree node (-1: prompt)
+    block_par[who, slot] = stores[t - 1].tree[stores[t - 1].find(who * g + parent_node[who, one])[0]]  # (-1: prompt)
     base = tree.num_nodes
     hidden = forward(model, tree, cache, block_tok, block_par, meter=meter)  # [B, Q, H]
-    return store.add(score_nodes(model, hidden[who, slot], catalog, what, new, base + slot, top_m, temperature))
+    stores[t] = stores[t].add(score_nodes(model, hidden[who, slot], catalog, what, prefix[who, one], new,
+                                          base + slot, top_m, temperature))
 
 
 @torch.no_grad()
-def propose(model, tree: TokenTree, cache, store: Expanded, catalog: Catalog, wanted: torch.Tensor,
-            drawn_paths: torch.Tensor, top_m: int | None, temperature: float, generator, meter: Meter):
-    """Constrained samples, token by token, for the proposal slots wanted [B, P] (the others stay dead), reusing every
-    trie node scored before. -> tokens [B, P, L], paths [B, P, L + 1] (trie nodes, -1 = dead), log x [B, P],
-    log p [B, P] (temperature 1), users whose log-probs were NaN or infinite [B], the store with the new nodes."""
-    (b, proposals), dev = wanted.shape, drawn_paths.device
+def propose(model, tree: TokenTree, cache, stores: list[Expanded], catalog: Catalog, wanted: torch.Tensor,
+            epoch: torch.Tensor, epochs: int, drawn: tuple[torch.Tensor, torch.Tensor], top_m: int | None,
+            temperature: float, generator, meter: Meter):
+    """Constrained samples, token by token, for the proposal slots wanted [B, P] (the others stay dead) of draws
+    launched in epoch [B, P] (drawn: their exclusions, `drawn_counts`), reusing every trie node scored before
+    (stores: one per level, extended in place). -> tokens [B, P, L], paths [B, P, L + 1] (trie nodes, -1 = dead),
+    log x [B, P], log p [B, P] (temperature 1), users whose log-probs were NaN or infinite [B]."""
+    (b, proposals), dev = wanted.shape, wanted.device
     code_len, g = catalog.code_len, catalog.node_ptr.numel() - 1
     node = torch.where(wanted, 0, -1)
     tokens = torch.zeros(b, proposals, code_len, dtype=torch.int64, device=dev)
@@ -153,25 +188,19 @@ def propose(model, tree: TokenTree, cache, store: Expanded, catalog: Catalog, wa
     user = torch.arange(b, device=dev)[:, None].expand(b, proposals)
     seed = torch.randint(1 << 62, (1,), generator=generator, device=generator.device if generator else "cpu").to(dev)
     who = (user * proposals + torch.arange(proposals, device=dev)) * code_len  # [B, P] (user, proposal) key base
-    drawn = drawn_counts(catalog, drawn_paths)
     for level in range(code_len):
+        if level and not (node >= 0).any():
+            break  # every proposal is dead (log x = -inf already)
         if level:
-            store = expand_missing(model, tree, cache, catalog, store, node, paths[:, :, level - 1], top_m,
-                                   temperature, meter)
+            expand_missing(model, tree, cache, catalog, stores, node, paths[:, :, level - 1], tokens[:, :, :level],
+                           top_m, temperature, meter)
             meter.kv(b * cache.length)
+        store = stores[level]
         at, _ = store.find(user * g + node.clamp(min=0))  # [B, P] each proposal's entry
         tok, logit = store.token[at], store.logit[at]  # [B, P, C]
         broken |= (store.broken[at] & (node >= 0)).any(1)
-        if top_m is None:
-            child = torch.where(tok >= 0, catalog.child_node(node[:, :, None].expand_as(tok).reshape(-1),
-                                                             tok.clamp(min=0).reshape(-1)).view(tok.shape), -1)
-        else:  # PPV: is prefix + candidate a prefix of an item (binary search in the sorted rows)
-            ok = catalog.verify(tokens[:, :, :level].reshape(b * proposals, level),
-                                tok.reshape(b * proposals, -1)).view(tok.shape)
-            child = torch.where(ok, catalog.child_node(node[:, :, None].expand_as(tok).reshape(-1),
-                                                       tok.reshape(-1)).view(tok.shape), -1)
-        child = torch.where(node[:, :, None] >= 0, child, -1)
-        valid = open_children(catalog, child, drawn)
+        child = torch.where(node[:, :, None] >= 0, store.child[at], -1)  # [B, P, C]
+        valid = open_children(catalog, child, epoch, epochs, drawn)
         cand = (logit.double() / temperature - store.lse_t[at][:, :, None].double()).masked_fill(~valid, NEG_INF)
         mass = cand.logsumexp(-1)  # log of the valid mass (tempered)
         noise = token_gumbel(seed, ((who + level)[:, :, None] * catalog.vocab_size + tok.clamp(min=0)))
@@ -183,17 +212,20 @@ def propose(model, tree: TokenTree, cache, store: Expanded, catalog: Catalog, wa
         node = torch.where(alive, child.gather(2, pick).squeeze(2), -1)
         paths[:, :, level + 1] = node
         log_p = log_p + (logit.gather(2, pick).squeeze(2) - store.lse[at])  # temperature 1
-    return tokens, paths, log_x, log_p, broken, store
+    return tokens, paths, log_x, log_p, broken
 
 
 def sample_items(model, input_ids, attention_mask, catalog: Catalog, k: int, rounds: int, disc: bool,
-                 top_m: int | None, temperature: float, generator, prefix: Prefix | None = None):
-    """k distinct items per user. Drawing independently and keeping the first occurrence of each item is sampling
-    without replacement, so draws run in generations: each generation makes, in parallel, as many independent draws
-    per user as items are missing, from the catalog without the items drawn before, and keeps the new ones in draw
-    order. A draw is DISC (up to `rounds` proposals accepted in turn with probability x, else importance resampling
-    among `rounds` fresh ones) or plain constrained sampling (one proposal, kept); its proposals are decoded lazily
-    (`draw`), so a draw costs the proposals its sequential algorithm looks at, about 1 / (1 - p_b) of them."""
+                 top_m: int | None, temperature: float, generator, prefix: Prefix | None = None,
+                 waves: tuple[int, ...] = (2,)):
+    """k distinct items per user. Independent draws, keeping the first occurrence of each item in draw order, are
+    sampling without replacement; a draw may also exclude items that earlier draws produced (it then stands for the
+    draws it would have repeated until a new item). A draw is DISC (up to `rounds` proposals accepted in turn with
+    probability x, else importance resampling among `rounds` fresh ones) or plain constrained sampling (one
+    proposal, kept). Draws run in passes (one forward per code level each): every pass decodes, together, the next
+    wave of proposals of every undecided draw (`waves`: how many a first-pass draw tries in its first passes, then
+    all the rest) and fresh draws for the items still missing, so a draw costs about the 1 / (1 - p_b) proposals
+    its sequential algorithm looks at, and a user typically needs two passes."""
     if k < 1 or rounds < 1 or not temperature > 0 or (top_m is not None and top_m < 1):
         raise ValueError(f"need k, rounds, top_m >= 1 and temperature > 0; got k={k}, rounds={rounds}, "
                          f"top_m={top_m}, temperature={temperature}")
@@ -204,71 +236,58 @@ def sample_items(model, input_ids, attention_mask, catalog: Catalog, k: int, rou
     with meter.phase("prefill"):
         cache, hidden = prefill(model, input_ids, attention_mask, meter, prefix=prefix, capacity=2 * k * code_len)
         root = torch.zeros(b, dtype=torch.int64, device=dev)
-        store = score_nodes(model, hidden, catalog, root, torch.arange(b, device=dev) * g,
-                            torch.full((b,), -1, dtype=torch.int64, device=dev), top_m, temperature)
+        stores = [score_nodes(model, hidden, catalog, root, root[:, None][:, :0], torch.arange(b, device=dev) * g,
+                              torch.full((b,), -1, dtype=torch.int64, device=dev), top_m, temperature)]
+        stores += [Expanded.empty(dev) for _ in range(1, code_len)]
     meter.kv(b * cache.length)
     tree = TokenTree.from_prompt(attention_mask, len(prefix) if prefix is not None else 0)
-    run = Draws(model, tree, cache, store, catalog, rounds if disc else 0, top_m, temperature, generator, meter)
-    run.broken |= store.broken
-    drawn_paths = torch.full((b, k, code_len + 1), -1, dtype=torch.int64, device=dev)
-    out = {"tokens": torch.full((b, k, code_len), -1, dtype=torch.int64, device=dev),
-           "score": torch.full((b, k), NEG_INF, device=dev), "used": torch.zeros(b, k, device=dev),
-           "accepted": torch.zeros(b, k, dtype=torch.bool, device=dev),
-           "log_x": torch.full((b, k), NEG_INF, dtype=torch.float64, device=dev)}
-    count = torch.zeros(b, dtype=torch.int64, device=dev)
-    exhausted = torch.zeros(b, dtype=torch.bool, device=dev)
-    while ((count < k) & ~exhausted).any():
-        need = torch.where(exhausted, 0, k - count)  # [B] draws this generation: the items missing
-        m = int(need.max())
-        d = run.draw(torch.arange(m, device=dev)[None, :] < need[:, None], drawn_paths)  # [B, m] draws
-        leaf = d["paths"][:, :, -1]  # [B, m] the drawn item's trie node, -1: none left
-        seen = (leaf[:, :, None] == drawn_paths[:, None, :, -1]).any(-1)  # drawn in an earlier generation
-        earlier = (leaf[:, :, None] == leaf[:, None, :]) & torch.ones(m, m, dtype=torch.bool, device=dev).tril(-1)
-        new = (leaf >= 0) & ~seen & ~earlier.any(-1)  # [B, m] first occurrences, in draw order
-        slot = count[:, None] + new.long().cumsum(1) - 1  # [B, m] where each new item goes
-        keep = new & (slot < k)
-        rows, cols = keep.nonzero(as_tuple=True)
-        drawn_paths[rows, slot[rows, cols]] = d["paths"][rows, cols]
-        for name in out:
-            out[name][rows, slot[rows, cols]] = d[name][rows, cols]
-        exhausted |= ~(leaf >= 0).any(1) & (need > 0)  # nothing left to draw for these users
-        count += keep.sum(1)
-    order = torch.sort(out["score"], dim=1, descending=True, stable=True).indices
-    live = out["score"] > NEG_INF
-    node = drawn_paths[:, :, -1]
+    run = Proposer(model, tree, cache, stores, catalog, top_m, temperature, generator, meter)
+    run.broken |= stores[0].broken
+    draws = Draws.empty(b, code_len, dev)
+    r = rounds if disc else 0
+    for epoch in itertools.count():
+        draws.launch(draws.missing(k), epoch)
+        if not draws.open.any():
+            break
+        draws.run_pass(run, r, waves, epoch)
+    leaf, score = draws.paths[:, :, -1], draws.score  # [B, D]
+    new = (leaf >= 0) & ~((leaf[:, :, None] == leaf[:, None, :]) & torch.ones(
+        leaf.shape[1], leaf.shape[1], dtype=torch.bool, device=dev).tril(-1)).any(2)  # first occurrences
+    rank = new.long().cumsum(1)
+    keep = new & (rank <= k)  # [B, D] the first k distinct items in draw order
+    order = torch.sort(score.masked_fill(~keep, NEG_INF), dim=1, descending=True, stable=True).indices[:, :k]  # D >= k
+    live = keep.gather(1, order)  # [B, k]
+    pick = lambda x: x.gather(1, order.view(b, k, *([1] * (x.dim() - 2))).expand(b, k, *x.shape[2:]))  # noqa: E731
+    node = pick(leaf).masked_fill(~live, -1)
     stats = meter.result(beam_batch_kv(b, k, input_ids.shape[1], code_len),
-                         proposals=out["used"].masked_fill(~live, 0).sum(1),  # as the sequential algorithm draws them
-                         proposals_decoded=run.decoded,  # [B] proposals actually decoded, every generation
-                         acceptance_rate=(out["accepted"] & live).sum(1) / live.sum(1).clamp(min=1),
+                         proposals=pick(draws.used).masked_fill(~live, 0).sum(1),  # as the sequential algorithm draws
+                         proposals_decoded=run.decoded,  # [B] proposals actually decoded, every pass
+                         acceptance_rate=(pick(draws.accepted) & live).sum(1) / live.sum(1).clamp(min=1),
                          invalid_mass=1 - run.x_sum / run.x_count.clamp(min=1),  # p_b = 1 - E_q[x]
-                         importance_weight=out["log_x"].gather(1, order).exp(),  # x(a) of each returned item
-                         expanded_nodes=torch.bincount(run.store.key // g, minlength=b), non_finite=run.broken)
-    return Recommendations(catalog.item_of_node(node.gather(1, order)),
-                           out["tokens"].gather(1, order[:, :, None].expand_as(out["tokens"])),
-                           out["score"].gather(1, order), stats)
+                         importance_weight=pick(draws.log_x).masked_fill(~live, NEG_INF).exp(),  # x(a), returned items
+                         expanded_nodes=sum(torch.bincount(s.key // g, minlength=b) for s in stores),
+                         non_finite=run.broken)
+    return Recommendations(catalog.item_of_node(node), pick(draws.tokens).masked_fill(~live[:, :, None], -1),
+                           pick(score).masked_fill(~live, NEG_INF), stats)
 
 
-class Draws:
-    """Independent draws for many (user, draw) pairs at once, their proposals decoded lazily in waves: wave w decodes
-    the w-th proposal of every draw still undecided (accepted with probability x), and once few draws are left the
-    rest of their proposals at once: the sequential algorithm's outcome, in a few forwards per level."""
+class Proposer:
+    """`propose` over one batch's prompt cache and trie-node stores, with the counts DISC's statistics need."""
 
-    def __init__(self, model, tree, cache, store: Expanded, catalog: Catalog, rounds: int, top_m, temperature,
-                 generator, meter: Meter, single_waves: int = 2):
-        self.model, self.tree, self.cache, self.store, self.catalog = model, tree, cache, store, catalog
-        self.rounds, self.top_m, self.temperature, self.generator, self.meter = (rounds, top_m, temperature,
-                                                                                 generator, meter)
-        self.single_waves = single_waves
+    def __init__(self, model, tree, cache, stores: list[Expanded], catalog: Catalog, top_m, temperature, generator,
+                 meter: Meter):
+        self.model, self.tree, self.cache, self.stores, self.catalog = model, tree, cache, stores, catalog
+        self.top_m, self.temperature, self.generator, self.meter = top_m, temperature, generator, meter
         b, dev = tree.prompt_mask.shape[0], tree.prompt_mask.device
         self.broken = torch.zeros(b, dtype=torch.bool, device=dev)
         self.decoded = torch.zeros(b, dtype=torch.int64, device=dev)
         self.x_sum = torch.zeros(b, dtype=torch.float64, device=dev)
         self.x_count = torch.zeros(b, dtype=torch.float64, device=dev)
 
-    def propose(self, wanted: torch.Tensor, drawn_paths: torch.Tensor):
+    def __call__(self, wanted: torch.Tensor, epoch: torch.Tensor, epochs: int, drawn):
         """Proposal slots wanted [B, P] -> (tokens [B, P, L], paths [B, P, L + 1], log x [B, P], log p [B, P])."""
-        tokens, paths, log_x, log_p, broken, self.store = propose(
-            self.model, self.tree, self.cache, self.store, self.catalog, wanted, drawn_paths, self.top_m,
+        tokens, paths, log_x, log_p, broken = propose(
+            self.model, self.tree, self.cache, self.stores, self.catalog, wanted, epoch, epochs, drawn, self.top_m,
             self.temperature, self.generator, self.meter)
         self.broken |= broken
         self.decoded += wanted.sum(1)
@@ -277,61 +296,109 @@ class Draws:
         self.x_count += live.sum(1)
         return tokens, paths, log_x, log_p
 
-    def draw(self, wanted: torch.Tensor, drawn_paths: torch.Tensor) -> dict:
-        """Draws wanted [B, m] -> per draw the kept proposal's tokens [B, m, L], paths [B, m, L + 1], score (log p),
-        log x, proposals the sequential algorithm used, accepted (False: importance-resampled)."""
-        b, m = wanted.shape
-        dev, code_len, r = wanted.device, self.catalog.code_len, self.rounds
-        out = {"tokens": torch.full((b, m, code_len), -1, dtype=torch.int64, device=dev),
-               "paths": torch.full((b, m, code_len + 1), -1, dtype=torch.int64, device=dev),
-               "score": torch.full((b, m), NEG_INF, device=dev), "log_x": torch.full((b, m), NEG_INF,
-                                                                                       dtype=torch.float64, device=dev),
-               "used": torch.zeros(b, m, device=dev), "accepted": torch.zeros(b, m, dtype=torch.bool, device=dev)}
-        open_ = wanted.clone()  # draws not decided yet
 
-        def keep(chosen: torch.Tensor, tokens, paths, log_x, log_p, used, accepted):
-            """Draws chosen [B, m] keep these proposals [B, m]."""
-            for name, value in (("tokens", tokens), ("paths", paths)):
-                out[name] = torch.where(chosen[:, :, None], value, out[name])
-            for name, value in (("score", log_p), ("log_x", log_x), ("used", used), ("accepted", accepted)):
-                out[name] = torch.where(chosen, value, out[name])
-
-        if r == 0:  # constrained sampling: one proposal, always kept
-            tokens, paths, log_x, log_p = self.propose(wanted, drawn_paths)
-            keep(wanted, tokens, paths, log_x, log_p, torch.ones_like(log_p), torch.ones_like(wanted))
-            return self.dead_to_none(out)
-        for j in range(min(self.single_waves, r)):  # proposal j + 1 of every open draw
-            tokens, paths, log_x, log_p = self.propose(open_, drawn_paths)
-            u = torch.rand(b, m, generator=self.generator, device=dev, dtype=torch.float64)
-            ok = open_ & (u.log() < log_x)
-            keep(ok, tokens, paths, log_x, log_p, torch.full_like(log_p, j + 1), torch.ones_like(ok))
-            open_ &= ~ok
-        left = r - min(self.single_waves, r)  # proposals still to try in turn, then the r fresh ones
-        if open_.any():
-            slots = open_[:, :, None].expand(b, m, left + r).reshape(b, m * (left + r))
-            tokens, paths, log_x, log_p = (x.view(b, m, left + r, *x.shape[2:]) for x in self.propose(slots,
-                                                                                                     drawn_paths))
-            u = torch.rand(b, m, left, generator=self.generator, device=dev, dtype=torch.float64)
-            accept = u.log() < log_x[:, :, :left]  # [B, m, left]
-            first = accept.int().argmax(2) if left else torch.zeros(b, m, dtype=torch.int64, device=dev)
-            fresh = log_x[:, :, left:]  # [B, m, r]
-            resampled = left + (fresh + gumbel_like(fresh, self.generator)).argmax(2)
-            ok = accept.any(2)  # in order: the first accepted proposal
-            pick = torch.where(ok, first, resampled)[:, :, None]  # [B, m, 1]
-            used = torch.where(ok, r - left + first + 1, 2 * r).float()
-            take = lambda x: x.gather(2, pick.view(b, m, 1, *([1] * (x.dim() - 3))).expand(  # noqa: E731
-                b, m, 1, *x.shape[3:])).squeeze(2)
-            keep(open_, take(tokens), take(paths), take(log_x), take(log_p), used, ok)
-        return self.dead_to_none(out)
+@dataclass
+class Draws:
+    """Every user's draws in draw order [B, D]: undecided (open), the pass that launched each (its epoch) and the
+    one that decided it (-1: not yet), how many of its proposals in turn it has tried and in how many passes, and
+    the kept proposal's tokens [B, D, L], trie path [B, D, L + 1] (-1: no item), score (log p), log x, the
+    proposals its sequential algorithm used and whether one was accepted (False: importance-resampled)."""
+    open: torch.Tensor
+    epoch: torch.Tensor
+    decided_at: torch.Tensor
+    tried: torch.Tensor
+    passes: torch.Tensor
+    tokens: torch.Tensor
+    paths: torch.Tensor
+    score: torch.Tensor
+    log_x: torch.Tensor
+    used: torch.Tensor
+    accepted: torch.Tensor
 
     @staticmethod
-    def dead_to_none(out: dict) -> dict:
-        """A draw whose kept proposal found no item left (x = 0) holds no item."""
-        dead = ~torch.isfinite(out["log_x"])
-        out["paths"] = out["paths"].masked_fill(dead[:, :, None], -1)
-        out["tokens"] = out["tokens"].masked_fill(dead[:, :, None], -1)
-        out["score"] = out["score"].masked_fill(dead, NEG_INF)
-        return out
+    def empty(b: int, code_len: int, device) -> "Draws":
+        return Draws.blank(b, 0, code_len, device)
+
+    @staticmethod
+    def blank(b: int, d: int, code_len: int, device) -> "Draws":
+        full = lambda shape, v, dtype: torch.full(shape, v, dtype=dtype, device=device)  # noqa: E731
+        return Draws(full((b, d), False, torch.bool), full((b, d), 0, torch.int64), full((b, d), -1, torch.int64),
+                     full((b, d), 0, torch.int64), full((b, d), 0, torch.int64),
+                     full((b, d, code_len), -1, torch.int64), full((b, d, code_len + 1), -1, torch.int64),
+                     full((b, d), NEG_INF, torch.float32), full((b, d), NEG_INF, torch.float64),
+                     full((b, d), 0, torch.float32), full((b, d), False, torch.bool))
+
+    def missing(self, k: int) -> torch.Tensor:
+        """[B] draws to launch: k minus the distinct items decided and the draws still open; none once a draw found
+        nothing left to draw."""
+        leaf, decided = self.paths[:, :, -1], self.decided_at >= 0
+        d = leaf.shape[1]
+        again = ((leaf[:, :, None] == leaf[:, None, :]) & decided[:, None, :] &
+                 torch.ones(d, d, dtype=torch.bool, device=leaf.device).tril(-1)).any(2)
+        distinct = (decided & (leaf >= 0) & ~again).sum(1)
+        exhausted = (decided & (leaf < 0)).any(1)
+        return torch.where(exhausted, 0, k - distinct - self.open.sum(1)).clamp(min=0)
+
+    def launch(self, need: torch.Tensor, epoch: int) -> None:
+        """Appends need [B] open draws per user, launched in this pass."""
+        m = int(need.max()) if need.numel() else 0
+        if m == 0:
+            return
+        b, _, code_len = self.tokens.shape
+        new = Draws.blank(b, m, code_len, need.device)
+        new.open = torch.arange(m, device=need.device)[None, :] < need[:, None]
+        new.epoch.fill_(epoch)
+        for f in fields(Draws):
+            setattr(self, f.name, torch.cat([getattr(self, f.name), getattr(new, f.name)], 1))
+
+    def run_pass(self, run: Proposer, r: int, waves: tuple[int, ...], epoch: int) -> None:
+        """Decodes the next proposals of every open draw in one `propose` and decides the draws they settle."""
+        (b, d), dev = self.open.shape, self.open.device
+        if r == 0:  # constrained sampling: one proposal, kept
+            final = torch.ones_like(self.open)
+            turn = torch.ones_like(self.tried)
+        else:  # draws of the first pass go in waves, later ones (replacements) try everything at once
+            size = torch.tensor([*waves, r], device=dev)[self.passes.clamp(max=len(waves))]
+            final = (self.epoch > 0) | (self.passes >= len(waves)) | (self.tried + size >= r)
+            turn = torch.where(final, r - self.tried, size)  # proposals in turn this pass
+        n = torch.where(self.open, turn + torch.where(final, r, 0), 0)  # [B, D] proposals decoded this pass
+        end = n.cumsum(1)  # [B, D]
+        width = int(end[:, -1].max())
+        pos = torch.arange(width, device=dev).expand(b, width).contiguous()
+        slot = torch.searchsorted(end, pos, right=True).clamp(max=d - 1)  # [B, P] the draw of each proposal
+        wanted = pos < end[:, -1:]
+        drawn = drawn_counts(run.catalog, self, epoch + 1)
+        tokens, paths, log_x, log_p = run(wanted, self.epoch.gather(1, slot), epoch + 1, drawn)
+        w = int(n.max())
+        j = torch.arange(w, device=dev)  # [W] proposal index within its draw's pass
+        index = ((end - n)[:, :, None] + j).clamp(max=max(width - 1, 0)).view(b, d * w)  # [B, D * W]
+        per_draw = lambda x: x.gather(1, index.view(b, d * w, *([1] * (x.dim() - 2))).expand(  # noqa: E731
+            b, d * w, *x.shape[2:])).view(b, d, w, *x.shape[2:])
+        tokens, paths, log_x, log_p = per_draw(tokens), per_draw(paths), per_draw(log_x), per_draw(log_p)
+        in_turn = j < turn[:, :, None]  # [B, D, W]
+        if r == 0:
+            accept = in_turn
+        else:
+            u = torch.rand(b, d, w, generator=run.generator, device=dev, dtype=torch.float64)
+            accept = in_turn & (u.log() < log_x)
+        ok, first = accept.any(2), accept.int().argmax(2)  # in order: the first accepted proposal
+        fresh = log_x.masked_fill(in_turn | (j >= n[:, :, None]), NEG_INF)  # [B, D, W] the r fresh ones
+        pick = torch.where(ok, first, (fresh + gumbel_like(fresh, run.generator)).argmax(2))  # else resample by x
+        done = self.open & (ok | final)
+        take = lambda x: x.gather(2, pick.view(b, d, 1, *([1] * (x.dim() - 3))).expand(  # noqa: E731
+            b, d, 1, *x.shape[3:])).squeeze(2)
+        kept_x = take(log_x)
+        dead = done & ~torch.isfinite(kept_x)  # the kept proposal found no item left (x = 0)
+        self.paths = torch.where(done[:, :, None], take(paths).masked_fill(dead[:, :, None], -1), self.paths)
+        self.tokens = torch.where(done[:, :, None], take(tokens).masked_fill(dead[:, :, None], -1), self.tokens)
+        self.score = torch.where(done, take(log_p).masked_fill(dead, NEG_INF), self.score)
+        self.log_x = torch.where(done, kept_x, self.log_x)
+        self.used = torch.where(done, torch.where(ok, self.tried + first + 1, 2 * r).float(), self.used)
+        self.accepted = torch.where(done, ok, self.accepted)
+        self.decided_at = torch.where(done, epoch, self.decided_at)
+        self.tried = torch.where(self.open, self.tried + turn, self.tried)
+        self.passes = self.passes + self.open.long()
+        self.open = self.open & ~done
 
 
 def constrained_sample(model, input_ids, attention_mask, catalog: Catalog, k: int = 1, top_m: int | None = None,

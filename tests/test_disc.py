@@ -1,5 +1,6 @@
 """DISC on a catalog small enough to enumerate: unbiasedness (KL to the exact constrained distribution), the
-paper's expected number of proposals, PPV = exact mask when top_m covers the vocabulary, k distinct items."""
+paper's expected number of proposals, PPV = exact mask when top_m covers the vocabulary, k distinct items and their
+exact law."""
 import math
 
 import pytest
@@ -121,3 +122,74 @@ def test_bad_arguments(setup):
     for kwargs in (dict(k=0), dict(k=2, rounds=0), dict(k=2, temperature=0.0), dict(k=2, top_m=0)):
         with pytest.raises(ValueError, match="need k, rounds, top_m"):
             disc_sample(model, ids, mask, cat, **kwargs)
+
+
+def next_token_logprobs(model, ids, cat):
+    """One unpadded prompt [1, S] -> log_softmax(logits / T) at each item's L prefixes [N, L, V] (float64)."""
+    seq = torch.cat([ids.expand(len(cat), -1), cat.tokens], 1)  # [N, S + L]
+    with torch.no_grad():
+        logits = model(input_ids=seq, attention_mask=torch.ones_like(seq)).logits[:, ids.shape[1] - 1:-1]
+    return (logits.double() / T).log_softmax(-1)
+
+
+def constrained_law(log_p, cat, excluded: set[int]) -> torch.Tensor:
+    """The law of one constrained (trie) draw from the items outside `excluded` (catalog rows) [N]: at each level,
+    the next token sampled from the model renormalised over the tokens that still lead to an open item."""
+    tokens, q = cat.tokens, torch.zeros(len(cat), dtype=torch.float64)
+    open_rows = torch.tensor([i not in excluded for i in range(len(cat))])
+    for a in range(len(cat)):
+        if not open_rows[a]:
+            continue
+        prob = 1.0
+        for t in range(cat.code_len):
+            same = open_rows & (tokens[:, :t] == tokens[a, :t]).all(1)
+            valid = tokens[same, t].unique()
+            prob *= (log_p[a, t, tokens[a, t]] - log_p[a, t, valid].logsumexp(0)).exp().item()
+        q[a] = prob
+    return q
+
+
+def pair_inclusion(first: torch.Tensor, then: torch.Tensor, parallel: bool) -> torch.Tensor:
+    """Item inclusion probabilities [N] of k = 2 from a one-draw law first [N] and the law of a draw excluding item i,
+    then [i, N]. parallel=False: successive sampling (draw, then draw from the rest). parallel=True: this module's
+    passes: two independent draws; if they coincide on i, one more draw excluding i."""
+    q = first
+    if parallel:
+        pair = 2 * q[:, None] * q[None, :] + (q ** 2)[:, None] * then + ((q ** 2)[:, None] * then).T
+    else:
+        pair = q[:, None] * then + (q[:, None] * then).T
+    pair.fill_diagonal_(0)
+    return pair.sum(1)  # pair [i, j] = P({i, j}), symmetric
+
+
+def test_k_distinct_draws_follow_the_stated_law(setup):
+    """k = 2 on the enumerable catalog, DRAWS users. Constrained sampling: the inclusion frequency of every item
+    equals its exact probability under the pass scheme (two independent draws, a third excluding the repeated item
+    when they coincide). Each frequency is a mean of DRAWS independent Bernoullis: |z| < 4.5 for all 40 items fails
+    a correct sampler with probability < 40 * 7e-6 = 3e-4, and rejects a 0.03 error on a probability of 0.3
+    (sd 0.006) with probability > 0.99. DISC: the frequencies approach successive sampling from P_S (the law this
+    scheme has for DISC's limit) as rounds grow."""
+    cat, model, ids, mask = setup
+    log_p = next_token_logprobs(model, ids, cat)
+    q = constrained_law(log_p, cat, set())
+    then = torch.stack([constrained_law(log_p, cat, {i}) for i in range(len(cat))])  # [N, N]
+    expected = pair_inclusion(q, then, parallel=True)
+    assert expected.sum().item() == pytest.approx(2.0)
+    ids, mask = ids.repeat(DRAWS, 1), mask.repeat(DRAWS, 1)
+    rec = constrained_sample(model, ids, mask, cat, 2, temperature=T, generator=torch.Generator().manual_seed(5))
+    assert (rec.item_ids[:, 0] != rec.item_ids[:, 1]).all()
+    freq = (rec.item_ids[:, :, None] == cat.item_ids).any(1).double().mean(0)  # [N]
+    z = (freq - expected) / (expected * (1 - expected) / DRAWS).clamp(min=1e-12).sqrt()
+    assert z.abs().max() < 4.5, z
+    p_s, _ = exact_constrained(model, ids[:1], mask[:1], cat)
+    successive = pair_inclusion(p_s, p_s[None, :] / (1 - p_s[:, None]) * (1 - torch.eye(len(cat))), parallel=False)
+    assert torch.allclose(successive, pair_inclusion(p_s, p_s[None, :] / (1 - p_s[:, None]) * (
+        1 - torch.eye(len(cat))), parallel=True))  # for P_S, the passes are successive sampling
+    tv = {}
+    for rounds in (1, 4):
+        rec = disc_sample(model, ids, mask, cat, 2, rounds=rounds, temperature=T,
+                          generator=torch.Generator().manual_seed(6))
+        freq = (rec.item_ids[:, :, None] == cat.item_ids).any(1).double().mean(0)
+        tv[rounds] = (freq - successive).abs().sum().item() / 2
+    print("TV(inclusion, successive P_S):", tv)
+    assert tv[4] < tv[1]
