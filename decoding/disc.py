@@ -12,7 +12,7 @@ k distinct items per user: the first k distinct items of a sequence of independe
 replacement). Draws run in passes: the first pass launches k draws at once; a later pass launches one draw per item
 still missing, and a draw launched in pass e excludes the items decided before pass e (a trie node closes once
 every item under it is excluded), standing for the draws that would have repeated them. For a sampler whose law on
-C \ S is its law on C conditioned on C \ S (P_S, DISC's limit) this is exactly successive sampling, item after item
+C minus S is its law on C conditioned on C minus S (P_S, DISC's limit) this is exactly successive sampling, item after item
 each excluding the ones before; for plain constrained (trie) sampling, whose renormalisation moves with S, it is a
 different law (stated and tested in tests/test_disc.py); k = 1 is unaffected. The score of an item is its sequence
 log-probability under the model (temperature 1); items come back sorted by score.

@@ -1,9 +1,12 @@
-"""The nightly job: `python -m jobs.nightly --config FILE [--set a.b=value ...]`.
+"""The nightly job: `python -m jobs.nightly --config FILE [--set a.b=value ...] [--resume RUN_ID|latest] [--gc]`.
 
 On a cluster: `ray job submit --address http://HEAD:8265 --working-dir . --runtime-env infra/runtime_env.yaml --
 python -m jobs.nightly --config infra/configs/production.example.yaml`. With no cluster (RAY_ADDRESS unset and none
-running) it starts a local Ray. Exit code 0 and the manifest on stdout on success; 2 with a message naming the bad
-file, field or model otherwise (no _SUCCESS is published).
+running) it starts a local Ray. Inputs, catalog and models are checked before Ray starts. Exit codes: 0 and the
+manifest on stdout on success; 2 with a message naming the bad file, field or model (nothing is published); 3 when
+another run holds the date's lease (nothing is written). A run that fails or is killed keeps what it committed:
+`--resume RUN_ID` (or `--resume latest`: the date's newest unfinished run, else a new one) decodes only the rest.
+`--gc` deletes the runs superseded more than runs.grace_s ago, then exits.
 """
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML config (infra/configs/demo.yaml is the embedded default)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. decoding.k=20")
+    p.add_argument("--resume", metavar="RUN_ID|latest", help="continue a killed or failed run of the date")
+    p.add_argument("--gc", action="store_true", help="delete superseded runs older than runs.grace_s, then exit")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -27,17 +32,30 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    import ray
+    from pipeline.lease import LeaseHeld, LeaseLost
+    from pipeline.nightly import collect_garbage, plan_run, run_nightly
 
-    from pipeline.nightly import run_nightly
-
-    ray.init(ignore_reinit_error=True, log_to_driver=True)  # RAY_ADDRESS / a running cluster, else a local one
     try:
-        manifest = run_nightly(cfg)
+        if args.gc:
+            print(json.dumps({"deleted": collect_garbage(cfg)}))
+            return 0
+        plan = plan_run(cfg)  # before Ray: a missing input, catalog or model is refused here
     except (FileNotFoundError, ValueError, PermissionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps({k: manifest[k] for k in ("run_id", "run_date", "status", "counts", "timings", "outputs")},
+    import ray
+
+    ray.init(ignore_reinit_error=True, log_to_driver=True)  # RAY_ADDRESS / a running cluster, else a local one
+    try:
+        manifest = run_nightly(cfg, args.resume, plan)
+    except (LeaseHeld, LeaseLost) as e:
+        print(f"refused: {e}", file=sys.stderr)
+        return 3
+    except (FileNotFoundError, ValueError, PermissionError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({k: manifest[k] for k in ("run_id", "run_date", "status", "counts", "resume", "timings",
+                                                   "outputs")},
                      indent=2))
     return 0
 

@@ -41,6 +41,13 @@ class Storage:
 
 
 @dataclass
+class Runs:
+    lease_s: float = 600.0  # S3: the date's lease, renewed every lease_s / 3; a killed run's lease expires after it
+    grace_s: float = 7200.0  # superseded runs stay readable this long, then a later publish or --gc deletes them
+    progress_s: float = 30.0  # the driver logs users done / total, users/s and an ETA this often
+
+
+@dataclass
 class Config:
     input: str = ""  # histories parquet: file, folder or s3:// URI
     catalog: str = ""  # items.parquet
@@ -51,6 +58,7 @@ class Config:
     decoding: Decoding = field(default_factory=Decoding)
     compute: Compute = field(default_factory=Compute)
     storage: Storage = field(default_factory=Storage)
+    runs: Runs = field(default_factory=Runs)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -101,7 +109,8 @@ def _build(cls, raw: dict, prefix: str):
         if name not in raw:
             continue
         value = raw[name]
-        sub = {"models": Models, "decoding": Decoding, "compute": Compute, "storage": Storage}.get(name) \
+        sub = {"models": Models, "decoding": Decoding, "compute": Compute, "storage": Storage,
+               "runs": Runs}.get(name) \
             if cls is Config else None
         if sub is not None:
             if not isinstance(value, dict):
@@ -168,5 +177,9 @@ def validate(cfg: Config) -> None:
          c.threads_per_actor)
     need(c.dtype in ("auto", "float32", "bfloat16", "float16"), "compute.dtype",
          "must be auto, float32, bfloat16 or float16", c.dtype)
+    r = cfg.runs
+    need(r.lease_s >= 10, "runs.lease_s", "must be >= 10 seconds", r.lease_s)
+    need(r.grace_s >= 0, "runs.grace_s", "must be >= 0 seconds", r.grace_s)
+    need(r.progress_s > 0, "runs.progress_s", "must be > 0 seconds", r.progress_s)
     e = cfg.storage.endpoint
     need(e is None or e.startswith(("http://", "https://")), "storage.endpoint", "must be an http(s):// URL", e)

@@ -1,18 +1,26 @@
-"""The nightly dataset graph: read histories, validate, recommend over an actor pool, write the tables, then the
-manifest, then _SUCCESS, then publish the run (runs.py has the layout).
+"""The nightly job: check everything on the driver (before Ray does any work), take the date's lease, then one
+streaming Ray Data execution, then the manifest, _SUCCESS and publication (runs.py has the layout, shards.py the units
+of work, lease.py the lease).
 
-read_parquet -> (duplicate user ids: first kept, the rest rejected) -> map_batches(Recommender, actor pool, GPUs per
-actor from the config, CPU otherwise) -> materialize -> recommendations / rejects / metrics -> manifest -> _SUCCESS
+units (input row groups) -> read (rows not yet committed; duplicate user ids flagged) -> batches -> ShardRecommender
+(actor pool, GPUs per actor from the config) -> write_shards (recommendations, rejects, then metrics: the commit) ->
+one summary row per shard to the driver (progress) -> manifest -> _SUCCESS -> publish.
+
+Nothing proportional to the number of users stays on the driver or in the object store: blocks stream through and
+are written as they finish. A killed run is resumed with `resume=RUN_ID` (or "latest"): only the positions no
+committed shard covers are decoded again.
 """
 from __future__ import annotations
 
 import datetime as dt
 import functools
+import hashlib
 import json
 import logging
 import subprocess
 import time
 import uuid
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -22,12 +30,12 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from decoding.templates import TEMPLATE_FILE, PromptTemplate, get_template, read_template
-from operators.recommender import TABLES, Recommender, output_schema, prepare
+from operators.recommender import TABLES, Inputs, output_schema, prepare
 from operators.spec import ActorSpec
-from operators.validate import duplicates, reject_schema
-from pipeline import runs
+from pipeline import runs, shards
 from pipeline import storage as S
 from pipeline.config import Config
+from pipeline.lease import Lease, LeaseLost
 
 log = logging.getLogger("genrec.nightly")
 
@@ -35,6 +43,8 @@ log = logging.getLogger("genrec.nightly")
 def read_catalog(cfg: Config) -> pa.Table:
     """The catalog table, read once per run by the driver (the actors get it in their ActorSpec)."""
     fs, path = S.filesystem(cfg.catalog, cfg.storage)
+    if fs.get_file_info(path).type == pafs.FileType.NotFound:
+        raise FileNotFoundError(f"catalog {cfg.catalog} not found")
     try:
         return pq.read_table(path, filesystem=fs)
     except (OSError, pa.ArrowInvalid) as e:
@@ -66,23 +76,6 @@ def open_input(cfg: Config) -> tuple[pads.Dataset, object, str]:
     if missing:
         raise ValueError(f"input {cfg.input}: missing column(s) {sorted(missing)} (has {data.schema.names})")
     return data, fs, path
-
-
-def split_duplicates(data: pads.Dataset) -> tuple[pa.Array, pa.Table, list[tuple]]:
-    """Duplicate user ids: (the ids, their first rows in scan order, rejects for the later rows)."""
-    dup = duplicates(data.to_table(columns=["user_id"]).column("user_id").combine_chunks())
-    if len(dup) == 0:
-        return dup, None, []
-    rows = data.to_table(columns=["user_id", "history"], filter=pc.field("user_id").isin(dup))
-    ids = rows.column("user_id").to_pylist()
-    seen, first, rejects = set(), [], []
-    for i, user in enumerate(ids):
-        if user in seen:
-            rejects.append((user, "duplicate_user", "user_id appears more than once; the first row is kept"))
-        else:
-            seen.add(user)
-            first.append(i)
-    return dup, rows.take(pa.array(first, pa.int64())), rejects
 
 
 def code_version() -> str:
@@ -141,80 +134,172 @@ def actor_spec(cfg: Config, run_id: str, catalog: pa.Table, template: PromptTemp
                      threads=cfg.compute.threads_per_actor)
 
 
-def auto_decisions(metric_rows: list[dict]) -> dict | None:
+def auto_decisions(metrics: pa.Table) -> dict | None:
     """decoding.mode = auto: each actor's choice and the trial timings behind it (its last metric row's state)."""
-    states = {r["actor"]: r["auto"] for r in sorted(metric_rows, key=lambda r: (r["actor"], r["batch"]))
-              if r.get("auto")}
+    rows = metrics.select(["actor", "batch", "auto"]).to_pylist()
+    states = {r["actor"]: json.loads(r["auto"]) for r in sorted(rows, key=lambda r: (r["actor"], r["batch"]))
+              if r["auto"]}
     return states or None
 
 
-def run_nightly(cfg: Config) -> dict:
-    """Runs one nightly job on the current Ray cluster (ray.init() must have been called) -> the manifest."""
-    import ray
+@dataclass
+class Plan:
+    """A run checked on the driver, before Ray starts any work."""
+    cfg: Config
+    data: pads.Dataset
+    fs: object  # the input's filesystem
+    units: list[shards.Unit]
+    catalog: pa.Table
+    models: dict
+    spec: ActorSpec  # run_id set when the run starts
+    inputs: Inputs
 
-    t0 = time.perf_counter()
-    run_id = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6]
-    run = runs.run_dir(cfg.output, cfg.run_date, run_id)
+    @property
+    def fingerprint(self) -> str:
+        """What a resume must find unchanged: the config (but `runs`) and the input's files and row groups."""
+        cfg = {k: v for k, v in self.cfg.to_dict().items() if k != "runs"}
+        units = [(u.path, u.row_group, u.rows) for u in self.units]
+        return hashlib.sha256(json.dumps([cfg, units], default=str).encode()).hexdigest()
+
+
+def plan_run(cfg: Config) -> Plan:
+    """Every check that needs no Ray: credentials, input, catalog, models, template, the actor's own checks. A missing
+    input, catalog or model raises FileNotFoundError naming it ("... not found")."""
     for uri in (cfg.output, cfg.input, cfg.catalog):
         S.check_access(uri, cfg.storage)
-    data, in_fs, in_path = open_input(cfg)
+    data, fs, _ = open_input(cfg)
     catalog = read_catalog(cfg)
     models = resolve_models(cfg)
-    spec = actor_spec(cfg, run_id, catalog, resolve_template(cfg, models))
-    inputs = prepare(spec)  # on the driver: every check an actor would make fails here, before any work
-    catalog_info = {"items": catalog.num_rows, "indexed": len(inputs.catalog),
+    spec = actor_spec(cfg, "", catalog, resolve_template(cfg, models))
+    inputs = prepare(spec)  # what an actor would refuse fails here, before any work
+    return Plan(cfg, data, fs, shards.plan_units(data), catalog, models, spec, inputs)
+
+
+def run_nightly(cfg: Config, resume: str | None = None, plan: Plan | None = None) -> dict:
+    """Runs (or, with resume = a run id or "latest", continues) the nightly job of cfg.run_date on the current Ray
+    cluster (ray.init() done) -> the manifest. Raises LeaseHeld if another run holds the date."""
+    plan = plan or plan_run(cfg)
+    run_id = resume_id(cfg, resume) if resume else None
+    resumed = run_id is not None
+    run_id = run_id or dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6]
+    lease = Lease(runs.date_dir(cfg.output, cfg.run_date), run_id, cfg.storage, cfg.runs.lease_s).acquire()
+    try:
+        return execute(plan, run_id, resumed, lease)
+    finally:
+        lease.release()
+
+
+def resume_id(cfg: Config, resume: str) -> str | None:
+    """--resume RUN_ID: that run, which must be unfinished; --resume latest: the date's newest unfinished run, or
+    None (a new run) when there is none."""
+    unfinished = runs.unfinished(cfg.output, cfg.run_date, cfg.storage)
+    if resume == "latest":
+        if not unfinished:
+            log.info("--resume latest: no unfinished run of %s; starting a new run", cfg.run_date)
+        return unfinished[0] if unfinished else None
+    if resume not in unfinished:
+        run = runs.run_dir(cfg.output, cfg.run_date, resume)
+        why = ("it has _SUCCESS (already complete)" if S.read_bytes(S.join(run, "_SUCCESS"), cfg.storage) is not None
+               else "it was superseded by a later run" if S.read_bytes(S.join(run, "_SUPERSEDED"), cfg.storage)
+               else "not found")
+        raise FileNotFoundError(f"--resume {resume}: run {run} cannot be resumed: {why}"
+                                if why != "not found" else f"--resume {resume}: run {run} not found")
+    return resume
+
+
+def execute(plan: Plan, run_id: str, resumed: bool, lease: Lease) -> dict:
+    import ray
+
+    cfg, c, t0 = plan.cfg, plan.cfg.compute, time.perf_counter()
+    run = runs.run_dir(cfg.output, cfg.run_date, run_id)
+    state = runs.state_of(run, cfg.storage)
+    if state is None:
+        runs.start(run, {"run_id": run_id, "run_date": cfg.run_date, "fingerprint": plan.fingerprint,
+                         "started": time.time(), "config": cfg.to_dict()}, cfg.storage)
+    elif state["fingerprint"] != plan.fingerprint:
+        raise ValueError(f"--resume {run_id}: the config or the input changed since the run started (compare "
+                         f"{S.join(run, '_RUN.json')}); start a new run instead")
+    done, committed = shards.committed(run, cfg.storage)
+    total = sum(u.rows for u in plan.units)
+    work = shards.todo(plan.units, done)
+    left = sum(len(shards.positions(u)) for u in work)
+    log.info("run %s%s: %d users in %d row groups of %s; %d already committed in %d shards, %d to decode",
+             run_id, " (resumed)" if resumed else "", total, len(plan.units), cfg.input, total - left, committed, left)
+    duplicates = shards.find_duplicates(plan.units, plan.fs) if total else None
+    spec = replace(plan.spec, run_id=run_id)
+    new_shards = 0
+    if work:
+        ds = ray.data.from_items(work)
+        ds = ds.map_batches(shards.read_units, batch_size=1, batch_format="pyarrow", num_cpus=0.5,
+                            fn_kwargs={"fs": plan.fs, "columns": ["user_id", "history"], "duplicates": duplicates})
+        ds = ds.repartition(target_num_rows_per_block=c.batch_size)  # streaming: every actor of the pool gets work
+        ds = ds.map_batches(shards.ShardRecommender, fn_constructor_kwargs={"spec": spec}, batch_size=c.batch_size,
+                            batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=c.num_actors),
+                            num_gpus=c.gpus_per_actor or None, num_cpus=c.cpus_per_actor)
+        ds = ds.map_batches(shards.write_shards, batch_size=None, batch_format="pyarrow", num_cpus=0.5,
+                            fn_kwargs={"run": run, "storage": cfg.storage})
+        new_shards = follow(ds, left, cfg.runs.progress_s, lease)
+    t_decode = time.perf_counter() - t0
+    if not S.list_files(runs.table_dir(run, "recommendations"), cfg.storage):  # every user rejected
+        user_type = plan.data.schema.field("user_id").type
+        runs.write_table(run, "recommendations", pa.schema(
+            [output_schema(user_type).field(n) for n in TABLES["rec"]]).empty_table(), cfg.storage)
+    if not S.list_files(runs.table_dir(run, "rejects"), cfg.storage):
+        runs.write_table(run, "rejects", reject_schema_of(plan), cfg.storage)
+    metrics = runs.read_table(run, "metrics", cfg.storage) if total else shards.metric_table([])
+    sums = {k: int(pc.sum(metrics[k]).as_py() or 0) for k in
+            ("users_in", "users_ok", "users_rejected", "users_non_finite", "recommendations")}
+    if sums["users_in"] != total:
+        raise RuntimeError(f"run {run_id}: the committed shards cover {sums['users_in']} users, the input has {total}")
+    inputs = plan.inputs
+    catalog_info = {"items": plan.catalog.num_rows, "indexed": len(inputs.catalog),
                     "duplicates": {"policy": cfg.duplicate_items, "dropped": len(inputs.catalog.duplicates),
                                    "items": [{"item_id": d, "kept": k} for d, k in inputs.catalog.duplicates]}}
-    dup, kept, dup_rejects = split_duplicates(data)
-    log.info("run %s: input %s (%d files), %d duplicate user ids", run_id, cfg.input, len(data.files), len(dup))
-    try:
-        ds = ray.data.read_parquet(in_path, filesystem=in_fs).select_columns(["user_id", "history"])
-        if len(dup):
-            ds = ds.map_batches(lambda t: t.filter(pc.invert(pc.is_in(t["user_id"], dup))), batch_format="pyarrow")
-            ds = ds.union(ray.data.from_arrow(kept.cast(ds.schema().base_schema)))
-        c = cfg.compute
-        # blocks of one batch each (streaming): a single large input file still feeds every actor of the pool
-        ds = ds.repartition(target_num_rows_per_block=c.batch_size)
-        out = ds.map_batches(Recommender, fn_constructor_kwargs={"spec": spec},
-                             batch_size=c.batch_size, batch_format="pyarrow",
-                             compute=ray.data.ActorPoolStrategy(size=c.num_actors),
-                             num_gpus=c.gpus_per_actor or None, num_cpus=c.cpus_per_actor).materialize()
-        t_decode = time.perf_counter() - t0
-        log.info("ray data stats:\n%s", out.stats())
-        kinds = lambda kind: out.map_batches(  # noqa: E731
-            lambda t: t.filter(pc.equal(t["kind"], kind)).select(TABLES[kind]), batch_format="pyarrow")
-        rec_fs, rec_path = S.filesystem(runs.table_dir(run, "recommendations"), cfg.storage)
-        kinds("rec").write_parquet(rec_path, filesystem=rec_fs)
-        user_type = data.schema.field("user_id").type
-        if not rec_fs.get_file_info(pafs.FileSelector(rec_path, allow_not_found=True)):  # every user rejected
-            rec_schema = pa.schema([output_schema(user_type).field(n) for n in TABLES["rec"]])
-            runs.write_table(run, "recommendations", rec_schema.empty_table(), cfg.storage)
-        reject_table = pa.concat_tables([ray.get(r) for r in kinds("reject").to_arrow_refs()] + [pa.Table.from_pydict(
-            {"user_id": [r[0] for r in dup_rejects], "reason": [r[1] for r in dup_rejects],
-             "detail": [r[2] for r in dup_rejects]}, schema=reject_schema(user_type))])
-        runs.write_table(run, "rejects", reject_table, cfg.storage)
-        metric_rows = [json.loads(m) for r in kinds("metric").to_arrow_refs()
-                       for m in ray.get(r).column("metrics").to_pylist()]
-        metrics = pa.Table.from_pylist(metric_rows)
-        runs.write_table(run, "metrics", metrics, cfg.storage)
-        counts = {"input_rows": data.count_rows(), "users_ok": int(pc.sum(metrics["users_ok"]).as_py() or 0),
-                  "users_rejected": reject_table.num_rows,
-                  "users_non_finite": int(pc.sum(metrics["users_non_finite"]).as_py() or 0),
-                  "recommendations": int(pc.sum(metrics["recommendations"]).as_py() or 0),
-                  "batches": metrics.num_rows}
-        manifest = {"run_id": run_id, "run_date": cfg.run_date, "status": "succeeded", "config": cfg.to_dict(),
-                    "code_version": code_version(),
-                    "models": {role: {"uri": m["uri"], "sha256": m["sha256"]} for role, m in models.items()},
-                    "template": inputs.renderer.template.to_dict(), "max_prompt_tokens": inputs.renderer.max_len,
-                    "prefix_tokens": len(inputs.renderer.prefix_ids), "auto": auto_decisions(metric_rows),
-                    "catalog": catalog_info,
-                    "counts": counts, "timings": {"decode_s": t_decode, "total_s": time.perf_counter() - t0},
-                    "outputs": {name: runs.table_dir(run, name) for name in runs.TABLES}}
-        runs.finish(run, manifest, cfg.storage)
-        runs.publish(cfg.output, cfg.run_date, run_id, cfg.storage)
-        log.info("run %s published: %s", run_id, json.dumps(counts))
-        return manifest
-    except BaseException:
-        S.delete_tree(run, cfg.storage)  # a failed run leaves nothing a reader could mistake for output
-        raise
+    counts = {"input_rows": total, "users_ok": sums["users_ok"], "users_rejected": sums["users_rejected"],
+              "users_non_finite": sums["users_non_finite"], "recommendations": sums["recommendations"],
+              "batches": metrics.num_rows}
+    manifest = {"run_id": run_id, "run_date": cfg.run_date, "status": "succeeded", "config": cfg.to_dict(),
+                "code_version": code_version(),
+                "models": {role: {"uri": m["uri"], "sha256": m["sha256"]} for role, m in plan.models.items()},
+                "template": inputs.renderer.template.to_dict(), "max_prompt_tokens": inputs.renderer.max_len,
+                "prefix_tokens": len(inputs.renderer.prefix_ids), "auto": auto_decisions(metrics),
+                "catalog": catalog_info, "counts": counts,
+                "resume": {"resumed": resumed, "shards_committed_before": committed, "shards_decoded": new_shards,
+                           "users_decoded": left},
+                "timings": {"decode_s": t_decode, "total_s": time.perf_counter() - t0},
+                "outputs": {name: runs.table_dir(run, name) for name in runs.TABLES}}
+    runs.finish(run, manifest, cfg.storage)
+    lease.check()  # a run that lost the date never publishes
+    deleted = runs.publish(cfg.output, cfg.run_date, run_id, cfg.storage, cfg.runs.grace_s)
+    log.info("run %s published: %s; deleted superseded runs %s", run_id, json.dumps(counts), deleted or "none")
+    return manifest
 
+
+def reject_schema_of(plan: Plan) -> pa.Table:
+    user_type = plan.data.schema.field("user_id").type
+    return pa.schema([output_schema(user_type).field(n) for n in TABLES["reject"]]).empty_table()
+
+
+def follow(ds, total: int, every_s: float, lease: Lease) -> int:
+    """Streams the execution: one summary row per written shard; logs users done / total, users/s and an ETA every
+    every_s seconds; stops if the lease is lost -> the number of shards written."""
+    t0 = last = time.perf_counter()
+    users = n = 0
+    for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+        users += int(pc.sum(batch["users_in"]).as_py() or 0)
+        n += batch.num_rows
+        if lease.lost:
+            raise LeaseLost(lease.lost)
+        now = time.perf_counter()
+        if now - last >= every_s:
+            last, rate = now, users / (now - t0)
+            eta = (total - users) / rate if rate > 0 else float("inf")
+            log.info("progress: %d / %d users (%.1f%%), %.1f users/s, ETA %.0f s", users, total,
+                     100 * users / max(total, 1), rate, eta)
+    log.info("decoded %d users in %d shards, %.1f s", users, n, time.perf_counter() - t0)
+    return n
+
+
+def collect_garbage(cfg: Config) -> list[str]:
+    """`--gc`: deletes the runs of every date superseded more than runs.grace_s ago."""
+    return runs.collect(cfg.output, cfg.storage, cfg.runs.grace_s)

@@ -7,12 +7,20 @@
     <output>/run_date=<D>/_LATEST                                {"run_id": R}, replaced in one put
     <run>/report/                                                reports and evaluations of the run
 
-A reader resolves _LATEST, then trusts the run only if it has _SUCCESS. A rerun writes a new run id, publishes it by
-replacing _LATEST, then deletes the older run ids of that date: readers never see a mixture.
+    <output>/run_date=<D>/_LEASE                                 the date's writer (pipeline/lease.py)
+    <run>/_RUN.json                                              the run's config and input, written when it starts
+    <run>/_SUPERSEDED                                            {"by", "at"}: another run of the date was published
+
+A reader resolves _LATEST, then trusts the run only if it has _SUCCESS. A run publishes (holding the date's lease) by
+replacing _LATEST, then marks the date's other runs superseded; they stay readable for a grace period (a reader that
+resolved _LATEST just before keeps its run) and are deleted by a later publish or `--gc`. A run without _SUCCESS and
+not superseded is unfinished: `--resume` continues it.
 """
 from __future__ import annotations
 
 import json
+import logging
+import time
 from dataclasses import dataclass
 
 import pandas as pd
@@ -23,6 +31,7 @@ from pipeline import storage as S
 from pipeline.config import Storage
 
 TABLES = ("recommendations", "rejects", "metrics")
+log = logging.getLogger("genrec.runs")
 
 
 def date_dir(output: str, run_date: str) -> str:
@@ -60,13 +69,56 @@ def finish(run: str, manifest: dict, storage: Storage) -> None:
     S.write_bytes(S.join(run, "_SUCCESS"), b"", storage)
 
 
-def publish(output: str, run_date: str, run_id: str, storage: Storage) -> None:
-    """Points _LATEST of the date at this run (one atomic put), then deletes the date's other runs."""
+def start(run: str, state: dict, storage: Storage) -> None:
+    S.write_bytes(S.join(run, "_RUN.json"), json.dumps(state, indent=2, default=str).encode(), storage)
+
+
+def state_of(run: str, storage: Storage) -> dict | None:
+    raw = S.read_bytes(S.join(run, "_RUN.json"), storage)
+    return json.loads(raw) if raw is not None else None
+
+
+def unfinished(output: str, run_date: str, storage: Storage) -> list[str]:
+    """The date's run ids that started, have no _SUCCESS and were not superseded, newest first."""
+    folder = date_dir(output, run_date)
+    ids = [c.removeprefix("run_id=") for c in S.list_children(folder, storage) if c.startswith("run_id=")]
+    return [r for r in sorted(ids, reverse=True) if state_of(run_dir(output, run_date, r), storage) is not None
+            and S.read_bytes(S.join(run_dir(output, run_date, r), "_SUCCESS"), storage) is None
+            and S.read_bytes(S.join(run_dir(output, run_date, r), "_SUPERSEDED"), storage) is None]
+
+
+def publish(output: str, run_date: str, run_id: str, storage: Storage, grace_s: float) -> list[str]:
+    """Points _LATEST of the date at this run (one atomic put; the caller holds the date's lease and checked it just
+    before), marks the date's other runs superseded now, and deletes those superseded more than grace_s ago
+    -> the run ids deleted."""
     folder = date_dir(output, run_date)
     S.write_bytes(S.join(folder, "_LATEST"), json.dumps({"run_id": run_id}).encode(), storage)
+    now = time.time()
     for child in S.list_children(folder, storage):
-        if child.startswith("run_id=") and child != f"run_id={run_id}":
-            S.delete_tree(S.join(folder, child), storage)
+        marker = S.join(folder, child, "_SUPERSEDED")
+        if child.startswith("run_id=") and child != f"run_id={run_id}" and S.read_bytes(marker, storage) is None:
+            S.write_bytes(marker, json.dumps({"by": run_id, "at": now}).encode(), storage)
+    return collect(output, storage, grace_s, run_date)
+
+
+def collect(output: str, storage: Storage, grace_s: float, run_date: str | None = None) -> list[str]:
+    """Deletes the runs superseded more than grace_s ago (of one date, or of every date) -> their run ids. The run
+    _LATEST points at is never deleted."""
+    dates = [run_date] if run_date else [c.removeprefix("run_date=") for c in S.list_children(output, storage)
+                                          if c.startswith("run_date=")]
+    deleted = []
+    for d in dates:
+        latest = S.read_bytes(S.join(date_dir(output, d), "_LATEST"), storage)
+        keep = json.loads(latest)["run_id"] if latest else None
+        for child in S.list_children(date_dir(output, d), storage):
+            run_id = child.removeprefix("run_id=")
+            marker = S.read_bytes(S.join(date_dir(output, d), child, "_SUPERSEDED"), storage)
+            if child.startswith("run_id=") and run_id != keep and marker is not None \
+                    and time.time() - json.loads(marker)["at"] >= grace_s:
+                S.delete_tree(run_dir(output, d, run_id), storage)
+                log.info("deleted run %s of %s (superseded by %s)", run_id, d, json.loads(marker)["by"])
+                deleted.append(run_id)
+    return deleted
 
 
 # ------------------------------------------------------------------ reading

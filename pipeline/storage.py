@@ -77,6 +77,50 @@ def read_bytes(uri: str, storage: Storage) -> bytes | None:
     return path.read_bytes() if path.is_file() else None
 
 
+def read_versioned(uri: str, storage: Storage) -> tuple[bytes, str] | None:
+    """An S3 object's bytes and ETag (its version for `put_if`), or None."""
+    bucket, key = split_s3(uri)
+    client = s3_client(storage)
+    try:
+        got = client.get_object(Bucket=bucket, Key=key)
+    except client.exceptions.NoSuchKey:
+        return None
+    return got["Body"].read(), got["ETag"]
+
+
+def put_if(uri: str, data: bytes, storage: Storage, etag: str | None) -> str | None:
+    """A conditional put on S3: etag None creates the object only if it does not exist (If-None-Match: *), an ETag
+    replaces it only if it is still that version (If-Match) -> the new ETag, or None if the condition failed."""
+    import botocore.exceptions
+
+    bucket, key = split_s3(uri)
+    cond = {"IfNoneMatch": "*"} if etag is None else {"IfMatch": etag}
+    try:
+        return s3_client(storage).put_object(Bucket=bucket, Key=key, Body=data, **cond)["ETag"]
+    except botocore.exceptions.ClientError as e:
+        if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") in (409, 412):  # lost the race
+            return None
+        raise
+
+
+def list_files(uri: str, storage: Storage) -> list[str]:
+    """Names of the files directly in a folder ([] if it does not exist)."""
+    fs, path = filesystem(uri, storage)
+    infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+    return sorted(Path(i.path).name for i in infos if i.type == pafs.FileType.File)
+
+
+def delete_files(uri: str, names: list[str], storage: Storage) -> None:
+    fs, path = filesystem(uri, storage)
+    for name in names:
+        fs.delete_file(f"{path}/{name}")
+
+
+def exists(uri: str, storage: Storage) -> bool:
+    fs, path = filesystem(uri, storage)
+    return fs.get_file_info(path).type != pafs.FileType.NotFound
+
+
 def delete_tree(uri: str, storage: Storage) -> None:
     if is_s3(uri):
         bucket, key = split_s3(uri)

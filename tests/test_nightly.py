@@ -174,13 +174,18 @@ def test_models_and_catalogs_an_actor_would_refuse_fail_on_the_driver(world, tmp
 
 
 def test_rerun_leaves_exactly_one_complete_output(world, ray_session, tmp_path):
-    from pipeline.nightly import run_nightly
+    from pipeline.nightly import collect_garbage, run_nightly
 
     cfg = config(world, tmp_path / "out", "decoding.mode=atspeed-strict")
     first = run_nightly(cfg)["run_id"]
     second = run_nightly(cfg)["run_id"]
     assert first != second
     date_dir = tmp_path / "out" / "run_date=2026-11-21"
+    assert S.list_children(str(date_dir), cfg.storage) == sorted([f"run_id={first}", f"run_id={second}"])
+    assert (date_dir / f"run_id={first}" / "_SUPERSEDED").is_file()  # kept for readers mid-read, for the grace
+    assert collect_garbage(cfg) == []  # within runs.grace_s
+    cfg.runs.grace_s = 0.0
+    assert collect_garbage(cfg) == [first]
     assert S.list_children(str(date_dir), cfg.storage) == [f"run_id={second}"]
     run, t = read_run(cfg)
     assert run.endswith(second) and t["recommendations"].num_rows == 100 * 5

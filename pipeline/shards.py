@@ -1,0 +1,215 @@
+"""The nightly job's units of work and how they are committed: what lets one streaming execution write as it goes
+and a killed run resume.
+
+Reading: every input row has a position `pos`, its index in scan order (files in order, rows in order). A `Unit` is
+one row group of one input file; its read task yields its rows with their positions, minus those a resumed run has
+already committed, each flagged if it repeats an earlier row's user id.
+Duplicate user ids: one Ray Data aggregation over (user_id, pos) finds the ids seen more than once with their first
+position; only those come to the driver (memory proportional to the number of duplicated ids, not of users).
+Decoding: `ShardRecommender` wraps the Recommender actor; every batch it decodes is a shard, named by its first
+position (`s000000012345`): unique within a run and across its resumes, whatever actor restarts happen.
+Writing: `write_shards` writes a shard's recommendations, then its rejects, then its metrics row, which lists the
+position ranges the shard covers. A shard is committed when its metrics file exists; a resume reads the metrics
+table for the committed ranges, deletes the files of uncommitted shards and reads only the rest.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs  # noqa: F401  (pa.fs)
+import pyarrow.compute as pc
+import pyarrow.dataset as pads
+import pyarrow.parquet as pq
+
+from decoding.stats import BASE_KEYS, PHASES
+from operators.recommender import TABLES, Recommender, output_schema
+from operators.spec import ActorSpec
+from pipeline import runs
+from pipeline import storage as S
+from pipeline.config import Storage
+
+DUPLICATE = ("duplicate_user", "user_id appears more than once; the first row is kept")
+_INT = pa.int64()
+METRIC_SCHEMA = pa.schema(
+    [("run_id", pa.string()), ("shard", pa.string()), ("actor", pa.string()), ("batch", _INT), ("host", pa.string()),
+     ("device", pa.string()), ("mode", pa.string()), ("decoder", pa.string()), ("k", _INT), ("users_in", _INT),
+     ("users_ok", _INT), ("users_rejected", _INT), ("users_non_finite", _INT), ("users_duplicate", _INT),
+     ("recommendations", _INT), ("prompt_tokens", _INT), ("prefix_tokens_saved", _INT), ("wall_s", pa.float64()),
+     ("other_s", pa.float64())]
+    + [(key, pa.float64() if key in PHASES else _INT) for key in BASE_KEYS]
+    + [("mean_accepted_steps", pa.float64()), ("accepted_hist", pa.list_(_INT)), ("peak_memory_bytes", _INT),
+       ("users_per_s", pa.float64()), ("auto", pa.string()), ("ranges", pa.list_(pa.list_(_INT)))])
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One row group of one input file."""
+    path: str  # inside the input's filesystem
+    row_group: int
+    rows: int
+    offset: int  # the position of its first row
+
+
+def plan_units(data: pads.Dataset) -> list[Unit]:
+    """The input's row groups in scan order, from the footers (already read and checked by the graph)."""
+    units, offset = [], 0
+    for fragment in data.get_fragments():
+        meta = fragment.metadata
+        for g in range(meta.num_row_groups):
+            n = meta.row_group(g).num_rows
+            units.append(Unit(fragment.path, g, n, offset))
+            offset += n
+    return units
+
+
+def committed(run: str, storage: Storage) -> tuple[list[tuple[int, int]], int]:
+    """A run's committed position ranges [(start, end)], merged, and its number of committed shards; the files of
+    shards that were not committed (a crash between their writes) are deleted."""
+    names = {n.removesuffix(".parquet") for n in S.list_files(runs.table_dir(run, "metrics"), storage)
+             if n.endswith(".parquet") and not n.startswith(".")}
+    for table in ("recommendations", "rejects"):
+        folder = runs.table_dir(run, table)
+        S.delete_files(folder, [f for f in S.list_files(folder, storage)
+                                if f.removesuffix(".parquet") not in names], storage)
+    if not names:
+        return [], 0
+    ranges = runs.read_table(run, "metrics", storage, ["ranges"]).column("ranges").to_pylist()
+    return merge([tuple(r) for rs in ranges for r in rs]), len(names)
+
+
+def merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[list[int]] = []
+    for a, b in sorted(ranges):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [tuple(r) for r in out]
+
+
+def todo(units: list[Unit], done: list[tuple[int, int]]) -> list[dict]:
+    """The units with positions left to decode, each with the committed ranges inside it (plain dicts: Ray rows)."""
+    starts = np.array([a for a, _ in done], np.int64)
+    out = []
+    for u in units:
+        lo, hi = u.offset, u.offset + u.rows
+        i = np.searchsorted(starts, lo, side="right") - 1
+        inside = [(max(a, lo), min(b, hi)) for a, b in done[max(i, 0):] if a < hi and b > lo]
+        if sum(b - a for a, b in inside) < u.rows:
+            out.append({**asdict(u), "done": json.dumps(inside)})
+    return out
+
+
+def positions(unit: dict) -> np.ndarray:
+    """The positions of a unit (a row of `todo`) still to decode."""
+    pos = np.arange(unit["offset"], unit["offset"] + unit["rows"], dtype=np.int64)
+    keep = np.ones(len(pos), bool)
+    for a, b in (json.loads(unit["done"]) if isinstance(unit["done"], str) else unit["done"]):
+        keep[a - unit["offset"]:b - unit["offset"]] = False
+    return pos[keep]
+
+
+def read_units(batch: pa.Table, fs, columns: list[str], duplicates: pa.Table | None = None) -> pa.Table:
+    """Ray Data map over units (rows of `todo`, "done" as JSON): the rows still to decode, with `pos` and a
+    `duplicate` flag (the user id was seen at an earlier position)."""
+    tables = []
+    for unit in batch.to_pylist():
+        unit["done"] = json.loads(unit["done"])
+        t = pq.ParquetFile(unit["path"], filesystem=fs).read_row_group(unit["row_group"], columns=columns)
+        pos = positions(unit)
+        t = t.take(pa.array(pos - unit["offset"])).append_column("pos", pa.array(pos))
+        dup = pa.array(np.zeros(t.num_rows, bool))
+        if duplicates is not None and duplicates.num_rows:
+            at = pc.index_in(t["user_id"], duplicates["user_id"])
+            first = pc.take(duplicates["first"], at)
+            dup = pc.fill_null(pc.not_equal(first, t["pos"]), False)  # a repeat of an earlier row's user id
+        tables.append(t.append_column("duplicate", dup))
+    return pa.concat_tables(tables)
+
+
+def find_duplicates(units: list[Unit], fs) -> pa.Table:
+    """The user ids seen more than once in the whole input, with the position of their first row [user_id, first]."""
+    import ray
+    from ray.data.aggregate import Count, Min
+    from ray.data.expressions import col
+
+    ids = ray.data.from_items(todo(units, [])).map_batches(
+        read_units, batch_size=1, batch_format="pyarrow", fn_kwargs={"fs": fs, "columns": ["user_id"]})
+    rows = sum(u.rows for u in units)
+    grouped = ids.groupby("user_id", num_partitions=max(1, min(64, rows // 500_000 + 1))).aggregate(Count(alias_name="n"), Min("pos", alias_name="first"))
+    refs = grouped.filter(expr=col("n") > 1).to_arrow_refs()
+    found = [ray.get(r).select(["user_id", "first"]) for r in refs]
+    return pa.concat_tables(found) if found else None
+
+
+class ShardRecommender:
+    """The actor of the graph: each batch it gets is one shard (named by its first position); duplicate rows go to
+    rejects, the rest to the Recommender; every output row carries the shard, its metric row the ranges covered."""
+
+    def __init__(self, spec: ActorSpec):
+        self.recommender = Recommender(spec)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        pos = batch["pos"].to_numpy()
+        shard = f"s{int(pos.min()):012d}"
+        dup = batch["duplicate"].to_numpy(zero_copy_only=False)
+        out = self.recommender(batch.filter(pa.array(~dup)).select(["user_id", "history"]))
+        schema = output_schema(batch.schema.field("user_id").type)
+        n_dup = int(dup.sum())
+        if n_dup:
+            users = batch["user_id"].filter(pa.array(dup))
+            out = pa.concat_tables([out, pa.table({"kind": ["reject"] * n_dup, "user_id": users,
+                                                   "reason": [DUPLICATE[0]] * n_dup,
+                                                   "detail": [DUPLICATE[1]] * n_dup})], promote_options="permissive")
+        kind = out["kind"].to_numpy(zero_copy_only=False)
+        metric = json.loads(out["metrics"].filter(pa.array(kind == "metric"))[0].as_py())
+        metric.update(shard=shard, users_in=metric["users_in"] + n_dup, users_duplicate=n_dup,
+                      users_rejected=metric["users_rejected"] + n_dup, ranges=ranges_of(pos))
+        metrics = pc.if_else(pa.array(kind == "metric"), json.dumps(metric), out["metrics"])
+        out = out.select(schema.names).cast(schema).set_column(schema.get_field_index("metrics"), "metrics", metrics)
+        return out.append_column("shard", pa.array([shard] * out.num_rows, pa.string()))
+
+
+def ranges_of(pos: np.ndarray) -> list[list[int]]:
+    """Sorted positions -> their runs [[start, end)]."""
+    pos = np.sort(pos)
+    cut = np.nonzero(np.diff(pos) != 1)[0] + 1
+    return [[int(p[0]), int(p[-1]) + 1] for p in np.split(pos, cut)]
+
+
+def metric_table(rows: list[dict]) -> pa.Table:
+    rows = [{**r, "auto": json.dumps(r["auto"]) if r.get("auto") else None} for r in rows]
+    return pa.Table.from_pylist(rows, schema=METRIC_SCHEMA)
+
+
+def write_shards(block: pa.Table, run: str, storage: Storage) -> pa.Table:
+    """Ray Data map over actor outputs: each shard's recommendations, rejects and then metrics (its commit), as
+    `<table>/<shard>.parquet` -> one summary row per shard (the driver's progress)."""
+    out = []
+    for shard in pc.unique(block["shard"]).to_pylist():
+        t = block.filter(pc.equal(block["shard"], shard))
+        kind = t["kind"]
+        rec, rej = t.filter(pc.equal(kind, "rec")), t.filter(pc.equal(kind, "reject"))
+        metric = json.loads(t.filter(pc.equal(kind, "metric"))["metrics"][0].as_py())
+        for name, rows in (("recommendations", rec.select(TABLES["rec"])), ("rejects", rej.select(TABLES["reject"])),
+                           ("metrics", metric_table([metric]))):
+            if rows.num_rows or name == "metrics":
+                fs, path = S.filesystem(runs.table_dir(run, name), storage)
+                fs.create_dir(path)
+                write_atomic(rows, fs, f"{path}/{shard}.parquet")
+        out.append({key: metric[key] for key in ("users_in", "users_ok", "users_rejected", "recommendations")})
+    return pa.Table.from_pylist(out)
+
+
+def write_atomic(table: pa.Table, fs, path: str) -> None:
+    """One parquet file, whole or absent: a single put on S3, write-then-rename locally."""
+    if isinstance(fs, pa.fs.LocalFileSystem):
+        folder, _, name = path.rpartition("/")
+        tmp = f"{folder}/.{name}.tmp"  # hidden: never read as part of the table
+        pq.write_table(table, tmp, filesystem=fs)
+        fs.move(tmp, path)
+    else:
+        pq.write_table(table, path, filesystem=fs)
