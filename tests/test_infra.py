@@ -1,0 +1,321 @@
+"""infra/ without a cluster: every manifest (and every document embedded in one) against the schemas in
+../shared/schemas (KubeRay's CRDs, Kubernetes 1.33 strict, Ray 2.60's cluster launcher and runtime_env), the
+versions pinned in pyproject.toml everywhere, the RayJob's fixed name per run date and short TTL, the launcher's
+AlreadyExists handling, and the head node's right to pass the worker role."""
+from __future__ import annotations
+
+import copy
+import datetime as dt
+import json
+import re
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+import yaml
+from jsonschema.validators import validator_for
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEMAS = ROOT.parent / "shared" / "schemas"
+INFRA = ROOT / "infra"
+MANIFESTS = sorted((INFRA / "kuberay").glob("*.yaml"))
+LAUNCHER = INFRA / "cluster" / "aws-gpu.yaml"
+RUNTIME_ENV = INFRA / "runtime_env.yaml"
+
+needs_schemas = pytest.mark.skipif(not (SCHEMAS / "manifest.json").is_file(), reason=f"{SCHEMAS} not present")
+
+# KubeRay kinds -> the CRD schemas each document is checked against (both KubeRay versions where both serve it).
+KUBERAY = {
+    "RayJob": ["kuberay-v1.5.1-rayjob-v1.json", "kuberay-v1.7.0-rayjob-v1.json"],
+    "RayCluster": ["kuberay-v1.5.1-raycluster-v1.json", "kuberay-v1.7.0-raycluster-v1.json"],
+    "RayCronJob": ["kuberay-v1.7.0-raycronjob-v1.json"],
+}
+K8S = "k8s-v1.33.0-strict.json"
+OBJECT_META = "#/$defs/io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta"
+DNS1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+
+
+def yaml_docs(path: Path) -> list[dict]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+
+
+@cache
+def schema(name: str) -> dict:
+    return json.loads((SCHEMAS / name).read_text())
+
+
+def errors(doc, name: str, ref: str | None = None) -> list[str]:
+    """Schema errors of `doc` against the schema file `name` (or its definition `ref`), one line each."""
+    s = schema(name) if ref is None else {**schema(name), "$ref": ref}
+    found = validator_for(s)(s).iter_errors(doc)
+    return [f"/{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in sorted(found, key=lambda e: e.json_path)]
+
+
+def checks(doc: dict, where: str, versions: tuple[str, ...] = ("v1.5.1", "v1.7.0")):
+    """(where, document, schema file, $ref) for a manifest document and every document embedded in it: List
+    items, a RayCronJob's RayJob template, a RayJob's RayCluster spec and runtime_env YAML."""
+    api, kind = doc.get("apiVersion"), doc.get("kind")
+    if (api, kind) == ("v1", "List"):  # kubectl's List: no schema of its own, each item checked as itself
+        for i, item in enumerate(doc["items"]):
+            yield from checks(item, f"{where} items[{i}] {item.get('kind')}", versions)
+        return
+    if api == "ray.io/v1" and kind in KUBERAY:
+        for name in KUBERAY[kind]:
+            if any(v in name for v in versions):
+                yield where, doc, name, None
+        if "metadata" in doc:  # the CRDs leave metadata open: check it as Kubernetes' ObjectMeta
+            yield f"{where} metadata", doc["metadata"], K8S, OBJECT_META
+        spec = doc.get("spec", {})
+        if kind == "RayCronJob":  # a RayJob spec, created as is by KubeRay (>= 1.6, so the 1.7.0 schema only)
+            rayjob = {"apiVersion": api, "kind": "RayJob", "spec": spec.get("jobTemplate")}
+            yield from checks(rayjob, f"{where} jobTemplate", ("v1.7.0",))
+        if kind == "RayJob" and "rayClusterSpec" in spec:
+            raycluster = {"apiVersion": api, "kind": "RayCluster", "spec": spec["rayClusterSpec"]}
+            yield from checks(raycluster, f"{where} rayClusterSpec", versions)
+        if kind == "RayJob" and "runtimeEnvYAML" in spec:
+            yield f"{where} runtimeEnvYAML", yaml.safe_load(spec["runtimeEnvYAML"]), "ray-2.60.0-runtime-env.json", None
+        return
+    ref = schema(K8S)["kinds"].get(f"{api} {kind}")
+    assert ref, f"{where}: no schema in {SCHEMAS / K8S} for apiVersion {api} kind {kind}"
+    yield where, doc, K8S, ref
+
+
+def all_checks(docs_by_file: dict[str, list[dict]]):
+    for file, docs in docs_by_file.items():
+        for i, doc in enumerate(docs):
+            yield from checks(doc, f"{file}[{i}] {doc.get('kind')}")
+
+
+def manifest_errors(docs_by_file: dict[str, list[dict]]) -> list[str]:
+    return [f"{where}: {name}{ref or ''} at {e}" for where, doc, name, ref in all_checks(docs_by_file)
+            for e in errors(doc, name, ref)]
+
+
+def kuberay_docs() -> dict[str, list[dict]]:
+    return {p.name: yaml_docs(p) for p in MANIFESTS}
+
+
+# --- every document against its schemas --------------------------------------------------------------------------
+
+@needs_schemas
+def test_every_kuberay_document_validates_against_every_schema_it_falls_under():
+    docs = kuberay_docs()
+    assert {"rayjob-nightly.yaml", "raycronjob-nightly.yaml", "cronjob-nightly.yaml"} <= set(docs)
+    assert manifest_errors(docs) == []
+    checked = {(where.split("[")[0], name, ref) for where, _, name, ref in all_checks(docs)}
+    used = {name for _, name, _ in checked}
+    # every KubeRay schema (both versions) and the Kubernetes one are used, the runtime_env one on embedded YAML
+    assert used == {n for names in KUBERAY.values() for n in names} | {K8S, "ray-2.60.0-runtime-env.json"}
+    kinds = {ref.rsplit(".", 1)[-1] for _, name, ref in checked if name == K8S}
+    assert {"CronJob", "ServiceAccount", "Role", "RoleBinding", "ObjectMeta"} <= kinds
+    assert ("raycronjob-nightly.yaml", "kuberay-v1.7.0-raycluster-v1.json", None) in checked  # nested twice
+
+
+@needs_schemas
+def test_cluster_launcher_and_runtime_env_validate():
+    assert errors(yaml.safe_load(LAUNCHER.read_text()), "ray-2.60.0-cluster-launcher.json") == []
+    assert errors(yaml.safe_load(RUNTIME_ENV.read_text()), "ray-2.60.0-runtime-env.json") == []
+
+
+BREAKS = [  # (file, path into its first document, value): an unknown field or a wrong type somewhere deep
+    ("rayjob-nightly.yaml", ["spec", "ttlSecondsAfterFinished"], "600"),
+    ("rayjob-nightly.yaml", ["spec", "ttlSecondAfterFinished"], 600),
+    ("rayjob-nightly.yaml", ["spec", "rayClusterSpec", "workerGroupSpecs", 0, "template", "spec", "containers", 0,
+                             "imagePullPolicyy"], "Always"),
+    ("rayjob-nightly.yaml", ["spec", "rayClusterSpec", "headGroupSpec", "rayStartParams", "num-cpus"], 4),
+    ("rayjob-nightly.yaml", ["metadata", "generateName"], 7),
+    ("rayjob-nightly.yaml", ["spec", "runtimeEnvYAML"], "env_vars: {A: '1'}\nworking_dirr: .\n"),
+    ("raycronjob-nightly.yaml", ["spec", "concurrencyPolicy"], "Forbid"),
+    ("raycronjob-nightly.yaml", ["spec", "jobTemplate", "rayClusterSpec", "headGroupSpec", "template", "spec",
+                                 "containers", 0, "resources", "limit"], {"cpu": "1"}),
+    ("cronjob-nightly.yaml", ["items", 3, "spec", "jobTemplate", "spec", "template", "spec", "containers", 0,
+                              "volumeMount"], []),
+    ("cronjob-nightly.yaml", ["items", 2, "roleRef", "name"], 1),
+]
+
+
+@needs_schemas
+@pytest.mark.parametrize("file,path,value", BREAKS, ids=[f"{f}:{p[-1]}" for f, p, _ in BREAKS])
+def test_an_unknown_field_or_a_wrong_type_fails_validation(file, path, value):
+    docs = kuberay_docs()
+    broken = copy.deepcopy(docs[file][0])
+    node = broken
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    found = manifest_errors({file: [broken]})
+    assert found and all(str(path[-1]) in e or repr(value) in e for e in found), found
+
+
+@needs_schemas
+@pytest.mark.parametrize("file,schema_name,key,value", [
+    (LAUNCHER, "ray-2.60.0-cluster-launcher.json", "max_worker", 8),
+    (LAUNCHER, "ray-2.60.0-cluster-launcher.json", "idle_timeout_minutes", "10"),
+    (RUNTIME_ENV, "ray-2.60.0-runtime-env.json", "working_dirr", "."),
+    (RUNTIME_ENV, "ray-2.60.0-runtime-env.json", "env_vars", {"A": 1}),
+])
+def test_launcher_and_runtime_env_schemas_catch_mistakes(file, schema_name, key, value):
+    doc = yaml.safe_load(file.read_text())
+    doc[key] = value
+    assert errors(doc, schema_name)
+
+
+# --- versions: pyproject.toml is the single source ---------------------------------------------------------------
+
+def pinned() -> dict[str, str]:
+    """The exact pins of pyproject.toml's dependencies (name -> version), its version and its Python."""
+    text = (ROOT / "pyproject.toml").read_text()
+    pins = dict(re.findall(r'"([A-Za-z0-9_.-]+)(?:\[[^\]]*\])?==([0-9][^"]*)"', text))
+    pins["project"] = re.search(r'(?m)^version = "([^"]+)"', text).group(1)
+    pins["python"] = re.search(r'(?m)^requires-python = ">=(3\.\d+)"', text).group(1)
+    return pins
+
+
+def test_versions_everywhere_agree_with_pyproject():
+    v = pinned()
+    assert {"torch", "transformers", "ray"} <= set(v), v
+    image = f"{v['project']}-ray{v['ray']}"
+    py = v["python"]
+    patterns = {  # what each pattern finds -> the value it must have
+        r"\b(torch|transformers|ray)(?:\[[^\]]*\])?==([0-9][\w.]*)": lambda m: (m[2], v[m[1]]),
+        r"rayproject/ray:([0-9][\w.]*)-py(\d+)": lambda m: ((m[1], m[2]), (v["ray"], py.replace(".", ""))),
+        r"rayVersion: \"?([0-9][\w.]*)": lambda m: (m[1], v["ray"]),
+        r"/genrec-batch:([\w.-]+)": lambda m: (m[1], image),
+        r"\bpython(3\.\d+) -m venv": lambda m: (m[1], py),
+    }
+    must_have = {  # the places that pin: each must carry at least these
+        "Dockerfile": [f'"torch=={v["torch"]}"', f"FROM rayproject/ray:{v['ray']}-py{py.replace('.', '')}-gpu"],
+        "Makefile": [f"TORCH   ?= torch=={v['torch']}"],
+        "infra/cluster/aws-gpu.yaml": [f'"torch=={v["torch"]}"', f'"ray[data,default]=={v["ray"]}"',
+                                       f'"transformers=={v["transformers"]}"', f"python{py} -m venv"],
+        "infra/kuberay/rayjob-nightly.yaml": [f'rayVersion: "{v["ray"]}"', f"/genrec-batch:{image}"],
+        "infra/kuberay/raycronjob-nightly.yaml": [f'rayVersion: "{v["ray"]}"', f"/genrec-batch:{image}"],
+    }
+    files = sorted({ROOT / "Dockerfile", ROOT / "Makefile", ROOT / "README.md", ROOT / ".ci" / "run",
+                    *(p for p in INFRA.rglob("*") if p.is_file())})
+    wrong = []
+    for path in files:
+        text = path.read_text()
+        for pattern, expect in patterns.items():
+            for m in re.finditer(pattern, text):
+                found, want = expect(m)
+                if found != want:
+                    wrong.append(f"{path.relative_to(ROOT)}: {m[0]!r}, pyproject.toml says {want}")
+    assert wrong == []
+    missing = [f"{f}: {s!r}" for f, items in must_have.items() for s in items if s not in (ROOT / f).read_text()]
+    assert missing == []
+    for path in MANIFESTS:
+        assert ":latest" not in path.read_text(), path
+
+
+def test_dockerfile_installs_pinned_torch_then_the_project_and_bakes_in_nothing():
+    lines = [ln.strip() for ln in (ROOT / "Dockerfile").read_text().splitlines() if ln.strip()[:1] not in ("", "#")]
+    assert lines[0].startswith("FROM rayproject/ray:") and "WORKDIR /app" in lines
+    torch = next(i for i, ln in enumerate(lines) if re.match(r'RUN pip install .*"torch==', ln))
+    project = next(i for i, ln in enumerate(lines) if re.match(r"RUN pip install (--no-cache-dir )?\.( |$)", ln))
+    assert torch < project
+    assert not [ln for ln in lines if ln.split()[0] in ("ENV", "ARG") and re.search("KEY|SECRET|TOKEN", ln)]
+    ignored = set((ROOT / ".dockerignore").read_text().split())
+    assert {".git", ".venv", "data/", "models/", "out/", "bench-out/", ".pytest_cache", ".hypothesis"} <= ignored
+
+
+# --- one run per date ---------------------------------------------------------------------------------------------
+
+def test_rayjob_name_is_fixed_per_run_date_and_its_cluster_goes_away_in_minutes():
+    (rayjob,) = yaml_docs(INFRA / "kuberay" / "rayjob-nightly.yaml")
+    meta, spec = rayjob["metadata"], rayjob["spec"]
+    assert "generateName" not in meta and meta["name"] == "genrec-nightly-__RUN_DATE__"
+    name = meta["name"].replace("__RUN_DATE__", "2026-11-21")
+    assert DNS1035.fullmatch(name) and len(name) <= 47  # KubeRay's RayJob name rules (ValidateRayJobMetadata)
+    assert spec["shutdownAfterJobFinishes"] is True and 0 < spec["ttlSecondsAfterFinished"] <= 3600
+    assert spec["backoffLimit"] >= 1
+    assert "--set run_date=__RUN_DATE__" in spec["entrypoint"] and "--resume latest" in spec["entrypoint"]
+    for path in MANIFESTS:
+        assert "generateName" not in yaml.safe_dump_all(yaml_docs(path)), path
+
+
+def test_raycronjob_runs_the_rayjob_spec_with_the_date_from_the_driver():
+    (rayjob,) = yaml_docs(INFRA / "kuberay" / "rayjob-nightly.yaml")
+    (cron,) = yaml_docs(INFRA / "kuberay" / "raycronjob-nightly.yaml")
+    name, template = cron["metadata"]["name"], cron["spec"]["jobTemplate"]
+    assert DNS1035.fullmatch(name) and len(name) <= 36  # KubeRay 1.7: <name>-<minutes> is a valid RayJob name
+    assert cron["spec"]["timeZone"] == "Etc/UTC"
+    entrypoint = template.pop("entrypoint")
+    assert "run_date" not in entrypoint and "--resume latest" in entrypoint  # pipeline/config.py: today, UTC
+    assert entrypoint == rayjob["spec"]["entrypoint"].replace(" --set run_date=__RUN_DATE__", "")
+    assert template == {k: v for k, v in rayjob["spec"].items() if k != "entrypoint"}
+
+
+def launcher_script() -> str:
+    (items,) = yaml_docs(INFRA / "kuberay" / "cronjob-nightly.yaml")
+    (cronjob,) = [d for d in items["items"] if d["kind"] == "CronJob"]
+    (container,) = cronjob["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == ["/bin/sh", "-c"]
+    return container["args"][0]
+
+
+FAKE_KUBECTL = '''#!{python}
+"""`kubectl create -f -` against a directory of RayJobs: AlreadyExists as the API server words it."""
+import os, sys, yaml
+assert sys.argv[1:] == ["create", "-f", "-"], sys.argv
+if os.environ.get("FAIL"):
+    sys.exit("error: " + os.environ["FAIL"])  # message on stderr, exit code 1
+doc = yaml.safe_load(sys.stdin)
+name = doc["metadata"]["name"]
+path = os.path.join(os.environ["STATE"], name)
+if os.path.exists(path):
+    sys.exit(f'Error from server (AlreadyExists): error when creating "STDIN": rayjobs.ray.io "{{name}}" already exists')
+with open(path, "w") as f:
+    f.write(yaml.safe_dump(doc))
+print(f"rayjob.ray.io/{{name}} created")
+'''
+
+
+def test_launcher_creates_tonights_rayjob_once_and_a_second_launch_exits_0(tmp_path):
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "state").mkdir()
+    kubectl = tmp_path / "bin" / "kubectl"
+    kubectl.write_text(FAKE_KUBECTL.format(python=sys.executable))
+    kubectl.chmod(0o755)
+    script = launcher_script().replace("/manifests/rayjob.yaml", str(INFRA / "kuberay" / "rayjob-nightly.yaml"))
+    env = {"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin", "STATE": str(tmp_path / "state")}
+
+    def launch(**extra):
+        return subprocess.run(["/bin/sh", "-c", script], env={**env, **extra}, capture_output=True, text=True,
+                              timeout=30)
+
+    today = {dt.datetime.now(dt.timezone.utc).date().isoformat()}
+    first = launch()
+    today.add(dt.datetime.now(dt.timezone.utc).date().isoformat())
+    assert first.returncode == 0, first.stderr
+    (created,) = (tmp_path / "state").iterdir()
+    date = created.name.removeprefix("genrec-nightly-")
+    assert date in today and f"rayjob.ray.io/{created.name} created" in first.stdout
+    assert f"--set run_date={date} " in yaml.safe_load(created.read_text())["spec"]["entrypoint"]
+
+    again = launch()  # a retried launcher pod, or a manual launch after the scheduled one
+    assert again.returncode == 0, again.stderr
+    assert "already exists" in again.stdout and "not starting another" in again.stdout
+    assert [p.name for p in (tmp_path / "state").iterdir()] == [created.name]
+
+    down = launch(FAIL="the server is currently unable to handle the request")
+    assert down.returncode == 1 and "unable to handle the request" in down.stderr
+
+
+# --- the cluster launcher's IAM ------------------------------------------------------------------------------------
+
+def test_head_instance_profile_may_pass_the_worker_role():
+    cfg = yaml.safe_load(LAUNCHER.read_text())
+    types = cfg["available_node_types"]
+    head = types[cfg["head_node_type"]]["node_config"]["IamInstanceProfile"]["Name"]
+    (worker,) = [t["node_config"]["IamInstanceProfile"]["Name"] for k, t in types.items() if k != cfg["head_node_type"]]
+    assert head != worker
+    policy = json.loads((INFRA / "cluster" / "head-iam-policy.json").read_text())
+    allowed = [s for s in policy["Statement"] if s["Effect"] == "Allow"]
+    (pass_role,) = [s for s in allowed if s["Action"] == "iam:PassRole"]
+    assert pass_role["Resource"] == f"arn:aws:iam::ACCOUNT_ID:role/{worker}"  # the worker profile's role
+    assert pass_role["Condition"]["StringEquals"]["iam:PassedToService"] == "ec2.amazonaws.com"
+    ec2 = {a for s in allowed for a in ([s["Action"]] if isinstance(s["Action"], str) else s["Action"])}
+    assert {"ec2:RunInstances", "ec2:TerminateInstances", "ec2:DescribeInstances", "ec2:CreateTags"} <= ec2
