@@ -49,8 +49,9 @@ class Lease:
 
     # ------------------------------------------------------------------ acquire / renew / release
 
-    def acquire(self) -> "Lease":
-        """Takes the date, or raises LeaseHeld naming the run that holds it."""
+    def acquire(self, resuming: bool = False) -> "Lease":
+        """Takes the date, or raises LeaseHeld naming the run that holds it. resuming: a lease still held by this
+        same run id (its killed driver's, on S3) is waited for until it expires, at most ttl_s."""
         if not S.is_s3(self.uri):
             return self._lock_local()
         self.etag = S.put_if(self.uri, self.body(time.time() + self.ttl_s), self.storage, None)
@@ -58,7 +59,14 @@ class Lease:
             got = S.read_versioned(self.uri, self.storage)
             if got is not None:
                 holder = json.loads(got[0])
-                if holder["expires"] > time.time():
+                wait = holder["expires"] - time.time()
+                if resuming and holder["run_id"] == self.run_id and 0 < wait <= self.ttl_s:
+                    log.warning("lease %s: held by this run's previous driver until %s; waiting %.0f s",
+                                self.uri, _utc(holder["expires"]), wait)
+                    time.sleep(wait + 1)
+                    got = S.read_versioned(self.uri, self.storage)
+                    holder = json.loads(got[0]) if got else holder
+                if got is not None and holder["expires"] > time.time():
                     raise LeaseHeld(self._held_message(holder, f"until {_utc(holder['expires'])}"))
                 log.warning("lease %s: taking over the expired lease of run %s", self.uri, holder["run_id"])
             self.etag = S.put_if(self.uri, self.body(time.time() + self.ttl_s), self.storage,

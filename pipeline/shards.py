@@ -70,7 +70,7 @@ def committed(run: str, storage: Storage) -> tuple[list[tuple[int, int]], int]:
     shards that were not committed (a crash between their writes) are deleted."""
     names = {n.removesuffix(".parquet") for n in S.list_files(runs.table_dir(run, "metrics"), storage)
              if n.endswith(".parquet") and not n.startswith(".")}
-    for table in ("recommendations", "rejects"):
+    for table in ("recommendations", "rejects", "metrics"):  # and the temporary files of writes cut short
         folder = runs.table_dir(run, table)
         S.delete_files(folder, [f for f in S.list_files(folder, storage)
                                 if f.removesuffix(".parquet") not in names], storage)

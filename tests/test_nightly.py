@@ -21,9 +21,9 @@ from pipeline.config import load_config
 from pipeline.prepare import write_synthetic
 
 
-def make_world(root):
+def make_world(root, n_users=100):
     """Synthetic histories and catalog (3 levels x 6 codes) and two tiny random models with the data's tokenizer."""
-    write_synthetic(root / "data", n_users=100, n_items=150, levels=3, codes=6, seed=1, history_len=8)
+    write_synthetic(root / "data", n_users=n_users, n_items=150, levels=3, codes=6, seed=1, history_len=8)
     for name, seed in (("target", 0), ("draft", 1)):
         build_model(4 + 3 * 6, 1, 32, 2, 1, seed=seed).save_pretrained(root / name)
         for f in (root / "data" / "tokenizer").iterdir():

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -141,3 +142,52 @@ def test_ray_job_submit_end_to_end(cluster, tmp_path):
     refused = subprocess.run(cmd[:5] + ["--", "python", "-c", "print(1)"], env=bare, capture_output=True, text=True,
                              timeout=120)
     assert refused.returncode != 0
+
+
+def test_s3_lease_is_exclusive_expires_and_is_lost(cluster):
+    """The date's lease on S3 (conditional puts): a second run is refused while the first holds it, gets it once
+    released; a lease its holder stopped renewing expires, is taken over, and the old holder may no longer publish.
+    The same exclusion locally (flock)."""
+    from pipeline.lease import Lease, LeaseHeld, LeaseLost
+
+    world, s3, head, root = cluster
+    storage = load_config(None, s3_config(s3, root)).storage
+    date = s3.uri("lease", "run_date=2026-11-21")
+    a = Lease(date, "A", storage, ttl_s=30).acquire()
+    with pytest.raises(LeaseHeld, match="is being written by run A"):
+        Lease(date, "B", storage, ttl_s=30).acquire()
+    a.check()
+    a.release()
+    b = Lease(date, "B", storage, ttl_s=1.0).acquire()
+    b.stop.set()  # B's driver hangs: no more renewals
+    time.sleep(1.5)
+    c = Lease(date, "C", storage, ttl_s=30).acquire()  # takes over the expired lease
+    with pytest.raises(LeaseLost, match="run B lost its run_date lease"):
+        b.check()
+    c.release()
+    local = str(root / "local" / "run_date=2026-11-21")
+    d = Lease(local, "D", storage, ttl_s=30).acquire()
+    with pytest.raises(LeaseHeld, match="is being written by run D"):
+        Lease(local, "E", storage, ttl_s=30).acquire()
+    d.release()
+    Lease(local, "E", storage, ttl_s=30).acquire().release()
+
+
+def test_overlapping_runs_on_s3_publish_once(cluster, tmp_path):
+    """Two drivers of one date started together against S3: one publishes a complete run, the other is refused
+    (exit 3) and writes nothing."""
+    world, s3, head, root = cluster
+    items = s3_config(s3, root, f"output={s3.uri('overlap')}", "compute.batch_size=4")
+    cmd = [sys.executable, "-m", "jobs.nightly", *(x for item in items for x in ("--set", item))]
+    env = {**os.environ, "RAY_ADDRESS": head.address}
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    results = [p.communicate(timeout=600) + (p.returncode,) for p in procs]
+    assert sorted(rc for _, _, rc in results) == [0, 3], [err[-2000:] for _, err, _ in results]
+    assert "is being written by run" in next(err for _, err, rc in results if rc == 3)
+    storage = load_config(None, items).storage
+    date = s3.uri("overlap", "run_date=2026-11-21")
+    published = runs.resolve(date, storage)
+    fs, path = S.filesystem(published, storage)
+    assert pq.read_table(f"{path}/recommendations", filesystem=fs).num_rows == 100 * 5
+    assert S.list_children(date, storage) == [published.rsplit("/", 1)[1]]  # the refused run wrote nothing

@@ -1,0 +1,119 @@
+"""Faults from outside, on a real Ray head (token auth) with real driver processes: the driver SIGKILLed mid-run
+and then resumed (every user exactly once, only the uncommitted shards decoded again), and two runs of one date
+overlapping (exactly one publishes; a reader that resolved the previous run keeps reading it)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline import runs
+from pipeline import storage as S
+from pipeline.config import load_config
+from tests.servers import ray_head
+from tests.test_nightly import direct_beam_search, make_world
+
+ROOT = Path(__file__).resolve().parents[1]
+USERS, K = 1200, 5
+DATE = "2026-11-21"
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory):
+    root = tmp_path_factory.mktemp("faults")
+    world = make_world(root / "world", n_users=USERS)
+    with ray_head(root / "ray") as head:
+        yield world, head
+
+
+def args(world, out, *extra):
+    return [f"input={world / 'data' / 'test.parquet'}", f"catalog={world / 'data' / 'items.parquet'}",
+            f"output={out}", f"models.target={world / 'target'}", f"decoding.k={K}", "compute.batch_size=8",
+            f"run_date={DATE}", f"models.cache_dir={world / 'cache'}", "runs.progress_s=1", *extra]
+
+
+def driver(head, items, *flags) -> subprocess.Popen:
+    """`python -m jobs.nightly` as its own process (and session), connected to the head."""
+    cmd = [sys.executable, "-m", "jobs.nightly", *(x for item in items for x in ("--set", item)), *flags]
+    env = {**os.environ, **head.env(), "RAY_ADDRESS": head.address}
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, timeout=600) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def committed_shards(out: Path) -> int:
+    return len(list(out.glob(f"run_date={DATE}/run_id=*/metrics/s*.parquet")))
+
+
+def assert_every_user_once(world, run: str):
+    recs = pq.read_table(f"{run}/recommendations").to_pandas()
+    users = pq.read_table(world / "data" / "test.parquet").to_pandas()
+    assert len(recs) == USERS * K and set(recs.user_id) == set(users.user_id)
+    assert (recs.groupby("user_id")["rank"].apply(sorted) == [list(range(1, K + 1))] * USERS).all()
+    return recs, users
+
+
+def test_driver_killed_mid_run_then_resumed(head, tmp_path):
+    world, head = head
+    out = tmp_path / "out"
+    items = args(world, out)
+    proc = driver(head, items)
+    deadline = time.time() + 300
+    while committed_shards(out) < 6 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be killed: " + proc.communicate()[1][-2000:]
+    os.killpg(proc.pid, signal.SIGKILL)  # the driver and everything it started in its session
+    proc.wait()
+    killed = committed_shards(out)
+    assert runs.latest_run(str(out), DATE, load_config(None, items).storage) is None  # nothing published
+    rc, stdout, err = finish(driver(head, items, "--resume", "latest"))
+    assert rc == 0, err[-3000:]
+    manifest = json.loads(stdout[stdout.index("{"):])
+    resume = manifest["resume"]
+    assert resume["resumed"] and resume["shards_committed_before"] >= killed >= 6
+    total = manifest["counts"]["batches"]  # shards of the published run
+    assert 0 < resume["shards_decoded"] < total and resume["users_decoded"] < USERS
+    print(f"resume: {resume['shards_committed_before']} shards committed before the kill, "
+          f"{resume['shards_decoded']} of {total} decoded again ({resume['users_decoded']} of {USERS} users)")
+    assert "progress:" in err  # the driver logs users done / total, users/s and an ETA
+    run = runs.latest_run(str(out), DATE, load_config(None, items).storage)
+    recs, users = assert_every_user_once(world, run)
+    ref, _ = direct_beam_search(world, users.history.tolist(), k=K)
+    want = dict(zip(users.user_id, ref.item_ids.tolist()))
+    assert all(want[u] == g.sort_values("rank").item_id.tolist() for u, g in recs.groupby("user_id"))
+    metrics = pq.read_table(f"{run}/metrics").to_pandas()
+    assert metrics.shard.is_unique and metrics.users_in.sum() == USERS  # shard ids unique across the two drivers
+
+
+def test_overlapping_runs_publish_once_and_readers_keep_their_run(head, tmp_path):
+    world, head = head
+    out = tmp_path / "out"
+    items = args(world, out)
+    storage = load_config(None, items).storage
+    rc, _, err = finish(driver(head, items))
+    assert rc == 0, err[-3000:]
+    old = runs.resolve(str(out / f"run_date={DATE}"), storage)  # a reader resolves _LATEST ...
+    first, second = driver(head, items), driver(head, items)  # ... then two reruns of the date start together
+    results = [finish(first), finish(second)]
+    codes = sorted(rc for rc, _, _ in results)
+    assert codes == [0, 3], [err[-2000:] for _, _, err in results]
+    refused = next(err for rc, _, err in results if rc == 3)
+    assert "refused" in refused and "is being written by run" in refused
+    stdout = next(o for rc, o, _ in results if rc == 0)
+    winner = json.loads(stdout[stdout.index("{"):])
+    assert pq.read_table(f"{old}/recommendations").num_rows == USERS * K  # the old run is still whole
+    assert (Path(old) / "_SUPERSEDED").is_file()
+    run = runs.resolve(str(out / f"run_date={DATE}"), storage)
+    assert run.endswith(winner["run_id"])
+    assert_every_user_once(world, run)
+    assert S.list_children(str(out / f"run_date={DATE}"), storage) == sorted(
+        [Path(old).name, f"run_id={winner['run_id']}"])  # the refused run wrote nothing
