@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "models" / "demo-target"
 PARAMS = {"all": P.AllParams, "decode": P.DecodeParams, "speculative": P.SpeculativeParams, "disc": P.DiscParams,
           "disc-bias": P.DiscBiasParams, "nightly": P.NightlyParams, "templates": P.TemplatesParams,
+          "nightly-scale": P.ScaleParams,
           "shapes": P.ShapesParams, "gpu": P.GpuParams}
 HELP = {"all": "every claim in one run (decode, speculative, disc, disc-bias) -> all.{md,json}",
         "decode": "transformers beam search vs beam_search, and the catalog index",
@@ -42,6 +43,7 @@ HELP = {"all": "every claim in one run (decode, speculative, disc, disc-bias) ->
         "disc-bias": "DISC's bias: TV / KL of each sampler to the exact constrained P_S",
         "nightly": "the nightly job on one actor vs direct calls on the same users",
         "templates": "prompt templates: rendering cost, and the nightly job's users/s with each",
+        "nightly-scale": "the nightly job on synthetic users at scale: exactly once, driver RSS, object store peak",
         "shapes": "beam_search vs transformers over vocabulary x prompt x K, users/s and working memory",
         "gpu": "on CUDA: half-precision parity, shapes, DISC, speculative; one report (~10 min on an H100)"}
 PATHS = {"data": str(ROOT / "data" / "beauty"), "target": str(DEMO), "out": str(ROOT / "bench-out"),
@@ -108,12 +110,13 @@ def main(argv=None) -> int:
     cls = PARAMS[args.bench]
     params = cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
     command = "python -m jobs.bench " + shlex.join(argv)
-    from pipeline.bench import common, decode, disc, gpu, nightly, shapes, speculative, templates
+    from pipeline.bench import common, decode, disc, gpu, nightly, scale, shapes, speculative, templates
     from pipeline.bench.all import bench_all
 
     run = {"all": bench_all, "decode": decode.run_decode, "speculative": speculative.run_speculative,
            "disc": disc.run_disc, "disc-bias": disc.run_disc_bias, "nightly": nightly.run_nightly_bench,
-           "templates": templates.run_templates, "shapes": shapes.run_shapes, "gpu": gpu.run_gpu}[args.bench]
+           "templates": templates.run_templates, "shapes": shapes.run_shapes, "gpu": gpu.run_gpu,
+           "nightly-scale": scale.run_scale}[args.bench]
     try:
         result, md = run(params, command)
     except FileNotFoundError as e:  # missing data or models: the message says how to make them

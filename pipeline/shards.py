@@ -140,8 +140,8 @@ def find_duplicates(units: list[Unit], fs) -> pa.Table:
         read_units, batch_size=1, batch_format="pyarrow", fn_kwargs={"fs": fs, "columns": ["user_id"]})
     rows = sum(u.rows for u in units)
     grouped = ids.groupby("user_id", num_partitions=max(1, min(64, rows // 500_000 + 1))).aggregate(Count(alias_name="n"), Min("pos", alias_name="first"))
-    refs = grouped.filter(expr=col("n") > 1).to_arrow_refs()
-    found = [ray.get(r).select(["user_id", "first"]) for r in refs]
+    found = [b.select(["user_id", "first"]) for b in grouped.filter(expr=col("n") > 1).iter_batches(
+        batch_size=None, batch_format="pyarrow") if b.num_rows]  # one execution
     return pa.concat_tables(found) if found else None
 
 

@@ -28,7 +28,8 @@ def bench_nightly(p: NightlyParams) -> dict:
     from pipeline.config import load_config
     from pipeline.nightly import actor_spec, open_input, read_catalog, resolve_models, resolve_template, run_nightly
 
-    cfg = load_config(p.config, list(p.overrides) + [f"output={p.out}/nightly-bench", "compute.num_actors=1"])
+    cfg = load_config(p.config, list(p.overrides) + [f"output={p.out}/nightly-bench", "compute.num_actors=1",
+                                                        "runs.grace_s=0"])
     data, _, _ = open_input(cfg)
     table = data.to_table(columns=["user_id", "history"])
     size = cfg.compute.batch_size

@@ -89,6 +89,21 @@ class NightlyParams:
     repeats: int = REPEATS
 
 
+@dataclass
+class ScaleParams:
+    """`bench nightly-scale`: the nightly job on `users` synthetic users (each size a whole run in its own driver
+    process) with a tiny random model, against the recommender called directly on `direct_batches` batches."""
+    users: list[int] = field(default_factory=lambda: [100_000, 1_000_000])
+    k: int = 10
+    batch: int = 256
+    actors: int = 1
+    cpus: int = 2  # CPUs of the local Ray
+    items: int = 3000
+    history_len: int = 20
+    direct_batches: int = 20
+    out: str = "bench-out"
+
+
 @dataclass(kw_only=True)
 class TemplatesParams(Timed):
     """`bench templates`: rendering every Beauty test user with each template, renderer vs tokenizer; then the
