@@ -96,8 +96,8 @@ def summarize(run: Run, gpu_hour_price: float) -> dict:
         "peak_memory_gb": float(peak.max() / 2 ** 30) if len(peak) else None,
         "gpu_hour_price": gpu_hour_price, "accelerator_hours": hours,
         "cost_per_million_users": {k: gpu_hour_price * h / users * 1e6 if users else None for k, h in hours.items()},
-        "per_shard": [{"shard": s, "actor": a, "users": int(u), "users_per_s": float(r)}
-                      for s, a, u, r in zip(m.shard, m.actor, m.users_ok, m.users_per_s.fillna(0.0))],
+        "per_shard": [{"shard": s, "actor": a, "batch": int(b), "users": int(u), "users_per_s": float(r)}
+                      for s, a, b, u, r in zip(m.shard, m.actor, m.batch, m.users_ok, m.users_per_s.fillna(0.0))],
         "per_actor": [{"actor": a, "users": int(r.users), "batches": int(r.batches), "busy_s": float(r.busy_s),
                        "users_per_s": float(r.users_per_s)} for a, r in per_actor.iterrows()],
     }
@@ -149,7 +149,7 @@ def fig_throughput(runs: list[dict]) -> bytes:
     width = 0.8 / len(runs)
     for i, s in enumerate(runs):
         actors = sorted({r["actor"] for r in s["per_shard"]})
-        shards = sorted(s["per_shard"], key=lambda r: (actors.index(r["actor"]), _batch_index(r["shard"])))
+        shards = sorted(s["per_shard"], key=lambda r: (actors.index(r["actor"]), r["batch"]))
         left.plot(range(1, len(shards) + 1), [r["users_per_s"] for r in shards], marker="o", ms=3, label=_label(s))
         rate = {a["actor"]: a["users_per_s"] for a in s["per_actor"]}
         right.bar(np.arange(len(actors)) + i * width, [rate[x] for x in actors], width, label=_label(s))
@@ -160,11 +160,6 @@ def fig_throughput(runs: list[dict]) -> bytes:
     left.legend(fontsize=8)
     left.set_ylim(bottom=0)
     return _png(fig)
-
-
-def _batch_index(shard: str) -> int:
-    tail = shard.rsplit(":", 1)[-1]
-    return int(tail) if tail.isdigit() else 0
 
 
 def fig_time_split(runs: list[dict]) -> bytes:
