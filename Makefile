@@ -5,7 +5,7 @@ BIN      = $(VENV)/bin
 TORCH   ?= torch==2.13.0
 DATA    ?= data/beauty
 
-.PHONY: install browser demo models nightly bench report test clean
+.PHONY: install browser demo models nightly bench bench-gpu report test clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -35,6 +35,11 @@ nightly: $(DATA)/items.parquet
 # Every claim (decode, index, speculative Table 1, DISC cost and bias) -> bench-out/all.{md,json}, ~3 min on 2 CPUs.
 bench: models
 	$(BIN)/python -m jobs.bench all --data $(DATA)
+
+# On a CUDA machine: half-precision parity, shapes, DISC and speculative (with the demo models) in one report,
+# bench-out/gpu.{md,json}, about 10 minutes on an H100; refused (exit 2) without CUDA.
+bench-gpu: models
+	$(BIN)/python -m jobs.bench gpu --data $(DATA) --target models/demo-target --drafts models/demo-draft
 
 # Offline evaluation and the cost/throughput report of the newest demo run (out/nightly), with a screenshot.
 report: browser

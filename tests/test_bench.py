@@ -223,3 +223,49 @@ def test_bench_templates_small(data, tmp_path):
     assert all(x["users"] == 40 for x in jobs.values())
     assert jobs["lcrec"]["prompt_tokens_per_user"] > jobs["codes"]["prompt_tokens_per_user"]
     assert "| lcrec |" in (out / "templates.md").read_text()
+
+
+def test_bench_gpu_refuses_without_cuda(tmp_path):
+    """`bench gpu` without a CUDA device (or on the CPU without --smoke) exits 2 with how to run it, before any
+    model is built or any output written."""
+    out = tmp_path / "out"
+    # the default device (cuda if available, else cpu) and --device cuda on a machine without CUDA; --device cpu
+    # (without --smoke) wherever CUDA is
+    argvs = [["--device", "cpu"]] if torch.cuda.is_available() else [[], ["--device", "cuda"]]
+    for argv in argvs:
+        run = bench("gpu", *argv, "--out", str(out))
+        assert run.returncode == 2, (argv, run.stderr[-2000:])
+        assert "needs a CUDA device" in run.stderr or "sees no CUDA device" in run.stderr, run.stderr[-2000:]
+        assert "--device cpu --smoke" in run.stderr and "Traceback" not in run.stderr
+    assert not out.exists()
+
+
+def test_bench_gpu_smoke_on_cpu(data, tmp_path):
+    """`bench gpu --device cpu --smoke` runs every section at smoke sizes (tiny random Llamas, float32 timings,
+    bfloat16 / float16 parity) and writes one report: parity per dtype against transformers and strict speculative,
+    then the shapes, DISC and speculative sections."""
+    out = tmp_path / "out"
+    target = tiny_beauty_model(tmp_path / "target", data, 32, 0)
+    draft = tiny_beauty_model(tmp_path / "draft", data, 16, 1)
+    run = bench("gpu", "--device", "cpu", "--smoke", "--data", str(data), "--layers", "1", "--hidden", "32",
+                "--heads", "2", "--target", str(target), "--drafts", str(draft), "--out", str(out))
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads((out / "gpu.json").read_text())
+    assert {"parity", "shapes", "disc", "speculative", "seconds", "hardware", "versions"} <= set(result)
+    assert [r["dtype"] for r in result["parity"]] == ["bfloat16", "float16"]
+    for r, tie in zip(result["parity"], (4e-2, 8e-3)):  # TIE = 2 x the score bound of tests/test_engine.py
+        assert r["tie"] == tie
+        for against in ("transformers", "speculative"):
+            x = r[against]
+            assert 0 <= x["clear_users_identical"] <= x["clear_users"] <= r["users"]
+            assert x["max_abs_score_diff"] >= 0
+    cells = result["shapes"]["cells"]
+    assert [(c["vocab"], c["prompt"], c["k"]) for c in cells] == [(2048, 40, 5)]
+    assert cells[0]["same_items_same_order"] == 1.0  # float32 at smoke sizes: the same lists as transformers
+    assert "disc rounds=4 exact" in result["disc"]["methods"]
+    assert result["speculative"]["batches"]
+    md = (out / "gpu.md").read_text()
+    for section in ("## half-precision parity", "| bfloat16 | beam_search vs transformers", "| float16 | beam_search "
+                    "vs speculative", "## shapes: beam_search vs transformers", "## DISC vs constrained sampling",
+                    "## speculative beam search vs beam_search"):
+        assert section in md, section

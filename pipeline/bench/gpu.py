@@ -31,6 +31,9 @@ TIE = {"bfloat16": 4e-2, "float16": 8e-3}  # as tests/test_engine.py: twice the 
 
 def run_gpu(p: GpuParams, command: str) -> tuple[dict, str]:
     device = pick_device(p.device)
+    if device.type == "cuda" and not torch.cuda.is_available():  # --device cuda on a machine without one
+        raise FileNotFoundError(f"bench gpu: --device {p.device} but torch {torch.__version__} sees no CUDA device "
+                                "(or --device cpu --smoke, at smoke sizes)")
     if device.type != "cuda" and not p.smoke:
         raise FileNotFoundError("bench gpu needs a CUDA device (or --device cpu --smoke, at smoke sizes)")
     t0, small, half = time.perf_counter(), p.smoke, "float32" if p.smoke else "bfloat16"
