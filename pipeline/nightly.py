@@ -3,8 +3,8 @@ streaming Ray Data execution, then the manifest, _SUCCESS and publication (runs.
 of work, lease.py the lease).
 
 units (input row groups) -> read (rows not yet committed; duplicate user ids flagged) -> batches -> ShardRecommender
-(actor pool, GPUs per actor from the config) -> write_shards (recommendations, rejects, then metrics: the commit) ->
-one summary row per shard to the driver (progress) -> manifest -> _SUCCESS -> publish.
+(actor pool, GPUs per actor from the config; each batch is a shard it writes: recommendations, rejects, then metrics,
+the commit) -> one summary row per shard to the driver (progress) -> manifest -> _SUCCESS -> publish.
 
 Nothing proportional to the number of users stays on the driver or in the object store: blocks stream through and
 are written as they finish. A killed run is resumed with `resume=RUN_ID` (or "latest"): only the positions no
@@ -134,14 +134,6 @@ def actor_spec(cfg: Config, run_id: str, catalog: pa.Table, template: PromptTemp
                      threads=cfg.compute.threads_per_actor)
 
 
-def auto_decisions(metrics: pa.Table) -> dict | None:
-    """decoding.mode = auto: each actor's choice and the trial timings behind it (its last metric row's state)."""
-    rows = metrics.select(["actor", "batch", "auto"]).to_pylist()
-    states = {r["actor"]: json.loads(r["auto"]) for r in sorted(rows, key=lambda r: (r["actor"], r["batch"]))
-              if r["auto"]}
-    return states or None
-
-
 @dataclass
 class Plan:
     """A run checked on the driver, before Ray starts any work."""
@@ -225,20 +217,21 @@ def execute(plan: Plan, run_id: str, resumed: bool, lease: Lease) -> dict:
     left = sum(len(shards.positions(u)) for u in work)
     log.info("run %s%s: %d users in %d row groups of %s; %d already committed in %d shards, %d to decode",
              run_id, " (resumed)" if resumed else "", total, len(plan.units), cfg.input, total - left, committed, left)
+    t_dup = time.perf_counter()
     duplicates = shards.find_duplicates(plan.units, plan.fs) if total else None
+    t_dup, t_graph = time.perf_counter() - t_dup, time.perf_counter()
     spec = replace(plan.spec, run_id=run_id)
-    new_shards = 0
+    new_shards, t_first = 0, None
     if work:
         ds = ray.data.from_items(work)
         ds = ds.map_batches(shards.read_units, batch_size=1, batch_format="pyarrow", num_cpus=0.5,
                             fn_kwargs={"fs": plan.fs, "columns": ["user_id", "history"], "duplicates": duplicates})
         ds = ds.repartition(target_num_rows_per_block=c.batch_size)  # streaming: every actor of the pool gets work
-        ds = ds.map_batches(shards.ShardRecommender, fn_constructor_kwargs={"spec": spec}, batch_size=c.batch_size,
-                            batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=c.num_actors),
+        ds = ds.map_batches(shards.ShardRecommender, batch_size=c.batch_size, batch_format="pyarrow",
+                            fn_constructor_kwargs={"spec": spec, "run": run, "storage": cfg.storage},
+                            compute=ray.data.ActorPoolStrategy(size=c.num_actors),
                             num_gpus=c.gpus_per_actor or None, num_cpus=c.cpus_per_actor)
-        ds = ds.map_batches(shards.write_shards, batch_size=None, batch_format="pyarrow", num_cpus=0.5,
-                            fn_kwargs={"run": run, "storage": cfg.storage})
-        new_shards = follow(ds, left, cfg.runs.progress_s, lease)
+        new_shards, t_first = follow(ds, left, cfg.runs.progress_s, lease)
     t_decode = time.perf_counter() - t0
     if not S.list_files(runs.table_dir(run, "recommendations"), cfg.storage):  # every user rejected
         user_type = plan.data.schema.field("user_id").type
@@ -246,9 +239,7 @@ def execute(plan: Plan, run_id: str, resumed: bool, lease: Lease) -> dict:
             [output_schema(user_type).field(n) for n in TABLES["rec"]]).empty_table(), cfg.storage)
     if not S.list_files(runs.table_dir(run, "rejects"), cfg.storage):
         runs.write_table(run, "rejects", reject_schema_of(plan), cfg.storage)
-    metrics = runs.read_table(run, "metrics", cfg.storage) if total else shards.metric_table([])
-    sums = {k: int(pc.sum(metrics[k]).as_py() or 0) for k in
-            ("users_in", "users_ok", "users_rejected", "users_non_finite", "recommendations")}
+    sums = shards.tally(run, cfg.storage)
     if sums["users_in"] != total:
         raise RuntimeError(f"run {run_id}: the committed shards cover {sums['users_in']} users, the input has {total}")
     inputs = plan.inputs
@@ -257,16 +248,17 @@ def execute(plan: Plan, run_id: str, resumed: bool, lease: Lease) -> dict:
                                    "items": [{"item_id": d, "kept": k} for d, k in inputs.catalog.duplicates]}}
     counts = {"input_rows": total, "users_ok": sums["users_ok"], "users_rejected": sums["users_rejected"],
               "users_non_finite": sums["users_non_finite"], "recommendations": sums["recommendations"],
-              "batches": metrics.num_rows}
+              "batches": sums["batches"]}
     manifest = {"run_id": run_id, "run_date": cfg.run_date, "status": "succeeded", "config": cfg.to_dict(),
                 "code_version": code_version(),
                 "models": {role: {"uri": m["uri"], "sha256": m["sha256"]} for role, m in plan.models.items()},
                 "template": inputs.renderer.template.to_dict(), "max_prompt_tokens": inputs.renderer.max_len,
-                "prefix_tokens": len(inputs.renderer.prefix_ids), "auto": auto_decisions(metrics),
+                "prefix_tokens": len(inputs.renderer.prefix_ids), "auto": sums["auto"],
                 "catalog": catalog_info, "counts": counts,
                 "resume": {"resumed": resumed, "shards_committed_before": committed, "shards_decoded": new_shards,
                            "users_decoded": left},
-                "timings": {"decode_s": t_decode, "total_s": time.perf_counter() - t0},
+                "timings": {"duplicates_s": t_dup, "first_shard_s": None if t_first is None else t_graph - t0 + t_first,
+                            "decode_s": t_decode, "total_s": time.perf_counter() - t0},
                 "outputs": {name: runs.table_dir(run, name) for name in runs.TABLES}}
     runs.finish(run, manifest, cfg.storage)
     lease.check()  # a run that lost the date never publishes
@@ -280,12 +272,14 @@ def reject_schema_of(plan: Plan) -> pa.Table:
     return pa.schema([output_schema(user_type).field(n) for n in TABLES["reject"]]).empty_table()
 
 
-def follow(ds, total: int, every_s: float, lease: Lease) -> int:
+def follow(ds, total: int, every_s: float, lease: Lease) -> tuple[int, float | None]:
     """Streams the execution: one summary row per written shard; logs users done / total, users/s and an ETA every
-    every_s seconds; stops if the lease is lost -> the number of shards written."""
+    every_s seconds; stops if the lease is lost -> (shards written, seconds until the first was written)."""
     t0 = last = time.perf_counter()
     users = n = 0
+    first = None
     for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+        first = first if first is not None else time.perf_counter() - t0
         users += int(pc.sum(batch["users_in"]).as_py() or 0)
         n += batch.num_rows
         if lease.lost:
@@ -297,7 +291,7 @@ def follow(ds, total: int, every_s: float, lease: Lease) -> int:
             log.info("progress: %d / %d users (%.1f%%), %.1f users/s, ETA %.0f s", users, total,
                      100 * users / max(total, 1), rate, eta)
     log.info("decoded %d users in %d shards, %.1f s", users, n, time.perf_counter() - t0)
-    return n
+    return n, first
 
 
 def collect_garbage(cfg: Config) -> list[str]:

@@ -18,9 +18,12 @@ not superseded is unfinished: `--resume` continues it.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pandas as pd
@@ -153,9 +156,24 @@ def resolve(uri: str, storage: Storage) -> str:
     return run
 
 
+def read_files(run: str, name: str, storage: Storage, columns=None, in_flight: int = 16) -> Iterator[pa.Table]:
+    """One of the run's tables, file by file in name order (`in_flight` reads at once: object stores are latency
+    bound). Memory stays flat in the number of files, where one pyarrow dataset over them keeps every file's footer
+    (a run of 3,910 metric files: 500 MiB)."""
+    folder = table_dir(run, name)
+    fs, path = S.filesystem(folder, storage)
+    names = [f for f in S.list_files(folder, storage) if f.endswith(".parquet") and not f.startswith(".")]
+    read = functools.partial(pq.read_table, filesystem=fs, columns=list(columns) if columns else None)
+    with ThreadPoolExecutor(in_flight) as pool:
+        for i in range(0, len(names), in_flight):
+            yield from pool.map(read, [f"{path}/{f}" for f in names[i:i + in_flight]])
+
+
 def read_table(run: str, name: str, storage: Storage, columns=None) -> pa.Table:
-    fs, path = S.filesystem(table_dir(run, name), storage)
-    return pq.read_table(path, filesystem=fs, columns=list(columns) if columns else None)
+    tables = list(read_files(run, name, storage, columns))
+    if not tables:  # no file: the table's schema is unknown here
+        raise FileNotFoundError(f"run {run}: the {name} table has no files")
+    return pa.concat_tables(tables, promote_options="permissive")
 
 
 @dataclass
@@ -178,7 +196,10 @@ def load_run(uri: str, storage: Storage) -> Run:
     """A complete, published run (see `resolve`) with its manifest and metrics."""
     run = resolve(uri, storage)
     manifest = json.loads(S.read_bytes(S.join(run, "manifest.json"), storage))
-    metrics = read_table(run, "metrics", storage).to_pandas()
+    try:
+        metrics = read_table(run, "metrics", storage).to_pandas()
+    except FileNotFoundError:
+        metrics = pd.DataFrame()
     if metrics.empty:
         raise ValueError(f"run {run}: the metrics table is empty")
     return Run(run, manifest, metrics)

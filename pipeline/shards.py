@@ -8,8 +8,8 @@ Duplicate user ids: one Ray Data aggregation over (user_id, pos) finds the ids s
 position; only those come to the driver (memory proportional to the number of duplicated ids, not of users).
 Decoding: `ShardRecommender` wraps the Recommender actor; every batch it decodes is a shard, named by its first
 position (`s000000012345`): unique within a run and across its resumes, whatever actor restarts happen.
-Writing: `write_shards` writes a shard's recommendations, then its rejects, then its metrics row, which lists the
-position ranges the shard covers. A shard is committed when its metrics file exists; a resume reads the metrics
+Writing: the actor writes (`write_shard`) a shard's recommendations, then its rejects, then its metrics row, which
+lists the position ranges the shard covers. A shard is committed when its metrics file exists; a resume reads the metrics
 table for the committed ranges, deletes the files of uncommitted shards and reads only the rest.
 """
 from __future__ import annotations
@@ -76,8 +76,26 @@ def committed(run: str, storage: Storage) -> tuple[list[tuple[int, int]], int]:
                                 if f.removesuffix(".parquet") not in names], storage)
     if not names:
         return [], 0
-    ranges = runs.read_table(run, "metrics", storage, ["ranges"]).column("ranges").to_pylist()
-    return merge([tuple(r) for rs in ranges for r in rs]), len(names)
+    ranges = [tuple(r) for t in runs.read_files(run, "metrics", storage, ["ranges"])
+              for rs in t.column("ranges").to_pylist() for r in rs]
+    return merge(ranges), len(names)
+
+
+SUMS = ("users_in", "users_ok", "users_rejected", "users_non_finite", "recommendations")
+
+
+def tally(run: str, storage: Storage) -> dict:
+    """The committed shards' totals, read file by file: {SUMS..., "batches", "auto": each actor's last auto state
+    (decoding.mode = auto: its choice and the trial timings behind it) or None}."""
+    sums, batches, last = dict.fromkeys(SUMS, 0), 0, {}
+    for t in runs.read_files(run, "metrics", storage, [*SUMS, "actor", "batch", "auto"]):
+        batches += t.num_rows
+        for key in SUMS:
+            sums[key] += int(pc.sum(t[key]).as_py() or 0)
+        for r in t.select(["actor", "batch", "auto"]).to_pylist():
+            if r["auto"] and r["batch"] >= last.get(r["actor"], (-1, None))[0]:
+                last[r["actor"]] = (r["batch"], json.loads(r["auto"]))
+    return {**sums, "batches": batches, "auto": {actor: state for actor, (_, state) in sorted(last.items())} or None}
 
 
 def merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -146,31 +164,36 @@ def find_duplicates(units: list[Unit], fs) -> pa.Table:
 
 
 class ShardRecommender:
-    """The actor of the graph: each batch it gets is one shard (named by its first position); duplicate rows go to
-    rejects, the rest to the Recommender; every output row carries the shard, its metric row the ranges covered."""
+    """The actor of the graph: each batch it gets is one shard (named by its first position). Duplicate rows go to
+    rejects, the rest to the Recommender; the actor writes the shard itself (no output rows cross the object store)
+    and returns one summary row for the driver's progress."""
 
-    def __init__(self, spec: ActorSpec):
-        self.recommender = Recommender(spec)
+    def __init__(self, spec: ActorSpec, run: str, storage: Storage):
+        self.recommender, self.run, self.storage = Recommender(spec), run, storage
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         pos = batch["pos"].to_numpy()
         shard = f"s{int(pos.min()):012d}"
         dup = batch["duplicate"].to_numpy(zero_copy_only=False)
         out = self.recommender(batch.filter(pa.array(~dup)).select(["user_id", "history"]))
-        schema = output_schema(batch.schema.field("user_id").type)
+        kind = out["kind"]
+        metric = json.loads(out["metrics"].filter(pc.equal(kind, "metric"))[0].as_py())
         n_dup = int(dup.sum())
-        if n_dup:
-            users = batch["user_id"].filter(pa.array(dup))
-            out = pa.concat_tables([out, pa.table({"kind": ["reject"] * n_dup, "user_id": users,
-                                                   "reason": [DUPLICATE[0]] * n_dup,
-                                                   "detail": [DUPLICATE[1]] * n_dup})], promote_options="permissive")
-        kind = out["kind"].to_numpy(zero_copy_only=False)
-        metric = json.loads(out["metrics"].filter(pa.array(kind == "metric"))[0].as_py())
         metric.update(shard=shard, users_in=metric["users_in"] + n_dup, users_duplicate=n_dup,
                       users_rejected=metric["users_rejected"] + n_dup, ranges=ranges_of(pos))
-        metrics = pc.if_else(pa.array(kind == "metric"), json.dumps(metric), out["metrics"])
-        out = out.select(schema.names).cast(schema).set_column(schema.get_field_index("metrics"), "metrics", metrics)
-        return out.append_column("shard", pa.array([shard] * out.num_rows, pa.string()))
+        schema = output_schema(batch.schema.field("user_id").type)
+        rejects = out.filter(pc.equal(kind, "reject")).select(TABLES["reject"]).cast(
+            pa.schema([schema.field(n) for n in TABLES["reject"]]))
+        if n_dup:
+            users = batch["user_id"].filter(pa.array(dup))
+            rejects = pa.concat_tables([rejects, pa.table(
+                {"user_id": users, "reason": [DUPLICATE[0]] * n_dup, "detail": [DUPLICATE[1]] * n_dup},
+                schema=rejects.schema)])
+        recs = out.filter(pc.equal(kind, "rec")).select(TABLES["rec"]).cast(
+            pa.schema([schema.field(n) for n in TABLES["rec"]]))
+        write_shard(shard, recs, rejects, metric, self.run, self.storage)
+        return pa.Table.from_pylist([{key: metric[key] for key in
+                                      ("users_in", "users_ok", "users_rejected", "recommendations")}])
 
 
 def ranges_of(pos: np.ndarray) -> list[list[int]]:
@@ -185,23 +208,13 @@ def metric_table(rows: list[dict]) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=METRIC_SCHEMA)
 
 
-def write_shards(block: pa.Table, run: str, storage: Storage) -> pa.Table:
-    """Ray Data map over actor outputs: each shard's recommendations, rejects and then metrics (its commit), as
-    `<table>/<shard>.parquet` -> one summary row per shard (the driver's progress)."""
-    out = []
-    for shard in pc.unique(block["shard"]).to_pylist():
-        t = block.filter(pc.equal(block["shard"], shard))
-        kind = t["kind"]
-        rec, rej = t.filter(pc.equal(kind, "rec")), t.filter(pc.equal(kind, "reject"))
-        metric = json.loads(t.filter(pc.equal(kind, "metric"))["metrics"][0].as_py())
-        for name, rows in (("recommendations", rec.select(TABLES["rec"])), ("rejects", rej.select(TABLES["reject"])),
-                           ("metrics", metric_table([metric]))):
-            if rows.num_rows or name == "metrics":
-                fs, path = S.filesystem(runs.table_dir(run, name), storage)
-                fs.create_dir(path)
-                write_atomic(rows, fs, f"{path}/{shard}.parquet")
-        out.append({key: metric[key] for key in ("users_in", "users_ok", "users_rejected", "recommendations")})
-    return pa.Table.from_pylist(out)
+def write_shard(shard: str, recs: pa.Table, rejects: pa.Table, metric: dict, run: str, storage: Storage) -> None:
+    """A shard's recommendations, rejects and then its metrics row (its commit), as `<table>/<shard>.parquet`."""
+    for name, rows in (("recommendations", recs), ("rejects", rejects), ("metrics", metric_table([metric]))):
+        if rows.num_rows or name == "metrics":
+            fs, path = S.filesystem(runs.table_dir(run, name), storage)
+            fs.create_dir(path)
+            write_atomic(rows, fs, f"{path}/{shard}.parquet")
 
 
 def write_atomic(table: pa.Table, fs, path: str) -> None:

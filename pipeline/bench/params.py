@@ -92,7 +92,8 @@ class NightlyParams:
 @dataclass
 class ScaleParams:
     """`bench nightly-scale`: the nightly job on `users` synthetic users (each size a whole run in its own driver
-    process) with a tiny random model, against the recommender called directly on `direct_batches` batches."""
+    process) with a tiny random model, against the recommender called directly on `direct_batches` batches,
+    `direct_repeats` times before the job and as many after it."""
     users: list[int] = field(default_factory=lambda: [100_000, 1_000_000])
     k: int = 10
     batch: int = 256
@@ -101,6 +102,7 @@ class ScaleParams:
     items: int = 3000
     history_len: int = 20
     direct_batches: int = 20
+    direct_repeats: int = 3
     out: str = "bench-out"
 
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import resource
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import asdict
@@ -20,7 +20,7 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import torch
 
-from pipeline.bench.common import environment
+from pipeline.bench.common import environment, fmt_ratio, fmt_spread, spread
 from pipeline.bench.params import ScaleParams
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,39 +67,53 @@ def bench_size(p: ScaleParams, n: int) -> dict:
     import ray
 
     root = world(p, n)
+    direct = direct_users_per_s(p, root)
     shutil.rmtree(root / "out", ignore_errors=True)
     cmd = [sys.executable, "-m", "jobs.nightly", *(x for o in overrides(p, root) for x in ("--set", o))]
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
-    peak = {"object_store_mib": 0.0}
+    samples: list[dict] = []
     done = threading.Event()
-    threading.Thread(target=poll_object_store, args=(peak, done), daemon=True).start()
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    done.set()
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, text=True)
+        threading.Thread(target=poll, args=(proc.pid, samples, done), daemon=True).start()
+        _, status, usage = os.wait4(proc.pid, 0)  # this driver's own rusage: its peak RSS
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        wall = time.perf_counter() - t0
+        done.set()
+        out.seek(0), err.seek(0)
+        stdout, stderr = out.read(), err.read()
     if proc.returncode != 0:
-        raise RuntimeError(f"nightly-scale {n} users failed:\n{proc.stderr[-3000:]}")
-    driver_rss_mib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # the largest child so far
-    manifest = json.loads(proc.stdout[proc.stdout.index("{"):])
+        raise RuntimeError(f"nightly-scale {n} users failed:\n{stderr[-3000:]}")
+    manifest = json.loads(stdout[stdout.index("{"):])
+    t = manifest["timings"]
     run = Path(manifest["outputs"]["recommendations"]).parent
     recs = pads.dataset(run / "recommendations").to_table(columns=["user_id"])
     users = pc.count_distinct(recs["user_id"]).as_py()
     metrics = pq.read_table(run / "metrics", columns=["users_ok", "wall_s", "actor"]).to_pandas()
     exactly_once = users == n and recs.num_rows == n * p.k
-    job_per_actor = manifest["counts"]["users_ok"] / manifest["timings"]["decode_s"] / p.actors
-    direct = direct_users_per_s(p, root)
+    ok = manifest["counts"]["users_ok"]
+    job_per_actor = ok / t["decode_s"] / p.actors
+    steady = (ok - min(p.batch, ok)) / (t["decode_s"] - t["first_shard_s"]) / p.actors  # after the first shard
+    direct += direct_users_per_s(p, root)
+    d = spread(direct)
     return {"users": n, "exactly_once": exactly_once, "recommendations": recs.num_rows, "wall_s": wall,
-            "decode_s": manifest["timings"]["decode_s"], "job_users_per_s": manifest["counts"]["users_ok"] /
-            manifest["timings"]["decode_s"], "job_users_per_s_per_actor": job_per_actor,
-            "direct_users_per_s": direct, "job_vs_direct": job_per_actor / direct,
+            "decode_s": t["decode_s"], "duplicates_s": t["duplicates_s"], "first_shard_s": t["first_shard_s"],
+            "job_users_per_s": ok / t["decode_s"], "job_users_per_s_per_actor": job_per_actor,
+            "steady_users_per_s_per_actor": steady, "direct_users_per_s": d,
+            "job_vs_direct": {"median": job_per_actor / d["median"], "low": job_per_actor / d["max"],
+                              "high": job_per_actor / d["min"]},
+            "steady_vs_direct": {"median": steady / d["median"], "low": steady / d["max"], "high": steady / d["min"]},
             "actor_busy_users_per_s": float(metrics.users_ok.sum() / metrics.wall_s.sum()),
-            "driver_peak_rss_mib": driver_rss_mib, "object_store_peak_mib": peak["object_store_mib"],
-            "shards": len(metrics)}
+            "driver_peak_rss_mib": usage.ru_maxrss / 1024,
+            "driver_peak_anon_mib": max((x["anon_mib"] for x in samples), default=0.0),
+            "object_store_peak_mib": max((x["object_store_mib"] for x in samples), default=0.0),
+            "shards": len(metrics), "samples": samples}
 
 
-def direct_users_per_s(p: ScaleParams, root: Path) -> float:
-    """The recommender called in this process on the first `direct_batches` batches of the input, one thread per
-    actor CPU as Ray gives it (after one warm-up batch)."""
+def direct_users_per_s(p: ScaleParams, root: Path) -> list[float]:
+    """The recommender called in this process on the first `direct_batches` batches of the input, one thread as Ray
+    gives an actor of one CPU (after one warm-up batch), `direct_repeats` times -> users/s of each."""
     from operators.recommender import Recommender
     from pipeline.config import load_config
     from pipeline.nightly import actor_spec, read_catalog, resolve_models, resolve_template
@@ -112,38 +126,56 @@ def direct_users_per_s(p: ScaleParams, root: Path) -> float:
     torch.set_num_threads(1)
     try:
         actor(batches[0])
-        t0 = time.perf_counter()
-        for b in batches[1:]:
-            actor(b)
-        return p.direct_batches * p.batch / (time.perf_counter() - t0)
+        rates = []
+        for _ in range(p.direct_repeats):
+            t0 = time.perf_counter()
+            for b in batches[1:]:
+                actor(b)
+            rates.append(p.direct_batches * p.batch / (time.perf_counter() - t0))
+        return rates
     finally:
         torch.set_num_threads(threads)
 
 
-def poll_object_store(peak: dict, done: threading.Event) -> None:
+def poll(pid: int, samples: list[dict], done: threading.Event) -> None:
+    """Every second: the driver's resident memory (anonymous: its own heap; shared: object-store pages it mapped) and
+    the object store's use."""
     from ray._private.internal_api import memory_summary
 
-    while not done.wait(0.5):
+    t0 = time.perf_counter()
+    while not done.wait(1.0):
         try:
+            status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
             used = re.search(r"Plasma memory usage (\d+) MiB", memory_summary(stats_only=True))
-        except Exception:  # the cluster is busy: try again
+        except Exception:  # the driver has exited, or the cluster is busy: try again
             continue
-        if used:
-            peak["object_store_mib"] = max(peak["object_store_mib"], float(used.group(1)))
+        kib = {key: int(status.get(key, "0 kB").split()[0]) for key in ("VmRSS", "RssAnon", "RssShmem")}
+        samples.append({"t": round(time.perf_counter() - t0, 1), "rss_mib": kib["VmRSS"] / 1024,
+                        "anon_mib": kib["RssAnon"] / 1024, "shmem_mib": kib["RssShmem"] / 1024,
+                        "object_store_mib": float(used.group(1)) if used else 0.0})
 
 
 def markdown_scale(result: dict) -> str:
     a, env = result["args"], result["environment"]
     lines = [f"## nightly job at scale: synthetic users, tiny Llama (1 layer x 32), k {a['k']}, batch {a['batch']}, "
              f"{a['actors']} CPU actor(s), local Ray with {a['cpus']} CPUs", "",
-             "| users | every user once | shards | job users/s | job users/s per actor | direct users/s | job / "
-             "direct | driver peak RSS | object store peak |", "|---:|:-:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| users | every user once | shards | decode s (duplicates s, first shard s) | job users/s per actor "
+             "(after the first shard) | direct users/s | job / direct (after the first shard) | actor busy users/s | "
+             "driver peak RSS (anonymous) | object store peak |", "|---:|:-:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["sizes"]:
         lines.append(f"| {r['users']:,} | {'yes' if r['exactly_once'] else '**NO**'} | {r['shards']:,} | "
-                     f"{r['job_users_per_s']:.0f} | {r['job_users_per_s_per_actor']:.0f} | "
-                     f"{r['direct_users_per_s']:.0f} | {r['job_vs_direct']:.2f}x | {r['driver_peak_rss_mib']:.0f} MiB"
-                     f" | {r['object_store_peak_mib']:.0f} MiB |")
-    lines += ["", "Driver peak RSS: the largest child process of the benchmark (each size's `jobs.nightly` driver; "
-              "sizes run in increasing order, so a row is at least the previous one). Object store: polled every "
-              "0.5 s.", "", f"`{env['command']}`"]
+                     f"{r['decode_s']:.1f} ({r['duplicates_s']:.1f}, {r['first_shard_s']:.1f}) | "
+                     f"{r['job_users_per_s_per_actor']:.0f} ({r['steady_users_per_s_per_actor']:.0f}) | "
+                     f"{fmt_spread(r['direct_users_per_s'], 0)} | {fmt_ratio(r['job_vs_direct'])} "
+                     f"({fmt_ratio(r['steady_vs_direct'])}) | "
+                     f"{r['actor_busy_users_per_s']:.0f} | {r['driver_peak_rss_mib']:.0f} MiB ({r['driver_peak_anon_mib']:.0f}) | "
+                     f"{r['object_store_peak_mib']:.0f} MiB |")
+    lines += ["", "decode s: the driver's time from the start of the execution to the last shard written (duplicate "
+              "user ids pass, actor start and model load included); job users/s per actor: users / decode s / actors; "
+              "after the first shard: the rate once the pipeline is full. Direct: the same recommender called in "
+              "one process on the input's first batches, one thread, median (min-max) of the runs before and after "
+              "the job; the ratios' ranges divide by direct's max and min. Actor busy: users / the actors' summed batch "
+              "wall time. Driver peak RSS: each size's `jobs.nightly` driver process (wait4); anonymous: the peak of its "
+              "own heap (RssAnon, polled every second; the rest is shared libraries and object-store pages it "
+              "mapped). Object store: polled every second; the JSON keeps both series.", "", f"`{env['command']}`"]
     return "\n".join(lines)
