@@ -226,7 +226,9 @@ def execute(plan: Plan, run_id: str, resumed: bool, lease: Lease) -> dict:
         ds = ray.data.from_items(work)
         ds = ds.map_batches(shards.read_units, batch_size=1, batch_format="pyarrow", num_cpus=0.5,
                             fn_kwargs={"fs": plan.fs, "columns": ["user_id", "history"], "duplicates": duplicates})
-        ds = ds.repartition(target_num_rows_per_block=c.batch_size)  # streaming: every actor of the pool gets work
+        # blocks of batches_per_task batches: every actor of the pool gets work, each task decodes (and commits) them
+        # one batch at a time
+        ds = ds.repartition(target_num_rows_per_block=c.batch_size * c.batches_per_task)
         ds = ds.map_batches(shards.ShardRecommender, batch_size=c.batch_size, batch_format="pyarrow",
                             fn_constructor_kwargs={"spec": spec, "run": run, "storage": cfg.storage},
                             compute=ray.data.ActorPoolStrategy(size=c.num_actors),

@@ -24,6 +24,7 @@ def test_file_plus_overrides(tmp_path):
     ("run_date=21/11/2026", "run_date must be a date YYYY-MM-DD"),
     ("output=gs://bucket/x", "output must be a local path or an s3:// URI"),
     ("storage.endpoint=127.0.0.1:9000", "storage.endpoint must be an http(s):// URL"),
+    ("compute.batches_per_task=0", "compute.batches_per_task must be >= 1, got 0"),
     ("compute.gpus=1", "unknown field compute.gpus"),
     ("storage.secret_key=abc", "storage.secret_key looks like a credential"),
     ("decoding=3", "decoding must be a section"),

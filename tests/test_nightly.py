@@ -107,6 +107,11 @@ def test_nightly_outputs_equal_beam_search_exactly_once(world, ray_session, tmp_
     metrics = t["metrics"].to_pandas()
     assert metrics.users_ok.sum() == len(users) and metrics.users_in.sum() == len(users)
     assert manifest["counts"]["recommendations"] == len(recs) and manifest["models"]["target"]["sha256"]
+    # a task decodes compute.batches_per_task (4) batches, each its own shard: one metric row per batch of <= 16
+    assert (metrics.users_in <= 16).all() and metrics.shard.is_unique and len(metrics) >= len(users) / 16
+    assert manifest["counts"]["batches"] == len(metrics)
+    t = manifest["timings"]
+    assert 0 < t["duplicates_s"] < t["first_shard_s"] <= t["decode_s"] <= t["total_s"]
 
 
 def test_bad_rows_land_in_rejects(world, ray_session, tmp_path):
