@@ -42,6 +42,12 @@ def output_schema(user_type: pa.DataType) -> pa.Schema:
                       ("metrics", pa.string())])
 
 
+def table_schema(kind: str, user_type: pa.DataType) -> pa.Schema:
+    """The schema of one published table (TABLES[kind]'s columns of the output schema)."""
+    schema = output_schema(user_type)
+    return pa.schema([schema.field(n) for n in TABLES[kind]])
+
+
 @dataclass
 class Inputs:
     """What an actor builds from its spec before any weight is loaded; each step refuses bad input, naming it."""

@@ -30,7 +30,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from decoding.templates import TEMPLATE_FILE, PromptTemplate, get_template, read_template
-from operators.recommender import TABLES, Inputs, output_schema, prepare
+from operators.recommender import Inputs, prepare, table_schema
 from operators.spec import ActorSpec
 from pipeline import runs, shards
 from pipeline import storage as S
@@ -219,7 +219,7 @@ def execute(plan: Plan, run_id: str, resumed: bool, lease: Lease) -> dict:
              run_id, " (resumed)" if resumed else "", total, len(plan.units), cfg.input, total - left, committed, left)
     t_dup = time.perf_counter()
     duplicates = shards.find_duplicates(plan.units, plan.fs) if total else None
-    t_dup, t_graph = time.perf_counter() - t_dup, time.perf_counter()
+    t_dup = time.perf_counter() - t_dup
     spec = replace(plan.spec, run_id=run_id)
     new_shards, t_first = 0, None
     if work:
@@ -235,12 +235,10 @@ def execute(plan: Plan, run_id: str, resumed: bool, lease: Lease) -> dict:
                             num_gpus=c.gpus_per_actor or None, num_cpus=c.cpus_per_actor)
         new_shards, t_first = follow(ds, left, cfg.runs.progress_s, lease)
     t_decode = time.perf_counter() - t0
-    if not S.list_files(runs.table_dir(run, "recommendations"), cfg.storage):  # every user rejected
-        user_type = plan.data.schema.field("user_id").type
-        runs.write_table(run, "recommendations", pa.schema(
-            [output_schema(user_type).field(n) for n in TABLES["rec"]]).empty_table(), cfg.storage)
-    if not S.list_files(runs.table_dir(run, "rejects"), cfg.storage):
-        runs.write_table(run, "rejects", reject_schema_of(plan), cfg.storage)
+    user_type = plan.data.schema.field("user_id").type
+    for name, kind in (("recommendations", "rec"), ("rejects", "reject")):  # a table no shard wrote: empty, typed
+        if not S.list_files(runs.table_dir(run, name), cfg.storage):
+            runs.write_table(run, name, table_schema(kind, user_type).empty_table(), cfg.storage)
     sums = shards.tally(run, cfg.storage)
     if sums["users_in"] != total:
         raise RuntimeError(f"run {run_id}: the committed shards cover {sums['users_in']} users, the input has {total}")
@@ -259,7 +257,7 @@ def execute(plan: Plan, run_id: str, resumed: bool, lease: Lease) -> dict:
                 "catalog": catalog_info, "counts": counts,
                 "resume": {"resumed": resumed, "shards_committed_before": committed, "shards_decoded": new_shards,
                            "users_decoded": left},
-                "timings": {"duplicates_s": t_dup, "first_shard_s": None if t_first is None else t_graph - t0 + t_first,
+                "timings": {"duplicates_s": t_dup, "first_shard_s": None if t_first is None else t_first - t0,
                             "decode_s": t_decode, "total_s": time.perf_counter() - t0},
                 "outputs": {name: runs.table_dir(run, name) for name in runs.TABLES}}
     runs.finish(run, manifest, cfg.storage)
@@ -269,19 +267,14 @@ def execute(plan: Plan, run_id: str, resumed: bool, lease: Lease) -> dict:
     return manifest
 
 
-def reject_schema_of(plan: Plan) -> pa.Table:
-    user_type = plan.data.schema.field("user_id").type
-    return pa.schema([output_schema(user_type).field(n) for n in TABLES["reject"]]).empty_table()
-
-
 def follow(ds, total: int, every_s: float, lease: Lease) -> tuple[int, float | None]:
     """Streams the execution: one summary row per written shard; logs users done / total, users/s and an ETA every
-    every_s seconds; stops if the lease is lost -> (shards written, seconds until the first was written)."""
+    every_s seconds; stops if the lease is lost -> (shards written, time.perf_counter() when the first was written)."""
     t0 = last = time.perf_counter()
     users = n = 0
     first = None
     for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
-        first = first if first is not None else time.perf_counter() - t0
+        first = first or time.perf_counter()
         users += int(pc.sum(batch["users_in"]).as_py() or 0)
         n += batch.num_rows
         if lease.lost:

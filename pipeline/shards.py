@@ -9,8 +9,8 @@ position; only those come to the driver (memory proportional to the number of du
 Decoding: `ShardRecommender` wraps the Recommender actor; every batch it decodes is a shard, named by its first
 position (`s000000012345`): unique within a run and across its resumes, whatever actor restarts happen.
 Writing: the actor writes (`write_shard`) a shard's recommendations, then its rejects, then its metrics row, which
-lists the position ranges the shard covers. A shard is committed when its metrics file exists; a resume reads the metrics
-table for the committed ranges, deletes the files of uncommitted shards and reads only the rest.
+lists the position ranges the shard covers. A shard is committed when its metrics file exists; a resume reads the
+metrics files for the committed ranges, deletes the files of uncommitted shards and reads only the rest.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
 from decoding.stats import BASE_KEYS, PHASES
-from operators.recommender import TABLES, Recommender, output_schema
+from operators.recommender import TABLES, Recommender, table_schema
 from operators.spec import ActorSpec
 from pipeline import runs
 from pipeline import storage as S
@@ -157,7 +157,8 @@ def find_duplicates(units: list[Unit], fs) -> pa.Table:
     ids = ray.data.from_items(todo(units, [])).map_batches(
         read_units, batch_size=1, batch_format="pyarrow", fn_kwargs={"fs": fs, "columns": ["user_id"]})
     rows = sum(u.rows for u in units)
-    grouped = ids.groupby("user_id", num_partitions=max(1, min(64, rows // 500_000 + 1))).aggregate(Count(alias_name="n"), Min("pos", alias_name="first"))
+    grouped = ids.groupby("user_id", num_partitions=max(1, min(64, rows // 500_000 + 1))).aggregate(
+        Count(alias_name="n"), Min("pos", alias_name="first"))
     found = [b.select(["user_id", "first"]) for b in grouped.filter(expr=col("n") > 1).iter_batches(
         batch_size=None, batch_format="pyarrow") if b.num_rows]  # one execution
     return pa.concat_tables(found) if found else None
@@ -181,16 +182,15 @@ class ShardRecommender:
         n_dup = int(dup.sum())
         metric.update(shard=shard, users_in=metric["users_in"] + n_dup, users_duplicate=n_dup,
                       users_rejected=metric["users_rejected"] + n_dup, ranges=ranges_of(pos))
-        schema = output_schema(batch.schema.field("user_id").type)
-        rejects = out.filter(pc.equal(kind, "reject")).select(TABLES["reject"]).cast(
-            pa.schema([schema.field(n) for n in TABLES["reject"]]))
+        user_type = batch.schema.field("user_id").type
+        rejects = out.filter(pc.equal(kind, "reject")).select(TABLES["reject"])
+        rejects = rejects.cast(table_schema("reject", user_type))
         if n_dup:
             users = batch["user_id"].filter(pa.array(dup))
             rejects = pa.concat_tables([rejects, pa.table(
                 {"user_id": users, "reason": [DUPLICATE[0]] * n_dup, "detail": [DUPLICATE[1]] * n_dup},
                 schema=rejects.schema)])
-        recs = out.filter(pc.equal(kind, "rec")).select(TABLES["rec"]).cast(
-            pa.schema([schema.field(n) for n in TABLES["rec"]]))
+        recs = out.filter(pc.equal(kind, "rec")).select(TABLES["rec"]).cast(table_schema("rec", user_type))
         write_shard(shard, recs, rejects, metric, self.run, self.storage)
         return pa.Table.from_pylist([{key: metric[key] for key in
                                       ("users_in", "users_ok", "users_rejected", "recommendations")}])

@@ -168,14 +168,16 @@ def markdown_scale(result: dict) -> str:
                      f"{r['job_users_per_s_per_actor']:.0f} ({r['steady_users_per_s_per_actor']:.0f}) | "
                      f"{fmt_spread(r['direct_users_per_s'], 0)} | {fmt_ratio(r['job_vs_direct'])} "
                      f"({fmt_ratio(r['steady_vs_direct'])}) | "
-                     f"{r['actor_busy_users_per_s']:.0f} | {r['driver_peak_rss_mib']:.0f} MiB ({r['driver_peak_anon_mib']:.0f}) | "
+                     f"{r['actor_busy_users_per_s']:.0f} | {r['driver_peak_rss_mib']:.0f} MiB "
+                     f"({r['driver_peak_anon_mib']:.0f}) | "
                      f"{r['object_store_peak_mib']:.0f} MiB |")
     lines += ["", "decode s: the driver's time from the start of the execution to the last shard written (duplicate "
               "user ids pass, actor start and model load included); job users/s per actor: users / decode s / actors; "
               "after the first shard: the rate once the pipeline is full. Direct: the same recommender called in "
-              "one process on the input's first batches, one thread, median (min-max) of the runs before and after "
-              "the job; the ratios' ranges divide by direct's max and min. Actor busy: users / the actors' summed batch "
-              "wall time. Driver peak RSS: each size's `jobs.nightly` driver process (wait4); anonymous: the peak of its "
-              "own heap (RssAnon, polled every second; the rest is shared libraries and object-store pages it "
-              "mapped). Object store: polled every second; the JSON keeps both series.", "", f"`{env['command']}`"]
+              "one process on the input's first batches, one thread, median (min-max) of the runs before and "
+              "after the job; the ratios' ranges divide by direct's max and min. Actor busy: users / the actors' "
+              "summed batch wall time. Driver peak RSS: each size's `jobs.nightly` driver process (wait4); "
+              "anonymous: the peak of its own heap (RssAnon, polled every second; the rest is shared libraries "
+              "and object-store pages it mapped). Object store: polled every second; the JSON keeps both series.", "",
+              f"`{env['command']}`"]
     return "\n".join(lines)
