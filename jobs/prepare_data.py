@@ -1,6 +1,8 @@
 """Prepare data: `python -m jobs.prepare_data [--source DIR] [--out DIR] [--history-len N]` (Amazon Beauty),
-`python -m jobs.prepare_data --format lcrec --source DIR --out DIR` (LC-Rec's layout: `*.index.json` and
-`sequential_{train,valid,test}.txt`, one line per user `user item item ...`),
+`python -m jobs.prepare_data --format lcrec --source DIR --out DIR [--index FILE] [--id-offset N]` (the LC-Rec /
+AtSpeed layout: an index JSON mapping item ids to code tokens, e.g. `beauty.LCRec-1e-3lr.json`, and
+`sequential_{train,valid,test}.txt`, one line per user `user item item ...`; the AtSpeed authors' text files count
+from 1 where their index counts from 0: `--id-offset -1`),
 or `python -m jobs.prepare_data --synthetic --users N --items M [--levels 4 --codes 256 --seed 0] --out DIR`.
 
 Prints the summary as JSON. The logic lives in pipeline/prepare.py.
@@ -27,6 +29,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="beauty: items/train/valid/test.parquet; lcrec: *.index.json + sequential_*.txt")
     p.add_argument("--source", type=Path, default=None,
                    help=f"the source folder (default for --format beauty: {DEFAULT_SOURCE})")
+    p.add_argument("--index", type=Path, default=None,
+                   help="lcrec: the index JSON (default: the one JSON file in --source mapping item ids to code tokens)")
+    p.add_argument("--id-offset", type=int, default=None,
+                   help="lcrec: added to every user and item id of the interaction files (e.g. -1 for files that "
+                        "count from 1 against an index from 0); without it, ids that look shifted are refused")
     p.add_argument("--code-token", default="<{level}_{code}>",
                    help="how the LC-Rec index names code tokens, default %(default)s")
     p.add_argument("--out", type=Path, default=Path("data/beauty"), help="output folder, default %(default)s")
@@ -51,6 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--users / --items need --synthetic")
     if args.format == "lcrec" and args.source is None:
         p.error("--format lcrec needs --source DIR")
+    if args.format != "lcrec" and (args.index is not None or args.id_offset is not None):
+        p.error("--index / --id-offset need --format lcrec")
     return args
 
 
@@ -61,7 +70,8 @@ def main(argv=None) -> int:
             summary = write_synthetic(args.out, args.users, args.items, args.levels, args.codes, args.seed,
                                       history_len=args.history_len, chunk_users=args.chunk_users)
         elif args.format == "lcrec":
-            summary = prepare_lcrec(args.source, args.out, history_len=args.history_len, code_token=args.code_token)
+            summary = prepare_lcrec(args.source, args.out, history_len=args.history_len, code_token=args.code_token,
+                                    index=args.index, id_offset=args.id_offset)
         else:
             summary = prepare_beauty(args.source or DEFAULT_SOURCE, args.out, history_len=args.history_len)
     except ValueError as e:  # a bad input file: name it, no traceback

@@ -1,6 +1,7 @@
 """Offline evaluation of a published run: Recall@K and NDCG@K against the input's `target_items`.
 
-The paper's convention: users without target items are skipped. A user with targets but no recommendations (a
+The paper's convention: users without target items are skipped; the split's history convention (a test user's history
+is its train + valid items, the AtSpeed paper's) is quoted from the data folder's prepare.json. A user with targets but no recommendations (a
 rejected row) counts as a miss, so a run cannot look better by rejecting users. Duplicate user ids: the first row's
 targets, as the nightly job keeps the first row.
 """
@@ -20,6 +21,20 @@ from pipeline.report import num
 from pipeline.runs import Run, load_run, read_recommendations, report_dir
 
 KS = (1, 5, 10, 20)
+
+
+def split_protocol(input_uri: str, storage: Storage) -> dict:
+    """How the evaluated users' histories and targets were built: the split's line of SPLIT_CONVENTION in the
+    `prepare.json` that jobs.prepare_data writes beside the split (`<data>/test.parquet` -> "test") -> {"split",
+    "convention", "source"}; an input without one carries its histories as given."""
+    folder, _, name = input_uri.rstrip("/").rpartition("/")
+    split = name.removesuffix(".parquet")
+    raw = S.read_bytes(S.join(folder or ".", "prepare.json"), storage) if name.endswith(".parquet") else None
+    splits = json.loads(raw).get("splits", {}) if raw else {}
+    if split in splits:
+        return {"split": split, "convention": splits[split], "source": S.join(folder or ".", "prepare.json")}
+    return {"split": split, "convention": "the input's own history and target_items columns, as given "
+                                          "(no prepare.json with a split convention beside it)", "source": None}
 
 
 def read_targets(input_uri: str, storage: Storage) -> pa.Table:
@@ -60,6 +75,7 @@ def evaluate_run(run: Run, input_uri: str, storage: Storage, ks=KS) -> dict:
     lists = targets["target_items"]
     metrics = recall_ndcg_flat(matrix, pc.list_flatten(lists).to_numpy(), pc.list_value_length(lists).to_numpy(), ks)
     return {"run_id": run.run_id, "run": run.uri, "input": input_uri, "ks": list(ks), "k": k,
+            "protocol": split_protocol(input_uri, storage),
             "users_without_recommendations": int((matrix[:, 0] < 0).sum()), **metrics}
 
 
@@ -82,6 +98,7 @@ def to_markdown(ev: dict) -> str:
              f"`{ev['input']}`: {num(ev['users'])} users with target items (users without targets skipped; "
              f"{num(ev['users_without_recommendations'])} of them got no recommendations and count as misses); "
              f"the run returned k = {ev['k']} items per user.", "",
+             *([f"Split `{ev['protocol']['split']}`: {ev['protocol']['convention']}.", ""] if "protocol" in ev else []),
              "| metric | " + " | ".join(f"@{k}" for k in ks) + " |", "|---|" + "---:|" * len(ks)]
     for m in ("recall", "ndcg"):
         lines.append(f"| {'Recall' if m == 'recall' else 'NDCG'} | "

@@ -5,7 +5,8 @@ Outputs (ARCHITECTURE.md section 3), in `out_dir`:
     items.parquet      item_id int64, semantic_id list<int32> [L], code_tokens list<string> [L]
     train.parquet      user_id int64, history list<int64> (all train items, chronological)
     valid.parquet      user_id, history (last history_len train items), target_items (valid items)
-    test.parquet       user_id, history (last history_len train items), target_items (test items)
+    test.parquet       user_id, history (last history_len train + valid items), target_items (test items)
+(SPLIT_CONVENTION: the AtSpeed paper's protocol; synthetic data is leave-one-out)
     tokenizer/         build_tokenizer(L, codes).save_pretrained(...)
     prepare.json       counts, semantic-ID collisions, history lengths, source sha256s
 items.parquet is written last, so a crash part-way never leaves a folder that looks done.
@@ -13,6 +14,7 @@ items.parquet is written last, so a crash part-way never leaves a folder that lo
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from dataclasses import asdict, dataclass, field
@@ -30,7 +32,7 @@ from operators.prompts import ragged_arrays, ragged_ranges
 from pipeline.storage import sha256_file
 
 __all__ = [
-    "build_tokenizer", "prepare_beauty", "prepare_lcrec", "PrepareSummary",
+    "build_tokenizer", "prepare_beauty", "prepare_lcrec", "find_lcrec_index", "PrepareSummary", "SPLIT_CONVENTION",
     "synthetic_catalog", "synthetic_histories", "write_synthetic", "SyntheticSummary",
 ]
 
@@ -51,6 +53,20 @@ BEAUTY_LENGTH_SIGMA = 1.1684
 BEAUTY_ZIPF_ALPHA = 0.94
 BEAUTY_ZIPF_OFFSET = 100
 MIN_HISTORY = 5  # 5-core
+# How the evaluation splits are built from the time-ordered train / valid / test interactions (the AtSpeed paper's
+# protocol, its code's data.py): written into prepare.json and quoted by jobs.evaluate and the training reports.
+SPLIT_CONVENTION = {
+    "train": "every train item, chronological (each prefix a training sample)",
+    "valid": "history = the user's train items (the last history_len); targets = the valid items",
+    "test": "history = the user's train + valid items (the last history_len); targets = the test items",
+    "evaluation": "users without targets are skipped",
+}
+SYNTHETIC_SPLITS = {  # write_synthetic: leave-one-out, like the real splits
+    "train": "every user's items but the last two",
+    "valid": "history = the train items (the last history_len); targets = the next item",
+    "test": "history = the train + valid items (the last history_len); targets = one held-out next item",
+    "evaluation": "every user has one target",
+}
 
 _LIST_INT64 = pa.list_(pa.int64())
 
@@ -223,6 +239,9 @@ class PrepareSummary:
     history_len: int
     malformed_lines: dict[str, int] = field(default_factory=dict)  # LC-Rec files: lines left out, per split
     index_problems: int = 0  # LC-Rec index entries left out
+    users_without_items: dict[str, int] = field(default_factory=dict)  # LC-Rec files: users listed alone, per split
+    index: str | None = None  # LC-Rec: the index file read
+    id_offset: int = 0  # LC-Rec: added to every user and item id of the interaction files
 
 
 def _read_catalog(path: Path, codes: int | None) -> tuple[np.ndarray, np.ndarray, int]:
@@ -280,20 +299,34 @@ def _read_split(path: Path, item_ids: np.ndarray) -> tuple[np.ndarray, tuple, di
     return user_ids, (values, starts, lengths), dropped
 
 
-def _eval_split(user_ids, items, train_users, train_items, history_len: int) -> pa.Table:
-    """A valid/test split -> (user_id, history = last train items, target_items)."""
-    t_values, t_starts, t_lengths = train_items
-    if len(train_users) == 0:
-        train_users, t_starts, t_lengths = np.full(1, -1), np.zeros(1, np.int64), np.zeros(1, np.int64)
-    order = np.argsort(train_users)
-    pos = np.minimum(np.searchsorted(train_users, user_ids, sorter=order), len(order) - 1)
-    row = order[pos]                                             # [U] train row of each user
-    found = train_users[row] == user_ids
-    starts = np.where(found, t_starts[row], 0)
-    lengths = np.where(found, t_lengths[row], 0)                 # users without train items: empty
+def _aligned(user_ids, src_users, src_items) -> tuple:
+    """Each of `user_ids`' rows of a ragged split (src_users [S], (values, starts, lengths)) -> (values, starts
+    [U], lengths [U]); users not in the source get an empty row."""
+    values, src_starts, src_lengths = src_items
+    if len(src_users) == 0:
+        src_users, src_starts, src_lengths = np.full(1, -1), np.zeros(1, np.int64), np.zeros(1, np.int64)
+    order = np.argsort(src_users)
+    pos = np.minimum(np.searchsorted(src_users, user_ids, sorter=order), len(order) - 1)
+    row = order[pos]                                             # [U] source row of each user
+    found = src_users[row] == user_ids
+    return values, np.where(found, src_starts[row], 0), np.where(found, src_lengths[row], 0)
+
+
+def _concat_rows(a: tuple, b: tuple) -> tuple:
+    """Two ragged sets of U rows -> row i = a's row i then b's row i: (values [T], starts [U], lengths [U])."""
+    (va, sa, la), (vb, sb, lb) = a, b
+    values = np.concatenate([va[ragged_ranges(sa, la)], vb[ragged_ranges(sb, lb)]])
+    rows = np.arange(len(la))
+    key = np.concatenate([np.repeat(2 * rows, la), np.repeat(2 * rows + 1, lb)])  # a before b within a row
+    lengths = la + lb
+    return values[np.argsort(key, kind="stable")], np.cumsum(lengths) - lengths, lengths
+
+
+def _eval_split(user_ids, items, history: tuple, history_len: int) -> pa.Table:
+    """A valid/test split -> (user_id, history = the last history_len items of `history` [U rows], target_items)."""
     return pa.table({
         "user_id": pa.array(user_ids, pa.int64()),
-        "history": tail_lists(t_values, starts, lengths, history_len),
+        "history": tail_lists(*history, history_len),
         "target_items": list_array(*items),
     })
 
@@ -324,14 +357,17 @@ def prepare_beauty(source_dir, out_dir, history_len: int = 20, codes: int | None
     pq.write_table(pa.table({"user_id": pa.array(train_users, pa.int64()),
                              "history": list_array(*train_items)}), out_dir / "train.parquet")
     eval_tables = {}
-    for s in ("valid", "test"):
-        eval_tables[s] = _eval_split(*splits[s], train_users, train_items, history_len)
+    for s in ("valid", "test"):  # SPLIT_CONVENTION: valid users' history = train, test users' = train + valid
+        history = _aligned(splits[s][0], train_users, train_items)
+        if s == "test":
+            history = _concat_rows(history, _aligned(splits[s][0], *splits["valid"]))
+        eval_tables[s] = _eval_split(*splits[s], history, history_len)
         pq.write_table(eval_tables[s], out_dir / f"{s}.parquet")
 
     collisions = semantic_id_collisions(item_ids, sid)
     interactions = {s: int(splits[s][1][2].sum()) for s in splits}
     report = {
-        "source": str(source_dir.resolve()),
+        "source": str(source_dir.resolve()), "format": "beauty", "splits": SPLIT_CONVENTION,
         "history_len": history_len, "levels": levels, "codes": codes,
         "items": n_items,
         "distinct_semantic_ids": n_items - sum(len(c["item_ids"]) - 1 for c in collisions),
@@ -374,16 +410,48 @@ def code_token_pattern(code_token: str = "<{level}_{code}>") -> re.Pattern:
     return re.compile("".join(groups.get(x, re.escape(x)) for x in parts))
 
 
+def _load_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{path}: file not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
+def _is_index(doc, sample: int = 100) -> bool:
+    """Does a JSON document map integer item ids to lists of strings (code tokens)? Looks at `sample` entries."""
+    if not isinstance(doc, dict) or not doc:
+        return False
+    entries = list(itertools.islice(doc.items(), sample))
+    return all(k.strip().lstrip("-").isdigit() and isinstance(v, list) and v and all(isinstance(t, str) for t in v)
+               for k, v in entries)
+
+
+def find_lcrec_index(source_dir: Path, index: Path | None = None) -> Path:
+    """The index file: `index` when given, else the one JSON file in `source_dir` that maps item ids to lists of code
+    tokens (the authors name it `<dataset>.LCRec-1e-3lr.json`, LC-Rec `<Dataset>.index.json`; item-feature and
+    interaction JSONs map ids to objects or integer lists and are not candidates)."""
+    if index is not None:
+        if not Path(index).is_file():
+            raise ValueError(f"--index {index}: file not found")
+        return Path(index)
+    if not source_dir.is_dir():
+        raise ValueError(f"{source_dir}: folder not found")
+    seen = sorted(source_dir.glob("*.json"))
+    found = [p for p in seen if _is_index(_load_json(p))]
+    if len(found) != 1:
+        why = "no JSON file" if not found else f"{len(found)} JSON files ({', '.join(p.name for p in found)})"
+        raise ValueError(f"{source_dir}: expected one LC-Rec index (a JSON file mapping item ids to lists of code "
+                         f"tokens), found {why} among {[p.name for p in seen]}; name it with --index FILE")
+    return found[0]
+
+
 def read_lcrec_index(path: Path, code_token: str = "<{level}_{code}>") -> tuple[np.ndarray, np.ndarray, list]:
     """LC-Rec's index JSON {"<item id>": ["<a_47>", "<b_103>", ...], ...} -> (item ids [N], semantic ids [N, L],
     problems [{"item", "reason"}]); an entry whose tokens do not parse, are out of level order, or whose length
     differs from the common one is a problem (reported, not kept)."""
-    try:
-        index = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"{path}: file not found") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    index = _load_json(path)
     if not isinstance(index, dict) or not index:
         raise ValueError(f"{path}: expected a non-empty JSON object mapping item ids to lists of code tokens")
     pattern = code_token_pattern(code_token)
@@ -413,15 +481,24 @@ def read_lcrec_index(path: Path, code_token: str = "<{level}_{code}>") -> tuple[
     return np.array(item_ids, np.int64), np.array(rows, np.int64).reshape(len(rows), levels), problems
 
 
-def read_lcrec_split(path: Path, known_items: np.ndarray) -> tuple[dict, dict]:
-    """One interaction file, a line per user `user item item ...` (chronological) -> ({user: [items]}, problems):
-    malformed lines (not integers, no items, a user listed twice) and unknown items (not in the index) are counted
-    and listed with their line numbers; unknown items are left out of the user's list, malformed lines entirely."""
+@dataclass
+class LcrecSplit:
+    """One interaction file as written: {user: (line number, items)} for users with items, the users listed without
+    items (their line numbers), and the malformed lines (counted, the first REPORTED listed)."""
+    file: str
+    users: dict[int, tuple[int, list[int]]]
+    without_items: dict[int, int]
+    malformed: list[dict]
+    n_malformed: int
+
+
+def read_lcrec_split(path: Path) -> LcrecSplit:
+    """One interaction file, a line per user `user item item ...` (chronological). A line `user` alone is a user
+    without items in this split (the published valid and test files list every user); lines that are not integers,
+    or list a user again, are malformed: counted and listed with their line numbers, left out."""
     if not path.is_file():
         raise ValueError(f"{path}: file not found")
-    known = set(known_items.tolist())
-    users, malformed, unknown = {}, [], []
-    n_malformed = n_unknown = 0
+    split = LcrecSplit(path.name, {}, {}, [], 0)
     with open(path) as f:
         for number, line in enumerate(f, start=1):
             fields = line.split()
@@ -430,44 +507,91 @@ def read_lcrec_split(path: Path, known_items: np.ndarray) -> tuple[dict, dict]:
             why = None
             if not all(x.lstrip("-").isdigit() for x in fields):
                 why = "not all fields are integers"
-            elif len(fields) < 2:
-                why = "a user without items"
-            elif int(fields[0]) in users:
+            elif int(fields[0]) in split.users or int(fields[0]) in split.without_items:
                 why = f"user {fields[0]} listed again"
             if why:
-                n_malformed += 1
-                if len(malformed) < REPORTED:
-                    malformed.append({"line": number, "reason": why, "text": line.strip()[:120]})
-                continue
-            items = [int(x) for x in fields[1:]]
-            missing = [i for i in items if i not in known]
-            if missing:
-                n_unknown += len(missing)
-                if len(unknown) < REPORTED:
-                    unknown.append({"line": number, "user": int(fields[0]), "items": missing[:20]})
-            users[int(fields[0])] = [i for i in items if i in known]
-    return users, {"file": path.name, "users": len(users), "malformed_lines": n_malformed,
-                   "unknown_items": n_unknown, "malformed": malformed, "unknown": unknown}
+                split.n_malformed += 1
+                if len(split.malformed) < REPORTED:
+                    split.malformed.append({"line": number, "reason": why, "text": line.strip()[:120]})
+            elif len(fields) == 1:
+                split.without_items[int(fields[0])] = number
+            else:
+                split.users[int(fields[0])] = (number, [int(x) for x in fields[1:]])
+    return split
 
 
-def prepare_lcrec(source_dir, out_dir, history_len: int = 20, code_token: str = "<{level}_{code}>") -> PrepareSummary:
-    """LC-Rec's published layout -> the project's contracts in `out_dir` (as `prepare_beauty`): the index JSON
-    (`*.index.json`: item id -> its code tokens) and `sequential_{train,valid,test}.txt` (split by global time, as in
-    the AtSpeed paper). train.parquet holds the train items; valid.parquet the last history_len train items as
-    history and the valid items as targets; test.parquet the last history_len of train + valid items and the test
-    items. Counts, semantic-ID collisions, malformed lines and unknown items (with line numbers) go to prepare.json."""
+def _range(ids: np.ndarray) -> str:
+    return f"{int(ids.min())}..{int(ids.max())}" if len(ids) else "none"
+
+
+def check_id_offset(splits: dict[str, LcrecSplit], known: np.ndarray, offset: int | None, index_name: str) -> dict:
+    """Compares the interaction files' item ids with the index's (sorted `known` [N]) -> the evidence (recorded in
+    prepare.json). Without an explicit `offset`, ids that look shifted (some are unknown as written, and one constant
+    offset makes every item known, e.g. the authors' sequential_*.txt counting from 1 against an index from 0)
+    are refused with that evidence and the option to pass."""
+    used = _sorted_unique(np.fromiter((i for s in splits.values() for _, items in s.users.values() for i in items),
+                                      np.int64))                                                      # [I] distinct
+    shift = 0 if offset is None else offset
+    unknown = (used + shift)[~np.isin(used + shift, known)]  # [u] after the offset
+    evidence = {"index_ids": _range(known), "index_items": int(len(known)), "item_ids_used": _range(used),
+                "distinct_items_used": int(len(used)), "offset": shift,
+                "unknown_after_offset": int(len(unknown)), "unknown_examples": unknown[:10].tolist()}
+    if offset is not None or not len(unknown) or not len(used):
+        return evidence
+    for d in sorted({int(known.min() - used.min()), int(known.max() - used.max())} - {0}):
+        if np.isin(used + d, known).all():
+            zero = "id 0 is never used, " if used.min() > 0 and known.min() == 0 else ""
+            raise ValueError(
+                f"the interaction files' item ids look shifted against the index {index_name}: it holds ids "
+                f"{evidence['index_ids']} ({len(known):,} items), the files use ids {evidence['item_ids_used']} "
+                f"({len(used):,} distinct); {zero}{len(unknown):,} distinct id{' is' if len(unknown) == 1 else 's are'} not in the index as written "
+                f"(e.g. {', '.join(map(str, unknown[:5].tolist()))}), and adding {d:+d} to every id makes every item "
+                f"known. Rerun with --id-offset {d} (added to every user and item id of the interaction files), "
+                f"or --id-offset 0 to import the ids as written")
+    return evidence
+
+
+def apply_offset(split: LcrecSplit, known: np.ndarray, offset: int) -> tuple[dict[int, list[int]], dict]:
+    """A split with `offset` added to every user and item id -> ({user: [known items]}, problems): items still not in
+    the index are left out of the user's list, counted and listed with their line numbers (never dropped
+    silently)."""
+    known_set = set(known.tolist())
+    users, unknown, n_unknown = {}, [], 0
+    for user, (number, items) in split.users.items():
+        items = [i + offset for i in items]
+        missing = [i for i in items if i not in known_set]
+        if missing:
+            n_unknown += len(missing)
+            if len(unknown) < REPORTED:
+                unknown.append({"line": number, "user": user + offset, "items": missing[:20]})
+        users[user + offset] = [i for i in items if i in known_set]
+    return users, {"file": split.file, "users": len(users), "users_without_items": len(split.without_items),
+                   "malformed_lines": split.n_malformed, "unknown_items": n_unknown,
+                   "malformed": split.malformed, "unknown": unknown}
+
+
+def prepare_lcrec(source_dir, out_dir, history_len: int = 20, code_token: str = "<{level}_{code}>",
+                  index: Path | None = None, id_offset: int | None = None) -> PrepareSummary:
+    """LC-Rec's / AtSpeed's published layout -> the project's contracts in `out_dir` (as `prepare_beauty`): the index
+    JSON (item id -> its code tokens; `index`, else found by `find_lcrec_index`) and `sequential_{train,valid,test}.txt`
+    (split by global time, as in the AtSpeed paper). `id_offset` is added to every user and item id of the
+    interaction files (-1 for the authors' files, which count from 1 where their index counts from 0); without it,
+    ids that look shifted are refused (`check_id_offset`). Splits as SPLIT_CONVENTION. Counts, semantic-ID
+    collisions, the id evidence, users without items, malformed lines and unknown items (with line numbers) go to
+    prepare.json."""
     if history_len <= 0:
         raise ValueError(f"history_len must be positive, got {history_len}")
     source_dir, out_dir = Path(source_dir), Path(out_dir)
-    indexes = sorted(source_dir.glob("*.index.json"))
-    if len(indexes) != 1:
-        raise ValueError(f"{source_dir}: expected one LC-Rec index file *.index.json, found {[p.name for p in indexes]}")
-    item_ids, sid, index_problems = read_lcrec_index(indexes[0], code_token)
+    index_path = find_lcrec_index(source_dir, index)
+    item_ids, sid, index_problems = read_lcrec_index(index_path, code_token)
     order = np.argsort(item_ids)
     item_ids, sid = item_ids[order], sid[order]
     n_items, levels = sid.shape
     codes = int(sid.max()) + 1
-    read = {s: read_lcrec_split(source_dir / name, item_ids) for s, name in LCREC_SPLITS.items()}
+    raw = {s: read_lcrec_split(source_dir / name) for s, name in LCREC_SPLITS.items()}
+    ids = check_id_offset(raw, item_ids, id_offset, index_path.name)
+    offset = ids["offset"]
+    read = {s: apply_offset(r, item_ids, offset) for s, r in raw.items()}
     splits = {s: r[0] for s, r in read.items()}
 
     def table(users: list[int], history_of, target_of=None) -> pa.Table:
@@ -478,7 +602,7 @@ def prepare_lcrec(source_dir, out_dir, history_len: int = 20, code_token: str = 
         return pa.table(columns)
 
     train = splits["train"]
-    everyone = sorted(set(train) | set(splits["valid"]) | set(splits["test"]))
+    everyone = sorted({u + offset for r in raw.values() for u in [*r.users, *r.without_items]})
     tables = {
         "train": table(sorted(train), lambda u: train[u]),
         "valid": table(everyone, lambda u: train.get(u, []), lambda u: splits["valid"].get(u, [])),
@@ -494,8 +618,8 @@ def prepare_lcrec(source_dir, out_dir, history_len: int = 20, code_token: str = 
     collisions = semantic_id_collisions(item_ids, sid)
     interactions = {s: int(sum(map(len, splits[s].values()))) for s in splits}
     report = {
-        "source": str(source_dir.resolve()), "format": "lcrec", "history_len": history_len, "levels": levels,
-        "codes": codes, "items": n_items,
+        "source": str(source_dir.resolve()), "format": "lcrec", "index": index_path.name, "history_len": history_len,
+        "levels": levels, "codes": codes, "items": n_items, "ids": ids, "splits": SPLIT_CONVENTION,
         "distinct_semantic_ids": n_items - sum(len(c["item_ids"]) - 1 for c in collisions),
         "semantic_id_collisions": collisions,
         "index_problems": {"count": len(index_problems), "entries": index_problems[:REPORTED]},
@@ -504,8 +628,9 @@ def prepare_lcrec(source_dir, out_dir, history_len: int = 20, code_token: str = 
                                for s in ("valid", "test")},
         "interactions": interactions,
         "lines": {s: r[1] for s, r in read.items()},
-        "history_length": {"train": length_summary(np.array([len(v) for v in train.values()]))},
-        "sha256": {p.name: sha256_file(p) for p in [indexes[0], *(source_dir / n for n in LCREC_SPLITS.values())]},
+        "history_length": {"train": length_summary(np.array([len(v) for v in train.values()])),
+                           "test_prompt": length_summary(pc.list_value_length(tables["test"]["history"]).to_numpy())},
+        "sha256": {p.name: sha256_file(p) for p in [index_path, *(source_dir / n for n in LCREC_SPLITS.values())]},
     }
     (out_dir / "prepare.json").write_text(json.dumps(report, indent=2))
     pq.write_table(pa.table({"item_id": pa.array(item_ids, pa.int64()), "semantic_id": semantic_id_array(sid),
@@ -515,7 +640,9 @@ def prepare_lcrec(source_dir, out_dir, history_len: int = 20, code_token: str = 
         colliding_semantic_ids=len(collisions), users=report["users"]["test"], interactions=interactions,
         dropped_interactions={s: r[1]["unknown_items"] for s, r in read.items()},
         levels=levels, codes=codes, history_len=history_len,
-        malformed_lines={s: r[1]["malformed_lines"] for s, r in read.items()}, index_problems=len(index_problems))
+        malformed_lines={s: r[1]["malformed_lines"] for s, r in read.items()}, index_problems=len(index_problems),
+        users_without_items={s: r[1]["users_without_items"] for s, r in read.items()},
+        index=str(index_path), id_offset=offset)
 
 
 # ---------------------------------------------------------------- synthetic data
@@ -680,7 +807,7 @@ def write_synthetic(out_dir, n_users: int, n_items: int, levels: int = 4, codes:
         history_length=length_summary(lengths),
     )
     (out_dir / "prepare.json").write_text(json.dumps(
-        {"synthetic": True, "seed": seed, "chunk_users": chunk_users, "zipf_alpha": BEAUTY_ZIPF_ALPHA,
+        {"synthetic": True, "splits": SYNTHETIC_SPLITS, "seed": seed, "chunk_users": chunk_users, "zipf_alpha": BEAUTY_ZIPF_ALPHA,
          "zipf_offset": BEAUTY_ZIPF_OFFSET,
          "length_lognormal": {"mu": BEAUTY_LENGTH_MU, "sigma": BEAUTY_LENGTH_SIGMA, "min": MIN_HISTORY},
          "semantic_id_collisions": [], **asdict(summary)}, indent=2))

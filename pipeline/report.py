@@ -344,7 +344,9 @@ def build_blocks(runs: list[dict], outputs: dict | None, evaluations: list[dict 
                    ("p", "; ".join(f"{_label(s)}: {num(e['users'])} users with target items, "
                                    f"{num(e['users_without_recommendations'])} of them without recommendations "
                                    f"(misses), k = {e['k']}" for s, e in evaluated)
-                    + ". Users without targets are skipped (`python -m jobs.evaluate`)."),
+                    + ". Users without targets are skipped (`python -m jobs.evaluate`)."
+                    + "".join(f" Split `{p['split']}`: {p['convention']}." for p in
+                              {e["protocol"]["split"]: e["protocol"] for _, e in evaluated if "protocol" in e}.values())),
                    ("table", ["metric"] + [_label(s) for s, _ in evaluated],
                     [[f"{m}@{k}"] + [num(e.get(f"{m.lower()}@{k}"), 4) for _, e in evaluated]
                      for m in ("Recall", "NDCG") for k in ks])]

@@ -274,8 +274,11 @@ def test_auto_mode_times_both_decoders_then_keeps_the_faster(world, ray_session,
         state = manifest["auto"][actor]
         if len(decoders) > 4:  # decided: every later batch uses the choice
             assert state["choice"] in ("beam", "atspeed-strict") and set(decoders[4:]) == {state["choice"]}
-            best = {d: min(r.users_ok / (r.prefill_s + r.draft_s + r.verify_s + r.decode_s)
+            # the rule the actor implements, from the same timings: each decoder's best (fastest) trial batch in
+            # users per decoder-second, the faster decoder kept
+            best = {d: max(r.users_ok / (r.prefill_s + r.draft_s + r.verify_s + r.decode_s)
                            for r in rows.head(4).itertuples() if r.decoder == d) for d in ("beam", "atspeed-strict")}
+            assert state["trial_users_per_s"] == pytest.approx(best, rel=1e-9)
             assert state["choice"] == max(best, key=best.get) and state["trial_batches"] == {"beam": 2,
                                                                                              "atspeed-strict": 2}
     assert set(recs["mode"]) == {"auto"} and (m.draft_forwards[m.decoder == "beam"] == 0).all()

@@ -113,9 +113,14 @@ def test_beauty_counts_and_collisions(beauty):
     assert sum(len(c["item_ids"]) - 1 for c in collisions) == 12
     assert {"code_tokens": "<a_179><b_229><c_186><d_0>", "item_ids": [5699, 7329, 7680],
             "semantic_id": [179, 229, 186, 0]} in collisions
-    # item 12035 appears in 15 train histories but is not in the catalog: dropped, reported
-    assert report["dropped_unknown_items"]["train"] == {"interactions": 15, "users": 15, "item_ids": [12035]}
-    assert report["interactions"] == {"train": 122_241 - 15, "valid": 9_316, "test": 7_313}
+    # the ids are the release index's (0-based): every history item is in the catalog. (An earlier copy kept the
+    # release text files' 1-based ids: item 12035, one past the index, was "unknown" in 15 train histories.)
+    assert all(d == {"interactions": 0, "users": 0, "item_ids": []} for d in report["dropped_unknown_items"].values())
+    assert report["interactions"] == {"train": 122_241, "valid": 9_316, "test": 7_313}
+    train = pq.read_table(out / "train.parquet")
+    assert train["user_id"].to_pylist() == list(range(19_383))
+    # the release's first line is "1 1955 28 12031 2758 2273 9634": user 0, items one lower
+    assert train["history"][0].as_py() == [1954, 27, 12030, 2757, 2272, 9633]
     assert set(report["sha256"]) == {"items.parquet", "train.parquet", "valid.parquet", "test.parquet"}
 
 
@@ -123,16 +128,18 @@ def test_beauty_counts_and_collisions(beauty):
 def test_beauty_histories_and_targets(beauty):
     _, out = beauty
     catalog = set(pq.read_table(BEAUTY / "items.parquet").column("item_id").to_pylist())
-    train = _source_lists("train", catalog)
+    train, valid_src = _source_lists("train", catalog), _source_lists("valid", catalog)
     test_src = pq.read_table(BEAUTY / "test.parquet")
     test = pq.read_table(out / "test.parquet")
     assert _lists(test, "user_id") == _lists(test_src, "user_id")
     assert _lists(test, "target_items") == _lists(test_src, "items")
-    assert [h for h in _lists(test, "history")] == [train[u][-20:] for u in _lists(test, "user_id")]
+    # the AtSpeed paper's protocol: a test user's history is the train + valid items, a valid user's the train items
+    assert _lists(test, "history") == [(train[u] + valid_src[u])[-20:] for u in _lists(test, "user_id")]
     assert max(len(h) for h in _lists(test, "history")) == 20
     valid = pq.read_table(out / "valid.parquet")
     assert _lists(valid, "target_items") == _lists(pq.read_table(BEAUTY / "valid.parquet"), "items")
-    assert _lists(valid, "history") == _lists(test, "history")
+    assert _lists(valid, "history") == [train[u][-20:] for u in _lists(valid, "user_id")]
+    assert _lists(valid, "history") != _lists(test, "history")
     out_train = pq.read_table(out / "train.parquet")
     assert _lists(out_train, "history") == [train[u] for u in _lists(out_train, "user_id")]
 
@@ -164,7 +171,7 @@ def test_prepare_tiny_source(tmp_path):
     assert (summary.levels, summary.codes, summary.colliding_semantic_ids) == (2, 2, 1)
     test = pq.read_table(tmp_path / "out" / "test.parquet").to_pylist()
     assert test == [{"user_id": 1, "history": [6, 7], "target_items": [6]},
-                    {"user_id": 2, "history": [6], "target_items": []}]
+                    {"user_id": 2, "history": [6, 5], "target_items": []}]  # train + valid items
     assert pq.read_table(tmp_path / "out" / "items.parquet").column("code_tokens").to_pylist()[1] == ["<a_1>", "<b_1>"]
 
 
@@ -286,7 +293,8 @@ def test_lcrec_format_with_every_problem_reported(tmp_path):
     assert run.returncode == 0, run.stderr
     summary = json.loads(run.stdout)
     assert (summary["items"], summary["colliding_semantic_ids"], summary["index_problems"]) == (8, 1, 2)
-    assert summary["malformed_lines"] == {"train": 3, "valid": 0, "test": 0}
+    assert summary["malformed_lines"] == {"train": 2, "valid": 0, "test": 0}
+    assert summary["users_without_items"] == {"train": 1, "valid": 0, "test": 0}  # line 7: "5" alone
     assert summary["dropped_interactions"] == {"train": 1, "valid": 0, "test": 0}
     items = pq.read_table(out / "items.parquet")
     assert items["item_id"].to_pylist() == list(range(8))
@@ -297,16 +305,17 @@ def test_lcrec_format_with_every_problem_reported(tmp_path):
     assert sorted(p["item"] for p in report["index_problems"]["entries"]) == ["8", "9"]
     lines = report["lines"]["train"]
     assert [(m["line"], m["reason"]) for m in lines["malformed"]] == [
-        (4, "not all fields are integers"), (6, "user 2 listed again"), (7, "a user without items")]
+        (4, "not all fields are integers"), (6, "user 2 listed again")]
+    assert lines["users_without_items"] == 1 and report["ids"]["offset"] == 0
     assert lines["unknown"] == [{"line": 5, "user": 4, "items": [99]}]
     train, valid, test = (pq.read_table(out / f"{s}.parquet").to_pylist() for s in ("train", "valid", "test"))
     assert train == [{"user_id": 1, "history": [0, 1, 2]}, {"user_id": 2, "history": [3, 4]},
                      {"user_id": 4, "history": [6, 1]}]
     assert [(r["user_id"], r["history"], r["target_items"]) for r in valid] == [
-        (1, [0, 1, 2], [3]), (2, [3, 4], [5]), (4, [6, 1], [])]
+        (1, [0, 1, 2], [3]), (2, [3, 4], [5]), (4, [6, 1], []), (5, [], [])]
     # a test user's history is its train + valid items (the last history_len of them)
     assert [(r["user_id"], r["history"], r["target_items"]) for r in test] == [
-        (1, [1, 2, 3], [4]), (2, [3, 4, 5], []), (4, [6, 1], [2])]
+        (1, [1, 2, 3], [4]), (2, [3, 4, 5], []), (4, [6, 1], [2]), (5, [], [])]
     bad = subprocess.run([sys.executable, "-m", "jobs.prepare_data", "--format", "lcrec", "--out", str(out)],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--format lcrec needs --source DIR" in bad.stderr
@@ -314,3 +323,107 @@ def test_lcrec_format_with_every_problem_reported(tmp_path):
     missing = subprocess.run([sys.executable, "-m", "jobs.prepare_data", "--format", "lcrec", "--source", str(src),
                               "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert missing.returncode == 1 and "sequential_valid.txt: file not found" in missing.stderr
+
+
+def _lcrec_release(folder: Path, seed: int, users: int = 40, items: int = 30, shift: int = 0,
+                   index_name: str = "toy.LCRec-1e-3lr.json") -> dict:
+    """A small dataset in the AtSpeed authors' layout: the index from 0, the interaction files' ids + `shift` (the
+    authors' text files use shift 1); every user on every line of valid / test, most of them without items there.
+    -> the 0-based truth {split: {user: items}}."""
+    rng = np.random.default_rng(seed)
+    folder.mkdir()
+    index = {str(i): [f"<a_{i % 7}>", f"<b_{i // 7}>", f"<c_{i % 3}>"] for i in range(items)}
+    (folder / index_name).write_text(json.dumps(index))
+    (folder / "toy.item.json").write_text(json.dumps({str(i): {"title": f"item {i}"} for i in range(items)}))
+    (folder / "toy.inter.json").write_text(json.dumps({"0": [1, 2, 3]}))  # maps ids to integer lists: not an index
+    truth = {s: {} for s in ("train", "valid", "test")}
+    for u in range(users):
+        truth["train"][u] = rng.integers(0, items, size=rng.integers(2, 9)).tolist()
+        truth["valid"][u] = rng.integers(0, items, size=1).tolist() if rng.random() < 0.3 else []
+        truth["test"][u] = rng.integers(0, items, size=rng.integers(1, 3)).tolist() if rng.random() < 0.4 else []
+    truth["train"][0] = [0, items - 1]  # the smallest and largest ids are used
+    for split, lists in truth.items():
+        (folder / f"sequential_{split}.txt").write_text(
+            "".join(" ".join(str(x + shift) for x in [u, *v]) + "\n" for u, v in lists.items()))
+    return truth
+
+
+def test_lcrec_published_release_one_based_ids(tmp_path):
+    """The AtSpeed release's layout: an index named `<dataset>.LCRec-1e-3lr.json` beside other JSON files, and text
+    files counting users and items from 1 where the index counts from 0. Without --id-offset the import is refused
+    with the evidence and the option; with --id-offset -1 every user's history, valid and test items equal the
+    0-based truth; users listed without items are counted apart from malformed lines."""
+    from pipeline.prepare import prepare_lcrec
+
+    truth = _lcrec_release(tmp_path / "zero", seed=1)
+    _lcrec_release(tmp_path / "one", seed=1, shift=1)
+    refused = subprocess.run([sys.executable, "-m", "jobs.prepare_data", "--format", "lcrec", "--source",
+                              str(tmp_path / "one"), "--out", str(tmp_path / "out-refused")], cwd=REPO,
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1 and not (tmp_path / "out-refused").exists()
+    assert "look shifted against the index toy.LCRec-1e-3lr.json: it holds ids 0..29 (30 items), " \
+           "the files use ids 1..30" in refused.stderr
+    assert "id 0 is never used" in refused.stderr and "Rerun with --id-offset -1" in refused.stderr
+    run = subprocess.run([sys.executable, "-m", "jobs.prepare_data", "--format", "lcrec", "--source",
+                          str(tmp_path / "one"), "--out", str(tmp_path / "out-one"), "--id-offset", "-1",
+                          "--history-len", "5"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    summary = json.loads(run.stdout)
+    assert summary["id_offset"] == -1 and summary["index"].endswith("toy.LCRec-1e-3lr.json")
+    assert summary["malformed_lines"] == {"train": 0, "valid": 0, "test": 0}
+    assert summary["users_without_items"] == {s: sum(not v for v in truth[s].values()) for s in truth}
+    assert summary["dropped_interactions"] == {"train": 0, "valid": 0, "test": 0}
+    out = tmp_path / "out-one"
+    train, valid, test = (pq.read_table(out / f"{s}.parquet").to_pylist() for s in ("train", "valid", "test"))
+    assert {r["user_id"]: r["history"] for r in train} == truth["train"]
+    assert {r["user_id"]: (r["history"], r["target_items"]) for r in valid} == {
+        u: (truth["train"][u][-5:], truth["valid"][u]) for u in truth["train"]}
+    assert {r["user_id"]: (r["history"], r["target_items"]) for r in test} == {
+        u: ((truth["train"][u] + truth["valid"][u])[-5:], truth["test"][u]) for u in truth["train"]}
+    report = json.loads((out / "prepare.json").read_text())
+    assert report["ids"] | {"unknown_examples": None} == {
+        "index_ids": "0..29", "index_items": 30, "item_ids_used": "1..30", "offset": -1, "unknown_after_offset": 0,
+        "unknown_examples": None, "distinct_items_used": report["ids"]["distinct_items_used"]}
+    assert report["splits"]["test"].startswith("history = the user's train + valid items")
+    # the 0-based copy imports as it is, to the same tables
+    prepare_lcrec(tmp_path / "zero", tmp_path / "out-zero", history_len=5)
+    for s in ("items", "train", "valid", "test"):
+        assert pq.read_table(tmp_path / "out-zero" / f"{s}.parquet").equals(pq.read_table(out / f"{s}.parquet"))
+
+
+def test_lcrec_index_choice_and_unknown_items_after_offset(tmp_path):
+    """Two index files: refused naming both, unless --index names one; an explicit offset is applied as given and
+    items still unknown after it are reported with their line numbers, never dropped silently."""
+    from pipeline.prepare import prepare_lcrec
+
+    src = tmp_path / "src"
+    truth = _lcrec_release(src, seed=2, shift=1)
+    (src / "Toy.index.json").write_text((src / "toy.LCRec-1e-3lr.json").read_text())
+    with pytest.raises(ValueError, match=r"found 2 JSON files \(Toy\.index\.json, toy\.LCRec-1e-3lr\.json\) "
+                                         r".*name it with --index FILE"):
+        prepare_lcrec(src, tmp_path / "out")
+    summary = prepare_lcrec(src, tmp_path / "out", index=src / "Toy.index.json", id_offset=-1)
+    assert summary.index == str(src / "Toy.index.json") and summary.dropped_interactions["train"] == 0
+    with pytest.raises(ValueError, match=r"--index .*nope\.json: file not found"):
+        prepare_lcrec(src, tmp_path / "out", index=src / "nope.json", id_offset=-1)
+    for p in src.glob("*.json"):
+        p.unlink()
+    with pytest.raises(ValueError, match=r"found no JSON file among \[\]"):
+        prepare_lcrec(src, tmp_path / "out")
+    # an item beyond the index on line 3 of train (user 2 as written, 1 after the offset)
+    _lcrec_release(tmp_path / "src2", seed=2, shift=1)
+    lines = (tmp_path / "src2" / "sequential_train.txt").read_text().splitlines()
+    lines[2] += " 500"
+    (tmp_path / "src2" / "sequential_train.txt").write_text("\n".join(lines) + "\n")
+    summary = prepare_lcrec(tmp_path / "src2", tmp_path / "out2", id_offset=-1)
+    assert summary.dropped_interactions == {"train": 1, "valid": 0, "test": 0}
+    report = json.loads((tmp_path / "out2" / "prepare.json").read_text())
+    assert report["lines"]["train"]["unknown"] == [{"line": 3, "user": 2, "items": [499]}]
+    assert report["ids"]["unknown_after_offset"] == 1 and report["ids"]["unknown_examples"] == [499]
+    train = {r["user_id"]: r["history"] for r in pq.read_table(tmp_path / "out2" / "train.parquet").to_pylist()}
+    assert train == truth["train"]  # the unknown item left out, every other item in place
+    # without --id-offset, an unknown item on top of the shift is no constant offset: imported as written, reported
+    summary = prepare_lcrec(tmp_path / "src2", tmp_path / "out3")
+    shifted_last = sum(v.count(29) for v in truth["train"].values())  # item 29 is written as 30, beyond the index
+    assert summary.id_offset == 0 and summary.dropped_interactions["train"] == shifted_last + 1
+    assert json.loads((tmp_path / "out3" / "prepare.json").read_text())["ids"]["unknown_examples"] == [30, 500]

@@ -153,6 +153,7 @@ def test_evaluation_of_a_real_run_lands_in_the_report(runs, tmp_path):
     report_run(run, LOCAL)
     md = (Path(run) / "report" / "report.md").read_text()
     assert "## Quality (offline evaluation)" in md
+    assert ev["protocol"]["source"] and f"Split `test`: {ev['protocol']['convention']}." in md
     for k in (1, 5, 10, 20):
         assert f"| Recall@{k} | {ev[f'recall@{k}']:.4f} |" in md and f"| NDCG@{k} | {ev[f'ndcg@{k}']:.4f} |" in md
     # side by side, each run with its own evaluation (strict speculation: the same items, the same quality)
@@ -195,6 +196,18 @@ def test_evaluation_equals_a_hand_computed_example(tmp_path):
         assert ev[f"recall@{k}"] == pytest.approx((1 + 0 + 1 + 0) / 4)
         assert ev[f"ndcg@{k}"] == pytest.approx((1 / math.log2(3) + 0 + ndcg_4 + 0) / 4)
     assert "| Recall | 0.1250 | 0.5000 | 0.5000 | 0.5000 |" in (run / "report" / "evaluation.md").read_text()
+    assert ev["protocol"]["source"] is None and "as given" in (run / "report" / "evaluation.md").read_text()
+    # a data folder written by jobs.prepare_data states how its split was built: quoted by the evaluation
+    from pipeline.prepare import SPLIT_CONVENTION
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "in.parquet").rename(tmp_path / "data" / "test.parquet")
+    (tmp_path / "data" / "prepare.json").write_text(json.dumps({"splits": SPLIT_CONVENTION}))
+    ev = evaluate(str(run), LOCAL, str(tmp_path / "data" / "test.parquet"))
+    assert ev["protocol"] == {"split": "test", "convention": SPLIT_CONVENTION["test"],
+                              "source": str(tmp_path / "data" / "prepare.json")}
+    assert "train + valid items" in SPLIT_CONVENTION["test"]
+    assert f"Split `test`: {SPLIT_CONVENTION['test']}." in (run / "report" / "evaluation.md").read_text()
 
 
 def test_bad_runs_and_inputs_fail_clearly(runs, tmp_path):

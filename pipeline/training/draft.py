@@ -21,6 +21,8 @@ from decoding.metrics import topk_coverage
 from decoding.models import build_model, load_model, load_tokenizer, pick_device
 from decoding.templates import TEMPLATE_FILE, PromptTemplate, get_template, read_template
 from decoding.tree import chain_forward
+from pipeline.config import Storage
+from pipeline.evaluate import split_protocol
 from pipeline.training.common import (Data, TrainConfig, config_dict, fit, load_data, load_eval_users, prompts,
                                       sample_batch, seed_everything, subset_of, write_report)
 from pipeline.training.teacher import teacher_data
@@ -162,6 +164,7 @@ def train_draft(cfg: DraftConfig) -> dict:
         beams_per_step(target, data, histories, cfg.k, cfg.eval_batch, device),
         beams_per_step(best_draft, data, histories, cfg.draft_beams, cfg.eval_batch, device))
     report["test_users"] = len(histories)
+    report["protocol"] = {s: split_protocol(str(Path(cfg.data) / f"{s}.parquet"), Storage()) for s in ("valid", "test")}
     write_report(Path(cfg.out), report)
     print(f"draft {cfg.objective} test coverage (users {len(histories)}): {report['test_coverage']}", file=sys.stderr)
     return report

@@ -18,6 +18,8 @@ from decoding.codes import semantic_id_matrix
 from decoding.models import add_code_tokens, build_model, load_model, load_tokenizer, pick_device
 from decoding.templates import get_template
 from decoding.tree import chain_forward
+from pipeline.config import Storage
+from pipeline.evaluate import split_protocol
 from pipeline.training.common import (TrainConfig, config_dict, evaluate_recommendations, fit, load_data,
                                       load_eval_users, sample_batch, seed_everything, subset_of, write_report)
 
@@ -73,6 +75,7 @@ def train_target(cfg: TargetConfig) -> dict:
     # the kept checkpoint on the test split (the paper's protocol: users without targets are skipped)
     histories, targets = load_eval_users(data_dir, "test", cfg.test_users)
     report["test"] = evaluate_recommendations(best_model, data, histories, targets, cfg.eval_batch, device)
+    report["protocol"] = {s: split_protocol(str(data_dir / f"{s}.parquet"), Storage()) for s in ("valid", "test")}
     write_report(out, report)
     print(f"target test (best epoch {report['best_epoch']}): {report['test']}", file=sys.stderr)
     return report
