@@ -279,8 +279,8 @@ def _read_split(path: Path, item_ids: np.ndarray) -> tuple[np.ndarray, tuple, di
     """train/valid/test.parquet -> (user_ids [U], (values [T], starts [U], lengths [U]), dropped).
 
     Item ids missing from the catalog cannot be tokenized: they are dropped from the lists
-    (order of the other items kept) and reported in `dropped` (Amazon Beauty train has 15
-    interactions with item 12035, which has no semantic ID).
+    (order of the other items kept) and reported in `dropped` (a copy of Beauty with the release text files'
+    1-based ids showed item 12035, one past the index, in 15 train histories: the symptom of shifted ids).
     """
     table = _read_parquet(path, ["user_id", "items"])
     user_ids = _int_ids(table, "user_id", str(path))
