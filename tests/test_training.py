@@ -66,6 +66,11 @@ def test_target_trains_reloads_and_decodes(target, data):
     assert losses[-1] < losses[0]
     assert r["samples"] > 500 and r["data_fingerprint"] and r["best_epoch"] >= 1
     assert set(r["test"]) >= {"recall@10", "ndcg@10", "users"} and r["test"]["users"] == 40
+    # the report states how the test users' histories were built (write_synthetic's splits, from prepare.json)
+    from pipeline.prepare import SYNTHETIC_SPLITS
+
+    assert r["protocol"]["test"] == {"split": "test", "convention": SYNTHETIC_SPLITS["test"],
+                                     "source": str(data / "prepare.json")}
     assert r["config"]["hidden"] == 32 and list(target.glob("*.safetensors"))
     assert_runs_beam_search(target, data)
 
@@ -79,6 +84,7 @@ def test_draft_objectives_train_reload_and_decode(objective, target, data, tmp_p
     losses = [e["train_loss"] for e in r["epochs"]]
     assert losses[-1] < losses[0], losses
     assert len(r["test_coverage"]) == 3 and all(0 <= c <= 1 for c in r["test_coverage"])
+    assert r["protocol"]["test"]["source"] == str(data / "prepare.json")
     assert load_tokenizer(out).get_vocab() == load_tokenizer(target).get_vocab()  # the draft shares the tokenizer
     assert_runs_beam_search(out, data)
     if objective != "sft":
