@@ -1,8 +1,8 @@
 """Offline evaluation of a published run: Recall@K and NDCG@K against the input's `target_items`.
 
-The paper's convention: users without target items are skipped; the split's history convention (a test user's history
-is its train + valid items, the AtSpeed paper's) is quoted from the data folder's prepare.json. A user with targets but no recommendations (a
-rejected row) counts as a miss, so a run cannot look better by rejecting users. Duplicate user ids: the first row's
+The paper's convention: users without target items are skipped; the split's history convention (a test user's
+history is its train + valid items, the AtSpeed paper's) is quoted from the data folder's prepare.json. A user with
+targets but no recommendations (a rejected row) counts as a miss, so a run cannot look better by rejecting users. Duplicate user ids: the first row's
 targets, as the nightly job keeps the first row.
 """
 from __future__ import annotations

@@ -541,10 +541,11 @@ def check_id_offset(splits: dict[str, LcrecSplit], known: np.ndarray, offset: in
     for d in sorted({int(known.min() - used.min()), int(known.max() - used.max())} - {0}):
         if np.isin(used + d, known).all():
             zero = "id 0 is never used, " if used.min() > 0 and known.min() == 0 else ""
+            are = "id is" if len(unknown) == 1 else "ids are"
             raise ValueError(
                 f"the interaction files' item ids look shifted against the index {index_name}: it holds ids "
                 f"{evidence['index_ids']} ({len(known):,} items), the files use ids {evidence['item_ids_used']} "
-                f"({len(used):,} distinct); {zero}{len(unknown):,} distinct id{' is' if len(unknown) == 1 else 's are'} not in the index as written "
+                f"({len(used):,} distinct); {zero}{len(unknown):,} distinct {are} not in the index as written "
                 f"(e.g. {', '.join(map(str, unknown[:5].tolist()))}), and adding {d:+d} to every id makes every item "
                 f"known. Rerun with --id-offset {d} (added to every user and item id of the interaction files), "
                 f"or --id-offset 0 to import the ids as written")
