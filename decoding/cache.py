@@ -9,24 +9,28 @@ they are), `select` keeps some user rows (finished users leave), `rows` restrict
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 
 class TreeLayer(CacheLayerMixin):
-    """One layer's keys and values [B, H_kv, capacity, D]; `length` columns are filled."""
+    """One layer's keys and values [B, H_kv, capacity, D]; `length` columns are filled. It holds no reference to
+    its TreeCache: without a reference cycle a batch's cache is freed as soon as the decode returns, not at the next
+    garbage collection (which would keep it alive, on the heap or the GPU, through the next batch)."""
 
     is_sliding = False  # a sliding window is applied through the mask: every column stays (see check_window)
 
-    def __init__(self, cache: "TreeCache"):
+    def __init__(self, capacity: int):
         super().__init__()
-        self.cache, self.length = cache, 0
+        self.capacity, self.length = capacity, 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.keys = key_states.new_zeros(b, h, self.cache.capacity, d)  # zeros: unwritten columns stay finite
-        self.values = value_states.new_zeros(b, h, self.cache.capacity, value_states.shape[-1])
+        self.keys = key_states.new_zeros(b, h, self.capacity, d)  # zeros: unwritten columns stay finite
+        self.values = value_states.new_zeros(b, h, self.capacity, value_states.shape[-1])
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -63,8 +67,8 @@ class TreeCache(Cache):
     """The layers of one model's tree cache (created lazily, one per attention layer, by the first forward)."""
 
     def __init__(self, capacity: int):
-        super().__init__(layer_class_to_replicate=lambda: TreeLayer(self))
         self.capacity = max(int(capacity), 1)
+        super().__init__(layer_class_to_replicate=partial(TreeLayer, self.capacity))
 
     @property
     def length(self) -> int:
@@ -81,7 +85,7 @@ class TreeCache(Cache):
         (prefix: per layer ([1, H_kv, P, D], [1, H_kv, P, D]), copied into every row: computed once, stored per row
         so that attention stays one kernel over each row)."""
         for k, v in prefix or []:
-            layer = TreeLayer(self)
+            layer = TreeLayer(self.capacity)
             layer.lazy_initialization(k.expand(batch, -1, -1, -1), v.expand(batch, -1, -1, -1))
             layer.update(k.expand(batch, -1, -1, -1), v.expand(batch, -1, -1, -1))
             self.layers.append(layer)

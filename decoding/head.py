@@ -52,7 +52,7 @@ class Head:
         config = model.config
         head = cls(out.weight, out.bias, float(getattr(config, "logit_scale", None) or 1.0),
                    getattr(config, "final_logit_softcapping", None),
-                   1 << 26 if out.weight.device.type == "cuda" else 1 << 20)
+                   1 << 26 if out.weight.device.type == "cuda" else 1 << 18)
         if check:
             head.check(model)
         return head
@@ -61,22 +61,37 @@ class Head:
     def vocab_size(self) -> int:
         return self.weight.shape[0]
 
-    def chunk_logits(self, hidden: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-        """hidden [R, H] -> float32 logits [R, hi - lo] of tokens lo .. hi - 1, as the model computes them."""
-        z = torch.nn.functional.linear(hidden, self.weight[lo:hi], None if self.bias is None else self.bias[lo:hi])
-        z = z.float()
+    def chunk_logits(self, hidden: torch.Tensor, lo: int, hi: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [R, H] -> float32 logits [R, hi - lo] of tokens lo .. hi - 1, as the model computes them (into
+        `out`, a contiguous float32 [R, hi - lo], when given: the head's products then allocate nothing)."""
+        w, b = self.weight[lo:hi], None if self.bias is None else self.bias[lo:hi]
+        if out is None:
+            out = torch.nn.functional.linear(hidden, w, b).float()
+        elif hidden.dtype == torch.float32:  # the product written straight into the float32 buffer
+            torch.addmm(b, hidden, w.t(), out=out) if b is not None else torch.mm(hidden, w.t(), out=out)
+        else:  # in the model's dtype, as transformers computes logits, then upcast (logits.float())
+            out.copy_(torch.nn.functional.linear(hidden, w, b))
         if self.scale != 1.0:
-            z = z * self.scale
+            out.mul_(self.scale)
         if self.softcap:
-            z = torch.tanh(z / self.softcap) * self.softcap
-        return z
+            out.div_(self.softcap).tanh_().mul_(self.softcap)
+        return out
 
+    def chunk_size(self, rows: int) -> int:
+        """Vocabulary rows per chunk: `budget` floats of logits in all (at least 1024 tokens, at most V)."""
+        return max(1024, min(self.vocab_size, self.budget // max(rows, 1)))
+
+    @torch.no_grad()
     def score(self, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0,
               top_m: int = 0) -> Scores:
         """hidden [R, H], tokens [R, D] (-1 = none) -> Scores: their logits and the normalisers (at temperature 1 and,
-        when temperature != 1, at `temperature`); top_m > 0 also returns the top-M tokens of the full vocabulary."""
+        when temperature != 1, at `temperature`); top_m > 0 also returns the top-M tokens of the full vocabulary.
+        The vocabulary streams through one float32 buffer of R x chunk (two with a temperature), reused chunk after
+        chunk and transformed in place: the working memory is bounded by `budget`, whatever the vocabulary."""
         r, v = hidden.shape[0], self.vocab_size
-        step = max(1024, min(v, self.budget // max(r, 1)))
+        step = self.chunk_size(r)
+        buf = torch.empty(r * step, device=hidden.device)  # [R * chunk] float32, every chunk's logits in turn
+        buf_t = torch.empty_like(buf) if temperature != 1.0 else None
         logits = torch.full(tokens.shape, NEG_INF, device=hidden.device)
         real = tokens >= 0
         lo_tok = int(tokens[real].min()) if real.any() else v
@@ -84,12 +99,7 @@ class Head:
         maxes, sums, sums_t, top_v, top_i = [], [], [], [], []
         for lo in range(0, v, step):
             hi = min(v, lo + step)
-            z = self.chunk_logits(hidden, lo, hi)  # [R, c]
-            m = z.amax(1)  # [R]
-            maxes.append(m)
-            sums.append(torch.exp(z - m[:, None]).sum(1))
-            if temperature != 1.0:
-                sums_t.append(torch.exp((z - m[:, None]) / temperature).sum(1))
+            z = self.chunk_logits(hidden, lo, hi, buf[:r * (hi - lo)].view(r, hi - lo))  # [R, c]
             if lo_tok < hi and hi_tok >= lo:  # the asked tokens in this chunk
                 inside = real & (tokens >= lo) & (tokens < hi)
                 logits = torch.where(inside, z.gather(1, (tokens - lo).clamp(0, hi - lo - 1)), logits)
@@ -97,6 +107,12 @@ class Head:
                 values, index = z.topk(min(top_m, hi - lo), 1)
                 top_v.append(values)
                 top_i.append(index + lo)
+            m = z.amax(1)  # [R]
+            maxes.append(m)
+            z.sub_(m[:, None])  # z - m <= 0 from here on
+            if buf_t is not None:
+                sums_t.append(torch.div(z, temperature, out=buf_t[:z.numel()].view_as(z)).exp_().sum(1))
+            sums.append(z.exp_().sum(1))
         m = torch.stack(maxes, 1)  # [R, chunks]
         big = m.amax(1, keepdim=True)  # [R, 1]
         lse = big[:, 0] + (torch.stack(sums, 1) * torch.exp(m - big)).sum(1).log()

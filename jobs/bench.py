@@ -17,7 +17,8 @@ disc-bias: DISC's bias: TV / KL / mean valid mass of each sampler's draws agains
 nightly: the nightly Ray job (one actor) vs the recommender called directly on the same batches.
 templates: rendering cost of each prompt template (renderer vs tokenizer), and the nightly job's users/s with each.
 shapes: beam_search vs transformers over vocabulary x prompt length x K, each method in its own process (memory).
-gpu: half-precision parity, shapes, DISC and speculative on CUDA in one command and one report (`make bench-gpu`).
+gpu: on CUDA in one process and one report (`make bench-gpu`): parity, the shapes grid, NVIDIA SID-GR's shape (the
+anchor), each cell's useful-FLOP fraction of the matmul rate measured in the same run; DISC and speculative on demand.
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ HELP = {"all": "every claim in one run (decode, speculative, disc, disc-bias) ->
         "templates": "prompt templates: rendering cost, and the nightly job's users/s with each",
         "nightly-scale": "the nightly job on synthetic users at scale: exactly once, driver RSS, object store peak",
         "shapes": "beam_search vs transformers over vocabulary x prompt x K, users/s and working memory",
-        "gpu": "on CUDA: half-precision parity, shapes, DISC, speculative; one report (~10 min on an H100)"}
+        "gpu": "on CUDA: parity, shapes, the SID-GR anchor, roofline (+ disc, speculative); one report, one process"}
 PATHS = {"data": str(ROOT / "data" / "beauty"), "target": str(DEMO), "out": str(ROOT / "bench-out"),
          "config": str(ROOT / "infra" / "configs" / "demo.yaml")}
 FLAG_HELP = {
@@ -57,7 +58,8 @@ FLAG_HELP = {
     "disc and the speculative throughput batch)", "rounds": "DISC rounds (disc-bias; the disc timing runs 1..max)",
     "chunk": "disc-bias: catalog items per forward when scoring P_S (lower it for large vocabularies)",
     "draws": "items drawn per user and method (k=1 each)", "cpus": "CPUs of the local Ray",
-    "out": "results folder (the nightly job writes under OUT/nightly-bench)", "ks": "speculative K (Table 1 columns)"}
+    "out": "results folder (the nightly job writes under OUT/nightly-bench)", "ks": "speculative K (Table 1 columns)",
+    "simulate_oom": "methods made to run out of memory at every batch (checks that the report records it)"}
 CHOICES = {"dtype": ["auto", "float32", "bfloat16", "float16"], "attn": ["sdpa", "eager"], "sections": P.SECTIONS,
            "templates": ["codes", "lcrec"]}
 
@@ -80,7 +82,8 @@ def parser() -> argparse.ArgumentParser:
         special = {"dtype", "attn", "sections", "templates", "seed", "drafts", "overrides"} & names
         dataclass_args(s, cls, skip=special, zero_ok=("trie_max_items",), helps=FLAG_HELP, defaults=values)
         for field_name in special & set(CHOICES):
-            s.add_argument("--" + field_name, choices=CHOICES[field_name], default=values[field_name],
+            choices = P.GPU_SECTIONS if (name, field_name) == ("gpu", "sections") else CHOICES[field_name]
+            s.add_argument("--" + field_name, choices=choices, default=values[field_name],
                            nargs="+" if field_name in ("sections", "templates") else None)
         if "seed" in names:
             s.add_argument("--seed", type=int, default=values["seed"])

@@ -241,31 +241,59 @@ def test_bench_gpu_refuses_without_cuda(tmp_path):
 
 
 def test_bench_gpu_smoke_on_cpu(data, tmp_path):
-    """`bench gpu --device cpu --smoke` runs every section at smoke sizes (tiny random Llamas, float32 timings,
-    bfloat16 / float16 parity) and writes one report: parity per dtype against transformers and strict speculative,
-    then the shapes, DISC and speculative sections."""
+    """`bench gpu --device cpu --smoke` runs every section at smoke sizes in one process and writes one report: the
+    matmul rate, parity (float32 identical to transformers for every user, left-padded ones included; bfloat16 /
+    float16 against transformers and strict speculative), the shapes grid, the SID-GR anchor at batch 8, 1 and the
+    largest that fits, each cell's useful-FLOP fraction of the measured rate, then DISC and speculative."""
     out = tmp_path / "out"
     target = tiny_beauty_model(tmp_path / "target", data, 32, 0)
     draft = tiny_beauty_model(tmp_path / "draft", data, 16, 1)
     run = bench("gpu", "--device", "cpu", "--smoke", "--data", str(data), "--layers", "1", "--hidden", "32",
-                "--heads", "2", "--target", str(target), "--drafts", str(draft), "--out", str(out))
+                "--heads", "2", "--target", str(target), "--drafts", str(draft), "--out", str(out),
+                "--sections", "parity", "shapes", "anchor", "disc", "speculative")
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads((out / "gpu.json").read_text())
-    assert {"parity", "shapes", "disc", "speculative", "seconds", "hardware", "versions"} <= set(result)
-    assert [r["dtype"] for r in result["parity"]] == ["bfloat16", "float16"]
-    for r, tie in zip(result["parity"], (4e-2, 8e-3)):  # TIE = 2 x the score bound of tests/test_engine.py
+    assert {"matmul", "parity", "shapes", "anchor", "disc", "speculative", "seconds", "hardware"} <= set(result)
+    rate = result["matmul"]["flops_per_s"]
+    assert rate > 0
+    assert [r["dtype"] for r in result["parity"]] == ["float32", "bfloat16", "float16"]
+    for r, tie in zip(result["parity"], (1e-4, 4e-2, 8e-3)):  # half precision: 2 x tests/test_engine.py's bound
         assert r["tie"] == tie
         for against in ("transformers", "speculative"):
             x = r[against]
             assert 0 <= x["clear_users_identical"] <= x["clear_users"] <= r["users"]
             assert x["max_abs_score_diff"] >= 0
-    cells = result["shapes"]["cells"]
-    assert [(c["vocab"], c["prompt"], c["k"]) for c in cells] == [(2048, 40, 5)]
-    assert cells[0]["same_items_same_order"] == 1.0  # float32 at smoke sizes: the same lists as transformers
+            if r["dtype"] == "float32":  # exact: every user, the left-padded ones included
+                assert x["identical"] == r["users"] and x["max_abs_score_diff"] < 1e-4, (against, x)
+    [cell] = result["shapes"]
+    assert (cell["vocab"], cell["prompt"], cell["k"]) == (2048, 40, 5)
+    assert cell["same_items_same_order"] == 1.0  # float32 at smoke sizes: the same lists as transformers
+    for method in ("beam_search", "transformers"):
+        x = cell["methods"][method]
+        assert x["status"] == "ok" and x["batch"] == 2
+        flops = cell["useful_flops_per_user"]
+        assert x["flop_fraction"] == pytest.approx(flops * x["users_per_s"]["median"] / rate)
+    assert [a["methods"]["beam_search"]["batch"] for a in result["anchor"]] == [8, 1, 4]  # 4: smoke's most
+    assert {(a["arch"], a["code_len"], a["k"]) for a in result["anchor"]} == {("qwen3", 3, 8)}
     assert "disc rounds=4 exact" in result["disc"]["methods"]
     assert result["speculative"]["batches"]
     md = (out / "gpu.md").read_text()
-    for section in ("## half-precision parity", "| bfloat16 | beam_search vs transformers", "| float16 | beam_search "
-                    "vs speculative", "## shapes: beam_search vs transformers", "## DISC vs constrained sampling",
+    for section in ("TFLOP/s**", "## parity", "| float32 | beam_search vs transformers", "| float16 | beam_search "
+                    "vs speculative", "## shapes: beam_search vs transformers", "## anchor: NVIDIA SID-GR's shape",
+                    "| 8 | ", "93.2 ms", "17.6 ms", "## DISC vs constrained sampling",
                     "## speculative beam search vs beam_search"):
         assert section in md, section
+
+
+def test_bench_gpu_records_out_of_memory(data, tmp_path):
+    """A method that runs out of memory at every batch (simulated: the CPU has no allocator limit to hit) is halved
+    down to batch 1, then recorded as "out of memory" in the table; the report is still written, the other method
+    timed."""
+    out = tmp_path / "out"
+    run = bench("gpu", "--device", "cpu", "--smoke", "--data", str(data), "--layers", "1", "--hidden", "32",
+                "--heads", "2", "--sections", "shapes", "--simulate-oom", "transformers", "--out", str(out))
+    assert run.returncode == 0, run.stderr[-3000:]
+    [cell] = json.loads((out / "gpu.json").read_text())["shapes"]
+    assert cell["methods"]["transformers"] == {"status": "out of memory"}
+    assert cell["methods"]["beam_search"]["status"] == "ok" and "speedup" not in cell
+    assert "| out of memory |" in (out / "gpu.md").read_text()

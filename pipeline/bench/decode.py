@@ -82,15 +82,19 @@ def run_index(p: DecodeParams, beauty: Catalog | None) -> list[dict]:
     return out
 
 
-def synthetic_token_catalog(n_items: int, levels: int, codes: int, seed: int, device) -> Catalog:
-    """n_items distinct random semantic IDs, as token ids in the project tokenizer's layout."""
+def synthetic_token_catalog(n_items: int, levels: int, codes: int, seed: int, device, vocab: int | None = None
+                            ) -> Catalog:
+    """n_items distinct random semantic IDs, as token ids in the project tokenizer's layout (after its 4 special
+    tokens), or, given `vocab`, as the last levels x codes tokens of a `vocab`-token vocabulary (an LLM's added code
+    tokens after its text vocabulary)."""
     from pipeline.prepare import synthetic_catalog
 
     table = synthetic_catalog(n_items, levels, codes, seed)
     sid = table.column("semantic_id").combine_chunks().flatten().to_numpy().reshape(-1, levels)
-    tokens = 4 + np.arange(levels) * codes + sid.astype(np.int64)  # [N, L]
+    start = 4 if vocab is None else vocab - levels * codes
+    tokens = start + np.arange(levels) * codes + sid.astype(np.int64)  # [N, L]
     item_ids = table.column("item_id").to_numpy().copy()
-    return Catalog.from_token_ids(torch.from_numpy(item_ids), torch.from_numpy(tokens), 4 + levels * codes,
+    return Catalog.from_token_ids(torch.from_numpy(item_ids), torch.from_numpy(tokens), start + levels * codes,
                                   device=device)
 
 

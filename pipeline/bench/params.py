@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 REPEATS = 5  # timed repeats per method, interleaved, after one warm-up run of each
 SECTIONS = ("decode", "speculative", "disc", "disc-bias")  # what `bench all` runs, in this order
+GPU_SECTIONS = ("parity", "shapes", "anchor", "disc", "speculative")  # what `bench gpu` can run
+GPU_DEFAULT = ["parity", "shapes", "anchor"]  # at most about 10 minutes on an H100
 
 
 @dataclass(kw_only=True)
@@ -145,10 +147,15 @@ class ShapesParams:
 
 @dataclass(kw_only=True)
 class GpuParams:
-    """`bench gpu`: half-precision parity, shapes, DISC (and speculative with --target / --drafts) on CUDA."""
+    """`bench gpu`: parity, the shapes grid and the SID-GR anchor on CUDA (DISC, and speculative with --target /
+    --drafts, when named in --sections), in one process."""
     data: str
+    sections: list[str] = field(default_factory=lambda: list(GPU_DEFAULT))
     target: str | None = None  # a trained target and its drafts for the speculative section (skipped without)
     drafts: list[str] = field(default_factory=list)
+    repeats: int = 3  # timed rounds per cell, methods interleaved
+    batch: int = 32  # transformers' batch in the shapes grid (halved until it fits)
+    simulate_oom: list[str] = field(default_factory=list)  # methods made to run out of memory (tests the recording)
     layers: int = 8
     hidden: int = 1024
     heads: int = 16
