@@ -21,10 +21,11 @@ from decoding.cache import TreeCache
 from decoding.catalog import Catalog
 from decoding.head import Head, Scores
 from decoding.models import check_window
-from decoding.stats import Meter, beam_batch_kv
+from decoding.stats import PHASES, Meter, beam_batch_kv
 from decoding.tree import TokenTree, prompt_position_ids
 
 NEG_INF = float("-inf")
+SUMMED = (*PHASES, "target_forwards", "draft_forwards", "target_tokens", "draft_tokens")  # Recommendations.concat
 _HEADS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -34,6 +35,28 @@ class Recommendations:
     token_ids: torch.Tensor  # [B, k, L] int64, -1 on padding
     scores: torch.Tensor  # [B, k] float32, sorted descending, -inf on padding
     stats: dict = field(default_factory=dict)  # the base keys of decoding/stats.py, plus the mode's extras
+
+    @classmethod
+    def concat(cls, parts: list["Recommendations"]) -> "Recommendations":
+        """Consecutive slices of one batch's users, decoded one after the other -> one result, as if decoded at once:
+        rows concatenated; per-user stats ([B] tensors) concatenated, other tensors (histograms) summed; phases,
+        forwards and tokens summed; the other numbers (KV peaks, cache sizes) the largest, since the slices held
+        their caches one at a time."""
+        if len(parts) == 1:
+            return parts[0]
+        sizes = [p.item_ids.shape[0] for p in parts]
+        stats = {}
+        for key, first in parts[0].stats.items():
+            values = [p.stats[key] for p in parts]
+            if isinstance(first, torch.Tensor):
+                per_user = all(v.dim() == 1 and v.shape[0] == n for v, n in zip(values, sizes))
+                stats[key] = torch.cat(values) if per_user else torch.stack(values).sum(0)
+            elif key in SUMMED:
+                stats[key] = sum(values)
+            else:
+                stats[key] = max(values)
+        return cls(torch.cat([p.item_ids for p in parts]), torch.cat([p.token_ids for p in parts]),
+                   torch.cat([p.scores for p in parts]), stats)
 
 
 @dataclass

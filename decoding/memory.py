@@ -6,9 +6,9 @@ first one, where fragments keep them resident: peak RSS climbs batch after batch
 threshold serves every buffer above it from mmap and unmaps it on free, so peak RSS tracks the live working memory
 (at vocabulary 152k, prompt 300, K 20, batch 8: about 75 MB instead of 128-160 MB). Called once per decoding process.
 
-`fit_batch(...)`: the users per decode that fit in the free memory of a device, from the model's shape (every layer's
-keys and values for the prompt and the K(L-1) tree tokens, the widest activations of a prompt forward), K, L, the
-prompt length and a headroom.
+`fit_batch(...)`: the users per decode that fit in the free memory of a device, from the models' shapes (every layer's
+keys and values for the prompt and the tree tokens, the widest transients of a forward), K, L, the prompt length and a
+headroom. An estimate: the nightly actor halves its batch on out-of-memory all the same.
 """
 from __future__ import annotations
 
@@ -33,29 +33,44 @@ def return_freed_memory(threshold: int = MMAP_THRESHOLD) -> bool:
         return False
 
 
-def bytes_per_user(config, k: int, code_len: int, prompt_len: int, dtype: torch.dtype) -> int:
-    """Peak bytes one user adds to a beam-search decode of `config`'s model: its rows of the tree cache (every layer's
-    keys and values over prompt + K(L-1) tree tokens) plus the widest transient of the prompt forward (the MLP's
-    gate, up and product over the prompt, the q/k/v projections, the layer's output), in `dtype`."""
+def bytes_per_user(config, prompt_len: int, tree_tokens: int, queries: int, dtype: torch.dtype) -> int:
+    """Peak bytes one user adds to a decode of `config`'s model: its rows of the tree cache (every layer's keys and
+    values over the prompt and `tree_tokens` tree tokens), plus the wider of the prompt forward's transients (the MLP's
+    gate, up and product, the q/k/v projections, the layer's output, over the prompt) and a tree step's (the same over
+    `queries` tree tokens, with their float32 attention scores), in `dtype`."""
     size = torch.finfo(dtype).bits // 8
     hidden, layers = config.hidden_size, config.num_hidden_layers
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    inter = getattr(config, "intermediate_size", 4 * hidden)
-    columns = prompt_len + k * (code_len - 1)
+    inter = getattr(config, "intermediate_size", None) or 4 * hidden
+    columns = prompt_len + tree_tokens
     cache = 2 * layers * kv_heads * head_dim * columns * size
-    forward = prompt_len * (3 * inter + (heads + 2 * kv_heads) * head_dim + 3 * hidden) * size
-    step = k * (3 * inter + 4 * hidden) * size + k * heads * columns * 4  # a tree step, float32 attention scores
-    return cache + max(forward, step)
+    width = 3 * inter + (heads + 2 * kv_heads) * head_dim + 3 * hidden  # one token's transients in a layer
+    step = queries * width * size + queries * heads * columns * 4
+    return int(cache + max(prompt_len * width * size, step))
 
 
-def fit_batch(config, k: int, code_len: int, prompt_len: int, free_bytes: int, dtype: torch.dtype,
-              head_bytes: int = 4 << 26, headroom: float = 0.2, most: int = 4096) -> int:
-    """The largest batch (at least 1, at most `most`) whose decode fits in `free_bytes` after a `headroom` fraction is
-    kept back and the head's vocabulary buffer (`head_bytes`, decoding/head.py) is set aside."""
+def decode_bytes_per_user(target, prompt_len: int, k: int, code_len: int, dtype: torch.dtype, mode: str = "beam",
+                          draft=None, draft_beams: int | None = None, gamma: int | None = None) -> int:
+    """bytes_per_user for a decoding mode: beam search holds K(L-1) tree tokens and runs K queries a step; DISC up to
+    2KL (its cache's capacity); speculative decoding the target's K(L + gamma) and the draft's N L (N drafted
+    sequences), with K gamma verify queries."""
+    if mode.startswith("atspeed") and draft is not None:
+        n, g = draft_beams or max(40, k), gamma or code_len
+        return (bytes_per_user(target.config, prompt_len, k * (code_len + g), k * g, dtype)
+                + bytes_per_user(draft.config, prompt_len, n * code_len, n, dtype))
+    tree = 2 * k * code_len if mode == "disc" else k * (code_len - 1)
+    return bytes_per_user(target.config, prompt_len, tree, 2 * k if mode == "disc" else k, dtype)
+
+
+def fit_batch(per_user: int, free_bytes: int, head_bytes: int = 8 << 26, headroom: float = 0.2,
+              most: int = 4096) -> int:
+    """The largest batch (at least 1, at most `most`) of users of `per_user` bytes that fits in `free_bytes` after a
+    `headroom` fraction is kept back and the head's vocabulary buffers (`head_bytes`: two float32 buffers of the CUDA
+    budget, decoding/head.py) are set aside."""
     usable = free_bytes * (1 - headroom) - head_bytes
-    return int(max(1, min(most, usable // bytes_per_user(config, k, code_len, prompt_len, dtype))))
+    return int(max(1, min(most, usable // max(per_user, 1))))
 
 
 def free_device_memory(device: torch.device) -> int | None:

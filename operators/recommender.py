@@ -19,10 +19,10 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from decoding.beam import Prefix, beam_search
+from decoding.beam import Prefix, Recommendations, beam_search
 from decoding.catalog import Catalog
 from decoding.disc import disc_sample
-from decoding.memory import return_freed_memory
+from decoding.memory import decode_bytes_per_user, fit_batch, free_device_memory, return_freed_memory
 from decoding.models import check_window, load_config, load_model, load_tokenizer
 from decoding.speculative import speculative_beam_search
 from decoding.stats import BASE_KEYS, PHASES
@@ -127,6 +127,7 @@ class Recommender:
         self.actor = _actor_id()
         self.host = socket.gethostname()
         self.batches = 0
+        self.decode_batch, self.oom_batch = 0, None  # users per decode of the last shard; the halved batch after an OOM
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         self._fault_injection()
@@ -144,7 +145,7 @@ class Recommender:
         if good.num_rows:
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            rec = self._decode(mode, p.input_ids.to(self.device), p.attention_mask.to(self.device), users)
+            rec = self._decode_slices(mode, p.input_ids.to(self.device), p.attention_mask.to(self.device), users)
             stats = rec.stats
             if self.auto:
                 self.auto.record(mode, sum(stats[key] for key in PHASES), good.num_rows)
@@ -172,6 +173,39 @@ class Recommender:
         ], promote_options="permissive")
         self.batches += 1
         return table.select(schema.names).cast(schema)
+
+    def _decode_slices(self, mode: str, ids, mask, users):
+        """The shard's users [U, S] in consecutive slices of `decode_batch` users (on CUDA, unless pinned: the largest
+        that fits, decoding/memory.py), the slice halved and retried on out-of-memory (and kept smaller for the
+        actor's later shards) -> one Recommendations. Sampling modes seed each slice by its users."""
+        n = ids.shape[0]
+        batch = min(n, self.spec.decode_batch or self._fitting_batch(mode, ids.shape[1]), self.oom_batch or n)
+        parts, a = [], 0
+        while a < n:
+            try:
+                parts.append(self._decode(mode, ids[a:a + batch], mask[a:a + batch], users.slice(a, batch)))
+                a += batch
+            except torch.OutOfMemoryError:
+                if batch == 1:
+                    raise
+                parts.clear()  # free the slices' results too: the shard restarts at the halved batch
+                a, batch = 0, batch // 2
+                self.oom_batch = batch
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+        self.decode_batch = batch
+        return Recommendations.concat(parts)
+
+    def _fitting_batch(self, mode: str, prompt_len: int) -> int:
+        """On CUDA: the most users whose decode fits in the free memory; elsewhere no limit."""
+        free = free_device_memory(self.device)
+        if free is None:
+            return 1 << 30
+        d = self.spec.decoding
+        per_user = decode_bytes_per_user(self.target, prompt_len + (len(self.prefix) if self.prefix else 0), d.k,
+                                         self.catalog.code_len, self.target.dtype, mode, self.draft, d.draft_beams,
+                                         d.gamma)
+        return fit_batch(per_user, free)
 
     def _decode(self, mode: str, ids, mask, users):
         d, prefix = self.spec.decoding, self.prefix
@@ -206,6 +240,7 @@ class Recommender:
             if accepted is not None and len(accepted) else None,
             "accepted_hist": hist.tolist() if hist is not None else None,
             "peak_memory_bytes": torch.cuda.max_memory_allocated() if self.device.type == "cuda" else None,
+            "decode_batch": self.decode_batch if users_ok else None,
             "users_per_s": users_ok / wall if wall > 0 else None,
         }
 

@@ -46,5 +46,6 @@ class ActorSpec:
     draft: str | None = None  # the same, atspeed modes
     fetch: Callable[[str], str] | None = None  # model URI -> local directory on the actor's node (None: local paths)
     gpu: bool = False  # decode on CUDA when the actor has one
+    decode_batch: int | None = None  # users per decode (None: on CUDA the largest that fits, else the whole shard)
     dtype: str = "auto"
     threads: int | None = None  # torch CPU threads (None: Ray's OMP_NUM_THREADS)

@@ -26,7 +26,9 @@ class Models:
 
 @dataclass
 class Compute:
-    batch_size: int = 32
+    batch_size: int = 32  # users per shard (one Ray batch: decoded, committed and retried together)
+    decode_batch: int | None = None  # users per decode inside a shard; None: on a GPU the largest that fits (from
+    # the models' shapes, K, L, the prompt length and free memory; halved on out-of-memory), on a CPU the whole shard
     batches_per_task: int = 4  # an actor-pool task decodes this many batches (each its own shard): amortises Ray's
     # per-task cost (~10-20 ms) at the price of a coarser tail; 1 balances best across many actors
     num_actors: int = 1
@@ -173,6 +175,8 @@ def validate(cfg: Config) -> None:
     need(d.history_len is None or d.history_len >= 1, "decoding.history_len", "must be >= 1 or null", d.history_len)
     need(d.top_m is None or d.top_m >= 1, "decoding.top_m", "must be >= 1 or null", d.top_m)
     need(d.temperature > 0, "decoding.temperature", "must be > 0", d.temperature)
+    need(c.decode_batch is None or c.decode_batch >= 1, "compute.decode_batch", "must be >= 1 or null",
+         c.decode_batch)
     need(c.batches_per_task >= 1, "compute.batches_per_task", "must be >= 1", c.batches_per_task)
     need(c.gpus_per_actor >= 0, "compute.gpus_per_actor", "must be >= 0", c.gpus_per_actor)
     need(c.cpus_per_actor > 0, "compute.cpus_per_actor", "must be > 0", c.cpus_per_actor)

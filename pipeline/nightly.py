@@ -131,6 +131,7 @@ def actor_spec(cfg: Config, run_id: str, catalog: pa.Table, template: PromptTemp
                      draft=m.draft if cfg.decoding.uses_draft else None,
                      fetch=functools.partial(fetch_model, cache_dir=m.cache_dir, storage=cfg.storage),
                      gpu=cfg.compute.gpus_per_actor > 0, dtype=cfg.compute.dtype,
+                     decode_batch=cfg.compute.decode_batch,
                      threads=cfg.compute.threads_per_actor)
 
 
@@ -248,7 +249,7 @@ def execute(plan: Plan, run_id: str, resumed: bool, lease: Lease) -> dict:
                                    "items": [{"item_id": d, "kept": k} for d, k in inputs.catalog.duplicates]}}
     counts = {"input_rows": total, "users_ok": sums["users_ok"], "users_rejected": sums["users_rejected"],
               "users_non_finite": sums["users_non_finite"], "recommendations": sums["recommendations"],
-              "batches": sums["batches"]}
+              "batches": sums["batches"], "decode_batch": sums["decode_batch"]}
     manifest = {"run_id": run_id, "run_date": cfg.run_date, "status": "succeeded", "config": cfg.to_dict(),
                 "code_version": code_version(),
                 "models": {role: {"uri": m["uri"], "sha256": m["sha256"]} for role, m in plan.models.items()},

@@ -41,7 +41,7 @@ METRIC_SCHEMA = pa.schema(
      ("other_s", pa.float64())]
     + [(key, pa.float64() if key in PHASES else _INT) for key in BASE_KEYS]
     + [("mean_accepted_steps", pa.float64()), ("accepted_hist", pa.list_(_INT)), ("peak_memory_bytes", _INT),
-       ("users_per_s", pa.float64()), ("auto", pa.string()), ("ranges", pa.list_(pa.list_(_INT)))])
+       ("decode_batch", _INT), ("users_per_s", pa.float64()), ("auto", pa.string()), ("ranges", pa.list_(pa.list_(_INT)))])
 
 
 @dataclass(frozen=True)
@@ -85,17 +85,20 @@ SUMS = ("users_in", "users_ok", "users_rejected", "users_non_finite", "recommend
 
 
 def tally(run: str, storage: Storage) -> dict:
-    """The committed shards' totals, read file by file: {SUMS..., "batches", "auto": each actor's last auto state
+    """The committed shards' totals, read file by file: {SUMS..., "batches", "decode_batch": the smallest and largest
+    users per decode (compute.decode_batch, or what the GPU actors found to fit), "auto": each actor's last auto state
     (decoding.mode = auto: its choice and the trial timings behind it) or None}."""
-    sums, batches, last = dict.fromkeys(SUMS, 0), 0, {}
-    for t in runs.read_files(run, "metrics", storage, [*SUMS, "actor", "batch", "auto"]):
+    sums, batches, last, sizes = dict.fromkeys(SUMS, 0), 0, {}, []
+    for t in runs.read_files(run, "metrics", storage, [*SUMS, "actor", "batch", "auto", "decode_batch"]):
         batches += t.num_rows
         for key in SUMS:
             sums[key] += int(pc.sum(t[key]).as_py() or 0)
+        sizes += [v for v in pc.min_max(t["decode_batch"]).values() if v.as_py() is not None]
         for r in t.select(["actor", "batch", "auto"]).to_pylist():
             if r["auto"] and r["batch"] >= last.get(r["actor"], (-1, None))[0]:
                 last[r["actor"]] = (r["batch"], json.loads(r["auto"]))
-    return {**sums, "batches": batches, "auto": {actor: state for actor, (_, state) in sorted(last.items())} or None}
+    decode_batch = {"min": min(s.as_py() for s in sizes), "max": max(s.as_py() for s in sizes)} if sizes else None
+    return {**sums, "batches": batches, "decode_batch": decode_batch, "auto": {actor: state for actor, (_, state) in sorted(last.items())} or None}
 
 
 def merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -226,3 +226,34 @@ def test_grouped_query_attention_without_repeated_keys_is_exact(setup, tmp_path)
     a, b = beam_search(gqa, ids, mask, cat, 10), beam_search(plain, ids, mask, cat, 10)
     assert torch.equal(a.item_ids, b.item_ids)
     torch.testing.assert_close(a.scores, b.scores, atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------- memory
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_fit_batch_covers_the_tree_cache_and_shrinks_with_the_shape(arch):
+    """The per-user estimate behind the GPU batch covers what a decode really holds per user (every layer's keys and
+    values over the padded prompt and the K(L-1) tree tokens); the batch that fits shrinks with the prompt and K and
+    grows with free memory, clamped to [1, most]."""
+    from decoding.memory import bytes_per_user, decode_bytes_per_user, fit_batch
+
+    cat = random_catalog(300, 3, 8, seed=0)
+    model = tiny_model(arch, cat.vocab_size, seed=0)
+    ids, mask = left_padded_prompts(6, [9, 17, 30], cat.vocab_size, seed=1)
+    k = 5
+    with torch.no_grad():
+        cache, _ = prefill(model, ids, mask, capacity=k * (cat.code_len - 1))
+        beam_search(model, ids, mask, cat, k)
+    held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)) / 6
+    per_user = decode_bytes_per_user(model, ids.shape[1], k, cat.code_len, torch.float32)
+    assert held <= per_user == bytes_per_user(model.config, ids.shape[1], k * (cat.code_len - 1), k, torch.float32)
+    assert decode_bytes_per_user(model, 300, k, cat.code_len, torch.float32) > per_user  # longer prompts
+    assert decode_bytes_per_user(model, ids.shape[1], 4 * k, cat.code_len, torch.float32) > per_user  # wider beams
+    assert decode_bytes_per_user(model, ids.shape[1], k, cat.code_len, torch.bfloat16) < per_user  # half the bytes
+    assert decode_bytes_per_user(model, ids.shape[1], k, cat.code_len, torch.float32, "atspeed-strict", model) > \
+        per_user  # a draft's cache besides the target's
+    gib = 1 << 30
+    small, large = (fit_batch(per_user, n * gib, head_bytes=0, most=10 ** 9) for n in (1, 8))
+    assert small == int(0.8 * gib // per_user) and large > small  # 20% headroom kept back
+    assert fit_batch(per_user, 8 * gib, head_bytes=0, most=64) == 64 and fit_batch(per_user, 1000) == 1

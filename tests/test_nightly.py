@@ -1,9 +1,12 @@
 """The nightly graph on a real local Ray with local files: exactly-once outputs equal to beam_search, bad rows in
 rejects, fail-fast on bad files and models, atomic reruns, and an actor killed mid-run."""
+import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -110,8 +113,43 @@ def test_nightly_outputs_equal_beam_search_exactly_once(world, ray_session, tmp_
     # a task decodes compute.batches_per_task (4) batches, each its own shard: one metric row per batch of <= 16
     assert (metrics.users_in <= 16).all() and metrics.shard.is_unique and len(metrics) >= len(users) / 16
     assert manifest["counts"]["batches"] == len(metrics)
+    # on a CPU each shard is decoded at once (compute.decode_batch unset): users per decode = the shard's users
+    assert (metrics.decode_batch == metrics.users_ok).all()
+    assert manifest["counts"]["decode_batch"] == {"min": metrics.decode_batch.min(), "max": metrics.decode_batch.max()}
     t = manifest["timings"]
     assert 0 < t["duplicates_s"] < t["first_shard_s"] <= t["decode_s"] <= t["total_s"]
+
+
+@pytest.mark.parametrize("mode", ["beam", "atspeed-strict"])
+def test_an_actor_decodes_a_shard_in_slices_that_fit(world, mode, monkeypatch):
+    """A shard decoded in slices (compute.decode_batch pinned to 3, then an out-of-memory above 2 users: the slice
+    halved, retried, and kept for later shards) returns what one decode of the whole shard returns, and the metrics
+    say how many users each decode held."""
+    from operators.recommender import Recommender
+    from pipeline.nightly import plan_run
+
+    users = pq.read_table(world / "data" / "test.parquet", columns=["user_id", "history"]).slice(0, 11)
+    cfg = config(world, world / "unused", f"decoding.mode={mode}")
+    spec = plan_run(cfg).spec
+    whole = Recommender(spec)(users).to_pandas()
+    sliced = Recommender(replace(spec, decode_batch=3))
+    got = sliced(users).to_pandas()
+    recs = lambda t: t[t.kind == "rec"][["user_id", "rank", "item_id", "score"]].reset_index(drop=True)  # noqa: E731
+    pd.testing.assert_frame_equal(recs(got), recs(whole), check_exact=False, atol=1e-5, rtol=0)
+    metric = lambda t: json.loads(t[t.kind == "metric"].metrics.iloc[0])  # noqa: E731
+    assert metric(got)["decode_batch"] == 3 and metric(whole)["decode_batch"] == 11
+    assert metric(got)["target_tokens"] == metric(whole)["target_tokens"]  # the same prompts, summed over slices
+
+    decode = sliced._decode
+    def at_most_two(mode, ids, mask, users):  # what a GPU with room for two users does
+        if ids.shape[0] > 2:
+            raise torch.OutOfMemoryError(f"CUDA out of memory (simulated): {ids.shape[0]} users")
+        return decode(mode, ids, mask, users)
+    monkeypatch.setattr(sliced, "_decode", at_most_two)
+    got = sliced(users).to_pandas()
+    pd.testing.assert_frame_equal(recs(got), recs(whole), check_exact=False, atol=1e-5, rtol=0)
+    assert metric(got)["decode_batch"] == 1 and sliced.oom_batch == 1  # 3 -> 1: halved below the limit
+    assert metric(sliced(users).to_pandas())["decode_batch"] == 1  # later shards start from the smaller batch
 
 
 def test_bad_rows_land_in_rejects(world, ray_session, tmp_path):

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from decoding.beam import beam_search
-from decoding.memory import fit_batch, free_device_memory
+from decoding.memory import decode_bytes_per_user, fit_batch, free_device_memory
 from decoding.metrics import same_within_ties
 from decoding.models import pick_device, tiny_model
 from decoding.reference import cpu_trie, generate_beam_search
@@ -177,8 +177,8 @@ def run_cell(cell: Cell, p: GpuParams, device: torch.device, dtype: torch.dtype,
     else:
         catalog = shapes.catalog_after_text(str(Path(p.data) / "items.parquet"), cell.vocab, device)
     flops = useful_flops(model, cell.prompt, cell.k, catalog.code_len)
-    best = fit_batch(model.config, cell.k, catalog.code_len, cell.prompt,
-                     free_device_memory(device) or 8 << 30, dtype, most=4 if p.smoke else 4096)
+    per_user = decode_bytes_per_user(model, cell.prompt, cell.k, catalog.code_len, dtype)
+    best = fit_batch(per_user, free_device_memory(device) or 8 << 30, most=4 if p.smoke else 4096)
     if not cell.users:  # the best batch: as many users as two such batches
         cell.users = 2 * best
     g = torch.Generator().manual_seed(p.seed + 1)
