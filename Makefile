@@ -36,10 +36,11 @@ nightly: $(DATA)/items.parquet
 bench: models
 	$(BIN)/python -m jobs.bench all --data $(DATA)
 
-# On a CUDA machine: half-precision parity, shapes, DISC and speculative (with the demo models) in one report,
-# bench-out/gpu.{md,json}, about 10 minutes on an H100; refused (exit 2) without CUDA.
-bench-gpu: models
-	$(BIN)/python -m jobs.bench gpu --data $(DATA) --target models/demo-target --drafts models/demo-draft
+# On a CUDA machine, in one process and one report (bench-out/gpu.{md,json}), about 10 minutes on an H100: the matmul
+# rate, float32 / half-precision parity, the shapes grid and NVIDIA SID-GR's shape, each cell's useful-FLOP fraction;
+# refused (exit 2) without CUDA. DISC and speculative (demo models): add `--sections ... disc speculative`.
+bench-gpu: $(DATA)/items.parquet
+	$(BIN)/python -m jobs.bench gpu --data $(DATA)
 
 # Offline evaluation and the cost/throughput report of the newest demo run (out/nightly), with a screenshot.
 report: browser
