@@ -177,8 +177,8 @@ def run_cell(cell: Cell, p: GpuParams, device: torch.device, dtype: torch.dtype,
     else:
         catalog = shapes.catalog_after_text(str(Path(p.data) / "items.parquet"), cell.vocab, device)
     flops = useful_flops(model, cell.prompt, cell.k, catalog.code_len)
-    per_user = decode_bytes_per_user(model, cell.prompt, cell.k, catalog.code_len, dtype)
-    best = fit_batch(per_user, free_device_memory(device) or 8 << 30, most=4 if p.smoke else 4096)
+    need = decode_bytes_per_user(model, cell.prompt, cell.k, catalog.code_len, dtype)
+    best = fit_batch(need, free_device_memory(device) or 8 << 30, most=4 if p.smoke else 4096)
     if not cell.users:  # the best batch: as many users as two such batches
         cell.users = 2 * best
     g = torch.Generator().manual_seed(p.seed + 1)
