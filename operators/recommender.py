@@ -128,6 +128,7 @@ class Recommender:
         self.host = socket.gethostname()
         self.batches = 0
         self.decode_batch, self.oom_batch = 0, None  # users per decode of the last shard; the halved batch after an OOM
+        self.ready_at = time.time()  # ready to decode: process started, modules imported, models loaded
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         self._fault_injection()
@@ -241,6 +242,7 @@ class Recommender:
             "accepted_hist": hist.tolist() if hist is not None else None,
             "peak_memory_bytes": torch.cuda.max_memory_allocated() if self.device.type == "cuda" else None,
             "decode_batch": self.decode_batch if users_ok else None,
+            "actor_ready_at": self.ready_at if self.batches == 0 else None,  # on the actor's first batch only
             "users_per_s": users_ok / wall if wall > 0 else None,
         }
 

@@ -49,6 +49,8 @@ class Runs:
     lease_s: float = 600.0  # S3: the date's lease, renewed every lease_s / 3; a killed run's lease expires after it
     grace_s: float = 7200.0  # superseded runs stay readable this long, then a later publish or --gc deletes them
     progress_s: float = 30.0  # the driver logs users done / total, users/s and an ETA this often
+    duplicates_driver_mb: float = 1024.0  # the driver checks user ids for duplicates itself when the id column (with
+    # positions and the hash table) takes at most this; above it, a Ray aggregation over the cluster
 
 
 @dataclass
@@ -188,5 +190,7 @@ def validate(cfg: Config) -> None:
     need(r.lease_s >= 10, "runs.lease_s", "must be >= 10 seconds", r.lease_s)
     need(r.grace_s >= 0, "runs.grace_s", "must be >= 0 seconds", r.grace_s)
     need(r.progress_s > 0, "runs.progress_s", "must be > 0 seconds", r.progress_s)
+    need(r.duplicates_driver_mb >= 0, "runs.duplicates_driver_mb", "must be >= 0 (0: always the Ray aggregation)",
+         r.duplicates_driver_mb)
     e = cfg.storage.endpoint
     need(e is None or e.startswith(("http://", "https://")), "storage.endpoint", "must be an http(s):// URL", e)

@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 from decoding.templates import TEMPLATE_FILE, PromptTemplate, get_template, read_template
 from operators.recommender import Inputs, prepare, table_schema
 from operators.spec import ActorSpec
-from pipeline import runs, shards
+from pipeline import runs, shards, units
 from pipeline import storage as S
 from pipeline.config import Config
 from pipeline.lease import Lease, LeaseLost
@@ -141,7 +141,7 @@ class Plan:
     cfg: Config
     data: pads.Dataset
     fs: object  # the input's filesystem
-    units: list[shards.Unit]
+    units: list[units.Unit]
     catalog: pa.Table
     models: dict
     spec: ActorSpec  # run_id set when the run starts
@@ -165,7 +165,7 @@ def plan_run(cfg: Config) -> Plan:
     models = resolve_models(cfg)
     spec = actor_spec(cfg, "", catalog, resolve_template(cfg, models))
     inputs = prepare(spec)  # what an actor would refuse fails here, before any work
-    return Plan(cfg, data, fs, shards.plan_units(data), catalog, models, spec, inputs)
+    return Plan(cfg, data, fs, units.plan_units(data), catalog, models, spec, inputs)
 
 
 def run_nightly(cfg: Config, resume: str | None = None, plan: Plan | None = None) -> dict:
@@ -203,7 +203,7 @@ def resume_id(cfg: Config, resume: str) -> str | None:
 def execute(plan: Plan, run_id: str, resumed: bool, lease: Lease) -> dict:
     import ray
 
-    cfg, c, t0 = plan.cfg, plan.cfg.compute, time.perf_counter()
+    cfg, c, t0, started = plan.cfg, plan.cfg.compute, time.perf_counter(), time.time()
     run = runs.run_dir(cfg.output, cfg.run_date, run_id)
     state = runs.state_of(run, cfg.storage)
     if state is None:
@@ -214,18 +214,19 @@ def execute(plan: Plan, run_id: str, resumed: bool, lease: Lease) -> dict:
                          f"{S.join(run, '_RUN.json')}); start a new run instead")
     done, committed = shards.committed(run, cfg.storage)
     total = sum(u.rows for u in plan.units)
-    work = shards.todo(plan.units, done)
-    left = sum(len(shards.positions(u)) for u in work)
+    work = units.todo(plan.units, done)
+    left = sum(len(units.positions(u)) for u in work)
     log.info("run %s%s: %d users in %d row groups of %s; %d already committed in %d shards, %d to decode",
              run_id, " (resumed)" if resumed else "", total, len(plan.units), cfg.input, total - left, committed, left)
     t_dup = time.perf_counter()
-    duplicates = shards.find_duplicates(plan.units, plan.fs) if total else None
+    duplicates, dup_where = units.find_duplicates(plan.units, plan.fs, cfg.runs.duplicates_driver_mb) if total \
+        else (None, "driver")
     t_dup = time.perf_counter() - t_dup
     spec = replace(plan.spec, run_id=run_id)
-    new_shards, t_first = 0, None
+    new_shards = 0
     if work:
         ds = ray.data.from_items(work)
-        ds = ds.map_batches(shards.read_units, batch_size=1, batch_format="pyarrow", num_cpus=0.5,
+        ds = ds.map_batches(units.read_units, batch_size=1, batch_format="pyarrow", num_cpus=0.5,
                             fn_kwargs={"fs": plan.fs, "columns": ["user_id", "history"], "duplicates": duplicates})
         # blocks of batches_per_task batches: every actor of the pool gets work, each task decodes (and commits) them
         # one batch at a time
@@ -234,13 +235,13 @@ def execute(plan: Plan, run_id: str, resumed: bool, lease: Lease) -> dict:
                             fn_constructor_kwargs={"spec": spec, "run": run, "storage": cfg.storage},
                             compute=ray.data.ActorPoolStrategy(size=c.num_actors),
                             num_gpus=c.gpus_per_actor or None, num_cpus=c.cpus_per_actor)
-        new_shards, t_first = follow(ds, left, cfg.runs.progress_s, lease)
+        new_shards = follow(ds, left, cfg.runs.progress_s, lease)
     t_decode = time.perf_counter() - t0
     user_type = plan.data.schema.field("user_id").type
     for name, kind in (("recommendations", "rec"), ("rejects", "reject")):  # a table no shard wrote: empty, typed
         if not S.list_files(runs.table_dir(run, name), cfg.storage):
             runs.write_table(run, name, table_schema(kind, user_type).empty_table(), cfg.storage)
-    sums = shards.tally(run, cfg.storage)
+    sums = shards.tally(run, cfg.storage, since=started)
     if sums["users_in"] != total:
         raise RuntimeError(f"run {run_id}: the committed shards cover {sums['users_in']} users, the input has {total}")
     inputs = plan.inputs
@@ -258,7 +259,9 @@ def execute(plan: Plan, run_id: str, resumed: bool, lease: Lease) -> dict:
                 "catalog": catalog_info, "counts": counts,
                 "resume": {"resumed": resumed, "shards_committed_before": committed, "shards_decoded": new_shards,
                            "users_decoded": left},
-                "timings": {"duplicates_s": t_dup, "first_shard_s": None if t_first is None else t_first - t0,
+                "duplicates": {"users": 0 if duplicates is None else duplicates.num_rows, "checked_on": dup_where},
+                "timings": {"duplicates_s": t_dup, "actor_ready_s": sums["actor_ready_s"],  # models loaded
+                            "first_shard_s": sums["first_commit_s"],
                             "decode_s": t_decode, "total_s": time.perf_counter() - t0},
                 "outputs": {name: runs.table_dir(run, name) for name in runs.TABLES}}
     runs.finish(run, manifest, cfg.storage)
@@ -268,14 +271,12 @@ def execute(plan: Plan, run_id: str, resumed: bool, lease: Lease) -> dict:
     return manifest
 
 
-def follow(ds, total: int, every_s: float, lease: Lease) -> tuple[int, float | None]:
+def follow(ds, total: int, every_s: float, lease: Lease) -> int:
     """Streams the execution: one summary row per written shard; logs users done / total, users/s and an ETA every
-    every_s seconds; stops if the lease is lost -> (shards written, time.perf_counter() when the first was written)."""
+    every_s seconds; stops if the lease is lost -> shards written."""
     t0 = last = time.perf_counter()
     users = n = 0
-    first = None
     for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
-        first = first or time.perf_counter()
         users += int(pc.sum(batch["users_in"]).as_py() or 0)
         n += batch.num_rows
         if lease.lost:
@@ -287,7 +288,7 @@ def follow(ds, total: int, every_s: float, lease: Lease) -> tuple[int, float | N
             log.info("progress: %d / %d users (%.1f%%), %.1f users/s, ETA %.0f s", users, total,
                      100 * users / max(total, 1), rate, eta)
     log.info("decoded %d users in %d shards, %.1f s", users, n, time.perf_counter() - t0)
-    return n, first
+    return n
 
 
 def collect_garbage(cfg: Config) -> list[str]:

@@ -1,11 +1,6 @@
-"""The nightly job's units of work and how they are committed: what lets one streaming execution write as it goes
-and a killed run resume.
+"""The nightly job's output side: how decoded shards are written and committed, what lets one streaming execution
+write as it goes and a killed run resume (the input side, units and positions: pipeline/units.py).
 
-Reading: every input row has a position `pos`, its index in scan order (files in order, rows in order). A `Unit` is
-one row group of one input file; its read task yields its rows with their positions, minus those a resumed run has
-already committed, each flagged if it repeats an earlier row's user id.
-Duplicate user ids: one Ray Data aggregation over (user_id, pos) finds the ids seen more than once with their first
-position; only those come to the driver (memory proportional to the number of duplicated ids, not of users).
 Decoding: `ShardRecommender` wraps the Recommender actor; every batch it decodes is a shard, named by its first
 position (`s000000012345`): unique within a run and across its resumes, whatever actor restarts happen.
 Writing: the actor writes (`write_shard`) a shard's recommendations, then its rejects, then its metrics row, which
@@ -15,13 +10,12 @@ metrics files for the committed ranges, deletes the files of uncommitted shards 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+import time
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.fs  # noqa: F401  (pa.fs)
 import pyarrow.compute as pc
-import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
 from decoding.stats import BASE_KEYS, PHASES
@@ -30,6 +24,7 @@ from operators.spec import ActorSpec
 from pipeline import runs
 from pipeline import storage as S
 from pipeline.config import Storage
+from pipeline.units import merge
 
 DUPLICATE = ("duplicate_user", "user_id appears more than once; the first row is kept")
 _INT = pa.int64()
@@ -41,28 +36,8 @@ METRIC_SCHEMA = pa.schema(
      ("other_s", pa.float64())]
     + [(key, pa.float64() if key in PHASES else _INT) for key in BASE_KEYS]
     + [("mean_accepted_steps", pa.float64()), ("accepted_hist", pa.list_(_INT)), ("peak_memory_bytes", _INT),
-       ("decode_batch", _INT), ("users_per_s", pa.float64()), ("auto", pa.string()), ("ranges", pa.list_(pa.list_(_INT)))])
-
-
-@dataclass(frozen=True)
-class Unit:
-    """One row group of one input file."""
-    path: str  # inside the input's filesystem
-    row_group: int
-    rows: int
-    offset: int  # the position of its first row
-
-
-def plan_units(data: pads.Dataset) -> list[Unit]:
-    """The input's row groups in scan order, from the footers (already read and checked by the graph)."""
-    units, offset = [], 0
-    for fragment in data.get_fragments():
-        meta = fragment.metadata
-        for g in range(meta.num_row_groups):
-            n = meta.row_group(g).num_rows
-            units.append(Unit(fragment.path, g, n, offset))
-            offset += n
-    return units
+       ("decode_batch", _INT), ("actor_ready_at", pa.float64()), ("committed_at", pa.float64()),
+       ("users_per_s", pa.float64()), ("auto", pa.string()), ("ranges", pa.list_(pa.list_(_INT)))])
 
 
 def committed(run: str, storage: Storage) -> tuple[list[tuple[int, int]], int]:
@@ -84,12 +59,17 @@ def committed(run: str, storage: Storage) -> tuple[list[tuple[int, int]], int]:
 SUMS = ("users_in", "users_ok", "users_rejected", "users_non_finite", "recommendations")
 
 
-def tally(run: str, storage: Storage) -> dict:
+def tally(run: str, storage: Storage, since: float = 0.0) -> dict:
     """The committed shards' totals, read file by file: {SUMS..., "batches", "decode_batch": the smallest and largest
-    users per decode (compute.decode_batch, or what the GPU actors found to fit), "auto": each actor's last auto state
-    (decoding.mode = auto: its choice and the trial timings behind it) or None}."""
+    users per decode (compute.decode_batch, or what the GPU actors found to fit), "actor_ready_s" and
+    "first_commit_s": seconds from `since` (epoch) until the first actor started after it was ready to decode and
+    until the first shard written after it was committed (None: none; the actors' clocks: on one machine exact), "auto": each actor's last auto state (decoding.mode =
+    auto: its choice and the trial timings behind it) or None}."""
     sums, batches, last, sizes = dict.fromkeys(SUMS, 0), 0, {}, []
-    for t in runs.read_files(run, "metrics", storage, [*SUMS, "actor", "batch", "auto", "decode_batch"]):
+    times = {"actor_ready_at": [], "committed_at": []}
+    for t in runs.read_files(run, "metrics", storage, [*SUMS, "actor", "batch", "auto", "decode_batch", *times]):
+        for key, seen in times.items():
+            seen += [v - since for v in t[key].to_pylist() if v is not None and v >= since]
         batches += t.num_rows
         for key in SUMS:
             sums[key] += int(pc.sum(t[key]).as_py() or 0)
@@ -98,73 +78,9 @@ def tally(run: str, storage: Storage) -> dict:
             if r["auto"] and r["batch"] >= last.get(r["actor"], (-1, None))[0]:
                 last[r["actor"]] = (r["batch"], json.loads(r["auto"]))
     decode_batch = {"min": min(s.as_py() for s in sizes), "max": max(s.as_py() for s in sizes)} if sizes else None
-    return {**sums, "batches": batches, "decode_batch": decode_batch, "auto": {actor: state for actor, (_, state) in sorted(last.items())} or None}
-
-
-def merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[list[int]] = []
-    for a, b in sorted(ranges):
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return [tuple(r) for r in out]
-
-
-def todo(units: list[Unit], done: list[tuple[int, int]]) -> list[dict]:
-    """The units with positions left to decode, each with the committed ranges inside it (plain dicts: Ray rows)."""
-    starts = np.array([a for a, _ in done], np.int64)
-    out = []
-    for u in units:
-        lo, hi = u.offset, u.offset + u.rows
-        i = np.searchsorted(starts, lo, side="right") - 1
-        inside = [(max(a, lo), min(b, hi)) for a, b in done[max(i, 0):] if a < hi and b > lo]
-        if sum(b - a for a, b in inside) < u.rows:
-            out.append({**asdict(u), "done": json.dumps(inside)})
-    return out
-
-
-def positions(unit: dict) -> np.ndarray:
-    """The positions of a unit (a row of `todo`) still to decode."""
-    pos = np.arange(unit["offset"], unit["offset"] + unit["rows"], dtype=np.int64)
-    keep = np.ones(len(pos), bool)
-    for a, b in (json.loads(unit["done"]) if isinstance(unit["done"], str) else unit["done"]):
-        keep[a - unit["offset"]:b - unit["offset"]] = False
-    return pos[keep]
-
-
-def read_units(batch: pa.Table, fs, columns: list[str], duplicates: pa.Table | None = None) -> pa.Table:
-    """Ray Data map over units (rows of `todo`, "done" as JSON): the rows still to decode, with `pos` and a
-    `duplicate` flag (the user id was seen at an earlier position)."""
-    tables = []
-    for unit in batch.to_pylist():
-        unit["done"] = json.loads(unit["done"])
-        t = pq.ParquetFile(unit["path"], filesystem=fs).read_row_group(unit["row_group"], columns=columns)
-        pos = positions(unit)
-        t = t.take(pa.array(pos - unit["offset"])).append_column("pos", pa.array(pos))
-        dup = pa.array(np.zeros(t.num_rows, bool))
-        if duplicates is not None and duplicates.num_rows:
-            at = pc.index_in(t["user_id"], duplicates["user_id"])
-            first = pc.take(duplicates["first"], at)
-            dup = pc.fill_null(pc.not_equal(first, t["pos"]), False)  # a repeat of an earlier row's user id
-        tables.append(t.append_column("duplicate", dup))
-    return pa.concat_tables(tables)
-
-
-def find_duplicates(units: list[Unit], fs) -> pa.Table:
-    """The user ids seen more than once in the whole input, with the position of their first row [user_id, first]."""
-    import ray
-    from ray.data.aggregate import Count, Min
-    from ray.data.expressions import col
-
-    ids = ray.data.from_items(todo(units, [])).map_batches(
-        read_units, batch_size=1, batch_format="pyarrow", fn_kwargs={"fs": fs, "columns": ["user_id"]})
-    rows = sum(u.rows for u in units)
-    grouped = ids.groupby("user_id", num_partitions=max(1, min(64, rows // 500_000 + 1))).aggregate(
-        Count(alias_name="n"), Min("pos", alias_name="first"))
-    found = [b.select(["user_id", "first"]) for b in grouped.filter(expr=col("n") > 1).iter_batches(
-        batch_size=None, batch_format="pyarrow") if b.num_rows]  # one execution
-    return pa.concat_tables(found) if found else None
+    return {**sums, "batches": batches, "decode_batch": decode_batch, "actor_ready_s": min(times["actor_ready_at"], default=None),
+            "first_commit_s": min(times["committed_at"], default=None),
+            "auto": {actor: state for actor, (_, state) in sorted(last.items())} or None}
 
 
 class ShardRecommender:
@@ -188,6 +104,7 @@ class ShardRecommender:
         user_type = batch.schema.field("user_id").type
         rejects = out.filter(pc.equal(kind, "reject")).select(TABLES["reject"])
         rejects = rejects.cast(table_schema("reject", user_type))
+        metric["committed_at"] = time.time()  # the shard commits with the metrics row written next
         if n_dup:
             users = batch["user_id"].filter(pa.array(dup))
             rejects = pa.concat_tables([rejects, pa.table(

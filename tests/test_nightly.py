@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -118,6 +119,8 @@ def test_nightly_outputs_equal_beam_search_exactly_once(world, ray_session, tmp_
     assert manifest["counts"]["decode_batch"] == {"min": metrics.decode_batch.min(), "max": metrics.decode_batch.max()}
     t = manifest["timings"]
     assert 0 < t["duplicates_s"] < t["first_shard_s"] <= t["decode_s"] <= t["total_s"]
+    assert 0 < t["actor_ready_s"] < t["first_shard_s"]  # an actor ready, then its first shard committed
+    assert manifest["duplicates"] == {"users": 0, "checked_on": "driver"}
 
 
 @pytest.mark.parametrize("mode", ["beam", "atspeed-strict"])
@@ -152,7 +155,42 @@ def test_an_actor_decodes_a_shard_in_slices_that_fit(world, mode, monkeypatch):
     assert metric(sliced(users).to_pandas())["decode_batch"] == 1  # later shards start from the smaller batch
 
 
-def test_bad_rows_land_in_rejects(world, ray_session, tmp_path):
+@pytest.mark.parametrize("id_type", [pa.int64(), pa.string()])
+def test_duplicate_ids_found_on_the_driver_and_by_ray_alike(ray_session, tmp_path, id_type):
+    """The duplicated user ids of an input of several files and row groups, with each one's first position: the
+    driver's pyarrow grouping (within its memory budget, estimated from the footers) and the Ray aggregation (the
+    fallback beyond it) find the same ones, which a hand count confirms."""
+    import pyarrow.fs as pafs
+
+    from pipeline.units import find_duplicates, id_bytes, plan_units
+
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 700, 2000)  # about 2000 - 700 (1 - e^-2.9) repeats, across files and row groups
+    for f in range(3):
+        part = pa.table({"user_id": pa.array(ids[f * 700:(f + 1) * 700]).cast(id_type)})
+        pq.write_table(part, tmp_path / f"part-{f}.parquet", row_group_size=256)
+    data = pads.dataset(str(tmp_path), format="parquet")
+    units = plan_units(data)
+    fs = pafs.LocalFileSystem()
+    assert len(units) > 3 and sum(u.rows for u in units) == len(ids)
+    first = {}
+    for pos, u in enumerate(ids):
+        first.setdefault(u, pos)
+    want = {(str(u) if id_type == pa.string() else int(u), first[u]) for u in set(ids) if (ids == u).sum() > 1}
+    budget = id_bytes(units, fs) / 2 ** 20
+    for mb, where in ((budget, "driver"), (budget * 0.99, "ray")):
+        found, how = find_duplicates(units, fs, mb)
+        assert how == where
+        assert set(zip(found["user_id"].to_pylist(), found["first"].to_pylist())) == want
+    unique = tmp_path / "unique"
+    unique.mkdir()
+    pq.write_table(pa.table({"user_id": pa.array(np.arange(600)).cast(id_type)}), unique / "u.parquet",
+                   row_group_size=256)
+    assert find_duplicates(plan_units(pads.dataset(str(unique), format="parquet")), fs) == (None, "driver")
+
+
+@pytest.mark.parametrize("check", ["driver", "ray"])
+def test_bad_rows_land_in_rejects(world, ray_session, tmp_path, check):
     from pipeline.nightly import run_nightly
 
     good = pq.read_table(world / "data" / "test.parquet", columns=["user_id", "history"]).slice(0, 20)
@@ -162,8 +200,10 @@ def test_bad_rows_land_in_rejects(world, ray_session, tmp_path):
     table = pa.table({"user_id": good["user_id"].to_pylist() + bad["user_id"],
                       "history": pa.array(hist + bad["history"], pa.list_(pa.string()))})  # wrong column type
     pq.write_table(table, tmp_path / "in.parquet")
-    cfg = config(world, tmp_path / "out", f"input={tmp_path / 'in.parquet'}")
-    run_nightly(cfg)
+    budget = "1024" if check == "driver" else "0"  # 0: the Ray aggregation
+    cfg = config(world, tmp_path / "out", f"input={tmp_path / 'in.parquet'}", f"runs.duplicates_driver_mb={budget}")
+    manifest = run_nightly(cfg)
+    assert manifest["duplicates"] == {"users": 2, "checked_on": check}
     _, t = read_run(cfg)
     reasons = dict(zip(t["rejects"]["user_id"].to_pylist(), t["rejects"]["reason"].to_pylist()))
     assert reasons[9001] == reasons[9002] == "empty_history"

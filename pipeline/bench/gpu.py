@@ -84,7 +84,10 @@ def run_gpu(p: GpuParams, command: str) -> tuple[dict, str]:
     rate = result["matmul"]["flops_per_s"]
     md = {}
     if "parity" in p.sections:
-        result["parity"] = [parity(p, dtype, device) for dtype in ("float32", "bfloat16", "float16")]
+        result["parity"] = []
+        for dtype in ("float32", "bfloat16", "float16"):
+            result["parity"].append(parity(p, dtype, device))
+            free(device)  # the dtype's models died with parity's frame
     if "shapes" in p.sections:
         result["shapes"] = [run_cell(c, p, device, half, rate) for c in progress(shape_cells(p), "gpu: shapes",
                                                                                 leave=True)]
@@ -169,8 +172,16 @@ def anchor(p: GpuParams, device: torch.device, dtype: torch.dtype, rate: float) 
 
 def run_cell(cell: Cell, p: GpuParams, device: torch.device, dtype: torch.dtype, rate: float,
              methods: tuple = ("beam_search", "transformers")) -> dict:
+    """`measure_cell`, then everything it built freed (its model, catalog and outputs die with its frame)."""
+    row = measure_cell(cell, p, device, dtype, rate, methods)
+    free(device)
+    return row
+
+
+def measure_cell(cell: Cell, p: GpuParams, device: torch.device, dtype: torch.dtype, rate: float,
+                 methods: tuple) -> dict:
     """Builds the cell's model and catalog, finds each method's batch (halving on out-of-memory), times the methods
-    that fit interleaved (p.repeats rounds, 1 with --smoke), frees everything -> the cell's row."""
+    that fit interleaved (p.repeats rounds, 1 with --smoke) -> the cell's row."""
     model = tiny_model(cell.arch, cell.vocab, seed=p.seed, dtype=dtype, **cell.model).to(device)
     if cell.items:
         catalog = synthetic_token_catalog(cell.items, cell.code_len, 256, p.seed, device, vocab=cell.vocab)
@@ -212,8 +223,6 @@ def run_cell(cell: Cell, p: GpuParams, device: torch.device, dtype: torch.dtype,
             row["speedup"] = ratio(per_user(timed.timings["transformers"], row, "transformers"),
                                    per_user(timed.timings["beam_search"], row, "beam_search"))
             row.update(agreement(timed.outputs, row["methods"]["transformers"]["users"]))
-    del model, catalog, trie, decoders, runs, ids, mask
-    free(device)
     return row
 
 
@@ -299,8 +308,6 @@ def parity(p: GpuParams, dtype: str, device: torch.device) -> dict:
             worst = max(worst, float(diff.max()) if diff.numel() else 0.0)
         out[name] = {"clear_users": clear, "clear_users_identical": same, "identical": identical,
                      "max_abs_score_diff": worst}
-    del target, draft, catalog, trie
-    free(device)
     return out
 
 

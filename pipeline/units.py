@@ -1,0 +1,147 @@
+"""The nightly job's input side: units of work, their rows with positions, and the duplicated user ids.
+
+Every input row has a position `pos`, its index in scan order (files in order, rows in order). A `Unit` is one row
+group of one input file; its read task yields its rows with their positions, minus those a resumed run has already
+committed, each flagged if it repeats an earlier row's user id.
+Duplicate user ids: found before decoding starts, by the driver itself from the id column when that fits a memory
+budget (milliseconds per million rows), else by one Ray Data aggregation over (user_id, pos); only the duplicated
+ids, with their first position, reach the read tasks.
+Nothing here imports torch: the read tasks' workers start in a fraction of a second (pipeline/shards.py, the output
+side, imports the recommender).
+"""
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as pads
+import pyarrow.parquet as pq
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One row group of one input file."""
+    path: str  # inside the input's filesystem
+    row_group: int
+    rows: int
+    offset: int  # the position of its first row
+
+
+def plan_units(data: pads.Dataset) -> list[Unit]:
+    """The input's row groups in scan order, from the footers (already read and checked by the graph)."""
+    units, offset = [], 0
+    for fragment in data.get_fragments():
+        meta = fragment.metadata
+        for g in range(meta.num_row_groups):
+            n = meta.row_group(g).num_rows
+            units.append(Unit(fragment.path, g, n, offset))
+            offset += n
+    return units
+
+
+def merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[list[int]] = []
+    for a, b in sorted(ranges):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [tuple(r) for r in out]
+
+
+def todo(units: list[Unit], done: list[tuple[int, int]]) -> list[dict]:
+    """The units with positions left to decode, each with the committed ranges inside it (plain dicts: Ray rows)."""
+    starts = np.array([a for a, _ in done], np.int64)
+    out = []
+    for u in units:
+        lo, hi = u.offset, u.offset + u.rows
+        i = np.searchsorted(starts, lo, side="right") - 1
+        inside = [(max(a, lo), min(b, hi)) for a, b in done[max(i, 0):] if a < hi and b > lo]
+        if sum(b - a for a, b in inside) < u.rows:
+            out.append({**asdict(u), "done": json.dumps(inside)})
+    return out
+
+
+def positions(unit: dict) -> np.ndarray:
+    """The positions of a unit (a row of `todo`) still to decode."""
+    pos = np.arange(unit["offset"], unit["offset"] + unit["rows"], dtype=np.int64)
+    keep = np.ones(len(pos), bool)
+    for a, b in (json.loads(unit["done"]) if isinstance(unit["done"], str) else unit["done"]):
+        keep[a - unit["offset"]:b - unit["offset"]] = False
+    return pos[keep]
+
+
+def read_units(batch: pa.Table, fs, columns: list[str], duplicates: pa.Table | None = None) -> pa.Table:
+    """Ray Data map over units (rows of `todo`, "done" as JSON): the rows still to decode, with `pos` and a
+    `duplicate` flag (the user id was seen at an earlier position)."""
+    tables = []
+    for unit in batch.to_pylist():
+        unit["done"] = json.loads(unit["done"])
+        t = pq.ParquetFile(unit["path"], filesystem=fs).read_row_group(unit["row_group"], columns=columns)
+        pos = positions(unit)
+        t = t.take(pa.array(pos - unit["offset"])).append_column("pos", pa.array(pos))
+        dup = pa.array(np.zeros(t.num_rows, bool))
+        if duplicates is not None and duplicates.num_rows:
+            at = pc.index_in(t["user_id"], duplicates["user_id"])
+            first = pc.take(duplicates["first"], at)
+            dup = pc.fill_null(pc.not_equal(first, t["pos"]), False)  # a repeat of an earlier row's user id
+        tables.append(t.append_column("duplicate", dup))
+    return pa.concat_tables(tables)
+
+
+def find_duplicates(units: list[Unit], fs, budget_mb: float = 1024) -> tuple[pa.Table | None, str]:
+    """The user ids seen more than once in the whole input, with the position of their first row [user_id, first]
+    (None: no duplicates), and where they were found: "driver" when the id column (uncompressed, with positions and
+    the hash table: `id_bytes`) takes at most `budget_mb`, read and grouped by pyarrow in this process (milliseconds
+    per million rows); else "ray", an aggregation over the cluster."""
+    if id_bytes(units, fs) <= budget_mb * 2 ** 20:
+        return duplicates_on_driver(units, fs), "driver"
+    return duplicates_on_ray(units, fs), "ray"
+
+
+def id_bytes(units: list[Unit], fs) -> int:
+    """Working memory of the driver-side check, from the footers: 3 x (the user_id column's uncompressed size + 8-byte
+    positions), for the ids, the positions and pyarrow's hash grouping."""
+    total = 0
+    for path, group in itertools.groupby(units, key=lambda u: u.path):
+        meta = pq.ParquetFile(path, filesystem=fs).metadata
+        for u in group:
+            rg = meta.row_group(u.row_group)
+            col = next(rg.column(j) for j in range(rg.num_columns) if rg.column(j).path_in_schema == "user_id")
+            total += col.total_uncompressed_size + 8 * u.rows
+    return 3 * total
+
+
+def duplicates_on_driver(units: list[Unit], fs) -> pa.Table | None:
+    """`find_duplicates` in this process: every row group's user_id column with its positions, grouped by pyarrow."""
+    tables = []
+    for path, group in itertools.groupby(units, key=lambda u: u.path):
+        f = pq.ParquetFile(path, filesystem=fs)
+        for u in group:
+            ids = f.read_row_group(u.row_group, columns=["user_id"])["user_id"]
+            tables.append(pa.table({"user_id": ids, "pos": np.arange(u.offset, u.offset + u.rows, dtype=np.int64)}))
+    if not tables:
+        return None
+    grouped = pa.concat_tables(tables).group_by("user_id").aggregate([("pos", "count"), ("pos", "min")])
+    found = grouped.filter(pc.greater(grouped["pos_count"], 1))
+    return pa.table({"user_id": found["user_id"], "first": found["pos_min"]}) if found.num_rows else None
+
+
+def duplicates_on_ray(units: list[Unit], fs) -> pa.Table | None:
+    """`find_duplicates` as a Ray Data aggregation (inputs whose ids do not fit the driver's budget)."""
+    import ray
+    from ray.data.aggregate import Count, Min
+    from ray.data.expressions import col
+
+    ids = ray.data.from_items(todo(units, [])).map_batches(
+        read_units, batch_size=1, batch_format="pyarrow", fn_kwargs={"fs": fs, "columns": ["user_id"]})
+    rows = sum(u.rows for u in units)
+    grouped = ids.groupby("user_id", num_partitions=max(1, min(64, rows // 500_000 + 1))).aggregate(
+        Count(alias_name="n"), Min("pos", alias_name="first"))
+    found = [b.select(["user_id", "first"]) for b in grouped.filter(expr=col("n") > 1).iter_batches(
+        batch_size=None, batch_format="pyarrow") if b.num_rows]  # one execution
+    return pa.concat_tables(found) if found else None
