@@ -31,7 +31,7 @@ class Compute:
     # the models' shapes, K, L, the prompt length and free memory; halved on out-of-memory), on a CPU the whole shard
     batches_per_task: int = 4  # an actor-pool task decodes this many batches (each its own shard): amortises Ray's
     # per-task cost (~10-20 ms) at the price of a coarser tail; 1 balances best across many actors
-    num_actors: int = 1
+    num_actors: int | str = 1  # or auto: every GPU of the cluster (GPU actors), every CPU but a read task's (CPU)
     gpus_per_actor: float = 0.0  # 0: CPU actors
     cpus_per_actor: float = 1.0
     threads_per_actor: int | None = None  # torch CPU threads in an actor (None: Ray's OMP_NUM_THREADS = CPUs)
@@ -133,7 +133,8 @@ def _typed(value, kind: str, name: str):
         if optional:
             return None
         raise ValueError(f"config: {name} must be set")
-    base = kind.split(" |")[0]
+    kinds = [k.strip() for k in kind.split("|") if k.strip() != "None"]
+    base = "str" if isinstance(value, str) and "str" in kinds else kinds[0]
     if isinstance(value, dt.date) and base == "str":
         return value.isoformat()  # YAML reads 2026-11-21 as a date
     ok = {"str": isinstance(value, str), "int": isinstance(value, int) and not isinstance(value, bool),
@@ -166,7 +167,7 @@ def validate(cfg: Config) -> None:
         need(bool(cfg.models.draft), "models.draft", f"must be set for decoding.mode {d.mode}", cfg.models.draft)
     for name, value in (("decoding.k", d.k),
                         ("decoding.rounds", d.rounds), ("decoding.auto_trials", d.auto_trials),
-                        ("compute.batch_size", c.batch_size), ("compute.num_actors", c.num_actors)):
+                        ("compute.batch_size", c.batch_size)):
         need(value >= 1, name, "must be an integer >= 1", value)
     need(d.draft_beams is None or d.draft_beams >= d.k, "decoding.draft_beams", f"must be >= decoding.k ({d.k}) or null",
          d.draft_beams)
@@ -180,7 +181,11 @@ def validate(cfg: Config) -> None:
     need(c.decode_batch is None or c.decode_batch >= 1, "compute.decode_batch", "must be >= 1 or null",
          c.decode_batch)
     need(c.batches_per_task >= 1, "compute.batches_per_task", "must be >= 1", c.batches_per_task)
-    need(c.gpus_per_actor >= 0, "compute.gpus_per_actor", "must be >= 0", c.gpus_per_actor)
+    need(c.num_actors == "auto" or (isinstance(c.num_actors, int) and c.num_actors >= 1), "compute.num_actors",
+         "must be an integer >= 1 or auto", c.num_actors)
+    need(c.gpus_per_actor >= 0 and (c.gpus_per_actor <= 1 or float(c.gpus_per_actor).is_integer()),
+         "compute.gpus_per_actor", "must be >= 0, a fraction of one GPU (0.25: four actors share a GPU) or a whole "
+         "number", c.gpus_per_actor)
     need(c.cpus_per_actor > 0, "compute.cpus_per_actor", "must be > 0", c.cpus_per_actor)
     need(c.threads_per_actor is None or c.threads_per_actor >= 1, "compute.threads_per_actor", "must be >= 1 or null",
          c.threads_per_actor)

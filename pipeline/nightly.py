@@ -34,7 +34,7 @@ from operators.recommender import Inputs, prepare, table_schema
 from operators.spec import ActorSpec
 from pipeline import runs, shards, units
 from pipeline import storage as S
-from pipeline.config import Config
+from pipeline.config import Compute, Config
 from pipeline.lease import Lease, LeaseLost
 
 log = logging.getLogger("genrec.nightly")
@@ -223,7 +223,7 @@ def execute(plan: Plan, run_id: str, resumed: bool, lease: Lease) -> dict:
         else (None, "driver")
     t_dup = time.perf_counter() - t_dup
     spec = replace(plan.spec, run_id=run_id)
-    new_shards = 0
+    new_shards, actors = 0, num_actors(c, ray.cluster_resources())
     if work:
         ds = ray.data.from_items(work)
         ds = ds.map_batches(units.read_units, batch_size=1, batch_format="pyarrow", num_cpus=0.5,
@@ -233,8 +233,7 @@ def execute(plan: Plan, run_id: str, resumed: bool, lease: Lease) -> dict:
         ds = ds.repartition(target_num_rows_per_block=c.batch_size * c.batches_per_task)
         ds = ds.map_batches(shards.ShardRecommender, batch_size=c.batch_size, batch_format="pyarrow",
                             fn_constructor_kwargs={"spec": spec, "run": run, "storage": cfg.storage},
-                            compute=ray.data.ActorPoolStrategy(size=c.num_actors),
-                            num_gpus=c.gpus_per_actor or None, num_cpus=c.cpus_per_actor)
+                            compute=ray.data.ActorPoolStrategy(size=actors), **actor_resources(c))
         new_shards = follow(ds, left, cfg.runs.progress_s, lease)
     t_decode = time.perf_counter() - t0
     user_type = plan.data.schema.field("user_id").type
@@ -252,6 +251,7 @@ def execute(plan: Plan, run_id: str, resumed: bool, lease: Lease) -> dict:
               "users_non_finite": sums["users_non_finite"], "recommendations": sums["recommendations"],
               "batches": sums["batches"], "decode_batch": sums["decode_batch"]}
     manifest = {"run_id": run_id, "run_date": cfg.run_date, "status": "succeeded", "config": cfg.to_dict(),
+                "actors": {"count": actors, **actor_resources(c)},
                 "code_version": code_version(),
                 "models": {role: {"uri": m["uri"], "sha256": m["sha256"]} for role, m in plan.models.items()},
                 "template": inputs.renderer.template.to_dict(), "max_prompt_tokens": inputs.renderer.max_len,
@@ -269,6 +269,23 @@ def execute(plan: Plan, run_id: str, resumed: bool, lease: Lease) -> dict:
     deleted = runs.publish(cfg.output, cfg.run_date, run_id, cfg.storage, cfg.runs.grace_s)
     log.info("run %s published: %s; deleted superseded runs %s", run_id, json.dumps(counts), deleted or "none")
     return manifest
+
+
+def num_actors(c: Compute, resources: dict) -> int:
+    """compute.num_actors, or for `auto` every accelerator of the cluster (`resources`: ray.cluster_resources()):
+    GPU actors as many as its GPUs hold (gpus_per_actor 0.25: four per GPU), CPU actors as many as its CPUs hold
+    after the 0.5 CPU a read task needs; at least one."""
+    if c.num_actors != "auto":
+        return int(c.num_actors)
+    if c.gpus_per_actor > 0:
+        return max(1, int(resources.get("GPU", 0) / c.gpus_per_actor + 1e-9))
+    return max(1, int((resources.get("CPU", 1) - 0.5) / c.cpus_per_actor + 1e-9))
+
+
+def actor_resources(c: Compute) -> dict:
+    """What each recommender actor reserves: its CPUs and, for GPU actors, its share of a GPU (fractional: several
+    actors of a small model share one GPU)."""
+    return {"num_cpus": c.cpus_per_actor, "num_gpus": c.gpus_per_actor or None}
 
 
 def follow(ds, total: int, every_s: float, lease: Lease) -> int:

@@ -62,7 +62,8 @@ def summarize(run: Run, gpu_hour_price: float) -> dict:
     per_actor = m.groupby("actor").agg(users=("users_ok", "sum"), busy_s=("wall_s", "sum"), batches=("shard", "size"))
     per_actor["users_per_s"] = per_actor.users / per_actor.busy_s
     hist = accepted_histogram(m)
-    accelerators = compute["num_actors"] * (compute["gpus_per_actor"] or 1)
+    actors = man.get("actors", {}).get("count", compute["num_actors"])  # num_actors as resolved (auto)
+    accelerators = actors * (compute["gpus_per_actor"] or 1)
     gpus_per_actor = compute["gpus_per_actor"] or 1
     kv, kv_beam = m.kv_tokens.sum(), m.kv_tokens_beam_batch.sum()
     hours = {"allocated": accelerators * wall / 3600, "busy": gpus_per_actor * busy / 3600}

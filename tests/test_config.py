@@ -28,10 +28,35 @@ def test_file_plus_overrides(tmp_path):
     ("compute.gpus=1", "unknown field compute.gpus"),
     ("storage.secret_key=abc", "storage.secret_key looks like a credential"),
     ("decoding=3", "decoding must be a section"),
+    ("compute.num_actors=0", "compute.num_actors must be an integer >= 1 or auto, got 0"),
+    ("compute.num_actors=all", "compute.num_actors must be an integer >= 1 or auto, got 'all'"),
+    ("compute.gpus_per_actor=1.5", "compute.gpus_per_actor must be >= 0, a fraction of one GPU"),
+    ("compute.decode_batch=0", "compute.decode_batch must be >= 1 or null, got 0"),
+    ("runs.duplicates_driver_mb=-1", "runs.duplicates_driver_mb must be >= 0"),
 ])
 def test_errors_name_the_field(override, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_config(None, BASE + [override])
+
+
+def test_actors_auto_and_fractional_gpus():
+    """compute.num_actors: auto fills the cluster: GPU actors by its GPUs (fractions of a GPU share one), CPU actors
+    by its CPUs less the half CPU a read task needs; the actors reserve what the config says."""
+    from pipeline.nightly import actor_resources, num_actors
+
+    def compute(*sets):
+        return load_config(None, BASE + list(sets)).compute
+
+    gpu = {"CPU": 64.0, "GPU": 8.0}
+    assert num_actors(compute("compute.num_actors=auto", "compute.gpus_per_actor=1"), gpu) == 8
+    quarter = compute("compute.num_actors=auto", "compute.gpus_per_actor=0.25")
+    assert num_actors(quarter, gpu) == 32 and actor_resources(quarter) == {"num_cpus": 1.0, "num_gpus": 0.25}
+    assert num_actors(compute("compute.num_actors=auto", "compute.gpus_per_actor=2"), gpu) == 4
+    assert num_actors(compute("compute.num_actors=auto", "compute.gpus_per_actor=0.3"), {"GPU": 1.0}) == 3
+    assert num_actors(compute("compute.num_actors=auto", "compute.cpus_per_actor=2"), {"CPU": 8.0}) == 3
+    assert num_actors(compute("compute.num_actors=auto"), {"CPU": 1.0}) == 1  # at least one
+    assert num_actors(compute("compute.num_actors=5"), gpu) == 5  # a number is kept as given
+    assert actor_resources(compute()) == {"num_cpus": 1.0, "num_gpus": None}  # CPU actors reserve no GPU
 
 
 def test_relaxed_verification_drafts_k_sequences():

@@ -93,9 +93,10 @@ def direct_beam_search(world, histories, k=5):
 def test_nightly_outputs_equal_beam_search_exactly_once(world, ray_session, tmp_path):
     from pipeline.nightly import run_nightly
 
-    cfg = config(world, tmp_path / "out")
+    cfg = config(world, tmp_path / "out", "compute.num_actors=auto")
     manifest = run_nightly(cfg)
     assert ray_session.exists()  # an actor was killed mid-run and the run still completed
+    assert manifest["actors"] == {"count": 1, "num_cpus": 1.0, "num_gpus": None}  # auto: 2 CPUs less a read task's
     run, t = read_run(cfg)
     assert S.read_bytes(f"{run}/_SUCCESS", cfg.storage) is not None and manifest["status"] == "succeeded"
     recs = t["recommendations"].to_pandas().sort_values(["user_id", "rank"])
