@@ -126,6 +126,7 @@ class Recommender:
         self.auto = AutoMode(spec.decoding.auto_trials) if spec.decoding.mode == "auto" else None
         self.actor = _actor_id()
         self.host = socket.gethostname()
+        self.accelerator = f"{self.host}/{_device_id(self.device)}"  # actors that share a GPU share this
         self.batches = 0
         self.decode_batch, self.oom_batch = 0, None  # users per decode of the last shard; the halved batch after an OOM
         self.ready_at = time.time()  # ready to decode: process started, modules imported, models loaded
@@ -233,7 +234,7 @@ class Recommender:
         return {
             "run_id": self.spec.run_id, "shard": f"{self.actor}:{self.batches}", "actor": self.actor,
             "batch": self.batches,
-            "host": self.host, "device": torch.cuda.get_device_name() if self.device.type == "cuda" else "cpu",
+            "host": self.host, "accelerator": self.accelerator, "device": torch.cuda.get_device_name() if self.device.type == "cuda" else "cpu",
             "mode": d.mode, "k": d.k, "users_in": users_in, "users_ok": users_ok, "users_rejected": rejected,
             "recommendations": recommendations, "prompt_tokens": prompt_tokens, "wall_s": wall, **base,
             "other_s": max(wall - sum(base[p] for p in PHASES), 0.0),
@@ -254,6 +255,21 @@ class Recommender:
         if self.batches >= int(after) and not Path(marker).exists():
             Path(marker).write_text(str(os.getpid()))
             os._exit(1)  # a crash mid-run: Ray restarts the actor and retries the batch
+
+
+def _device_id(device: torch.device) -> str:
+    """The physical device an actor decodes on: `gpu<id>` (Ray's GPU ids under Ray, which sets CUDA_VISIBLE_DEVICES
+    per actor; else torch's index) or `cpu`."""
+    if device.type != "cuda":
+        return "cpu"
+    try:
+        import ray
+
+        if ray.is_initialized() and ray.get_gpu_ids():
+            return "gpu" + ",".join(str(i) for i in ray.get_gpu_ids())
+    except Exception:  # outside Ray
+        pass
+    return f"gpu{torch.cuda.current_device()}"
 
 
 def _actor_id() -> str:

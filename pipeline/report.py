@@ -100,8 +100,26 @@ def summarize(run: Run, gpu_hour_price: float) -> dict:
         "per_shard": [{"shard": s, "actor": a, "batch": int(b), "users": int(u), "users_per_s": float(r)}
                       for s, a, b, u, r in zip(m.shard, m.actor, m.batch, m.users_ok, m.users_per_s.fillna(0.0))],
         "per_actor": [{"actor": a, "users": int(r.users), "batches": int(r.batches), "busy_s": float(r.busy_s),
+                       "busy_fraction": float(r.busy_s / wall) if wall else None,
                        "users_per_s": float(r.users_per_s)} for a, r in per_actor.iterrows()],
+        "per_accelerator": busy_accelerators(m, wall),
     }
+
+
+def busy_accelerators(m: pd.DataFrame, wall: float) -> list[dict]:
+    """Per accelerator (a GPU, or a node's CPUs): its actors and the fraction of the decode's wall time in which at
+    least one of them was decoding (the union of their shards' [commit - wall_s, commit] intervals; actors that share
+    a GPU overlap). Empty for runs whose metrics predate these columns."""
+    if not {"accelerator", "committed_at"} <= set(m.columns) or m.committed_at.isna().all() or not wall:
+        return []
+    out = []
+    for name, g in m.dropna(subset=["accelerator", "committed_at"]).groupby("accelerator"):
+        busy, end = 0.0, -np.inf
+        for a, b in sorted(zip(g.committed_at - g.wall_s, g.committed_at)):
+            busy += max(0.0, b - max(a, end))
+            end = max(end, b)
+        out.append({"accelerator": name, "actors": int(g.actor.nunique()), "busy_fraction": busy / wall})
+    return out
 
 
 def compare_outputs(a: Run, b: Run, storage: Storage) -> dict:
@@ -255,6 +273,10 @@ def num(x, digits: int = 3) -> str:
     return f"{x:,.{digits}f}"
 
 
+def pct(x) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
 def summary_rows(runs: list[dict]) -> list[list[str]]:
     """(metric, value per run) rows of the summary table."""
     def row(name, fn):
@@ -335,9 +357,14 @@ def build_blocks(runs: list[dict], outputs: dict | None, evaluations: list[dict 
     for name, (_, heading) in FIGURES.items():
         blocks += [("h2", heading), ("img", name)]
         if name == "throughput":
-            rows = [[_label(s), str(i + 1), a["actor"], num(a["batches"]), num(a["users"]), num(a["users_per_s"])]
+            rows = [[_label(s), str(i + 1), a["actor"], num(a["batches"]), num(a["users"]), num(a["users_per_s"]),
+                     pct(a.get("busy_fraction"))]
                     for s in runs for i, a in enumerate(sorted(s["per_actor"], key=lambda a: a["actor"]))]
-            blocks.append(("table", ["run", "actor", "actor id", "batches", "users", "users/s"], rows))
+            blocks.append(("table", ["run", "actor", "actor id", "batches", "users", "users/s", "busy"], rows))
+            rows = [[_label(s), x["accelerator"], num(x["actors"]), pct(x["busy_fraction"])]
+                    for s in runs for x in s.get("per_accelerator", [])]
+            if rows:
+                blocks.append(("table", ["run", "accelerator", "actors", "busy (any of its actors decoding)"], rows))
     evaluated = [(s, e) for s, e in zip(runs, evaluations) if e is not None]
     if evaluated:
         ks = sorted({k for _, e in evaluated for k in e["ks"]})

@@ -30,6 +30,7 @@ DUPLICATE = ("duplicate_user", "user_id appears more than once; the first row is
 _INT = pa.int64()
 METRIC_SCHEMA = pa.schema(
     [("run_id", pa.string()), ("shard", pa.string()), ("actor", pa.string()), ("batch", _INT), ("host", pa.string()),
+     ("accelerator", pa.string()),
      ("device", pa.string()), ("mode", pa.string()), ("decoder", pa.string()), ("k", _INT), ("users_in", _INT),
      ("users_ok", _INT), ("users_rejected", _INT), ("users_non_finite", _INT), ("users_duplicate", _INT),
      ("recommendations", _INT), ("prompt_tokens", _INT), ("prefix_tokens_saved", _INT), ("wall_s", pa.float64()),

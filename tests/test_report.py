@@ -4,6 +4,7 @@ beam search) shows identical outputs, the evaluation equals a hand-computed exam
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -98,8 +99,19 @@ def test_report_numbers_equal_the_metrics(runs, mode):
                  f"| cost per million users, busy (USD) | {num(want['busy_cost'], 2)} |"):
         assert line in md, line
     per_actor = pd.read_parquet(f"{run}/metrics").groupby("actor").agg(users=("users_ok", "sum"), busy=("wall_s", "sum"))
+    wall = json.loads(open(f"{run}/manifest.json").read())["timings"]["decode_s"]
     for actor, r in per_actor.iterrows():  # one table row per actor (how many actors got batches is Ray's choice)
-        assert f"| {actor} | " in md and f"| {num(int(r.users))} | {num(r.users / r.busy)} |" in md
+        assert f"| {actor} | " in md and f"| {num(int(r.users))} | {num(r.users / r.busy)} | {r.busy / wall:.0%} |" in md
+    m = pd.read_parquet(f"{run}/metrics")
+    [accelerator] = set(m.accelerator)  # both CPU actors on this machine's CPUs
+    assert accelerator.endswith("/cpu")
+    grid = np.linspace((m.committed_at - m.wall_s).min(), m.committed_at.max(), 200_001)  # when any shard decoded
+    covered = np.zeros(len(grid), bool)
+    for a, b in zip(m.committed_at - m.wall_s, m.committed_at):
+        covered |= (grid >= a) & (grid <= b)
+    busy = covered.mean() * (grid[-1] - grid[0]) / wall
+    row = re.search(rf"\| {re.escape(accelerator)} \| ([0-9,]+) \| (\d+)% \|", md)
+    assert row and int(row[1]) == m.actor.nunique() and abs(int(row[2]) - 100 * busy) <= 1, (row, busy)
     if mode == "beam":
         assert "| mean accepted steps per verification | - |" in md and want["rounds"] == 0
     else:  # every user-round of speculation is in the histogram
