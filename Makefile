@@ -26,11 +26,13 @@ $(DATA)/items.parquet: $(BIN)/.installed
 	$(BIN)/python -m jobs.prepare_data --out $(DATA)
 
 # The main job on the embedded default, end to end: prepare Amazon Beauty, train the small target and draft
-# (minutes on a CPU, once), run the nightly job on a local Ray, print where the tables are.
+# (minutes on a CPU, once), run the nightly job on a local Ray, print where the tables are. Where torch sees CUDA,
+# training runs on the GPU (bf16 autocast) and the nightly actor decodes on it (compute.dtype auto: bf16).
 demo: models/demo-draft/config.json nightly
 
+CUDA = $(shell $(BIN)/python -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null)
 nightly: $(DATA)/items.parquet
-	$(BIN)/python -m jobs.nightly --config infra/configs/demo.yaml
+	$(BIN)/python -m jobs.nightly --config infra/configs/demo.yaml $(if $(filter 1,$(CUDA)),--set compute.gpus_per_actor=1)
 
 # Every claim (decode, index, speculative Table 1, DISC cost and bias) -> bench-out/all.{md,json}, ~3 min on 2 CPUs.
 bench: models
