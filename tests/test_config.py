@@ -74,3 +74,16 @@ def test_bad_files(tmp_path):
         load_config(str(tmp_path / "bad.yaml"))
     with pytest.raises(ValueError, match="expected KEY=VALUE"):
         load_config(None, BASE + ["decoding.k"])
+
+
+def test_every_shipped_config_is_valid():
+    """infra/configs/*.yaml load and validate as shipped (the shared-GPU example: fractional GPUs, num_actors auto)."""
+    from pathlib import Path
+
+    configs = sorted((Path(__file__).resolve().parents[1] / "infra" / "configs").glob("*.yaml"))
+    assert {p.name for p in configs} >= {"demo.yaml", "production.example.yaml", "shared-gpu.example.yaml"}
+    for path in configs:
+        cfg = load_config(str(path), ["run_date=2026-01-02"])
+        assert cfg.models.target and cfg.compute.num_actors in ("auto", 1)
+    shared = load_config(str(configs[[p.name for p in configs].index("shared-gpu.example.yaml")]))
+    assert (shared.compute.gpus_per_actor, shared.compute.num_actors) == (0.25, "auto")
