@@ -1,10 +1,4 @@
-"""A decode's working memory: the heap that gives freed buffers back, and the largest batch that fits a GPU.
-
-`return_freed_memory()`: glibc's malloc raises its mmap threshold each time a large buffer is freed (up to 32 MB), so
-the megabyte-sized temporaries of a forward (activations, the head's vocabulary chunks) land on the heap after the
-first one, where fragments keep them resident: peak RSS climbs batch after batch above what is ever live. A fixed
-threshold serves every buffer above it from mmap and unmaps it on free, so peak RSS tracks the live working memory
-(at vocabulary 152k, prompt 300, K 20, batch 8: about 75 MB instead of 128-160 MB). Called once per decoding process.
+"""A decode's working memory: the largest batch that fits a device.
 
 `fit_batch(...)`: the users per decode that fit in the free memory of a device, from the models' shapes (every layer's
 keys and values for the prompt and the tree tokens, the widest transients of a forward), K, L, the prompt length and a
@@ -12,25 +6,7 @@ headroom. An estimate: the nightly actor halves its batch on out-of-memory all t
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import sys
-
 import torch
-
-M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
-MMAP_THRESHOLD = 1 << 20  # buffers of 1 MiB and more: mmap, given back on free
-
-
-def return_freed_memory(threshold: int = MMAP_THRESHOLD) -> bool:
-    """Fixes glibc's mmap threshold (see the module doc); True when set, False where the C library is not glibc."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, int(threshold)))
-    except (OSError, AttributeError):  # musl and others have no mallopt
-        return False
 
 
 def bytes_per_user(config, prompt_len: int, tree_tokens: int, queries: int, dtype: torch.dtype) -> int:

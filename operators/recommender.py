@@ -22,7 +22,7 @@ import torch
 from decoding.beam import Prefix, Recommendations, beam_search
 from decoding.catalog import Catalog
 from decoding.disc import disc_sample
-from decoding.memory import decode_bytes_per_user, fit_batch, free_device_memory, return_freed_memory
+from decoding.memory import decode_bytes_per_user, fit_batch, free_device_memory
 from decoding.models import check_window, load_config, load_model, load_tokenizer
 from decoding.speculative import speculative_beam_search
 from decoding.stats import BASE_KEYS, PHASES
@@ -113,7 +113,6 @@ class AutoMode:
 class Recommender:
     def __init__(self, spec: ActorSpec):
         self.spec = spec
-        return_freed_memory()  # peak RSS tracks the live working memory (decoding/memory.py)
         if spec.threads:
             torch.set_num_threads(spec.threads)
         self.device = torch.device("cuda" if spec.gpu and torch.cuda.is_available() else "cpu")

@@ -126,12 +126,10 @@ def worker(spec: dict) -> dict:
     import torch
 
     from decoding.beam import beam_search
-    from decoding.memory import return_freed_memory
     from decoding.models import pick_device, pick_dtype, tiny_model
     from decoding.reference import cpu_trie, generate_beam_search
 
     device = pick_device(spec["device"])
-    return_freed_memory()  # as the nightly actor does
     torch.manual_seed(spec["seed"])
     vocab, prompt, k = spec["vocab"], spec["prompt"], spec["k"]
     catalog = catalog_after_text(spec["items"], vocab, device)
