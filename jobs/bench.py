@@ -61,7 +61,8 @@ FLAG_HELP = {
     "out": "results folder (the nightly job writes under OUT/nightly-bench)", "ks": "speculative K (Table 1 columns)",
     "simulate_oom": "methods made to run out of memory at every batch (checks that the report records it)"}
 CHOICES = {"dtype": ["auto", "float32", "bfloat16", "float16"], "attn": ["sdpa", "eager"], "sections": P.SECTIONS,
-           "templates": ["codes", "lcrec"]}
+           "templates": ["codes", "lcrec"], "simulate_oom": ["beam_search", "transformers"]}
+LISTS = ("sections", "templates", "simulate_oom")  # choice flags that take several values
 
 
 def defaults(cls) -> dict:
@@ -79,12 +80,13 @@ def parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         names = {f.name for f in fields(cls)}
         values = {**defaults(cls), **{k: v for k, v in PATHS.items() if k in names}}
-        special = {"dtype", "attn", "sections", "templates", "seed", "drafts", "overrides"} & names
+        special = {"dtype", "attn", "seed", "drafts", "overrides", *LISTS} & names
         dataclass_args(s, cls, skip=special, zero_ok=("trie_max_items",), helps=FLAG_HELP, defaults=values)
         for field_name in special & set(CHOICES):
             choices = P.GPU_SECTIONS if (name, field_name) == ("gpu", "sections") else CHOICES[field_name]
-            s.add_argument("--" + field_name, choices=choices, default=values[field_name],
-                           nargs="+" if field_name in ("sections", "templates") else None)
+            s.add_argument("--" + field_name.replace("_", "-"), dest=field_name, choices=choices,
+                           default=values[field_name], help=FLAG_HELP.get(field_name),
+                           nargs="+" if field_name in LISTS else None)
         if "seed" in names:
             s.add_argument("--seed", type=int, default=values["seed"])
         if "drafts" in names:  # may be given empty: a clear error then

@@ -177,10 +177,11 @@ class Recommender:
 
     def _decode_slices(self, mode: str, ids, mask, users):
         """The shard's users [U, S] in consecutive slices of `decode_batch` users (on CUDA, unless pinned: the largest
-        that fits, decoding/memory.py), the slice halved and retried on out-of-memory (and kept smaller for the
-        actor's later shards) -> one Recommendations. Sampling modes seed each slice by its users."""
+        that fits, decoding/memory.py), a slice that runs out of memory halved and retried (the batch kept smaller
+        for the actor's later shards; the slices already decoded stay) -> one Recommendations. Sampling modes seed
+        each slice by its users."""
         n = ids.shape[0]
-        batch = min(n, self.spec.decode_batch or self._fitting_batch(mode, ids.shape[1]), self.oom_batch or n)
+        batch = min(n, self.spec.decode_batch or self._fitting_batch(mode, ids.shape[1]) or n, self.oom_batch or n)
         parts, a = [], 0
         while a < n:
             try:
@@ -189,19 +190,17 @@ class Recommender:
             except torch.OutOfMemoryError:
                 if batch == 1:
                     raise
-                parts.clear()  # free the slices' results too: the shard restarts at the halved batch
-                a, batch = 0, batch // 2
-                self.oom_batch = batch
+                batch = self.oom_batch = batch // 2
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
         self.decode_batch = batch
         return Recommendations.concat(parts)
 
-    def _fitting_batch(self, mode: str, prompt_len: int) -> int:
-        """On CUDA: the most users whose decode fits in the free memory; elsewhere no limit."""
+    def _fitting_batch(self, mode: str, prompt_len: int) -> int | None:
+        """On CUDA: the most users whose decode fits in the free memory; elsewhere None (no limit)."""
         free = free_device_memory(self.device)
         if free is None:
-            return 1 << 30
+            return None
         d = self.spec.decoding
         per_user = decode_bytes_per_user(self.target, prompt_len + (len(self.prefix) if self.prefix else 0), d.k,
                                          self.catalog.code_len, self.target.dtype, mode, self.draft, d.draft_beams,
@@ -233,7 +232,8 @@ class Recommender:
         return {
             "run_id": self.spec.run_id, "shard": f"{self.actor}:{self.batches}", "actor": self.actor,
             "batch": self.batches,
-            "host": self.host, "accelerator": self.accelerator, "device": torch.cuda.get_device_name() if self.device.type == "cuda" else "cpu",
+            "host": self.host, "accelerator": self.accelerator,
+            "device": torch.cuda.get_device_name() if self.device.type == "cuda" else "cpu",
             "mode": d.mode, "k": d.k, "users_in": users_in, "users_ok": users_ok, "users_rejected": rejected,
             "recommendations": recommendations, "prompt_tokens": prompt_tokens, "wall_s": wall, **base,
             "other_s": max(wall - sum(base[p] for p in PHASES), 0.0),

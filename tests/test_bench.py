@@ -78,6 +78,8 @@ def test_bench_bad_arguments(tmp_path):
     assert run.returncode == 2 and "expected an integer >= 1, got 0" in run.stderr
     run = bench("decode", "--repeats", "0")
     assert run.returncode == 2 and "expected an integer >= 1, got 0" in run.stderr
+    run = bench("gpu", "--device", "cpu", "--smoke", "--simulate-oom", "generate", "--out", str(tmp_path))
+    assert run.returncode == 2 and "invalid choice: 'generate'" in run.stderr
     run = bench("decode", "--data", "/nonexistent", "--out", str(tmp_path))
     assert run.returncode == 2 and "/nonexistent/items.parquet not found" in run.stderr
     run = bench("all", "--target", str(tmp_path / "missing"), "--out", str(tmp_path))

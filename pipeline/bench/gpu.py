@@ -37,8 +37,8 @@ from decoding.models import pick_device, tiny_model
 from decoding.reference import cpu_trie, generate_beam_search
 from decoding.speculative import speculative_beam_search
 from pipeline.bench import disc, shapes, speculative
-from pipeline.bench.common import (environment, fmt_ratio, fmt_spread, footer, hardware, interleaved, progress, ratio,
-                                   synchronize, versions)
+from pipeline.bench.common import (Timing, environment, fmt_ratio, fmt_spread, footer, hardware, interleaved,
+                                   progress, ratio, synchronize, versions)
 from pipeline.bench.decode import synthetic_token_catalog
 from pipeline.bench.params import GPU_SECTIONS, DiscParams, GpuParams, SpeculativeParams
 
@@ -245,10 +245,8 @@ def decode_all(decode, ids, mask, batch: int) -> list:
     return [decode(ids[a:a + batch], mask[a:a + batch]) for a in range(0, ids.shape[0], batch)]
 
 
-def per_user(t, row: dict, method: str):
+def per_user(t: Timing, row: dict, method: str) -> Timing:
     """A Timing in seconds per user (methods that decoded different numbers of users compare per user)."""
-    from pipeline.bench.common import Timing
-
     return Timing([s / row["methods"][method]["users"] for s in t.seconds])
 
 
