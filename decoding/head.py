@@ -4,8 +4,13 @@ Per query row the head keeps the log-normaliser (logsumexp of the logits over th
 float32 chunk by chunk) and the logits of the tokens asked for (a trie node's children), gathered from the same chunk
 products; logit - lse is exactly log_softmax over the full vocabulary, the score `transformers` beam search uses.
 Working memory per call: rows x chunk floats, whatever the vocabulary size (and on a CPU the chunks stay in cache,
-which makes the head faster too). Logits are computed in the model's dtype and accumulated in float32, as
-transformers does (logits.float()).
+which makes the head faster too).
+
+Logits are float32 whatever the model's dtype: with a bfloat16 / float16 model the body stays in half precision, but
+the head's product takes the half-precision hidden states and weights and accumulates and writes float32 (on CUDA a
+matrix product with a float32 output dtype; elsewhere each chunk of weights upcast into a reused float32 buffer).
+Rounding logits to bfloat16 (spacing 0.06-0.125 at magnitudes 8-16, as transformers does before `logits.float()`)
+would move scores by more than the gaps that decide a trained model's ranks.
 
 `Head.of(model)` reads the model's output layer (weight, bias) and its logit transforms (Cohere's logit_scale,
 Gemma's final_logit_softcapping), then checks itself once against the model's own forward on a probe: a model whose
@@ -42,6 +47,9 @@ class Head:
     scale: float = 1.0  # logit_scale (Cohere)
     softcap: float | None = None  # final_logit_softcapping (Gemma 2 / 3)
     budget: int = 1 << 20  # floats of one chunk of logits (rows x chunk)
+    product: str = "float32"  # how a chunk's float32 logits are computed: float32 (a float32 model), out_dtype (half
+    # inputs, float32 output: CUDA), upcast (each chunk of half weights copied into a float32 buffer first), model
+    # (in the model's dtype, then upcast: transformers' rounding; `bench precision` measures what it costs)
 
     @classmethod
     def of(cls, model, check: bool = True) -> "Head":
@@ -52,7 +60,7 @@ class Head:
         config = model.config
         head = cls(out.weight, out.bias, float(getattr(config, "logit_scale", None) or 1.0),
                    getattr(config, "final_logit_softcapping", None),
-                   1 << 26 if out.weight.device.type == "cuda" else 1 << 18)
+                   1 << 26 if out.weight.device.type == "cuda" else 1 << 18, float32_product(out.weight))
         if check:
             head.check(model)
         return head
@@ -61,16 +69,27 @@ class Head:
     def vocab_size(self) -> int:
         return self.weight.shape[0]
 
-    def chunk_logits(self, hidden: torch.Tensor, lo: int, hi: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden [R, H] -> float32 logits [R, hi - lo] of tokens lo .. hi - 1, as the model computes them (into
-        `out`, a contiguous float32 [R, hi - lo], when given: the head's products then allocate nothing)."""
+    @torch.no_grad()
+    def chunk_logits(self, hidden: torch.Tensor, lo: int, hi: int, out: torch.Tensor | None = None,
+                     wbuf: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [R, H] -> float32 logits [R, hi - lo] of tokens lo .. hi - 1: the model's logits, with the product
+        accumulated and written in float32 (into `out`, a contiguous float32 [R, hi - lo], when given; `wbuf`, at
+        least (hi - lo) x H float32, holds the upcast weights: the head's products then allocate nothing)."""
         w, b = self.weight[lo:hi], None if self.bias is None else self.bias[lo:hi]
         if out is None:
-            out = torch.nn.functional.linear(hidden, w, b).float()
-        elif hidden.dtype == torch.float32:  # the product written straight into the float32 buffer
-            torch.addmm(b, hidden, w.t(), out=out) if b is not None else torch.mm(hidden, w.t(), out=out)
-        else:  # in the model's dtype, as transformers computes logits, then upcast (logits.float())
+            out = torch.empty(hidden.shape[0], hi - lo, device=hidden.device)
+        if self.product == "out_dtype":  # half inputs, float32 accumulation and output
+            torch.mm(hidden, w.t(), out_dtype=torch.float32, out=out)
+        elif self.product == "model":
             out.copy_(torch.nn.functional.linear(hidden, w, b))
+            b = None
+        else:
+            if self.product == "upcast":
+                w = w.float() if wbuf is None else wbuf[:w.numel()].view_as(w).copy_(w)  # [c, H] float32, exact
+                hidden = hidden.float()
+            torch.mm(hidden, w.t(), out=out)
+        if b is not None:
+            out.add_(b)
         if self.scale != 1.0:
             out.mul_(self.scale)
         if self.softcap:
@@ -78,8 +97,10 @@ class Head:
         return out
 
     def chunk_size(self, rows: int) -> int:
-        """Vocabulary rows per chunk: `budget` floats of logits in all (at least 1024 tokens, at most V)."""
-        return max(1024, min(self.vocab_size, self.budget // max(rows, 1)))
+        """Vocabulary rows per chunk: `budget` floats of logits in all (and of upcast weights: `upcast`), at least
+        1024 tokens, at most V."""
+        width = max(rows, self.weight.shape[1] if self.product == "upcast" else 1)
+        return max(1024, min(self.vocab_size, self.budget // width))
 
     @torch.no_grad()
     def score(self, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0,
@@ -91,6 +112,8 @@ class Head:
         r, v = hidden.shape[0], self.vocab_size
         step = self.chunk_size(r)
         buf = torch.empty(r * step, device=hidden.device)  # [R * chunk] float32, every chunk's logits in turn
+        wbuf = torch.empty(step * self.weight.shape[1], device=hidden.device) if self.product == "upcast" else None
+        hidden = hidden.float() if self.product == "upcast" else hidden  # [R, H] once, not per chunk
         buf_t = torch.empty_like(buf) if temperature != 1.0 else None
         logits = torch.full(tokens.shape, NEG_INF, device=hidden.device)
         real = tokens >= 0
@@ -99,7 +122,7 @@ class Head:
         maxes, sums, sums_t, top_v, top_i = [], [], [], [], []
         for lo in range(0, v, step):
             hi = min(v, lo + step)
-            z = self.chunk_logits(hidden, lo, hi, buf[:r * (hi - lo)].view(r, hi - lo))  # [R, c]
+            z = self.chunk_logits(hidden, lo, hi, buf[:r * (hi - lo)].view(r, hi - lo), wbuf)  # [R, c]
             if lo_tok < hi and hi_tok >= lo:  # the asked tokens in this chunk
                 inside = real & (tokens >= lo) & (tokens < hi)
                 logits = torch.where(inside, z.gather(1, (tokens - lo).clamp(0, hi - lo - 1)), logits)
@@ -132,7 +155,22 @@ class Head:
         with torch.no_grad():
             want = model(input_ids=probe).logits[0].float()  # [3, V]
             got = self.chunk_logits(model.base_model(input_ids=probe).last_hidden_state[0], 0, self.vocab_size)
-        tol = 1e-4 if self.weight.dtype == torch.float32 else 5e-2
+        tol = 1e-4 if self.weight.dtype == torch.float32 else 5e-2  # half: the model's logits are rounded to it
         if not torch.allclose(got, want, atol=tol * (1 + float(want.abs().max())), rtol=0):
             raise ValueError(f"{type(model).__name__}: its logits are not its output layer applied to its last hidden "
                              f"state (max difference {float((got - want).abs().max()):.3g}); this head is not supported")
+
+
+def float32_product(weight: torch.Tensor) -> str:
+    """How the head computes float32 logits from `weight` [V, H]: "float32" for a float32 head; for a half-precision
+    one "out_dtype" where this torch multiplies half inputs into a float32 output (CUDA), else "upcast"."""
+    if weight.dtype == torch.float32:
+        return "float32"
+    if weight.device.type == "cuda":
+        a = weight[:2]
+        try:
+            torch.mm(a, a.t(), out_dtype=torch.float32, out=torch.empty(2, 2, device=a.device))
+            return "out_dtype"
+        except (RuntimeError, TypeError, NotImplementedError):  # a torch without aten::mm.dtype_out for CUDA
+            pass
+    return "upcast"

@@ -93,3 +93,16 @@ def same_within_ties(items_a: torch.Tensor, scores_a: torch.Tensor, items_b: tor
             same, i = sorted(a[i:j]) == sorted(b[i:j]), j
         out.append(same)
     return torch.tensor(out, dtype=torch.bool)
+
+
+def topk_agreement(ref_items: torch.Tensor, ref_scores: torch.Tensor, items: torch.Tensor,
+                   scores: torch.Tensor) -> dict:
+    """A reference top-K [U, K] (item ids, -1 = none; scores) against another engine's [U, K] -> per user [U]:
+    `identical` (the same items in the same order), `overlap` (the share of the reference's items the other list
+    holds, in any order) and `score_diff` (the largest |score difference| of an item both lists hold; 0 if none)."""
+    ref_items, items = ref_items.cpu(), items.cpu()
+    both = (ref_items[:, :, None] == items[:, None, :]) & (ref_items[:, :, None] >= 0)  # [U, K, K]
+    real = (ref_items >= 0).sum(1).clamp(min=1)  # [U]
+    diff = (ref_scores.cpu().float()[:, :, None] - scores.cpu().float()[:, None, :]).abs()  # [U, K, K]
+    return {"identical": (ref_items == items).all(1), "overlap": both.any(2).sum(1) / real,
+            "score_diff": torch.where(both, diff, 0.0).amax((1, 2))}

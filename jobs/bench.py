@@ -1,5 +1,5 @@
 """Benchmarks, side by side in one run: `python -m jobs.bench {all,decode,speculative,disc,disc-bias,nightly,
-templates,shapes,gpu} ...`.
+templates,shapes,gpu,precision} ...`.
 
 Every timed comparison runs its methods interleaved (A B, B A, ...) --repeats times (default 5) after a warm-up run
 of each and records every repeat's seconds; reports give medians with (min-max), ratios of medians with their range,
@@ -19,6 +19,8 @@ templates: rendering cost of each prompt template (renderer vs tokenizer), and t
 shapes: beam_search vs transformers over vocabulary x prompt length x K, each method in its own process (memory).
 gpu: on CUDA in one process and one report (`make bench-gpu`): parity, the shapes grid, NVIDIA SID-GR's shape (the
 anchor), each cell's useful-FLOP fraction of the matmul rate measured in the same run; DISC and speculative on demand.
+precision: what half precision costs in ranking: beam_search in each dtype (float32 head, and logits rounded to the
+model's dtype) against transformers in float32 on real users: identical top-K lists, set overlap, score differences.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ DEMO = ROOT / "models" / "demo-target"
 PARAMS = {"all": P.AllParams, "decode": P.DecodeParams, "speculative": P.SpeculativeParams, "disc": P.DiscParams,
           "disc-bias": P.DiscBiasParams, "nightly": P.NightlyParams, "templates": P.TemplatesParams,
           "nightly-scale": P.ScaleParams,
-          "shapes": P.ShapesParams, "gpu": P.GpuParams}
+          "shapes": P.ShapesParams, "gpu": P.GpuParams, "precision": P.PrecisionParams}
 HELP = {"all": "every claim in one run (decode, speculative, disc, disc-bias) -> all.{md,json}",
         "decode": "transformers beam search vs beam_search, and the catalog index",
         "speculative": "AtSpeed Table 1: speculative vs beam_search, every draft, strict/relaxed",
@@ -46,7 +48,8 @@ HELP = {"all": "every claim in one run (decode, speculative, disc, disc-bias) ->
         "templates": "prompt templates: rendering cost, and the nightly job's users/s with each",
         "nightly-scale": "the nightly job on synthetic users at scale: exactly once, driver RSS, object store peak",
         "shapes": "beam_search vs transformers over vocabulary x prompt x K, users/s and working memory",
-        "gpu": "on CUDA: parity, shapes, the SID-GR anchor, roofline (+ disc, speculative); one report, one process"}
+        "gpu": "on CUDA: parity, shapes, the SID-GR anchor, roofline (+ disc, speculative); one report, one process",
+        "precision": "half precision's cost in ranking: each dtype's top-K against transformers float32"}
 PATHS = {"data": str(ROOT / "data" / "beauty"), "target": str(DEMO), "out": str(ROOT / "bench-out"),
          "config": str(ROOT / "infra" / "configs" / "demo.yaml")}
 FLAG_HELP = {
@@ -59,10 +62,13 @@ FLAG_HELP = {
     "chunk": "disc-bias: catalog items per forward when scoring P_S (lower it for large vocabularies)",
     "draws": "items drawn per user and method (k=1 each)", "cpus": "CPUs of the local Ray",
     "out": "results folder (the nightly job writes under OUT/nightly-bench)", "ks": "speculative K (Table 1 columns)",
-    "simulate_oom": "methods made to run out of memory at every batch (checks that the report records it)"}
-CHOICES = {"dtype": ["auto", "float32", "bfloat16", "float16"], "attn": ["sdpa", "eager"], "sections": P.SECTIONS,
+    "simulate_oom": "methods made to run out of memory at every batch (checks that the report records it)",
+    "dtypes": "engine dtypes to compare with transformers in float32", "tie": "near-tie threshold on the float32 "
+    "search's tie gap"}
+CHOICES = {"dtype": ["auto", "float32", "bfloat16", "float16"], "dtypes": ["float32", "bfloat16", "float16"],
+           "attn": ["sdpa", "eager"], "sections": P.SECTIONS,
            "templates": ["codes", "lcrec"], "simulate_oom": ["beam_search", "transformers"]}
-LISTS = ("sections", "templates", "simulate_oom")  # choice flags that take several values
+LISTS = ("sections", "templates", "simulate_oom", "dtypes")  # choice flags that take several values
 
 
 def defaults(cls) -> dict:
@@ -115,13 +121,13 @@ def main(argv=None) -> int:
     cls = PARAMS[args.bench]
     params = cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
     command = "python -m jobs.bench " + shlex.join(argv)
-    from pipeline.bench import common, decode, disc, gpu, nightly, scale, shapes, speculative, templates
+    from pipeline.bench import common, decode, disc, gpu, nightly, precision, scale, shapes, speculative, templates
     from pipeline.bench.all import bench_all
 
     run = {"all": bench_all, "decode": decode.run_decode, "speculative": speculative.run_speculative,
            "disc": disc.run_disc, "disc-bias": disc.run_disc_bias, "nightly": nightly.run_nightly_bench,
            "templates": templates.run_templates, "shapes": shapes.run_shapes, "gpu": gpu.run_gpu,
-           "nightly-scale": scale.run_scale}[args.bench]
+           "nightly-scale": scale.run_scale, "precision": precision.run_precision}[args.bench]
     try:
         result, md = run(params, command)
     except FileNotFoundError as e:  # missing data or models: the message says how to make them

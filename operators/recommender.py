@@ -7,6 +7,7 @@ model directories, the catalog table it read once, the decoding settings. Output
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import socket
@@ -23,6 +24,7 @@ from decoding.beam import Prefix, Recommendations, beam_search
 from decoding.catalog import Catalog
 from decoding.disc import disc_sample
 from decoding.memory import decode_bytes_per_user, fit_batch, free_device_memory
+from decoding.metrics import topk_agreement
 from decoding.models import check_window, load_config, load_model, load_tokenizer
 from decoding.speculative import speculative_beam_search
 from decoding.stats import BASE_KEYS, PHASES
@@ -31,6 +33,7 @@ from operators.spec import ActorSpec
 from operators.validate import validate
 
 FAIL_AFTER_ENV = "GENREC_TEST_FAIL_AFTER"  # tests only: "N:/path/marker" exits the actor once, after N batches
+SAMPLING = ("atspeed-relaxed", "disc")  # modes whose items are draws (seeded by the users decoded together)
 NON_FINITE = ("the model's log-probabilities were NaN or infinite while decoding this user (e.g. a float16 "
               "overflow); its items would not be the model's")
 TABLES = {"rec": ["user_id", "rank", "item_id", "score", "mode"], "reject": ["user_id", "reason", "detail"],
@@ -118,8 +121,13 @@ class Recommender:
         self.device = torch.device("cuda" if spec.gpu and torch.cuda.is_available() else "cpu")
         inputs = prepare(spec, self.device)
         self.catalog, self.renderer = inputs.catalog, inputs.renderer
+        self.paths = {"target": inputs.target, "draft": inputs.draft}
         self.target = load_model(inputs.target, device=str(self.device), dtype=spec.dtype)
         self.draft = load_model(inputs.draft, device=str(self.device), dtype=spec.dtype) if inputs.draft else None
+        self.dtype = str(self.target.dtype).removeprefix("torch.")
+        # the precision audit: this many of the actor's first users re-decoded in float32 (half precision only)
+        self.audit_left = spec.audit_users if self.target.dtype != torch.float32 else 0
+        self.float32: dict = {}  # the audit's float32 models, loaded on first use, freed when the audit is done
         ids = self.renderer.prefix_ids  # the template's fixed text: prefilled once per model, kept
         self.prefix = Prefix(ids) if len(ids) else None
         self.auto = AutoMode(spec.decoding.auto_trials) if spec.decoding.mode == "auto" else None
@@ -142,21 +150,24 @@ class Recommender:
         mode = self.auto.next() if self.auto else d.mode
         stats = dict.fromkeys(BASE_KEYS, 0)
         items, scores = np.zeros((0, d.k), np.int64), np.zeros((0, d.k), np.float32)
-        broken = np.zeros(0, bool)
+        broken, audit = np.zeros(0, bool), {}
         if good.num_rows:
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            rec = self._decode_slices(mode, p.input_ids.to(self.device), p.attention_mask.to(self.device), users)
+            ids, mask = p.input_ids.to(self.device), p.attention_mask.to(self.device)
+            rec = self._decode_slices(mode, ids, mask, users)
             stats = rec.stats
             if self.auto:
                 self.auto.record(mode, sum(stats[key] for key in PHASES), good.num_rows)
             items, scores = rec.item_ids.cpu().numpy(), rec.scores.float().cpu().numpy()
             broken = stats["non_finite"].cpu().numpy()  # [U] NaN / inf log-probs: rejected, never a short list
+            if self.audit_left:
+                audit = self._audit(mode, ids, mask, users, rec, np.nonzero(~broken)[0][:self.audit_left])
             items[broken] = -1
             rejects = pa.concat_tables([rejects, pa.table([
                 users.filter(pa.array(broken)), pa.array(["non_finite_logits"] * int(broken.sum()), pa.string()),
                 pa.array([NON_FINITE] * int(broken.sum()), pa.string())], schema=rejects.schema)])
-        wall = time.perf_counter() - t0
+        wall = time.perf_counter() - t0 - audit.get("audit_s", 0.0)  # the audit is reported as its own cost
         row, rank = np.nonzero(items >= 0)  # fewer than k only when the catalog has fewer items
         schema = output_schema(user_type)
         recs = pa.table({"kind": pa.array(np.full(len(row), "rec", object), pa.string()),
@@ -167,7 +178,7 @@ class Recommender:
         metric = self._metric_row(batch.num_rows, good.num_rows - int(broken.sum()), rejects.num_rows,
                                   int(p.attention_mask.sum()) + skip * good.num_rows, len(row), wall, stats)
         metric.update(users_non_finite=int(broken.sum()), decoder=mode, prefix_tokens_saved=skip * good.num_rows,
-                      auto=self.auto.state() if self.auto else None)
+                      auto=self.auto.state() if self.auto else None, dtype=self.dtype, **audit)
         table = pa.concat_tables([
             recs, rejects.add_column(0, "kind", pa.array(np.full(rejects.num_rows, "reject", object), pa.string())),
             pa.table({"kind": ["metric"], "metrics": [json.dumps(metric)]}),
@@ -175,52 +186,87 @@ class Recommender:
         self.batches += 1
         return table.select(schema.names).cast(schema)
 
-    def _decode_slices(self, mode: str, ids, mask, users):
+    def _decode_slices(self, mode: str, ids, mask, users, models: tuple | None = None):
         """The shard's users [U, S] in consecutive slices of `decode_batch` users (on CUDA, unless pinned: the largest
         that fits, decoding/memory.py), a slice that runs out of memory halved and retried (the batch kept smaller
         for the actor's later shards; the slices already decoded stay) -> one Recommendations. Sampling modes seed
-        each slice by its users."""
+        each slice by its users. `models`: (target, draft) other than the actor's (the audit's float32 pair)."""
+        own = models is None
+        target, draft = (self.target, self.draft) if own else models
         n = ids.shape[0]
-        batch = min(n, self.spec.decode_batch or self._fitting_batch(mode, ids.shape[1]) or n, self.oom_batch or n)
+        batch = min(n, self.spec.decode_batch or self._fitting_batch(mode, ids.shape[1], target, draft) or n,
+                    (self.oom_batch if own else None) or n)
         parts, a = [], 0
         while a < n:
             try:
-                parts.append(self._decode(mode, ids[a:a + batch], mask[a:a + batch], users.slice(a, batch)))
+                parts.append(self._decode(mode, target, draft, ids[a:a + batch], mask[a:a + batch],
+                                          users.slice(a, batch)))
                 a += batch
             except torch.OutOfMemoryError:
                 if batch == 1:
                     raise
-                batch = self.oom_batch = batch // 2
+                batch //= 2
+                self.oom_batch = batch if own else self.oom_batch
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
-        self.decode_batch = batch
+        self.decode_batch = batch if own else self.decode_batch
         return Recommendations.concat(parts)
 
-    def _fitting_batch(self, mode: str, prompt_len: int) -> int | None:
+    def _fitting_batch(self, mode: str, prompt_len: int, target, draft) -> int | None:
         """On CUDA: the most users whose decode fits in the free memory; elsewhere None (no limit)."""
         free = free_device_memory(self.device)
         if free is None:
             return None
         d = self.spec.decoding
-        per_user = decode_bytes_per_user(self.target, prompt_len + (len(self.prefix) if self.prefix else 0), d.k,
-                                         self.catalog.code_len, self.target.dtype, mode, self.draft, d.draft_beams,
-                                         d.gamma)
+        per_user = decode_bytes_per_user(target, prompt_len + (len(self.prefix) if self.prefix else 0), d.k,
+                                         self.catalog.code_len, target.dtype, mode, draft, d.draft_beams, d.gamma)
         return fit_batch(per_user, free)
 
-    def _decode(self, mode: str, ids, mask, users):
+    def _decode(self, mode: str, target, draft, ids, mask, users):
         d, prefix = self.spec.decoding, self.prefix
         if mode == "beam":
-            return beam_search(self.target, ids, mask, self.catalog, d.k, prefix=prefix)
+            return beam_search(target, ids, mask, self.catalog, d.k, prefix=prefix)
         # sampling modes: a generator seeded by the batch's users, so a retried batch draws the same items
         g = torch.Generator(device=self.device).manual_seed(
             (d.seed * 1_000_003 + zlib.crc32(str(users.to_pylist()).encode())) % (2 ** 63))
         if mode == "disc":
-            return disc_sample(self.target, ids, mask, self.catalog, d.k, rounds=d.rounds, top_m=d.top_m,
+            return disc_sample(target, ids, mask, self.catalog, d.k, rounds=d.rounds, top_m=d.top_m,
                                temperature=d.temperature, generator=g, prefix=prefix)
-        return speculative_beam_search(self.target, self.draft, ids, mask, self.catalog, d.k,
+        return speculative_beam_search(target, draft, ids, mask, self.catalog, d.k,
                                        draft_beams=d.draft_beams, gamma=d.gamma,
                                        verification=mode.removeprefix("atspeed-"), temperature=d.temperature,
                                        generator=g, prefix=prefix)
+
+    def _audit(self, mode: str, ids, mask, users, rec: Recommendations, pick: np.ndarray) -> dict:
+        """The precision audit: the users at `pick` (rows of this batch, decoded in half precision into `rec`)
+        re-decoded by the float32 models with the same mode -> their agreement (metrics keys audit_*). A sampling
+        mode decodes them again in half precision too, so that both draws share one seed."""
+        t0 = time.perf_counter()
+        sel = torch.as_tensor(pick, device=self.device)
+        ids, mask, users = ids[sel], mask[sel], users.take(pa.array(pick))
+        first = int(mask.any(0).nonzero()[0])  # left padding no audited user needs
+        ids, mask = ids[:, first:], mask[:, first:]
+        ref = self._decode_slices(mode, ids, mask, users, self._float32_models(mode))
+        half = self._decode_slices(mode, ids, mask, users, (self.target, self.draft)) if mode in SAMPLING else rec
+        rows = slice(None) if mode in SAMPLING else sel
+        agree = topk_agreement(ref.item_ids, ref.scores, half.item_ids[rows], half.scores[rows])
+        self.audit_left -= len(pick)
+        if not self.audit_left:  # done for this run: the float32 copies leave the device
+            self.float32.clear()
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        return {"audit_users": len(pick), "audit_identical_lists": int(agree["identical"].sum()),
+                "audit_topk_overlap_sum": float(agree["overlap"].sum()),
+                "audit_max_abs_score_diff": float(agree["score_diff"].max()), "audit_s": time.perf_counter() - t0}
+
+    def _float32_models(self, mode: str) -> tuple:
+        """The audit's (target, draft) in float32, loaded from the same directories on first use."""
+        roles = ("target", "draft") if mode.startswith("atspeed") else ("target",)
+        for role in roles:
+            if role not in self.float32:
+                self.float32[role] = load_model(self.paths[role], device=str(self.device), dtype="float32")
+        return self.float32["target"], self.float32.get("draft")
 
     def _metric_row(self, users_in, users_ok, rejected, prompt_tokens, recommendations, wall, stats) -> dict:
         """One row per batch: ids, counts, the decoder's base stats (decoding/stats.py), other_s = the batch's

@@ -48,4 +48,5 @@ class ActorSpec:
     gpu: bool = False  # decode on CUDA when the actor has one
     decode_batch: int | None = None  # users per decode (None: on CUDA the largest that fits, else the whole shard)
     dtype: str = "auto"
+    audit_users: int = 0  # half precision: the actor's first users re-decoded in float32 (the precision audit)
     threads: int | None = None  # torch CPU threads (None: Ray's OMP_NUM_THREADS)

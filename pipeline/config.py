@@ -35,7 +35,12 @@ class Compute:
     gpus_per_actor: float = 0.0  # 0: CPU actors
     cpus_per_actor: float = 1.0
     threads_per_actor: int | None = None  # torch CPU threads in an actor (None: Ray's OMP_NUM_THREADS = CPUs)
-    dtype: str = "auto"
+    dtype: str = "auto"  # what the models decode in: float32 is exact (every top-K identical to transformers' float32
+    # beam search; on CUDA without TF32); bfloat16 / float16 are fast (half the weight and cache bytes) and keep the
+    # logits in float32 (decoding/head.py), but the body's rounding reorders near-ties: their ranking agreement is
+    # measured by the precision audit; auto: bfloat16 on a GPU that has it, else float32
+    audit_users: int | None = None  # half precision: users each actor re-decodes in float32 per run, to measure the
+    # ranking agreement (manifest precision_audit); None: one batch's worth (batch_size); 0: no audit
 
 
 @dataclass
@@ -191,6 +196,8 @@ def validate(cfg: Config) -> None:
          c.threads_per_actor)
     need(c.dtype in ("auto", "float32", "bfloat16", "float16"), "compute.dtype",
          "must be auto, float32, bfloat16 or float16", c.dtype)
+    need(c.audit_users is None or (isinstance(c.audit_users, int) and c.audit_users >= 0), "compute.audit_users",
+         "must be an integer >= 0 (0: no audit) or null (one batch's worth)", c.audit_users)
     r = cfg.runs
     need(r.lease_s >= 10, "runs.lease_s", "must be >= 10 seconds", r.lease_s)
     need(r.grace_s >= 0, "runs.grace_s", "must be >= 0 seconds", r.grace_s)

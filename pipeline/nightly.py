@@ -131,6 +131,7 @@ def actor_spec(cfg: Config, run_id: str, catalog: pa.Table, template: PromptTemp
                      draft=m.draft if cfg.decoding.uses_draft else None,
                      fetch=functools.partial(fetch_model, cache_dir=m.cache_dir, storage=cfg.storage),
                      gpu=cfg.compute.gpus_per_actor > 0, dtype=cfg.compute.dtype,
+                     audit_users=cfg.compute.batch_size if cfg.compute.audit_users is None else cfg.compute.audit_users,
                      decode_batch=cfg.compute.decode_batch,
                      threads=cfg.compute.threads_per_actor)
 
@@ -260,6 +261,7 @@ def execute(plan: Plan, run_id: str, resumed: bool, lease: Lease) -> dict:
                 "resume": {"resumed": resumed, "shards_committed_before": committed, "shards_decoded": new_shards,
                            "users_decoded": left},
                 "duplicates": {"users": 0 if duplicates is None else duplicates.num_rows, "checked_on": dup_where},
+                "precision_audit": sums["precision_audit"],
                 "timings": {"duplicates_s": t_dup, "actor_ready_s": sums["actor_ready_s"],  # models loaded
                             "first_shard_s": sums["first_commit_s"],
                             "decode_s": t_decode, "total_s": time.perf_counter() - t0},

@@ -77,7 +77,7 @@ def summarize(run: Run, gpu_hour_price: float) -> dict:
         "catalog": man.get("catalog"), "template": (man.get("template") or {}).get("name"),
         "max_prompt_tokens": man.get("max_prompt_tokens"),
         "decoders": m.decoder.value_counts().to_dict() if "decoder" in m else {},
-        "auto": man.get("auto"),
+        "auto": man.get("auto"), "precision_audit": man.get("precision_audit"),
         "prefix_tokens_saved_per_user": float(m.prefix_tokens_saved.sum() / users)
         if "prefix_tokens_saved" in m and users else None,
         "input_rows": int(man["counts"]["input_rows"]), "recommendations": int(m.recommendations.sum()),
@@ -284,6 +284,7 @@ def summary_rows(runs: list[dict]) -> list[list[str]]:
 
     rows = [row("mode / k", lambda s: f"{s['mode']} / {s['k']}"),
             row("device", lambda s: ", ".join(s["devices"])),
+            row("dtype / precision audit (float32 re-decode)", lambda s: audit_text(s["precision_audit"])),
             row("users ok", lambda s: num(s["users_ok"])),
             row("users rejected", lambda s: num(s["users_rejected"])),
             row("of them: non-finite log-probs", lambda s: num(s["users_non_finite"])),
@@ -310,6 +311,17 @@ def summary_rows(runs: list[dict]) -> list[list[str]]:
              row("cost per million users, allocated (USD)", lambda s: num(s["cost_per_million_users"]["allocated"], 2)),
              row("cost per million users, busy (USD)", lambda s: num(s["cost_per_million_users"]["busy"], 2))]
     return rows
+
+
+def audit_text(a: dict | None) -> str:
+    """The manifest's precision_audit in one cell: the dtype and what the float32 re-decode found."""
+    if not a:
+        return "-"
+    if not a.get("users"):
+        return f"{a['dtype']}: {a.get('note', 'no audit')}"
+    return (f"{a['dtype']}: {a['identical_lists']} of {a['users']} users' top-K identical to float32 "
+            f"({a['identical_lists'] / a['users']:.0%}), top-K overlap {a['topk_overlap']:.1%}, largest score "
+            f"difference {a['max_abs_score_diff']:.3g}, audit {num(a['seconds'])} s")
 
 
 def auto_text(s: dict) -> str:

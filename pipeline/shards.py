@@ -38,7 +38,10 @@ METRIC_SCHEMA = pa.schema(
     + [(key, pa.float64() if key in PHASES else _INT) for key in BASE_KEYS]
     + [("mean_accepted_steps", pa.float64()), ("accepted_hist", pa.list_(_INT)), ("peak_memory_bytes", _INT),
        ("decode_batch", _INT), ("actor_ready_at", pa.float64()), ("committed_at", pa.float64()),
-       ("users_per_s", pa.float64()), ("auto", pa.string()), ("ranges", pa.list_(pa.list_(_INT)))])
+       ("users_per_s", pa.float64()), ("auto", pa.string()), ("dtype", pa.string()), ("audit_users", _INT),
+       ("audit_identical_lists", _INT), ("audit_topk_overlap_sum", pa.float64()),
+       ("audit_max_abs_score_diff", pa.float64()), ("audit_s", pa.float64()), ("ranges", pa.list_(pa.list_(_INT)))])
+AUDIT = ("audit_users", "audit_identical_lists", "audit_topk_overlap_sum", "audit_s")  # summed over shards
 
 
 def committed(run: str, storage: Storage) -> tuple[list[tuple[int, int]], int]:
@@ -64,24 +67,47 @@ def tally(run: str, storage: Storage, since: float = 0.0) -> dict:
     """The committed shards' totals, read file by file: {SUMS..., "batches", "decode_batch": the smallest and largest
     users per decode (compute.decode_batch, or what the GPU actors found to fit), "actor_ready_s" and
     "first_commit_s": seconds from `since` (epoch) until the first actor started after it was ready to decode and
-    until the first shard written after it was committed (None: none; the actors' clocks: on one machine exact), "auto": each actor's last auto state (decoding.mode =
-    auto: its choice and the trial timings behind it) or None}."""
+    until the first shard written after it was committed (None: none; the actors' clocks: on one machine exact),
+    "auto": each actor's last auto state (decoding.mode = auto: its choice and the trial timings behind it) or None,
+    "precision_audit": `precision_audit` of the dtypes and audit sums}."""
     sums, batches, last, sizes = dict.fromkeys(SUMS, 0), 0, {}, []
     times = {"actor_ready_at": [], "committed_at": []}
-    for t in runs.read_files(run, "metrics", storage, [*SUMS, "actor", "batch", "auto", "decode_batch", *times]):
+    audit, worst, dtypes = dict.fromkeys(AUDIT, 0), [], set()
+    columns = [*SUMS, "actor", "batch", "auto", "decode_batch", *times, "dtype", *AUDIT, "audit_max_abs_score_diff"]
+    for t in runs.read_files(run, "metrics", storage, columns):
         for key, seen in times.items():
             seen += [v - since for v in t[key].to_pylist() if v is not None and v >= since]
         batches += t.num_rows
         for key in SUMS:
             sums[key] += int(pc.sum(t[key]).as_py() or 0)
+        for key in AUDIT:
+            audit[key] += pc.sum(t[key]).as_py() or 0
+        worst += [v for v in t["audit_max_abs_score_diff"].to_pylist() if v is not None]
+        dtypes |= {v for v in t["dtype"].to_pylist() if v}
         sizes += [v for v in pc.min_max(t["decode_batch"]).values() if v.as_py() is not None]
         for r in t.select(["actor", "batch", "auto"]).to_pylist():
             if r["auto"] and r["batch"] >= last.get(r["actor"], (-1, None))[0]:
                 last[r["actor"]] = (r["batch"], json.loads(r["auto"]))
     decode_batch = {"min": min(s.as_py() for s in sizes), "max": max(s.as_py() for s in sizes)} if sizes else None
-    return {**sums, "batches": batches, "decode_batch": decode_batch, "actor_ready_s": min(times["actor_ready_at"], default=None),
+    return {**sums, "batches": batches, "decode_batch": decode_batch,
+            "actor_ready_s": min(times["actor_ready_at"], default=None),
             "first_commit_s": min(times["committed_at"], default=None),
-            "auto": {actor: state for actor, (_, state) in sorted(last.items())} or None}
+            "auto": {actor: state for actor, (_, state) in sorted(last.items())} or None,
+            "precision_audit": precision_audit(sorted(dtypes), audit, worst)}
+
+
+def precision_audit(dtypes: list[str], audit: dict, worst: list[float]) -> dict:
+    """The manifest's `precision_audit`: users re-decoded in float32, how many got identical top-K lists, the mean
+    top-K set overlap, the largest score difference, the seconds it cost; in float32 a note that there is nothing
+    to audit."""
+    out = {"dtype": ", ".join(dtypes) or None, "users": int(audit["audit_users"])}
+    if dtypes and set(dtypes) <= {"float32"}:
+        return {**out, "note": "float32 is exact (top-K identical to transformers); nothing to audit"}
+    n = out["users"]
+    return {**out, "identical_lists": int(audit["audit_identical_lists"]),
+            "topk_overlap": audit["audit_topk_overlap_sum"] / n if n else None,
+            "max_abs_score_diff": max(worst, default=None), "seconds": float(audit["audit_s"]),
+            **({} if n else {"note": "half precision without an audit (compute.audit_users = 0)"})}
 
 
 class ShardRecommender:

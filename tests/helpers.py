@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from decoding.catalog import Catalog
+from decoding.models import tiny_model
 from decoding.reference import generate_beam_search, sequence_logprob  # noqa: F401
 
 SPECIALS = 4  # <pad> <bos> <eos> <unk>
@@ -63,3 +64,26 @@ def bpe_tokenizer(levels: int, codes: int, vocab_size: int = 600, code_tokens: b
     from pipeline.prepare import build_text_tokenizer
 
     return build_text_tokenizer(levels, codes, vocab_size, code_tokens)
+
+
+def trained_model(arch: str, catalog: Catalog, input_ids, attention_mask, steps: int = 300, seed: int = 0, **kw):
+    """A tiny float32 causal LM trained (Adam, `steps` steps) to continue each prompt with one of its own 8 catalog
+    items, drawn with Zipf weights 1/r: peaked next-token distributions and a trained model's logit gaps (random
+    weights give near-uniform scores whose ties sit below half-precision rounding)."""
+    model = tiny_model(arch, catalog.vocab_size, seed=seed, **kw).train()
+    g = torch.Generator().manual_seed(seed)
+    b, code_len = input_ids.shape[0], catalog.code_len
+    favourite = torch.randint(0, catalog.tokens.shape[0], (b, 8), generator=g)  # [B, 8] catalog rows
+    weights = (1 / torch.arange(1, 9).float()).expand(b, -1)  # [B, 8]
+    mask = torch.cat([attention_mask, attention_mask.new_ones(b, code_len)], 1)  # [B, S + L]
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(steps):
+        codes = catalog.tokens[favourite.gather(1, torch.multinomial(weights, 1, generator=g))[:, 0]]  # [B, L]
+        logits = model(input_ids=torch.cat([input_ids, codes], 1), attention_mask=mask,
+                       position_ids=pos).logits[:, -code_len - 1:-1]  # [B, L, V]
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), codes.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
@@ -122,6 +123,9 @@ def test_nightly_outputs_equal_beam_search_exactly_once(world, ray_session, tmp_
     assert 0 < t["duplicates_s"] < t["first_shard_s"] <= t["decode_s"] <= t["total_s"]
     assert 0 < t["actor_ready_s"] < t["first_shard_s"]  # an actor ready, then its first shard committed
     assert manifest["duplicates"] == {"users": 0, "checked_on": "driver"}
+    assert (metrics.dtype == "float32").all() and metrics.audit_users.isna().all()  # float32: exact, no audit
+    assert manifest["precision_audit"] == {"dtype": "float32", "users": 0, "note": "float32 is exact (top-K "
+                                           "identical to transformers); nothing to audit"}
 
 
 @pytest.mark.parametrize("mode", ["beam", "atspeed-strict"])
@@ -145,15 +149,73 @@ def test_an_actor_decodes_a_shard_in_slices_that_fit(world, mode, monkeypatch):
     assert metric(got)["target_tokens"] == metric(whole)["target_tokens"]  # the same prompts, summed over slices
 
     decode = sliced._decode
-    def at_most_two(mode, ids, mask, users):  # what a GPU with room for two users does
+    def at_most_two(mode, target, draft, ids, mask, users):  # what a GPU with room for two users does
         if ids.shape[0] > 2:
             raise torch.OutOfMemoryError(f"CUDA out of memory (simulated): {ids.shape[0]} users")
-        return decode(mode, ids, mask, users)
+        return decode(mode, target, draft, ids, mask, users)
     monkeypatch.setattr(sliced, "_decode", at_most_two)
     got = sliced(users).to_pandas()
     pd.testing.assert_frame_equal(recs(got), recs(whole), check_exact=False, atol=1e-5, rtol=0)
     assert metric(got)["decode_batch"] == 1 and sliced.oom_batch == 1  # 3 -> 1: halved below the limit
     assert metric(sliced(users).to_pandas())["decode_batch"] == 1  # later shards start from the smaller batch
+
+
+@pytest.mark.parametrize("mode", ["beam", "disc"])
+def test_a_half_precision_actor_audits_its_first_users_in_float32(world, mode):
+    """In bfloat16 the actor re-decodes its first compute.audit_users users in float32 (across batches: 11 of the
+    first, 9 of the second, none after) and records how its lists compare: the counts equal those of a float32
+    actor's own lists for beam search; a sampling mode compares draws made with the same seed. Wall time and
+    users/s leave the audit out; it is reported as audit_s."""
+    from operators.recommender import Recommender
+    from pipeline.nightly import plan_run
+
+    users = pq.read_table(world / "data" / "test.parquet", columns=["user_id", "history"])
+    batches = [users.slice(0, 11), users.slice(11, 11), users.slice(22, 11)]
+    spec = plan_run(config(world, world / "unused", f"decoding.mode={mode}", "compute.dtype=bfloat16",
+                           "compute.audit_users=20")).spec
+    assert spec.audit_users == 20
+    half, exact = Recommender(spec), Recommender(replace(spec, dtype="float32"))
+    metric = lambda t: json.loads(t.filter(pc.equal(t["kind"], "metric"))["metrics"][0].as_py())  # noqa: E731
+    recs = lambda t: t.filter(pc.equal(t["kind"], "rec")).to_pandas()  # noqa: E731
+    seen = []
+    for batch, audited in zip(batches, (11, 9, None)):
+        got, ref = half(batch), exact(batch)
+        m, m32 = metric(got), metric(ref)
+        assert m["dtype"] == "bfloat16" and m32["dtype"] == "float32" and "audit_users" not in m32
+        assert m.get("audit_users") == audited
+        if audited is None:
+            assert not half.float32  # the float32 copies were freed once the audit was done
+            continue
+        assert 0 < m["audit_s"] and m["wall_s"] > 0 and m["audit_max_abs_score_diff"] >= 0
+        assert 0 <= m["audit_identical_lists"] <= audited and 0 < m["audit_topk_overlap_sum"] <= audited
+        if mode == "beam":  # the audit's float32 lists are the float32 actor's
+            a, b = recs(got), recs(ref)
+            first = batch["user_id"].to_pylist()[:audited]
+            same = [a[a.user_id == u].item_id.tolist() == b[b.user_id == u].item_id.tolist() for u in first]
+            assert m["audit_identical_lists"] == sum(same)
+            seen.append(sum(same) < audited)
+    if mode == "beam":
+        assert any(seen)  # random weights in bfloat16: some lists differ, and the audit says so
+
+
+def test_a_bfloat16_run_publishes_its_precision_audit(world, ray_session, tmp_path):
+    """`--set compute.dtype=bfloat16` on a CPU: the manifest's precision_audit sums the actors' audits (one batch's
+    worth per actor by default), and the report shows it beside the dtype."""
+    from pipeline.nightly import run_nightly
+    from pipeline.report import report_run
+
+    cfg = config(world, tmp_path / "out", "compute.dtype=bfloat16")
+    manifest = run_nightly(cfg)
+    m = read_run(cfg)[1]["metrics"].to_pandas()
+    a = manifest["precision_audit"]
+    assert a["dtype"] == "bfloat16" and (m.dtype == "bfloat16").all()
+    assert a["users"] == m.audit_users.sum() and a["users"] % 16 == 0 and a["users"] >= 16  # batch_size 16 per actor
+    assert a["identical_lists"] == m.audit_identical_lists.sum() <= a["users"]
+    assert a["topk_overlap"] == pytest.approx(m.audit_topk_overlap_sum.sum() / a["users"]) and a["topk_overlap"] > 0
+    assert a["max_abs_score_diff"] == m.audit_max_abs_score_diff.max() and a["seconds"] > 0
+    _, out = report_run(runs.latest_run(cfg.output, cfg.run_date, cfg.storage), cfg.storage)
+    text = (Path(out) / "report.md").read_text()
+    assert f"bfloat16: {a['identical_lists']} of {a['users']} users' top-K identical to float32" in text
 
 
 @pytest.mark.parametrize("id_type", [pa.int64(), pa.string()])

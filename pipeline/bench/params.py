@@ -187,3 +187,20 @@ class AllParams(Timed):
     draws: int = 2000
     temperature: float = 1.0
     chunk: int = 1024
+
+
+@dataclass(kw_only=True)
+class PrecisionParams:
+    """`bench precision`: beam_search in each dtype (half precision with the float32 head as shipped, and with
+    logits rounded to the model's dtype as transformers computes them) against transformers beam search in float32,
+    on a trained target and real users: identical top-K lists, among users clear of a near-tie, top-K set overlap,
+    largest score difference."""
+    data: str
+    target: str
+    users: int = 2048
+    batch: int = 64
+    history_len: int = 20
+    device: str | None = None
+    ks: list[int] = field(default_factory=lambda: [10, 20])
+    dtypes: list[str] = field(default_factory=lambda: ["float32", "bfloat16", "float16"])
+    tie: float = 0.04  # a user is clear of a near-tie when its float32 search's tie gap is at least this
