@@ -32,6 +32,8 @@ def test_file_plus_overrides(tmp_path):
     ("compute.num_actors=all", "compute.num_actors must be an integer >= 1 or auto, got 'all'"),
     ("compute.gpus_per_actor=1.5", "compute.gpus_per_actor must be >= 0, a fraction of one GPU"),
     ("compute.decode_batch=0", "compute.decode_batch must be >= 1 or null, got 0"),
+    ("compute.audit_users=-1", "compute.audit_users must be an integer >= 0 (0: no audit) or null"),
+    ("compute.audit_users=some", "config: compute.audit_users must be an int, got 'some'"),
     ("runs.duplicates_driver_mb=-1", "runs.duplicates_driver_mb must be >= 0"),
 ])
 def test_errors_name_the_field(override, message):
