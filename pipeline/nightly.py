@@ -147,13 +147,45 @@ class Plan:
     models: dict
     spec: ActorSpec  # run_id set when the run starts
     inputs: Inputs
+    identity: dict  # what the decoded rows depend on, by content (`content_identity`)
 
     @property
     def fingerprint(self) -> str:
-        """What a resume must find unchanged: the config (but `runs`) and the input's files and row groups."""
-        cfg = {k: v for k, v in self.cfg.to_dict().items() if k != "runs"}
-        units = [(u.path, u.row_group, u.rows) for u in self.units]
-        return hashlib.sha256(json.dumps([cfg, units], default=str).encode()).hexdigest()
+        """What a resume must find unchanged: the config (but `runs`), the input's row groups and the content of the
+        input files, the catalog and the models."""
+        return hashlib.sha256(json.dumps([self.config, self.identity], default=str).encode()).hexdigest()
+
+    @property
+    def config(self) -> dict:
+        """The config a resume must find unchanged (all but `runs`), as _RUN.json records it."""
+        return json.loads(json.dumps({k: v for k, v in self.cfg.to_dict().items() if k != "runs"}, default=str))
+
+    def changes(self, state: dict) -> list[str]:
+        """What differs between a run's recorded start (_RUN.json) and this plan, named; [] when it can resume."""
+        if state.get("fingerprint") == self.fingerprint:
+            return []
+        old, new = state.get("identity") or {}, self.identity
+        out = [f"input file {f}" for f in sorted(set(old.get("input", {})) | set(new["input"]))
+               if old.get("input", {}).get(f) != new["input"].get(f)]
+        out += ["the input's row groups"] * (old.get("row_groups") != new["row_groups"])
+        out += [f"the catalog {self.cfg.catalog}"] * (old.get("catalog") != new["catalog"])
+        out += [f"models.{r} {getattr(self.cfg.models, r)}" for r in sorted(set(old.get("models", {})) | set(new["models"]))
+                if old.get("models", {}).get(r) != new["models"].get(r)]
+        was = {k: v for k, v in (state.get("config") or {}).items() if k != "runs"}
+        keys = sorted(k for k in set(was) | set(self.config) if was.get(k) != self.config.get(k))
+        out += [f"the config ({', '.join(keys)})"] * bool(keys)
+        return out or ["its recorded fingerprint (started by another version of genrec-batch)"]
+
+
+def content_identity(cfg: Config, data: pads.Dataset, fs, plan_units: list, models: dict) -> dict:
+    """Each input file's content identity (S3: ETag and size; locally the sha256 of its bytes), the input's row groups,
+    the catalog's identity and every model's sha256."""
+    cat_fs, cat_path = S.filesystem(cfg.catalog, cfg.storage)
+    rows = [(u.path, u.row_group, u.rows) for u in plan_units]
+    return {"input": {f: S.content_id(f, fs, cfg.storage) for f in sorted(data.files)},
+            "row_groups": hashlib.sha256(json.dumps(rows).encode()).hexdigest(),
+            "catalog": S.content_id(cat_path, cat_fs, cfg.storage),
+            "models": {role: m["sha256"] for role, m in models.items()}}
 
 
 def plan_run(cfg: Config) -> Plan:
@@ -166,31 +198,45 @@ def plan_run(cfg: Config) -> Plan:
     models = resolve_models(cfg)
     spec = actor_spec(cfg, "", catalog, resolve_template(cfg, models))
     inputs = prepare(spec)  # what an actor would refuse fails here, before any work
-    return Plan(cfg, data, fs, units.plan_units(data), catalog, models, spec, inputs)
+    plan_units = units.plan_units(data)
+    return Plan(cfg, data, fs, plan_units, catalog, models, spec, inputs,
+                content_identity(cfg, data, fs, plan_units, models))
 
 
 def run_nightly(cfg: Config, resume: str | None = None, plan: Plan | None = None) -> dict:
     """Runs (or, with resume = a run id or "latest", continues) the nightly job of cfg.run_date on the current Ray
-    cluster (ray.init() done) -> the manifest. Raises LeaseHeld if another run holds the date."""
+    cluster (ray.init() done) -> the manifest. Raises LeaseHeld if another run holds the date, LeaseLost if this run
+    lost it (or another run published the date) before publishing."""
     plan = plan or plan_run(cfg)
-    run_id = resume_id(cfg, resume) if resume else None
+    finished = finished_unpublished(plan) if resume == "latest" else None
+    if finished:
+        return publish_finished(plan, finished)
+    run_id = resume_id(plan, resume) if resume else None
     resumed = run_id is not None
     run_id = run_id or dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6]
     lease = Lease(runs.date_dir(cfg.output, cfg.run_date), run_id, cfg.storage, cfg.runs.lease_s).acquire(resumed)
     try:
-        return execute(plan, run_id, resumed, lease)
+        return execute(plan, run_id, resumed, lease, runs.latest_version(cfg.output, cfg.run_date, cfg.storage))
     finally:
         lease.release()
 
 
-def resume_id(cfg: Config, resume: str) -> str | None:
-    """--resume RUN_ID: that run, which must be unfinished; --resume latest: the date's newest unfinished run, or
-    None (a new run) when there is none."""
+def resume_id(plan: Plan, resume: str) -> str | None:
+    """--resume RUN_ID: that run, which must be unfinished and started on this same config, input, catalog and models
+    (else ValueError naming what changed); --resume latest: the date's newest unfinished run if it can resume, else
+    None: a new run (which supersedes it when it publishes), so that a retried job always publishes the date."""
+    cfg = plan.cfg
     unfinished = runs.unfinished(cfg.output, cfg.run_date, cfg.storage)
     if resume == "latest":
         if not unfinished:
             log.info("--resume latest: no unfinished run of %s; starting a new run", cfg.run_date)
-        return unfinished[0] if unfinished else None
+            return None
+        changed = plan.changes(runs.state_of(runs.run_dir(cfg.output, cfg.run_date, unfinished[0]), cfg.storage))
+        if changed:
+            log.warning("--resume latest: run %s cannot be resumed: %s changed since it started; starting a new run "
+                        "(it supersedes that one when it publishes)", unfinished[0], "; ".join(changed))
+            return None
+        return unfinished[0]
     if resume not in unfinished:
         run = runs.run_dir(cfg.output, cfg.run_date, resume)
         why = ("it has _SUCCESS (already complete)" if S.read_bytes(S.join(run, "_SUCCESS"), cfg.storage) is not None
@@ -198,10 +244,48 @@ def resume_id(cfg: Config, resume: str) -> str | None:
                else "not found")
         raise FileNotFoundError(f"--resume {resume}: run {run} cannot be resumed: {why}"
                                 if why != "not found" else f"--resume {resume}: run {run} not found")
+    check_resumable(plan, resume, runs.state_of(runs.run_dir(cfg.output, cfg.run_date, resume), cfg.storage))
     return resume
 
 
-def execute(plan: Plan, run_id: str, resumed: bool, lease: Lease) -> dict:
+def check_resumable(plan: Plan, run_id: str, state: dict) -> None:
+    changed = plan.changes(state)
+    if changed:
+        run = runs.run_dir(plan.cfg.output, plan.cfg.run_date, run_id)
+        raise ValueError(f"--resume {run_id}: {'; '.join(changed)} changed since the run started (compare "
+                         f"{S.join(run, '_RUN.json')}); its committed shards would mix two inputs or models. Start a "
+                         "new run instead (--resume latest does)")
+
+
+def finished_unpublished(plan: Plan) -> str | None:
+    """The date's newest complete run that was never published (its driver stopped between _SUCCESS and _LATEST) and
+    was started on this same config, input, catalog and models, or None."""
+    cfg = plan.cfg
+    for run_id in runs.complete_unpublished(cfg.output, cfg.run_date, cfg.storage):
+        if not plan.changes(runs.state_of(runs.run_dir(cfg.output, cfg.run_date, run_id), cfg.storage) or {}):
+            return run_id
+    return None
+
+
+def publish_finished(plan: Plan, run_id: str) -> dict:
+    """--resume latest on a complete, unpublished run: publishes it (holding the date's lease) without decoding."""
+    cfg = plan.cfg
+    lease = Lease(runs.date_dir(cfg.output, cfg.run_date), run_id, cfg.storage, cfg.runs.lease_s).acquire(True)
+    try:
+        latest = runs.latest_version(cfg.output, cfg.run_date, cfg.storage)
+        run = runs.run_dir(cfg.output, cfg.run_date, run_id)
+        manifest = json.loads(S.read_bytes(S.join(run, "manifest.json"), cfg.storage))
+        log.info("--resume latest: run %s is complete but was not published; publishing it without decoding", run_id)
+        lease.check()
+        runs.publish(cfg.output, cfg.run_date, run_id, cfg.storage, cfg.runs.grace_s, latest)
+        return manifest
+    finally:
+        lease.release()
+
+
+def execute(plan: Plan, run_id: str, resumed: bool, lease: Lease, latest: str | None) -> dict:
+    """Decodes what the run has not committed, writes the manifest and _SUCCESS, and publishes the run with a
+    compare-and-swap of _LATEST against `latest` (its version when this run took the date's lease)."""
     import ray
 
     cfg, c, t0, started = plan.cfg, plan.cfg.compute, time.perf_counter(), time.time()
@@ -209,11 +293,12 @@ def execute(plan: Plan, run_id: str, resumed: bool, lease: Lease) -> dict:
     state = runs.state_of(run, cfg.storage)
     if state is None:
         runs.start(run, {"run_id": run_id, "run_date": cfg.run_date, "fingerprint": plan.fingerprint,
-                         "started": time.time(), "config": cfg.to_dict()}, cfg.storage)
-    elif state["fingerprint"] != plan.fingerprint:
-        raise ValueError(f"--resume {run_id}: the config or the input changed since the run started (compare "
-                         f"{S.join(run, '_RUN.json')}); start a new run instead")
-    done, committed = shards.committed(run, cfg.storage)
+                         "started": time.time(), "config": cfg.to_dict(), "identity": plan.identity}, cfg.storage)
+    else:
+        check_resumable(plan, run_id, state)
+    attempt = uuid.uuid4().hex[:8]  # this driver execution: its shards' files carry it
+    trusted = shards.begin_attempt(run, cfg.storage, attempt)
+    done, committed = shards.committed(run, cfg.storage, trusted), len(trusted)
     total = sum(u.rows for u in plan.units)
     work = units.todo(plan.units, done)
     left = sum(len(units.positions(u)) for u in work)
@@ -233,15 +318,19 @@ def execute(plan: Plan, run_id: str, resumed: bool, lease: Lease) -> dict:
         # one batch at a time
         ds = ds.repartition(target_num_rows_per_block=c.batch_size * c.batches_per_task)
         ds = ds.map_batches(shards.ShardRecommender, batch_size=c.batch_size, batch_format="pyarrow",
-                            fn_constructor_kwargs={"spec": spec, "run": run, "storage": cfg.storage},
+                            fn_constructor_kwargs={"spec": spec, "run": run, "storage": cfg.storage,
+                                                   "attempt": attempt},
                             compute=ray.data.ActorPoolStrategy(size=actors), **actor_resources(c))
         new_shards = follow(ds, left, cfg.runs.progress_s, lease)
     t_decode = time.perf_counter() - t0
+    stems = shards.attempt_shards(run, cfg.storage, trusted, attempt)  # what this run publishes, and nothing else
+    files = {name: [f"{stem}.parquet" for stem in stems] for name in runs.TABLES}
     user_type = plan.data.schema.field("user_id").type
-    for name, kind in (("recommendations", "rec"), ("rejects", "reject")):  # a table no shard wrote: empty, typed
-        if not S.list_files(runs.table_dir(run, name), cfg.storage):
+    for name, kind in (("recommendations", "rec"), ("rejects", "reject")):  # no shard at all: empty, typed tables
+        if not stems:
             runs.write_table(run, name, table_schema(kind, user_type).empty_table(), cfg.storage)
-    sums = shards.tally(run, cfg.storage, since=started)
+            files[name] = [f"{name}.parquet"]
+    sums = shards.tally(run, cfg.storage, stems, since=started)
     if sums["users_in"] != total:
         raise RuntimeError(f"run {run_id}: the committed shards cover {sums['users_in']} users, the input has {total}")
     inputs = plan.inputs
@@ -265,10 +354,11 @@ def execute(plan: Plan, run_id: str, resumed: bool, lease: Lease) -> dict:
                 "timings": {"duplicates_s": t_dup, "actor_ready_s": sums["actor_ready_s"],  # models loaded
                             "first_shard_s": sums["first_commit_s"],
                             "decode_s": t_decode, "total_s": time.perf_counter() - t0},
-                "outputs": {name: runs.table_dir(run, name) for name in runs.TABLES}}
+                "outputs": {name: runs.table_dir(run, name) for name in runs.TABLES},
+                "files": files}  # every table's files: readers read these, never a listing
     runs.finish(run, manifest, cfg.storage)
     lease.check()  # a run that lost the date never publishes
-    deleted = runs.publish(cfg.output, cfg.run_date, run_id, cfg.storage, cfg.runs.grace_s)
+    deleted = runs.publish(cfg.output, cfg.run_date, run_id, cfg.storage, cfg.runs.grace_s, latest)
     log.info("run %s published: %s; deleted superseded runs %s", run_id, json.dumps(counts), deleted or "none")
     return manifest
 

@@ -90,18 +90,54 @@ def unfinished(output: str, run_date: str, storage: Storage) -> list[str]:
             and S.read_bytes(S.join(run_dir(output, run_date, r), "_SUPERSEDED"), storage) is None]
 
 
-def publish(output: str, run_date: str, run_id: str, storage: Storage, grace_s: float) -> list[str]:
-    """Points _LATEST of the date at this run (one atomic put; the caller holds the date's lease and checked it just
-    before), marks the date's other runs superseded now, and deletes those superseded more than grace_s ago
-    -> the run ids deleted."""
+def publish(output: str, run_date: str, run_id: str, storage: Storage, grace_s: float,
+            latest: str | None = None) -> list[str]:
+    """Points _LATEST of the date at this run, marks the date's other runs superseded now, and deletes those
+    superseded more than grace_s ago -> the run ids deleted. The caller holds the date's lease and checked it just
+    before. On S3 _LATEST is replaced by compare-and-swap: only if it is still the version `latest` the caller read
+    when it took the lease (None: absent), so a driver that paused past its lease while another run published never
+    overwrites it (LeaseLost; locally the lease is a lock held while the driver lives). Once _LATEST names the run it
+    is published: a failure in the clean-up after is logged and left to `--gc`."""
+    from pipeline.lease import LeaseLost
+
     folder = date_dir(output, run_date)
-    S.write_bytes(S.join(folder, "_LATEST"), json.dumps({"run_id": run_id}).encode(), storage)
-    now = time.time()
-    for child in S.list_children(folder, storage):
-        marker = S.join(folder, child, "_SUPERSEDED")
-        if child.startswith("run_id=") and child != f"run_id={run_id}" and S.read_bytes(marker, storage) is None:
-            S.write_bytes(marker, json.dumps({"by": run_id, "at": now}).encode(), storage)
-    return collect(output, storage, grace_s, run_date)
+    body = json.dumps({"run_id": run_id}).encode()
+    if S.is_s3(folder):
+        if S.put_if(S.join(folder, "_LATEST"), body, storage, latest) is None:
+            raise LeaseLost(f"run {run_id}: {S.join(folder, '_LATEST')} changed since this run took the date's "
+                            "lease (another run published the date): this run publishes nothing")
+    else:
+        S.write_bytes(S.join(folder, "_LATEST"), body, storage)
+    try:
+        now = time.time()
+        for child in S.list_children(folder, storage):
+            marker = S.join(folder, child, "_SUPERSEDED")
+            if child.startswith("run_id=") and child != f"run_id={run_id}" and S.read_bytes(marker, storage) is None:
+                S.write_bytes(marker, json.dumps({"by": run_id, "at": now}).encode(), storage)
+        return collect(output, storage, grace_s, run_date)
+    except Exception as e:  # published: the clean-up is not the job's success
+        log.error("run %s is published; marking or deleting the date's superseded runs failed (%s): `--gc` will "
+                  "finish it", run_id, e)
+        return []
+
+
+def latest_version(output: str, run_date: str, storage: Storage) -> str | None:
+    """The version (S3 ETag) of the date's _LATEST, None when absent or on local storage: what `publish` swaps."""
+    uri = S.join(date_dir(output, run_date), "_LATEST")
+    got = S.read_versioned(uri, storage) if S.is_s3(uri) else None
+    return got[1] if got else None
+
+
+def complete_unpublished(output: str, run_date: str, storage: Storage) -> list[str]:
+    """The date's run ids that have _SUCCESS but that _LATEST does not name and no publish superseded, newest
+    first: complete runs whose driver stopped before publishing them."""
+    folder = date_dir(output, run_date)
+    latest = S.read_bytes(S.join(folder, "_LATEST"), storage)
+    named = json.loads(latest)["run_id"] if latest else None
+    ids = [c.removeprefix("run_id=") for c in S.list_children(folder, storage) if c.startswith("run_id=")]
+    return [r for r in sorted(ids, reverse=True) if r != named
+            and S.read_bytes(S.join(run_dir(output, run_date, r), "_SUCCESS"), storage) is not None
+            and S.read_bytes(S.join(run_dir(output, run_date, r), "_SUPERSEDED"), storage) is None]
 
 
 def collect(output: str, storage: Storage, grace_s: float, run_date: str | None = None) -> list[str]:
@@ -156,13 +192,21 @@ def resolve(uri: str, storage: Storage) -> str:
     return run
 
 
-def read_files(run: str, name: str, storage: Storage, columns=None, in_flight: int = 16) -> Iterator[pa.Table]:
+def read_files(run: str, name: str, storage: Storage, columns=None, in_flight: int = 16,
+               files: list[str] | None = None) -> Iterator[pa.Table]:
     """One of the run's tables, file by file in name order (`in_flight` reads at once: object stores are latency
-    bound). Memory stays flat in the number of files, where one pyarrow dataset over them keeps every file's footer
-    (a run of 3,910 metric files: 500 MiB)."""
+    bound): the files its manifest lists (`files`: these shard stems instead, while the run is being written; a run
+    written before manifests listed files: the folder's). Memory stays flat in the number of files, where one
+    pyarrow dataset over them keeps every file's footer (a run of 3,910 metric files: 500 MiB)."""
     folder = table_dir(run, name)
     fs, path = S.filesystem(folder, storage)
-    names = [f for f in S.list_files(folder, storage) if f.endswith(".parquet") and not f.startswith(".")]
+    if files is not None:
+        names = [f"{stem}.parquet" for stem in files]
+    else:
+        raw = S.read_bytes(S.join(run, "manifest.json"), storage)
+        listed = json.loads(raw).get("files") if raw is not None else None
+        names = listed[name] if listed else [f for f in S.list_files(folder, storage)
+                                             if f.endswith(".parquet") and not f.startswith(".")]
     read = functools.partial(pq.read_table, filesystem=fs, columns=list(columns) if columns else None)
     with ThreadPoolExecutor(in_flight) as pool:
         for i in range(0, len(names), in_flight):

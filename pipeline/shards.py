@@ -4,8 +4,14 @@ write as it goes and a killed run resume (the input side, units and positions: p
 Decoding: `ShardRecommender` wraps the Recommender actor; every batch it decodes is a shard, named by its first
 position (`s000000012345`): unique within a run and across its resumes, whatever actor restarts happen.
 Writing: the actor writes (`write_shard`) a shard's recommendations, then its rejects, then its metrics row, which
-lists the position ranges the shard covers. A shard is committed when its metrics file exists; a resume reads the
-metrics files for the committed ranges, deletes the files of uncommitted shards and reads only the rest.
+lists the position ranges the shard covers, each as `<table>/<shard>-<attempt>.parquet`: `attempt` is the driver
+execution (a run's first start, each resume) whose actors wrote it. A shard is committed when its metrics file exists.
+
+Fencing: each attempt records, when it starts (`begin_attempt`, under the date's lease), the shards it trusts: those
+its predecessor trusted plus those its predecessor committed. It decodes only the positions they do not cover, and its
+manifest lists exactly those shards and its own (`manifest["files"]`), which is all readers read. A driver that paused
+past its lease while another took the run over may have actors still writing: their files carry the old attempt,
+no later attempt trusts them, and a resume or the publish deletes them.
 """
 from __future__ import annotations
 
@@ -29,7 +35,7 @@ from pipeline.units import merge
 DUPLICATE = ("duplicate_user", "user_id appears more than once; the first row is kept")
 _INT = pa.int64()
 METRIC_SCHEMA = pa.schema(
-    [("run_id", pa.string()), ("shard", pa.string()), ("actor", pa.string()), ("batch", _INT), ("host", pa.string()),
+    [("run_id", pa.string()), ("shard", pa.string()), ("attempt", pa.string()), ("actor", pa.string()), ("batch", _INT), ("host", pa.string()),
      ("accelerator", pa.string()),
      ("device", pa.string()), ("mode", pa.string()), ("decoder", pa.string()), ("k", _INT), ("users_in", _INT),
      ("users_ok", _INT), ("users_rejected", _INT), ("users_non_finite", _INT), ("users_duplicate", _INT),
@@ -44,27 +50,48 @@ METRIC_SCHEMA = pa.schema(
 AUDIT = ("audit_users", "audit_identical_lists", "audit_topk_overlap_sum", "audit_s")  # summed over shards
 
 
-def committed(run: str, storage: Storage) -> tuple[list[tuple[int, int]], int]:
-    """A run's committed position ranges [(start, end)], merged, and its number of committed shards; the files of
-    shards that were not committed (a crash between their writes) are deleted."""
-    names = {n.removesuffix(".parquet") for n in S.list_files(runs.table_dir(run, "metrics"), storage)
-             if n.endswith(".parquet") and not n.startswith(".")}
-    for table in ("recommendations", "rejects", "metrics"):  # and the temporary files of writes cut short
+def begin_attempt(run: str, storage: Storage, attempt: str) -> list[str]:
+    """Records this attempt of the run (`_ATTEMPTS/<n>-<attempt>.json`) with the shards it trusts -> their stems
+    (`<shard>-<attempt>`), sorted; deletes every other file of the run's tables (uncommitted shards, the files of
+    attempts no one trusts, writes cut short)."""
+    folder = S.join(run, "_ATTEMPTS")
+    records = [f for f in S.list_files(folder, storage) if f.endswith(".json")]
+    trusted: set[str] = set()
+    if records:
+        last = json.loads(S.read_bytes(S.join(folder, records[-1]), storage))
+        mine = f"-{last['attempt']}.parquet"
+        trusted = set(last["trusted"]) | {n.removesuffix(".parquet") for n in
+                                          S.list_files(runs.table_dir(run, "metrics"), storage) if n.endswith(mine)}
+    trusted = sorted(trusted)
+    S.write_bytes(S.join(folder, f"{len(records):06d}-{attempt}.json"),
+                  json.dumps({"attempt": attempt, "started": time.time(), "trusted": trusted}).encode(), storage)
+    keep = set(trusted)
+    for table in runs.TABLES:
         folder = runs.table_dir(run, table)
-        S.delete_files(folder, [f for f in S.list_files(folder, storage)
-                                if f.removesuffix(".parquet") not in names], storage)
-    if not names:
-        return [], 0
-    ranges = [tuple(r) for t in runs.read_files(run, "metrics", storage, ["ranges"])
+        S.delete_files(folder, [f for f in S.list_files(folder, storage) if f.removesuffix(".parquet") not in keep],
+                       storage)
+    return trusted
+
+
+def committed(run: str, storage: Storage, stems: list[str]) -> list[tuple[int, int]]:
+    """The position ranges [(start, end)] the shards `stems` cover, merged."""
+    ranges = [tuple(r) for t in runs.read_files(run, "metrics", storage, ["ranges"], files=stems)
               for rs in t.column("ranges").to_pylist() for r in rs]
-    return merge(ranges), len(names)
+    return merge(ranges)
+
+
+def attempt_shards(run: str, storage: Storage, trusted: list[str], attempt: str) -> list[str]:
+    """The shards a run publishes: those its attempt trusted when it started, and those it committed itself."""
+    mine = f"-{attempt}.parquet"
+    own = [n.removesuffix(".parquet") for n in S.list_files(runs.table_dir(run, "metrics"), storage) if n.endswith(mine)]
+    return sorted(set(trusted) | set(own))
 
 
 SUMS = ("users_in", "users_ok", "users_rejected", "users_non_finite", "recommendations")
 
 
-def tally(run: str, storage: Storage, since: float = 0.0) -> dict:
-    """The committed shards' totals, read file by file: {SUMS..., "batches", "decode_batch": the smallest and largest
+def tally(run: str, storage: Storage, stems: list[str], since: float = 0.0) -> dict:
+    """The totals of the shards `stems`, read file by file: {SUMS..., "batches", "decode_batch": the smallest and largest
     users per decode (compute.decode_batch, or what the GPU actors found to fit), "actor_ready_s" and
     "first_commit_s": seconds from `since` (epoch) until the first actor started after it was ready to decode and
     until the first shard written after it was committed (None: none; the actors' clocks: on one machine exact),
@@ -74,7 +101,7 @@ def tally(run: str, storage: Storage, since: float = 0.0) -> dict:
     times = {"actor_ready_at": [], "committed_at": []}
     audit, worst, dtypes = dict.fromkeys(AUDIT, 0), [], set()
     columns = [*SUMS, "actor", "batch", "auto", "decode_batch", *times, "dtype", *AUDIT, "audit_max_abs_score_diff"]
-    for t in runs.read_files(run, "metrics", storage, columns):
+    for t in runs.read_files(run, "metrics", storage, columns, files=stems):
         for key, seen in times.items():
             seen += [v - since for v in t[key].to_pylist() if v is not None and v >= since]
         batches += t.num_rows
@@ -115,8 +142,8 @@ class ShardRecommender:
     rejects, the rest to the Recommender; the actor writes the shard itself (no output rows cross the object store)
     and returns one summary row for the driver's progress."""
 
-    def __init__(self, spec: ActorSpec, run: str, storage: Storage):
-        self.recommender, self.run, self.storage = Recommender(spec), run, storage
+    def __init__(self, spec: ActorSpec, run: str, storage: Storage, attempt: str):
+        self.recommender, self.run, self.storage, self.attempt = Recommender(spec), run, storage, attempt
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         pos = batch["pos"].to_numpy()
@@ -126,7 +153,7 @@ class ShardRecommender:
         kind = out["kind"]
         metric = json.loads(out["metrics"].filter(pc.equal(kind, "metric"))[0].as_py())
         n_dup = int(dup.sum())
-        metric.update(shard=shard, users_in=metric["users_in"] + n_dup, users_duplicate=n_dup,
+        metric.update(shard=shard, attempt=self.attempt, users_in=metric["users_in"] + n_dup, users_duplicate=n_dup,
                       users_rejected=metric["users_rejected"] + n_dup, ranges=ranges_of(pos))
         user_type = batch.schema.field("user_id").type
         rejects = out.filter(pc.equal(kind, "reject")).select(TABLES["reject"])
@@ -138,7 +165,7 @@ class ShardRecommender:
                 {"user_id": users, "reason": [DUPLICATE[0]] * n_dup, "detail": [DUPLICATE[1]] * n_dup},
                 schema=rejects.schema)])
         recs = out.filter(pc.equal(kind, "rec")).select(TABLES["rec"]).cast(table_schema("rec", user_type))
-        write_shard(shard, recs, rejects, metric, self.run, self.storage)
+        write_shard(f"{shard}-{self.attempt}", recs, rejects, metric, self.run, self.storage)
         return pa.Table.from_pylist([{key: metric[key] for key in
                                       ("users_in", "users_ok", "users_rejected", "recommendations")}])
 
@@ -155,13 +182,14 @@ def metric_table(rows: list[dict]) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=METRIC_SCHEMA)
 
 
-def write_shard(shard: str, recs: pa.Table, rejects: pa.Table, metric: dict, run: str, storage: Storage) -> None:
-    """A shard's recommendations, rejects and then its metrics row (its commit), as `<table>/<shard>.parquet`."""
+def write_shard(stem: str, recs: pa.Table, rejects: pa.Table, metric: dict, run: str, storage: Storage) -> None:
+    """A shard's recommendations, rejects and then its metrics row (its commit), as `<table>/<stem>.parquet`. Empty
+    tables are written too: a retried shard's files replace every file of its earlier attempt (a retry without rejects
+    must not leave the first attempt's rejects beside its recommendations)."""
     for name, rows in (("recommendations", recs), ("rejects", rejects), ("metrics", metric_table([metric]))):
-        if rows.num_rows or name == "metrics":
-            fs, path = S.filesystem(runs.table_dir(run, name), storage)
-            fs.create_dir(path)
-            write_atomic(rows, fs, f"{path}/{shard}.parquet")
+        fs, path = S.filesystem(runs.table_dir(run, name), storage)
+        fs.create_dir(path)
+        write_atomic(rows, fs, f"{path}/{stem}.parquet")
 
 
 def write_atomic(table: pa.Table, fs, path: str) -> None:

@@ -103,6 +103,16 @@ def put_if(uri: str, data: bytes, storage: Storage, etag: str | None) -> str | N
         raise
 
 
+def content_id(path: str, fs: pafs.FileSystem, storage: Storage) -> str:
+    """A file's content identity: on S3 its ETag (the store's digest of the bytes, read with a HEAD), locally the
+    sha256 of its bytes. `path` is the filesystem's own (`bucket/key` on S3)."""
+    if isinstance(fs, pafs.LocalFileSystem):
+        return "sha256:" + sha256_file(Path(path))
+    bucket, key = path.split("/", 1)
+    head = s3_client(storage).head_object(Bucket=bucket, Key=key)
+    return f"etag:{head['ETag'].strip(chr(34))}:{head['ContentLength']}"
+
+
 def list_files(uri: str, storage: Storage) -> list[str]:
     """Names of the files directly in a folder ([] if it does not exist)."""
     fs, path = filesystem(uri, storage)

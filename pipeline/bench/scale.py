@@ -16,12 +16,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pyarrow.compute as pc
-import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import torch
 
+from pipeline import runs
 from pipeline.bench.common import environment, fmt_ratio, fmt_spread, spread
 from pipeline.bench.params import ScaleParams
+from pipeline.config import Storage
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -88,9 +89,9 @@ def bench_size(p: ScaleParams, n: int) -> dict:
     manifest = json.loads(stdout[stdout.index("{"):])
     t = manifest["timings"]
     run = Path(manifest["outputs"]["recommendations"]).parent
-    recs = pads.dataset(run / "recommendations").to_table(columns=["user_id"])
+    recs = runs.read_table(str(run), "recommendations", Storage(), ["user_id"])  # the manifest's files
     users = pc.count_distinct(recs["user_id"]).as_py()
-    metrics = pq.read_table(run / "metrics", columns=["users_ok", "wall_s", "actor"]).to_pandas()
+    metrics = runs.read_table(str(run), "metrics", Storage(), ["users_ok", "wall_s", "actor"]).to_pandas()
     exactly_once = users == n and recs.num_rows == n * p.k
     ok = manifest["counts"]["users_ok"]
     job_per_actor = ok / t["decode_s"] / p.actors
