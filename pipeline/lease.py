@@ -2,9 +2,12 @@
 
 S3: the object `<output>/run_date=D/_LEASE` ({run_id, host, pid, expires}) is created with `If-None-Match: *` and
 renewed, taken over or released with `If-Match` on its ETag: compare-and-swap, so of two runs racing for a date
-exactly one wins. The holder renews it every ttl / 3 from a background thread; a run killed without releasing holds
-the date until `expires`, then the next run (or its resume) takes it over. A run whose renewal failed has lost the
-date and never publishes.
+exactly one wins. The holder renews it every ttl / 3 from a background thread. Takeover never trusts another
+machine's wall clock: a lease is taken over only when its ETag has not changed for ttl on the taker's own monotonic
+clock (or its holder released it); `expires` (the holder's clock) only lets a taker refuse at once a lease that is
+live even by its own clock. A run killed without releasing holds the date until then; the next run (or its resume)
+takes it over. A holder whose renewal was refused (taken over), or that could not renew for ttl (a pause, a network
+partition from the store), has lost the date: it stops and never publishes.
 
 Local storage: an exclusive `flock` on the same file, held by the driver process for the whole run and released by
 the kernel when the process dies (no expiry needed); the file names the holder for the refusal message.
@@ -40,6 +43,8 @@ class Lease:
         self.etag: str | None = None  # S3: the version we wrote last
         self.fd: int | None = None  # local: the locked file
         self.lost: str | None = None
+        self.renewed = 0.0  # monotonic time of the last successful put
+        self.clock = time.time  # wall clock: only written into the lease for people and refusals, never to take over
         self.stop = threading.Event()
         self.lock = threading.Lock()
 
@@ -50,38 +55,58 @@ class Lease:
     # ------------------------------------------------------------------ acquire / renew / release
 
     def acquire(self, resuming: bool = False) -> "Lease":
-        """Takes the date, or raises LeaseHeld naming the run that holds it. resuming: a lease still held by this
-        same run id (its killed driver's, on S3) is waited for until it expires, at most ttl_s."""
+        """Takes the date, or raises LeaseHeld naming the run that holds it. A lease that its holder released is
+        taken at once; one that looks expired by this machine's clock (or, resuming, is held by this same run id:
+        its killed driver's) is watched for ttl_s on the monotonic clock and taken over only if no renewal came."""
         if not S.is_s3(self.uri):
             return self._lock_local()
-        self.etag = S.put_if(self.uri, self.body(time.time() + self.ttl_s), self.storage, None)
+        self.etag = S.put_if(self.uri, self.body(self.clock() + self.ttl_s), self.storage, None)
         if self.etag is None:
             got = S.read_versioned(self.uri, self.storage)
             if got is not None:
                 holder = json.loads(got[0])
-                wait = holder["expires"] - time.time()
-                if resuming and holder["run_id"] == self.run_id and 0 < wait <= self.ttl_s:
-                    log.warning("lease %s: held by this run's previous driver until %s; waiting %.0f s",
-                                self.uri, _utc(holder["expires"]), wait)
-                    time.sleep(wait + 1)
-                    got = S.read_versioned(self.uri, self.storage)
-                    holder = json.loads(got[0]) if got else holder
-                if got is not None and holder["expires"] > time.time():
+                mine = resuming and holder["run_id"] == self.run_id
+                if holder["expires"] > self.clock() and not mine:
                     raise LeaseHeld(self._held_message(holder, f"until {_utc(holder['expires'])}"))
-                log.warning("lease %s: taking over the expired lease of run %s", self.uri, holder["run_id"])
-            self.etag = S.put_if(self.uri, self.body(time.time() + self.ttl_s), self.storage,
+                if holder["expires"] > 0:  # not released: dead only if nobody renews it for ttl_s
+                    got = self._watch(got)
+                log.warning("lease %s: taking over the lease of run %s (released, or not renewed for %.0f s)",
+                            self.uri, holder["run_id"], self.ttl_s)
+            self.etag = S.put_if(self.uri, self.body(self.clock() + self.ttl_s), self.storage,
                                  got[1] if got else None)
             if self.etag is None:
                 raise LeaseHeld(f"run_date lease {self.uri}: another run took it at the same moment")
+        self.renewed = time.monotonic()
         self._start_renewing()
         return self
 
+    def _watch(self, got: tuple[bytes, str]) -> tuple[bytes, str] | None:
+        """Polls the lease for ttl_s (monotonic): LeaseHeld as soon as its ETag changes (its holder renewed it) ->
+        the unchanged version, to take over."""
+        log.warning("lease %s: held by run %s, which may be dead; watching it for %.0f s before taking it over",
+                    self.uri, json.loads(got[0])["run_id"], self.ttl_s)
+        deadline = time.monotonic() + self.ttl_s
+        while time.monotonic() < deadline:
+            time.sleep(min(1.0, self.ttl_s / 10))
+            now = S.read_versioned(self.uri, self.storage)
+            if now is None or now[1] != got[1]:
+                holder = json.loads(now[0]) if now else json.loads(got[0])
+                raise LeaseHeld(self._held_message(holder, "(it renewed the lease while this run watched it)"))
+        return got
+
     def check(self) -> None:
-        """Before publishing: renews once more (S3), raising LeaseLost if the date is no longer ours."""
+        """Before publishing: renews once more (S3), raising LeaseLost if the date is no longer ours (a renewal that
+        succeeds proves nobody took it: the put is conditional on the version this run wrote last)."""
         if self.lost:
             raise LeaseLost(self.lost)
         if S.is_s3(self.uri):
             self._renew()
+
+    def _expire_if_stale(self) -> None:
+        """A holder that has not renewed for ttl_s (its own monotonic clock) may have been taken over: lost."""
+        if self.etag is not None and not self.lost and time.monotonic() - self.renewed > self.ttl_s:
+            self.lost = (f"run {self.run_id} could not renew its run_date lease {self.uri} for {self.ttl_s:.0f} s "
+                         "(another run may have taken it over): this run does not publish")
 
     def release(self) -> None:
         self.stop.set()
@@ -89,7 +114,7 @@ class Lease:
             os.close(self.fd)  # the flock goes with the descriptor
             self.fd = None
         elif self.etag is not None and not self.lost:
-            with self.lock:  # expired now: the next run takes it at once
+            with self.lock:  # released (expires 0): the next run takes it at once
                 S.put_if(self.uri, self.body(0.0), self.storage, self.etag)
             self.etag = None
 
@@ -97,12 +122,13 @@ class Lease:
         with self.lock:
             if self.lost:
                 raise LeaseLost(self.lost)
-            etag = S.put_if(self.uri, self.body(time.time() + self.ttl_s), self.storage, self.etag)
+            t = time.monotonic()
+            etag = S.put_if(self.uri, self.body(self.clock() + self.ttl_s), self.storage, self.etag)
             if etag is None:
                 self.lost = (f"run {self.run_id} lost its run_date lease {self.uri} (it expired and another run took "
                              "it): this run does not publish")
                 raise LeaseLost(self.lost)
-            self.etag = etag
+            self.etag, self.renewed = etag, t
 
     def _start_renewing(self) -> None:
         def loop():
@@ -112,8 +138,12 @@ class Lease:
                 except LeaseLost as e:
                     log.error("%s", e)
                     return
-                except Exception as e:  # a transient store error: try again at the next tick
+                except Exception as e:  # a transient store error: try again at the next tick, until ttl_s
                     log.warning("lease %s: renewal failed (%s); retrying", self.uri, e)
+                    self._expire_if_stale()
+                    if self.lost:
+                        log.error("%s", self.lost)
+                        return
 
         threading.Thread(target=loop, name="lease-renewal", daemon=True).start()
 

@@ -121,6 +121,18 @@ def publish(output: str, run_date: str, run_id: str, storage: Storage, grace_s: 
         return []
 
 
+def prune(run: str, files: dict, storage: Storage) -> int:
+    """Deletes the files of the run's tables that its manifest does not list (a fenced attempt's late shards) ->
+    how many."""
+    n = 0
+    for name in TABLES:
+        keep = set(files.get(name, []))
+        stale = [f for f in S.list_files(table_dir(run, name), storage) if f not in keep]
+        S.delete_files(table_dir(run, name), stale, storage)
+        n += len(stale)
+    return n
+
+
 def latest_version(output: str, run_date: str, storage: Storage) -> str | None:
     """The version (S3 ETag) of the date's _LATEST, None when absent or on local storage: what `publish` swaps."""
     uri = S.join(date_dir(output, run_date), "_LATEST")
@@ -213,8 +225,8 @@ def read_files(run: str, name: str, storage: Storage, columns=None, in_flight: i
             yield from pool.map(read, [f"{path}/{f}" for f in names[i:i + in_flight]])
 
 
-def read_table(run: str, name: str, storage: Storage, columns=None) -> pa.Table:
-    tables = list(read_files(run, name, storage, columns))
+def read_table(run: str, name: str, storage: Storage, columns=None, files: list[str] | None = None) -> pa.Table:
+    tables = list(read_files(run, name, storage, columns, files=files))
     if not tables:  # no file: the table's schema is unknown here
         raise FileNotFoundError(f"run {run}: the {name} table has no files")
     return pa.concat_tables(tables, promote_options="permissive")

@@ -20,6 +20,7 @@ from decoding.models import build_model, load_model, load_tokenizer
 from decoding.stats import BASE_KEYS
 from decoding.templates import PRESETS, write_template
 from operators.prompts import Renderer, catalog_probes
+from operators.recommender import table_schema
 from pipeline import runs
 from pipeline import storage as S
 from pipeline.config import load_config
@@ -427,3 +428,132 @@ def test_auto_mode_times_both_decoders_then_keeps_the_faster(world, ray_session,
 
     _, out = report_run(str(tmp_path / "out"), cfg.storage)
     assert "Auto mode of auto" in (Path(out) / "report.md").read_text()
+
+
+# ---------------------------------------------------------------- fenced runs
+
+
+def killed_run(cfg, keep: int) -> str:
+    """A complete local run turned into what a driver killed mid-run leaves: its first `keep` shards committed (the
+    others' metrics never written), no manifest, no _SUCCESS, nothing published -> its run id."""
+    run = runs.latest_run(cfg.output, cfg.run_date, cfg.storage)
+    metrics = sorted((Path(run) / "metrics").glob("s*.parquet"))
+    assert len(metrics) > keep
+    for f in [*metrics[keep:], Path(run) / "manifest.json", Path(run) / "_SUCCESS",
+              Path(runs.date_dir(cfg.output, cfg.run_date)) / "_LATEST"]:
+        f.unlink()
+    return Path(run).name.removeprefix("run_id=")
+
+
+def copy_inputs(world, tmp_path) -> tuple[Path, Path]:
+    (tmp_path / "in").mkdir()
+    for name in ("test.parquet", "items.parquet"):
+        shutil.copy(world / "data" / name, tmp_path / "in" / name)
+    return tmp_path / "in" / "test.parquet", tmp_path / "in" / "items.parquet"
+
+
+def assert_published_once(cfg, users: pd.DataFrame) -> tuple[str, pd.DataFrame]:
+    """The date's published run holds every user exactly once (read as readers do: the manifest's files)."""
+    run = runs.latest_run(cfg.output, cfg.run_date, cfg.storage)
+    recs = runs.read_table(run, "recommendations", cfg.storage).to_pandas()
+    assert set(recs.user_id) == set(users.user_id) and (recs.groupby("user_id").size() == 5).all()
+    assert (recs.groupby("user_id")["rank"].apply(sorted) == [[1, 2, 3, 4, 5]] * len(users)).all()
+    return run, recs
+
+
+def test_a_resume_trusts_only_an_unchanged_input(world, ray_session, tmp_path, caplog):
+    """A run killed after 4 shards; its input rewritten in place with the same row groups, rows reordered (what an
+    upstream job overwriting histories/latest/ does): --resume RUN_ID refuses, naming the file; --resume latest starts
+    a new run and publishes every user exactly once. A changed catalog or model is named the same way."""
+    from pipeline.nightly import plan_run, run_nightly
+
+    histories, items = copy_inputs(world, tmp_path)
+    cfg = config(world, tmp_path / "out", f"input={histories}", f"catalog={items}")
+    run_nightly(cfg)
+    old = killed_run(cfg, keep=4)
+    table = pq.read_table(histories)
+    pq.write_table(table.take(pa.array(np.arange(table.num_rows)[::-1])), histories,
+                   row_group_size=pq.ParquetFile(histories).metadata.row_group(0).num_rows)
+    assert [rg["num_rows"] for rg in pq.ParquetFile(histories).metadata.to_dict()["row_groups"]] == [table.num_rows]
+    with pytest.raises(ValueError, match=f"input file {histories} changed since the run started"):
+        run_nightly(cfg, resume=old)
+    with caplog.at_level("WARNING", logger="genrec.nightly"):
+        manifest = run_nightly(cfg, resume="latest")
+    assert manifest["run_id"] != old and not manifest["resume"]["resumed"]
+    assert f"run {old} cannot be resumed: input file {histories}" in caplog.text
+    assert_published_once(cfg, table.to_pandas())
+    assert (Path(runs.run_dir(cfg.output, cfg.run_date, old)) / "_SUPERSEDED").is_file()
+
+    state = json.loads((Path(runs.run_dir(cfg.output, cfg.run_date, manifest["run_id"])) / "_RUN.json").read_text())
+    catalog = pq.read_table(items)
+    pq.write_table(catalog.take(pa.array(np.arange(catalog.num_rows)[::-1])), items)
+    assert plan_run(cfg).changes(state) == [f"the catalog {items}"]
+    assert plan_run(replace(cfg, models=replace(cfg.models, target=str(world / "draft")))).changes(state) == [
+        f"the catalog {items}", f"models.target {world / 'draft'}", "the config (models)"]
+
+
+def test_a_complete_unpublished_run_is_published_without_decoding(world, ray_session, tmp_path):
+    """A driver that stopped between _SUCCESS and _LATEST: --resume latest publishes that run as it is."""
+    from pipeline.nightly import run_nightly
+
+    cfg = config(world, tmp_path / "out")
+    first = run_nightly(cfg)
+    (Path(runs.date_dir(cfg.output, cfg.run_date)) / "_LATEST").unlink()
+    run = Path(runs.run_dir(cfg.output, cfg.run_date, first["run_id"]))
+    written = {f: f.stat().st_mtime_ns for f in run.rglob("*.parquet")}
+    manifest = run_nightly(cfg, resume="latest")
+    assert manifest["run_id"] == first["run_id"]
+    assert runs.latest_run(cfg.output, cfg.run_date, cfg.storage) == str(run)
+    assert S.list_children(runs.date_dir(cfg.output, cfg.run_date), cfg.storage) == [run.name]  # no new run
+    assert {f: f.stat().st_mtime_ns for f in run.rglob("*.parquet")} == written  # nothing decoded again
+
+
+def test_a_fenced_attempts_late_shards_are_never_read(world, ray_session, tmp_path, monkeypatch):
+    """A driver paused past its lease while a resume took the run over: its actor commits a shard (for users the
+    resume decodes too) after the resume started. The published run lists only the resume's lineage: every user
+    once, the late files never read and deleted at publish."""
+    from pipeline import shards
+    from pipeline.nightly import run_nightly
+
+    cfg = config(world, tmp_path / "out")
+    run_nightly(cfg)
+    old = killed_run(cfg, keep=3)
+    run = runs.run_dir(cfg.output, cfg.run_date, old)
+    users = pq.read_table(world / "data" / "test.parquet").to_pandas()
+    late = "s000000000080-0ldd71ve"  # positions 80.. of the paused attempt, committed after the resume started
+    begin = shards.begin_attempt
+
+    def then_a_late_commit(*args):
+        trusted = begin(*args)
+        recs = pa.table({"user_id": users.user_id[80:90].tolist() * 5, "rank": np.repeat(np.arange(1, 6), 10)
+                         .astype(np.int32), "item_id": [1] * 50, "score": [0.0] * 50, "mode": ["beam"] * 50},
+                        schema=table_schema("rec", pa.int64()))
+        metric = {"run_id": old, "shard": late[:13], "users_in": 10, "users_ok": 10, "ranges": [[80, 90]]}
+        shards.write_shard(late, recs, table_schema("reject", pa.int64()).empty_table(), metric, run, cfg.storage)
+        return trusted
+
+    monkeypatch.setattr(shards, "begin_attempt", then_a_late_commit)
+    manifest = run_nightly(cfg, resume="latest")
+    assert manifest["run_id"] == old and manifest["resume"]["shards_committed_before"] == 3
+    assert all(f"{late}.parquet" not in files for files in manifest["files"].values())
+    _, recs = assert_published_once(cfg, users)
+    assert len(recs) == 5 * len(users)
+    assert not list(Path(run).rglob(f"{late}.parquet"))  # deleted at publish
+
+
+def test_a_retried_shard_without_rejects_leaves_no_stale_rejects(tmp_path):
+    """A shard's first attempt rejected two users; its retry rejects none: the retry's (empty) rejects file replaces
+    the first one, so no user is both recommended and rejected."""
+    from pipeline.config import Storage
+    from pipeline.shards import write_shard
+
+    run, storage = str(tmp_path / "run"), Storage()
+    recs = pa.table({"user_id": [1, 2], "rank": pa.array([1, 1], pa.int32()), "item_id": [5, 6], "score":
+                     pa.array([0.0, 0.0], pa.float32()), "mode": ["beam", "beam"]}, schema=table_schema("rec", pa.int64()))
+    rejects = pa.table({"user_id": [1, 2], "reason": ["bad", "bad"], "detail": ["x", "x"]},
+                       schema=table_schema("reject", pa.int64()))
+    metric = {"run_id": "r", "shard": "s000000000000", "users_in": 2, "ranges": [[0, 2]]}
+    write_shard("s000000000000-a", recs.slice(0, 0), rejects, metric, run, storage)
+    write_shard("s000000000000-a", recs, rejects.slice(0, 0), metric, run, storage)  # Ray's retry of the batch
+    got = runs.read_table(run, "rejects", storage, files=["s000000000000-a"])
+    assert got.num_rows == 0 and runs.read_table(run, "recommendations", storage, files=["s000000000000-a"]).num_rows == 2

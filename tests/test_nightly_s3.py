@@ -161,7 +161,7 @@ def test_s3_lease_is_exclusive_expires_and_is_lost(cluster):
     b = Lease(date, "B", storage, ttl_s=1.0).acquire()
     b.stop.set()  # B's driver hangs: no more renewals
     time.sleep(1.5)
-    c = Lease(date, "C", storage, ttl_s=30).acquire()  # takes over the expired lease
+    c = Lease(date, "C", storage, ttl_s=2).acquire()  # takes over the expired lease (unchanged for C's 2 s)
     with pytest.raises(LeaseLost, match="run B lost its run_date lease"):
         b.check()
     c.release()
@@ -171,6 +171,73 @@ def test_s3_lease_is_exclusive_expires_and_is_lost(cluster):
         Lease(local, "E", storage, ttl_s=30).acquire()
     d.release()
     Lease(local, "E", storage, ttl_s=30).acquire().release()
+
+
+SKEWED_TAKER = """
+import json, sys, time
+real = time.time
+time.time = lambda: real() + 2.5  # this machine's wall clock runs 2.5 s ahead
+from pipeline import storage as S
+from pipeline.config import Storage
+from pipeline.lease import Lease, LeaseHeld
+uri, endpoint = sys.argv[1], sys.argv[2]
+storage = Storage(endpoint=endpoint)
+first = S.read_versioned(uri + "/_LEASE", storage)[1]
+while S.read_versioned(uri + "/_LEASE", storage)[1] == first:  # just after the holder's renewal: expires = now + 3
+    time.sleep(0.01)
+time.sleep(0.7)  # expires = now + 2.3, behind this machine's clock
+try:
+    Lease(uri, "B", storage, ttl_s=3).acquire().release()
+except LeaseHeld as e:
+    print(e)
+    sys.exit(3)
+"""
+
+
+def test_skewed_clocks_never_take_a_live_lease(cluster):
+    """A taker on a machine whose wall clock runs ahead of the holder's by 2.5 s of a 3 s lease (more than the two
+    thirds that let it take a live lease before) asks just before the holder's next renewal, when the holder's
+    `expires` is behind the taker's clock: the lease is live (renewed every second), so it is refused (exit 3), never
+    taken over; the holder keeps it."""
+    from pipeline.lease import Lease
+
+    world, s3, head, root = cluster
+    storage = load_config(None, s3_config(s3, root)).storage
+    date = s3.uri("skew", "run_date=2026-11-21")
+    a = Lease(date, "A", storage, ttl_s=3).acquire()
+    try:
+        for _ in range(2):
+            taker = subprocess.run([sys.executable, "-c", SKEWED_TAKER, date, s3.endpoint], cwd=ROOT,
+                                   capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+            assert taker.returncode == 3, taker.stderr[-2000:]
+            assert "is being written by run A" in taker.stdout
+        a.check()  # still A's
+    finally:
+        a.release()
+    Lease(date, "B", storage, ttl_s=3).acquire().release()  # released: taken at once
+
+
+def test_a_paused_publisher_publishes_nothing(cluster):
+    """A driver that read _LATEST's version when it took the date, then paused past its lease while another run
+    took over and published: its publish (compare-and-swap on that version) fails with LeaseLost; the newer run
+    stays published and is not marked superseded."""
+    from pipeline.lease import LeaseLost
+
+    world, s3, head, root = cluster
+    storage = load_config(None, s3_config(s3, root)).storage
+    output = s3.uri("paused")
+    for run_id in ("A", "B", "C"):
+        S.write_bytes(S.join(runs.run_dir(output, "2026-11-21", run_id), "_SUCCESS"), b"", storage)
+    seen_by_a = runs.latest_version(output, "2026-11-21", storage)  # None: nothing published yet
+    runs.publish(output, "2026-11-21", "B", storage, grace_s=3600.0, latest=seen_by_a)  # B took over, published
+    with pytest.raises(LeaseLost, match="another run published the date"):
+        runs.publish(output, "2026-11-21", "A", storage, grace_s=0.0, latest=seen_by_a)  # A wakes up
+    assert runs.latest_run(output, "2026-11-21", storage).endswith("run_id=B")
+    assert S.read_bytes(S.join(runs.run_dir(output, "2026-11-21", "B"), "_SUPERSEDED"), storage) is None
+    assert S.read_bytes(S.join(runs.run_dir(output, "2026-11-21", "A"), "_SUPERSEDED"), storage) is not None
+    later = runs.latest_version(output, "2026-11-21", storage)  # a rerun that took the lease after B published
+    runs.publish(output, "2026-11-21", "C", storage, grace_s=3600.0, latest=later)
+    assert runs.latest_run(output, "2026-11-21", storage).endswith("run_id=C")
 
 
 def test_overlapping_runs_on_s3_publish_once(cluster, tmp_path):
