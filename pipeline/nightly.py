@@ -153,7 +153,8 @@ class Plan:
     def fingerprint(self) -> str:
         """What a resume must find unchanged: the config (but `runs`), the input's row groups and the content of the
         input files, the catalog and the models."""
-        return hashlib.sha256(json.dumps([self.config, self.identity], default=str).encode()).hexdigest()
+        identity = {k: v for k, v in self.identity.items() if k != "seconds"}
+        return hashlib.sha256(json.dumps([self.config, identity], default=str).encode()).hexdigest()
 
     @property
     def config(self) -> dict:
@@ -199,8 +200,10 @@ def plan_run(cfg: Config) -> Plan:
     spec = actor_spec(cfg, "", catalog, resolve_template(cfg, models))
     inputs = prepare(spec)  # what an actor would refuse fails here, before any work
     plan_units = units.plan_units(data)
-    return Plan(cfg, data, fs, plan_units, catalog, models, spec, inputs,
-                content_identity(cfg, data, fs, plan_units, models))
+    t = time.perf_counter()
+    identity = content_identity(cfg, data, fs, plan_units, models)
+    identity["seconds"] = time.perf_counter() - t  # not part of the fingerprint (see Plan.fingerprint)
+    return Plan(cfg, data, fs, plan_units, catalog, models, spec, inputs, identity)
 
 
 def run_nightly(cfg: Config, resume: str | None = None, plan: Plan | None = None) -> dict:
@@ -296,9 +299,10 @@ def execute(plan: Plan, run_id: str, resumed: bool, lease: Lease, latest: str | 
                          "started": time.time(), "config": cfg.to_dict(), "identity": plan.identity}, cfg.storage)
     else:
         check_resumable(plan, run_id, state)
-    attempt = uuid.uuid4().hex[:8]  # this driver execution: its shards' files carry it
+    attempt, t_attempt = uuid.uuid4().hex[:8], time.perf_counter()  # this driver execution: its shards carry it
     trusted = shards.begin_attempt(run, cfg.storage, attempt)
     done, committed = shards.committed(run, cfg.storage, trusted), len(trusted)
+    t_attempt = time.perf_counter() - t_attempt
     total = sum(u.rows for u in plan.units)
     work = units.todo(plan.units, done)
     left = sum(len(units.positions(u)) for u in work)
@@ -351,7 +355,8 @@ def execute(plan: Plan, run_id: str, resumed: bool, lease: Lease, latest: str | 
                            "users_decoded": left},
                 "duplicates": {"users": 0 if duplicates is None else duplicates.num_rows, "checked_on": dup_where},
                 "precision_audit": sums["precision_audit"],
-                "timings": {"duplicates_s": t_dup, "actor_ready_s": sums["actor_ready_s"],  # models loaded
+                "timings": {"input_identity_s": plan.identity["seconds"], "attempt_s": t_attempt,
+                            "duplicates_s": t_dup, "actor_ready_s": sums["actor_ready_s"],  # models loaded
                             "first_shard_s": sums["first_commit_s"],
                             "decode_s": t_decode, "total_s": time.perf_counter() - t0},
                 "outputs": {name: runs.table_dir(run, name) for name in runs.TABLES},
