@@ -3,16 +3,19 @@
     <output>/run_date=<D>/run_id=<R>/recommendations/*.parquet   user_id, rank, item_id, score, mode
     <output>/run_date=<D>/run_id=<R>/metrics/*.parquet           one row per processed batch
     <output>/run_date=<D>/run_id=<R>/rejects/*.parquet           user_id, reason, detail
-    <output>/run_date=<D>/run_id=<R>/manifest.json, then _SUCCESS (written last)
+    <output>/run_date=<D>/run_id=<R>/manifest.json, then _SUCCESS (written last); the manifest's `files` lists
+                                                                 every table's files: readers read those only
     <output>/run_date=<D>/_LATEST                                {"run_id": R}, replaced in one put
     <run>/report/                                                reports and evaluations of the run
 
     <output>/run_date=<D>/_LEASE                                 the date's writer (pipeline/lease.py)
-    <run>/_RUN.json                                              the run's config and input, written when it starts
+    <run>/_RUN.json                                              the run's config and the content identity of its
+                                                                 input, catalog and models, written when it starts
+    <run>/_ATTEMPTS/<n>-<attempt>.json                           each driver execution and the shards it trusts
     <run>/_SUPERSEDED                                            {"by", "at"}: another run of the date was published
 
 A reader resolves _LATEST, then trusts the run only if it has _SUCCESS. A run publishes (holding the date's lease) by
-replacing _LATEST, then marks the date's other runs superseded; they stay readable for a grace period (a reader that
+replacing _LATEST (on S3 compare-and-swap), then marks the date's other runs superseded; they stay readable for a grace period (a reader that
 resolved _LATEST just before keeps its run) and are deleted by a later publish or `--gc`. A run without _SUCCESS and
 not superseded is unfinished: `--resume` continues it.
 """
