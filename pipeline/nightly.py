@@ -364,11 +364,6 @@ def execute(plan: Plan, run_id: str, resumed: bool, lease: Lease, latest: str | 
     runs.finish(run, manifest, cfg.storage)
     lease.check()  # a run that lost the date never publishes
     deleted = runs.publish(cfg.output, cfg.run_date, run_id, cfg.storage, cfg.runs.grace_s, latest)
-    try:
-        if runs.prune(run, files, cfg.storage):
-            log.warning("run %s: deleted files no attempt of the run trusts (a fenced driver's late shards)", run_id)
-    except Exception as e:  # published: the clean-up is not the job's success
-        log.error("run %s is published; deleting files its manifest does not list failed (%s)", run_id, e)
     log.info("run %s published: %s; deleted superseded runs %s", run_id, json.dumps(counts), deleted or "none")
     return manifest
 

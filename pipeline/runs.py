@@ -157,13 +157,19 @@ def complete_unpublished(output: str, run_date: str, storage: Storage) -> list[s
 
 def collect(output: str, storage: Storage, grace_s: float, run_date: str | None = None) -> list[str]:
     """Deletes the runs superseded more than grace_s ago (of one date, or of every date) -> their run ids. The run
-    _LATEST points at is never deleted."""
+    _LATEST points at is never deleted; files in it that its manifest does not list (a fenced driver's late shards)
+    are."""
     dates = [run_date] if run_date else [c.removeprefix("run_date=") for c in S.list_children(output, storage)
                                           if c.startswith("run_date=")]
     deleted = []
     for d in dates:
         latest = S.read_bytes(S.join(date_dir(output, d), "_LATEST"), storage)
         keep = json.loads(latest)["run_id"] if latest else None
+        manifest = S.read_bytes(S.join(run_dir(output, d, keep), "manifest.json"), storage) if keep else None
+        if manifest is not None and json.loads(manifest).get("files") and \
+                prune(run_dir(output, d, keep), json.loads(manifest)["files"], storage):
+            log.warning("run %s of %s: deleted files its manifest does not list (a fenced driver's late shards)",
+                        keep, d)
         for child in S.list_children(date_dir(output, d), storage):
             run_id = child.removeprefix("run_id=")
             marker = S.read_bytes(S.join(date_dir(output, d), child, "_SUPERSEDED"), storage)

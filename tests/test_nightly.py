@@ -538,7 +538,7 @@ def test_a_fenced_attempts_late_shards_are_never_read(world, ray_session, tmp_pa
     assert all(f"{late}.parquet" not in files for files in manifest["files"].values())
     _, recs = assert_published_once(cfg, users)
     assert len(recs) == 5 * len(users)
-    assert not list(Path(run).rglob(f"{late}.parquet"))  # deleted at publish
+    assert not list(Path(run).rglob(f"{late}.parquet"))  # deleted at publish (and by --gc, should one come later)
 
 
 def test_a_retried_shard_without_rejects_leaves_no_stale_rejects(tmp_path):
