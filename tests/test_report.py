@@ -145,6 +145,9 @@ def test_compare_detects_a_changed_recommendation(runs, tmp_path):
     (copy / "recommendations").mkdir()
     recs.loc[(recs.user_id == recs.user_id.iloc[0]) & (recs["rank"] == 3), "item_id"] = -7
     pq.write_table(pa.Table.from_pandas(recs, preserve_index=False), copy / "recommendations" / "part.parquet")
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["files"]["recommendations"] = ["part.parquet"]  # readers read the files the manifest lists
+    (copy / "manifest.json").write_text(json.dumps(manifest))
     report_run(str(copy), LOCAL, runs["beam"], str(tmp_path / "rep"))
     doc = json.loads((tmp_path / "rep" / "report.json").read_text())
     assert not doc["outputs"]["identical"] and doc["outputs"]["users_differ"] == 1
