@@ -217,6 +217,27 @@ def test_skewed_clocks_never_take_a_live_lease(cluster):
     Lease(date, "B", storage, ttl_s=3).acquire().release()  # released: taken at once
 
 
+def test_a_holder_that_cannot_renew_counts_itself_lost(cluster, monkeypatch):
+    """A partition from the store: every renewal fails. After lease_s without a renewal (its own monotonic clock)
+    the holder has lost the date (another run may take it over from then on) and refuses to publish."""
+    import botocore.exceptions
+
+    from pipeline import lease as L
+
+    world, s3, head, root = cluster
+    storage = load_config(None, s3_config(s3, root)).storage
+    a = L.Lease(s3.uri("partition", "run_date=2026-11-21"), "A", storage, ttl_s=1.5).acquire()
+
+    def unreachable(*args, **kwargs):
+        raise botocore.exceptions.EndpointConnectionError(endpoint_url=s3.endpoint)
+
+    monkeypatch.setattr(L.S, "put_if", unreachable)
+    time.sleep(2.5)  # the renewals at 0.5, 1.0, 1.5, 2.0 s fail; the one after 1.5 s finds it stale
+    assert a.lost and "could not renew its run_date lease" in a.lost
+    with pytest.raises(L.LeaseLost, match="could not renew"):
+        a.check()
+
+
 def test_a_paused_publisher_publishes_nothing(cluster):
     """A driver that read _LATEST's version when it took the date, then paused past its lease while another run
     took over and published: its publish (compare-and-swap on that version) fails with LeaseLost; the newer run
