@@ -161,8 +161,9 @@ class Recommender:
                 self.auto.record(mode, sum(stats[key] for key in PHASES), good.num_rows)
             items, scores = rec.item_ids.cpu().numpy(), rec.scores.float().cpu().numpy()
             broken = stats["non_finite"].cpu().numpy()  # [U] NaN / inf log-probs: rejected, never a short list
-            if self.audit_left:
-                audit = self._audit(mode, ids, mask, users, rec, np.nonzero(~broken)[0][:self.audit_left])
+            pick = np.nonzero(~broken)[0][:self.audit_left]  # the first decoded users, while the audit lasts
+            if len(pick):
+                audit = self._audit(mode, ids, mask, users, rec, pick)
             items[broken] = -1
             rejects = pa.concat_tables([rejects, pa.table([
                 users.filter(pa.array(broken)), pa.array(["non_finite_logits"] * int(broken.sum()), pa.string()),
