@@ -155,7 +155,9 @@ class Recommender:
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             ids, mask = p.input_ids.to(self.device), p.attention_mask.to(self.device)
-            rec = self._decode_slices(mode, ids, mask, users)
+            first = self._first_batch(mode, ids, self.target, self.draft, self.oom_batch)
+            rec, self.decode_batch = self._decode_slices(mode, ids, mask, users, self.target, self.draft, first)
+            self.oom_batch = self.decode_batch if self.decode_batch < first else self.oom_batch  # kept for later shards
             stats = rec.stats
             if self.auto:
                 self.auto.record(mode, sum(stats[key] for key in PHASES), good.num_rows)
@@ -187,18 +189,19 @@ class Recommender:
         self.batches += 1
         return table.select(schema.names).cast(schema)
 
-    def _decode_slices(self, mode: str, ids, mask, users, models: tuple | None = None):
-        """The shard's users [U, S] in consecutive slices of `decode_batch` users (on CUDA, unless pinned: the largest
-        that fits, decoding/memory.py), a slice that runs out of memory halved and retried (the batch kept smaller
-        for the actor's later shards; the slices already decoded stay) -> one Recommendations. Sampling modes seed
-        each slice by its users. `models`: (target, draft) other than the actor's (the audit's float32 pair)."""
-        own = models is None
-        target, draft = (self.target, self.draft) if own else models
+    def _first_batch(self, mode: str, ids, target, draft, oom_batch: int | None = None) -> int:
+        """Users per decode for the prompts ids [U, S]: compute.decode_batch if pinned, else on CUDA the largest that
+        fits (decoding/memory.py), else all of them; never above `oom_batch` (the batch an out-of-memory left)."""
         n = ids.shape[0]
-        batch = min(n, self.spec.decode_batch or self._fitting_batch(mode, ids.shape[1], target, draft) or n,
-                    (self.oom_batch if own else None) or n)
+        return min(n, self.spec.decode_batch or self._fitting_batch(mode, ids.shape[1], target, draft) or n,
+                   oom_batch or n)
+
+    def _decode_slices(self, mode: str, ids, mask, users, target, draft, batch: int) -> tuple[Recommendations, int]:
+        """The users [U, S] in consecutive slices of `batch` users, a slice that runs out of memory halved and retried
+        (the slices already decoded stay) -> (one Recommendations, the batch it ended at). Sampling modes seed each
+        slice by its users."""
         parts, a = [], 0
-        while a < n:
+        while a < ids.shape[0]:
             try:
                 parts.append(self._decode(mode, target, draft, ids[a:a + batch], mask[a:a + batch],
                                           users.slice(a, batch)))
@@ -207,11 +210,9 @@ class Recommender:
                 if batch == 1:
                     raise
                 batch //= 2
-                self.oom_batch = batch if own else self.oom_batch
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
-        self.decode_batch = batch if own else self.decode_batch
-        return Recommendations.concat(parts)
+        return Recommendations.concat(parts), batch
 
     def _fitting_batch(self, mode: str, prompt_len: int, target, draft) -> int | None:
         """On CUDA: the most users whose decode fits in the free memory; elsewhere None (no limit)."""
@@ -247,10 +248,13 @@ class Recommender:
         ids, mask, users = ids[sel], mask[sel], users.take(pa.array(pick))
         first = int(mask.any(0).nonzero()[0])  # left padding no audited user needs
         ids, mask = ids[:, first:], mask[:, first:]
-        ref = self._decode_slices(mode, ids, mask, users, self._float32_models(mode))
-        half = self._decode_slices(mode, ids, mask, users, (self.target, self.draft)) if mode in SAMPLING else rec
-        rows = slice(None) if mode in SAMPLING else sel
-        agree = topk_agreement(ref.item_ids, ref.scores, half.item_ids[rows], half.scores[rows])
+        f32 = self._float32_models(mode)
+        ref, _ = self._decode_slices(mode, ids, mask, users, *f32, self._first_batch(mode, ids, *f32))
+        if mode in SAMPLING:  # the same draws' seed: the audited users decoded together in half precision too
+            rec, _ = self._decode_slices(mode, ids, mask, users, self.target, self.draft,
+                                         self._first_batch(mode, ids, self.target, self.draft, self.oom_batch))
+            sel = slice(None)
+        agree = topk_agreement(ref.item_ids, ref.scores, rec.item_ids[sel], rec.scores[sel])
         self.audit_left -= len(pick)
         if not self.audit_left:  # done for this run: the float32 copies leave the device
             self.float32.clear()

@@ -148,13 +148,13 @@ class Plan:
     spec: ActorSpec  # run_id set when the run starts
     inputs: Inputs
     identity: dict  # what the decoded rows depend on, by content (`content_identity`)
+    identity_s: float  # what computing it took
 
     @property
     def fingerprint(self) -> str:
         """What a resume must find unchanged: the config (but `runs`), the input's row groups and the content of the
         input files, the catalog and the models."""
-        identity = {k: v for k, v in self.identity.items() if k != "seconds"}
-        return hashlib.sha256(json.dumps([self.config, identity], default=str).encode()).hexdigest()
+        return hashlib.sha256(json.dumps([self.config, self.identity], default=str).encode()).hexdigest()
 
     @property
     def config(self) -> dict:
@@ -202,8 +202,7 @@ def plan_run(cfg: Config) -> Plan:
     plan_units = units.plan_units(data)
     t = time.perf_counter()
     identity = content_identity(cfg, data, fs, plan_units, models)
-    identity["seconds"] = time.perf_counter() - t  # not part of the fingerprint (see Plan.fingerprint)
-    return Plan(cfg, data, fs, plan_units, catalog, models, spec, inputs, identity)
+    return Plan(cfg, data, fs, plan_units, catalog, models, spec, inputs, identity, time.perf_counter() - t)
 
 
 def run_nightly(cfg: Config, resume: str | None = None, plan: Plan | None = None) -> dict:
@@ -355,7 +354,7 @@ def execute(plan: Plan, run_id: str, resumed: bool, lease: Lease, latest: str | 
                            "users_decoded": left},
                 "duplicates": {"users": 0 if duplicates is None else duplicates.num_rows, "checked_on": dup_where},
                 "precision_audit": sums["precision_audit"],
-                "timings": {"input_identity_s": plan.identity["seconds"], "attempt_s": t_attempt,
+                "timings": {"input_identity_s": plan.identity_s, "attempt_s": t_attempt,
                             "duplicates_s": t_dup, "actor_ready_s": sums["actor_ready_s"],  # models loaded
                             "first_shard_s": sums["first_commit_s"],
                             "decode_s": t_decode, "total_s": time.perf_counter() - t0},

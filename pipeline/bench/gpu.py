@@ -34,7 +34,7 @@ import torch
 
 from decoding.beam import beam_search
 from decoding.memory import decode_bytes_per_user, fit_batch, free_device_memory
-from decoding.metrics import same_within_ties
+from decoding.metrics import same_within_ties, topk_agreement
 from decoding.models import pick_device, tiny_model
 from decoding.reference import cpu_trie, generate_beam_search
 from decoding.speculative import speculative_beam_search
@@ -305,10 +305,9 @@ def parity(p: GpuParams, dtype: str, device: torch.device) -> dict:
             ok = (ref.stats["tie_gap"] >= tie).cpu()
             clear += int(ok.sum())
             same += int((same_within_ties(ref.item_ids.cpu(), ref.scores.cpu(), items.cpu(), tie) & ok).sum())
-            identical += int((ref.item_ids.cpu() == items.cpu()).all(1).sum())
-            both = ref.item_ids[:, :, None] == items[:, None, :]
-            diff = (ref.scores[:, :, None] - scores.float()[:, None, :]).abs()[both]
-            worst = max(worst, float(diff.max()) if diff.numel() else 0.0)
+            agree = topk_agreement(ref.item_ids, ref.scores, items, scores)
+            identical += int(agree["identical"].sum())
+            worst = max(worst, float(agree["score_diff"].max()))
         out[name] = {"clear_users": clear, "clear_users_identical": same, "identical": identical,
                      "max_abs_score_diff": worst, "tie": tie}
     return out
