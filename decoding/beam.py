@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from decoding.cache import TreeCache
-from decoding.catalog import Catalog
+from decoding.catalog import Catalog, Exclusions
 from decoding.head import Head, Scores
 from decoding.models import check_window
 from decoding.stats import PHASES, Meter, beam_batch_kv
@@ -115,10 +115,15 @@ def head_of(model) -> Head:
     return _HEADS[model]
 
 
-def children(model, hidden: torch.Tensor, catalog: Catalog, node: torch.Tensor, width: int) -> Children:
-    """hidden [B, Q, H] at tree nodes whose catalog nodes are node [B, Q] (-1 = dead) -> their children scored."""
+def children(model, hidden: torch.Tensor, catalog: Catalog, node: torch.Tensor, width: int,
+             exclude: Exclusions | None = None) -> Children:
+    """hidden [B, Q, H] at tree nodes whose catalog nodes are node [B, Q] (-1 = dead) -> their children scored;
+    a child closed for its row's user by `exclude` (every item under it excluded) is no child."""
     b, q = node.shape
     tok, child, valid = (x.view(b, q, -1) for x in catalog.children(node.flatten(), width))  # [B, Q, D]
+    if exclude is not None:
+        valid = valid & exclude.open(catalog, child)
+        child = torch.where(valid, child, -1)
     scores = head_of(model).score(hidden.reshape(b * q, -1), torch.where(valid, tok, -1).view(b * q, -1))
     logp = scores.logp.view(b, q, -1)
     broken = (~torch.isfinite(scores.lse) | torch.isnan(scores.logits).any(1)).view(b, q)
@@ -159,9 +164,10 @@ def forward(model, tree: TokenTree, cache: TreeCache, tokens: torch.Tensor, pare
 
 
 def check_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, catalog: Catalog, *models,
-                  prefix: Prefix | None = None) -> None:
-    """What every decoder needs of its inputs: [B, S] left-padded prompts on the catalog's device, and models whose
-    attention window (if any) covers the longest prompt (with its prefix) plus an item."""
+                  prefix: Prefix | None = None, exclude: Exclusions | None = None) -> None:
+    """What every decoder needs of its inputs: [B, S] left-padded prompts on the catalog's device, models whose
+    attention window (if any) covers the longest prompt (with its prefix) plus an item, and exclusions (if any) for
+    exactly these users, built for this catalog on its device."""
     if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} "
                          "must both be [B, S]")
@@ -170,6 +176,11 @@ def check_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, catalog
     if (attention_mask[:, -1] == 0).any():
         raise ValueError("prompts must be left-padded: attention_mask[:, -1] is 0 in rows "
                          f"{(attention_mask[:, -1] == 0).nonzero().flatten().tolist()[:10]}")
+    if exclude is not None and (exclude.rows.shape[0] != input_ids.shape[0] or exclude.nodes != catalog.num_nodes
+                                or exclude.key.device != catalog.device):
+        raise ValueError(f"exclude holds {exclude.rows.shape[0]} users of a {exclude.nodes}-node trie on "
+                         f"{exclude.key.device}; the prompts have {input_ids.shape[0]} users and the catalog "
+                         f"{catalog.num_nodes} nodes on {catalog.device}")
     longest = (int(attention_mask.sum(1).max()) if input_ids.numel() else 0) + (len(prefix) if prefix else 0)
     for model in models:
         check_window(model.config, longest + catalog.code_len, type(model).__name__)
@@ -228,9 +239,11 @@ def sample_beams(kids: Children, score: torch.Tensor, k: int, temperature: float
 @torch.no_grad()
 def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, catalog: Catalog, k: int,
                 steps: int | None = None, do_sample: bool = False, temperature: float = 1.0,
-                generator: torch.Generator | None = None, prefix: Prefix | None = None) -> Recommendations:
+                generator: torch.Generator | None = None, prefix: Prefix | None = None,
+                exclude: Exclusions | None = None) -> Recommendations:
     """input_ids, attention_mask [B, S] left-padded (continuing `prefix` when given) -> the top-k catalog items per
-    user. `steps` < L stops early: token_ids are then the top-k prefixes [B, k, steps] and item_ids are -1.
+    user (per user over the catalog minus its `exclude`d items, when given: a user with fewer than k left gets what is
+    left, padded). `steps` < L stops early: token_ids are then the top-k prefixes [B, k, steps] and item_ids are -1.
     do_sample: sampling-based beam search, each step draws k (beam, token) pairs without replacement with
     probability proportional to exp(sequence log-prob / temperature) (the reference for relaxed speculation);
     the final k are returned by score, descending. The tree keeps every node (at most k per level: no compaction
@@ -242,7 +255,7 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, ca
         raise ValueError(f"k must be >= 1, got {k}")
     if do_sample and not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    check_prompts(input_ids, attention_mask, catalog, model, prefix=prefix)
+    check_prompts(input_ids, attention_mask, catalog, model, prefix=prefix, exclude=exclude)
     b, s = input_ids.shape
     dev = input_ids.device
     depth = catalog.code_len if steps is None else steps
@@ -252,7 +265,7 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, ca
     with meter.phase("prefill"):
         cache, hidden = prefill(model, input_ids, attention_mask, meter, prefix=prefix, capacity=k * (depth - 1))
         root = torch.zeros(b, 1, dtype=torch.int64, device=dev)
-        kids = children(model, hidden[:, None], catalog, root, catalog.max_children[0])  # [B, 1, D]
+        kids = children(model, hidden[:, None], catalog, root, catalog.max_children[0], exclude)  # [B, 1, D]
     meter.kv(b * cache.length)
     broken = kids.broken[:, 0]  # [B] users whose log-probs were NaN or infinite somewhere
 
@@ -276,7 +289,7 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, ca
             break
         parent = torch.where(alive, leaf.gather(1, beam.clamp(min=0)), -1)  # [B, k] tree node of the parent
         hidden = forward(model, tree, cache, token, parent, meter=meter)  # [B, k, H]
-        kids = children(model, hidden, catalog, node, catalog.max_children[level + 1])  # [B, k, D]
+        kids = children(model, hidden, catalog, node, catalog.max_children[level + 1], exclude)  # [B, k, D]
         broken |= kids.broken.any(1)
         meter.kv(b * cache.length)  # each prompt once plus the tree tokens
         leaf = tree.num_nodes - k + torch.arange(k, device=dev).expand(b, k)

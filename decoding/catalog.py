@@ -16,6 +16,7 @@ No Python loop runs over rows, beams or users; loops run over the L levels or lo
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -215,6 +216,29 @@ class Catalog:
         row = node - self.level_start[self.code_len]
         return torch.where(row >= 0, self.item_ids[row.clamp(0, len(self) - 1)], -1)
 
+    @property
+    def num_nodes(self) -> int:
+        """G: the trie's nodes, root and leaves included."""
+        return self.node_ptr.numel() - 1
+
+    def parent_of(self, node: torch.Tensor) -> torch.Tensor:
+        """Node ids [*] (-1 = none) -> their parents [*]; -1 for the root and for none."""
+        edge = (node - 1).clamp(min=0, max=max(self.edge_key.numel() - 1, 0))  # node n is reached by edge n - 1
+        return torch.where(node > 0, self.edge_key[edge] // self.vocab_size, -1)
+
+    def leaf_of(self, item_ids: torch.Tensor) -> torch.Tensor:
+        """Item ids [M] -> their leaf nodes [M]; -1 for an id the index does not hold (not in the catalog, or dropped
+        for sharing another item's semantic ID: that item is a different one)."""
+        ids, rows = self._by_id
+        item_ids = torch.as_tensor(item_ids, dtype=torch.int64).to(self.device)
+        at = torch.searchsorted(ids, item_ids).clamp(max=len(self) - 1)  # [M]
+        return torch.where(ids[at] == item_ids, self.level_start[self.code_len] + rows[at], -1)
+
+    @cached_property
+    def _by_id(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(item ids sorted [N], the catalog row of each [N]): computed once per catalog (and device)."""
+        return torch.sort(self.item_ids)
+
     # ---------------------------------------------------------------- PPV: binary search in sorted rows
 
     def verify(self, prefix: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
@@ -250,6 +274,74 @@ class Catalog:
             lo = torch.where(less, mid + 1, lo)
             hi = torch.where(less, hi, mid)
         return lo
+
+
+# -------------------------------------------------------------------- per-user exclusions
+
+
+@dataclass
+class Exclusions:
+    """One batch's per-user exclusions (items a user must not be recommended) as the trie nodes they close: for every
+    node on the path of an excluded item, the key user * G + node (sorted) and how many of the user's excluded items
+    lie under it. A node is closed for a user once that count reaches the node's `leaf_count`: every item under it is
+    excluded (an excluded leaf closes itself), so no decoder ever makes it a candidate. `rows` says which user each
+    row of a decoder's tensors stands for: selecting users (a slice of the batch, finished users leaving) gathers
+    rows and leaves the keys alone. Built once per batch on the catalog's device; no Python loop over users or items
+    (one over the L levels)."""
+    key: torch.Tensor  # [E] int64, sorted, unique: user * G + node
+    count: torch.Tensor  # [E] int64: the user's excluded items under the node
+    rows: torch.Tensor  # [A] int64: the user (0 .. B - 1) of each row
+    nodes: int  # G, the catalog's trie nodes
+
+    @classmethod
+    def from_items(cls, catalog: Catalog, user, item_ids, users: int) -> "Exclusions":
+        """Pairs (user [M] in 0 .. users - 1, item id [M]): repeats count once; ids the index does not hold are
+        ignored (they cannot be recommended anyway)."""
+        user = torch.as_tensor(user, dtype=torch.int64).to(catalog.device).reshape(-1)
+        leaf = catalog.leaf_of(torch.as_tensor(item_ids, dtype=torch.int64).reshape(-1))  # [M]
+        if user.shape != leaf.shape:
+            raise ValueError(f"user has {user.numel()} entries but item_ids {leaf.numel()}")
+        if user.numel() and not (0 <= int(user.min()) and int(user.max()) < users):
+            raise ValueError(f"users must lie in [0, {users}), got {int(user.min())} .. {int(user.max())}")
+        g = catalog.num_nodes
+        pair = torch.unique(user[leaf >= 0] * g + leaf[leaf >= 0])  # [M'] distinct (user, leaf)
+        who, node, keys = pair // g, pair % g, [pair]
+        for _ in range(catalog.code_len):  # the leaves' ancestors, up to the root
+            node = catalog.parent_of(node)
+            keys.append(who * g + node)
+        key, count = torch.unique(torch.cat(keys), return_counts=True)
+        return cls(key, count, torch.arange(users, device=catalog.device), g)
+
+    @classmethod
+    def none(cls, catalog: Catalog, users: int) -> "Exclusions":
+        """No exclusions for `users` users (the same answers as passing None, at a search's cost)."""
+        return cls.from_items(catalog, torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), users)
+
+    def select(self, rows: torch.Tensor) -> "Exclusions":
+        """The rows [A'] of the current rows (a slice of the batch, or the users still decoding)."""
+        return replace(self, rows=self.rows[rows])
+
+    def excluded(self, node: torch.Tensor) -> torch.Tensor:
+        """node [A', ...] (row r of the first A' rows; -1 = none) -> the row's user's excluded items under it [A', ...]
+        (0 for none)."""
+        user = self.rows[:node.shape[0]].view(-1, *([1] * (node.dim() - 1)))
+        return torch.where(node >= 0, count_at(self.key, self.count, user * self.nodes + node.clamp(min=0)), 0)
+
+    def open(self, catalog: Catalog, node: torch.Tensor) -> torch.Tensor:
+        """node [A', ...] (-1 = none) -> bool [A', ...]: the node holds an item its row's user may still get."""
+        return (node >= 0) & (catalog.leaf_count[node.clamp(min=0)] > self.excluded(node))
+
+    def per_user(self) -> torch.Tensor:
+        """[A] each row's excluded items that the index holds (distinct): the count at the root."""
+        return self.excluded(torch.zeros_like(self.rows))
+
+
+def count_at(key: torch.Tensor, count: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """Sorted unique keys [E] with counts [E], query keys [...] -> each query's count [...] (0 where absent)."""
+    if key.numel() == 0:
+        return torch.zeros_like(query)
+    at = torch.searchsorted(key, query).clamp(max=key.numel() - 1)
+    return torch.where(key[at] == query, count[at], 0)
 
 
 # -------------------------------------------------------------------- helpers

@@ -29,7 +29,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from decoding.beam import (Prefix, Recommendations, check_prompts, forward, gumbel_like, head_of, prefill)
-from decoding.catalog import Catalog
+from decoding.catalog import Catalog, Exclusions, count_at
 from decoding.stats import Meter, beam_batch_kv
 from decoding.tree import TokenTree
 
@@ -110,7 +110,7 @@ def drawn_counts(catalog: Catalog, draws: "Draws", epochs: int) -> tuple[torch.T
     before pass e. -> (sorted keys (user * E + e) * G + node of the nodes on those items' paths, how many excluded
     items lie under each) [U], E = epochs."""
     b, d = draws.open.shape
-    g, dev = catalog.node_ptr.numel() - 1, draws.paths.device
+    g, dev = catalog.num_nodes, draws.paths.device
     leaf, at = draws.paths[:, :, -1], draws.decided_at  # [B, D]
     earlier = (at[:, None, :] < at[:, :, None]) | ((at[:, None, :] == at[:, :, None]) &
                                                    torch.ones(d, d, dtype=torch.bool, device=dev).tril(-1))
@@ -124,18 +124,16 @@ def drawn_counts(catalog: Catalog, draws: "Draws", epochs: int) -> tuple[torch.T
 
 
 def open_children(catalog: Catalog, child: torch.Tensor, epoch: torch.Tensor, epochs: int,
-                  drawn: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """child [B, P, C] node ids (-1 = none) of proposals launched in epoch [B, P], drawn: `drawn_counts` ->
-    bool [B, P, C]: the child still has an item its draw does not exclude (a node closes once all its items are)."""
+                  drawn: tuple[torch.Tensor, torch.Tensor], exclude: Exclusions | None = None) -> torch.Tensor:
+    """child [B, P, C] node ids (-1 = none) of proposals launched in epoch [B, P], drawn: `drawn_counts`, exclude: the
+    users' own exclusions -> bool [B, P, C]: the child still has an item its draw does not exclude (a node closes once
+    all its items are; a drawn item is never an excluded one, so the two counts add)."""
     keys, counts = drawn
-    b, g = child.shape[0], catalog.node_ptr.numel() - 1
+    b, g = child.shape[0], catalog.num_nodes
     user = torch.arange(b, device=child.device)[:, None, None]
-    query = (user * epochs + epoch[:, :, None]) * g + child.clamp(min=0)
-    if keys.numel():
-        at = torch.searchsorted(keys, query).clamp(max=keys.numel() - 1)
-        taken = torch.where(keys[at] == query, counts[at], 0)
-    else:
-        taken = torch.zeros_like(query)
+    taken = count_at(keys, counts, (user * epochs + epoch[:, :, None]) * g + child.clamp(min=0))
+    if exclude is not None:
+        taken = taken + exclude.excluded(child)
     return (child >= 0) & (catalog.leaf_count[child.clamp(min=0)] > taken)
 
 
@@ -145,7 +143,7 @@ def expand_missing(model, tree: TokenTree, cache, catalog: Catalog, stores: list
     """Runs the level-t trie nodes node [B, P] (-1 = dead; prefix [B, P, t] their tokens) that no proposal of their
     user reached before through the model, each once however many proposals stand on it (under its parent's tree
     node), and adds them to stores[t]."""
-    (b, p), t, g = node.shape, prefix.shape[2], catalog.node_ptr.numel() - 1
+    (b, p), t, g = node.shape, prefix.shape[2], catalog.num_nodes
     user = torch.arange(b, device=node.device)[:, None].expand_as(node)
     key = user * g + node.clamp(min=0)
     _, found = stores[t].find(key)
@@ -171,13 +169,13 @@ def expand_missing(model, tree: TokenTree, cache, catalog: Catalog, stores: list
 @torch.no_grad()
 def propose(model, tree: TokenTree, cache, stores: list[Expanded], catalog: Catalog, wanted: torch.Tensor,
             epoch: torch.Tensor, epochs: int, drawn: tuple[torch.Tensor, torch.Tensor], top_m: int | None,
-            temperature: float, generator, meter: Meter):
+            temperature: float, generator, meter: Meter, exclude: Exclusions | None = None):
     """Constrained samples, token by token, for the proposal slots wanted [B, P] (the others stay dead) of draws
-    launched in epoch [B, P] (drawn: their exclusions, `drawn_counts`), reusing every trie node scored before
+    launched in epoch [B, P] (drawn: the items they exclude, `drawn_counts`, besides the users' own `exclude`), reusing every trie node scored before
     (stores: one per level, extended in place). -> tokens [B, P, L], paths [B, P, L + 1] (trie nodes, -1 = dead),
     log x [B, P], log p [B, P] (temperature 1), users whose log-probs were NaN or infinite [B]."""
     (b, proposals), dev = wanted.shape, wanted.device
-    code_len, g = catalog.code_len, catalog.node_ptr.numel() - 1
+    code_len, g = catalog.code_len, catalog.num_nodes
     node = torch.where(wanted, 0, -1)
     tokens = torch.zeros(b, proposals, code_len, dtype=torch.int64, device=dev)
     paths = torch.full((b, proposals, code_len + 1), -1, dtype=torch.int64, device=dev)
@@ -200,7 +198,7 @@ def propose(model, tree: TokenTree, cache, stores: list[Expanded], catalog: Cata
         tok, logit = store.token[at], store.logit[at]  # [B, P, C]
         broken |= (store.broken[at] & (node >= 0)).any(1)
         child = torch.where(node[:, :, None] >= 0, store.child[at], -1)  # [B, P, C]
-        valid = open_children(catalog, child, epoch, epochs, drawn)
+        valid = open_children(catalog, child, epoch, epochs, drawn, exclude)
         cand = (logit.double() / temperature - store.lse_t[at][:, :, None].double()).masked_fill(~valid, NEG_INF)
         mass = cand.logsumexp(-1)  # log of the valid mass (tempered)
         noise = token_gumbel(seed, ((who + level)[:, :, None] * catalog.vocab_size + tok.clamp(min=0)))
@@ -217,7 +215,7 @@ def propose(model, tree: TokenTree, cache, stores: list[Expanded], catalog: Cata
 
 def sample_items(model, input_ids, attention_mask, catalog: Catalog, k: int, rounds: int, disc: bool,
                  top_m: int | None, temperature: float, generator, prefix: Prefix | None = None,
-                 waves: tuple[int, ...] = (2,)):
+                 waves: tuple[int, ...] = (2,), exclude: Exclusions | None = None):
     """k distinct items per user. Independent draws, keeping the first occurrence of each item in draw order, are
     sampling without replacement; a draw may also exclude items that earlier draws produced (it then stands for the
     draws it would have repeated until a new item). A draw is DISC (up to `rounds` proposals accepted in turn with
@@ -225,13 +223,14 @@ def sample_items(model, input_ids, attention_mask, catalog: Catalog, k: int, rou
     proposal, kept). Draws run in passes (one forward per code level each): every pass decodes, together, the next
     wave of proposals of every undecided draw (`waves`: how many a first-pass draw tries in its first passes, then
     all the rest) and fresh draws for the items still missing, so a draw costs about the 1 / (1 - p_b) proposals
-    its sequential algorithm looks at, and a user typically needs two passes."""
+    its sequential algorithm looks at, and a user typically needs two passes. `exclude`: per-user exclusions, closed
+    to every draw as the drawn items are (the law is then P_S over the user's remaining items)."""
     if k < 1 or rounds < 1 or not temperature > 0 or (top_m is not None and top_m < 1):
         raise ValueError(f"need k, rounds, top_m >= 1 and temperature > 0; got k={k}, rounds={rounds}, "
                          f"top_m={top_m}, temperature={temperature}")
-    check_prompts(input_ids, attention_mask, catalog, model, prefix=prefix)
+    check_prompts(input_ids, attention_mask, catalog, model, prefix=prefix, exclude=exclude)
     b, dev, code_len = input_ids.shape[0], input_ids.device, catalog.code_len
-    g = catalog.node_ptr.numel() - 1
+    g = catalog.num_nodes
     meter = Meter(dev)
     with meter.phase("prefill"):
         cache, hidden = prefill(model, input_ids, attention_mask, meter, prefix=prefix, capacity=2 * k * code_len)
@@ -241,7 +240,7 @@ def sample_items(model, input_ids, attention_mask, catalog: Catalog, k: int, rou
         stores += [Expanded.empty(dev) for _ in range(1, code_len)]
     meter.kv(b * cache.length)
     tree = TokenTree.from_prompt(attention_mask, len(prefix) if prefix is not None else 0)
-    run = Proposer(model, tree, cache, stores, catalog, top_m, temperature, generator, meter)
+    run = Proposer(model, tree, cache, stores, catalog, top_m, temperature, generator, meter, exclude)
     run.broken |= stores[0].broken
     draws = Draws.empty(b, code_len, dev)
     r = rounds if disc else 0
@@ -275,9 +274,10 @@ class Proposer:
     """`propose` over one batch's prompt cache and trie-node stores, with the counts DISC's statistics need."""
 
     def __init__(self, model, tree, cache, stores: list[Expanded], catalog: Catalog, top_m, temperature, generator,
-                 meter: Meter):
+                 meter: Meter, exclude: Exclusions | None = None):
         self.model, self.tree, self.cache, self.stores, self.catalog = model, tree, cache, stores, catalog
         self.top_m, self.temperature, self.generator, self.meter = top_m, temperature, generator, meter
+        self.exclude = exclude
         b, dev = tree.prompt_mask.shape[0], tree.prompt_mask.device
         self.broken = torch.zeros(b, dtype=torch.bool, device=dev)
         self.decoded = torch.zeros(b, dtype=torch.int64, device=dev)
@@ -288,7 +288,7 @@ class Proposer:
         """Proposal slots wanted [B, P] -> (tokens [B, P, L], paths [B, P, L + 1], log x [B, P], log p [B, P])."""
         tokens, paths, log_x, log_p, broken = propose(
             self.model, self.tree, self.cache, self.stores, self.catalog, wanted, epoch, epochs, drawn, self.top_m,
-            self.temperature, self.generator, self.meter)
+            self.temperature, self.generator, self.meter, self.exclude)
         self.broken |= broken
         self.decoded += wanted.sum(1)
         live = wanted & torch.isfinite(log_x)
@@ -403,18 +403,19 @@ class Draws:
 
 def constrained_sample(model, input_ids, attention_mask, catalog: Catalog, k: int = 1, top_m: int | None = None,
                        temperature: float = 1.0, generator: torch.Generator | None = None,
-                       prefix: Prefix | None = None) -> Recommendations:
+                       prefix: Prefix | None = None, exclude: Exclusions | None = None) -> Recommendations:
     """The trie-style baseline: k items per user, each sampled token by token from the model's distribution
     renormalised over the valid tokens (without replacement across the k). stats['importance_weight'] = x(a)."""
-    return sample_items(model, input_ids, attention_mask, catalog, k, 1, False, top_m, temperature, generator, prefix)
+    return sample_items(model, input_ids, attention_mask, catalog, k, 1, False, top_m, temperature, generator, prefix,
+                        exclude=exclude)
 
 
 def disc_sample(model, input_ids, attention_mask, catalog: Catalog, k: int, rounds: int = 4, top_m: int | None = None,
                 temperature: float = 1.0, generator: torch.Generator | None = None,
-                prefix: Prefix | None = None) -> Recommendations:
+                prefix: Prefix | None = None, exclude: Exclusions | None = None) -> Recommendations:
     """k distinct items per user drawn with DISC (Algorithm 1): asymptotically the model's distribution restricted
-    to the catalog (and to the items not drawn yet). stats: the base keys (decoding/stats.py) plus proposals [B]
+    to the catalog minus the user's `exclude`d items (and to the items not drawn yet). stats: the base keys (decoding/stats.py) plus proposals [B]
     (sequential count), proposals_decoded, acceptance_rate [B], invalid_mass [B] (estimated p_b),
     importance_weight [B, k]."""
     return sample_items(model, input_ids, attention_mask, catalog, k, rounds, True, top_m, temperature, generator,
-                        prefix)
+                        prefix, exclude=exclude)

@@ -13,25 +13,30 @@ from transformers import DynamicCache
 from decoding.catalog import Catalog
 
 
-def cpu_trie(catalog: Catalog) -> dict:
-    """prefix tuple -> sorted list of allowed next tokens (what users hand to `prefix_allowed_tokens_fn`)."""
+def cpu_trie(catalog: Catalog, exclude=()) -> dict:
+    """prefix tuple -> sorted list of allowed next tokens (what users hand to `prefix_allowed_tokens_fn`), over the
+    catalog's items except the item ids `exclude` (one user's trie: a prefix none of whose items is left is absent)."""
     trie: dict = {}
-    for row in catalog.tokens.tolist():
+    skip = {int(i) for i in exclude}
+    for row, item in zip(catalog.tokens.tolist(), catalog.item_ids.tolist()):
+        if item in skip:
+            continue
         for t in range(len(row)):
             trie.setdefault(tuple(row[:t]), set()).add(row[t])
     return {p: sorted(v) for p, v in trie.items()}
 
 
 @torch.no_grad()
-def generate_beam_search(model, input_ids, attention_mask, catalog: Catalog, k: int, trie: dict | None = None):
+def generate_beam_search(model, input_ids, attention_mask, catalog: Catalog, k: int, trie: dict | list | None = None):
     """`model.generate(num_beams=k, num_return_sequences=k, max_new_tokens=L, length_penalty=0.0,
-    prefix_allowed_tokens_fn=<CPU trie>)` -> (item ids [B, k], token ids [B, k, L], scores [B, k], kv tokens held)."""
-    trie = cpu_trie(catalog) if trie is None else trie
+    prefix_allowed_tokens_fn=<CPU trie>)` -> (item ids [B, k], token ids [B, k, L], scores [B, k], kv tokens held).
+    trie: one for every user, or a list of one per user (per-user exclusions: `cpu_trie(catalog, exclude)`)."""
+    tries = trie if isinstance(trie, list) else [cpu_trie(catalog) if trie is None else trie] * input_ids.shape[0]
     s, code_len = input_ids.shape[1], catalog.code_len
 
     def allowed(batch_id, sent):
-        # a dead beam (prefix not in the catalog) still needs a non-empty list; its score is already -inf
-        return trie.get(tuple(sent[s:].tolist()), [0])
+        # a dead beam (prefix not in the user's trie) still needs a non-empty list; its score is already -inf
+        return tries[batch_id].get(tuple(sent[s:].tolist()), [0])
 
     beam_args = dict(length_penalty=0.0) if k > 1 else {}
     out = model.generate(input_ids=input_ids, attention_mask=attention_mask, num_beams=k, num_return_sequences=k,

@@ -40,7 +40,7 @@ import torch
 
 from decoding.beam import (Children, Prefix, Recommendations, candidates, check_prompts, children, expand_beams,
                            forward, gumbel_like, pick, prefill, sample_beams)
-from decoding.catalog import Catalog
+from decoding.catalog import Catalog, Exclusions
 from decoding.stats import Meter, beam_batch_kv
 from decoding.tree import TokenTree
 
@@ -147,11 +147,13 @@ class Step:
 @dataclass
 class Extend:
     """One beam step over the catalog: the exact top-`count` extensions (strict) or `count` draws without
-    replacement (relaxed), from beams scored `score` [A, W] whose children are `kids` [A, W, D]."""
+    replacement (relaxed), from beams scored `score` [A, W] whose children are `kids` [A, W, D]; children closed for
+    a user by `exclude` (rows: the active users, selected with them) are never candidates, for the draft either."""
     catalog: Catalog
     relaxed: bool
     temperature: float
     generator: torch.Generator | None
+    exclude: Exclusions | None = None
 
     def __call__(self, kids: Children, score: torch.Tensor, count: int) -> Step:
         if self.relaxed:
@@ -160,7 +162,7 @@ class Extend:
 
     def score(self, model, hidden: torch.Tensor, node: torch.Tensor) -> Children:
         """The children of tree nodes at catalog nodes node [A, Q] (any levels) from their hidden states."""
-        return children(model, hidden, self.catalog, node, max(self.catalog.max_children))
+        return children(model, hidden, self.catalog, node, max(self.catalog.max_children), self.exclude)
 
 
 @dataclass
@@ -211,9 +213,10 @@ class Drafted:
 def speculative_beam_search(target, draft, input_ids: torch.Tensor, attention_mask: torch.Tensor, catalog: Catalog,
                             k: int, draft_beams: int | None = None, gamma: int | None = None,
                             verification: str = "strict", temperature: float = 1.0,
-                            generator: torch.Generator | None = None, prefix: Prefix | None = None) -> Recommendations:
-    """input_ids, attention_mask [B, S] left-padded (continuing `prefix` when given) -> exactly
-    `beam_search(target, ...)`'s top-k items per user (strict; draft_beams N defaults to max(40, k)), or a draw of
+                            generator: torch.Generator | None = None, prefix: Prefix | None = None,
+                            exclude: Exclusions | None = None) -> Recommendations:
+    """input_ids, attention_mask [B, S] left-padded (continuing `prefix` when given; per-user exclusions `exclude`
+    as in beam_search) -> exactly `beam_search(target, ...)`'s top-k items per user (strict; draft_beams N defaults to max(40, k)), or a draw of
     `beam_search(target, do_sample=True, ...)` (relaxed: the draft proposes the K sequences that the K draws verify,
     so draft_beams is K).
     stats: the base keys (decoding/stats.py) plus accepted_steps [B], drafted_steps [B], rounds [B] and
@@ -222,9 +225,10 @@ def speculative_beam_search(target, draft, input_ids: torch.Tensor, attention_ma
     gamma = code_len if gamma is None else gamma
     relaxed = verification == "relaxed"
     n = (k if relaxed else max(40, k)) if draft_beams is None else draft_beams
-    check_arguments(target, draft, input_ids, attention_mask, catalog, k, n, gamma, verification, temperature, prefix)
+    check_arguments(target, draft, input_ids, attention_mask, catalog, k, n, gamma, verification, temperature, prefix,
+                    exclude)
     b, dev = input_ids.shape[0], input_ids.device
-    extend = Extend(catalog, relaxed, temperature, generator)
+    extend = Extend(catalog, relaxed, temperature, generator, exclude)
     meter = Meter(dev)
     room = (k + n) * code_len
     with meter.phase("prefill"):
@@ -268,6 +272,7 @@ def speculative_beam_search(target, draft, input_ids: torch.Tensor, attention_ma
         order = left[torch.sort(beams.depth[left], stable=True).indices]
         if order.numel() != done.numel() or not torch.equal(order, torch.arange(done.numel(), device=dev)):
             users, beams = users[order], beams.select(order)
+            extend.exclude = extend.exclude.select(order) if extend.exclude is not None else None
             tgt.select(order)
             drf.select(order)
         if users.numel():  # pruned branches leave both caches
@@ -284,7 +289,8 @@ def speculative_beam_search(target, draft, input_ids: torch.Tensor, attention_ma
 
 
 def check_arguments(target, draft, input_ids, attention_mask, catalog: Catalog, k: int, draft_beams: int, gamma: int,
-                    verification: str, temperature: float, prefix: Prefix | None) -> None:
+                    verification: str, temperature: float, prefix: Prefix | None,
+                    exclude: Exclusions | None = None) -> None:
     if verification not in ("strict", "relaxed"):
         raise ValueError(f"verification must be 'strict' or 'relaxed', got {verification!r}")
     if verification == "relaxed" and not temperature > 0:
@@ -298,7 +304,7 @@ def check_arguments(target, draft, input_ids, attention_mask, catalog: Catalog, 
     if target.config.vocab_size != draft.config.vocab_size:
         raise ValueError(f"target and draft vocabularies differ: {target.config.vocab_size} vs "
                          f"{draft.config.vocab_size}")
-    check_prompts(input_ids, attention_mask, catalog, target, draft, prefix=prefix)
+    check_prompts(input_ids, attention_mask, catalog, target, draft, prefix=prefix, exclude=exclude)
 
 
 def start(model, role: str, input_ids, attention_mask, k: int, meter: Meter, extend: Extend, prefix: Prefix | None,
