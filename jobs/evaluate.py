@@ -3,7 +3,9 @@
 Recall@K and NDCG@K (K = 1, 5, 10, 20 by default) of the run's recommendations against the input's `target_items`
 (users without targets skipped, the paper's convention). --input defaults to the run's configured input. Writes
 evaluation.json and evaluation.md next to the report (default: `<run>/report`); `python -m jobs.report` then adds a
-quality section.
+quality section. The report states the run's exclusion setting (decoding.exclude); --targets unseen scores against
+each user's targets without its history items (the protocol of a run with exclude: history; default: all, as the
+AtSpeed paper scores).
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from pipeline.config import Storage
 
 
 def main(argv=None) -> int:
-    from pipeline.evaluate import KS, evaluate, to_markdown
+    from pipeline.evaluate import KS, TARGETS, evaluate, to_markdown
 
     p = argparse.ArgumentParser(prog="python -m jobs.evaluate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -23,11 +25,13 @@ def main(argv=None) -> int:
     p.add_argument("--input", help="histories with target_items (default: the run's input)")
     p.add_argument("--out", help="output folder (default: <run>/report)")
     p.add_argument("--ks", type=positive, nargs="+", default=list(KS))
+    p.add_argument("--targets", choices=list(TARGETS), default="all",
+                   help="; ".join(f"{name}: targets {meaning}" for name, meaning in TARGETS.items()))
     storage_args(p)
     args = p.parse_args(argv)
     try:
         result = evaluate(args.run, Storage(endpoint=args.endpoint, region=args.region), args.input, args.out,
-                          tuple(args.ks))
+                          tuple(args.ks), args.targets)
     except (FileNotFoundError, ValueError, PermissionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

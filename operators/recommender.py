@@ -21,14 +21,14 @@ import pyarrow as pa
 import torch
 
 from decoding.beam import Prefix, Recommendations, beam_search
-from decoding.catalog import Catalog
+from decoding.catalog import Catalog, Exclusions
 from decoding.disc import disc_sample
 from decoding.memory import decode_bytes_per_user, fit_batch, free_device_memory
 from decoding.metrics import topk_agreement
 from decoding.models import check_window, load_config, load_model, load_tokenizer
 from decoding.speculative import speculative_beam_search
 from decoding.stats import BASE_KEYS, PHASES
-from operators.prompts import Renderer, catalog_probes
+from operators.prompts import Renderer, catalog_probes, excluded_items
 from operators.spec import ActorSpec
 from operators.validate import validate
 
@@ -143,8 +143,9 @@ class Recommender:
         t0 = time.perf_counter()
         d = self.spec.decoding
         user_type = batch.schema.field("user_id").type
-        good, rejects = validate(batch, self.catalog.item_tokens, self.renderer.max_items)
+        good, rejects = validate(batch, self.catalog.item_tokens, self.renderer.max_items, d.exclude_column)
         users = good.column("user_id")
+        exclude, excluded = self._exclusions(good)
         skip = len(self.prefix) if self.prefix is not None else 0
         p = self.renderer.render(good.column("history"), self.catalog.item_tokens, skip)
         mode = self.auto.next() if self.auto else d.mode
@@ -156,7 +157,8 @@ class Recommender:
                 torch.cuda.reset_peak_memory_stats()
             ids, mask = p.input_ids.to(self.device), p.attention_mask.to(self.device)
             first = self._first_batch(mode, ids, self.target, self.draft, self.oom_batch)
-            rec, self.decode_batch = self._decode_slices(mode, ids, mask, users, self.target, self.draft, first)
+            rec, self.decode_batch = self._decode_slices(mode, ids, mask, users, self.target, self.draft, first,
+                                                         exclude)
             self.oom_batch = self.decode_batch if self.decode_batch < first else self.oom_batch  # kept for later shards
             stats = rec.stats
             if self.auto:
@@ -165,7 +167,7 @@ class Recommender:
             broken = stats["non_finite"].cpu().numpy()  # [U] NaN / inf log-probs: rejected, never a short list
             pick = np.nonzero(~broken)[0][:self.audit_left]  # the first decoded users, while the audit lasts
             if len(pick):
-                audit = self._audit(mode, ids, mask, users, rec, pick)
+                audit = self._audit(mode, ids, mask, users, rec, pick, exclude)
             items[broken] = -1
             rejects = pa.concat_tables([rejects, pa.table([
                 users.filter(pa.array(broken)), pa.array(["non_finite_logits"] * int(broken.sum()), pa.string()),
@@ -181,7 +183,7 @@ class Recommender:
         metric = self._metric_row(batch.num_rows, good.num_rows - int(broken.sum()), rejects.num_rows,
                                   int(p.attention_mask.sum()) + skip * good.num_rows, len(row), wall, stats)
         metric.update(users_non_finite=int(broken.sum()), decoder=mode, prefix_tokens_saved=skip * good.num_rows,
-                      auto=self.auto.state() if self.auto else None, dtype=self.dtype, **audit)
+                      auto=self.auto.state() if self.auto else None, dtype=self.dtype, **excluded, **audit)
         table = pa.concat_tables([
             recs, rejects.add_column(0, "kind", pa.array(np.full(rejects.num_rows, "reject", object), pa.string())),
             pa.table({"kind": ["metric"], "metrics": [json.dumps(metric)]}),
@@ -196,15 +198,18 @@ class Recommender:
         return min(n, self.spec.decode_batch or self._fitting_batch(mode, ids.shape[1], target, draft) or n,
                    oom_batch or n)
 
-    def _decode_slices(self, mode: str, ids, mask, users, target, draft, batch: int) -> tuple[Recommendations, int]:
+    def _decode_slices(self, mode: str, ids, mask, users, target, draft, batch: int,
+                       exclude: Exclusions | None = None) -> tuple[Recommendations, int]:
         """The users [U, S] in consecutive slices of `batch` users, a slice that runs out of memory halved and retried
         (the slices already decoded stay) -> (one Recommendations, the batch it ended at). Sampling modes seed each
         slice by its users."""
         parts, a = [], 0
         while a < ids.shape[0]:
+            rows = torch.arange(a, min(a + batch, ids.shape[0]), device=ids.device)
+            part = exclude.select(rows) if exclude is not None else None  # the slice's users' exclusions
             try:
                 parts.append(self._decode(mode, target, draft, ids[a:a + batch], mask[a:a + batch],
-                                          users.slice(a, batch)))
+                                          users.slice(a, batch), part))
                 a += batch
             except torch.OutOfMemoryError:
                 if batch == 1:
@@ -224,35 +229,53 @@ class Recommender:
                                          self.catalog.code_len, target.dtype, mode, draft, d.draft_beams, d.gamma)
         return fit_batch(per_user, free)
 
-    def _decode(self, mode: str, target, draft, ids, mask, users):
+    def _exclusions(self, good: pa.Table) -> tuple[Exclusions | None, dict]:
+        """The validated users' exclusions (decoding.exclude: history, the exclusion column) on the device, None when
+        nobody excludes anything -> (them, metrics: exclude_users, excluded_items (distinct items the index holds,
+        summed over users), excluded_max (one user's most), exclude_unknown_ids (ids the catalog does not hold,
+        ignored; items dropped as sharing a kept item's semantic ID are neither))."""
+        d = self.spec.decoding
+        column = good.column(d.exclude_column) if d.exclude_column in good.column_names else None
+        row, item = excluded_items(good.column("history"), column, d.exclude == "history")  # [M], [M]
+        counts = {"exclude_users": good.num_rows, "excluded_items": 0, "excluded_max": 0,
+                  "exclude_unknown_ids": int((~self.catalog.item_tokens.lookup(item)[1]).sum())}
+        if not len(item):
+            return None, counts
+        exclude = Exclusions.from_items(self.catalog, torch.from_numpy(row), torch.from_numpy(item), good.num_rows)
+        per_user = exclude.per_user()  # [U]
+        return exclude, {**counts, "excluded_items": int(per_user.sum()), "excluded_max": int(per_user.max())}
+
+    def _decode(self, mode: str, target, draft, ids, mask, users, exclude: Exclusions | None = None):
         d, prefix = self.spec.decoding, self.prefix
         if mode == "beam":
-            return beam_search(target, ids, mask, self.catalog, d.k, prefix=prefix)
+            return beam_search(target, ids, mask, self.catalog, d.k, prefix=prefix, exclude=exclude)
         # sampling modes: a generator seeded by the batch's users, so a retried batch draws the same items
         g = torch.Generator(device=self.device).manual_seed(
             (d.seed * 1_000_003 + zlib.crc32(str(users.to_pylist()).encode())) % (2 ** 63))
         if mode == "disc":
             return disc_sample(target, ids, mask, self.catalog, d.k, rounds=d.rounds, top_m=d.top_m,
-                               temperature=d.temperature, generator=g, prefix=prefix)
+                               temperature=d.temperature, generator=g, prefix=prefix, exclude=exclude)
         return speculative_beam_search(target, draft, ids, mask, self.catalog, d.k,
                                        draft_beams=d.draft_beams, gamma=d.gamma,
                                        verification=mode.removeprefix("atspeed-"), temperature=d.temperature,
-                                       generator=g, prefix=prefix)
+                                       generator=g, prefix=prefix, exclude=exclude)
 
-    def _audit(self, mode: str, ids, mask, users, rec: Recommendations, pick: np.ndarray) -> dict:
+    def _audit(self, mode: str, ids, mask, users, rec: Recommendations, pick: np.ndarray,
+               exclude: Exclusions | None = None) -> dict:
         """The precision audit: the users at `pick` (rows of this batch, decoded in half precision into `rec`)
         re-decoded by the float32 models with the same mode -> their agreement (metrics keys audit_*). A sampling
         mode decodes them again in half precision too, so that both draws share one seed."""
         t0 = time.perf_counter()
         sel = torch.as_tensor(pick, device=self.device)
         ids, mask, users = ids[sel], mask[sel], users.take(pa.array(pick))
+        exclude = exclude.select(sel) if exclude is not None else None
         first = int(mask.any(0).nonzero()[0])  # left padding no audited user needs
         ids, mask = ids[:, first:], mask[:, first:]
         f32 = self._float32_models(mode)
-        ref, _ = self._decode_slices(mode, ids, mask, users, *f32, self._first_batch(mode, ids, *f32))
+        ref, _ = self._decode_slices(mode, ids, mask, users, *f32, self._first_batch(mode, ids, *f32), exclude)
         if mode in SAMPLING:  # the same draws' seed: the audited users decoded together in half precision too
             rec, _ = self._decode_slices(mode, ids, mask, users, self.target, self.draft,
-                                         self._first_batch(mode, ids, self.target, self.draft, self.oom_batch))
+                                         self._first_batch(mode, ids, self.target, self.draft, self.oom_batch), exclude)
             sel = slice(None)
         agree = topk_agreement(ref.item_ids, ref.scores, rec.item_ids[sel], rec.scores[sel])
         self.audit_left -= len(pick)

@@ -27,6 +27,9 @@ class Decoding:
     top_m: int | None = None  # disc: None = exact mask, M = PPV over the top-M tokens
     seed: int = 0
     auto_trials: int = 2  # auto: batches decoded with each of beam and atspeed-strict before choosing
+    exclude: str = "none"  # none | history: never recommend an item of the user's whole history (every mode, exact)
+    exclude_column: str = "exclude_items"  # optional input list<int64> column: more items per user to exclude (either
+    # exclude mode; ids the catalog does not hold are ignored and counted; a row that is not a list of ids: rejected)
 
     @property
     def uses_draft(self) -> bool:

@@ -3,6 +3,8 @@
 Reasons, in order of precedence (a row gets the first that applies):
     missing_user_id   user_id is null
     bad_type          history is not a list of integer item ids
+    bad_exclude_items the exclusion column (`exclude_items` by default), when the input has it, is not a list of integer
+                      item ids (null: nothing excluded; ids the catalog does not hold are ignored, not rejected)
     empty_history     history is null or has no items
     unknown_item      an item the prompt would use (the last `history_len`) is not in the catalog; the detail lists them
 Duplicate user ids are a rule across batches: the nightly graph applies it (`duplicates` finds them).
@@ -23,11 +25,20 @@ def reject_schema(user_type: pa.DataType) -> pa.Schema:
     return pa.schema([("user_id", user_type), ("reason", pa.string()), ("detail", pa.string())])
 
 
-def validate(batch: pa.Table, items: ItemTokens, history_len: int) -> tuple[pa.Table, pa.Table]:
-    """A histories batch (user_id, history) -> (good rows: user_id, history list<int64>; rejects: user_id, reason,
-    detail). Vectorised: Python runs only over the rejected rows' details."""
+def validate(batch: pa.Table, items: ItemTokens, history_len: int,
+             exclude_column: str = "exclude_items") -> tuple[pa.Table, pa.Table]:
+    """A histories batch (user_id, history, optionally `exclude_column`) -> (good rows: user_id, history list<int64>
+    and, when the batch has it, exclude_column list<int64>; rejects: user_id, reason, detail). Vectorised: Python runs
+    only over the rejected rows' details (and over the rows of a column that does not cast to lists of integers)."""
     users = batch.column("user_id").combine_chunks()
-    history, bad_type = _as_int_lists(batch.column("history").combine_chunks())
+    history, bad_type = _as_int_lists(batch.column("history").combine_chunks(), "history")
+    has_exclude = exclude_column in batch.column_names
+    if has_exclude:
+        exclude, bad_exclude = _as_int_lists(batch.column(exclude_column).combine_chunks(), exclude_column)
+        flat = pc.list_flatten(exclude)
+        if flat.null_count:  # a null inside the list is no item id either
+            nulls = np.unique(pc.list_parent_indices(exclude).to_numpy()[flat.is_null().to_numpy(zero_copy_only=False)])
+            bad_exclude.update({int(r): f"{exclude_column} holds a null item id" for r in nulls})
     n = len(users)
     reason = np.full(n, None, dtype=object)
     detail = np.full(n, None, dtype=object)
@@ -39,6 +50,9 @@ def validate(batch: pa.Table, items: ItemTokens, history_len: int) -> tuple[pa.T
 
     mark(np.flatnonzero(users.is_null().to_numpy(zero_copy_only=False)), "missing_user_id", "user_id is null")
     mark(np.array(sorted(bad_type), dtype=np.int64), "bad_type", lambda rows: [bad_type[r] for r in rows])
+    if has_exclude:
+        mark(np.array(sorted(bad_exclude), dtype=np.int64), "bad_exclude_items",
+             lambda rows: [bad_exclude[r] for r in rows])
     nulls = history.is_null().to_numpy(zero_copy_only=False)
     empty = pc.fill_null(pc.list_value_length(history), 0).to_numpy(zero_copy_only=False) == 0
     mark(np.flatnonzero(nulls), "empty_history", "history is null")
@@ -55,18 +69,21 @@ def validate(batch: pa.Table, items: ItemTokens, history_len: int) -> tuple[pa.T
     rows = pa.array(np.flatnonzero(bad), pa.int64())
     rejects = pa.table([users.take(rows), pa.array(reason[bad].tolist(), pa.string()),
                         pa.array(detail[bad].tolist(), pa.string())], schema=reject_schema(users.type))
-    return pa.table({"user_id": users.take(keep), "history": history.take(keep)}), rejects
+    good = {"user_id": users.take(keep), "history": history.take(keep)}
+    if has_exclude:
+        good[exclude_column] = exclude.take(keep)
+    return pa.table(good), rejects
 
 
-def _as_int_lists(history: pa.Array) -> tuple[pa.Array, dict]:
-    """history -> (list<int64> with nulls where unusable, {row: why} for rows of the wrong type)."""
-    if pa.types.is_list(history.type) or pa.types.is_large_list(history.type):
+def _as_int_lists(column: pa.Array, name: str) -> tuple[pa.Array, dict]:
+    """A column -> (list<int64> with nulls where unusable, {row: why} for rows of the wrong type)."""
+    if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
         try:
-            return history.cast(_INT_LIST), {}
+            return column.cast(_INT_LIST), {}
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
             pass  # some elements are not integers: find them row by row
     out, bad = [], {}
-    for i, value in enumerate(history.to_pylist()):
+    for i, value in enumerate(column.to_pylist()):
         if value is None:
             out.append(None)
             continue
@@ -76,7 +93,7 @@ def _as_int_lists(history: pa.Array) -> tuple[pa.Array, dict]:
             out.append([_integer(v) for v in value])
         except (TypeError, ValueError):
             out.append(None)
-            bad[i] = f"history must be a list of integer item ids, got {str(value)[:80]!r}"
+            bad[i] = f"{name} must be a list of integer item ids, got {str(value)[:80]!r}"
     return pa.array(out, _INT_LIST), bad
 
 

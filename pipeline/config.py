@@ -183,6 +183,10 @@ def validate(cfg: Config) -> None:
     need(d.history_len is None or d.history_len >= 1, "decoding.history_len", "must be >= 1 or null", d.history_len)
     need(d.top_m is None or d.top_m >= 1, "decoding.top_m", "must be >= 1 or null", d.top_m)
     need(d.temperature > 0, "decoding.temperature", "must be > 0", d.temperature)
+    need(d.exclude in ("none", "history"), "decoding.exclude", "must be none or history", d.exclude)
+    need(bool(d.exclude_column) and d.exclude_column not in ("user_id", "history", "target_items"),
+         "decoding.exclude_column", "must name an input column other than user_id, history and target_items",
+         d.exclude_column)
     need(c.decode_batch is None or c.decode_batch >= 1, "compute.decode_batch", "must be >= 1 or null",
          c.decode_batch)
     need(c.batches_per_task >= 1, "compute.batches_per_task", "must be >= 1", c.batches_per_task)

@@ -314,9 +314,10 @@ def execute(plan: Plan, run_id: str, resumed: bool, lease: Lease, latest: str | 
     spec = replace(plan.spec, run_id=run_id)
     new_shards, actors = 0, num_actors(c, ray.cluster_resources())
     if work:
+        columns = input_columns(cfg, plan.data.schema)  # user_id, history and the exclusion column if present
         ds = ray.data.from_items(work)
         ds = ds.map_batches(units.read_units, batch_size=1, batch_format="pyarrow", num_cpus=0.5,
-                            fn_kwargs={"fs": plan.fs, "columns": ["user_id", "history"], "duplicates": duplicates})
+                            fn_kwargs={"fs": plan.fs, "columns": columns, "duplicates": duplicates})
         # blocks of batches_per_task batches: every actor of the pool gets work, each task decodes (and commits) them
         # one batch at a time
         ds = ds.repartition(target_num_rows_per_block=c.batch_size * c.batches_per_task)
@@ -354,6 +355,7 @@ def execute(plan: Plan, run_id: str, resumed: bool, lease: Lease, latest: str | 
                            "users_decoded": left},
                 "duplicates": {"users": 0 if duplicates is None else duplicates.num_rows, "checked_on": dup_where},
                 "precision_audit": sums["precision_audit"],
+                "exclusions": exclusions_summary(cfg, plan.data.schema, sums["exclusions"]),
                 "timings": {"input_identity_s": plan.identity_s, "attempt_s": t_attempt,
                             "duplicates_s": t_dup, "actor_ready_s": sums["actor_ready_s"],  # models loaded
                             "first_shard_s": sums["first_commit_s"],
@@ -365,6 +367,22 @@ def execute(plan: Plan, run_id: str, resumed: bool, lease: Lease, latest: str | 
     deleted = runs.publish(cfg.output, cfg.run_date, run_id, cfg.storage, cfg.runs.grace_s, latest)
     log.info("run %s published: %s; deleted superseded runs %s", run_id, json.dumps(counts), deleted or "none")
     return manifest
+
+
+def input_columns(cfg: Config, schema: pa.Schema) -> list[str]:
+    """The input columns the actors read: user_id, history and the exclusion column when the input has it."""
+    return ["user_id", "history"] + ([cfg.decoding.exclude_column] if cfg.decoding.exclude_column in schema.names
+                                     else [])
+
+
+def exclusions_summary(cfg: Config, schema: pa.Schema, sums: dict) -> dict:
+    """The manifest's `exclusions`: the mode, the exclusion column (None: not in the input), the users they were built
+    for, the excluded items per user (distinct items the index holds: mean and max) and the ignored unknown ids."""
+    users = sums["exclude_users"]
+    return {"mode": cfg.decoding.exclude,
+            "column": cfg.decoding.exclude_column if cfg.decoding.exclude_column in schema.names else None,
+            "users": users, "excluded_per_user_mean": sums["excluded_items"] / users if users else 0.0,
+            "excluded_per_user_max": sums["excluded_max"], "unknown_ids_ignored": sums["exclude_unknown_ids"]}
 
 
 def num_actors(c: Compute, resources: dict) -> int:

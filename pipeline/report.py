@@ -78,6 +78,7 @@ def summarize(run: Run, gpu_hour_price: float) -> dict:
         "max_prompt_tokens": man.get("max_prompt_tokens"),
         "decoders": m.decoder.value_counts().to_dict() if "decoder" in m else {},
         "auto": man.get("auto"), "precision_audit": man.get("precision_audit"),
+        "exclusions": man.get("exclusions") or {"mode": man["config"]["decoding"].get("exclude", "none")},
         "prefix_tokens_saved_per_user": float(m.prefix_tokens_saved.sum() / users)
         if "prefix_tokens_saved" in m and users else None,
         "input_rows": int(man["counts"]["input_rows"]), "recommendations": int(m.recommendations.sum()),
@@ -285,6 +286,7 @@ def summary_rows(runs: list[dict]) -> list[list[str]]:
     rows = [row("mode / k", lambda s: f"{s['mode']} / {s['k']}"),
             row("device", lambda s: ", ".join(s["devices"])),
             row("dtype / precision audit (float32 re-decode)", lambda s: audit_text(s["precision_audit"])),
+            row("exclusions (decoding.exclude; items excluded per user)", lambda s: exclusions_text(s["exclusions"])),
             row("users ok", lambda s: num(s["users_ok"])),
             row("users rejected", lambda s: num(s["users_rejected"])),
             row("of them: non-finite log-probs", lambda s: num(s["users_non_finite"])),
@@ -322,6 +324,16 @@ def audit_text(a: dict | None) -> str:
     return (f"{a['dtype']}: {a['identical_lists']} of {a['users']} users' top-K identical to float32 "
             f"({a['identical_lists'] / a['users']:.0%}), top-K overlap {a['topk_overlap']:.1%}, largest score "
             f"difference {a['max_abs_score_diff']:.3g}, audit {num(a['seconds'])} s")
+
+
+def exclusions_text(e: dict) -> str:
+    """The manifest's exclusions in one cell: the mode, the exclusion column, excluded items per user (mean, max)."""
+    column = f", column `{e['column']}`" if e.get("column") else ""
+    if "users" not in e:  # a run from before exclusions were counted
+        return f"{e['mode']}{column}"
+    unknown = f", {num(e['unknown_ids_ignored'])} unknown ids ignored" if e["unknown_ids_ignored"] else ""
+    return (f"{e['mode']}{column}: mean {num(e['excluded_per_user_mean'], 1)}, max "
+            f"{num(e['excluded_per_user_max'])}{unknown}")
 
 
 def auto_text(s: dict) -> str:
@@ -383,7 +395,9 @@ def build_blocks(runs: list[dict], outputs: dict | None, evaluations: list[dict 
         blocks += [("h2", "Quality (offline evaluation)"),
                    ("p", "; ".join(f"{_label(s)}: {num(e['users'])} users with target items, "
                                    f"{num(e['users_without_recommendations'])} of them without recommendations "
-                                   f"(misses), k = {e['k']}" for s, e in evaluated)
+                                   f"(misses), k = {e['k']}"
+                                   + (f", targets {e['targets']['meaning']}" if "targets" in e else "")
+                                   for s, e in evaluated)
                     + ". Users without targets are skipped (`python -m jobs.evaluate`)."
                     + "".join(f" Split `{p['split']}`: {p['convention']}." for p in
                               {e["protocol"]["split"]: e["protocol"] for _, e in evaluated if "protocol" in e}.values())),

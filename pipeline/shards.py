@@ -46,8 +46,10 @@ METRIC_SCHEMA = pa.schema(
        ("decode_batch", _INT), ("actor_ready_at", pa.float64()), ("committed_at", pa.float64()),
        ("users_per_s", pa.float64()), ("auto", pa.string()), ("dtype", pa.string()), ("audit_users", _INT),
        ("audit_identical_lists", _INT), ("audit_topk_overlap_sum", pa.float64()),
-       ("audit_max_abs_score_diff", pa.float64()), ("audit_s", pa.float64()), ("ranges", pa.list_(pa.list_(_INT)))])
+       ("audit_max_abs_score_diff", pa.float64()), ("audit_s", pa.float64()), ("ranges", pa.list_(pa.list_(_INT))),
+       ("exclude_users", _INT), ("excluded_items", _INT), ("excluded_max", _INT), ("exclude_unknown_ids", _INT)])
 AUDIT = ("audit_users", "audit_identical_lists", "audit_topk_overlap_sum", "audit_s")  # summed over shards
+EXCLUDED = ("exclude_users", "excluded_items", "exclude_unknown_ids")  # summed over shards (excluded_max: the max)
 
 
 def begin_attempt(run: str, storage: Storage, attempt: str) -> list[str]:
@@ -96,11 +98,14 @@ def tally(run: str, storage: Storage, stems: list[str], since: float = 0.0) -> d
     "first_commit_s": seconds from `since` (epoch) until the first actor started after it was ready to decode and
     until the first shard written after it was committed (None: none; the actors' clocks: on one machine exact),
     "auto": each actor's last auto state (decoding.mode = auto: its choice and the trial timings behind it) or None,
-    "precision_audit": `precision_audit` of the dtypes and audit sums}."""
+    "precision_audit": `precision_audit` of the dtypes and audit sums, "exclusions": the EXCLUDED sums and the
+    largest excluded_max}."""
     sums, batches, last, sizes = dict.fromkeys(SUMS, 0), 0, {}, []
     times = {"actor_ready_at": [], "committed_at": []}
     audit, worst, dtypes = dict.fromkeys(AUDIT, 0), [], set()
-    columns = [*SUMS, "actor", "batch", "auto", "decode_batch", *times, "dtype", *AUDIT, "audit_max_abs_score_diff"]
+    excluded = {**dict.fromkeys(EXCLUDED, 0), "excluded_max": 0}
+    columns = [*SUMS, "actor", "batch", "auto", "decode_batch", *times, "dtype", *AUDIT, "audit_max_abs_score_diff",
+               *excluded]
     for t in runs.read_files(run, "metrics", storage, columns, files=stems):
         for key, seen in times.items():
             seen += [v - since for v in t[key].to_pylist() if v is not None and v >= since]
@@ -109,6 +114,9 @@ def tally(run: str, storage: Storage, stems: list[str], since: float = 0.0) -> d
             sums[key] += int(pc.sum(t[key]).as_py() or 0)
         for key in AUDIT:
             audit[key] += pc.sum(t[key]).as_py() or 0
+        for key in EXCLUDED:
+            excluded[key] += pc.sum(t[key]).as_py() or 0
+        excluded["excluded_max"] = max(excluded["excluded_max"], pc.max(t["excluded_max"]).as_py() or 0)
         worst += [v for v in t["audit_max_abs_score_diff"].to_pylist() if v is not None]
         dtypes |= {v for v in t["dtype"].to_pylist() if v}
         sizes += [v for v in pc.min_max(t["decode_batch"]).values() if v.as_py() is not None]
@@ -120,7 +128,7 @@ def tally(run: str, storage: Storage, stems: list[str], since: float = 0.0) -> d
             "actor_ready_s": min(times["actor_ready_at"], default=None),
             "first_commit_s": min(times["committed_at"], default=None),
             "auto": {actor: state for actor, (_, state) in sorted(last.items())} or None,
-            "precision_audit": precision_audit(sorted(dtypes), audit, worst)}
+            "precision_audit": precision_audit(sorted(dtypes), audit, worst), "exclusions": excluded}
 
 
 def precision_audit(dtypes: list[str], audit: dict, worst: list[float]) -> dict:
@@ -149,7 +157,7 @@ class ShardRecommender:
         pos = batch["pos"].to_numpy()
         shard = f"s{int(pos.min()):012d}"
         dup = batch["duplicate"].to_numpy(zero_copy_only=False)
-        out = self.recommender(batch.filter(pa.array(~dup)).select(["user_id", "history"]))
+        out = self.recommender(batch.filter(pa.array(~dup)).drop_columns(["pos", "duplicate"]))
         kind = out["kind"]
         metric = json.loads(out["metrics"].filter(pc.equal(kind, "metric"))[0].as_py())
         n_dup = int(dup.sum())

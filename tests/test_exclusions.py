@@ -179,3 +179,171 @@ def test_sampling_decoders_never_return_an_excluded_item(catalog):
         rec = sampler(target, ids, mask, catalog, 5, top_m=6, generator=g(), exclude=ex)  # PPV candidates
         assert not any(torch.isin(rec.item_ids[u], torch.tensor(e, dtype=torch.int64)).any() for u, e in
                        enumerate(lists))
+
+
+# ------------------------------------------------------------------ DISC's law
+
+
+def chi2_z(counts: torch.Tensor, law: torch.Tensor, draws: int, pool: float = 10.0) -> tuple[float, int]:
+    """Pearson's chi-square of item counts [N] against a law [N] (items expected fewer than `pool` times pooled into
+    one bin), as a standard normal deviate by the Wilson-Hilferty transform -> (z, degrees of freedom)."""
+    expected = draws * law
+    small = expected < pool
+    obs = torch.cat([counts[~small], counts[small].sum()[None]])
+    exp = torch.cat([expected[~small], expected[small].sum()[None]])
+    obs, exp = obs[exp > 0], exp[exp > 0]
+    chi2, df = float(((obs - exp) ** 2 / exp).sum()), obs.numel() - 1
+    return wilson_hilferty(chi2, df), df
+
+
+def wilson_hilferty(chi2: float, df: int) -> float:
+    """A chi-square value with df degrees of freedom -> an approximately standard normal deviate."""
+    return ((chi2 / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
+
+
+def test_disc_law_is_p_s_over_the_remaining_items():
+    """One user on an enumerable catalog (100 of the 125 semantic IDs over a 5-token vocabulary, so the model's mass
+    is mostly on items), excluding every item under its most likely first code and its 3 most likely items. DISC's
+    exact law with R rounds is (1 - p_b^R) P_S + p_b^R (importance resampling), p_b the mass outside the remaining
+    items: R is chosen so that p_b^R < 1e-4, below the test's resolution. DRAWS independent draws (k = 1): Pearson's
+    chi-square against P_S over the remaining items must stay below z = 4.5 (Wilson-Hilferty; a correct sampler fails
+    with probability about 3e-6). Power: against the law of plain constrained sampling over the same items (the
+    trie-renormalised Q, computed exactly), the chi-square's noncentrality lambda = DRAWS * sum (Q - P_S)^2 / P_S is
+    computed here and must put the rejection probability above 0.99; constrained_sample's own draws must then fail
+    the same test, and match Q."""
+    from tests.test_disc import T, constrained_law, next_token_logprobs
+
+    draws, codes = 3000, 5
+    g = torch.Generator().manual_seed(0)
+    flat = torch.randperm(codes ** 3, generator=g)[:100]
+    cat = Catalog.from_token_ids(100 + torch.arange(100), torch.stack([flat // 25, flat // 5 % 5, flat % 5], 1), codes)
+    model = tiny_model("llama", codes, seed=0)
+    ids = torch.tensor([[1, 4, 0, 2, 3]])
+    mask = torch.ones_like(ids)
+    p = catalog_logprob(model, ids, mask, cat, temperature=T, chunk=128).exp()  # [N] tempered p of every item
+    rows = set((cat.tokens[:, 0] == cat.tokens[p.argmax(), 0]).nonzero().flatten().tolist()) | set(
+        p.argsort(descending=True)[:3].tolist())
+    left = torch.ones(len(cat), dtype=torch.bool)
+    left[sorted(rows)] = False
+    p_s = torch.where(left, p, 0) / p[left].sum()  # [N] P_S over the remaining items
+    q = constrained_law(next_token_logprobs(model, ids, cat), cat, rows)  # [N] constrained sampling's law
+    p_b = 1 - float(p[left].sum())
+    rounds = math.ceil(math.log(1e-4) / math.log(p_b))
+    assert 0.2 < p_b < 0.7 and rounds <= 16
+
+    df = int((draws * p_s[left] >= 10).sum())  # the bins, about (pooling may merge a few)
+    lam = draws * float(((q - p_s)[left] ** 2 / p_s[left]).sum())
+    mean, sd = df + lam, math.sqrt(2 * (df + 2 * lam))  # the noncentral chi-square under Q
+    assert wilson_hilferty(mean - 2.33 * sd, df) > 4.5, (lam, df)  # P(reject Q) > 0.99
+
+    user = torch.zeros(len(rows), dtype=torch.int64)
+    ex = Exclusions.from_items(cat, user, cat.item_ids[sorted(rows)], 1).select(torch.zeros(draws, dtype=torch.int64))
+    batch = ids.repeat(draws, 1), mask.repeat(draws, 1)
+    rec = disc_sample(model, *batch, cat, 1, rounds=rounds, temperature=T, generator=torch.Generator().manual_seed(1),
+                      exclude=ex)
+    counts = (rec.item_ids[:, 0, None] == cat.item_ids).sum(0).double()  # [N]
+    assert counts.sum() == draws and counts[~left].sum() == 0
+    z, _ = chi2_z(counts, p_s, draws)
+    assert z < 4.5, z
+    base = constrained_sample(model, *batch, cat, 1, temperature=T, generator=torch.Generator().manual_seed(2),
+                              exclude=ex)
+    counts = (base.item_ids[:, 0, None] == cat.item_ids).sum(0).double()
+    assert chi2_z(counts, p_s, draws)[0] > 4.5 and chi2_z(counts, q, draws)[0] < 4.5
+
+
+# ------------------------------------------------------------------ input rows, the nightly job, evaluation
+
+
+def test_bad_exclusion_rows_are_rejected_with_a_reason():
+    import pyarrow as pa
+
+    from decoding.catalog import ItemTokens
+    from operators.validate import validate
+
+    items = ItemTokens.from_arrays([1, 2, 3], [[4, 5], [4, 6], [5, 5]])
+    batch = pa.table({"user_id": [1, 2, 3, 4, 5, 6, 7], "history": [[1], [2], [3], [1, 2], [3], [1], [2]],
+                      "skip": pa.array([[1], None, [1.5], [1, None], [], [2.0, 99], [3]])})
+    good, rejects = validate(batch, items, 20, exclude_column="skip")
+    assert good.column_names == ["user_id", "history", "skip"] and good["user_id"].to_pylist() == [1, 2, 5, 6, 7]
+    assert good["skip"].to_pylist() == [[1], None, [], [2, 99], [3]]  # unknown ids stay: the actor ignores them
+    assert rejects.to_pylist() == [
+        {"user_id": 3, "reason": "bad_exclude_items", "detail": "skip must be a list of integer item ids, got '[1.5]'"},
+        {"user_id": 4, "reason": "bad_exclude_items",
+         "detail": "skip must be a list of integer item ids, got '[1.0, None]'"}]
+    nulls = pa.table({"user_id": [1, 2], "history": [[1], [2]], "skip": pa.array([[1, None], [2]], pa.list_(pa.int64()))})
+    assert validate(nulls, items, 20, "skip")[1].to_pylist() == [
+        {"user_id": 1, "reason": "bad_exclude_items", "detail": "skip holds a null item id"}]
+    plain = validate(batch.drop_columns(["skip"]), items, 20, "skip")[0]  # no column: nothing to check or carry
+    assert plain.column_names == ["user_id", "history"] and plain.num_rows == 7
+
+
+@pytest.fixture(scope="module")
+def ray_world(tmp_path_factory):
+    import ray
+
+    from tests.test_nightly import make_world
+
+    world = make_world(tmp_path_factory.mktemp("exclusions"), n_users=48)
+    ray.init(num_cpus=2, include_dashboard=False)
+    yield world
+    ray.shutdown()
+
+
+def test_nightly_with_exclude_history_and_an_exclusion_column(ray_world, tmp_path):
+    """decoding.exclude=history with a prompt window of 3 items (the history holds up to 8: the whole history is
+    excluded, not the window) and an exclude_items column (strings: numeric ones cast, others are bad rows): no user
+    gets an item of its history or its list, each good user gets exactly beam_search's top-k over its remaining
+    items, bad rows are rejected with bad_exclude_items, every input row is a recommended user or a reject, and the
+    manifest, metrics and evaluation state the exclusions."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipeline.evaluate import evaluate
+    from pipeline.nightly import run_nightly
+    from tests.test_nightly import config, direct_beam_search, read_run
+
+    world = ray_world
+    users = pq.read_table(world / "data" / "test.parquet")
+    catalog_ids = pq.read_table(world / "data" / "items.parquet")["item_id"].to_numpy()
+    n = users.num_rows
+    lists = [[str(i) for i in catalog_ids[(7 * u) % 140:(7 * u) % 140 + u % 9]] for u in range(n)]  # 0-8 items
+    lists[1] += ["123456789"]  # an id the catalog does not hold: ignored, counted
+    lists[2], lists[3], lists[4] = ["12", "abc"], None, []  # a bad row, no list, an empty list
+    pq.write_table(users.append_column("exclude_items", pa.array(lists, pa.list_(pa.string()))),
+                   tmp_path / "in.parquet")
+    cfg = config(world, tmp_path / "out", f"input={tmp_path / 'in.parquet'}", "decoding.exclude=history",
+                 "decoding.history_len=3")
+    manifest = run_nightly(cfg)
+    _, t = read_run(cfg)
+    rejects = dict(zip(t["rejects"]["user_id"].to_pylist(), t["rejects"]["reason"].to_pylist()))
+    bad = users["user_id"][2].as_py()
+    assert rejects == {bad: "bad_exclude_items"}
+    recs = t["recommendations"].to_pandas()
+    assert sorted(set(recs.user_id)) == sorted(set(users["user_id"].to_pylist()) - {bad})  # nothing lost
+    assert (recs.groupby("user_id").size() == 5).all()
+
+    good = [u for u in range(n) if u != 2]
+    excluded = [set(users["history"][u].as_py()) | {int(i) for i in lists[u] or []} for u in good]
+    for u, items in zip(good, excluded):
+        assert not set(recs[recs.user_id == users["user_id"][u].as_py()].item_id) & items, u
+    from decoding.models import load_model, load_tokenizer
+
+    cat = Catalog.from_table(pq.read_table(world / "data" / "items.parquet"), load_tokenizer(world / "target"),
+                             on_duplicate="first")
+    ex = Exclusions.from_items(cat, torch.tensor([r for r, items in enumerate(excluded) for _ in items]),
+                               torch.tensor([i for items in excluded for i in items]), len(good))
+    _, p = direct_beam_search(world, [h[-3:] for h in users.take(good)["history"].to_pylist()])  # the 3-item prompts
+    ref = beam_search(load_model(world / "target"), p.input_ids, p.attention_mask, cat, 5, exclude=ex)
+    want = dict(zip(users.take(good)["user_id"].to_pylist(), ref.item_ids.tolist()))
+    got = recs.sort_values(["user_id", "rank"]).groupby("user_id").item_id.apply(list)
+    assert all(want[u] == items for u, items in got.items())
+
+    per_user = ex.per_user()
+    assert manifest["exclusions"] == {"mode": "history", "column": "exclude_items", "users": len(good),
+                                      "excluded_per_user_mean": pytest.approx(per_user.float().mean().item()),
+                                      "excluded_per_user_max": int(per_user.max()), "unknown_ids_ignored": 1}
+    assert t["metrics"]["excluded_items"].to_numpy().sum() == per_user.sum().item()
+    for targets in ("all", "unseen"):
+        ev = evaluate(f"{tmp_path / 'out'}", cfg.storage, targets=targets, out=str(tmp_path / f"ev-{targets}"))
+        assert ev["exclusions"] == manifest["exclusions"] and ev["targets"]["mode"] == targets
+        assert "decoding.exclude: history" in (tmp_path / f"ev-{targets}" / "evaluation.md").read_text()

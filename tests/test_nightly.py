@@ -150,10 +150,10 @@ def test_an_actor_decodes_a_shard_in_slices_that_fit(world, mode, monkeypatch):
     assert metric(got)["target_tokens"] == metric(whole)["target_tokens"]  # the same prompts, summed over slices
 
     decode = sliced._decode
-    def at_most_two(mode, target, draft, ids, mask, users):  # what a GPU with room for two users does
+    def at_most_two(mode, target, draft, ids, mask, users, exclude=None):  # what a GPU with room for two users does
         if ids.shape[0] > 2:
             raise torch.OutOfMemoryError(f"CUDA out of memory (simulated): {ids.shape[0]} users")
-        return decode(mode, target, draft, ids, mask, users)
+        return decode(mode, target, draft, ids, mask, users, exclude)
     monkeypatch.setattr(sliced, "_decode", at_most_two)
     got = sliced(users).to_pandas()
     pd.testing.assert_frame_equal(recs(got), recs(whole), check_exact=False, atol=1e-5, rtol=0)
