@@ -4,8 +4,10 @@ On a cluster: `ray job submit --address http://HEAD:8265 --working-dir . --runti
 python -m jobs.nightly --config infra/configs/production.example.yaml`. With no cluster (RAY_ADDRESS unset and none
 running) it starts a local Ray. Inputs, catalog and models are checked before Ray starts. Exit codes: 0 and the
 manifest on stdout on success; 2 with a message naming the bad file, field or model (nothing is published); 3 when
-another run holds the date's lease (nothing is written). A run that fails or is killed keeps what it committed:
-`--resume RUN_ID` (or `--resume latest`: the date's newest unfinished run, else a new one) decodes only the rest.
+another run holds the date's lease (nothing is written); 4 when the object store stayed unavailable for
+storage.retry_s (one `error:` line naming the store, the URI and the cause; the lease is released if the store lets
+it). A run that fails or is killed keeps what it committed: `--resume RUN_ID` (or `--resume latest`: the date's
+newest unfinished run, else a new one) decodes only the rest.
 `--gc` deletes the runs superseded more than runs.grace_s ago, then exits.
 """
 from __future__ import annotations
@@ -34,6 +36,7 @@ def main(argv=None) -> int:
         return 2
     from pipeline.lease import LeaseHeld, LeaseLost
     from pipeline.nightly import collect_garbage, plan_run, run_nightly
+    from pipeline.storage import StoreUnavailable
 
     try:
         if args.gc:
@@ -43,6 +46,9 @@ def main(argv=None) -> int:
     except (FileNotFoundError, ValueError, PermissionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except StoreUnavailable as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 4
     import ray
 
     ray.init(ignore_reinit_error=True, log_to_driver=True)  # RAY_ADDRESS / a running cluster, else a local one
@@ -54,6 +60,9 @@ def main(argv=None) -> int:
     except (FileNotFoundError, ValueError, PermissionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except StoreUnavailable as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 4
     print(json.dumps({k: manifest[k] for k in ("run_id", "run_date", "status", "counts", "resume", "timings",
                                                    "outputs")},
                      indent=2))

@@ -47,6 +47,8 @@ class Compute:
 class Storage:
     endpoint: str | None = None  # S3-compatible endpoint override, e.g. http://127.0.0.1:8333
     region: str = "us-east-1"
+    retry_s: float = 180.0  # a call that fails transiently (refused, reset, timed out, 5xx, SlowDown) is tried again
+    # with backoff for this long before the job gives up (pipeline/storage.py, exit 4)
 
 
 @dataclass
@@ -208,5 +210,6 @@ def validate(cfg: Config) -> None:
     need(r.progress_s > 0, "runs.progress_s", "must be > 0 seconds", r.progress_s)
     need(r.duplicates_driver_mb >= 0, "runs.duplicates_driver_mb", "must be >= 0 (0: always the Ray aggregation)",
          r.duplicates_driver_mb)
+    need(cfg.storage.retry_s >= 0, "storage.retry_s", "must be >= 0 seconds (0: no retries)", cfg.storage.retry_s)
     e = cfg.storage.endpoint
     need(e is None or e.startswith(("http://", "https://")), "storage.endpoint", "must be an http(s):// URL", e)

@@ -109,21 +109,29 @@ class Lease:
                          "(another run may have taken it over): this run does not publish")
 
     def release(self) -> None:
+        """Gives the date back (S3: expires 0, so the next run takes it at once). Best effort: it runs while the job
+        stops, perhaps for a store that is down, so an error is logged and never raised over the job's own. A lease
+        left held expires: `--resume latest` of this run then watches it for ttl_s before taking it over."""
         self.stop.set()
         if self.fd is not None:
             os.close(self.fd)  # the flock goes with the descriptor
             self.fd = None
         elif self.etag is not None and not self.lost:
-            with self.lock:  # released (expires 0): the next run takes it at once
-                S.put_if(self.uri, self.body(0.0), self.storage, self.etag)
+            try:
+                with self.lock:
+                    S.put_if(self.uri, self.body(0.0), self.storage, self.etag)
+            except Exception as e:
+                log.error("lease %s: could not release it (%s); it stays held until it expires: a `--resume latest` "
+                          "of run %s watches it for %.0f s before taking it over", self.uri, e, self.run_id, self.ttl_s)
             self.etag = None
 
-    def _renew(self) -> None:
+    def _renew(self, budget_s: float | None = None) -> None:
+        """One renewal, its put tried again for budget_s (default storage.retry_s) while the store fails transiently."""
         with self.lock:
             if self.lost:
                 raise LeaseLost(self.lost)
             t = time.monotonic()
-            etag = S.put_if(self.uri, self.body(self.clock() + self.ttl_s), self.storage, self.etag)
+            etag = S.put_if(self.uri, self.body(self.clock() + self.ttl_s), self.storage, self.etag, budget_s)
             if etag is None:
                 self.lost = (f"run {self.run_id} lost its run_date lease {self.uri} (it expired and another run took "
                              "it): this run does not publish")
@@ -134,7 +142,7 @@ class Lease:
         def loop():
             while not self.stop.wait(self.ttl_s / 3):
                 try:
-                    self._renew()
+                    self._renew(budget_s=self.ttl_s / 3)  # then the next tick tries again, until ttl_s has passed
                 except LeaseLost as e:
                     log.error("%s", e)
                     return

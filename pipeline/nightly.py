@@ -27,7 +27,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as pads
 import pyarrow.fs as pafs
-import pyarrow.parquet as pq
 
 from decoding.templates import TEMPLATE_FILE, PromptTemplate, get_template, read_template
 from operators.recommender import Inputs, prepare, table_schema
@@ -42,11 +41,10 @@ log = logging.getLogger("genrec.nightly")
 
 def read_catalog(cfg: Config) -> pa.Table:
     """The catalog table, read once per run by the driver (the actors get it in their ActorSpec)."""
-    fs, path = S.filesystem(cfg.catalog, cfg.storage)
-    if fs.get_file_info(path).type == pafs.FileType.NotFound:
+    if not S.exists(cfg.catalog, cfg.storage):
         raise FileNotFoundError(f"catalog {cfg.catalog} not found")
     try:
-        return pq.read_table(path, filesystem=fs)
+        return S.read_parquet(cfg.catalog, cfg.storage)
     except (OSError, pa.ArrowInvalid) as e:
         raise ValueError(f"catalog {cfg.catalog}: cannot be read as parquet ({e})") from None
 
@@ -55,21 +53,21 @@ def open_input(cfg: Config) -> tuple[pads.Dataset, object, str]:
     """The histories as a pyarrow dataset; every file's footer is read here, so a corrupt file fails fast, named."""
     fs, path = S.filesystem(cfg.input, cfg.storage)
     try:
-        info = fs.get_file_info(path)
+        info = S.retrying(lambda: fs.get_file_info(path), cfg.storage, f"HEAD {cfg.input}")
     except OSError as e:
         if "ACCESS_DENIED" in str(e) or "AccessDenied" in str(e):
             raise PermissionError(f"input {cfg.input}: the object store refused access; check the credentials in "
                                   "the environment and storage.endpoint") from None
         raise
-    if info.type == pa.fs.FileType.NotFound:
+    if info.type == pafs.FileType.NotFound:
         raise FileNotFoundError(f"input {cfg.input} not found")
     try:
-        data = pads.dataset(path, filesystem=fs, format="parquet")
+        data = S.retrying(lambda: pads.dataset(path, filesystem=fs, format="parquet"), cfg.storage, f"LIST {cfg.input}")
     except (OSError, pa.ArrowInvalid) as e:
         raise ValueError(f"input {cfg.input}: not readable as parquet ({e})") from None
     for fragment in data.get_fragments():
         try:
-            fragment.ensure_complete_metadata()
+            S.retrying(fragment.ensure_complete_metadata, cfg.storage, f"read the footer of {fragment.path}")
         except (OSError, pa.ArrowInvalid) as e:
             raise ValueError(f"input file {fragment.path}: corrupt or not parquet ({e})") from None
     missing = {"user_id", "history"} - set(data.schema.names)
@@ -158,8 +156,8 @@ class Plan:
 
     @property
     def config(self) -> dict:
-        """The config a resume must find unchanged (all but `runs`), as _RUN.json records it."""
-        return json.loads(json.dumps({k: v for k, v in self.cfg.to_dict().items() if k != "runs"}, default=str))
+        """The config a resume must find unchanged, as _RUN.json records it (`resume_config`)."""
+        return resume_config(self.cfg.to_dict())
 
     def changes(self, state: dict) -> list[str]:
         """What differs between a run's recorded start (_RUN.json) and this plan, named; [] when it can resume."""
@@ -172,10 +170,19 @@ class Plan:
         out += [f"the catalog {self.cfg.catalog}"] * (old.get("catalog") != new["catalog"])
         out += [f"models.{r} {getattr(self.cfg.models, r)}" for r in sorted(set(old.get("models", {})) | set(new["models"]))
                 if old.get("models", {}).get(r) != new["models"].get(r)]
-        was = {k: v for k, v in (state.get("config") or {}).items() if k != "runs"}
+        was = resume_config(state.get("config") or {})
         keys = sorted(k for k in set(was) | set(self.config) if was.get(k) != self.config.get(k))
         out += [f"the config ({', '.join(keys)})"] * bool(keys)
         return out or ["its recorded fingerprint (started by another version of genrec-batch)"]
+
+
+def resume_config(config: dict) -> dict:
+    """The part of a config (`Config.to_dict()`) that the decoded rows depend on: all but how the job runs (`runs`,
+    `storage.retry_s`: a run that gave up on the store resumes with a larger budget)."""
+    out = {k: v for k, v in config.items() if k != "runs"}
+    if isinstance(out.get("storage"), dict):
+        out["storage"] = {k: v for k, v in out["storage"].items() if k != "retry_s"}
+    return json.loads(json.dumps(out, default=str))
 
 
 def content_identity(cfg: Config, data: pads.Dataset, fs, plan_units: list, models: dict) -> dict:
@@ -219,8 +226,14 @@ def run_nightly(cfg: Config, resume: str | None = None, plan: Plan | None = None
     lease = Lease(runs.date_dir(cfg.output, cfg.run_date), run_id, cfg.storage, cfg.runs.lease_s).acquire(resumed)
     try:
         return execute(plan, run_id, resumed, lease, runs.latest_version(cfg.output, cfg.run_date, cfg.storage))
+    except Exception as e:  # the store gave out (on the driver, or in a task Ray retried): its own error, unwrapped
+        down = S.unavailable(e)
+        if down is None or down is e:
+            raise
+        log.error("run %s stops: %s", run_id, down)
+        raise down from None
     finally:
-        lease.release()
+        lease.release()  # best effort: logs, never raises over the error above
 
 
 def resume_id(plan: Plan, resume: str) -> str | None:
@@ -308,23 +321,31 @@ def execute(plan: Plan, run_id: str, resumed: bool, lease: Lease, latest: str | 
     log.info("run %s%s: %d users in %d row groups of %s; %d already committed in %d shards, %d to decode",
              run_id, " (resumed)" if resumed else "", total, len(plan.units), cfg.input, total - left, committed, left)
     t_dup = time.perf_counter()
-    duplicates, dup_where = units.find_duplicates(plan.units, plan.fs, cfg.runs.duplicates_driver_mb) if total \
-        else (None, "driver")
+    duplicates, dup_where = S.retrying(lambda: units.find_duplicates(plan.units, plan.fs, cfg.runs.duplicates_driver_mb),
+                                       cfg.storage, f"read the user ids of {cfg.input}") if total else (None, "driver")
     t_dup = time.perf_counter() - t_dup
     spec = replace(plan.spec, run_id=run_id)
     new_shards, actors = 0, num_actors(c, ray.cluster_resources())
     if work:
         columns = input_columns(cfg, plan.data.schema)  # user_id, history and the exclusion column if present
         ds = ray.data.from_items(work)
-        ds = ds.map_batches(units.read_units, batch_size=1, batch_format="pyarrow", num_cpus=0.5,
-                            fn_kwargs={"fs": plan.fs, "columns": columns, "duplicates": duplicates})
+        # a task whose store calls still fail after storage.retry_s raises StoreUnavailable, itself (not wrapped), and
+        # Ray runs it again up to BATCH_RETRIES times (task and actor-task retries for that exception only) before
+        # the job gives up; an actor that dies is restarted and its task retried, as often
+        ds.context.raise_original_map_exception = True
+        ds.context.actor_task_retry_on_errors = [S.StoreUnavailable]
+        retries = {"max_retries": S.BATCH_RETRIES, "retry_exceptions": [S.StoreUnavailable]}
+        ds = ds.map_batches(read_units, batch_size=1, batch_format="pyarrow", num_cpus=0.5, **retries,
+                            fn_kwargs={"fs": plan.fs, "columns": columns, "duplicates": duplicates,
+                                       "storage": cfg.storage, "uri": cfg.input})
         # blocks of batches_per_task batches: every actor of the pool gets work, each task decodes (and commits) them
         # one batch at a time
         ds = ds.repartition(target_num_rows_per_block=c.batch_size * c.batches_per_task)
         ds = ds.map_batches(shards.ShardRecommender, batch_size=c.batch_size, batch_format="pyarrow",
                             fn_constructor_kwargs={"spec": spec, "run": run, "storage": cfg.storage,
                                                    "attempt": attempt},
-                            compute=ray.data.ActorPoolStrategy(size=actors), **actor_resources(c))
+                            compute=ray.data.ActorPoolStrategy(size=actors), max_task_retries=S.BATCH_RETRIES,
+                            **actor_resources(c))
         new_shards = follow(ds, left, cfg.runs.progress_s, lease)
     t_decode = time.perf_counter() - t0
     stems = shards.attempt_shards(run, cfg.storage, trusted, attempt)  # what this run publishes, and nothing else
@@ -367,6 +388,11 @@ def execute(plan: Plan, run_id: str, resumed: bool, lease: Lease, latest: str | 
     deleted = runs.publish(cfg.output, cfg.run_date, run_id, cfg.storage, cfg.runs.grace_s, latest)
     log.info("run %s published: %s; deleted superseded runs %s", run_id, json.dumps(counts), deleted or "none")
     return manifest
+
+
+def read_units(batch: pa.Table, storage, uri: str, **kwargs) -> pa.Table:
+    """units.read_units with its reads tried again as a whole while the store fails transiently."""
+    return S.retrying(lambda: units.read_units(batch, **kwargs), storage, f"read {uri}")
 
 
 def input_columns(cfg: Config, schema: pa.Schema) -> list[str]:

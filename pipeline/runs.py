@@ -31,7 +31,6 @@ from dataclasses import dataclass
 
 import pandas as pd
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from pipeline import storage as S
 from pipeline.config import Storage
@@ -64,9 +63,7 @@ def report_dir(run: str, compare_id: str | None = None) -> str:
 
 def write_table(run: str, name: str, table: pa.Table, storage: Storage) -> None:
     """One parquet file holding a whole (small) table: rejects, metrics."""
-    fs, path = S.filesystem(table_dir(run, name), storage)
-    fs.create_dir(path)
-    pq.write_table(table, f"{path}/{name}.parquet", filesystem=fs)
+    S.write_parquet(table, S.join(table_dir(run, name), f"{name}.parquet"), storage)
 
 
 def finish(run: str, manifest: dict, storage: Storage) -> None:
@@ -220,7 +217,6 @@ def read_files(run: str, name: str, storage: Storage, columns=None, in_flight: i
     written before manifests listed files: the folder's). Memory stays flat in the number of files, where one
     pyarrow dataset over them keeps every file's footer (a run of 3,910 metric files: 500 MiB)."""
     folder = table_dir(run, name)
-    fs, path = S.filesystem(folder, storage)
     if files is not None:
         names = [f"{stem}.parquet" for stem in files]
     else:
@@ -228,10 +224,10 @@ def read_files(run: str, name: str, storage: Storage, columns=None, in_flight: i
         listed = json.loads(raw).get("files") if raw is not None else None
         names = listed[name] if listed else [f for f in S.list_files(folder, storage)
                                              if f.endswith(".parquet") and not f.startswith(".")]
-    read = functools.partial(pq.read_table, filesystem=fs, columns=list(columns) if columns else None)
+    read = functools.partial(S.read_parquet, storage=storage, columns=list(columns) if columns else None)
     with ThreadPoolExecutor(in_flight) as pool:
         for i in range(0, len(names), in_flight):
-            yield from pool.map(read, [f"{path}/{f}" for f in names[i:i + in_flight]])
+            yield from pool.map(read, [S.join(folder, f) for f in names[i:i + in_flight]])
 
 
 def read_table(run: str, name: str, storage: Storage, columns=None, files: list[str] | None = None) -> pa.Table:

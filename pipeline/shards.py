@@ -20,9 +20,7 @@ import time
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.fs  # noqa: F401  (pa.fs)
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from decoding.stats import BASE_KEYS, PHASES
 from operators.recommender import TABLES, Recommender, table_schema
@@ -152,10 +150,13 @@ class ShardRecommender:
 
     def __init__(self, spec: ActorSpec, run: str, storage: Storage, attempt: str):
         self.recommender, self.run, self.storage, self.attempt = Recommender(spec), run, storage, attempt
+        self.written: dict[str, dict] = {}  # shard -> its summary row: the batches this actor committed
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         pos = batch["pos"].to_numpy()
         shard = f"s{int(pos.min()):012d}"
+        if shard in self.written:  # Ray retries a task whose later batch gave up on the store: this one is committed
+            return pa.Table.from_pylist([self.written[shard]])
         dup = batch["duplicate"].to_numpy(zero_copy_only=False)
         out = self.recommender(batch.filter(pa.array(~dup)).drop_columns(["pos", "duplicate"]))
         kind = out["kind"]
@@ -174,8 +175,8 @@ class ShardRecommender:
                 schema=rejects.schema)])
         recs = out.filter(pc.equal(kind, "rec")).select(TABLES["rec"]).cast(table_schema("rec", user_type))
         write_shard(f"{shard}-{self.attempt}", recs, rejects, metric, self.run, self.storage)
-        return pa.Table.from_pylist([{key: metric[key] for key in
-                                      ("users_in", "users_ok", "users_rejected", "recommendations")}])
+        self.written[shard] = {key: metric[key] for key in ("users_in", "users_ok", "users_rejected", "recommendations")}
+        return pa.Table.from_pylist([self.written[shard]])
 
 
 def ranges_of(pos: np.ndarray) -> list[list[int]]:
@@ -191,21 +192,13 @@ def metric_table(rows: list[dict]) -> pa.Table:
 
 
 def write_shard(stem: str, recs: pa.Table, rejects: pa.Table, metric: dict, run: str, storage: Storage) -> None:
-    """A shard's recommendations, rejects and then its metrics row (its commit), as `<table>/<stem>.parquet`. Empty
-    tables are written too: a retried shard's files replace every file of its earlier attempt (a retry without rejects
-    must not leave the first attempt's rejects beside its recommendations)."""
+    """A shard's recommendations, rejects and then its metrics row (its commit), as `<table>/<stem>.parquet`: on S3
+    three PUTs and nothing else (`S.write_parquet`). Empty tables are written too: a retried shard's files replace
+    every file of its earlier attempt (a retry without rejects must not leave the first attempt's rejects beside its
+    recommendations).
+    Retries are safe, whoever makes them (the store call's own within storage.retry_s, Ray's of the whole batch, a
+    restarted actor's): `stem` is the shard (its first position, the same whenever the batch is decoded again) and the
+    attempt (this driver execution), so a retry writes the same three names, each put replaces a file whole, and
+    nothing is committed until the metrics file exists; no other batch and no other attempt writes these names."""
     for name, rows in (("recommendations", recs), ("rejects", rejects), ("metrics", metric_table([metric]))):
-        fs, path = S.filesystem(runs.table_dir(run, name), storage)
-        fs.create_dir(path)
-        write_atomic(rows, fs, f"{path}/{stem}.parquet")
-
-
-def write_atomic(table: pa.Table, fs, path: str) -> None:
-    """One parquet file, whole or absent: a single put on S3, write-then-rename locally."""
-    if isinstance(fs, pa.fs.LocalFileSystem):
-        folder, _, name = path.rpartition("/")
-        tmp = f"{folder}/.{name}.tmp"  # hidden: never read as part of the table
-        pq.write_table(table, tmp, filesystem=fs)
-        fs.move(tmp, path)
-    else:
-        pq.write_table(table, path, filesystem=fs)
+        S.write_parquet(rows, S.join(runs.table_dir(run, name), f"{stem}.parquet"), storage)

@@ -1,20 +1,122 @@
-"""Storage: local paths and s3:// URIs (pyarrow's S3FileSystem for tables, boto3 for small objects), whole small
-objects written atomically, file hashes, and model directories copied once per node into a verified cache.
+"""Storage: local paths and s3:// URIs (pyarrow's S3FileSystem for tables, boto3 for small objects), whole objects
+written atomically, file hashes, model directories copied once per node into a verified cache, and the one retry
+policy of every call that talks to the object store (`retrying`).
 The layout of a run's outputs is pipeline/runs.py.
 """
 from __future__ import annotations
 
 import fcntl
 import hashlib
+import itertools
 import json
+import logging
 import os
+import random
+import re
 import shutil
+import time
 from pathlib import Path
+from typing import Callable, TypeVar
 from urllib.parse import urlparse
 
+import pyarrow as pa
 import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 
 from pipeline.config import Storage
+
+log = logging.getLogger("genrec.storage")
+T = TypeVar("T")
+
+# ------------------------------------------------------------------ the retry policy
+# Two layers. Inside each call the SDKs retry a few times at once (boto3's standard mode, pyarrow's
+# AwsStandardS3RetryStrategy), which rides out a dropped connection; around each call `retrying` keeps trying a store
+# that is down, restarting or throttling, with exponential backoff and full jitter, for storage.retry_s. Transient:
+# refused, reset or timed-out connections, HTTP 5xx and 429, SlowDown and other throttling codes. Permanent, raised at
+# once: everything else (access denied, no such bucket or key, a failed conditional put, a bad request).
+
+SDK_ATTEMPTS = 3  # attempts inside one call (boto3 retries.max_attempts, pyarrow's retry strategy)
+CONNECT_S, REQUEST_S = 5.0, 20.0  # an attempt gives up on a store that does not connect / send a byte for this long
+BACKOFF_S = (0.2, 10.0)  # the n-th retry waits uniform(0, min(10, 0.2 * 2^n)) s (full jitter)
+BATCH_RETRIES = 2  # a batch whose shard still cannot be written after the budget is run again by Ray this many times
+TRANSIENT_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestThrottled", "TooManyRequests",
+                             "RequestLimitExceeded", "RequestTimeout", "InternalError", "ServiceUnavailable"})
+_ARROW_TRANSIENT = re.compile(r"AWS Error (NETWORK_CONNECTION|SLOW_DOWN|THROTTLING|SERVICE_UNAVAILABLE|"
+                              r"INTERNAL_FAILURE|REQUEST_TIMEOUT)\b|HTTP status (429|5\d\d)\b")
+
+
+class StoreUnavailable(Exception):
+    """The object store kept failing transiently for storage.retry_s: the job gives up (exit 4) and can be resumed.
+    The message names the store, the call and its URI, and the last cause."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message  # kept whole across pickling (Ray), whatever is appended to args on the way
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def transient(e: BaseException) -> bool:
+    """Whether an error from the store may pass if the call is tried again (see the policy above)."""
+    import botocore.exceptions as be
+
+    if isinstance(e, be.SSLError):  # a certificate the store presents will not change by trying again
+        return False
+    if isinstance(e, (be.ConnectionError, be.HTTPClientError, ConnectionError, TimeoutError)):
+        return True
+    if isinstance(e, be.ClientError):
+        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+        return status >= 500 or status == 429 or e.response.get("Error", {}).get("Code") in TRANSIENT_CODES
+    return isinstance(e, OSError) and _ARROW_TRANSIENT.search(str(e)) is not None  # pyarrow: "AWS Error ..."
+
+
+def store_name(storage: Storage) -> str:
+    return storage.endpoint or f"S3 ({storage.region})"
+
+
+def retrying(call: Callable[[], T], storage: Storage, what: str, budget_s: float | None = None) -> T:
+    """call() -> its result, tried again while it fails transiently, for budget_s (default storage.retry_s) from the
+    first try; then StoreUnavailable naming the store, `what` (the request and its URI) and the last cause. A
+    permanent error is raised at once. An attempt in flight when the budget ends is not cut short (at most the SDK's
+    timeouts more). Only for calls that may run twice: reads, whole-object puts, conditional puts (`put_if`)."""
+    budget = storage.retry_s if budget_s is None else budget_s
+    start = time.monotonic()
+    for attempt in itertools.count():
+        try:
+            result = call()
+        except Exception as e:
+            if not transient(e):
+                raise
+            waited = time.monotonic() - start
+            cause = " ".join(str(e).split()) or type(e).__name__
+            if waited >= budget:
+                raise StoreUnavailable(f"object store {store_name(storage)} unavailable: {what} failed for "
+                                       f"{waited:.0f} s ({attempt + 1} attempts; storage.retry_s = {budget:g}): "
+                                       f"{cause}") from e
+            delay = min(random.uniform(0, min(BACKOFF_S[1], BACKOFF_S[0] * 2 ** attempt)), budget - waited)
+            log.warning("store %s: %s failed (%s); retry %d in %.1f s", store_name(storage), what, cause,
+                        attempt + 1, delay)
+            time.sleep(delay)
+        else:
+            if attempt:
+                log.warning("store %s: %s succeeded after %d retries, %.1f s", store_name(storage), what, attempt,
+                            time.monotonic() - start)
+            return result
+
+
+def unavailable(e: BaseException) -> StoreUnavailable | None:
+    """The StoreUnavailable behind an error, however wrapped (Ray's task errors keep it as `cause`), or None."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, StoreUnavailable) and type(e) is StoreUnavailable:
+            return e
+        e = getattr(e, "cause", None) or e.__cause__ or e.__context__
+    return None
+
+
+# ------------------------------------------------------------------ URIs, filesystems, clients
 
 
 def is_s3(uri: str) -> bool:
@@ -35,72 +137,110 @@ def filesystem(uri: str, storage: Storage) -> tuple[pafs.FileSystem, str]:
         endpoint = urlparse(storage.endpoint)
         kwargs.update(endpoint_override=endpoint.netloc, scheme=endpoint.scheme)
     bucket, key = split_s3(uri)
-    return pafs.S3FileSystem(**kwargs), f"{bucket}/{key}".rstrip("/")
+    # allow_delayed_open: a small file is one PutObject at close (not a multipart upload's three requests)
+    fs = pafs.S3FileSystem(**kwargs, connect_timeout=CONNECT_S, request_timeout=REQUEST_S, allow_delayed_open=True,
+                           retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=SDK_ATTEMPTS))
+    return fs, f"{bucket}/{key}".rstrip("/")
 
 
 def s3_client(storage: Storage):
     """A boto3 client resolving credentials now (a fresh session: the environment may have changed)."""
     import boto3
+    import botocore.config
 
-    return boto3.session.Session().client("s3", endpoint_url=storage.endpoint, region_name=storage.region)
+    config = botocore.config.Config(connect_timeout=CONNECT_S, read_timeout=REQUEST_S,
+                                    retries={"mode": "standard", "max_attempts": SDK_ATTEMPTS})
+    return boto3.session.Session().client("s3", endpoint_url=storage.endpoint, region_name=storage.region,
+                                          config=config)
 
 
 def join(uri: str, *parts: str) -> str:
     return "/".join([uri.rstrip("/"), *parts])
 
 
-# ------------------------------------------------------------------ small objects (manifests, markers)
+# ------------------------------------------------------------------ objects (tables, manifests, markers)
 
 
 def write_bytes(uri: str, data: bytes, storage: Storage) -> None:
-    """One put on S3; write-then-rename locally: either way a reader sees the old or the new object, whole."""
-    if is_s3(uri):
-        bucket, key = split_s3(uri)
-        s3_client(storage).put_object(Bucket=bucket, Key=key, Body=data)
+    """One object, whole or absent: on S3 a single PUT (no directory requests: S3 has none), tried again as a whole
+    while the store fails transiently; locally write-then-rename. Either way a reader sees the old or the new object."""
+    if not is_s3(uri):
+        path = Path(uri).expanduser()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")  # hidden: never read as part of a folder's table
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
         return
-    path = Path(uri).expanduser()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    fs, path = filesystem(uri, storage)
+
+    def put():
+        with fs.open_output_stream(path) as out:  # allow_delayed_open: one PutObject at close
+            out.write(data)
+
+    retrying(put, storage, f"PUT {uri}")
+
+
+def write_parquet(table: pa.Table, uri: str, storage: Storage) -> None:
+    """One parquet file, encoded once and written whole (`write_bytes`)."""
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    write_bytes(uri, sink.getvalue(), storage)
+
+
+def read_parquet(uri: str, storage: Storage, columns=None) -> pa.Table:
+    """One parquet file (all of it, or `columns`), its reads retried as a whole."""
+    fs, path = filesystem(uri, storage)
+    return retrying(lambda: pq.read_table(path, filesystem=fs, columns=columns), storage, f"GET {uri}")
 
 
 def read_bytes(uri: str, storage: Storage) -> bytes | None:
     if is_s3(uri):
-        bucket, key = split_s3(uri)
-        client = s3_client(storage)
-        try:
-            return client.get_object(Bucket=bucket, Key=key)["Body"].read()
-        except client.exceptions.NoSuchKey:
-            return None
+        got = read_versioned(uri, storage)
+        return got[0] if got else None
     path = Path(uri).expanduser()
     return path.read_bytes() if path.is_file() else None
 
 
-def read_versioned(uri: str, storage: Storage) -> tuple[bytes, str] | None:
+def read_versioned(uri: str, storage: Storage, budget_s: float | None = None) -> tuple[bytes, str] | None:
     """An S3 object's bytes and ETag (its version for `put_if`), or None."""
     bucket, key = split_s3(uri)
-    client = s3_client(storage)
-    try:
-        got = client.get_object(Bucket=bucket, Key=key)
-    except client.exceptions.NoSuchKey:
-        return None
-    return got["Body"].read(), got["ETag"]
+
+    def get():
+        client = s3_client(storage)
+        try:
+            got = client.get_object(Bucket=bucket, Key=key)
+        except client.exceptions.NoSuchKey:
+            return None
+        return got["Body"].read(), got["ETag"]  # the body read inside: a cut stream is retried too
+
+    return retrying(get, storage, f"GET {uri}", budget_s)
 
 
-def put_if(uri: str, data: bytes, storage: Storage, etag: str | None) -> str | None:
+def put_if(uri: str, data: bytes, storage: Storage, etag: str | None, budget_s: float | None = None) -> str | None:
     """A conditional put on S3: etag None creates the object only if it does not exist (If-None-Match: *), an ETag
-    replaces it only if it is still that version (If-Match) -> the new ETag, or None if the condition failed."""
+    replaces it only if it is still that version (If-Match) -> the new ETag, or None if the condition failed (never
+    retried: another writer won). A put whose answer was lost lands before its retry, which then fails the condition:
+    so a failed condition is checked against the object, and an object holding exactly `data` is this put's own
+    (what callers write is unique to the call: a lease body with its holder's pid and stamp, _LATEST naming the run
+    that holds the date's lease)."""
     import botocore.exceptions
 
     bucket, key = split_s3(uri)
     cond = {"IfNoneMatch": "*"} if etag is None else {"IfMatch": etag}
-    try:
-        return s3_client(storage).put_object(Bucket=bucket, Key=key, Body=data, **cond)["ETag"]
-    except botocore.exceptions.ClientError as e:
-        if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") in (409, 412):  # lost the race
-            return None
-        raise
+
+    def put():
+        try:
+            return s3_client(storage).put_object(Bucket=bucket, Key=key, Body=data, **cond)["ETag"]
+        except botocore.exceptions.ClientError as e:
+            if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") in (409, 412):
+                return None
+            raise
+
+    new = retrying(put, storage, f"conditional PUT {uri}", budget_s)
+    if new is not None:
+        return new
+    now = read_versioned(uri, storage, budget_s)
+    return now[1] if now is not None and now[0] == data else None
 
 
 def content_id(path: str, fs: pafs.FileSystem, storage: Storage) -> str:
@@ -109,46 +249,59 @@ def content_id(path: str, fs: pafs.FileSystem, storage: Storage) -> str:
     if isinstance(fs, pafs.LocalFileSystem):
         return "sha256:" + sha256_file(Path(path))
     bucket, key = path.split("/", 1)
-    head = s3_client(storage).head_object(Bucket=bucket, Key=key)
+    head = retrying(lambda: s3_client(storage).head_object(Bucket=bucket, Key=key), storage, f"HEAD s3://{path}")
     return f"etag:{head['ETag'].strip(chr(34))}:{head['ContentLength']}"
+
+
+def _listing(uri: str, storage: Storage) -> list:
+    """The FileInfos directly in a folder ([] if it does not exist)."""
+    fs, path = filesystem(uri, storage)
+    return retrying(lambda: fs.get_file_info(pafs.FileSelector(path, allow_not_found=True)), storage, f"LIST {uri}")
 
 
 def list_files(uri: str, storage: Storage) -> list[str]:
     """Names of the files directly in a folder ([] if it does not exist)."""
-    fs, path = filesystem(uri, storage)
-    infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
-    return sorted(Path(i.path).name for i in infos if i.type == pafs.FileType.File)
+    return sorted(Path(i.path).name for i in _listing(uri, storage) if i.type == pafs.FileType.File)
 
 
 def delete_files(uri: str, names: list[str], storage: Storage) -> None:
-    fs, path = filesystem(uri, storage)
-    for name in names:
-        fs.delete_file(f"{path}/{name}")
+    """Deletes files of a folder (on S3 in batches of 1,000 keys per request; a missing file is no error)."""
+    if not is_s3(uri):
+        for name in names:
+            Path(uri, name).expanduser().unlink(missing_ok=True)
+        return
+    bucket, key = split_s3(join(uri, ""))
+    for i in range(0, len(names), 1000):
+        objects = [{"Key": key + name} for name in names[i:i + 1000]]
+        done = retrying(lambda: s3_client(storage).delete_objects(Bucket=bucket, Delete={"Objects": objects}),
+                        storage, f"DELETE {len(objects)} objects in {uri}")
+        if done.get("Errors"):  # per key, in a 200 answer
+            e = done["Errors"][0]
+            raise OSError(f"DELETE s3://{bucket}/{e.get('Key')}: {e.get('Code')} ({e.get('Message')}); "
+                          f"{len(done['Errors'])} of {len(objects)} objects in {uri} not deleted")
 
 
 def exists(uri: str, storage: Storage) -> bool:
     fs, path = filesystem(uri, storage)
-    return fs.get_file_info(path).type != pafs.FileType.NotFound
+    return retrying(lambda: fs.get_file_info(path), storage, f"HEAD {uri}").type != pafs.FileType.NotFound
 
 
 def delete_tree(uri: str, storage: Storage) -> None:
     if is_s3(uri):
         bucket, key = split_s3(uri)
-        client = s3_client(storage)
-        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=key.rstrip("/") + "/"):
-            objects = [{"Key": o["Key"]} for o in page.get("Contents", [])]
-            if objects:
-                client.delete_objects(Bucket=bucket, Delete={"Objects": objects})
+        pages = retrying(lambda: list(s3_client(storage).get_paginator("list_objects_v2").paginate(
+            Bucket=bucket, Prefix=key.rstrip("/") + "/")), storage, f"LIST {uri}")
+        names = [o["Key"].removeprefix(key.rstrip("/") + "/") for page in pages for o in page.get("Contents", [])]
+        delete_files(uri, names, storage)
     else:
         shutil.rmtree(Path(uri).expanduser(), ignore_errors=True)
 
 
 def list_children(uri: str, storage: Storage) -> list[str]:
     """Names of the immediate sub-folders of a URI."""
-    fs, path = filesystem(uri, storage)
     try:
-        infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
-    except OSError:
+        infos = _listing(uri, storage)
+    except OSError:  # permanent (transient errors end as StoreUnavailable)
         return []
     return sorted(Path(i.path).name for i in infos if i.type == pafs.FileType.Directory)
 
@@ -161,7 +314,7 @@ def check_access(uri: str, storage: Storage) -> None:
 
     bucket, _ = split_s3(uri)
     try:
-        s3_client(storage).head_bucket(Bucket=bucket)
+        retrying(lambda: s3_client(storage).head_bucket(Bucket=bucket), storage, f"HEAD bucket {bucket} of {uri}")
     except botocore.exceptions.NoCredentialsError:
         raise PermissionError(f"{uri}: no object-store credentials (set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY "
                               "or use the cloud's default credential chain)") from None
@@ -201,8 +354,9 @@ def upload_model_dir(local: str, uri: str, storage: Storage) -> None:
     bucket, key = split_s3(uri)
     client = s3_client(storage)
     for p in files:
-        client.upload_file(str(p), bucket, f"{key.rstrip('/')}/{p.name}")
-    client.put_object(Bucket=bucket, Key=f"{key.rstrip('/')}/sha256sums.json", Body=json.dumps(sums).encode())
+        retrying(lambda: client.upload_file(str(p), bucket, f"{key.rstrip('/')}/{p.name}"), storage,
+                 f"PUT {join(uri, p.name)}")
+    write_bytes(join(uri, "sha256sums.json"), json.dumps(sums).encode(), storage)
 
 
 def local_model_dir(uri: str, cache_dir: str, storage: Storage) -> Path:
@@ -226,7 +380,8 @@ def local_model_dir(uri: str, cache_dir: str, storage: Storage) -> Path:
             raise FileNotFoundError(f"model {uri}: no sha256sums.json (upload it with pipeline.storage.upload_model_dir)")
         sums = json.loads(raw)
         for name, digest in sums.items():
-            client.download_file(bucket, f"{key.rstrip('/')}/{name}", str(target / name))
+            retrying(lambda: client.download_file(bucket, f"{key.rstrip('/')}/{name}", str(target / name)), storage,
+                     f"GET {join(uri, name)}")
             if sha256_file(target / name) != digest:
                 raise ValueError(f"model {uri}: {name} does not match its sha256 in sha256sums.json")
         (target / ".complete").write_text(uri)

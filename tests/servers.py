@@ -20,9 +20,11 @@ import secrets
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -128,6 +130,45 @@ class S3Server:
     log_path: Path
     pid: int
     region: str = "us-east-1"
+    command: list[str] = field(default_factory=list, repr=False)  # how to start it again (same ports and data)
+    process_env: dict[str, str] = field(default_factory=dict, repr=False)
+    process: subprocess.Popen | None = field(default=None, repr=False)
+
+    # ---------------------------------------------------------------- faults from outside (the process itself)
+
+    def pause(self) -> None:
+        """SIGSTOP: connections are still accepted by the kernel, nothing answers (a hung or overloaded store)."""
+        os.killpg(self.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.killpg(self.pid, signal.SIGCONT)
+
+    def kill(self) -> None:
+        """SIGKILL: connections are refused until `restart`."""
+        os.killpg(self.pid, signal.SIGKILL)
+        self.process.wait(timeout=30)
+
+    def restart(self, timeout: float = 60.0) -> None:
+        """Starts the server again with the same command line: the same ports and data."""
+        for path in _weed_grpc_sockets(self.command):
+            path.unlink(missing_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=log,
+                                            stderr=subprocess.STDOUT, env=self.process_env, start_new_session=True)
+        self.pid = self.process.pid
+        _create_bucket_when_ready(self, self.process, timeout)
+
+    def stop(self) -> None:
+        """SIGTERM to its process group (SIGCONT first: a paused server cannot stop), SIGKILL after 15 s."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGCONT)
+            os.killpg(self.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pid, signal.SIGKILL)
+            self.process.wait(timeout=10)
 
     def env(self) -> dict[str, str]:
         """Environment for clients. With it, boto3.client("s3") and pyarrow (26: FileSystem.from_uri("s3://...")
@@ -187,11 +228,11 @@ def weed_mini_command(weed: str, data_dir: Path, s3_port: int, identities: Path,
     ]
 
 
-def _weed_grpc_sockets(ports: list[int]) -> list[Path]:
+def _weed_grpc_sockets(command: list[str]) -> list[Path]:
     """The unix sockets weed makes, at fixed paths, next to each gRPC port and leaves behind."""
-    _, master_g, _, volume_g, _, filer_g, _, admin_g, s3_g = ports
-    return [Path(f"/tmp/seaweedfs-{name}-grpc-{port}.sock") for name, port in
-            [("master", master_g), ("volume", volume_g), ("filer", filer_g), ("admin", admin_g), ("s3", s3_g)]]
+    flags = dict(arg.lstrip("-").split("=", 1) for arg in command if arg.startswith("-") and "=" in arg)
+    return [Path(f"/tmp/seaweedfs-{name}-grpc-{flags[f'{name}.port.grpc']}.sock")
+            for name in ("master", "volume", "filer", "admin", "s3")]
 
 
 def _create_bucket_when_ready(server: S3Server, proc: subprocess.Popen, timeout: float) -> None:
@@ -240,22 +281,175 @@ def seaweedfs(tmp_dir, *, bucket: str = "genrec", access_key: str = TEST_ACCESS_
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 env=env, start_new_session=True)
     server = S3Server(endpoint=f"http://127.0.0.1:{s3_port}", access_key=access_key, secret_key=secret_key,
-                      bucket=bucket, data_dir=data_dir, log_path=log_path, pid=proc.pid)
+                      bucket=bucket, data_dir=data_dir, log_path=log_path, pid=proc.pid, command=cmd,
+                      process_env=env, process=proc)
     try:
         _create_bucket_when_ready(server, proc, timeout)
         yield server
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+        server.stop()
         shutil.rmtree(socket_dir, ignore_errors=True)
-        for path in _weed_grpc_sockets(ports):
+        for path in _weed_grpc_sockets(cmd):
             path.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------------------------------- S3 proxy
+
+FAULTS = ("stall", "reset", "slowdown", "lose")
+SLOWDOWN = (b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: %d\r\n"
+            b"Connection: close\r\n\r\n%s")
+SLOWDOWN_BODY = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+                 b"<Message>Please reduce your request rate.</Message></Error>")
+
+
+class StoreProxy:
+    """A TCP proxy on 127.0.0.1 in front of an S3 server that reads the HTTP requests passing through it: it
+    records each (method, target) in `requests`, and, while `fault(method, target)` names one of FAULTS for a
+    request, injects it: "stall" holds the request (unanswered, as a hung server) until the fault clears, "reset"
+    resets the connection, "slowdown" answers 503 SlowDown (a throttling store), "lose" lets the store carry the
+    request out and then resets the connection instead of answering (a reply lost on the way back). Responses pass
+    through untouched. Clients do not pipeline, so a request's fault never reorders another's response."""
+
+    def __init__(self, upstream: str):
+        self.upstream = ("127.0.0.1", int(upstream.rsplit(":", 1)[1]))
+        self.fault = None  # (method, target) -> a FAULTS name or None
+        self.requests: list[tuple[str, str]] = []
+        self.lock = threading.Lock()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.closed = False
+        threading.Thread(target=self._accept, name="s3-proxy", daemon=True).start()
+
+    def close(self) -> None:
+        self.closed = True
+        self.listener.close()
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        try:
+            server = socket.create_connection(self.upstream)
+        except OSError:
+            _reset(client)  # the store is down: so is the proxy
+            return
+        threading.Thread(target=_pump, args=(server, client), daemon=True).start()
+        reader = _Reader(client)
+        try:
+            while True:
+                head = reader.until(b"\r\n\r\n")
+                if head is None:
+                    break
+                method, target = head.split(b" ", 2)[:2]
+                request = (method.decode(), target.decode())
+                with self.lock:
+                    self.requests.append(request)
+                fault = self.fault(*request) if self.fault else None
+                while fault == "stall":
+                    time.sleep(0.05)
+                    fault = self.fault(*request) if self.fault else None
+                if fault == "reset":
+                    _reset(client)
+                    break
+                if fault == "slowdown":
+                    client.sendall(SLOWDOWN % (len(SLOWDOWN_BODY), SLOWDOWN_BODY))
+                    break
+                if fault == "lose":
+                    with socket.create_connection(self.upstream) as once:  # the store answers, then closes
+                        once.sendall(head[:-2] + b"Connection: close\r\n\r\n")
+                        for chunk in reader.body(head):
+                            once.sendall(chunk)
+                        while once.recv(1 << 16):
+                            pass
+                    _reset(client)
+                    break
+                server.sendall(head)
+                for chunk in reader.body(head):
+                    server.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            for s in (client, server):
+                with contextlib.suppress(OSError):
+                    s.close()
+
+
+class _Reader:
+    """Reads HTTP/1.1 requests off a socket: heads, then bodies by Content-Length or chunked transfer coding."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock, self.buf = sock, b""
+
+    def _fill(self) -> bool:
+        data = self.sock.recv(1 << 16)
+        self.buf += data
+        return bool(data)
+
+    def until(self, sep: bytes) -> bytes | None:
+        while sep not in self.buf:
+            if not self._fill():
+                return None
+        i = self.buf.index(sep) + len(sep)
+        out, self.buf = self.buf[:i], self.buf[i:]
+        return out
+
+    def exactly(self, n: int):
+        while n > 0:
+            if not self.buf and not self._fill():
+                raise ConnectionError("the client closed mid-body")
+            out, self.buf = self.buf[:n], self.buf[n:]
+            n -= len(out)
+            yield out
+
+    def body(self, head: bytes):
+        headers = {k.strip().lower(): v.strip() for k, _, v in
+                   (line.partition(b":") for line in head.split(b"\r\n")[1:] if b":" in line)}
+        if b"chunked" in headers.get(b"transfer-encoding", b"").lower():
+            while True:
+                size_line = self.until(b"\r\n")
+                yield size_line
+                size = int(size_line.split(b";")[0], 16)
+                if size == 0:
+                    trailer = self.until(b"\r\n")
+                    yield trailer
+                    while trailer != b"\r\n":
+                        trailer = self.until(b"\r\n")
+                        yield trailer
+                    return
+                yield from self.exactly(size + 2)
+        yield from self.exactly(int(headers.get(b"content-length", 0)))
+
+
+def _pump(src: socket.socket, dst: socket.socket) -> None:
+    try:
+        while data := src.recv(1 << 16):
+            dst.sendall(data)
+    except OSError:
+        pass
+    finally:
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+
+def _reset(sock: socket.socket) -> None:
+    """Closes with an RST (SO_LINGER 0): the client sees "connection reset by peer"."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()
+
+
+@contextlib.contextmanager
+def store_proxy(server: S3Server) -> Iterator[StoreProxy]:
+    proxy = StoreProxy(server.endpoint)
+    try:
+        yield proxy
+    finally:
+        proxy.close()
 
 
 # ---------------------------------------------------------------------------------------------- Ray
