@@ -177,9 +177,9 @@ def check_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, catalog
         raise ValueError("prompts must be left-padded: attention_mask[:, -1] is 0 in rows "
                          f"{(attention_mask[:, -1] == 0).nonzero().flatten().tolist()[:10]}")
     if exclude is not None and (exclude.rows.shape[0] != input_ids.shape[0] or exclude.nodes != catalog.num_nodes
-                                or exclude.key.device != catalog.device):
+                                or exclude.rows.device != catalog.device):
         raise ValueError(f"exclude holds {exclude.rows.shape[0]} users of a {exclude.nodes}-node trie on "
-                         f"{exclude.key.device}; the prompts have {input_ids.shape[0]} users and the catalog "
+                         f"{exclude.rows.device}; the prompts have {input_ids.shape[0]} users and the catalog "
                          f"{catalog.num_nodes} nodes on {catalog.device}")
     longest = (int(attention_mask.sum(1).max()) if input_ids.numel() else 0) + (len(prefix) if prefix else 0)
     for model in models:

@@ -230,9 +230,10 @@ class Catalog:
         """Item ids [M] -> their leaf nodes [M]; -1 for an id the index does not hold (not in the catalog, or dropped
         for sharing another item's semantic ID: that item is a different one)."""
         ids, rows = self._by_id
-        item_ids = torch.as_tensor(item_ids, dtype=torch.int64).to(self.device)
-        at = torch.searchsorted(ids, item_ids).clamp(max=len(self) - 1)  # [M]
-        return torch.where(ids[at] == item_ids, self.level_start[self.code_len] + rows[at], -1)
+        query, order = torch.sort(torch.as_tensor(item_ids, dtype=torch.int64).to(self.device))  # sorted queries
+        at = torch.searchsorted(ids, query).clamp(max=len(self) - 1)  # [M] walk the ids in order: cache-friendly
+        leaf = torch.where(ids[at] == query, self.level_start[self.code_len] + rows[at], -1)
+        return torch.empty_like(leaf).scatter_(0, order, leaf)
 
     @cached_property
     def _by_id(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -281,17 +282,20 @@ class Catalog:
 
 @dataclass
 class Exclusions:
-    """One batch's per-user exclusions (items a user must not be recommended) as the trie nodes they close: for every
-    node on the path of an excluded item, the key user * G + node (sorted) and how many of the user's excluded items
-    lie under it. A node is closed for a user once that count reaches the node's `leaf_count`: every item under it is
-    excluded (an excluded leaf closes itself), so no decoder ever makes it a candidate. `rows` says which user each
-    row of a decoder's tensors stands for: selecting users (a slice of the batch, finished users leaving) gathers
-    rows and leaves the keys alone. Built once per batch on the catalog's device; no Python loop over users or items
-    (one over the L levels)."""
-    key: torch.Tensor  # [E] int64, sorted, unique: user * G + node
-    count: torch.Tensor  # [E] int64: the user's excluded items under the node
+    """One batch's per-user exclusions (items a user must not be recommended) as the trie nodes they close. Per level
+    t = 0 .. L, the keys user * G + node (sorted) of the level-t nodes on an excluded item's path and how many of the
+    user's excluded items lie under each; a node is closed for a user once that count reaches the node's
+    `leaf_count` (every item under it excluded; an excluded leaf closes itself), and no decoder ever makes a closed
+    node a candidate. `rows` says which user each row of a decoder's tensors stands for: selecting users (a slice of
+    the batch, finished users leaving) gathers rows and leaves the keys alone. Built once per batch on the catalog's
+    device with one sort (of the distinct (user, item) pairs); no Python loop over users or items, one over the L
+    levels."""
+    key: list[torch.Tensor]  # per level: [E_t] int64, sorted, unique: user * G + node
+    count: list[torch.Tensor]  # per level: [E_t] int64, the user's excluded items under the node
+    closed: list[torch.Tensor]  # per level: [C_t] int64, sorted: the keys whose count is the node's leaf_count
     rows: torch.Tensor  # [A] int64: the user (0 .. B - 1) of each row
     nodes: int  # G, the catalog's trie nodes
+    level_start: list[int]  # the catalog's: level t's nodes are level_start[t] .. level_start[t + 1] - 1
 
     @classmethod
     def from_items(cls, catalog: Catalog, user, item_ids, users: int) -> "Exclusions":
@@ -304,13 +308,16 @@ class Exclusions:
         if user.numel() and not (0 <= int(user.min()) and int(user.max()) < users):
             raise ValueError(f"users must lie in [0, {users}), got {int(user.min())} .. {int(user.max())}")
         g = catalog.num_nodes
-        pair = torch.unique(user[leaf >= 0] * g + leaf[leaf >= 0])  # [M'] distinct (user, leaf)
-        who, node, keys = pair // g, pair % g, [pair]
-        for _ in range(catalog.code_len):  # the leaves' ancestors, up to the root
-            node = catalog.parent_of(node)
-            keys.append(who * g + node)
-        key, count = torch.unique(torch.cat(keys), return_counts=True)
-        return cls(key, count, torch.arange(users, device=catalog.device), g)
+        pair = torch.unique(user[leaf >= 0] * g + leaf[leaf >= 0])  # [M'] distinct (user, leaf), sorted
+        key, count = [pair], [torch.ones_like(pair)]
+        for _ in range(catalog.code_len):  # level by level up to the root: nodes are numbered in prefix order, so
+            # the parents of a sorted level's keys come sorted, and equal ones adjacent
+            up, inverse = torch.unique_consecutive(key[0] - key[0] % g + catalog.parent_of(key[0] % g),
+                                                   return_inverse=True)
+            key.insert(0, up)
+            count.insert(0, torch.zeros_like(up).index_add_(0, inverse, count[0]))
+        closed = [k[c == catalog.leaf_count[k % g]] for k, c in zip(key, count)]
+        return cls(key, count, closed, torch.arange(users, device=catalog.device), g, list(catalog.level_start))
 
     @classmethod
     def none(cls, catalog: Catalog, users: int) -> "Exclusions":
@@ -321,19 +328,34 @@ class Exclusions:
         """The rows [A'] of the current rows (a slice of the batch, or the users still decoding)."""
         return replace(self, rows=self.rows[rows])
 
+    def _keys(self, node: torch.Tensor) -> torch.Tensor:
+        """node [A', ...] (row r of the first A' rows) -> the keys user * G + node [A', ...]."""
+        return self.rows[:node.shape[0]].view(-1, *([1] * (node.dim() - 1))) * self.nodes + node.clamp(min=0)
+
     def excluded(self, node: torch.Tensor) -> torch.Tensor:
         """node [A', ...] (row r of the first A' rows; -1 = none) -> the row's user's excluded items under it [A', ...]
         (0 for none)."""
-        user = self.rows[:node.shape[0]].view(-1, *([1] * (node.dim() - 1)))
-        return torch.where(node >= 0, count_at(self.key, self.count, user * self.nodes + node.clamp(min=0)), 0)
+        query = self._keys(node)
+        total = sum(count_at(k, c, query) for k, c in zip(self.key, self.count))  # a node is of one level only
+        return torch.where(node >= 0, total, 0)
 
     def open(self, catalog: Catalog, node: torch.Tensor) -> torch.Tensor:
-        """node [A', ...] (-1 = none) -> bool [A', ...]: the node holds an item its row's user may still get."""
-        return (node >= 0) & (catalog.leaf_count[node.clamp(min=0)] > self.excluded(node))
+        """node [A', ...] (-1 = none) -> bool [A', ...]: the node holds an item its row's user may still get. Only the
+        real nodes are looked up, each in its own level's closed keys."""
+        live = node >= 0
+        where = live.nonzero(as_tuple=True)
+        query = self._keys(node)[where]  # [R]
+        level = torch.searchsorted(torch.tensor(self.level_start[1:-1], device=node.device), node[where], right=True)
+        shut = torch.zeros_like(query, dtype=torch.bool)
+        for t, keys in enumerate(self.closed):
+            if keys.numel():
+                at = (level == t).nonzero().flatten()
+                shut[at] = found_in(keys, query[at])
+        return live.index_put_(where, ~shut)
 
     def per_user(self) -> torch.Tensor:
         """[A] each row's excluded items that the index holds (distinct): the count at the root."""
-        return self.excluded(torch.zeros_like(self.rows))
+        return count_at(self.key[0], self.count[0], self.rows * self.nodes)
 
 
 def count_at(key: torch.Tensor, count: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
@@ -342,6 +364,11 @@ def count_at(key: torch.Tensor, count: torch.Tensor, query: torch.Tensor) -> tor
         return torch.zeros_like(query)
     at = torch.searchsorted(key, query).clamp(max=key.numel() - 1)
     return torch.where(key[at] == query, count[at], 0)
+
+
+def found_in(key: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """Sorted keys [E] (E >= 1), query keys [...] -> bool [...]: the query is one of the keys."""
+    return key[torch.searchsorted(key, query).clamp(max=key.numel() - 1)] == query
 
 
 # -------------------------------------------------------------------- helpers
