@@ -1,5 +1,5 @@
 """Benchmarks, side by side in one run: `python -m jobs.bench {all,decode,speculative,disc,disc-bias,nightly,
-templates,shapes,gpu,precision} ...`.
+templates,shapes,gpu,precision,exclude} ...`.
 
 Every timed comparison runs its methods interleaved (A B, B A, ...) --repeats times (default 5) after a warm-up run
 of each and records every repeat's seconds; reports give medians with (min-max), ratios of medians with their range,
@@ -21,6 +21,7 @@ gpu: on CUDA in one process and one report (`make bench-gpu`): parity, the shape
 anchor), each cell's useful-FLOP fraction of the matmul rate measured in the same run; DISC and speculative on demand.
 precision: what half precision costs in ranking: beam_search in each dtype (float32 head, and logits rounded to the
 model's dtype) against transformers in float32 on real users: identical top-K lists, set overlap, score differences.
+exclude: what per-user exclusions cost beam_search: none vs 50 vs 1,000 excluded items per user (history first).
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ DEMO = ROOT / "models" / "demo-target"
 PARAMS = {"all": P.AllParams, "decode": P.DecodeParams, "speculative": P.SpeculativeParams, "disc": P.DiscParams,
           "disc-bias": P.DiscBiasParams, "nightly": P.NightlyParams, "templates": P.TemplatesParams,
           "nightly-scale": P.ScaleParams,
-          "shapes": P.ShapesParams, "gpu": P.GpuParams, "precision": P.PrecisionParams}
+          "shapes": P.ShapesParams, "gpu": P.GpuParams, "precision": P.PrecisionParams, "exclude": P.ExcludeParams}
 HELP = {"all": "every claim in one run (decode, speculative, disc, disc-bias) -> all.{md,json}",
         "decode": "transformers beam search vs beam_search, and the catalog index",
         "speculative": "AtSpeed Table 1: speculative vs beam_search, every draft, strict/relaxed",
@@ -49,7 +50,8 @@ HELP = {"all": "every claim in one run (decode, speculative, disc, disc-bias) ->
         "nightly-scale": "the nightly job on synthetic users at scale: exactly once, driver RSS, object store peak",
         "shapes": "beam_search vs transformers over vocabulary x prompt x K, users/s and working memory",
         "gpu": "on CUDA: parity, shapes, the SID-GR anchor, roofline (+ disc, speculative); one report, one process",
-        "precision": "half precision's cost in ranking: each dtype's top-K against transformers float32"}
+        "precision": "half precision's cost in ranking: each dtype's top-K against transformers float32",
+        "exclude": "per-user exclusions: beam_search with 0, 50 and 1,000 excluded items per user"}
 PATHS = {"data": str(ROOT / "data" / "beauty"), "target": str(DEMO), "out": str(ROOT / "bench-out"),
          "config": str(ROOT / "infra" / "configs" / "demo.yaml")}
 FLAG_HELP = {
@@ -64,7 +66,7 @@ FLAG_HELP = {
     "out": "results folder (the nightly job writes under OUT/nightly-bench)", "ks": "speculative K (Table 1 columns)",
     "simulate_oom": "methods made to run out of memory at every batch (checks that the report records it)",
     "dtypes": "engine dtypes to compare with transformers in float32", "tie": "near-tie threshold on the float32 "
-    "search's tie gap"}
+    "search's tie gap", "counts": "excluded items per user (each against none)"}
 CHOICES = {"dtype": ["auto", "float32", "bfloat16", "float16"], "dtypes": ["float32", "bfloat16", "float16"],
            "attn": ["sdpa", "eager"], "sections": P.SECTIONS,
            "templates": ["codes", "lcrec"], "simulate_oom": ["beam_search", "transformers"]}
@@ -104,6 +106,7 @@ def parser() -> argparse.ArgumentParser:
             s.add_argument("--out", default=PATHS["out"], help="folder for NAME.json and NAME.md")
     if (DEMO / "config.json").is_file():  # disc: the trained target when there is one, else a random Llama
         sub.choices["disc"].set_defaults(model=str(DEMO))
+        sub.choices["exclude"].set_defaults(model=str(DEMO))
     sub.choices["disc-bias"].set_defaults(model=str(DEMO))
     return p
 
@@ -121,13 +124,15 @@ def main(argv=None) -> int:
     cls = PARAMS[args.bench]
     params = cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
     command = "python -m jobs.bench " + shlex.join(argv)
-    from pipeline.bench import common, decode, disc, gpu, nightly, precision, scale, shapes, speculative, templates
+    from pipeline.bench import (common, decode, disc, exclude, gpu, nightly, precision, scale, shapes, speculative,
+                                templates)
     from pipeline.bench.all import bench_all
 
     run = {"all": bench_all, "decode": decode.run_decode, "speculative": speculative.run_speculative,
            "disc": disc.run_disc, "disc-bias": disc.run_disc_bias, "nightly": nightly.run_nightly_bench,
            "templates": templates.run_templates, "shapes": shapes.run_shapes, "gpu": gpu.run_gpu,
-           "nightly-scale": scale.run_scale, "precision": precision.run_precision}[args.bench]
+           "nightly-scale": scale.run_scale, "precision": precision.run_precision,
+           "exclude": exclude.run_exclude}[args.bench]
     try:
         result, md = run(params, command)
     except FileNotFoundError as e:  # missing data or models: the message says how to make them

@@ -109,6 +109,19 @@ def test_bench_disc_small(data, tmp_path):
     assert all(len(m["vs_beam_search"]["per_repeat"]) == 2 for n, m in methods.items() if n != "beam_search")
 
 
+def test_bench_exclude_small(data, tmp_path):
+    out, model = tmp_path / "out", tiny_beauty_model(tmp_path / "model", data, 32, 0)
+    run = bench("exclude", "--data", str(data), "--model", str(model), "--users", "5", "--batch", "2", "--k", "4",
+                "--counts", "3", "60", "--repeats", "2", "--device", "cpu", "--out", str(out))
+    assert run.returncode == 0, run.stderr
+    ex = json.loads((out / "exclude.json").read_text())["exclude"]
+    methods = ex["methods"]
+    assert list(methods) == ["none", "exclude 3", "exclude 60"] and len(ex["order"]) == 3 * 2
+    assert all(m["excluded_returned"] == 0 and m["full_lists"] == 1.0 for n, m in methods.items() if n != "none")
+    assert methods["exclude 60"]["bound"] is None and len(methods["exclude 3"]["cost"]["per_repeat"]) == 2
+    assert "| 60 |" in (out / "exclude.md").read_text()
+
+
 def test_bench_all_small(data, tmp_path):
     """Every section in one run at tiny sizes: one JSON and one Markdown report with hardware, versions, seeds,
     the command, and a verdict per claim."""

@@ -47,6 +47,16 @@ class DecodeParams(ModelParams):
 
 
 @dataclass(kw_only=True)
+class ExcludeParams(ModelParams):
+    """`bench exclude`: beam_search without exclusions and with each of `counts` excluded items per user; by default
+    the demo's shape (infra/configs/demo.yaml: k = 10, batches of 256 users; the demo target when trained)."""
+    users: int = 512
+    batch: int = 256
+    k: int = 10
+    counts: list[int] = field(default_factory=lambda: [50, 1000])
+
+
+@dataclass(kw_only=True)
 class SpeculativeParams(Timed):
     target: str
     drafts: list[str]

@@ -1,0 +1,119 @@
+"""exclude: what per-user exclusions cost beam_search (issue 32). The same Amazon Beauty users and batches are
+decoded without exclusions and with each count of excluded items per user (the user's whole history first, topped up
+with distinct random catalog items), interleaved; the timed call builds each batch's `Exclusions` from its (user,
+item) pairs, as the actor does. Reported: users/s per method, median (min-max), and each count's cost over no
+exclusions as the ratio of medians with its range, against the issue's bounds (1.1x at 50 items, 1.5x at 1,000).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+from decoding.beam import beam_search
+from decoding.catalog import Catalog, Exclusions
+from decoding.models import pick_device
+from pipeline.bench.common import compare, environment, fmt_ratio, fmt_spread, footer, interleaved, ratio
+from pipeline.bench.inputs import bench_model, load_beauty
+from pipeline.bench.params import ExcludeParams
+
+BOUNDS = {50: 1.1, 1000: 1.5}  # the issue's cost bounds: excluded items per user -> the most beam_search may cost
+
+
+def run_exclude(p: ExcludeParams, command: str) -> tuple[dict, str]:
+    """The exclude section -> (result, Markdown)."""
+    device = pick_device(p.device)
+    torch.manual_seed(p.seed)
+    tok, catalog, ids, mask = load_beauty(Path(p.data), p.users, p.history_len, device, p.model and Path(p.model))
+    model = bench_model(p, len(tok), device)
+    histories = pq.read_table(Path(p.data) / "test.parquet", columns=["history"]).column("history").to_pylist()
+    histories = [h for h in histories if h][:ids.shape[0]]  # the users load_beauty rendered, in order
+    result = {"args": asdict(p), "environment": environment(p.device, command),
+              "exclude": bench_exclude(p, model, catalog, ids, mask, histories)}
+    return result, markdown_exclude(result)
+
+
+def exclusion_pairs(catalog: Catalog, histories: list[list[int]], count: int, seed: int):
+    """Each user's `count` excluded items: its whole history first, then distinct random catalog items -> (user [M],
+    item id [M]) on the catalog's device."""
+    rng = np.random.default_rng(seed)
+    ids = catalog.item_ids.cpu().numpy()
+    users, items = [], []
+    for u, history in enumerate(histories):  # building the benchmark's input, outside the timed calls
+        own = np.unique(np.asarray(history, dtype=np.int64))[:count]
+        more = rng.choice(np.setdiff1d(ids, own), count - len(own), replace=False)
+        users.append(np.full(count, u))
+        items.append(np.concatenate([own, more]))
+    to = lambda x: torch.from_numpy(np.concatenate(x)).to(catalog.device)  # noqa: E731
+    return to(users), to(items)
+
+
+def bench_exclude(p: ExcludeParams, model, catalog: Catalog, ids: torch.Tensor, mask: torch.Tensor,
+                  histories: list[list[int]]) -> dict:
+    """beam_search over the users [U, S] in batches of p.batch, with no exclusions and with each of p.counts
+    excluded items per user, interleaved; whether any user got an excluded item."""
+    pairs = {n: exclusion_pairs(catalog, histories, n, p.seed) for n in p.counts}
+
+    def decode_batch(n: int | None, a: int):
+        """Users a .. a + B - 1 with n excluded items each (None: no exclusions)."""
+        i, m = ids[a:a + p.batch], mask[a:a + p.batch]
+        if n is None:
+            return beam_search(model, i, m, catalog, p.k)
+        user, item = pairs[n]
+        pick = (user >= a) & (user < a + i.shape[0])
+        return beam_search(model, i, m, catalog, p.k,
+                           exclude=Exclusions.from_items(catalog, user[pick] - a, item[pick], i.shape[0]))
+
+    names = {"none": None, **{f"exclude {n}": n for n in p.counts}}
+    run = interleaved({name: lambda n=n: [decode_batch(n, a) for a in range(0, ids.shape[0], p.batch)]
+                       for name, n in names.items()}, p.repeats, ids.device,
+                      warmup={name: lambda n=n: decode_batch(n, 0) for name, n in names.items()},
+                      desc="exclude: beam_search with and without exclusions")
+    users = ids.shape[0]
+    rows = {name: {"excluded_per_user": n or 0, "timing": t.to_dict(), "users_per_s": t.per(lambda s: users / s)}
+            for (name, n), t in zip(names.items(), run.timings.values())}
+    for name, n in names.items():
+        if n is None:
+            continue
+        items = torch.cat([r.item_ids for r in run.outputs[name]])  # [U, k]
+        user, item = pairs[n]
+        hit = (items[user] == item[:, None]).any(1)  # [M] an excluded item among its user's recommendations
+        rows[name].update(cost=ratio(run.timings[name], run.timings["none"]), bound=BOUNDS.get(n),
+                          excluded_returned=int(hit.sum()),
+                          full_lists=float((items >= 0).all(1).float().mean()))
+    return {"users": users, "batch": p.batch, "k": p.k, "repeats": p.repeats, "order": run.order, "methods": rows,
+            "prompt_tokens_max": ids.shape[1]}
+
+
+def markdown_exclude(result: dict) -> str:
+    e, env, a = result["exclude"], result["environment"], result["args"]
+    model = a["model"] or f"a random Llama {a['layers']} x {a['hidden']}"
+    lines = [f"## exclude: beam_search with per-user exclusions, K={e['k']}, batch {e['batch']}, {e['users']} Amazon "
+             f"Beauty users (prompt up to {e['prompt_tokens_max']} tokens), {model}, {env['device']}; median (min-max) "
+             f"of {e['repeats']} interleaved repeats", "",
+             "| excluded items per user | users/s | cost over none (ratio of medians, range) | bound | excluded items "
+             "returned |", "|---:|---:|---:|---:|---:|"]
+    for name, r in e["methods"].items():
+        cost = fmt_ratio(r["cost"]) if "cost" in r else "1"
+        bound = f"{r['bound']:.1f}x" if r.get("bound") else "-"
+        lines.append(f"| {r['excluded_per_user']:,} | {fmt_spread(r['users_per_s'])} | {cost} | {bound} | "
+                     f"{r.get('excluded_returned', '-')} |")
+    lines += ["", verdict_exclude(result), "", footer(env)]
+    return "\n".join(lines)
+
+
+def verdict_exclude(result: dict) -> str:
+    """Each count's cost against its bound, from the medians (the range says how sure)."""
+    parts = []
+    for name, r in result["exclude"]["methods"].items():
+        if "cost" not in r:
+            continue
+        c = r["cost"]
+        within = "" if r["bound"] is None else (f", {'within' if c['median'] <= r['bound'] else 'ABOVE'} the "
+                                                f"{r['bound']:.1f}x bound")
+        parts.append(f"{r['excluded_per_user']:,} excluded items per user cost {fmt_ratio(c)} of beam_search without"
+                     f"{within} ({compare('none', name, c)})")
+    return "; ".join(parts) + "."
