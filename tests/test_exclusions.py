@@ -343,6 +343,13 @@ def test_nightly_with_exclude_history_and_an_exclusion_column(ray_world, tmp_pat
                                       "excluded_per_user_mean": pytest.approx(per_user.float().mean().item()),
                                       "excluded_per_user_max": int(per_user.max()), "unknown_ids_ignored": 1}
     assert t["metrics"]["excluded_items"].to_numpy().sum() == per_user.sum().item()
+    from pipeline.report import summarize, summary_rows
+    from pipeline.runs import load_run
+
+    rows = dict((r[0], r[1]) for r in summary_rows([summarize(load_run(str(tmp_path / "out"), cfg.storage), 2.5)]))
+    assert rows["exclusions (decoding.exclude; items excluded per user)"] == (
+        f"history, column `exclude_items`: mean {per_user.float().mean().item():,.1f}, max {int(per_user.max())}, "
+        "1 unknown ids ignored")
     for targets in ("all", "unseen"):
         ev = evaluate(f"{tmp_path / 'out'}", cfg.storage, targets=targets, out=str(tmp_path / f"ev-{targets}"))
         assert ev["exclusions"] == manifest["exclusions"] and ev["targets"]["mode"] == targets
