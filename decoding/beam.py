@@ -240,7 +240,7 @@ def sample_beams(kids: Children, score: torch.Tensor, k: int, temperature: float
 def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, catalog: Catalog, k: int,
                 steps: int | None = None, do_sample: bool = False, temperature: float = 1.0,
                 generator: torch.Generator | None = None, prefix: Prefix | None = None,
-                exclude: Exclusions | None = None) -> Recommendations:
+                exclude: Exclusions | None = None, engine: str = "eager") -> Recommendations:
     """input_ids, attention_mask [B, S] left-padded (continuing `prefix` when given) -> the top-k catalog items per
     user (per user over the catalog minus its `exclude`d items, when given: a user with fewer than k left gets what is
     left, padded). `steps` < L stops early: token_ids are then the top-k prefixes [B, k, steps] and item_ids are -1.
@@ -250,7 +250,9 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, ca
     pays for itself), written in place into a preallocated cache.
     stats: the base keys (decoding/stats.py), kv_len, kv_batch, tree_tokens, and tie_gap [B]: the smallest margin
     by which a kept beam beat the best dropped candidate at any step (inf when none was dropped; a user whose margin
-    is below another engine's rounding error may legitimately get a different list from it)."""
+    is below another engine's rounding error may legitimately get a different list from it).
+    engine="compiled": the same search on fixed shapes per bucket, two compiled graphs (decoding/compiled.py); what
+    it does not cover runs eager, saying why in stats["engine_note"]."""
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     if do_sample and not temperature > 0:
@@ -261,6 +263,13 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, ca
     depth = catalog.code_len if steps is None else steps
     if not 1 <= depth <= catalog.code_len:
         raise ValueError(f"steps must be in [1, {catalog.code_len}], got {steps}")
+    if engine not in ("eager", "compiled"):
+        raise ValueError(f"engine must be eager or compiled, got {engine!r}")
+    if engine == "compiled":  # fixed shapes per bucket, two compiled graphs (decoding/compiled.py)
+        from decoding.compiled import compiled_beam_search
+
+        return compiled_beam_search(model, input_ids, attention_mask, catalog, k, steps, do_sample, prefix=prefix,
+                                    exclude=exclude, temperature=temperature, generator=generator)
     meter = Meter(dev)
     with meter.phase("prefill"):
         cache, hidden = prefill(model, input_ids, attention_mask, meter, prefix=prefix, capacity=k * (depth - 1))

@@ -1,0 +1,450 @@
+"""The compiled engine: `beam_search(..., engine="compiled")` on fixed shapes, two graphs per bucket.
+
+The eager engine (decoding/beam.py) is the reference; this one returns the same items, token ids, scores and base
+stats, and runs the same pieces (`candidates`, `topk_stable`, `pick`, the catalog's CSR children, the model's own
+decoder layers, the head's chunk products) on shapes that never change within a bucket, so that each graph compiles
+once with `torch.compile(fullgraph=True, dynamic=False)` (gpt-fast's static KV cache, transformers' StaticCache):
+
+- **Buckets.** A batch of b users with prompts of s tokens runs as `Bucket.of(b, s, k, depth)`: users padded to a
+  power of two (a decode batch is usually the configured batch, its remainder one smaller bucket: log2 graphs at most)
+  and the prompt left-padded to 16, 24, 32, 48, 64, 96, ... (each step 1.5x or 1.33x the last: at most a third of a
+  prompt is padding, with two graphs per doubling of the length). Padded users are one-token dummies; padded columns
+  are masked like any left padding, so real users' results do not depend on the bucket.
+- **Slots.** One `Slots` per bucket, allocated once and reused by every batch of that bucket: each layer's keys and
+  values [B, H_kv, P + S + T, D] (P shared-prefix columns copied once, S prompt columns, T = K(L-1) tree columns, tree
+  column `l K + i` holding beam i's node of level l), the inputs, and the beam state (scores, tokens, catalog nodes,
+  each beam's ancestors' tree columns, the level). The graphs write them in place (`index_copy_` at tensor offsets):
+  nothing is returned, nothing is allocated between graphs, and the step's inputs keep their addresses (what a CUDA
+  graph replay needs).
+- **Graphs.** `prefill` (the prompts into the cache, the root's children scored, the first selection) and `step` (the
+  K tokens chosen at the last level forwarded as tree nodes, their children scored, the next selection), the same
+  graph for every level: the level is a tensor in the slots. Selection runs on the device (stable sort: ties to the
+  lower (beam, token) pair, as `topk_stable`), children padded to the catalog's widest level; no host sync inside a
+  graph. On CUDA the step is compiled with mode="reduce-overhead" (replayed as a CUDA graph).
+- **Attention.** Each node attends its user's prompt (prefix included) and its own ancestors. "flex": FlexAttention
+  with a `BlockMask` built in the graph (on CUDA whole masked blocks are skipped); "sdpa": scaled_dot_product_attention
+  over the same mask as an additive tensor. Both keep grouped-query heads unrepeated (enable_gqa). The model's decoder
+  layers run unchanged, through views whose config names this attention (the model itself is not modified).
+- **Head.** The children's log-probabilities (log_softmax over the full vocabulary, float32) from the head's chunk
+  products, at most `MAX_CHUNKS` chunks, with no host sync (the eager `Head.score` reads the asked tokens' range).
+
+Llama, Qwen2, Qwen3 and Mistral (whose decoder layers this calls as they are); anything else, sampling beam search
+(do_sample) and per-user exclusions run eager, with the reason in stats["engine_note"].
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+import warnings
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from transformers import AttentionInterface
+
+from decoding.beam import Children, Recommendations, beam_search, candidates, head_of, pick, topk_stable
+from decoding.catalog import Catalog
+from decoding.head import Head
+from decoding.stats import Meter, beam_batch_kv
+
+NEG_INF = float("-inf")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+ATTENTION = {"flex": "genrec_tree_flex", "sdpa": "genrec_tree_sdpa"}  # engine attention -> registered interface
+MAX_CHUNKS = 16  # vocabulary chunks of the head inside a graph (each is unrolled into it)
+RECOMPILE_LIMIT = 256  # graphs per compiled function (every bucket of every model is one)
+_ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+# ---------------------------------------------------------------- buckets
+
+
+def users_bucket(n: int) -> int:
+    """Users -> the next power of two."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def prompt_bucket(n: int) -> int:
+    """Prompt tokens -> the smallest of 16, 24, 32, 48, 64, 96, ... (2^i and 1.5 x 2^i) that holds them."""
+    size = 16
+    while size < n:
+        size = size * 3 // 2 if size & (size - 1) == 0 else size // 3 * 4
+    return size
+
+
+@dataclass(frozen=True)
+class Bucket:
+    users: int  # B: rows of every tensor (real users first, then dummies)
+    prompt: int  # S: prompt columns after the shared prefix (left padding first)
+    k: int  # K beams
+    depth: int  # levels decoded (L, or `steps`)
+
+    @classmethod
+    def of(cls, users: int, prompt: int, k: int, depth: int) -> "Bucket":
+        return cls(users_bucket(users), prompt_bucket(prompt), k, depth)
+
+
+# ---------------------------------------------------------------- the state a bucket's graphs share
+
+
+@dataclass
+class Slots:
+    """One bucket's buffers, allocated once and written in place by its graphs. Shapes: B users, S prompt columns,
+    P prefix columns, T = K (L - 1) tree columns, L code levels."""
+    keys: list  # per layer [B, H_kv, P + S + T, D]
+    values: list  # per layer [B, H_kv, P + S + T, D]
+    input_ids: torch.Tensor  # [B, S] left-padded prompts
+    prompt_mask: torch.Tensor  # [B, P + S] bool: real prompt columns (the prefix's included)
+    score: torch.Tensor  # [B, K] float32 sequence log-probs of the beams (-inf: dead)
+    token: torch.Tensor  # [B, K] int64 each beam's last token (0 when dead)
+    node: torch.Tensor  # [B, K] int64 its catalog trie node (-1: dead)
+    tokens: torch.Tensor  # [B, K, L] int64 each beam's tokens so far
+    path: torch.Tensor  # [B, K, L - 1] int64 tree columns of each beam's nodes already in the tree (-1: none)
+    level: torch.Tensor  # [] int64 levels selected so far
+    tie_gap: torch.Tensor  # [B] float32 smallest margin between the k-th and (k+1)-th candidate
+    broken: torch.Tensor  # [B] bool non-finite log-probs seen
+    prefix_len: int  # P
+
+    @classmethod
+    def allocate(cls, model, bucket: Bucket, code_len: int, prefix_kv: list | None) -> "Slots":
+        c, dev = model.config, model.device
+        b, s, k = bucket.users, bucket.prompt, bucket.k
+        p = prefix_kv[0][0].shape[2] if prefix_kv else 0
+        heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        cols = p + s + k * (code_len - 1)
+        keys = [torch.zeros(b, heads, cols, head_dim, dtype=model.dtype, device=dev) for _ in range(c.num_hidden_layers)]
+        values = [torch.zeros_like(x) for x in keys]
+        for (pk, pv), kk, vv in zip(prefix_kv or [], keys, values):  # the shared prefix: written once, kept
+            kk[:, :, :p] = pk
+            vv[:, :, :p] = pv
+        i64 = dict(dtype=torch.int64, device=dev)
+        slots = cls(keys, values, torch.zeros(b, s, **i64), torch.zeros(b, p + s, dtype=torch.bool, device=dev),
+                    torch.zeros(b, k, device=dev), torch.zeros(b, k, **i64), torch.zeros(b, k, **i64),
+                    torch.zeros(b, k, code_len, **i64), torch.zeros(b, k, max(code_len - 1, 1), **i64),
+                    torch.zeros((), **i64), torch.zeros(b, device=dev), torch.zeros(b, dtype=torch.bool, device=dev), p)
+        for t in slots.tensors():  # their addresses never change: a CUDA graph reads them in place
+            torch._dynamo.mark_static_address(t)
+        return slots
+
+    def tensors(self) -> list:
+        return [*self.keys, *self.values, self.input_ids, self.prompt_mask, self.score, self.token, self.node,
+                self.tokens, self.path, self.level, self.tie_gap, self.broken]
+
+    def load(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        """Prompts [b, s] (b <= B, s <= S) into the bucket's rows: left-padded to S; rows b.. are one-token dummies."""
+        b, s = input_ids.shape
+        p, big_s = self.prefix_len, self.input_ids.shape[1]
+        self.input_ids.zero_()
+        self.input_ids[:b, big_s - s:] = input_ids
+        self.prompt_mask.zero_()
+        self.prompt_mask[:, :p] = True
+        self.prompt_mask[:b, p + big_s - s:] = attention_mask.bool()
+        self.prompt_mask[b:, -1] = True
+
+
+# ---------------------------------------------------------------- the model's layers, through the tree attention
+
+
+@dataclass
+class KVWrite:
+    """What the decoder layers see as their cache: this forward's keys and values go to columns `cols` [Q] of every
+    layer's buffer, and attention reads the first `end` columns."""
+    keys: list
+    values: list
+    cols: torch.Tensor
+    end: int
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        """key_states [B, H_kv, Q, D] -> this layer's keys and values [B, H_kv, end, D] (this forward's included)."""
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        keys.index_copy_(2, self.cols, key_states)
+        values.index_copy_(2, self.cols, value_states)
+        return keys[:, :, :self.end], values[:, :, :self.end]
+
+
+def flex_tree_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """query [B, H, Q, D], key/value [B, H_kv, C, D], attention_mask a BlockMask -> [B, Q, H, D]."""
+    out = flex_attention(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def sdpa_tree_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """The same over an additive mask [B, 1, Q, C]."""
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
+                                                           enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTENTION["flex"], flex_tree_attention)
+AttentionInterface.register(ATTENTION["sdpa"], sdpa_tree_attention)
+
+
+def tree_layers(model, attention: str) -> list:
+    """The model's decoder layers, as views whose attention modules read a config naming the tree attention: the
+    same modules and weights, the model untouched."""
+    config = copy.copy(model.config)
+    config._attn_implementation = ATTENTION[attention]
+    views = []
+    for layer in model.base_model.layers:
+        attn = copy.copy(layer.self_attn)
+        attn.config = config
+        view = copy.copy(layer)
+        view._modules = {**layer._modules, "self_attn": attn}
+        views.append(view)
+    return views
+
+
+@dataclass
+class Body:
+    """What the graphs run: the model's embedding, rotary embedding, decoder layers (views), final norm and head."""
+    embed: torch.nn.Module
+    rotary: torch.nn.Module
+    layers: list
+    norm: torch.nn.Module
+    head: Head
+    attention: str  # "flex" or "sdpa"
+    dtype: torch.dtype
+    device: torch.device
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, mask, kv: KVWrite) -> torch.Tensor:
+        """ids, pos [B, Q]; mask from `self.mask` -> hidden states [B, Q, H]."""
+        hidden = self.embed(ids)
+        rope = self.rotary(hidden, pos)
+        for layer in self.layers:
+            hidden = layer(hidden, attention_mask=mask, position_ids=pos, position_embeddings=rope,
+                           past_key_values=kv, use_cache=True)
+        return self.norm(hidden)
+
+    def mask(self, allowed, b: int, q: int, c: int):
+        """allowed(b, q, c) -> bool (query q of user b attends column c; index tensors that broadcast) -> flex: a
+        BlockMask; sdpa: the additive mask [B, 1, Q, C] (0 where attended, the dtype's min elsewhere).
+        Compiled flex on the CPU (torch 2.13) lowers only masks that read graph inputs or materialised tensors
+        (a torch.cat's output), not a fused elementwise result: the callers build theirs so."""
+        if self.attention == "flex":
+            return create_block_mask(lambda bi, h, qi, ci: allowed(bi, qi, ci), b, None, q, c, device=self.device)
+        dev = self.device
+        dense = allowed(torch.arange(b, device=dev)[:, None, None], torch.arange(q, device=dev)[None, :, None],
+                        torch.arange(c, device=dev)[None, None, :])  # [B, Q, C]
+        return torch.zeros(b, 1, q, c, dtype=self.dtype, device=dev).masked_fill_(
+            ~dense[:, None], torch.finfo(self.dtype).min)
+
+
+# ---------------------------------------------------------------- the graphs
+
+
+def score_children(head: Head, hidden: torch.Tensor, catalog: Catalog, node: torch.Tensor, width: int):
+    """hidden [B, Q, H] at tree nodes whose catalog nodes are node [B, Q] (-1: dead) -> their children padded to
+    `width`: token, child node, log-prob (log_softmax over the full vocabulary, -inf where none) [B, Q, D], and
+    broken [B, Q] (non-finite scores). The vocabulary in at most MAX_CHUNKS chunks; no host sync."""
+    b, q = node.shape
+    tok, child, valid = (x.view(b, q, -1) for x in catalog.children(node.flatten(), width))  # [B, Q, D]
+    rows = hidden.reshape(b * q, -1)  # [R, H]
+    rows = rows.float() if head.product == "upcast" else rows
+    asked = torch.where(valid, tok, -1).view(b * q, -1)  # [R, D]
+    v = head.vocab_size
+    step = max(head.chunk_size(b * q), -(-v // MAX_CHUNKS))
+    logits = torch.full(asked.shape, NEG_INF, device=hidden.device)  # [R, D]
+    maxes, sums = [], []
+    for lo in range(0, v, step):
+        hi = min(v, lo + step)
+        z = head.chunk_logits(rows, lo, hi)  # [R, c] float32
+        inside = (asked >= lo) & (asked < hi)
+        logits = torch.where(inside, z.gather(1, (asked - lo).clamp(0, hi - lo - 1)), logits)
+        m = z.amax(1)  # [R]
+        maxes.append(m)
+        sums.append((z - m[:, None]).exp().sum(1))
+    m = torch.stack(maxes, 1)  # [R, chunks]
+    big = m.amax(1, keepdim=True)
+    lse = big[:, 0] + (torch.stack(sums, 1) * torch.exp(m - big)).sum(1).log()  # [R]
+    broken = (~torch.isfinite(lse) | torch.isnan(logits).any(1)).view(b, q)
+    logp = (logits - lse[:, None]).view(b, q, -1).masked_fill(~valid, NEG_INF)
+    return Children(tok, child, logp, broken)
+
+
+def select(kids, score: torch.Tensor, s: Slots) -> torch.Tensor:
+    """The next level's top-K (beam, token) pairs from kids [B, W, D] of the beams scored score [B, W], written into
+    the slots (score, token, node, tokens, tie_gap, level) -> parent beam [B, K] (-1: dead)."""
+    k = s.score.shape[1]
+    cand, tok, child, d = candidates(kids, score)
+    values, flat = topk_stable(cand, k + 1)  # [B, K + 1]
+    top, beam, token, node = pick(cand, tok, child, d, flat[:, :k])
+    gap = values[:, k - 1] - values[:, k]
+    s.tie_gap.copy_(torch.minimum(s.tie_gap, torch.where(torch.isnan(gap), float("inf"), gap)))
+    tokens = s.tokens.gather(1, beam.clamp(min=0)[:, :, None].expand_as(s.tokens))  # [B, K, L]
+    s.tokens.copy_(tokens.scatter(2, s.level.expand(*beam.shape, 1), token[:, :, None]))
+    s.score.copy_(top)
+    s.token.copy_(token)
+    s.node.copy_(node)
+    s.level.add_(1)
+    return beam
+
+
+def prefill(body: Body, catalog: Catalog, s: Slots) -> None:
+    """The prompts [B, S] into the cache after the prefix, the root's children scored, level 0 selected."""
+    b, n = s.input_ids.shape
+    p, dev = s.prefix_len, s.input_ids.device
+    pos = ((s.prompt_mask.long().cumsum(1) - 1).clamp(min=0))[:, p:]  # [B, S] positions over real tokens
+    mask = body.mask(lambda bi, qi, ci: (ci <= qi + p) & s.prompt_mask[bi, ci], b, n, p + n)  # causal, real tokens
+    kv = KVWrite(s.keys, s.values, torch.arange(p, p + n, device=dev), p + n)
+    hidden = body.forward(s.input_ids, pos, mask, kv)[:, -1:]  # [B, 1, H]
+    root = torch.zeros(b, 1, dtype=torch.int64, device=dev)
+    kids = score_children(body.head, hidden, catalog, root, max(catalog.max_children))
+    s.broken.copy_(kids.broken[:, 0])
+    s.tie_gap.fill_(float("inf"))
+    s.tokens.zero_()
+    s.path.fill_(-1)
+    s.level.zero_()
+    select(kids, torch.zeros(b, 1, device=dev), s)
+
+
+def step(body: Body, catalog: Catalog, s: Slots) -> None:
+    """The K tokens selected at level l - 1 (l = s.level) into the tree (tree columns (l - 1) K + i, under their
+    beams' nodes), their children scored, level l selected. The same graph for every level."""
+    b, k = s.score.shape
+    dev = s.score.device
+    t = s.keys[0].shape[2] - s.prompt_mask.shape[1]  # tree columns
+    last = s.level - 1  # [] the level of the tokens forwarded now
+    alive = s.node >= 0  # [B, K]
+    col = last * k + torch.arange(k, device=dev)  # [K] their tree columns
+    path = torch.where(alive[:, :, None], s.path, -1)  # a dead beam's token hangs off the prompt, as in eager
+    path = path.scatter(2, last.expand(b, k, 1), col.expand(b, k)[:, :, None])  # [B, K, L - 1] itself included
+    tree = (path[:, :, :, None] == torch.arange(t, device=dev)).any(2)  # [B, K, T]
+    allowed = torch.cat([s.prompt_mask[:, None, :].expand(b, k, -1), tree], 2)  # [B, K, P + S + T]
+    mask = body.mask(lambda bi, qi, ci: allowed[bi, qi, ci], b, k, allowed.shape[2])
+    pos = s.prompt_mask.sum(1, keepdim=True) + torch.where(alive, last, 0)  # [B, K] prompt length + depth - 1
+    kv = KVWrite(s.keys, s.values, s.prompt_mask.shape[1] + col, s.keys[0].shape[2])
+    hidden = body.forward(s.token, pos, mask, kv)  # [B, K, H]
+    kids = score_children(body.head, hidden, catalog, s.node, max(catalog.max_children))
+    s.broken.copy_(s.broken | kids.broken.any(1))
+    beam = select(kids, s.score, s)
+    s.path.copy_(path.gather(1, beam.clamp(min=0)[:, :, None].expand_as(path)))
+
+
+# ---------------------------------------------------------------- the engine
+
+
+def unsupported(model) -> str | None:
+    """Why `model` cannot run compiled (None: it can)."""
+    kind = getattr(model.config, "model_type", None)
+    if kind not in ARCHITECTURES:
+        return (f"{type(model).__name__} (model_type {kind!r}): the compiled engine runs {', '.join(ARCHITECTURES)} "
+                "decoder layers; this model runs eager")
+    return None
+
+
+@dataclass
+class Engine:
+    """One model's compiled engine: its layers as tree-attention views, the two compiled graphs, a Slots per bucket
+    (kept for the model's lifetime) and what compiling cost."""
+    body: Body
+    cuda_graphs: bool
+    slots: dict = field(default_factory=dict)  # (bucket, prefix) -> Slots
+    graphs: set = field(default_factory=set)  # (graph name, bucket, catalog shape) run at least once
+    compile_s: float = 0.0  # wall seconds of every graph's first run (its compilation included)
+
+    def __post_init__(self):
+        # on a CPU the graph's kernels and wrapper as one C++ file: one compiler run per graph, not one per kernel
+        # (cold compiles 30-40% faster here) and no Python between kernels
+        opts = None if self.cuda_graphs or self.body.device.type == "cuda" else {"cpp_wrapper": True}
+        self.prefill = torch.compile(prefill, fullgraph=True, dynamic=False, options=opts)
+        self.step = torch.compile(step, fullgraph=True, dynamic=False,
+                                  mode="reduce-overhead" if self.cuda_graphs else None, options=opts)
+
+    @classmethod
+    def of(cls, model, attention: str | None = None, cuda_graphs: bool | None = None) -> "Engine":
+        """The model's engine (made on first use). attention: "flex" or "sdpa" (None: flex on CUDA, sdpa elsewhere,
+        where it compiles in a fraction of flex's time); cuda_graphs: the step replayed as a CUDA graph (None: on
+        CUDA)."""
+        why = unsupported(model)
+        if why:
+            raise ValueError(why)
+        cuda = model.device.type == "cuda"
+        attention = attention or ("flex" if cuda else "sdpa")
+        if attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {sorted(ATTENTION)}, got {attention!r}")
+        key = (attention, cuda if cuda_graphs is None else cuda_graphs)
+        engines = _ENGINES.setdefault(model, {})
+        if key not in engines:
+            base = model.base_model
+            body = Body(base.embed_tokens, base.rotary_emb, tree_layers(model, attention), base.norm, head_of(model),
+                        attention, model.dtype, model.device)
+            engines[key] = cls(body, key[1])
+        return engines[key]
+
+    def slots_for(self, model, bucket: Bucket, catalog: Catalog, prefix) -> Slots:
+        key = (bucket, catalog.code_len, prefix)
+        if key not in self.slots:
+            self.slots[key] = Slots.allocate(model, bucket, catalog.code_len, prefix.kv(model) if prefix else None)
+        return self.slots[key]
+
+    def run(self, name: str, graph, bucket: Bucket, catalog: Catalog, s: Slots) -> None:
+        """One graph call; its first call per (bucket, catalog shape) is timed into compile_s."""
+        key = (name, bucket, catalog.tokens.shape, len(catalog.edge_tok))
+        first = key not in self.graphs
+        t0 = time.perf_counter()
+        if name == "step" and self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            graph(self.body, catalog, s)
+        if first:
+            if s.score.device.type == "cuda":
+                torch.cuda.synchronize()
+            self.compile_s += time.perf_counter() - t0
+            self.graphs.add(key)
+
+
+@torch.no_grad()
+def compiled_beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, catalog: Catalog, k: int,
+                         steps: int | None = None, do_sample: bool = False, prefix=None, exclude=None,
+                         attention: str | None = None, **eager) -> Recommendations:
+    """`beam_search(..., engine="compiled")`: the same arguments and result (items, token ids, scores, the base stats
+    and beam search's extras, computed as eager computes them for the real users and prompt length), plus engine,
+    bucket_users, bucket_prompt, compile_s and graphs_compiled (the graphs this call compiled; 0 once warm). What the
+    compiled engine does not cover runs eager, with stats["engine_note"] saying why."""
+    why = unsupported(model) or ("sampling beam search (do_sample) runs eager" if do_sample else None) or (
+        "per-user exclusions run eager" if exclude is not None else None)
+    if why:
+        rec = beam_search(model, input_ids, attention_mask, catalog, k, steps, do_sample, prefix=prefix,
+                          exclude=exclude, **eager)
+        rec.stats.update(engine="eager", engine_note=note_eager(why))
+        return rec
+    b, s = input_ids.shape
+    depth = catalog.code_len if steps is None else steps
+    p = len(prefix) if prefix is not None else 0
+    engine = Engine.of(model, attention)
+    bucket = Bucket.of(b, s, k, depth)
+    slots = engine.slots_for(model, bucket, catalog, prefix)
+    compile_s, graphs = engine.compile_s, len(engine.graphs)
+    meter = Meter(input_ids.device)
+    slots.load(input_ids, attention_mask)
+    with meter.phase("prefill"):
+        engine.run("prefill", engine.prefill, bucket, catalog, slots)
+    meter.forward("target", input_ids)
+    for _ in range(depth - 1):
+        engine.run("step", engine.step, bucket, catalog, slots)
+        meter.forward("target", slots.token[:b])
+    meter.kv(b * (p + s + k * (depth - 1)))
+    score, node, tokens = slots.score[:b].clone(), slots.node[:b].clone(), slots.tokens[:b, :, :depth].clone()
+    alive = node >= 0
+    stats = meter.result(beam_batch_kv(b, k, s, depth), kv_len=p + s + k * (depth - 1), kv_batch=b,
+                         tree_tokens=k * (depth - 1), non_finite=slots.broken[:b].clone(),
+                         tie_gap=slots.tie_gap[:b].clone(), engine="compiled", bucket_users=bucket.users,
+                         bucket_prompt=bucket.prompt, compile_s=engine.compile_s - compile_s,
+                         graphs_compiled=len(engine.graphs) - graphs)
+    return Recommendations(
+        item_ids=catalog.item_of_node(node) if depth == catalog.code_len else torch.full_like(node, -1),
+        token_ids=torch.where(alive[:, :, None], tokens, -1), scores=torch.where(alive, score, NEG_INF), stats=stats)
+
+
+@contextlib.contextmanager
+def no_recompiles():
+    """Inside: a graph that would compile again raises instead (torch.compiler's fail_on_recompile stance)."""
+    with torch.compiler.set_stance("fail_on_recompile"):
+        yield
+
+
+def note_eager(reason: str) -> str:
+    warnings.warn(f"engine='compiled' runs eager here: {reason}", stacklevel=3)
+    return reason
