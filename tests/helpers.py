@@ -87,3 +87,32 @@ def trained_model(arch: str, catalog: Catalog, input_ids, attention_mask, steps:
         loss.backward()
         opt.step()
     return model.eval()
+
+
+@torch.no_grad()
+def forced_scores(model, input_ids, attention_mask, tokens, head: str = "exact"):
+    """Each listed item's score [B, K] by one plain forward of `model` over prompt + item (no token tree): the sum
+    over its L tokens of log_softmax over the full vocabulary. head "exact": the logits of the body's hidden states
+    computed in float64 (the exact product of the model's own inputs, nothing rounded after the body); "model": the
+    model's own logits (rounded to its dtype, as transformers computes them). tokens [B, K, L], -1 rows -> -inf."""
+    b, k, code_len = tokens.shape
+    real = (tokens >= 0).all(2)  # [B, K]
+    seq = torch.cat([input_ids.repeat_interleave(k, 0), tokens.clamp(min=0).reshape(b * k, code_len)], 1)
+    mask = torch.cat([attention_mask.repeat_interleave(k, 0), attention_mask.new_ones(b * k, code_len)], 1)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    if head == "exact":
+        hidden = model.base_model(input_ids=seq, attention_mask=mask, position_ids=pos).last_hidden_state
+        out = model.get_output_embeddings()
+        logits = hidden.double() @ out.weight.double().t()  # [B K, S + L, V]
+        if out.bias is not None:
+            logits += out.bias.double()
+    else:
+        logits = model(input_ids=seq, attention_mask=mask, position_ids=pos).logits.double()
+    logp = logits.log_softmax(-1)[:, -code_len - 1:-1].gather(2, seq[:, -code_len:, None]).squeeze(2)
+    return torch.where(real, logp.sum(1).view(b, k), float("-inf"))
+
+
+def mean_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Mean |a - b| over the entries where both are finite."""
+    both = torch.isfinite(a) & torch.isfinite(b)
+    return float((a.double() - b.double())[both].abs().mean())
