@@ -122,7 +122,7 @@ def children(model, hidden: torch.Tensor, catalog: Catalog, node: torch.Tensor, 
     b, q = node.shape
     tok, child, valid = (x.view(b, q, -1) for x in catalog.children(node.flatten(), width))  # [B, Q, D]
     if exclude is not None:
-        valid = valid & exclude.open(catalog, child)
+        valid = valid & exclude.open(child)
         child = torch.where(valid, child, -1)
     scores = head_of(model).score(hidden.reshape(b * q, -1), torch.where(valid, tok, -1).view(b * q, -1))
     logp = scores.logp.view(b, q, -1)

@@ -15,6 +15,7 @@ No Python loop runs over rows, beams or users; loops run over the L levels or lo
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
@@ -221,16 +222,18 @@ class Catalog:
         """G: the trie's nodes, root and leaves included."""
         return self.node_ptr.numel() - 1
 
-    def parent_of(self, node: torch.Tensor) -> torch.Tensor:
-        """Node ids [*] (-1 = none) -> their parents [*]; -1 for the root and for none."""
-        edge = (node - 1).clamp(min=0, max=max(self.edge_key.numel() - 1, 0))  # node n is reached by edge n - 1
-        return torch.where(node > 0, self.edge_key[edge] // self.vocab_size, -1)
+    @cached_property
+    def parent(self) -> torch.Tensor:
+        """[G] int64: each node's parent, -1 for the root (node n is reached by edge n - 1); computed once per
+        catalog (and device)."""
+        root = torch.full((1,), -1, dtype=torch.int64, device=self.device)
+        return torch.cat([root, self.edge_key // self.vocab_size])
 
     def leaf_of(self, item_ids: torch.Tensor) -> torch.Tensor:
         """Item ids [M] -> their leaf nodes [M]; -1 for an id the index does not hold (not in the catalog, or dropped
         for sharing another item's semantic ID: that item is a different one)."""
         ids, rows = self._by_id
-        query, order = torch.sort(torch.as_tensor(item_ids, dtype=torch.int64).to(self.device))  # sorted queries
+        query, order = torch.sort(torch.as_tensor(item_ids, dtype=torch.int64).to(self.device), stable=True)  # radix
         at = torch.searchsorted(ids, query).clamp(max=len(self) - 1)  # [M] walk the ids in order: cache-friendly
         leaf = torch.where(ids[at] == query, self.level_start[self.code_len] + rows[at], -1)
         return torch.empty_like(leaf).scatter_(0, order, leaf)
@@ -308,15 +311,19 @@ class Exclusions:
         if user.numel() and not (0 <= int(user.min()) and int(user.max()) < users):
             raise ValueError(f"users must lie in [0, {users}), got {int(user.min())} .. {int(user.max())}")
         g = catalog.num_nodes
-        pair = torch.unique(user[leaf >= 0] * g + leaf[leaf >= 0])  # [M'] distinct (user, leaf), sorted
-        key, count = [pair], [torch.ones_like(pair)]
+        pair = torch.unique_consecutive(torch.sort(user[leaf >= 0] * g + leaf[leaf >= 0], stable=True).values)  # [M']
+        # distinct (user, leaf), sorted (a stable sort of integers is a radix sort on the CPU: several times faster)
+        who, node = pair // g, pair % g
+        key, count, closed = [pair], [torch.ones_like(pair)], [pair]  # an excluded leaf closes itself
         for _ in range(catalog.code_len):  # level by level up to the root: nodes are numbered in prefix order, so
             # the parents of a sorted level's keys come sorted, and equal ones adjacent
-            up, inverse = torch.unique_consecutive(key[0] - key[0] % g + catalog.parent_of(key[0] % g),
-                                                   return_inverse=True)
+            node = catalog.parent[node]
+            up, inverse = torch.unique_consecutive(who * g + node, return_inverse=True)  # [E_t]
+            one = torch.zeros_like(up).scatter_(0, inverse, torch.arange(inverse.numel(), device=up.device))
+            who, node = who[one], node[one]  # [E_t] each key's user and node
             key.insert(0, up)
             count.insert(0, torch.zeros_like(up).index_add_(0, inverse, count[0]))
-        closed = [k[c == catalog.leaf_count[k % g]] for k, c in zip(key, count)]
+            closed.insert(0, up[count[0] == catalog.leaf_count[node]])
         return cls(key, count, closed, torch.arange(users, device=catalog.device), g, list(catalog.level_start))
 
     @classmethod
@@ -339,18 +346,23 @@ class Exclusions:
         total = sum(count_at(k, c, query) for k, c in zip(self.key, self.count))  # a node is of one level only
         return torch.where(node >= 0, total, 0)
 
-    def open(self, catalog: Catalog, node: torch.Tensor) -> torch.Tensor:
+    def open(self, node: torch.Tensor) -> torch.Tensor:
         """node [A', ...] (-1 = none) -> bool [A', ...]: the node holds an item its row's user may still get. Only the
         real nodes are looked up, each in its own level's closed keys."""
         live = node >= 0
         where = live.nonzero(as_tuple=True)
-        query = self._keys(node)[where]  # [R]
-        level = torch.searchsorted(torch.tensor(self.level_start[1:-1], device=node.device), node[where], right=True)
+        child = node[where]  # [R] the real nodes
+        query = self.rows[where[0]] * self.nodes + child  # [R] their keys
+        lo, hi = (bisect.bisect_right(self.level_start, int(x)) - 1 for x in child.aminmax()) if len(child) else (0, -1)
         shut = torch.zeros_like(query, dtype=torch.bool)
-        for t, keys in enumerate(self.closed):
-            if keys.numel():
-                at = (level == t).nonzero().flatten()
-                shut[at] = found_in(keys, query[at])
+        if lo == hi and self.closed[lo].numel():  # beam search asks about one level at a time
+            shut = found_in(self.closed[lo], query)
+        elif lo < hi:  # speculative decoding about several
+            level = torch.searchsorted(torch.tensor(self.level_start[1:-1], device=node.device), child, right=True)
+            for t in range(lo, hi + 1):
+                if self.closed[t].numel():
+                    at = (level == t).nonzero().flatten()
+                    shut[at] = found_in(self.closed[t], query[at])
         return live.index_put_(where, ~shut)
 
     def per_user(self) -> torch.Tensor:

@@ -171,9 +171,10 @@ def propose(model, tree: TokenTree, cache, stores: list[Expanded], catalog: Cata
             epoch: torch.Tensor, epochs: int, drawn: tuple[torch.Tensor, torch.Tensor], top_m: int | None,
             temperature: float, generator, meter: Meter, exclude: Exclusions | None = None):
     """Constrained samples, token by token, for the proposal slots wanted [B, P] (the others stay dead) of draws
-    launched in epoch [B, P] (drawn: the items they exclude, `drawn_counts`, besides the users' own `exclude`), reusing every trie node scored before
-    (stores: one per level, extended in place). -> tokens [B, P, L], paths [B, P, L + 1] (trie nodes, -1 = dead),
-    log x [B, P], log p [B, P] (temperature 1), users whose log-probs were NaN or infinite [B]."""
+    launched in epoch [B, P] (drawn: the items they exclude, `drawn_counts`, besides the users' own `exclude`),
+    reusing every trie node scored before (stores: one per level, extended in place). -> tokens [B, P, L], paths
+    [B, P, L + 1] (trie nodes, -1 = dead), log x [B, P], log p [B, P] (temperature 1), users whose log-probs were NaN
+    or infinite [B]."""
     (b, proposals), dev = wanted.shape, wanted.device
     code_len, g = catalog.code_len, catalog.num_nodes
     node = torch.where(wanted, 0, -1)

@@ -216,9 +216,9 @@ def speculative_beam_search(target, draft, input_ids: torch.Tensor, attention_ma
                             generator: torch.Generator | None = None, prefix: Prefix | None = None,
                             exclude: Exclusions | None = None) -> Recommendations:
     """input_ids, attention_mask [B, S] left-padded (continuing `prefix` when given; per-user exclusions `exclude`
-    as in beam_search) -> exactly `beam_search(target, ...)`'s top-k items per user (strict; draft_beams N defaults to max(40, k)), or a draw of
-    `beam_search(target, do_sample=True, ...)` (relaxed: the draft proposes the K sequences that the K draws verify,
-    so draft_beams is K).
+    as in beam_search) -> exactly `beam_search(target, ...)`'s top-k items per user (strict; draft_beams N defaults
+    to max(40, k)), or a draw of `beam_search(target, do_sample=True, ...)` (relaxed: the draft proposes the K
+    sequences that the K draws verify, so draft_beams is K).
     stats: the base keys (decoding/stats.py) plus accepted_steps [B], drafted_steps [B], rounds [B] and
     accepted_hist [gamma + 1]: (user, round) pairs by the number of drafted steps the round accepted."""
     code_len = catalog.code_len

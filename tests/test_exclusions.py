@@ -89,10 +89,10 @@ def test_closed_nodes_are_exactly_the_nodes_with_no_item_left(catalog):
         for row in left.nonzero().flatten().tolist():  # brute force: walk each remaining item's path
             expect.update(dict.fromkeys(cat.node_of(cat.tokens[row:row + 1, :t]).item()
                                         for t in range(cat.code_len + 1)))
-        got = ex.select(torch.full((cat.num_nodes,), u)).open(cat, nodes)  # row i: user u, node i
+        got = ex.select(torch.full((cat.num_nodes,), u)).open(nodes)  # row i: user u, node i
         assert set(got.nonzero().flatten().tolist()) == set(expect), u
         assert ex.select(torch.tensor([u])).per_user().item() == len(cat) - int(left.sum())
-    assert not ex.open(cat, torch.full((8, 3), -1)).any()  # no node is no candidate
+    assert not ex.open(torch.full((8, 3), -1)).any()  # no node is no candidate
 
 
 def test_leaf_of_ignores_unknown_ids_and_dropped_duplicates():
@@ -270,7 +270,8 @@ def test_bad_exclusion_rows_are_rejected_with_a_reason():
         {"user_id": 3, "reason": "bad_exclude_items", "detail": "skip must be a list of integer item ids, got '[1.5]'"},
         {"user_id": 4, "reason": "bad_exclude_items",
          "detail": "skip must be a list of integer item ids, got '[1.0, None]'"}]
-    nulls = pa.table({"user_id": [1, 2], "history": [[1], [2]], "skip": pa.array([[1, None], [2]], pa.list_(pa.int64()))})
+    nulls = pa.table({"user_id": [1, 2], "history": [[1], [2]],
+                      "skip": pa.array([[1, None], [2]], pa.list_(pa.int64()))})
     assert validate(nulls, items, 20, "skip")[1].to_pylist() == [
         {"user_id": 1, "reason": "bad_exclude_items", "detail": "skip holds a null item id"}]
     plain = validate(batch.drop_columns(["skip"]), items, 20, "skip")[0]  # no column: nothing to check or carry
