@@ -43,16 +43,9 @@ def main(argv=None) -> int:
             print(json.dumps({"deleted": collect_garbage(cfg)}))
             return 0
         plan = plan_run(cfg)  # before Ray: a missing input, catalog or model is refused here
-    except (FileNotFoundError, ValueError, PermissionError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except StoreUnavailable as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 4
-    import ray
+        import ray
 
-    ray.init(ignore_reinit_error=True, log_to_driver=True)  # RAY_ADDRESS / a running cluster, else a local one
-    try:
+        ray.init(ignore_reinit_error=True, log_to_driver=True)  # RAY_ADDRESS / a running cluster, else a local one
         manifest = run_nightly(cfg, args.resume, plan)
     except (LeaseHeld, LeaseLost) as e:
         print(f"refused: {e}", file=sys.stderr)

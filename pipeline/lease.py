@@ -7,7 +7,9 @@ machine's wall clock: a lease is taken over only when its ETag has not changed f
 clock (or its holder released it); `expires` (the holder's clock) only lets a taker refuse at once a lease that is
 live even by its own clock. A run killed without releasing holds the date until then; the next run (or its resume)
 takes it over. A holder whose renewal was refused (taken over), or that could not renew for ttl (a pause, a network
-partition from the store), has lost the date: it stops and never publishes.
+partition from the store), has lost the date: it stops and never publishes. Every put and read here is tried again
+while the store fails transiently (pipeline/storage.py). Release is best effort: one that cannot reach the store is
+logged, not raised over the run's own error, and the lease then stays held until it expires, as a killed run's does.
 
 Local storage: an exclusive `flock` on the same file, held by the driver process for the whole run and released by
 the kernel when the process dies (no expiry needed); the file names the holder for the refusal message.

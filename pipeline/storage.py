@@ -91,9 +91,11 @@ def retrying(call: Callable[[], T], storage: Storage, what: str, budget_s: float
             waited = time.monotonic() - start
             cause = " ".join(str(e).split()) or type(e).__name__
             if waited >= budget:
-                raise StoreUnavailable(f"object store {store_name(storage)} unavailable: {what} failed for "
-                                       f"{waited:.0f} s ({attempt + 1} attempts; storage.retry_s = {budget:g}): "
-                                       f"{cause}") from e
+                down = StoreUnavailable(f"object store {store_name(storage)} unavailable: {what} failed for "
+                                        f"{waited:.0f} s ({attempt + 1} tries; storage.retry_s = {budget:g}): "
+                                        f"{cause}")
+                log.error("giving up: %s", down)
+                raise down from e
             delay = min(random.uniform(0, min(BACKOFF_S[1], BACKOFF_S[0] * 2 ** attempt)), budget - waited)
             log.warning("store %s: %s failed (%s); retry %d in %.1f s", store_name(storage), what, cause,
                         attempt + 1, delay)
