@@ -119,6 +119,8 @@ def test_bench_exclude_small(data, tmp_path):
     assert list(methods) == ["none", "exclude 3", "exclude 60"] and len(ex["order"]) == 3 * 2
     assert all(m["excluded_returned"] == 0 and m["full_lists"] == 1.0 for n, m in methods.items() if n != "none")
     assert methods["exclude 60"]["bound"] is None and len(methods["exclude 3"]["cost"]["per_repeat"]) == 2
+    work = ex["own_work"]["parts"]
+    assert set(work) == {"3", "60"} and all(0 < w["of_decode_median"] < 1 for w in work.values())
     assert "| 60 |" in (out / "exclude.md").read_text()
 
 

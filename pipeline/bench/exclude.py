@@ -6,7 +6,7 @@ exclusions as the ratio of medians with its range, against the issue's bounds (1
 """
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import numpy as np
@@ -85,7 +85,41 @@ def bench_exclude(p: ExcludeParams, model, catalog: Catalog, ids: torch.Tensor, 
                           excluded_returned=int(hit.sum()),
                           full_lists=float((items >= 0).all(1).float().mean()))
     return {"users": users, "batch": p.batch, "k": p.k, "repeats": p.repeats, "order": run.order, "methods": rows,
-            "prompt_tokens_max": ids.shape[1]}
+            "prompt_tokens_max": ids.shape[1], "own_work": own_work(p, model, catalog, ids, mask, pairs)}
+
+
+class Recording(Exclusions):
+    """Exclusions that keep the nodes each mask was asked about (`asked`), to time the masks alone afterwards."""
+
+    def open(self, node: torch.Tensor) -> torch.Tensor:
+        self.asked.append(node)
+        return super().open(node)
+
+
+def own_work(p: ExcludeParams, model, catalog: Catalog, ids: torch.Tensor, mask: torch.Tensor, pairs: dict) -> dict:
+    """The exclusions' own work on the first batch, each part timed alone: building them from the batch's (user,
+    item) pairs, and every decoding step's mask replayed on the children beam_search asked about; interleaved with the
+    batch's decode without exclusions, p.repeats times. The parts' sum over the decode: from the medians, and from
+    the minima (each part's fastest run, nearest a quiet machine's cost when others share the CPU)."""
+    b = min(p.batch, ids.shape[0])
+    methods = {"decode": lambda: beam_search(model, ids[:b], mask[:b], catalog, p.k)}
+    for n, (user, item) in pairs.items():
+        pick = user < b
+        build = lambda user=user[pick], item=item[pick]: Exclusions.from_items(catalog, user, item, b)  # noqa: E731
+        ex = build()
+        rec = Recording(*(getattr(ex, f.name) for f in fields(ex)))
+        rec.asked = []
+        beam_search(model, ids[:b], mask[:b], catalog, p.k, exclude=rec)
+        methods[f"build {n}"] = build
+        methods[f"masks {n}"] = lambda ex=ex, asked=rec.asked: [ex.open(node) for node in asked]
+    run = interleaved(methods, p.repeats, ids.device, desc="exclude: the exclusions' own work")
+    t = run.timings
+    return {"users": b, "timings": {name: x.to_dict() for name, x in t.items()},
+            "parts": {n: {"build_ms": t[f"build {n}"].per(lambda s: 1e3 * s),
+                          "masks_ms": t[f"masks {n}"].per(lambda s: 1e3 * s),
+                          "of_decode_median": (t[f"build {n}"].median + t[f"masks {n}"].median) / t["decode"].median,
+                          "of_decode_min": (t[f"build {n}"].min + t[f"masks {n}"].min) / t["decode"].min}
+                      for n in pairs}}
 
 
 def markdown_exclude(result: dict) -> str:
@@ -101,7 +135,18 @@ def markdown_exclude(result: dict) -> str:
         bound = f"{r['bound']:.1f}x" if r.get("bound") else "-"
         lines.append(f"| {r['excluded_per_user']:,} | {fmt_spread(r['users_per_s'])} | {cost} | {bound} | "
                      f"{r.get('excluded_returned', '-')} |")
-    lines += ["", verdict_exclude(result), "", footer(env)]
+    w = e["own_work"]
+    d = {key: 1e3 * w["timings"]["decode"][f"{key}_s"] for key in ("median", "min", "max")}
+    lines += ["", verdict_exclude(result), "",
+              f"The exclusions' own work on one batch of {w['users']} users, each part timed alone (ms, median "
+              f"(min-max) of {e['repeats']} interleaved repeats with the batch's decode without exclusions, "
+              f"{fmt_spread(d, 0)} ms):", "",
+              "| excluded items per user | build | masks, every step | both / decode (medians) | both / decode "
+              "(minima) |", "|---:|---:|---:|---:|---:|"]
+    for n, r in w["parts"].items():
+        lines.append(f"| {int(n):,} | {fmt_spread(r['build_ms'], 1)} | {fmt_spread(r['masks_ms'], 1)} | "
+                     f"{r['of_decode_median']:.1%} | {r['of_decode_min']:.1%} |")
+    lines += ["", footer(env)]
     return "\n".join(lines)
 
 
