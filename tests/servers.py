@@ -9,6 +9,10 @@ developer's own Ray cluster; both are stopped, with every process they started, 
             ray.init(address=head.address)      # with head.env() in os.environ (token auth)
             # or: ray job submit --address head.dashboard_url ... with {**os.environ, **head.env()}
 
+Faults from outside: `s3.pause()` / `s3.resume()` (SIGSTOP / SIGCONT), `s3.kill()` and `s3.restart()` (same ports
+and data); `store_proxy(s3)` puts a proxy in front of the store that counts the HTTP requests and stalls, resets,
+throttles (503 SlowDown) or loses the answers of those a test picks (`proxy.fault`).
+
 The flags match infra/local/start-object-store.sh and infra/local/start-ray.sh.
 """
 from __future__ import annotations
