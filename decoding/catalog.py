@@ -233,7 +233,7 @@ class Catalog:
         """Item ids [M] -> their leaf nodes [M]; -1 for an id the index does not hold (not in the catalog, or dropped
         for sharing another item's semantic ID: that item is a different one)."""
         ids, rows = self._by_id
-        query, order = torch.sort(torch.as_tensor(item_ids, dtype=torch.int64).to(self.device), stable=True)  # radix
+        query, order = torch.sort(torch.as_tensor(item_ids, dtype=torch.int64).to(self.device), stable=True)
         at = torch.searchsorted(ids, query).clamp(max=len(self) - 1)  # [M] walk the ids in order: cache-friendly
         leaf = torch.where(ids[at] == query, self.level_start[self.code_len] + rows[at], -1)
         return torch.empty_like(leaf).scatter_(0, order, leaf)
@@ -285,20 +285,20 @@ class Catalog:
 
 @dataclass
 class Exclusions:
-    """One batch's per-user exclusions (items a user must not be recommended) as the trie nodes they close. Per level
-    t = 0 .. L, the keys user * G + node (sorted) of the level-t nodes on an excluded item's path and how many of the
-    user's excluded items lie under each; a node is closed for a user once that count reaches the node's
-    `leaf_count` (every item under it excluded; an excluded leaf closes itself), and no decoder ever makes a closed
-    node a candidate. `rows` says which user each row of a decoder's tensors stands for: selecting users (a slice of
-    the batch, finished users leaving) gathers rows and leaves the keys alone. Built once per batch on the catalog's
-    device with one sort (of the distinct (user, item) pairs); no Python loop over users or items, one over the L
-    levels."""
-    key: list[torch.Tensor]  # per level: [E_t] int64, sorted, unique: user * G + node
-    count: list[torch.Tensor]  # per level: [E_t] int64, the user's excluded items under the node
-    closed: list[torch.Tensor]  # per level: [C_t] int64, sorted: the keys whose count is the node's leaf_count
+    """One batch's per-user exclusions (items a user must not be recommended) as the trie nodes they close: a node is
+    closed for a user once every item under it is excluded (an excluded leaf closes itself; a node closes when all its
+    children are closed), and no decoder ever makes a closed node a candidate. Per level t = 0 .. L, the sorted keys
+    user * G + node of the closed nodes; the excluded items under any node (what DISC adds to the items its draws
+    exclude) are counted against `leaf_count` on demand (`counts`). `rows` says which user each row of a decoder's
+    tensors stands for: selecting users (a slice of the batch, finished users leaving) gathers rows and leaves the
+    keys alone. Built once per batch on the catalog's device with one sort (of the (user, item) pairs), then linear
+    passes, one per level; no Python loop over users or items."""
+    leaves: torch.Tensor  # [M] int64, sorted, unique: user * G + leaf, each user's distinct excluded items
+    closed: list[torch.Tensor]  # per level t = 0 .. L: [C_t] int64, sorted: user * G + node of its closed nodes
     rows: torch.Tensor  # [A] int64: the user (0 .. B - 1) of each row
     nodes: int  # G, the catalog's trie nodes
     level_start: list[int]  # the catalog's: level t's nodes are level_start[t] .. level_start[t + 1] - 1
+    parent: torch.Tensor  # [G] the catalog's parent of each node (counts walk the paths up)
 
     @classmethod
     def from_items(cls, catalog: Catalog, user, item_ids, users: int) -> "Exclusions":
@@ -311,25 +311,38 @@ class Exclusions:
         if user.numel() and not (0 <= int(user.min()) and int(user.max()) < users):
             raise ValueError(f"users must lie in [0, {users}), got {int(user.min())} .. {int(user.max())}")
         g = catalog.num_nodes
-        pair = torch.unique_consecutive(torch.sort(user[leaf >= 0] * g + leaf[leaf >= 0], stable=True).values)  # [M']
-        # distinct (user, leaf), sorted (a stable sort of integers is a radix sort on the CPU: several times faster)
-        who, node = pair // g, pair % g
-        key, count, closed = [pair], [torch.ones_like(pair)], [pair]  # an excluded leaf closes itself
-        for _ in range(catalog.code_len):  # level by level up to the root: nodes are numbered in prefix order, so
-            # the parents of a sorted level's keys come sorted, and equal ones adjacent
-            node = catalog.parent[node]
-            up, inverse = torch.unique_consecutive(who * g + node, return_inverse=True)  # [E_t]
-            one = torch.zeros_like(up).scatter_(0, inverse, torch.arange(inverse.numel(), device=up.device))
-            who, node = who[one], node[one]  # [E_t] each key's user and node
-            key.insert(0, up)
-            count.insert(0, torch.zeros_like(up).index_add_(0, inverse, count[0]))
-            closed.insert(0, up[count[0] == catalog.leaf_count[node]])
-        return cls(key, count, closed, torch.arange(users, device=catalog.device), g, list(catalog.level_start))
+        # a stable sort of non-negative integers is a radix sort on the CPU (unknown ids sort last, then drop)
+        key = torch.sort(torch.where(leaf >= 0, user * g + leaf, users * g), stable=True).values
+        leaves = torch.unique_consecutive(key[:key.numel() - int((leaf < 0).sum())])  # [M'] distinct, sorted
+        closed, who, node = [leaves], leaves // g, leaves % g
+        for _ in range(catalog.code_len):  # level by level up to the root: nodes are numbered in prefix order, so the
+            # parents of a level's sorted closed keys come sorted, and equal ones adjacent
+            parent = catalog.parent[node]
+            up, shut_children = torch.unique_consecutive(who * g + parent, return_counts=True)  # [P]
+            first = shut_children.cumsum(0) - shut_children  # [P] each run's first child
+            shut = (shut_children == catalog.num_children(parent[first])).nonzero().flatten()  # all children closed
+            closed.insert(0, up[shut])
+            who, node = who[first[shut]], parent[first[shut]]
+        return cls(leaves, closed, torch.arange(users, device=catalog.device), g, list(catalog.level_start),
+                   catalog.parent)
 
     @classmethod
     def none(cls, catalog: Catalog, users: int) -> "Exclusions":
         """No exclusions for `users` users (the same answers as passing None, at a search's cost)."""
         return cls.from_items(catalog, torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), users)
+
+    @cached_property
+    def counts(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per level t = 0 .. L: (sorted keys user * G + node of the nodes on an excluded item's path [E_t], the
+        user's excluded items under each [E_t]), from the leaves up (computed on first use: DISC's)."""
+        g = self.nodes
+        key, count = self.leaves, torch.ones_like(self.leaves)
+        out = [(key, count)]
+        for _ in range(len(self.level_start) - 2):  # the L levels above the leaves
+            key, inverse = torch.unique_consecutive(key - key % g + self.parent[key % g], return_inverse=True)
+            count = torch.zeros_like(key).index_add_(0, inverse, count)
+            out.insert(0, (key, count))
+        return out
 
     def select(self, rows: torch.Tensor) -> "Exclusions":
         """The rows [A'] of the current rows (a slice of the batch, or the users still decoding)."""
@@ -343,7 +356,7 @@ class Exclusions:
         """node [A', ...] (row r of the first A' rows; -1 = none) -> the row's user's excluded items under it [A', ...]
         (0 for none)."""
         query = self._keys(node)
-        total = sum(count_at(k, c, query) for k, c in zip(self.key, self.count))  # a node is of one level only
+        total = sum(count_at(k, c, query) for k, c in self.counts)  # a node is of one level only
         return torch.where(node >= 0, total, 0)
 
     def open(self, node: torch.Tensor) -> torch.Tensor:
@@ -366,8 +379,9 @@ class Exclusions:
         return live.index_put_(where, ~shut)
 
     def per_user(self) -> torch.Tensor:
-        """[A] each row's excluded items that the index holds (distinct): the count at the root."""
-        return count_at(self.key[0], self.count[0], self.rows * self.nodes)
+        """[A] each row's excluded items that the index holds (distinct)."""
+        first = self.rows * self.nodes
+        return torch.searchsorted(self.leaves, first + self.nodes) - torch.searchsorted(self.leaves, first)
 
 
 def count_at(key: torch.Tensor, count: torch.Tensor, query: torch.Tensor) -> torch.Tensor:

@@ -83,14 +83,14 @@ def test_closed_nodes_are_exactly_the_nodes_with_no_item_left(catalog):
     lists = exclusion_lists(cat, top, 5)
     ex = Exclusions.from_items(cat, *as_pairs(lists), 8)
     nodes = torch.arange(cat.num_nodes)
+    paths = torch.stack([cat.node_of(cat.tokens[:, :t]) for t in range(cat.code_len + 1)], 1)  # [N, L + 1]
     for u, items in enumerate(lists):
         left = ~torch.isin(cat.item_ids, torch.tensor(items, dtype=torch.int64))  # [N] rows still allowed
-        expect = {}
-        for row in left.nonzero().flatten().tolist():  # brute force: walk each remaining item's path
-            expect.update(dict.fromkeys(cat.node_of(cat.tokens[row:row + 1, :t]).item()
-                                        for t in range(cat.code_len + 1)))
-        got = ex.select(torch.full((cat.num_nodes,), u)).open(nodes)  # row i: user u, node i
-        assert set(got.nonzero().flatten().tolist()) == set(expect), u
+        expect = set(paths[left].flatten().tolist())  # brute force: every node on a remaining item's path
+        mine = ex.select(torch.full((cat.num_nodes,), u))  # row i: user u, node i
+        assert set(mine.open(nodes).nonzero().flatten().tolist()) == expect, u
+        under = torch.bincount(paths[~left].flatten(), minlength=cat.num_nodes)  # excluded items under each node
+        assert torch.equal(mine.excluded(nodes), under), u
         assert ex.select(torch.tensor([u])).per_user().item() == len(cat) - int(left.sum())
     assert not ex.open(torch.full((8, 3), -1)).any()  # no node is no candidate
 
