@@ -11,6 +11,10 @@ catalog's device, and two structures are derived from them:
   (ascending). Beam search walks the trie by node id, beams at different levels expand in one call
   (speculative decoding needs that), and `allowed_next` gathers whole child ranges at once.
 
+Per-user exclusions (`Exclusions`, one batch's): the trie nodes each user may not reach, closed bottom-up (a leaf
+excluded, a node all of whose children are closed), as sorted keys user * G + node per level; every decoder drops a
+closed child where its candidates are made (`decoding.beam.children`).
+
 No Python loop runs over rows, beams or users; loops run over the L levels or log2(N) bisection steps.
 """
 from __future__ import annotations
