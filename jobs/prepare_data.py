@@ -5,7 +5,8 @@ AtSpeed layout: an index JSON mapping item ids to code tokens, e.g. `beauty.LCRe
 from 1 where their index counts from 0: `--id-offset -1`),
 or `python -m jobs.prepare_data --synthetic --users N --items M [--levels 4 --codes 256 --seed 0] --out DIR`.
 
-Prints the summary as JSON. The logic lives in pipeline/prepare.py.
+Prints the summary as JSON. The logic lives in pipeline/prepare/ (a module per source; contract.py writes the
+folder, items.parquet last: a folder without it is not prepared, and a rerun imports it again).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--source", type=Path, default=None,
                    help=f"the source folder (default for --format beauty: {DEFAULT_SOURCE})")
     p.add_argument("--index", type=Path, default=None,
-                   help="lcrec: the index JSON (default: the one JSON file in --source mapping item ids to code tokens)")
+                   help="lcrec: the index JSON (default: the one JSON file in --source mapping item ids to code "
+                        "tokens)")
     p.add_argument("--id-offset", type=int, default=None,
                    help="lcrec: added to every user and item id of the interaction files (e.g. -1 for files that "
                         "count from 1 against an index from 0); without it, ids that look shifted are refused")

@@ -1,7 +1,9 @@
-"""pipeline/prepare.py and jobs/prepare_data.py: tokenizer, Amazon Beauty, synthetic data."""
+"""pipeline/prepare/ and jobs/prepare_data.py: tokenizer, Amazon Beauty, LC-Rec, synthetic data, the splits and the
+written contract (an interrupted import leaves a folder that is not prepared)."""
 
 import json
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,8 +16,12 @@ from transformers import AutoTokenizer
 
 from decoding.codes import code_token, code_token_ids
 from pipeline.prepare import (
+    Interactions,
     build_tokenizer,
     prepare_beauty,
+    prepare_lcrec,
+    prepared,
+    split_tables,
     synthetic_catalog,
     synthetic_histories,
     write_synthetic,
@@ -353,8 +359,6 @@ def test_lcrec_published_release_one_based_ids(tmp_path):
     files counting users and items from 1 where the index counts from 0. Without --id-offset the import is refused
     with the evidence and the option; with --id-offset -1 every user's history, valid and test items equal the
     0-based truth; users listed without items are counted apart from malformed lines."""
-    from pipeline.prepare import prepare_lcrec
-
     truth = _lcrec_release(tmp_path / "zero", seed=1)
     _lcrec_release(tmp_path / "one", seed=1, shift=1)
     refused = subprocess.run([sys.executable, "-m", "jobs.prepare_data", "--format", "lcrec", "--source",
@@ -394,8 +398,6 @@ def test_lcrec_published_release_one_based_ids(tmp_path):
 def test_lcrec_index_choice_and_unknown_items_after_offset(tmp_path):
     """Two index files: refused naming both, unless --index names one; an explicit offset is applied as given and
     items still unknown after it are reported with their line numbers, never dropped silently."""
-    from pipeline.prepare import prepare_lcrec
-
     src = tmp_path / "src"
     truth = _lcrec_release(src, seed=2, shift=1)
     (src / "Toy.index.json").write_text((src / "toy.LCRec-1e-3lr.json").read_text())
@@ -427,3 +429,163 @@ def test_lcrec_index_choice_and_unknown_items_after_offset(tmp_path):
     shifted_last = sum(v.count(29) for v in truth["train"].values())  # item 29 is written as 30, beyond the index
     assert summary.id_offset == 0 and summary.dropped_interactions["train"] == shifted_last + 1
     assert json.loads((tmp_path / "out3" / "prepare.json").read_text())["ids"]["unknown_examples"] == [30, 500]
+
+
+@needs_beauty
+def test_lcrec_layout_of_the_release_imports_as_the_parquet_release(beauty, tmp_path):
+    """The release in the authors' text layout (an index from 0, interaction files counting users and items from 1,
+    every user on every valid / test line) imports with --id-offset -1 to the same four tables and counts as the
+    parquet release: both sources' splits are built by one path."""
+    _, out = beauty
+    src = tmp_path / "lcrec"
+    src.mkdir()
+    items = pq.read_table(BEAUTY / "items.parquet")
+    index = dict(zip(map(str, items["item_id"].to_pylist()), _lists(items, "code_tokens")))
+    (src / "beauty.LCRec-1e-3lr.json").write_text(json.dumps(index))
+    for split in ("train", "valid", "test"):
+        t = pq.read_table(BEAUTY / f"{split}.parquet")
+        lines = (" ".join(str(x + 1) for x in [u, *v]) for u, v in zip(_lists(t, "user_id"), _lists(t, "items")))
+        (src / f"sequential_{split}.txt").write_text("\n".join(lines) + "\n")
+    prepare_lcrec(src, tmp_path / "out", history_len=20, id_offset=-1)
+    for name in ("items", "train", "valid", "test"):
+        assert pq.read_table(tmp_path / "out" / f"{name}.parquet").equals(pq.read_table(out / f"{name}.parquet")), name
+    report, expected = (json.loads((d / "prepare.json").read_text()) for d in (tmp_path / "out", out))
+    counts = ("distinct_semantic_ids", "semantic_id_collisions", "users", "users_with_targets", "interactions",
+              "history_length", "splits")
+    assert {k: report[k] for k in counts} == {k: expected[k] for k in counts}
+
+
+# ---------------------------------------------------------------- the splits
+
+
+def _convention(train: dict, valid: dict, test: dict, history_len: int) -> dict:
+    """SPLIT_CONVENTION written out on {user: items} dicts (rows in the dicts' order)."""
+    return {
+        "train": [{"user_id": u, "history": v} for u, v in train.items()],
+        "valid": [{"user_id": u, "history": train.get(u, [])[-history_len:], "target_items": v}
+                  for u, v in valid.items()],
+        "test": [{"user_id": u, "history": (train.get(u, []) + valid.get(u, []))[-history_len:], "target_items": v}
+                 for u, v in test.items()],
+    }
+
+
+def _interactions(users: dict) -> Interactions:
+    """{user: items} -> Interactions, rows in the dict's order (as a parquet source lists them)."""
+    lengths = np.array([len(v) for v in users.values()], np.int64)
+    values = np.array([i for v in users.values() for i in v], np.int64)
+    return Interactions(np.array(list(users), np.int64), values, np.cumsum(lengths) - lengths, lengths)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_split_tables_as_the_convention_says(seed):
+    """The one path that builds every source's splits: on random splits (users in any order, missing from train or
+    valid, empty rows, histories longer and shorter than history_len; seed 3: no train split at all) the tables
+    equal SPLIT_CONVENTION written out on Python lists."""
+    rng = np.random.default_rng(seed)
+
+    def split(users) -> dict:
+        return {int(u): rng.integers(0, 50, size=rng.integers(0, 7)).tolist() for u in rng.permutation(users)}
+
+    train = split(rng.choice(40, size=0 if seed == 3 else 25, replace=False))
+    valid, test = split(np.arange(40)), split(rng.choice(40, size=30, replace=False))
+    tables = split_tables(_interactions(train), _interactions(valid), _interactions(test), history_len=4)
+    assert {s: t.to_pylist() for s, t in tables.items()} == _convention(train, valid, test, 4)
+    lines = Interactions.from_lists({3: [7, 8], 1: [], 2: [5]})  # a text file's lines: rows in user order
+    assert lines.user_ids.tolist() == [1, 2, 3] and lines.lists().to_pylist() == [[], [5], [7, 8]]
+
+
+# ---------------------------------------------------------------- an interrupted import
+
+# jobs.prepare_data, stopped (to be killed by the test) once items.parquet.tmp is written, before its rename
+STOP_AFTER_ITEMS = """
+import sys
+import pyarrow.parquet as pq
+from jobs.prepare_data import main
+
+write = pq.write_table
+
+
+def write_then_wait(table, where, **kw):
+    write(table, where, **kw)
+    if str(where).endswith("items.parquet.tmp"):
+        print("items written", flush=True)
+        sys.stdin.read()
+
+
+pq.write_table = write_then_wait
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _make_plans_import(out: Path) -> bool:
+    """Would `make` (the Makefile's `$(DATA)/items.parquet` target; the venv taken as installed) import again?"""
+    run = subprocess.run(["make", "-n", "-o", ".venv/bin/.installed", f"DATA={out}", f"{out}/items.parquet"],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    return f"jobs.prepare_data --out {out}" in run.stdout
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_import_killed_before_its_items_file_is_not_prepared(tmp_path):
+    """An import killed (SIGKILL, sent by the test) after its tables, tokenizer, prepare.json and its whole
+    items.parquet.tmp are written, before the rename, over a folder an earlier import had completed: the folder is not
+    prepared (no items.parquet: the Makefile plans the import again, training refuses the folder), and a rerun
+    completes it to what a clean import writes."""
+    from pipeline.training.common import load_data
+
+    out = tmp_path / "data"
+    write_synthetic(out, 300, 500, levels=3, codes=16, seed=1)  # an earlier import, complete
+    assert prepared(out) and not _make_plans_import(out)
+    args = ["--synthetic", "--users", "300", "--items", "500", "--levels", "3", "--codes", "16", "--seed", "2"]
+    proc = subprocess.Popen([sys.executable, "-c", STOP_AFTER_ITEMS, *args, "--out", str(out)], cwd=REPO,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "items written\n"
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert json.loads((out / "prepare.json").read_text())["seed"] == 2  # the killed import's tables are written
+    assert (out / "items.parquet.tmp").is_file() and not (out / "items.parquet").exists()
+    assert not prepared(out) and _make_plans_import(out)
+    with pytest.raises(ValueError, match=r"items\.parquet not found: run `python -m jobs\.prepare_data"):
+        load_data(out, None, None, 1, "cpu")
+    write_synthetic(out, 300, 500, levels=3, codes=16, seed=2)  # the rerun
+    write_synthetic(tmp_path / "clean", 300, 500, levels=3, codes=16, seed=2)
+    assert prepared(out) and not _make_plans_import(out) and not (out / "items.parquet.tmp").exists()
+    for name in ("items", "train", "valid", "test"):
+        assert pq.read_table(out / f"{name}.parquet").equals(pq.read_table(tmp_path / "clean" / f"{name}.parquet"))
+
+
+def _importer(source: str, tmp_path: Path):
+    """A small import of `source` -> a function (out_dir, history_len) -> summary."""
+    if source == "beauty":
+        src = _tiny_source(tmp_path / "src")
+        return lambda out, n: prepare_beauty(src, out, history_len=n)
+    if source == "lcrec":
+        _lcrec_release(tmp_path / "src", seed=3, shift=1)
+        return lambda out, n: prepare_lcrec(tmp_path / "src", out, history_len=n, id_offset=-1)
+    return lambda out, n: write_synthetic(out, 60, 80, levels=2, codes=16, history_len=n, chunk_users=25)
+
+
+@pytest.mark.parametrize("source", ["beauty", "lcrec", "synthetic"])
+def test_failed_items_write_leaves_the_folder_not_prepared(source, tmp_path):
+    """Every source goes through one writer: with the write of items.parquet failing (its temporary name taken by a
+    folder, from outside), an import over a completed folder raises after writing its tables and prepare.json and
+    leaves the folder not prepared, rather than the earlier items beside the new tables; once the blocker is gone,
+    a rerun completes the folder to what a clean import writes."""
+    run = _importer(source, tmp_path)
+    out = tmp_path / "out"
+    run(out, 3)
+    assert prepared(out)
+    (out / "items.parquet.tmp").mkdir()
+    with pytest.raises(IsADirectoryError):
+        run(out, 2)
+    assert json.loads((out / "prepare.json").read_text())["history_len"] == 2  # the failed import's tables
+    assert not prepared(out) and not (out / "items.parquet").exists()
+    (out / "items.parquet.tmp").rmdir()
+    run(out, 2)
+    run(tmp_path / "clean", 2)
+    assert prepared(out)
+    for name in ("items", "train", "valid", "test"):
+        assert pq.read_table(out / f"{name}.parquet").equals(pq.read_table(tmp_path / "clean" / f"{name}.parquet"))

@@ -43,10 +43,10 @@ def world(p: ScaleParams, n: int) -> Path:
     """Synthetic histories of n users (row groups of 100k) and a tiny random model with the data's tokenizer."""
     from decoding.models import build_model
     from decoding.templates import PRESETS, write_template
-    from pipeline.prepare import write_synthetic
+    from pipeline.prepare import prepared, write_synthetic
 
     root = Path(p.out) / "nightly-scale" / f"world-{n}"
-    if not (root / "data" / "test.parquet").is_file():
+    if not prepared(root / "data"):  # items.parquet is written last: a world cut off part-way is written again
         write_synthetic(root / "data", n_users=n, n_items=p.items, levels=3, codes=16, seed=0,
                         history_len=p.history_len, chunk_users=100_000)
     if not (root / "target" / "config.json").is_file():
