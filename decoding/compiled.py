@@ -34,6 +34,7 @@ Llama, Qwen2, Qwen3 and Mistral (whose decoder layers this calls as they are); a
 from __future__ import annotations
 
 import contextlib
+import os
 import copy
 import time
 import warnings
@@ -325,6 +326,11 @@ def step(body: Body, catalog: Catalog, s: Slots) -> None:
 # ---------------------------------------------------------------- the engine
 
 
+def flex_compiles(device: torch.device) -> bool:
+    """Whether inductor lowers FlexAttention on `device`: CUDA, or a CPU running AVX2 kernels or wider."""
+    return device.type == "cuda" or torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
 def unsupported(model) -> str | None:
     """Why `model` cannot run compiled (None: it can)."""
     kind = getattr(model.config, "model_type", None)
@@ -340,7 +346,8 @@ class Engine:
     (kept for the model's lifetime) and what compiling cost."""
     body: Body
     cuda_graphs: bool
-    slots: dict = field(default_factory=dict)  # (bucket, prefix) -> Slots
+    warm: set = field(default_factory=set)  # buckets compiled ahead (`warm_up`): smaller decodes run in them
+    slots: dict = field(default_factory=dict)  # (bucket, code length, prefix) -> Slots
     graphs: set = field(default_factory=set)  # (graph name, bucket, catalog shape) run at least once
     compile_s: float = 0.0  # wall seconds of every graph's first run (its compilation included)
 
@@ -364,6 +371,9 @@ class Engine:
         attention = attention or ("flex" if cuda else "sdpa")
         if attention not in ATTENTION:
             raise ValueError(f"attention must be one of {sorted(ATTENTION)}, got {attention!r}")
+        if attention == "flex" and not flex_compiles(model.device):
+            raise ValueError("FlexAttention compiles on a CPU with AVX2 kernels or wider; this process runs "
+                             f"{torch.backends.cpu.get_cpu_capability()} (ATEN_CPU_CAPABILITY): use attention='sdpa'")
         key = (attention, cuda if cuda_graphs is None else cuda_graphs)
         engines = _ENGINES.setdefault(model, {})
         if key not in engines:
@@ -372,6 +382,11 @@ class Engine:
                         attention, model.dtype, model.device)
             engines[key] = cls(body, key[1])
         return engines[key]
+
+    def bucket_for(self, users: int, prompt: int, k: int, depth: int) -> Bucket:
+        """The smallest warm bucket that holds the batch (padding it), else the batch's own bucket."""
+        fits = [w for w in self.warm if (w.k, w.depth) == (k, depth) and w.users >= users and w.prompt >= prompt]
+        return min(fits, key=lambda w: (w.users * w.prompt, w.users)) if fits else Bucket.of(users, prompt, k, depth)
 
     def slots_for(self, model, bucket: Bucket, catalog: Catalog, prefix) -> Slots:
         key = (bucket, catalog.code_len, prefix)
@@ -414,7 +429,7 @@ def compiled_beam_search(model, input_ids: torch.Tensor, attention_mask: torch.T
     depth = catalog.code_len if steps is None else steps
     p = len(prefix) if prefix is not None else 0
     engine = Engine.of(model, attention)
-    bucket = Bucket.of(b, s, k, depth)
+    bucket = engine.bucket_for(b, s, k, depth)
     slots = engine.slots_for(model, bucket, catalog, prefix)
     compile_s, graphs = engine.compile_s, len(engine.graphs)
     meter = Meter(input_ids.device)
@@ -436,6 +451,35 @@ def compiled_beam_search(model, input_ids: torch.Tensor, attention_mask: torch.T
     return Recommendations(
         item_ids=catalog.item_of_node(node) if depth == catalog.code_len else torch.full_like(node, -1),
         token_ids=torch.where(alive[:, :, None], tokens, -1), scores=torch.where(alive, score, NEG_INF), stats=stats)
+
+
+def warm_up(model, catalog: Catalog, users: int, prompt: int, k: int, prefix=None, attention: str | None = None
+            ) -> Bucket:
+    """Compiles the bucket of `users` prompts of `prompt` tokens (after `prefix`) by decoding one dummy batch of that
+    size, and keeps it warm: every later decode of k beams that fits in it runs in it, padded, instead of compiling
+    a bucket of its own (the nightly actor's decode batches snap to the bucket it compiled at start)."""
+    engine = Engine.of(model, attention)
+    bucket = Bucket.of(users, prompt, k, catalog.code_len)
+    engine.warm.add(bucket)
+    ids = torch.zeros(users, prompt, dtype=torch.int64, device=catalog.device)
+    compiled_beam_search(model, ids, torch.ones_like(ids), catalog, k, prefix=prefix, attention=attention)
+    return bucket
+
+
+def compile_totals(model) -> tuple[float, int]:
+    """Seconds the model's engines spent in first runs of graphs (compiling) and the graphs they compiled, so far."""
+    engines = _ENGINES.get(model, {}).values()
+    return sum(e.compile_s for e in engines), sum(len(e.graphs) for e in engines)
+
+
+def use_compile_cache(base: str) -> str:
+    """Points inductor's on-disk cache (TORCHINDUCTOR_CACHE_DIR, read at every compile) at `base`/<torch version>-<CPU
+    kernel family> and returns that folder. One folder per family: torch 2.13's cache does not key its entries by
+    ATEN_CPU_CAPABILITY, and code compiled under one family fails to build, or crashes, when loaded under another."""
+    family = torch.backends.cpu.get_cpu_capability().lower()
+    folder = os.path.join(os.path.expanduser(base), f"torch-{torch.__version__}-{family}")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
+    return folder
 
 
 @contextlib.contextmanager

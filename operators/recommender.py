@@ -22,6 +22,7 @@ import torch
 
 from decoding.beam import Prefix, Recommendations, beam_search
 from decoding.catalog import Catalog, Exclusions
+from decoding.compiled import compile_totals, use_compile_cache, warm_up
 from decoding.disc import disc_sample
 from decoding.memory import decode_bytes_per_user, fit_batch, free_device_memory
 from decoding.metrics import topk_agreement
@@ -136,7 +137,19 @@ class Recommender:
         self.accelerator = f"{self.host}/{_device_id(self.device)}"  # actors that share a GPU share this
         self.batches = 0
         self.decode_batch, self.oom_batch = 0, None  # users per decode of the last shard; the halved batch after an OOM
-        self.ready_at = time.time()  # ready to decode: process started, modules imported, models loaded
+        self.compiled = (0.0, 0)  # compile seconds and graphs reported in metric rows so far
+        if spec.engine == "compiled" and spec.decoding.mode in ("beam", "auto"):
+            self._warm_up()
+        self.ready_at = time.time()  # ready to decode: process started, modules imported, models loaded, compiled
+
+    def _warm_up(self) -> None:
+        """compute.engine compiled: the node's compile cache, then the actor's bucket compiled (a dummy batch of its
+        decode batch x the longest prompt); every decode of a shard snaps to it."""
+        if self.spec.compile_cache:
+            use_compile_cache(self.spec.compile_cache)
+        prompt = self.renderer.max_len - (len(self.prefix) if self.prefix is not None else 0)
+        users = min(self.spec.warm_users, self._fitting_batch("beam", prompt, self.target, None) or self.spec.warm_users)
+        warm_up(self.target, self.catalog, users, prompt, self.spec.decoding.k, self.prefix)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         self._fault_injection()
@@ -183,7 +196,8 @@ class Recommender:
         metric = self._metric_row(batch.num_rows, good.num_rows - int(broken.sum()), rejects.num_rows,
                                   int(p.attention_mask.sum()) + skip * good.num_rows, len(row), wall, stats)
         metric.update(users_non_finite=int(broken.sum()), decoder=mode, prefix_tokens_saved=skip * good.num_rows,
-                      auto=self.auto.state() if self.auto else None, dtype=self.dtype, **excluded, **audit)
+                      auto=self.auto.state() if self.auto else None, dtype=self.dtype, **excluded, **audit,
+                      **self._compiled_since())
         table = pa.concat_tables([
             recs, rejects.add_column(0, "kind", pa.array(np.full(rejects.num_rows, "reject", object), pa.string())),
             pa.table({"kind": ["metric"], "metrics": [json.dumps(metric)]}),
@@ -219,6 +233,13 @@ class Recommender:
                     torch.cuda.empty_cache()
         return Recommendations.concat(parts), batch
 
+    def _compiled_since(self) -> dict:
+        """The engine, and the seconds and graphs the actor compiled since its last metric row (its first row: the
+        warm-up's too)."""
+        seconds, graphs = compile_totals(self.target)
+        (s0, g0), self.compiled = self.compiled, (seconds, graphs)
+        return {"engine": self.spec.engine, "compile_s": seconds - s0, "graphs_compiled": graphs - g0}
+
     def _fitting_batch(self, mode: str, prompt_len: int, target, draft) -> int | None:
         """On CUDA: the most users whose decode fits in the free memory; elsewhere None (no limit)."""
         free = free_device_memory(self.device)
@@ -247,8 +268,9 @@ class Recommender:
 
     def _decode(self, mode: str, target, draft, ids, mask, users, exclude: Exclusions | None = None):
         d, prefix = self.spec.decoding, self.prefix
-        if mode == "beam":
-            return beam_search(target, ids, mask, self.catalog, d.k, prefix=prefix, exclude=exclude)
+        if mode == "beam":  # the audit's float32 reference runs eager, the reference engine
+            return beam_search(target, ids, mask, self.catalog, d.k, prefix=prefix, exclude=exclude,
+                               engine=self.spec.engine if target is self.target else "eager")
         # sampling modes: a generator seeded by the batch's users, so a retried batch draws the same items
         g = torch.Generator(device=self.device).manual_seed(
             (d.seed * 1_000_003 + zlib.crc32(str(users.to_pylist()).encode())) % (2 ** 63))

@@ -53,3 +53,6 @@ class ActorSpec:
     dtype: str = "auto"
     audit_users: int = 0  # half precision: the actor's first users re-decoded in float32 (the precision audit)
     threads: int | None = None  # torch CPU threads (None: Ray's OMP_NUM_THREADS)
+    engine: str = "eager"  # beam search's engine: eager or compiled (decoding/compiled.py)
+    compile_cache: str | None = None  # compiled: the node's compile cache directory (None: inductor's default)
+    warm_users: int = 1  # compiled: users per decode the actor compiles its bucket for at start

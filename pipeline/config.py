@@ -41,6 +41,10 @@ class Compute:
     # measured by the precision audit; auto: bfloat16 on a GPU that has it, else float32
     audit_users: int | None = None  # half precision: users each actor re-decodes in float32 per run, to measure the
     # ranking agreement (manifest precision_audit); None: one batch's worth (batch_size); 0: no audit
+    engine: str = "eager"  # eager (the reference) | compiled: beam search on fixed shapes, each actor compiling its
+    # bucket at start (decoding/compiled.py; decoding.mode beam, and auto's beam trials; the other modes run eager)
+    compile_cache: str = "~/.cache/genrec-batch/compile"  # the compiled engine's cache on each node (inductor's
+    # TORCHINDUCTOR_CACHE_DIR): kept across actor restarts and runs, so a restarted actor compiles in seconds
 
 
 @dataclass
@@ -204,6 +208,10 @@ def validate(cfg: Config) -> None:
          "must be auto, float32, bfloat16 or float16", c.dtype)
     need(c.audit_users is None or (isinstance(c.audit_users, int) and c.audit_users >= 0), "compute.audit_users",
          "must be an integer >= 0 (0: no audit) or null (one batch's worth)", c.audit_users)
+    need(c.engine in ("eager", "compiled"), "compute.engine", "must be eager or compiled", c.engine)
+    need(c.engine == "eager" or d.mode in ("beam", "auto"), "compute.engine",
+         f"compiled runs decoding.mode beam (and auto's beam trials); {d.mode} runs eager: set compute.engine=eager",
+         c.engine)
     r = cfg.runs
     need(r.lease_s >= 10, "runs.lease_s", "must be >= 10 seconds", r.lease_s)
     need(r.grace_s >= 0, "runs.grace_s", "must be >= 0 seconds", r.grace_s)

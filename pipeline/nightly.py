@@ -131,7 +131,9 @@ def actor_spec(cfg: Config, run_id: str, catalog: pa.Table, template: PromptTemp
                      gpu=cfg.compute.gpus_per_actor > 0, dtype=cfg.compute.dtype,
                      audit_users=cfg.compute.batch_size if cfg.compute.audit_users is None else cfg.compute.audit_users,
                      decode_batch=cfg.compute.decode_batch,
-                     threads=cfg.compute.threads_per_actor)
+                     threads=cfg.compute.threads_per_actor, engine=cfg.compute.engine,
+                     compile_cache=cfg.compute.compile_cache,
+                     warm_users=cfg.compute.decode_batch or cfg.compute.batch_size)
 
 
 @dataclass
@@ -376,10 +378,12 @@ def execute(plan: Plan, run_id: str, resumed: bool, lease: Lease, latest: str | 
                            "users_decoded": left},
                 "duplicates": {"users": 0 if duplicates is None else duplicates.num_rows, "checked_on": dup_where},
                 "precision_audit": sums["precision_audit"],
+                "engine": {"name": c.engine, "graphs_compiled": sums["graphs_compiled"]},
                 "exclusions": exclusions_summary(cfg, plan.data.schema, sums["exclusions"]),
                 "timings": {"input_identity_s": plan.identity_s, "attempt_s": t_attempt,
                             "duplicates_s": t_dup, "actor_ready_s": sums["actor_ready_s"],  # models loaded
                             "first_shard_s": sums["first_commit_s"],
+                            "compile_s": sums["compile_s"],  # per actor: the compiled engine's warm-up and compiles
                             "decode_s": t_decode, "total_s": time.perf_counter() - t0},
                 "outputs": {name: runs.table_dir(run, name) for name in runs.TABLES},
                 "files": files}  # every table's files: readers read these, never a listing

@@ -44,7 +44,8 @@ METRIC_SCHEMA = pa.schema(
        ("decode_batch", _INT), ("actor_ready_at", pa.float64()), ("committed_at", pa.float64()),
        ("users_per_s", pa.float64()), ("auto", pa.string()), ("dtype", pa.string()), ("audit_users", _INT),
        ("audit_identical_lists", _INT), ("audit_topk_overlap_sum", pa.float64()),
-       ("audit_max_abs_score_diff", pa.float64()), ("audit_s", pa.float64()), ("ranges", pa.list_(pa.list_(_INT))),
+       ("audit_max_abs_score_diff", pa.float64()), ("audit_s", pa.float64()), ("engine", pa.string()),
+       ("compile_s", pa.float64()), ("graphs_compiled", _INT), ("ranges", pa.list_(pa.list_(_INT))),
        ("exclude_users", _INT), ("excluded_items", _INT), ("excluded_max", _INT), ("exclude_unknown_ids", _INT)])
 AUDIT = ("audit_users", "audit_identical_lists", "audit_topk_overlap_sum", "audit_s")  # summed over shards
 EXCLUDED = ("exclude_users", "excluded_items", "exclude_unknown_ids")  # summed over shards (excluded_max: the max)
@@ -97,13 +98,15 @@ def tally(run: str, storage: Storage, stems: list[str], since: float = 0.0) -> d
     until the first shard written after it was committed (None: none; the actors' clocks: on one machine exact),
     "auto": each actor's last auto state (decoding.mode = auto: its choice and the trial timings behind it) or None,
     "precision_audit": `precision_audit` of the dtypes and audit sums, "exclusions": the EXCLUDED sums and the
-    largest excluded_max}."""
+    largest excluded_max, "compile_s": each actor's compile seconds (compute.engine compiled; None when nothing
+    compiled), "graphs_compiled": how many graphs they compiled}."""
     sums, batches, last, sizes = dict.fromkeys(SUMS, 0), 0, {}, []
     times = {"actor_ready_at": [], "committed_at": []}
     audit, worst, dtypes = dict.fromkeys(AUDIT, 0), [], set()
     excluded = {**dict.fromkeys(EXCLUDED, 0), "excluded_max": 0}
+    compile_s, graphs = {}, 0
     columns = [*SUMS, "actor", "batch", "auto", "decode_batch", *times, "dtype", *AUDIT, "audit_max_abs_score_diff",
-               *excluded]
+               *excluded, "compile_s", "graphs_compiled"]
     for t in runs.read_files(run, "metrics", storage, columns, files=stems):
         for key, seen in times.items():
             seen += [v - since for v in t[key].to_pylist() if v is not None and v >= since]
@@ -118,6 +121,9 @@ def tally(run: str, storage: Storage, stems: list[str], since: float = 0.0) -> d
         worst += [v for v in t["audit_max_abs_score_diff"].to_pylist() if v is not None]
         dtypes |= {v for v in t["dtype"].to_pylist() if v}
         sizes += [v for v in pc.min_max(t["decode_batch"]).values() if v.as_py() is not None]
+        graphs += pc.sum(t["graphs_compiled"]).as_py() or 0
+        for r in t.select(["actor", "compile_s"]).filter(pc.is_valid(t["compile_s"])).to_pylist():
+            compile_s[r["actor"]] = compile_s.get(r["actor"], 0.0) + r["compile_s"]
         for r in t.select(["actor", "batch", "auto"]).to_pylist():
             if r["auto"] and r["batch"] >= last.get(r["actor"], (-1, None))[0]:
                 last[r["actor"]] = (r["batch"], json.loads(r["auto"]))
@@ -126,7 +132,8 @@ def tally(run: str, storage: Storage, stems: list[str], since: float = 0.0) -> d
             "actor_ready_s": min(times["actor_ready_at"], default=None),
             "first_commit_s": min(times["committed_at"], default=None),
             "auto": {actor: state for actor, (_, state) in sorted(last.items())} or None,
-            "precision_audit": precision_audit(sorted(dtypes), audit, worst), "exclusions": excluded}
+            "precision_audit": precision_audit(sorted(dtypes), audit, worst), "exclusions": excluded,
+            "compile_s": dict(sorted(compile_s.items())) if graphs else None, "graphs_compiled": graphs}
 
 
 def precision_audit(dtypes: list[str], audit: dict, worst: list[float]) -> dict:

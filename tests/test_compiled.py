@@ -13,7 +13,6 @@ computations of the same float32 quantity in different kernel orders, with a mar
 never had its k-th and (k+1)-th candidates within 2 x that bound (stats["tie_gap"]) get identical lists.
 """
 import copy
-import os
 import tempfile
 import warnings
 from pathlib import Path
@@ -21,19 +20,28 @@ from pathlib import Path
 import pytest
 import torch
 
-from decoding.beam import Prefix, beam_search
-from decoding.compiled import Bucket, Engine, compiled_beam_search, no_recompiles, prompt_bucket, users_bucket
-from decoding.metrics import same_within_ties
+from decoding.beam import Prefix, Recommendations, beam_search
+from decoding.compiled import (Bucket, Engine, compiled_beam_search, flex_compiles, no_recompiles, prompt_bucket,
+                               use_compile_cache, users_bucket)
+from decoding.metrics import same_within_ties, topk_agreement
 from decoding.models import tiny_model
 from decoding.stats import BASE_KEYS, PHASES
 from tests.helpers import (assert_same_ranking, hf_beam_search, left_padded_prompts, random_catalog,
-                           sequence_logprob)
+                           sequence_logprob, trained_model)
 
-COMPILE_CACHE = Path(tempfile.gettempdir()) / "genrec-test-compile-cache"
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(COMPILE_CACHE))  # before anything compiles in this process
+COMPILE_CACHE = str(Path(tempfile.gettempdir()) / "genrec-test-compile-cache")  # the suite's, kept between runs
 LENGTHS = [3, 11, 6, 17, 9, 4, 14, 8]  # 8 users, prompts of 3..17 tokens: bucket 8 x 24
 PREFIX = Prefix([1, 9])  # Qwen2's prompts continue a shared prefix (one object: its slots are reused)
 COUNTS = [key for key in BASE_KEYS if key not in PHASES] + ["kv_len", "kv_batch", "tree_tokens"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compile_cache():
+    """This module compiles into COMPILE_CACHE (per CPU kernel family), as the nightly test's actor does."""
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # restored when the module is done
+        use_compile_cache(COMPILE_CACHE)
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -102,12 +110,16 @@ def test_buckets():
 # (architecture, K, attention): every architecture, K from 1 to 20, FlexAttention's block masks once (they compile
 # slowest on a CPU; CUDA's default) and SDPA over the static mask (the CPU's default) elsewhere; Qwen2's prompts
 # continue a shared prefix.
-CASES = [("llama", 1, "flex"), ("qwen2", 5, "sdpa"), ("qwen3", 20, "sdpa"), ("mistral", 10, "sdpa")]
+CASES = [("llama", 1, "flex"), ("qwen2", 10, "sdpa"), ("qwen3", 20, "sdpa"), ("mistral", 5, "sdpa")]
 
 
 @pytest.mark.parametrize("arch, k, attention", CASES)
 def test_equals_transformers_and_eager(models, catalog, arch, k, attention):
     model = models[arch]
+    if attention == "flex" and not flex_compiles(model.device):  # ATEN_CPU_CAPABILITY=default: refused, clearly
+        with pytest.raises(ValueError, match="FlexAttention compiles on a CPU with AVX2 kernels or wider"):
+            Engine.of(model, "flex")
+        attention = "sdpa"
     ids, mask = left_padded_prompts(8, LENGTHS, catalog.vocab_size, seed=k)
     prefix = PREFIX if arch == "qwen2" else None
     rec = compiled_beam_search(model, ids, mask, catalog, k, prefix=prefix, attention=attention)
@@ -124,20 +136,56 @@ def test_a_second_batch_of_the_bucket_compiles_nothing(models, catalog):
     graphs hold no graph break (fullgraph=True raises on one; dynamo's explain counts none)."""
     model = models["qwen2"]
     ids, mask = left_padded_prompts(8, LENGTHS, catalog.vocab_size, seed=5)
-    first = beam_search(model, ids, mask, catalog, 5, prefix=PREFIX, engine="compiled")  # compiled by now
+    first = beam_search(model, ids, mask, catalog, 10, prefix=PREFIX, engine="compiled")  # compiled by now
     ids2, mask2 = left_padded_prompts(6, [24, 2, 19, 7, 13, 21], catalog.vocab_size, seed=6)
     with no_recompiles():
-        rec = beam_search(model, ids2, mask2, catalog, 5, prefix=PREFIX, engine="compiled")
+        rec = beam_search(model, ids2, mask2, catalog, 10, prefix=PREFIX, engine="compiled")
     assert rec.stats["graphs_compiled"] == 0 and rec.stats["compile_s"] == 0
     assert (first.stats["bucket_users"], first.stats["bucket_prompt"]) == (8, 24) == (rec.stats["bucket_users"],
                                                                                      rec.stats["bucket_prompt"])
-    ref = beam_search(model, ids2, mask2, catalog, 5, prefix=PREFIX)
-    assert_same_as_eager(model, ids2, mask2, catalog, 5, rec, ref, PREFIX)
+    ref = beam_search(model, ids2, mask2, catalog, 10, prefix=PREFIX)
+    assert_same_as_eager(model, ids2, mask2, catalog, 10, rec, ref, PREFIX)
     engine = Engine.of(model)
-    slots = engine.slots_for(model, Bucket(8, 24, 5, 4), catalog, PREFIX)
+    slots = engine.slots_for(model, Bucket(8, 24, 10, 4), catalog, PREFIX)
     for graph in (engine.prefill, engine.step):  # prefill, then the step of level 1
         explained = torch._dynamo.explain(graph._torchdynamo_orig_callable)(engine.body, catalog, slots)
         assert explained.graph_break_count == 0 and explained.graph_count == 1
+
+
+@pytest.fixture(scope="module")
+def trained(catalog):
+    """A Mistral trained to continue 32 users' prompts with their favourite items: a trained model's peaked scores
+    (and at K = 5 the shapes of the Mistral case above: its compiled code is reused from the inductor cache)."""
+    ids, mask = left_padded_prompts(32, LENGTHS, catalog.vocab_size, seed=7)
+    return trained_model("mistral", catalog, ids, mask, steps=200), ids, mask
+
+
+def in_batches(model, ids, mask, catalog, k, engine, batch=8) -> Recommendations:
+    return Recommendations.concat([beam_search(model, ids[a:a + batch], mask[a:a + batch], catalog, k, engine=engine)
+                                   for a in range(0, ids.shape[0], batch)])
+
+
+def test_a_trained_model_in_float32_and_bfloat16(catalog, trained):
+    """32 users in batches of 8 (one bucket: two graphs per dtype, replayed by every batch). float32: the eager
+    engine's results (the rounding bound measured as above). bfloat16: the two engines round the body differently
+    (inductor keeps a fused kernel's intermediates in float32); their difference must stay within twice the largest
+    that bfloat16 costs the eager engine against float32 on the same weights (measured here), and a user whose
+    float32 search had no near-tie within its own two bfloat16 errors (each engine's largest score difference to
+    float32 on its items) gets the same list from both."""
+    model, ids, mask = trained
+    k = 5
+    ref, rec = (in_batches(model, ids, mask, catalog, k, engine) for engine in ("eager", "compiled"))
+    assert_same_as_eager(model, ids, mask, catalog, k, rec, ref)
+    low = copy.deepcopy(model).to(torch.bfloat16)
+    ref_low, rec_low = (in_batches(low, ids, mask, catalog, k, engine) for engine in ("eager", "compiled"))
+    assert rec_low.stats["engine"] == "compiled" and rec_low.scores.dtype == torch.float32
+    diff = lambda a, b: topk_agreement(a.item_ids, a.scores, b.item_ids, b.scores)["score_diff"]  # noqa: E731 [U]
+    e, e_compiled, between = diff(ref, ref_low), diff(ref, rec_low), diff(ref_low, rec_low)
+    assert 0 < e.max() and between.max() <= 2 * e.max(), \
+        f"bfloat16: compiled vs eager {between.max():.3g}, eager vs float32 {e.max():.3g}"
+    clear = ref.stats["tie_gap"] >= 2 * (e + e_compiled)  # [U] both bfloat16 lists are the float32 one
+    assert clear.sum() >= 8, f"only {int(clear.sum())} users clear of near-ties: the test says too little"
+    assert torch.equal(rec_low.item_ids[clear], ref_low.item_ids[clear])
 
 
 def test_other_models_and_sampling_run_eager_and_say_why(catalog):
@@ -161,3 +209,52 @@ def test_other_models_and_sampling_run_eager_and_say_why(catalog):
     assert rec.stats["engine"] == "eager" and "do_sample" in rec.stats["engine_note"] and seen
     with pytest.raises(ValueError, match="engine must be eager or compiled"):
         beam_search(llama, ids, mask, catalog, 4, engine="fast")
+
+
+def test_a_compiled_nightly_publishes_what_eager_does(tmp_path_factory):
+    """The nightly job on a local Ray with compute.engine=compiled: the actor compiles its bucket at start (cache in
+    COMPILE_CACHE) and publishes the eager run's recommendations, for every user clear of a near-tie within the
+    two runs' largest score difference; compile seconds and graphs in the metrics and the manifest."""
+    import ray
+    import pyarrow.parquet as pq
+
+    from pipeline.nightly import run_nightly
+    from tests.test_nightly import config, direct_beam_search, make_world, read_run
+
+    world = make_world(tmp_path_factory.mktemp("compiled-nightly"), n_users=40)  # shards of 16, 16 and 8 users
+    ray.init(num_cpus=2, include_dashboard=False)
+    try:
+        runs = {engine: run_nightly(config(world, world / engine, f"compute.engine={engine}",
+                                           f"compute.compile_cache={COMPILE_CACHE}")) for engine in ("eager", "compiled")}
+    finally:
+        ray.shutdown()
+    out = {engine: read_run(config(world, world / engine))[1] for engine in runs}
+    recs = {e: t["recommendations"].to_pandas().sort_values(["user_id", "rank"]) for e, t in out.items()}
+    assert recs["eager"][["user_id", "rank"]].values.tolist() == recs["compiled"][["user_id", "rank"]].values.tolist()
+    users = pq.read_table(world / "data" / "test.parquet").to_pandas()
+    ref, _ = direct_beam_search(world, users.history.tolist())
+    gap = dict(zip(users.user_id, ref.stats["tie_gap"].tolist()))
+    diff = float((recs["eager"].score.values - recs["compiled"].score.values).__abs__().max())
+    same = {u: g.item_id.tolist() for u, g in recs["eager"].groupby("user_id")}
+    clear = [u for u in same if gap[u] > 2 * diff]
+    assert len(clear) >= 0.9 * len(same), f"{len(same) - len(clear)} users within {2 * diff:.2g} of a near-tie"
+    got = {u: g.item_id.tolist() for u, g in recs["compiled"].groupby("user_id")}
+    assert all(got[u] == same[u] for u in clear)
+    metrics = out["compiled"]["metrics"].to_pandas()
+    assert (metrics.engine == "compiled").all() and sorted(metrics.users_in) == [8, 16, 16]
+    assert metrics.graphs_compiled.sum() == 2  # the warm-up's prefill and step: every shard snapped to its bucket
+    manifest, eager = runs["compiled"], runs["eager"]
+    (actor, seconds), = manifest["timings"]["compile_s"].items()
+    assert seconds > 0 and manifest["engine"] == {"name": "compiled", "graphs_compiled": 2}
+    assert eager["timings"]["compile_s"] is None and eager["engine"] == {"name": "eager", "graphs_compiled": 0}
+
+
+def test_config_names_a_bad_engine():
+    from pipeline.config import load_config
+
+    base = ["input=in.parquet", "catalog=items.parquet", "output=out", "models.target=m"]
+    assert load_config(None, base).compute.engine == "eager"
+    with pytest.raises(ValueError, match="config: compute.engine must be eager or compiled, got 'fast'"):
+        load_config(None, [*base, "compute.engine=fast"])
+    with pytest.raises(ValueError, match="compute.engine compiled runs decoding.mode beam .* disc runs eager"):
+        load_config(None, [*base, "compute.engine=compiled", "decoding.mode=disc"])
