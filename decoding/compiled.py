@@ -42,6 +42,7 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
+from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from transformers import AttentionInterface
 
@@ -348,8 +349,8 @@ class Engine:
     cuda_graphs: bool
     warm: set = field(default_factory=set)  # buckets compiled ahead (`warm_up`): smaller decodes run in them
     slots: dict = field(default_factory=dict)  # (bucket, code length, prefix) -> Slots
-    graphs: set = field(default_factory=set)  # (graph name, bucket, catalog shape) run at least once
-    compile_s: float = 0.0  # wall seconds of every graph's first run (its compilation included)
+    graphs: int = 0  # graphs dynamo compiled for this engine
+    compile_s: float = 0.0  # wall seconds of the calls that compiled one (the compilation and that one run)
 
     def __post_init__(self):
         # on a CPU the graph's kernels and wrapper as one C++ file: one compiler run per graph, not one per kernel
@@ -394,20 +395,24 @@ class Engine:
             self.slots[key] = Slots.allocate(model, bucket, catalog.code_len, prefix.kv(model) if prefix else None)
         return self.slots[key]
 
-    def run(self, name: str, graph, bucket: Bucket, catalog: Catalog, s: Slots) -> None:
-        """One graph call; its first call per (bucket, catalog shape) is timed into compile_s."""
-        key = (name, bucket, catalog.tokens.shape, len(catalog.edge_tok))
-        first = key not in self.graphs
+    def drop(self, bucket: Bucket) -> None:
+        """Frees a bucket's slots and stops snapping to it (after it ran out of memory)."""
+        self.warm.discard(bucket)
+        self.slots = {key: s for key, s in self.slots.items() if key[0] != bucket}
+
+    def run(self, graph, catalog: Catalog, s: Slots, replay: bool = False) -> None:
+        """One graph call (replay: a CUDA-graph replay of the step begins); a call that compiled counts into `graphs`
+        and `compile_s` (no device sync: on CUDA the host's time, which compiling dominates)."""
+        before = counters["stats"]["unique_graphs"]
         t0 = time.perf_counter()
-        if name == "step" and self.cuda_graphs:
+        if replay:
             torch.compiler.cudagraph_mark_step_begin()
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
             graph(self.body, catalog, s)
-        if first:
-            if s.score.device.type == "cuda":
-                torch.cuda.synchronize()
+        new = counters["stats"]["unique_graphs"] - before
+        if new:
+            self.graphs += new
             self.compile_s += time.perf_counter() - t0
-            self.graphs.add(key)
 
 
 @torch.no_grad()
@@ -431,15 +436,19 @@ def compiled_beam_search(model, input_ids: torch.Tensor, attention_mask: torch.T
     engine = Engine.of(model, attention)
     bucket = engine.bucket_for(b, s, k, depth)
     slots = engine.slots_for(model, bucket, catalog, prefix)
-    compile_s, graphs = engine.compile_s, len(engine.graphs)
+    compile_s, graphs = engine.compile_s, engine.graphs
     meter = Meter(input_ids.device)
     slots.load(input_ids, attention_mask)
-    with meter.phase("prefill"):
-        engine.run("prefill", engine.prefill, bucket, catalog, slots)
-    meter.forward("target", input_ids)
-    for _ in range(depth - 1):
-        engine.run("step", engine.step, bucket, catalog, slots)
-        meter.forward("target", slots.token[:b])
+    try:
+        with meter.phase("prefill"):
+            engine.run(engine.prefill, catalog, slots)
+        meter.forward("target", input_ids)
+        for _ in range(depth - 1):
+            engine.run(engine.step, catalog, slots, replay=engine.cuda_graphs)
+            meter.forward("target", slots.token[:b])
+    except torch.OutOfMemoryError:  # the caller retries smaller: this bucket's buffers are not kept
+        engine.drop(bucket)
+        raise
     meter.kv(b * (p + s + k * (depth - 1)))
     score, node, tokens = slots.score[:b].clone(), slots.node[:b].clone(), slots.tokens[:b, :, :depth].clone()
     alive = node >= 0
@@ -447,7 +456,7 @@ def compiled_beam_search(model, input_ids: torch.Tensor, attention_mask: torch.T
                          tree_tokens=k * (depth - 1), non_finite=slots.broken[:b].clone(),
                          tie_gap=slots.tie_gap[:b].clone(), engine="compiled", bucket_users=bucket.users,
                          bucket_prompt=bucket.prompt, compile_s=engine.compile_s - compile_s,
-                         graphs_compiled=len(engine.graphs) - graphs)
+                         graphs_compiled=engine.graphs - graphs)
     return Recommendations(
         item_ids=catalog.item_of_node(node) if depth == catalog.code_len else torch.full_like(node, -1),
         token_ids=torch.where(alive[:, :, None], tokens, -1), scores=torch.where(alive, score, NEG_INF), stats=stats)
@@ -467,9 +476,9 @@ def warm_up(model, catalog: Catalog, users: int, prompt: int, k: int, prefix=Non
 
 
 def compile_totals(model) -> tuple[float, int]:
-    """Seconds the model's engines spent in first runs of graphs (compiling) and the graphs they compiled, so far."""
+    """Seconds the model's engines spent in calls that compiled, and the graphs they compiled, so far."""
     engines = _ENGINES.get(model, {}).values()
-    return sum(e.compile_s for e in engines), sum(len(e.graphs) for e in engines)
+    return sum(e.compile_s for e in engines), sum(e.graphs for e in engines)
 
 
 def use_compile_cache(base: str) -> str:
