@@ -391,6 +391,8 @@ class Engine:
 
     def slots_for(self, model, bucket: Bucket, catalog: Catalog, prefix) -> Slots:
         key = (bucket, catalog.code_len, prefix)
+        for t in (catalog.node_ptr, catalog.edge_tok):  # read by the graphs: kept in place, never copied per replay
+            torch._dynamo.mark_static_address(t)
         if key not in self.slots:
             self.slots[key] = Slots.allocate(model, bucket, catalog.code_len, prefix.kv(model) if prefix else None)
         return self.slots[key]

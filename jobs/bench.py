@@ -66,11 +66,14 @@ FLAG_HELP = {
     "out": "results folder (the nightly job writes under OUT/nightly-bench)", "ks": "speculative K (Table 1 columns)",
     "simulate_oom": "methods made to run out of memory at every batch (checks that the report records it)",
     "dtypes": "engine dtypes to compare with transformers in float32", "tie": "near-tie threshold on the float32 "
-    "search's tie gap", "counts": "excluded items per user (each against none)"}
+    "search's tie gap", "counts": "excluded items per user (each against none)",
+    "engines": "beam_search engines (decoding/compiled.py): with compiled, eager vs compiled side by side",
+    "methods": "shapes: the methods compared (beam_search is the eager engine)"}
 CHOICES = {"dtype": ["auto", "float32", "bfloat16", "float16"], "dtypes": ["float32", "bfloat16", "float16"],
            "attn": ["sdpa", "eager"], "sections": P.SECTIONS,
-           "templates": ["codes", "lcrec"], "simulate_oom": ["beam_search", "transformers"]}
-LISTS = ("sections", "templates", "simulate_oom", "dtypes")  # choice flags that take several values
+           "templates": ["codes", "lcrec"], "simulate_oom": ["beam_search", "transformers"],
+           "engines": ["eager", "compiled"], "methods": ["beam_search", "beam_search_compiled", "transformers"]}
+LISTS = ("sections", "templates", "simulate_oom", "dtypes", "engines", "methods")  # flags that take several values
 
 
 def defaults(cls) -> dict:

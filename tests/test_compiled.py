@@ -258,3 +258,23 @@ def test_config_names_a_bad_engine():
         load_config(None, [*base, "compute.engine=fast"])
     with pytest.raises(ValueError, match="compute.engine compiled runs decoding.mode beam .* disc runs eager"):
         load_config(None, [*base, "compute.engine=compiled", "decoding.mode=disc"])
+
+
+def test_bench_decode_puts_the_engines_side_by_side(models, catalog):
+    """`bench decode --engines eager compiled`'s section on the Mistral case's bucket (compiled already: the warm-up
+    compiles nothing): both engines timed over the same batches, the compiled engine's lists the eager ones."""
+    from pipeline.bench.decode import bench_engines, markdown_decode
+    from pipeline.bench.params import DecodeParams
+
+    ids, mask = left_padded_prompts(16, LENGTHS, catalog.vocab_size, seed=9)
+    p = DecodeParams(data="-", users=16, batch=8, k=5, repeats=2, engines=["eager", "compiled"])
+    e = bench_engines(p, models["mistral"], catalog, ids, mask)
+    assert e["bucket"] == [8, 24] and e["order"] == ["eager", "compiled", "compiled", "eager"]
+    assert all(len(m["timing"]["seconds"]) == 2 for m in e["methods"].values())
+    ag = e["agreement"]
+    assert ag["users"] == 16 and ag["clear_users_identical"] == ag["clear_users"] and ag["same_within_ties"] == 1.0
+    assert e["speedup"]["low"] <= e["speedup"]["median"] <= e["speedup"]["high"]
+    from pipeline.bench.common import environment
+
+    md = markdown_decode({"engines": e, "args": {"k": 5}, "environment": environment("cpu", "bench decode")})
+    assert "## beam_search engines: eager vs compiled" in md and "compiled over eager" in md

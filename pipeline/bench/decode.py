@@ -1,6 +1,7 @@
 """decode: `transformers` constrained beam search (generate + prefix_allowed_tokens_fn over a CPU trie) against
 genrec-batch's `beam_search` on the same model, the same Amazon Beauty prompts and the same batches, interleaved;
-then the per-step cost of the catalog index (CSR `allowed_next`, PPV `verify`) against a CPU trie, interleaved too.
+with `--engines eager compiled`, beam_search's two engines (decoding/compiled.py) side by side the same way; then the
+per-step cost of the catalog index (CSR `allowed_next`, PPV `verify`) against a CPU trie, interleaved too.
 """
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from decoding.beam import beam_search
+from decoding.beam import Recommendations, beam_search
 from decoding.catalog import Catalog
+from decoding.compiled import compile_totals, warm_up
+from decoding.metrics import same_within_ties, topk_agreement
 from decoding.models import pick_device
 from decoding.reference import cpu_trie, generate_beam_search
 from pipeline.bench.common import (Timing, compare, environment, fmt_ratio, fmt_spread, footer, interleaved, progress,
@@ -27,8 +30,12 @@ def run_decode(p: DecodeParams, command: str) -> tuple[dict, str]:
     torch.manual_seed(p.seed)
     tok, catalog, ids, mask = load_beauty(Path(p.data), p.users, p.history_len, device)
     model = bench_model(p, len(tok), device)
-    result = {"args": asdict(p), "environment": environment(p.device, command),
-              "decode": bench_decode(p, model, catalog, ids, mask), "index": run_index(p, catalog)}
+    result = {"args": asdict(p), "environment": environment(p.device, command)}
+    if p.transformers:
+        result["decode"] = bench_decode(p, model, catalog, ids, mask)
+    if "compiled" in p.engines:
+        result["engines"] = bench_engines(p, model, catalog, ids, mask)
+    result["index"] = run_index(p, catalog)
     return result, markdown_decode(result)
 
 
@@ -58,6 +65,38 @@ def bench_decode(p: DecodeParams, model, catalog: Catalog, ids: torch.Tensor, ma
             "agreement": {"users": n_users, "same_items_same_order": same_order / n_users,
                           "same_item_set": same_set / n_users,
                           "max_abs_score_diff": float((scores - hf_scores).abs().max())}}
+
+
+def bench_engines(p: DecodeParams, model, catalog: Catalog, ids: torch.Tensor, mask: torch.Tensor) -> dict:
+    """beam_search's eager and compiled engines over the users [U, S] in batches of p.batch, `p.repeats` interleaved
+    runs. The compiled engine first compiles its bucket (p.batch users x the longest prompt: every batch snaps to
+    it, as in the nightly actor), timed as compile_s. Agreement of the last run: same items in the same order, the
+    largest score difference, and the users clear of a near-tie (eager tie_gap above twice that difference) whose
+    lists are identical."""
+    t0 = time.perf_counter()
+    warm_up(model, catalog, min(p.batch, ids.shape[0]), ids.shape[1], p.k)
+    compile_s, graphs = time.perf_counter() - t0, compile_totals(model)[1]
+    decode = {engine: (lambda e: lambda i, m: beam_search(model, i, m, catalog, p.k, engine=e))(engine)
+              for engine in ("eager", "compiled")}
+    run = interleaved({e: (lambda f: lambda: in_batches(f, ids, mask, p.batch))(f) for e, f in decode.items()},
+                      p.repeats, ids.device, peak_memory=True,
+                      warmup={"eager": lambda: decode["eager"](ids[:p.batch], mask[:p.batch]), "compiled": lambda: None},
+                      desc="decode: beam_search eager vs compiled")
+    eager, compiled = (Recommendations.concat(run.outputs[e]) for e in decode)
+    n = ids.shape[0]
+    agree = topk_agreement(eager.item_ids, eager.scores, compiled.item_ids, compiled.scores)
+    diff = float(agree["score_diff"].max())
+    clear = eager.stats["tie_gap"].cpu() > 2 * diff
+    same = same_within_ties(eager.item_ids.cpu(), eager.scores.cpu(), compiled.item_ids.cpu(), 2 * diff)
+    return {"users": n, "batch": p.batch, "repeats": p.repeats, "order": run.order, "compile_s": compile_s,
+            "graphs_compiled": graphs, "bucket": [compiled.stats["bucket_users"], compiled.stats["bucket_prompt"]],
+            "methods": {e: method_row(run.timings[e], n, r.stats["kv_tokens"]) for e, r in (("eager", eager),
+                                                                                           ("compiled", compiled))},
+            "speedup": ratio(run.timings["eager"], run.timings["compiled"]),
+            "agreement": {"users": n, "same_items_same_order": float(agree["identical"].float().mean()),
+                          "max_abs_score_diff": diff, "clear_users": int(clear.sum()),
+                          "clear_users_identical": int((agree["identical"] & clear).sum()),
+                          "same_within_ties": float(same.float().mean())}}
 
 
 def method_row(t: Timing, users: int, kv_tokens: int) -> dict:
@@ -147,18 +186,34 @@ def trie_mask(trie: dict, prefix: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 def markdown_decode(result: dict) -> str:
-    d, env, a = result["decode"], result["environment"], result["args"]
-    lines = [f"## decode: K={a['k']}, batch {a['batch']}, {d['agreement']['users']} Amazon Beauty users (prompt up "
-             f"to {d['prompt_tokens_max']} tokens), {env['device']}; median (min-max) of {d['repeats']} interleaved "
-             "repeats", "", "| method | users/s | peak memory (MB) | KV tokens / user |", "|---|---:|---:|---:|"]
-    for name, r in d["methods"].items():
-        lines.append(f"| {name} | {fmt_spread(r['users_per_s'])} | {r['peak_memory_mb']:.1f} | "
-                     f"{r['kv_tokens_per_user']:.0f} |")
-    ag = d["agreement"]
-    lines += ["", f"speed-up (users/s of beam_search over transformers, ratio of medians, range): "
-              f"**{fmt_ratio(d['speedup'], 1)}**{' within noise' if d['speedup']['within_noise'] else ''}; KV held: "
-              f"{d['kv_ratio']:.3f}x; same items in the same order: {ag['same_items_same_order']:.1%}, same item set: "
-              f"{ag['same_item_set']:.1%}, max |score diff| {ag['max_abs_score_diff']:.2e}", ""]
+    env, a, lines = result["environment"], result["args"], []
+    if "decode" in result:
+        d = result["decode"]
+        lines += [f"## decode: K={a['k']}, batch {a['batch']}, {d['agreement']['users']} Amazon Beauty users (prompt "
+                  f"up to {d['prompt_tokens_max']} tokens), {env['device']}; median (min-max) of {d['repeats']} "
+                  "interleaved repeats", "", "| method | users/s | peak memory (MB) | KV tokens / user |",
+                  "|---|---:|---:|---:|"]
+        for name, r in d["methods"].items():
+            lines.append(f"| {name} | {fmt_spread(r['users_per_s'])} | {r['peak_memory_mb']:.1f} | "
+                         f"{r['kv_tokens_per_user']:.0f} |")
+        ag = d["agreement"]
+        lines += ["", f"speed-up (users/s of beam_search over transformers, ratio of medians, range): "
+                  f"**{fmt_ratio(d['speedup'], 1)}**{' within noise' if d['speedup']['within_noise'] else ''}; KV "
+                  f"held: {d['kv_ratio']:.3f}x; same items in the same order: {ag['same_items_same_order']:.1%}, same "
+                  f"item set: {ag['same_item_set']:.1%}, max |score diff| {ag['max_abs_score_diff']:.2e}", ""]
+    if "engines" in result:
+        e, ag = result["engines"], result["engines"]["agreement"]
+        lines += [f"## beam_search engines: eager vs compiled, K={a['k']}, {e['users']} users in batches of "
+                  f"{e['batch']} (bucket {e['bucket'][0]} x {e['bucket'][1]}), {env['device']}; median (min-max) of "
+                  f"{e['repeats']} interleaved repeats", "", "| engine | users/s | peak memory (MB) |", "|---|---:|---:|"]
+        for name, r in e["methods"].items():
+            lines.append(f"| {name} | {fmt_spread(r['users_per_s'])} | {r['peak_memory_mb']:.1f} |")
+        lines += ["", f"compiled over eager (ratio of medians, range): **{fmt_ratio(e['speedup'])}**"
+                  f"{' within noise' if e['speedup']['within_noise'] else ''}; compile {e['compile_s']:.1f} s "
+                  f"({e['graphs_compiled']} graphs, before the timed runs); same items in the same order: "
+                  f"{ag['same_items_same_order']:.1%} (up to near-tie swaps: {ag['same_within_ties']:.1%}); users "
+                  f"clear of a near-tie: {ag['clear_users_identical']} of {ag['clear_users']} identical; max |score "
+                  f"diff| {ag['max_abs_score_diff']:.2e}", ""]
     if result.get("index"):
         i0 = result["index"][0]
         lines += [f"## catalog index: ms per decoding step ({i0['rows']} prefixes, PPV top-M = {i0['top_m']}), "

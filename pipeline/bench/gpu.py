@@ -5,9 +5,9 @@ matmul       the device's dense matrix-product rate in the benchmark dtype, meas
              fraction is of this rate
 parity       float32: beam_search against transformers beam search must give every user the same list (up to exact
              float32 ties); bfloat16 and float16: the same against transformers in float32 on the same weights (the
-             exact ranking) and strict speculative decoding against beam_search in that dtype, for every user clear of
-             a near-tie at the k-th place (stats["tie_gap"] >= TIE), with the largest score difference of the items
-             both lists hold
+             exact ranking) and strict speculative decoding (and, with --engines compiled, the compiled engine)
+             against beam_search in that dtype, for every user clear of a near-tie at the k-th place
+             (stats["tie_gap"] >= TIE), with the largest score difference of the items both lists hold
 shapes       beam_search vs transformers at vocabulary 32k / 152k x prompt 300 / 1000 x K 20 / 50, a random Llama,
              bfloat16; beam_search at the largest batch that fits (decoding/memory.py), transformers at --batch halved
              until it fits; a method that does not fit at batch 1 is recorded as "out of memory"
@@ -16,6 +16,9 @@ anchor       NVIDIA recsys-examples SID-GR's published shape (Qwen3-1.7B, contex
              largest batch that fits
 disc, speculative (with --sections): DISC rounds 1..4 against constrained sampling and beam_search; the AtSpeed
              Table 1 layout with --target and --drafts
+--engines eager compiled: the shapes and the anchor run beam_search's compiled engine (decoding/compiled.py: CUDA
+             graphs for the tree step) beside the eager one: users/s, FLOP fractions, its compile seconds and graphs
+             (compiled during the warm-up batch, before the timed runs), and its agreement with the eager engine
 
 Models are built once per cell and freed before the next. Useful FLOPs per user (the roofline): 2 x the body's
 parameters x (prompt + K(L-1)) tokens, plus 2 x hidden x vocabulary x (1 + K(L-1)) head rows (exact scores need each
@@ -33,6 +36,7 @@ import numpy as np
 import torch
 
 from decoding.beam import beam_search
+from decoding.compiled import compile_totals
 from decoding.memory import decode_bytes_per_user, fit_batch, free_device_memory
 from decoding.metrics import same_within_ties, topk_agreement
 from decoding.models import pick_device, tiny_model
@@ -91,11 +95,12 @@ def run_gpu(p: GpuParams, command: str) -> tuple[dict, str]:
         for dtype in ("float32", "bfloat16", "float16"):
             result["parity"].append(parity(p, dtype, device))
             free(device)  # the dtype's models died with parity's frame
+    compiled = ("beam_search_compiled",) if "compiled" in p.engines else ()
     if "shapes" in p.sections:
-        result["shapes"] = [run_cell(c, p, device, half, rate) for c in progress(shape_cells(p), "gpu: shapes",
-                                                                                leave=True)]
+        result["shapes"] = [run_cell(c, p, device, half, rate, ("beam_search", "transformers") + compiled)
+                            for c in progress(shape_cells(p), "gpu: shapes", leave=True)]
     if "anchor" in p.sections:
-        result["anchor"] = anchor(p, device, half, rate)
+        result["anchor"] = anchor(p, device, half, rate, ("beam_search",) + compiled)
     if "disc" in p.sections:
         section, md["disc"] = disc.run_disc(DiscParams(
             data=p.data, device=p.device, users=4 if p.smoke else 256, batch=2 if p.smoke else 128, max_rounds=4,
@@ -155,7 +160,7 @@ def shape_cells(p: GpuParams) -> list[Cell]:
                  reference_users=None if p.smoke else 16) for v, s, k in grid]
 
 
-def anchor(p: GpuParams, device: torch.device, dtype: torch.dtype, rate: float) -> list[dict]:
+def anchor(p: GpuParams, device: torch.device, dtype: torch.dtype, rate: float, methods: tuple) -> list[dict]:
     """SID-GR's shape at batch 8, batch 1 and the largest batch that fits (beam_search only: transformers fits one
     user at this shape and takes seconds for it)."""
     if p.smoke:
@@ -169,7 +174,7 @@ def anchor(p: GpuParams, device: torch.device, dtype: torch.dtype, rate: float) 
         cell = Cell(f"SID-GR batch {batch or 'best'}", vocab, prompt, k, 0, model, arch="qwen3", code_len=3,
                     items=items, batches={"beam_search": batch})
         cell.users = 2 * (batch or 0) if p.smoke else {8: 32, 1: 8}.get(batch, 0)
-        rows.append(run_cell(cell, p, device, dtype, rate, methods=("beam_search",)))
+        rows.append(run_cell(cell, p, device, dtype, rate, methods))
     return rows
 
 
@@ -200,6 +205,7 @@ def measure_cell(cell: Cell, p: GpuParams, device: torch.device, dtype: torch.dt
     mask = torch.ones_like(ids)
     trie = cpu_trie(catalog.to("cpu")) if "transformers" in methods else None
     decoders = {"beam_search": lambda i, m: beam_search(model, i, m, catalog, cell.k),
+                "beam_search_compiled": lambda i, m: beam_search(model, i, m, catalog, cell.k, engine="compiled"),
                 "transformers": lambda i, m: generate_beam_search(model, i, m, catalog, cell.k, trie)}
     row = {"cell": cell.name, "arch": cell.arch, "vocab": cell.vocab, "prompt": cell.prompt, "k": cell.k,
            "code_len": catalog.code_len, "items": len(catalog), "dtype": str(dtype).removeprefix("torch."),
@@ -208,12 +214,15 @@ def measure_cell(cell: Cell, p: GpuParams, device: torch.device, dtype: torch.dt
     runs = {}
     for method in methods:
         users = min(cell.users, cell.reference_users or cell.users) if method == "transformers" else cell.users
-        batch = min(cell.batches.get(method) or best, users)
+        batch = min(cell.batches.get(method.removesuffix("_compiled")) or best, users)  # both engines alike
         batch = fitting_batch(decoders[method], method, ids[:users], mask[:users], batch, p.simulate_oom)
         if batch is None:
             row["methods"][method] = {"status": OOM}
             continue
         row["methods"][method] = {"status": "ok", "batch": batch, "users": users}
+        if method == "beam_search_compiled":  # the warm-up batch compiled its bucket
+            seconds, graphs = compile_totals(model)
+            row["methods"][method].update(compile_s=seconds, graphs_compiled=graphs)
         runs[method] = (lambda f, u, b: lambda: decode_all(f, ids[:u], mask[:u], b))(decoders[method], users, batch)
     if runs:
         timed = interleaved(runs, 1 if p.smoke else p.repeats, device, warmup={m: lambda: None for m in runs})
@@ -222,10 +231,14 @@ def measure_cell(cell: Cell, p: GpuParams, device: torch.device, dtype: torch.dt
             ups, batches = t.per(lambda s, u=x["users"]: u / s), -(-x["users"] // x["batch"])
             x.update(seconds=t.to_dict(), users_per_s=ups, ms_per_batch=t.per(lambda s, n=batches: 1e3 * s / n),
                      flop_fraction=flops * ups["median"] / rate)
-        if len(runs) == 2:
+        if {"beam_search", "transformers"} <= set(runs):
             row["speedup"] = ratio(per_user(timed.timings["transformers"], row, "transformers"),
                                    per_user(timed.timings["beam_search"], row, "beam_search"))
             row.update(agreement(timed.outputs, row["methods"]["transformers"]["users"]))
+        if {"beam_search", "beam_search_compiled"} <= set(runs):
+            row["compiled_speedup"] = ratio(per_user(timed.timings["beam_search"], row, "beam_search"),
+                                            per_user(timed.timings["beam_search_compiled"], row, "beam_search_compiled"))
+            row["compiled_agreement"] = agreement(timed.outputs, cell.users, "beam_search_compiled", "beam_search")
     return row
 
 
@@ -253,12 +266,16 @@ def per_user(t: Timing, row: dict, method: str) -> Timing:
     return Timing([s / row["methods"][method]["users"] for s in t.seconds])
 
 
-def agreement(outputs: dict, users: int) -> dict:
-    """beam_search vs transformers on the users both decoded: same items in the same order, largest score gap."""
-    ours = torch.cat([r.item_ids for r in outputs["beam_search"]])[:users].cpu()
-    ours_s = torch.cat([r.scores for r in outputs["beam_search"]])[:users].float().cpu()
-    ref = torch.cat([r[0] for r in outputs["transformers"]]).cpu()
-    ref_s = torch.cat([r[2] for r in outputs["transformers"]]).float().cpu()
+def agreement(outputs: dict, users: int, ours: str = "beam_search", ref: str = "transformers") -> dict:
+    """One method against another (beam_search vs transformers; the compiled engine vs the eager one) on the first
+    `users` users, which both decoded: same items in the same order, largest score gap."""
+    def lists(name: str):  # -> item ids, scores [U, K]
+        out = outputs[name]
+        items, scores = ([r[0] for r in out], [r[2] for r in out]) if name == "transformers" else \
+            ([r.item_ids for r in out], [r.scores for r in out])
+        return torch.cat(items)[:users].cpu(), torch.cat(scores)[:users].float().cpu()
+
+    (ours, ours_s), (ref, ref_s) = lists(ours), lists(ref)
     finite = torch.isfinite(ours_s) & torch.isfinite(ref_s)
     return {"same_items_same_order": float((ours == ref).all(1).float().mean()),
             "max_abs_score_diff": float((ours_s - ref_s).abs()[finite].max()) if finite.any() else 0.0}
@@ -293,6 +310,8 @@ def parity(p: GpuParams, dtype: str, device: torch.device) -> dict:
     out = {"dtype": dtype, "users": users, "k": k, "vocab": vocab, "prompt": prompt}
     others = {"transformers": lambda i, m: generate_beam_search(exact, i, m, catalog, k, trie),
               "speculative": lambda i, m: speculative_beam_search(target, draft, i, m, catalog, k)}
+    if "compiled" in p.engines:
+        others["compiled"] = lambda i, m: beam_search(target, i, m, catalog, k, engine="compiled")
     for name, other in others.items():
         tie = TIE_EXACT[dtype] if name == "transformers" else TIE[dtype]
         clear = same = identical = 0
@@ -328,7 +347,7 @@ def markdown_gpu(result: dict, md: dict) -> str:
                   "| dtype | against | users (every other left-padded) | identical lists | clear of a near-tie (TIE) | "
                   "of them identical | max score diff |", "|---|---|---:|---:|---:|---:|---:|"]
         for r in result["parity"]:
-            for name in ("transformers", "speculative"):
+            for name in [n for n in ("transformers", "speculative", "compiled") if n in r]:
                 x = r[name]
                 against = "transformers float32" if name == "transformers" else name
                 lines.append(f"| {r['dtype']} | beam_search vs {against} | {r['users']} | {x['identical']} | "
@@ -352,17 +371,30 @@ def markdown_gpu(result: dict, md: dict) -> str:
         lines += ["", f"## anchor: NVIDIA SID-GR's shape ({a0['arch']}, {a0['parameters'] / 1e9:.2f}B parameters, "
                   f"vocabulary {a0['vocab']:,}, context {a0['prompt']}, beam {a0['k']}, {a0['code_len']} code "
                   f"tokens, {a0['items']:,} items, {a0['dtype']})", "",
-                  "| batch | ms per batch | NVIDIA recsys-examples (H100) | genrec-batch / NVIDIA rate | users/s | "
-                  "useful-FLOP fraction |", "|---:|---:|---:|---:|---:|---:|"]
+                  "| engine | batch | ms per batch | NVIDIA recsys-examples (H100) | genrec-batch / NVIDIA rate | "
+                  "users/s | useful-FLOP fraction |", "|---|---:|---:|---:|---:|---:|---:|"]
         for r in result["anchor"]:
-            x = r["methods"]["beam_search"]
-            if x["status"] != "ok":
-                lines.append(f"| - | {OOM} | - | - | - | - |")
-                continue
-            ref, ms = SID_GR_MS.get(x["batch"]), x["ms_per_batch"]
-            theirs = f"{ref} ms | {ref / ms['median']:.2f}x" if ref else "- | -"
-            lines.append(f"| {x['batch']} | {fmt_spread(ms, 1)} | {theirs} | {fmt_spread(x['users_per_s'], 1)} | "
-                         f"{fraction(x)} |")
+            for method, x in r["methods"].items():
+                engine = "compiled" if method == "beam_search_compiled" else "eager"
+                if x["status"] != "ok":
+                    lines.append(f"| {engine} | - | {OOM} | - | - | - | - |")
+                    continue
+                ref, ms = SID_GR_MS.get(x["batch"]), x["ms_per_batch"]
+                theirs = f"{ref} ms | {ref / ms['median']:.2f}x" if ref else "- | -"
+                lines.append(f"| {engine} | {x['batch']} | {fmt_spread(ms, 1)} | {theirs} | "
+                             f"{fmt_spread(x['users_per_s'], 1)} | {fraction(x)} |")
+    cells = [c for c in result.get("shapes", []) + result.get("anchor", []) if "compiled_speedup" in c]
+    if cells:
+        lines += ["", f"## engines: beam_search eager vs compiled ({result['dtype']}), users/s median (min-max); "
+                  "compile: seconds and graphs of the warm-up batch (before the timed runs)", "",
+                  "| cell | eager users/s (batch) | compiled users/s (batch) | compiled / eager | compile s (graphs) | "
+                  "useful-FLOP fraction eager / compiled | same items, same order |", "|---|---:|---:|---:|---:|---:|---:|"]
+        for c in cells:
+            eager, comp, ag = c["methods"]["beam_search"], c["methods"]["beam_search_compiled"], c["compiled_agreement"]
+            lines.append(f"| {c['cell']} | {method_cell(eager)} | {method_cell(comp)} | "
+                         f"{fmt_ratio(c['compiled_speedup'])} | {comp['compile_s']:.1f} ({comp['graphs_compiled']}) | "
+                         f"{fraction(eager)} / {fraction(comp)} | {ag['same_items_same_order']:.0%} (max score diff "
+                         f"{ag['max_abs_score_diff']:.1e}) |")
     for name, text in md.items():
         lines += ["", text]
     return "\n".join(lines + ["", footer(result["environment"])])

@@ -41,6 +41,9 @@ class DecodeParams(ModelParams):
     users: int = 128
     batch: int = 32
     k: int = 20
+    engines: list[str] = field(default_factory=lambda: ["eager"])  # beam_search engines; with compiled: eager vs
+    # compiled on the same batches (the compiled engine warmed up on its bucket first, its compile time recorded)
+    transformers: bool = True  # transformers beam search vs beam_search (eager)
     index_items: list[int] = field(default_factory=lambda: [10_000_000])  # synthetic catalog sizes
     trie_max_items: int = 10_000_000  # no CPU trie above this size
     top_m: int = 50  # PPV candidates per row
@@ -153,6 +156,7 @@ class ShapesParams:
     dtype: str = "float32"
     device: str | None = None
     seed: int = 0
+    methods: list[str] = field(default_factory=lambda: ["beam_search", "transformers"])  # and beam_search_compiled
 
 
 @dataclass(kw_only=True)
@@ -170,6 +174,7 @@ class GpuParams:
     hidden: int = 1024
     heads: int = 16
     smoke: bool = False  # smoke sizes (runs on a CPU too)
+    engines: list[str] = field(default_factory=lambda: ["eager"])  # beam_search engines (eager, compiled)
     device: str | None = None
     seed: int = 0
     out: str = "bench-out"
