@@ -20,7 +20,8 @@ once with `torch.compile(fullgraph=True, dynamic=False)` (gpt-fast's static KV c
   K tokens chosen at the last level forwarded as tree nodes, their children scored, the next selection), the same
   graph for every level: the level is a tensor in the slots. Selection runs on the device (stable sort: ties to the
   lower (beam, token) pair, as `topk_stable`), children padded to the catalog's widest level; no host sync inside a
-  graph. On CUDA the step is compiled with mode="reduce-overhead" (replayed as a CUDA graph).
+  graph. On CUDA the step is compiled with mode="reduce-overhead" (replayed as a CUDA graph); on a CPU each graph's
+  kernels and wrapper are one C++ file (cpp_wrapper).
 - **Attention.** Each node attends its user's prompt (prefix included) and its own ancestors. "flex": FlexAttention
   with a `BlockMask` built in the graph (on CUDA whole masked blocks are skipped); "sdpa": scaled_dot_product_attention
   over the same mask as an additive tensor. Both keep grouped-query heads unrepeated (enable_gqa). The model's decoder
@@ -29,13 +30,14 @@ once with `torch.compile(fullgraph=True, dynamic=False)` (gpt-fast's static KV c
   products, at most `MAX_CHUNKS` chunks, with no host sync (the eager `Head.score` reads the asked tokens' range).
 
 Llama, Qwen2, Qwen3 and Mistral (whose decoder layers this calls as they are); anything else, sampling beam search
-(do_sample) and per-user exclusions run eager, with the reason in stats["engine_note"].
+(do_sample) and per-user exclusions run eager, with the reason in stats["engine_note"]. `warm_up` compiles a bucket
+ahead and makes smaller decodes snap to it (the nightly actor's start); `use_compile_cache` points inductor's on-disk
+cache at a folder per torch version and CPU kernel family.
 """
 from __future__ import annotations
 
-import contextlib
-import os
 import copy
+import os
 import time
 import warnings
 import weakref
@@ -491,13 +493,6 @@ def use_compile_cache(base: str) -> str:
     folder = os.path.join(os.path.expanduser(base), f"torch-{torch.__version__}-{family}")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
     return folder
-
-
-@contextlib.contextmanager
-def no_recompiles():
-    """Inside: a graph that would compile again raises instead (torch.compiler's fail_on_recompile stance)."""
-    with torch.compiler.set_stance("fail_on_recompile"):
-        yield
 
 
 def note_eager(reason: str) -> str:

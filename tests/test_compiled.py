@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from decoding.beam import Prefix, Recommendations, beam_search
-from decoding.compiled import (Bucket, Engine, compiled_beam_search, flex_compiles, no_recompiles, prompt_bucket,
-                               use_compile_cache, users_bucket)
+from decoding.compiled import (Bucket, Engine, compiled_beam_search, flex_compiles, prompt_bucket, use_compile_cache,
+                               users_bucket)
 from decoding.metrics import same_within_ties, topk_agreement
 from decoding.models import tiny_model
 from decoding.stats import BASE_KEYS, PHASES
@@ -138,7 +138,7 @@ def test_a_second_batch_of_the_bucket_compiles_nothing(models, catalog):
     ids, mask = left_padded_prompts(8, LENGTHS, catalog.vocab_size, seed=5)
     first = beam_search(model, ids, mask, catalog, 10, prefix=PREFIX, engine="compiled")  # compiled by now
     ids2, mask2 = left_padded_prompts(6, [24, 2, 19, 7, 13, 21], catalog.vocab_size, seed=6)
-    with no_recompiles():
+    with torch.compiler.set_stance("fail_on_recompile"):  # a graph that would compile raises instead
         rec = beam_search(model, ids2, mask2, catalog, 10, prefix=PREFIX, engine="compiled")
     assert rec.stats["graphs_compiled"] == 0 and rec.stats["compile_s"] == 0
     assert (first.stats["bucket_users"], first.stats["bucket_prompt"]) == (8, 24) == (rec.stats["bucket_users"],
