@@ -23,6 +23,7 @@ Level spans: every token that can appear at level t of a semantic ID lies in one
 vocabulary, so the constrained objectives can be computed on logits cut to the spans ([..., L, W] instead of
 [..., L, V]; `span_logits`, `span_valid`), which is how the teacher's logits are stored.
 """
+
 from __future__ import annotations
 
 import torch
@@ -59,8 +60,14 @@ def constrained_log_softmax(logits: torch.Tensor, valid: torch.Tensor) -> torch.
     return logits.float().masked_fill(~valid, float("-inf")).log_softmax(-1)
 
 
-def atspeed_s(draft: torch.Tensor, target: torch.Tensor, valid: torch.Tensor, k: int,
-              weight: torch.Tensor | None = None, beta: float = 1.0) -> torch.Tensor:
+def atspeed_s(
+    draft: torch.Tensor,
+    target: torch.Tensor,
+    valid: torch.Tensor,
+    k: int,
+    weight: torch.Tensor | None = None,
+    beta: float = 1.0,
+) -> torch.Tensor:
     """Reverse KL over the draft's constrained top-k tokens plus beta times the density regularisation term."""
     log_q = constrained_log_softmax(draft, valid)  # [..., V]
     log_p = constrained_log_softmax(target.detach(), valid)
@@ -76,8 +83,9 @@ def atspeed_s(draft: torch.Tensor, target: torch.Tensor, valid: torch.Tensor, k:
     return _mean(rkl + beta * p_k * entropy_s, weight, draft.shape[:-1])
 
 
-def atspeed_r(draft: torch.Tensor, target: torch.Tensor, valid: torch.Tensor, k: int,
-              weight: torch.Tensor | None = None) -> torch.Tensor:
+def atspeed_r(
+    draft: torch.Tensor, target: torch.Tensor, valid: torch.Tensor, k: int, weight: torch.Tensor | None = None
+) -> torch.Tensor:
     """Total variation distance over the target's constrained top-k tokens."""
     log_q = constrained_log_softmax(draft, valid)
     log_p = constrained_log_softmax(target.detach(), valid)
@@ -100,7 +108,7 @@ def level_spans(catalog: Catalog) -> tuple[torch.Tensor, int]:
 
 def span_logits(logits: torch.Tensor, span_lo: torch.Tensor, width: int) -> torch.Tensor:
     """[..., L, V] -> [..., L, W]: level t keeps columns span_lo[t] : span_lo[t] + W."""
-    return torch.stack([logits[..., t, int(lo):int(lo) + width] for t, lo in enumerate(span_lo)], -2)
+    return torch.stack([logits[..., t, int(lo) : int(lo) + width] for t, lo in enumerate(span_lo)], -2)
 
 
 def span_valid(catalog: Catalog, tokens: torch.Tensor, span_lo: torch.Tensor, width: int) -> torch.Tensor:
@@ -108,7 +116,7 @@ def span_valid(catalog: Catalog, tokens: torch.Tensor, span_lo: torch.Tensor, wi
     sequence's prefix (the constrained objectives' support)."""
     lead, code_len = tokens.shape[:-1], tokens.shape[-1]
     flat = tokens.reshape(-1, code_len).clamp(min=0)
-    masks = [catalog.allowed_next(flat[:, :t])[:, int(span_lo[t]):int(span_lo[t]) + width] for t in range(code_len)]
+    masks = [catalog.allowed_next(flat[:, :t])[:, int(span_lo[t]) : int(span_lo[t]) + width] for t in range(code_len)]
     return torch.stack(masks, 1).view(*lead, code_len, width)
 
 

@@ -10,6 +10,7 @@ The forwards every decoder shares live here too: `prefill` (each prompt once, co
 prompts have one), `forward` (tree nodes into the tree cache, decoding/cache.py) and `children` (the log-probs of a
 node's catalog children from the chunked head, decoding/head.py: no [B, Q, V] tensor is ever formed).
 """
+
 from __future__ import annotations
 
 import weakref
@@ -55,14 +56,19 @@ class Recommendations:
                 stats[key] = sum(values)
             else:
                 stats[key] = max(values)
-        return cls(torch.cat([p.item_ids for p in parts]), torch.cat([p.token_ids for p in parts]),
-                   torch.cat([p.scores for p in parts]), stats)
+        return cls(
+            torch.cat([p.item_ids for p in parts]),
+            torch.cat([p.token_ids for p in parts]),
+            torch.cat([p.scores for p in parts]),
+            stats,
+        )
 
 
 @dataclass
 class Children:
     """The catalog children of query nodes with the model's next-token log-probs (log_softmax over the full
     vocabulary, float32): token, node (-1 = none), logp (-inf = none) [B, Q, D]; broken [B, Q]: non-finite scores."""
+
     token: torch.Tensor
     node: torch.Tensor
     logp: torch.Tensor
@@ -76,9 +82,12 @@ class Children:
     def where(self, use: torch.Tensor, other: "Children") -> "Children":
         """These children for rows use [B] (or query nodes use [B, Q]), `other`'s elsewhere."""
         u = use if use.dim() == 2 else use[:, None]
-        return Children(torch.where(u[..., None], self.token, other.token), torch.where(u[..., None], self.node,
-                        other.node), torch.where(u[..., None], self.logp, other.logp),
-                        torch.where(u, self.broken, other.broken))
+        return Children(
+            torch.where(u[..., None], self.token, other.token),
+            torch.where(u[..., None], self.node, other.node),
+            torch.where(u[..., None], self.logp, other.logp),
+            torch.where(u, self.broken, other.broken),
+        )
 
     def select(self, users: torch.Tensor) -> "Children":
         return Children(self.token[users], self.node[users], self.logp[users], self.broken[users])
@@ -102,8 +111,12 @@ class Prefix:
         if model not in self._kv:
             cache = TreeCache(len(self))
             ids = self.ids.to(model.device)[None]
-            model.base_model(input_ids=ids, position_ids=torch.arange(len(self), device=ids.device)[None],
-                             past_key_values=cache, use_cache=True)
+            model.base_model(
+                input_ids=ids,
+                position_ids=torch.arange(len(self), device=ids.device)[None],
+                past_key_values=cache,
+                use_cache=True,
+            )
             self._kv[model] = cache.prefix_kv()
         return self._kv[model]
 
@@ -115,8 +128,9 @@ def head_of(model) -> Head:
     return _HEADS[model]
 
 
-def children(model, hidden: torch.Tensor, catalog: Catalog, node: torch.Tensor, width: int,
-             exclude: Exclusions | None = None) -> Children:
+def children(
+    model, hidden: torch.Tensor, catalog: Catalog, node: torch.Tensor, width: int, exclude: Exclusions | None = None
+) -> Children:
     """hidden [B, Q, H] at tree nodes whose catalog nodes are node [B, Q] (-1 = dead) -> their children scored;
     a child closed for its row's user by `exclude` (every item under it excluded) is no child."""
     b, q = node.shape
@@ -130,8 +144,15 @@ def children(model, hidden: torch.Tensor, catalog: Catalog, node: torch.Tensor, 
     return Children(tok, child, logp.masked_fill(~valid, NEG_INF), broken)
 
 
-def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, meter: Meter | None = None,
-            role: str = "target", prefix: Prefix | None = None, capacity: int = 0):
+def prefill(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    meter: Meter | None = None,
+    role: str = "target",
+    prefix: Prefix | None = None,
+    capacity: int = 0,
+):
     """Left-padded prompts [B, S] (continuing `prefix` when given) -> (tree cache holding each prompt once, with
     room for `capacity` more columns; the last position's hidden states [B, H])."""
     b, s = input_ids.shape
@@ -140,47 +161,78 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, meter:
     if prefix is not None:
         cache.start(b, prefix.kv(model))
         attention_mask = torch.cat([attention_mask.new_ones(b, p), attention_mask], 1)
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                              position_ids=prompt_position_ids(attention_mask)[:, p:], past_key_values=cache,
-                              use_cache=True).last_hidden_state
+    hidden = model.base_model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=prompt_position_ids(attention_mask)[:, p:],
+        past_key_values=cache,
+        use_cache=True,
+    ).last_hidden_state
     if meter is not None:
         meter.forward(role, input_ids)
     return cache, hidden[:, -1]
 
 
-def forward(model, tree: TokenTree, cache: TreeCache, tokens: torch.Tensor, parent: torch.Tensor,
-            block_depth: int = 1, meter: Meter | None = None, role: str = "target",
-            rows: int | None = None) -> torch.Tensor:
+def forward(
+    model,
+    tree: TokenTree,
+    cache: TreeCache,
+    tokens: torch.Tensor,
+    parent: torch.Tensor,
+    block_depth: int = 1,
+    meter: Meter | None = None,
+    role: str = "target",
+    rows: int | None = None,
+) -> torch.Tensor:
     """Adds tokens [B, Q] as tree nodes under parent [B, Q] (see TokenTree.add) -> their hidden states [B, Q, H].
     rows: only the first rows run (users sorted so that the ones with work come first); the other users' new nodes
     are dead columns, never attended."""
     mask, position_ids = tree.add(parent, model.dtype, block_depth)
     r = tokens.shape[0] if rows is None else rows
-    hidden = model.base_model(input_ids=tokens[:r], attention_mask=mask[:r], position_ids=position_ids[:r],
-                              past_key_values=cache, use_cache=True).last_hidden_state
+    hidden = model.base_model(
+        input_ids=tokens[:r],
+        attention_mask=mask[:r],
+        position_ids=position_ids[:r],
+        past_key_values=cache,
+        use_cache=True,
+    ).last_hidden_state
     if meter is not None:
         meter.forward(role, tokens[:r])
     return hidden
 
 
-def check_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, catalog: Catalog, *models,
-                  prefix: Prefix | None = None, exclude: Exclusions | None = None) -> None:
+def check_prompts(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    catalog: Catalog,
+    *models,
+    prefix: Prefix | None = None,
+    exclude: Exclusions | None = None,
+) -> None:
     """What every decoder needs of its inputs: [B, S] left-padded prompts on the catalog's device, models whose
     attention window (if any) covers the longest prompt (with its prefix) plus an item, and exclusions (if any) for
     exactly these users, built for this catalog on its device."""
     if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
-        raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} "
-                         "must both be [B, S]")
+        raise ValueError(
+            f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} must both be [B, S]"
+        )
     if catalog.device != input_ids.device:
         raise ValueError(f"catalog is on {catalog.device} but input_ids on {input_ids.device}: use catalog.to(...)")
     if (attention_mask[:, -1] == 0).any():
-        raise ValueError("prompts must be left-padded: attention_mask[:, -1] is 0 in rows "
-                         f"{(attention_mask[:, -1] == 0).nonzero().flatten().tolist()[:10]}")
-    if exclude is not None and (exclude.rows.shape[0] != input_ids.shape[0] or exclude.nodes != catalog.num_nodes
-                                or exclude.rows.device != catalog.device):
-        raise ValueError(f"exclude holds {exclude.rows.shape[0]} users of a {exclude.nodes}-node trie on "
-                         f"{exclude.rows.device}; the prompts have {input_ids.shape[0]} users and the catalog "
-                         f"{catalog.num_nodes} nodes on {catalog.device}")
+        raise ValueError(
+            "prompts must be left-padded: attention_mask[:, -1] is 0 in rows "
+            f"{(attention_mask[:, -1] == 0).nonzero().flatten().tolist()[:10]}"
+        )
+    if exclude is not None and (
+        exclude.rows.shape[0] != input_ids.shape[0]
+        or exclude.nodes != catalog.num_nodes
+        or exclude.rows.device != catalog.device
+    ):
+        raise ValueError(
+            f"exclude holds {exclude.rows.shape[0]} users of a {exclude.nodes}-node trie on "
+            f"{exclude.rows.device}; the prompts have {input_ids.shape[0]} users and the catalog "
+            f"{catalog.num_nodes} nodes on {catalog.device}"
+        )
     longest = (int(attention_mask.sum(1).max()) if input_ids.numel() else 0) + (len(prefix) if prefix else 0)
     for model in models:
         check_window(model.config, longest + catalog.code_len, type(model).__name__)
@@ -210,8 +262,12 @@ def pick(cand: torch.Tensor, tok: torch.Tensor, child: torch.Tensor, d: int, fla
     top = torch.where(flat < n, cand.gather(1, flat.clamp(max=n - 1)), NEG_INF)
     alive = top > NEG_INF
     flat = torch.where(alive, flat, 0)
-    return (top, torch.where(alive, flat // d, -1), torch.where(alive, tok.gather(1, flat), 0),
-            torch.where(alive, child.gather(1, flat), -1))
+    return (
+        top,
+        torch.where(alive, flat // d, -1),
+        torch.where(alive, tok.gather(1, flat), 0),
+        torch.where(alive, child.gather(1, flat), -1),
+    )
 
 
 def expand_beams(kids: Children, score: torch.Tensor, k: int):
@@ -237,10 +293,20 @@ def sample_beams(kids: Children, score: torch.Tensor, k: int, temperature: float
 
 
 @torch.no_grad()
-def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, catalog: Catalog, k: int,
-                steps: int | None = None, do_sample: bool = False, temperature: float = 1.0,
-                generator: torch.Generator | None = None, prefix: Prefix | None = None,
-                exclude: Exclusions | None = None, engine: str = "eager") -> Recommendations:
+def beam_search(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    catalog: Catalog,
+    k: int,
+    steps: int | None = None,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    generator: torch.Generator | None = None,
+    prefix: Prefix | None = None,
+    exclude: Exclusions | None = None,
+    engine: str = "eager",
+) -> Recommendations:
     """input_ids, attention_mask [B, S] left-padded (continuing `prefix` when given) -> the top-k catalog items per
     user (per user over the catalog minus its `exclude`d items, when given: a user with fewer than k left gets what is
     left, padded). `steps` < L stops early: token_ids are then the top-k prefixes [B, k, steps] and item_ids are -1.
@@ -268,8 +334,19 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, ca
     if engine == "compiled":  # fixed shapes per bucket, two compiled graphs (decoding/compiled.py)
         from decoding.compiled import compiled_beam_search
 
-        return compiled_beam_search(model, input_ids, attention_mask, catalog, k, steps, do_sample, prefix=prefix,
-                                    exclude=exclude, temperature=temperature, generator=generator)
+        return compiled_beam_search(
+            model,
+            input_ids,
+            attention_mask,
+            catalog,
+            k,
+            steps,
+            do_sample,
+            prefix=prefix,
+            exclude=exclude,
+            temperature=temperature,
+            generator=generator,
+        )
     meter = Meter(dev)
     with meter.phase("prefill"):
         cache, hidden = prefill(model, input_ids, attention_mask, meter, prefix=prefix, capacity=k * (depth - 1))
@@ -293,7 +370,9 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, ca
             gap = values[:, k - 1] - values[:, k]
             tie_gap = torch.minimum(tie_gap, torch.where(torch.isnan(gap), float("inf"), gap))
         alive = beam >= 0
-        tokens = torch.cat([tokens.gather(1, beam.clamp(min=0)[:, :, None].expand(-1, -1, level)), token[:, :, None]], 2)
+        tokens = torch.cat(
+            [tokens.gather(1, beam.clamp(min=0)[:, :, None].expand(-1, -1, level)), token[:, :, None]], 2
+        )
         if level == depth - 1:
             break
         parent = torch.where(alive, leaf.gather(1, beam.clamp(min=0)), -1)  # [B, k] tree node of the parent
@@ -305,13 +384,20 @@ def beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, ca
 
     if do_sample:  # drawn in sampling order: rank them by score
         order = torch.sort(score, dim=1, descending=True, stable=True).indices
-        score, node, tokens = score.gather(1, order), node.gather(1, order), tokens.gather(
-            1, order[:, :, None].expand_as(tokens))
+        score, node, tokens = (
+            score.gather(1, order),
+            node.gather(1, order),
+            tokens.gather(1, order[:, :, None].expand_as(tokens)),
+        )
     alive = node >= 0
-    stats = meter.result(beam_batch_kv(b, k, s, depth),
-                         kv_len=cache.length,  # shared prefix + padded prompt + tree tokens
-                         kv_batch=cache.rows,  # cache rows: one per user
-                         tree_tokens=tree.num_nodes, non_finite=broken, tie_gap=tie_gap)
+    stats = meter.result(
+        beam_batch_kv(b, k, s, depth),
+        kv_len=cache.length,  # shared prefix + padded prompt + tree tokens
+        kv_batch=cache.rows,  # cache rows: one per user
+        tree_tokens=tree.num_nodes,
+        non_finite=broken,
+        tie_gap=tie_gap,
+    )
     return Recommendations(
         item_ids=catalog.item_of_node(node) if depth == catalog.code_len else torch.full_like(node, -1),
         token_ids=torch.where(alive[:, :, None], tokens, -1),

@@ -7,6 +7,7 @@ its new tokens plus O(log) reallocations. `keep` compacts the tree region in pla
 they are), `select` keeps some user rows (finished users leave), `rows` restricts the next forward to the first rows
 (users sorted so that the ones with work this step come first).
 """
+
 from __future__ import annotations
 
 from functools import partial
@@ -41,8 +42,8 @@ class TreeLayer(CacheLayerMixin):
         end = self.length + q
         if end > self.keys.shape[2]:
             self.grow(end)
-        self.keys[:a, :, self.length:end] = key_states
-        self.values[:a, :, self.length:end] = value_states
+        self.keys[:a, :, self.length : end] = key_states
+        self.values[:a, :, self.length : end] = value_states
         self.length = end
         return self.keys[:a, :, :end], self.values[:a, :, :end]
 
@@ -50,8 +51,9 @@ class TreeLayer(CacheLayerMixin):
         capacity = max(needed, 2 * self.keys.shape[2])
         pad = capacity - self.keys.shape[2]
         self.keys = torch.cat([self.keys, self.keys.new_zeros(*self.keys.shape[:2], pad, self.keys.shape[3])], 2)
-        self.values = torch.cat([self.values, self.values.new_zeros(*self.values.shape[:2], pad,
-                                                                    self.values.shape[3])], 2)
+        self.values = torch.cat(
+            [self.values, self.values.new_zeros(*self.values.shape[:2], pad, self.values.shape[3])], 2
+        )
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0
@@ -98,7 +100,7 @@ class TreeCache(Cache):
             for name in ("keys", "values"):
                 buf = getattr(layer, name)  # [B, H, C, D]
                 at = (start + idx)[:, None, :, None].expand(b, buf.shape[1], kept, buf.shape[3])
-                buf[:, :, start:start + kept] = buf[:b, :, :layer.length].gather(2, at)
+                buf[:, :, start : start + kept] = buf[:b, :, : layer.length].gather(2, at)
             layer.length = start + kept
 
     def select(self, users: torch.Tensor) -> None:
@@ -108,4 +110,4 @@ class TreeCache(Cache):
 
     def prefix_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Row 0's filled keys and values per layer ([1, H_kv, len, D]): a prefix to `start` other caches with."""
-        return [(layer.keys[:1, :, :layer.length], layer.values[:1, :, :layer.length]) for layer in self.layers]
+        return [(layer.keys[:1, :, : layer.length], layer.values[:1, :, : layer.length]) for layer in self.layers]

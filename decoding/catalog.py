@@ -17,6 +17,7 @@ closed child where its candidates are made (`decoding.beam.children`).
 
 No Python loop runs over rows, beams or users; loops run over the L levels or log2(N) bisection steps.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -81,8 +82,9 @@ class Catalog:
     # ---------------------------------------------------------------- construction
 
     @classmethod
-    def from_token_ids(cls, item_ids, token_ids, vocab_size: int, on_duplicate: str = "error",
-                       device: torch.device | str | None = None) -> "Catalog":
+    def from_token_ids(
+        cls, item_ids, token_ids, vocab_size: int, on_duplicate: str = "error", device: torch.device | str | None = None
+    ) -> "Catalog":
         """item_ids [N]; token_ids [N, L] (tensor, array or list of rows; ragged rows are an error). Items that share
         a semantic ID: an error, or (on_duplicate="first") the first keeps it in the index and the others are listed
         in `duplicates`; all of them stay in `item_tokens`, since histories may name any of them."""
@@ -97,8 +99,10 @@ class Catalog:
             raise ValueError(f"the catalog is empty: token_ids has shape {tuple(token_ids.shape)}")
         bad = ((token_ids < 0) | (token_ids >= vocab_size)).any(1).nonzero().flatten()
         if bad.numel():
-            raise ValueError(f"token ids outside [0, {vocab_size}) in rows {format_rows(bad)} "
-                             f"(item ids {format_rows(item_ids[bad])})")
+            raise ValueError(
+                f"token ids outside [0, {vocab_size}) in rows {format_rows(bad)} "
+                f"(item ids {format_rows(item_ids[bad])})"
+            )
         item_tokens = ItemTokens.from_arrays(item_ids.cpu().numpy(), token_ids.cpu().numpy())  # checks: unique ids
 
         order = _lexsort(token_ids)  # [N], stable: equal rows keep input order
@@ -114,17 +118,31 @@ class Catalog:
                     f"{dup.numel()} items share a semantic ID with another item, e.g. input rows "
                     f"{format_rows(input_row[dup])} repeat rows {format_rows(input_row[kept])} "
                     f"(item ids {format_rows(item_ids[dup])} vs {format_rows(item_ids[kept])}); "
-                    "pass on_duplicate='first' to keep the first item of each semantic ID")
+                    "pass on_duplicate='first' to keep the first item of each semantic ID"
+                )
             duplicates = list(zip(item_ids[dup].tolist(), item_ids[kept].tolist()))
             tokens, item_ids = tokens[first], item_ids[first]
 
         node_ptr, edge_tok, edge_key, level_start, max_children, leaf_count = _csr(tokens, vocab_size)
-        cat = cls(item_ids, tokens, int(vocab_size), node_ptr, edge_tok, edge_key, level_start, max_children,
-                  leaf_count, item_tokens, duplicates)
+        cat = cls(
+            item_ids,
+            tokens,
+            int(vocab_size),
+            node_ptr,
+            edge_tok,
+            edge_key,
+            level_start,
+            max_children,
+            leaf_count,
+            item_tokens,
+            duplicates,
+        )
         return cat.to(device) if device is not None else cat
 
     @classmethod
-    def from_parquet(cls, path, tokenizer, on_duplicate: str = "error", device=None, code_token=code_token) -> "Catalog":
+    def from_parquet(
+        cls, path, tokenizer, on_duplicate: str = "error", device=None, code_token=code_token
+    ) -> "Catalog":
         """Builds the catalog from `items.parquet` (`item_id`, `semantic_id` list of L codes) and a tokenizer
         whose vocabulary holds the code tokens `<a_12>`, `<b_3>`, ... (level letter, code)."""
         import pyarrow.parquet as pq  # the one file this module reads, outside any decoding path
@@ -132,8 +150,15 @@ class Catalog:
         return cls.from_table(pq.read_table(path), tokenizer, on_duplicate, device, str(path), code_token)
 
     @classmethod
-    def from_table(cls, table, tokenizer, on_duplicate: str = "error", device=None, source: str = "items.parquet",
-                   code_token=code_token) -> "Catalog":
+    def from_table(
+        cls,
+        table,
+        tokenizer,
+        on_duplicate: str = "error",
+        device=None,
+        source: str = "items.parquet",
+        code_token=code_token,
+    ) -> "Catalog":
         """The one parser of a catalog table (`item_id`, `semantic_id`), read from anywhere: the index and the
         item-to-tokens map of prompts, from one pass over the semantic IDs. code_token(level, code) names the code
         tokens (a prompt template's `code`); every one the catalog needs must be in the tokenizer."""
@@ -149,16 +174,23 @@ class Catalog:
             raise ValueError(f"{source}: {e}") from None
         item_ids = table.column("item_id").to_numpy().astype(np.int64)
         try:
-            return cls.from_token_ids(torch.from_numpy(item_ids), torch.from_numpy(token_ids), len(tokenizer),
-                                      on_duplicate, device)
+            return cls.from_token_ids(
+                torch.from_numpy(item_ids), torch.from_numpy(token_ids), len(tokenizer), on_duplicate, device
+            )
         except ValueError as e:
             raise ValueError(f"{source}: {e}") from None
 
     def to(self, device) -> "Catalog":
         """The index on `device` (the item-to-tokens map stays on the CPU, where prompts are rendered)."""
-        return replace(self, item_ids=self.item_ids.to(device), tokens=self.tokens.to(device),
-                       node_ptr=self.node_ptr.to(device), edge_tok=self.edge_tok.to(device),
-                       edge_key=self.edge_key.to(device), leaf_count=self.leaf_count.to(device))
+        return replace(
+            self,
+            item_ids=self.item_ids.to(device),
+            tokens=self.tokens.to(device),
+            node_ptr=self.node_ptr.to(device),
+            edge_tok=self.edge_tok.to(device),
+            edge_key=self.edge_key.to(device),
+            leaf_count=self.leaf_count.to(device),
+        )
 
     @property
     def code_len(self) -> int:
@@ -255,8 +287,9 @@ class Catalog:
         m = candidates.shape[1]
         if not 0 <= t < self.code_len:
             raise ValueError(f"prefix length {t} outside [0, {self.code_len})")
-        query = torch.cat([prefix.to(self.device)[:, None, :].expand(rows, m, t),
-                           candidates.to(self.device)[:, :, None]], dim=2).reshape(rows * m, t + 1)
+        query = torch.cat(
+            [prefix.to(self.device)[:, None, :].expand(rows, m, t), candidates.to(self.device)[:, :, None]], dim=2
+        ).reshape(rows * m, t + 1)
         idx = self._lower_bound(query)  # [R*M]
         hit = (self.tokens[idx.clamp(max=len(self) - 1), : t + 1] == query).all(1) & (idx < len(self))
         return hit.view(rows, m)
@@ -297,6 +330,7 @@ class Exclusions:
     tensors stands for: selecting users (a slice of the batch, finished users leaving) gathers rows and leaves the
     keys alone. Built once per batch on the catalog's device with one sort (of the (user, item) pairs), then linear
     passes, one per level; no Python loop over users or items."""
+
     leaves: torch.Tensor  # [M] int64, sorted, unique: user * G + leaf, each user's distinct excluded items
     closed: list[torch.Tensor]  # per level t = 0 .. L: [C_t] int64, sorted: user * G + node of its closed nodes
     rows: torch.Tensor  # [A] int64: the user (0 .. B - 1) of each row
@@ -317,7 +351,7 @@ class Exclusions:
         g = catalog.num_nodes
         # a stable sort of non-negative integers is a radix sort on the CPU (unknown ids sort last, then drop)
         key = torch.sort(torch.where(leaf >= 0, user * g + leaf, users * g), stable=True).values
-        leaves = torch.unique_consecutive(key[:key.numel() - int((leaf < 0).sum())])  # [M'] distinct, sorted
+        leaves = torch.unique_consecutive(key[: key.numel() - int((leaf < 0).sum())])  # [M'] distinct, sorted
         closed, who, node = [leaves], leaves // g, leaves % g
         for _ in range(catalog.code_len):  # level by level up to the root: nodes are numbered in prefix order, so the
             # parents of a level's sorted closed keys come sorted, and equal ones adjacent
@@ -327,8 +361,9 @@ class Exclusions:
             shut = (shut_children == catalog.num_children(parent[first])).nonzero().flatten()  # all children closed
             closed.insert(0, up[shut])
             who, node = who[first[shut]], parent[first[shut]]
-        return cls(leaves, closed, torch.arange(users, device=catalog.device), g, list(catalog.level_start),
-                   catalog.parent)
+        return cls(
+            leaves, closed, torch.arange(users, device=catalog.device), g, list(catalog.level_start), catalog.parent
+        )
 
     @classmethod
     def none(cls, catalog: Catalog, users: int) -> "Exclusions":
@@ -354,7 +389,7 @@ class Exclusions:
 
     def _keys(self, node: torch.Tensor) -> torch.Tensor:
         """node [A', ...] (row r of the first A' rows) -> the keys user * G + node [A', ...]."""
-        return self.rows[:node.shape[0]].view(-1, *([1] * (node.dim() - 1))) * self.nodes + node.clamp(min=0)
+        return self.rows[: node.shape[0]].view(-1, *([1] * (node.dim() - 1))) * self.nodes + node.clamp(min=0)
 
     def excluded(self, node: torch.Tensor) -> torch.Tensor:
         """node [A', ...] (row r of the first A' rows; -1 = none) -> the row's user's excluded items under it [A', ...]
@@ -414,8 +449,10 @@ def _as_matrix(token_ids) -> torch.Tensor:
     if lens.numel() and (lens != lens[0]).any():
         common = lens[0] if 2 * int((lens == lens[0]).sum()) >= len(lens) else torch.mode(lens).values
         bad = (lens != common).nonzero().flatten()
-        raise ValueError(f"ragged code lengths: rows {format_rows(bad)} have lengths {format_rows(lens[bad])}, "
-                         f"expected {int(common)}")
+        raise ValueError(
+            f"ragged code lengths: rows {format_rows(bad)} have lengths {format_rows(lens[bad])}, "
+            f"expected {int(common)}"
+        )
     return torch.tensor(rows, dtype=torch.int64).reshape(len(rows), -1)
 
 

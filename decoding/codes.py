@@ -2,6 +2,7 @@
 
 Shared by the catalog index, prompt building and data preparation. Parses Arrow arrays; opens no file.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -61,13 +62,14 @@ def code_token_ids(tokenizer, semantic_ids: np.ndarray, name=code_token) -> np.n
         level, code = np.unique(np.stack([np.nonzero(missing)[1], sid[missing]], 1), axis=0).T  # the distinct ones
         names = [name(int(j), int(c)) for j, c in zip(level, code)]
         shown = ", ".join(names[:20]) + (f" and {len(names) - 20} more" if len(names) > 20 else "")
-        raise ValueError(f"{len(names)} code tokens the catalog needs are missing from the tokenizer: {shown} "
-                         f"(used by rows {format_rows(np.flatnonzero(missing.any(axis=1)))})")
+        raise ValueError(
+            f"{len(names)} code tokens the catalog needs are missing from the tokenizer: {shown} "
+            f"(used by rows {format_rows(np.flatnonzero(missing.any(axis=1)))})"
+        )
     return ids
 
 
-def semantic_id_matrix(table: pa.Table, name: str = "items.parquet",
-                       column: str = "semantic_id") -> np.ndarray:
+def semantic_id_matrix(table: pa.Table, name: str = "items.parquet", column: str = "semantic_id") -> np.ndarray:
     """The `semantic_id` list column of a catalog table -> int64 array [N, L].
 
     Raises ValueError naming `name` and the rows when the column is missing, null,
@@ -88,7 +90,9 @@ def semantic_id_matrix(table: pa.Table, name: str = "items.parquet",
     lengths = pc.list_value_length(col).to_numpy(zero_copy_only=False)  # [N]
     levels = int(np.bincount(lengths).argmax())  # the common length
     if levels == 0:
-        raise ValueError(f"{name}: column {column!r} has empty semantic ids in rows {format_rows(np.flatnonzero(lengths == 0))}")
+        raise ValueError(
+            f"{name}: column {column!r} has empty semantic ids in rows {format_rows(np.flatnonzero(lengths == 0))}"
+        )
     ragged = np.flatnonzero(lengths != levels)
     if len(ragged):
         raise ValueError(

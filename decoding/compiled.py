@@ -34,6 +34,7 @@ Llama, Qwen2, Qwen3 and Mistral (whose decoder layers this calls as they are); a
 ahead and makes smaller decodes snap to it (the nightly actor's start); `use_compile_cache` points inductor's on-disk
 cache at a folder per torch version and CPU kernel family.
 """
+
 from __future__ import annotations
 
 import copy
@@ -96,6 +97,7 @@ class Bucket:
 class Slots:
     """One bucket's buffers, allocated once and written in place by its graphs. Shapes: B users, S prompt columns,
     P prefix columns, T = K (L - 1) tree columns, L code levels."""
+
     keys: list  # per layer [B, H_kv, P + S + T, D]
     values: list  # per layer [B, H_kv, P + S + T, D]
     input_ids: torch.Tensor  # [B, S] left-padded prompts
@@ -118,33 +120,58 @@ class Slots:
         heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         cols = p + s + k * (code_len - 1)
-        keys = [torch.zeros(b, heads, cols, head_dim, dtype=model.dtype, device=dev) for _ in range(c.num_hidden_layers)]
+        keys = [
+            torch.zeros(b, heads, cols, head_dim, dtype=model.dtype, device=dev) for _ in range(c.num_hidden_layers)
+        ]
         values = [torch.zeros_like(x) for x in keys]
         for (pk, pv), kk, vv in zip(prefix_kv or [], keys, values):  # the shared prefix: written once, kept
             kk[:, :, :p] = pk
             vv[:, :, :p] = pv
         i64 = dict(dtype=torch.int64, device=dev)
-        slots = cls(keys, values, torch.zeros(b, s, **i64), torch.zeros(b, p + s, dtype=torch.bool, device=dev),
-                    torch.zeros(b, k, device=dev), torch.zeros(b, k, **i64), torch.zeros(b, k, **i64),
-                    torch.zeros(b, k, code_len, **i64), torch.zeros(b, k, max(code_len - 1, 1), **i64),
-                    torch.zeros((), **i64), torch.zeros(b, device=dev), torch.zeros(b, dtype=torch.bool, device=dev), p)
+        slots = cls(
+            keys,
+            values,
+            torch.zeros(b, s, **i64),
+            torch.zeros(b, p + s, dtype=torch.bool, device=dev),
+            torch.zeros(b, k, device=dev),
+            torch.zeros(b, k, **i64),
+            torch.zeros(b, k, **i64),
+            torch.zeros(b, k, code_len, **i64),
+            torch.zeros(b, k, max(code_len - 1, 1), **i64),
+            torch.zeros((), **i64),
+            torch.zeros(b, device=dev),
+            torch.zeros(b, dtype=torch.bool, device=dev),
+            p,
+        )
         for t in slots.tensors():  # their addresses never change: a CUDA graph reads them in place
             torch._dynamo.mark_static_address(t)
         return slots
 
     def tensors(self) -> list:
-        return [*self.keys, *self.values, self.input_ids, self.prompt_mask, self.score, self.token, self.node,
-                self.tokens, self.path, self.level, self.tie_gap, self.broken]
+        return [
+            *self.keys,
+            *self.values,
+            self.input_ids,
+            self.prompt_mask,
+            self.score,
+            self.token,
+            self.node,
+            self.tokens,
+            self.path,
+            self.level,
+            self.tie_gap,
+            self.broken,
+        ]
 
     def load(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
         """Prompts [b, s] (b <= B, s <= S) into the bucket's rows: left-padded to S; rows b.. are one-token dummies."""
         b, s = input_ids.shape
         p, big_s = self.prefix_len, self.input_ids.shape[1]
         self.input_ids.zero_()
-        self.input_ids[:b, big_s - s:] = input_ids
+        self.input_ids[:b, big_s - s :] = input_ids
         self.prompt_mask.zero_()
         self.prompt_mask[:, :p] = True
-        self.prompt_mask[:b, p + big_s - s:] = attention_mask.bool()
+        self.prompt_mask[:b, p + big_s - s :] = attention_mask.bool()
         self.prompt_mask[b:, -1] = True
 
 
@@ -155,6 +182,7 @@ class Slots:
 class KVWrite:
     """What the decoder layers see as their cache: this forward's keys and values go to columns `cols` [Q] of every
     layer's buffer, and attention reads the first `end` columns."""
+
     keys: list
     values: list
     cols: torch.Tensor
@@ -165,7 +193,7 @@ class KVWrite:
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         keys.index_copy_(2, self.cols, key_states)
         values.index_copy_(2, self.cols, value_states)
-        return keys[:, :, :self.end], values[:, :, :self.end]
+        return keys[:, :, : self.end], values[:, :, : self.end]
 
 
 def flex_tree_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
@@ -176,8 +204,9 @@ def flex_tree_attention(module, query, key, value, attention_mask, scaling=None,
 
 def sdpa_tree_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
     """The same over an additive mask [B, 1, Q, C]."""
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
-                                                           enable_gqa=True)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True
+    )
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -203,6 +232,7 @@ def tree_layers(model, attention: str) -> list:
 @dataclass
 class Body:
     """What the graphs run: the model's embedding, rotary embedding, decoder layers (views), final norm and head."""
+
     embed: torch.nn.Module
     rotary: torch.nn.Module
     layers: list
@@ -217,8 +247,14 @@ class Body:
         hidden = self.embed(ids)
         rope = self.rotary(hidden, pos)
         for layer in self.layers:
-            hidden = layer(hidden, attention_mask=mask, position_ids=pos, position_embeddings=rope,
-                           past_key_values=kv, use_cache=True)
+            hidden = layer(
+                hidden,
+                attention_mask=mask,
+                position_ids=pos,
+                position_embeddings=rope,
+                past_key_values=kv,
+                use_cache=True,
+            )
         return self.norm(hidden)
 
     def mask(self, allowed, b: int, q: int, c: int):
@@ -229,10 +265,14 @@ class Body:
         if self.attention == "flex":
             return create_block_mask(lambda bi, h, qi, ci: allowed(bi, qi, ci), b, None, q, c, device=self.device)
         dev = self.device
-        dense = allowed(torch.arange(b, device=dev)[:, None, None], torch.arange(q, device=dev)[None, :, None],
-                        torch.arange(c, device=dev)[None, None, :])  # [B, Q, C]
+        dense = allowed(
+            torch.arange(b, device=dev)[:, None, None],
+            torch.arange(q, device=dev)[None, :, None],
+            torch.arange(c, device=dev)[None, None, :],
+        )  # [B, Q, C]
         return torch.zeros(b, 1, q, c, dtype=self.dtype, device=dev).masked_fill_(
-            ~dense[:, None], torch.finfo(self.dtype).min)
+            ~dense[:, None], torch.finfo(self.dtype).min
+        )
 
 
 # ---------------------------------------------------------------- the graphs
@@ -338,8 +378,10 @@ def unsupported(model) -> str | None:
     """Why `model` cannot run compiled (None: it can)."""
     kind = getattr(model.config, "model_type", None)
     if kind not in ARCHITECTURES:
-        return (f"{type(model).__name__} (model_type {kind!r}): the compiled engine runs {', '.join(ARCHITECTURES)} "
-                "decoder layers; this model runs eager")
+        return (
+            f"{type(model).__name__} (model_type {kind!r}): the compiled engine runs {', '.join(ARCHITECTURES)} "
+            "decoder layers; this model runs eager"
+        )
     return None
 
 
@@ -347,6 +389,7 @@ def unsupported(model) -> str | None:
 class Engine:
     """One model's compiled engine: its layers as tree-attention views, the two compiled graphs, a Slots per bucket
     (kept for the model's lifetime) and what compiling cost."""
+
     body: Body
     cuda_graphs: bool
     warm: set = field(default_factory=set)  # buckets compiled ahead (`warm_up`): smaller decodes run in them
@@ -359,8 +402,9 @@ class Engine:
         # (cold compiles 30-40% faster here) and no Python between kernels
         opts = None if self.cuda_graphs or self.body.device.type == "cuda" else {"cpp_wrapper": True}
         self.prefill = torch.compile(prefill, fullgraph=True, dynamic=False, options=opts)
-        self.step = torch.compile(step, fullgraph=True, dynamic=False,
-                                  mode="reduce-overhead" if self.cuda_graphs else None, options=opts)
+        self.step = torch.compile(
+            step, fullgraph=True, dynamic=False, mode="reduce-overhead" if self.cuda_graphs else None, options=opts
+        )
 
     @classmethod
     def of(cls, model, attention: str | None = None, cuda_graphs: bool | None = None) -> "Engine":
@@ -375,14 +419,24 @@ class Engine:
         if attention not in ATTENTION:
             raise ValueError(f"attention must be one of {sorted(ATTENTION)}, got {attention!r}")
         if attention == "flex" and not flex_compiles(model.device):
-            raise ValueError("FlexAttention compiles on a CPU with AVX2 kernels or wider; this process runs "
-                             f"{torch.backends.cpu.get_cpu_capability()} (ATEN_CPU_CAPABILITY): use attention='sdpa'")
+            raise ValueError(
+                "FlexAttention compiles on a CPU with AVX2 kernels or wider; this process runs "
+                f"{torch.backends.cpu.get_cpu_capability()} (ATEN_CPU_CAPABILITY): use attention='sdpa'"
+            )
         key = (attention, cuda if cuda_graphs is None else cuda_graphs)
         engines = _ENGINES.setdefault(model, {})
         if key not in engines:
             base = model.base_model
-            body = Body(base.embed_tokens, base.rotary_emb, tree_layers(model, attention), base.norm, head_of(model),
-                        attention, model.dtype, model.device)
+            body = Body(
+                base.embed_tokens,
+                base.rotary_emb,
+                tree_layers(model, attention),
+                base.norm,
+                head_of(model),
+                attention,
+                model.dtype,
+                model.device,
+            )
             engines[key] = cls(body, key[1])
         return engines[key]
 
@@ -420,18 +474,32 @@ class Engine:
 
 
 @torch.no_grad()
-def compiled_beam_search(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, catalog: Catalog, k: int,
-                         steps: int | None = None, do_sample: bool = False, prefix=None, exclude=None,
-                         attention: str | None = None, **eager) -> Recommendations:
+def compiled_beam_search(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    catalog: Catalog,
+    k: int,
+    steps: int | None = None,
+    do_sample: bool = False,
+    prefix=None,
+    exclude=None,
+    attention: str | None = None,
+    **eager,
+) -> Recommendations:
     """`beam_search(..., engine="compiled")`: the same arguments and result (items, token ids, scores, the base stats
     and beam search's extras, computed as eager computes them for the real users and prompt length), plus engine,
     bucket_users, bucket_prompt, compile_s and graphs_compiled (the graphs this call compiled; 0 once warm). What the
     compiled engine does not cover runs eager, with stats["engine_note"] saying why."""
-    why = unsupported(model) or ("sampling beam search (do_sample) runs eager" if do_sample else None) or (
-        "per-user exclusions run eager" if exclude is not None else None)
+    why = (
+        unsupported(model)
+        or ("sampling beam search (do_sample) runs eager" if do_sample else None)
+        or ("per-user exclusions run eager" if exclude is not None else None)
+    )
     if why:
-        rec = beam_search(model, input_ids, attention_mask, catalog, k, steps, do_sample, prefix=prefix,
-                          exclude=exclude, **eager)
+        rec = beam_search(
+            model, input_ids, attention_mask, catalog, k, steps, do_sample, prefix=prefix, exclude=exclude, **eager
+        )
         rec.stats.update(engine="eager", engine_note=note_eager(why))
         return rec
     b, s = input_ids.shape
@@ -456,18 +524,30 @@ def compiled_beam_search(model, input_ids: torch.Tensor, attention_mask: torch.T
     meter.kv(b * (p + s + k * (depth - 1)))
     score, node, tokens = slots.score[:b].clone(), slots.node[:b].clone(), slots.tokens[:b, :, :depth].clone()
     alive = node >= 0
-    stats = meter.result(beam_batch_kv(b, k, s, depth), kv_len=p + s + k * (depth - 1), kv_batch=b,
-                         tree_tokens=k * (depth - 1), non_finite=slots.broken[:b].clone(),
-                         tie_gap=slots.tie_gap[:b].clone(), engine="compiled", bucket_users=bucket.users,
-                         bucket_prompt=bucket.prompt, compile_s=engine.compile_s - compile_s,
-                         graphs_compiled=engine.graphs - graphs)
+    stats = meter.result(
+        beam_batch_kv(b, k, s, depth),
+        kv_len=p + s + k * (depth - 1),
+        kv_batch=b,
+        tree_tokens=k * (depth - 1),
+        non_finite=slots.broken[:b].clone(),
+        tie_gap=slots.tie_gap[:b].clone(),
+        engine="compiled",
+        bucket_users=bucket.users,
+        bucket_prompt=bucket.prompt,
+        compile_s=engine.compile_s - compile_s,
+        graphs_compiled=engine.graphs - graphs,
+    )
     return Recommendations(
         item_ids=catalog.item_of_node(node) if depth == catalog.code_len else torch.full_like(node, -1),
-        token_ids=torch.where(alive[:, :, None], tokens, -1), scores=torch.where(alive, score, NEG_INF), stats=stats)
+        token_ids=torch.where(alive[:, :, None], tokens, -1),
+        scores=torch.where(alive, score, NEG_INF),
+        stats=stats,
+    )
 
 
-def warm_up(model, catalog: Catalog, users: int, prompt: int, k: int, prefix=None, attention: str | None = None
-            ) -> Bucket:
+def warm_up(
+    model, catalog: Catalog, users: int, prompt: int, k: int, prefix=None, attention: str | None = None
+) -> Bucket:
     """Compiles the bucket of `users` prompts of `prompt` tokens (after `prefix`) by decoding one dummy batch of that
     size, and keeps it warm: every later decode of k beams that fits in it runs in it, padded, instead of compiling
     a bucket of its own (the nightly actor's decode batches snap to the bucket it compiled at start)."""

@@ -21,6 +21,7 @@ A user's trie nodes are scored once: every node a proposal reaches is run throug
 the user's proposals (of any draw) reaches it, and its children's log-probs are kept (`Expanded`) for every later
 proposal: proposals that share a node share its forward, and the tree is never reset between draws.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -28,7 +29,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from decoding.beam import (Prefix, Recommendations, check_prompts, forward, gumbel_like, head_of, prefill)
+from decoding.beam import Prefix, Recommendations, check_prompts, forward, gumbel_like, head_of, prefill
 from decoding.catalog import Catalog, Exclusions, count_at
 from decoding.stats import Meter, beam_batch_kv
 from decoding.tree import TokenTree
@@ -42,6 +43,7 @@ class Expanded:
     node (-1: the prompt), its candidate next tokens (the catalog children, or the model's top-M for PPV), the child
     node each leads to (-1: none) and their logits (temperature 1) [E, C], and its log-normalisers at temperature 1
     and at the sampling temperature [E]. C is the level's widest node (or M): one store per level."""
+
     key: torch.Tensor
     tree: torch.Tensor
     token: torch.Tensor
@@ -54,8 +56,16 @@ class Expanded:
     @staticmethod
     def empty(device) -> "Expanded":
         none = lambda dtype: torch.zeros(0, dtype=dtype, device=device)  # noqa: E731
-        return Expanded(none(torch.int64), none(torch.int64), none(torch.int64), none(torch.int64),
-                        none(torch.float32), none(torch.float32), none(torch.float32), none(torch.bool))
+        return Expanded(
+            none(torch.int64),
+            none(torch.int64),
+            none(torch.int64),
+            none(torch.int64),
+            none(torch.float32),
+            none(torch.float32),
+            none(torch.float32),
+            none(torch.bool),
+        )
 
     def find(self, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """keys [...] -> (entry index, found) [...]."""
@@ -73,8 +83,17 @@ class Expanded:
         return Expanded(*(x[order] for x in both))
 
 
-def score_nodes(model, hidden: torch.Tensor, catalog: Catalog, node: torch.Tensor, prefix: torch.Tensor,
-                key: torch.Tensor, tree: torch.Tensor, top_m: int | None, temperature: float) -> Expanded:
+def score_nodes(
+    model,
+    hidden: torch.Tensor,
+    catalog: Catalog,
+    node: torch.Tensor,
+    prefix: torch.Tensor,
+    key: torch.Tensor,
+    tree: torch.Tensor,
+    top_m: int | None,
+    temperature: float,
+) -> Expanded:
     """hidden [R, H] of R trie nodes node [R] of one level t, prefix [R, t] their tokens -> their Expanded entries
     (candidates: the children through the CSR index, or the model's top-M verified by PPV)."""
     if top_m is None:
@@ -82,12 +101,14 @@ def score_nodes(model, hidden: torch.Tensor, catalog: Catalog, node: torch.Tenso
         token = torch.where(valid, token, -1)
         scores = head_of(model).score(hidden, token, temperature)
     else:
-        scores = head_of(model).score(hidden, torch.full((hidden.shape[0], 1), -1, device=hidden.device),
-                                      temperature, top_m)
+        scores = head_of(model).score(
+            hidden, torch.full((hidden.shape[0], 1), -1, device=hidden.device), temperature, top_m
+        )
         token, scores.logits = scores.top_tokens, scores.top_logits
         ok = catalog.verify(prefix, token)  # [R, M] PPV: binary search in the sorted rows
-        child = torch.where(ok, catalog.child_node(node[:, None].expand_as(token).reshape(-1),
-                                                   token.reshape(-1)).view(token.shape), -1)
+        child = torch.where(
+            ok, catalog.child_node(node[:, None].expand_as(token).reshape(-1), token.reshape(-1)).view(token.shape), -1
+        )
     lse_t = scores.lse if scores.lse_t is None else scores.lse_t
     broken = ~torch.isfinite(scores.lse) | torch.isnan(scores.logits).any(1)
     return Expanded(key, tree, token, child, scores.logits, scores.lse, lse_t, broken)
@@ -101,7 +122,7 @@ def token_gumbel(seed: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     x = (x ^ ((x >> 30) & ((1 << 34) - 1))) * -4658895280553007687  # 0xBF58476D1CE4E5B9
     x = (x ^ ((x >> 27) & ((1 << 37) - 1))) * -7723592293110705685  # 0x94D049BB133111EB
     x = x ^ ((x >> 31) & ((1 << 33) - 1))
-    u = (((x >> 11) & ((1 << 53) - 1)).double() + 0.5) / 2.0 ** 53  # (0, 1)
+    u = (((x >> 11) & ((1 << 53) - 1)).double() + 0.5) / 2.0**53  # (0, 1)
     return -torch.log(-torch.log(u))
 
 
@@ -112,8 +133,9 @@ def drawn_counts(catalog: Catalog, draws: "Draws", epochs: int) -> tuple[torch.T
     b, d = draws.open.shape
     g, dev = catalog.num_nodes, draws.paths.device
     leaf, at = draws.paths[:, :, -1], draws.decided_at  # [B, D]
-    earlier = (at[:, None, :] < at[:, :, None]) | ((at[:, None, :] == at[:, :, None]) &
-                                                   torch.ones(d, d, dtype=torch.bool, device=dev).tril(-1))
+    earlier = (at[:, None, :] < at[:, :, None]) | (
+        (at[:, None, :] == at[:, :, None]) & torch.ones(d, d, dtype=torch.bool, device=dev).tril(-1)
+    )
     repeat = ((leaf[:, :, None] == leaf[:, None, :]) & earlier & (at[:, None, :] >= 0)).any(2)  # [B, D]
     item = (at >= 0) & (leaf >= 0) & ~repeat  # [B, D] each distinct decided item once, at its first decision
     e = torch.arange(epochs, device=dev)
@@ -123,8 +145,14 @@ def drawn_counts(catalog: Catalog, draws: "Draws", epochs: int) -> tuple[torch.T
     return torch.unique(keys[member[..., None] & (draws.paths[:, :, None, :] >= 0)], return_counts=True)
 
 
-def open_children(catalog: Catalog, child: torch.Tensor, epoch: torch.Tensor, epochs: int,
-                  drawn: tuple[torch.Tensor, torch.Tensor], exclude: Exclusions | None = None) -> torch.Tensor:
+def open_children(
+    catalog: Catalog,
+    child: torch.Tensor,
+    epoch: torch.Tensor,
+    epochs: int,
+    drawn: tuple[torch.Tensor, torch.Tensor],
+    exclude: Exclusions | None = None,
+) -> torch.Tensor:
     """child [B, P, C] node ids (-1 = none) of proposals launched in epoch [B, P], drawn: `drawn_counts`, exclude: the
     users' own exclusions -> bool [B, P, C]: the child still has an item its draw does not exclude (a node closes once
     all its items are; a drawn item is never an excluded one, so the two counts add)."""
@@ -137,9 +165,19 @@ def open_children(catalog: Catalog, child: torch.Tensor, epoch: torch.Tensor, ep
     return (child >= 0) & (catalog.leaf_count[child.clamp(min=0)] > taken)
 
 
-def expand_missing(model, tree: TokenTree, cache, catalog: Catalog, stores: list[Expanded], node: torch.Tensor,
-                   parent_node: torch.Tensor, prefix: torch.Tensor, top_m: int | None, temperature: float,
-                   meter: Meter) -> None:
+def expand_missing(
+    model,
+    tree: TokenTree,
+    cache,
+    catalog: Catalog,
+    stores: list[Expanded],
+    node: torch.Tensor,
+    parent_node: torch.Tensor,
+    prefix: torch.Tensor,
+    top_m: int | None,
+    temperature: float,
+    meter: Meter,
+) -> None:
     """Runs the level-t trie nodes node [B, P] (-1 = dead; prefix [B, P, t] their tokens) that no proposal of their
     user reached before through the model, each once however many proposals stand on it (under its parent's tree
     node), and adds them to stores[t]."""
@@ -162,14 +200,28 @@ def expand_missing(model, tree: TokenTree, cache, catalog: Catalog, stores: list
     block_par[who, slot] = stores[t - 1].tree[stores[t - 1].find(who * g + parent_node[who, one])[0]]  # (-1: prompt)
     base = tree.num_nodes
     hidden = forward(model, tree, cache, block_tok, block_par, meter=meter)  # [B, Q, H]
-    stores[t] = stores[t].add(score_nodes(model, hidden[who, slot], catalog, what, prefix[who, one], new,
-                                          base + slot, top_m, temperature))
+    stores[t] = stores[t].add(
+        score_nodes(model, hidden[who, slot], catalog, what, prefix[who, one], new, base + slot, top_m, temperature)
+    )
 
 
 @torch.no_grad()
-def propose(model, tree: TokenTree, cache, stores: list[Expanded], catalog: Catalog, wanted: torch.Tensor,
-            epoch: torch.Tensor, epochs: int, drawn: tuple[torch.Tensor, torch.Tensor], top_m: int | None,
-            temperature: float, generator, meter: Meter, exclude: Exclusions | None = None):
+def propose(
+    model,
+    tree: TokenTree,
+    cache,
+    stores: list[Expanded],
+    catalog: Catalog,
+    wanted: torch.Tensor,
+    epoch: torch.Tensor,
+    epochs: int,
+    drawn: tuple[torch.Tensor, torch.Tensor],
+    top_m: int | None,
+    temperature: float,
+    generator,
+    meter: Meter,
+    exclude: Exclusions | None = None,
+):
     """Constrained samples, token by token, for the proposal slots wanted [B, P] (the others stay dead) of draws
     launched in epoch [B, P] (drawn: the items they exclude, `drawn_counts`, besides the users' own `exclude`),
     reusing every trie node scored before (stores: one per level, extended in place). -> tokens [B, P, L], paths
@@ -191,8 +243,19 @@ def propose(model, tree: TokenTree, cache, stores: list[Expanded], catalog: Cata
         if level and not (node >= 0).any():
             break  # every proposal is dead (log x = -inf already)
         if level:
-            expand_missing(model, tree, cache, catalog, stores, node, paths[:, :, level - 1], tokens[:, :, :level],
-                           top_m, temperature, meter)
+            expand_missing(
+                model,
+                tree,
+                cache,
+                catalog,
+                stores,
+                node,
+                paths[:, :, level - 1],
+                tokens[:, :, :level],
+                top_m,
+                temperature,
+                meter,
+            )
             meter.kv(b * cache.length)
         store = stores[level]
         at, _ = store.find(user * g + node.clamp(min=0))  # [B, P] each proposal's entry
@@ -214,9 +277,21 @@ def propose(model, tree: TokenTree, cache, stores: list[Expanded], catalog: Cata
     return tokens, paths, log_x, log_p, broken
 
 
-def sample_items(model, input_ids, attention_mask, catalog: Catalog, k: int, rounds: int, disc: bool,
-                 top_m: int | None, temperature: float, generator, prefix: Prefix | None = None,
-                 waves: tuple[int, ...] = (2,), exclude: Exclusions | None = None):
+def sample_items(
+    model,
+    input_ids,
+    attention_mask,
+    catalog: Catalog,
+    k: int,
+    rounds: int,
+    disc: bool,
+    top_m: int | None,
+    temperature: float,
+    generator,
+    prefix: Prefix | None = None,
+    waves: tuple[int, ...] = (2,),
+    exclude: Exclusions | None = None,
+):
     """k distinct items per user. Independent draws, keeping the first occurrence of each item in draw order, are
     sampling without replacement; a draw may also exclude items that earlier draws produced (it then stands for the
     draws it would have repeated until a new item). A draw is DISC (up to `rounds` proposals accepted in turn with
@@ -227,8 +302,10 @@ def sample_items(model, input_ids, attention_mask, catalog: Catalog, k: int, rou
     its sequential algorithm looks at, and a user typically needs two passes. `exclude`: per-user exclusions, closed
     to every draw as the drawn items are (the law is then P_S over the user's remaining items)."""
     if k < 1 or rounds < 1 or not temperature > 0 or (top_m is not None and top_m < 1):
-        raise ValueError(f"need k, rounds, top_m >= 1 and temperature > 0; got k={k}, rounds={rounds}, "
-                         f"top_m={top_m}, temperature={temperature}")
+        raise ValueError(
+            f"need k, rounds, top_m >= 1 and temperature > 0; got k={k}, rounds={rounds}, "
+            f"top_m={top_m}, temperature={temperature}"
+        )
     check_prompts(input_ids, attention_mask, catalog, model, prefix=prefix, exclude=exclude)
     b, dev, code_len = input_ids.shape[0], input_ids.device, catalog.code_len
     g = catalog.num_nodes
@@ -236,8 +313,19 @@ def sample_items(model, input_ids, attention_mask, catalog: Catalog, k: int, rou
     with meter.phase("prefill"):
         cache, hidden = prefill(model, input_ids, attention_mask, meter, prefix=prefix, capacity=2 * k * code_len)
         root = torch.zeros(b, dtype=torch.int64, device=dev)
-        stores = [score_nodes(model, hidden, catalog, root, root[:, None][:, :0], torch.arange(b, device=dev) * g,
-                              torch.full((b,), -1, dtype=torch.int64, device=dev), top_m, temperature)]
+        stores = [
+            score_nodes(
+                model,
+                hidden,
+                catalog,
+                root,
+                root[:, None][:, :0],
+                torch.arange(b, device=dev) * g,
+                torch.full((b,), -1, dtype=torch.int64, device=dev),
+                top_m,
+                temperature,
+            )
+        ]
         stores += [Expanded.empty(dev) for _ in range(1, code_len)]
     meter.kv(b * cache.length)
     tree = TokenTree.from_prompt(attention_mask, len(prefix) if prefix is not None else 0)
@@ -251,31 +339,50 @@ def sample_items(model, input_ids, attention_mask, catalog: Catalog, k: int, rou
             break
         draws.run_pass(run, r, waves, epoch)
     leaf, score = draws.paths[:, :, -1], draws.score  # [B, D]
-    new = (leaf >= 0) & ~((leaf[:, :, None] == leaf[:, None, :]) & torch.ones(
-        leaf.shape[1], leaf.shape[1], dtype=torch.bool, device=dev).tril(-1)).any(2)  # first occurrences
+    new = (leaf >= 0) & ~(
+        (leaf[:, :, None] == leaf[:, None, :])
+        & torch.ones(leaf.shape[1], leaf.shape[1], dtype=torch.bool, device=dev).tril(-1)
+    ).any(2)  # first occurrences
     rank = new.long().cumsum(1)
     keep = new & (rank <= k)  # [B, D] the first k distinct items in draw order
     order = torch.sort(score.masked_fill(~keep, NEG_INF), dim=1, descending=True, stable=True).indices[:, :k]  # D >= k
     live = keep.gather(1, order)  # [B, k]
     pick = lambda x: x.gather(1, order.view(b, k, *([1] * (x.dim() - 2))).expand(b, k, *x.shape[2:]))  # noqa: E731
     node = pick(leaf).masked_fill(~live, -1)
-    stats = meter.result(beam_batch_kv(b, k, input_ids.shape[1], code_len),
-                         proposals=pick(draws.used).masked_fill(~live, 0).sum(1),  # as the sequential algorithm draws
-                         proposals_decoded=run.decoded,  # [B] proposals actually decoded, every pass
-                         acceptance_rate=(pick(draws.accepted) & live).sum(1) / live.sum(1).clamp(min=1),
-                         invalid_mass=1 - run.x_sum / run.x_count.clamp(min=1),  # p_b = 1 - E_q[x]
-                         importance_weight=pick(draws.log_x).masked_fill(~live, NEG_INF).exp(),  # x(a), returned items
-                         expanded_nodes=sum(torch.bincount(s.key // g, minlength=b) for s in stores),
-                         non_finite=run.broken)
-    return Recommendations(catalog.item_of_node(node), pick(draws.tokens).masked_fill(~live[:, :, None], -1),
-                           pick(score).masked_fill(~live, NEG_INF), stats)
+    stats = meter.result(
+        beam_batch_kv(b, k, input_ids.shape[1], code_len),
+        proposals=pick(draws.used).masked_fill(~live, 0).sum(1),  # as the sequential algorithm draws
+        proposals_decoded=run.decoded,  # [B] proposals actually decoded, every pass
+        acceptance_rate=(pick(draws.accepted) & live).sum(1) / live.sum(1).clamp(min=1),
+        invalid_mass=1 - run.x_sum / run.x_count.clamp(min=1),  # p_b = 1 - E_q[x]
+        importance_weight=pick(draws.log_x).masked_fill(~live, NEG_INF).exp(),  # x(a), returned items
+        expanded_nodes=sum(torch.bincount(s.key // g, minlength=b) for s in stores),
+        non_finite=run.broken,
+    )
+    return Recommendations(
+        catalog.item_of_node(node),
+        pick(draws.tokens).masked_fill(~live[:, :, None], -1),
+        pick(score).masked_fill(~live, NEG_INF),
+        stats,
+    )
 
 
 class Proposer:
     """`propose` over one batch's prompt cache and trie-node stores, with the counts DISC's statistics need."""
 
-    def __init__(self, model, tree, cache, stores: list[Expanded], catalog: Catalog, top_m, temperature, generator,
-                 meter: Meter, exclude: Exclusions | None = None):
+    def __init__(
+        self,
+        model,
+        tree,
+        cache,
+        stores: list[Expanded],
+        catalog: Catalog,
+        top_m,
+        temperature,
+        generator,
+        meter: Meter,
+        exclude: Exclusions | None = None,
+    ):
         self.model, self.tree, self.cache, self.stores, self.catalog = model, tree, cache, stores, catalog
         self.top_m, self.temperature, self.generator, self.meter = top_m, temperature, generator, meter
         self.exclude = exclude
@@ -288,8 +395,21 @@ class Proposer:
     def __call__(self, wanted: torch.Tensor, epoch: torch.Tensor, epochs: int, drawn):
         """Proposal slots wanted [B, P] -> (tokens [B, P, L], paths [B, P, L + 1], log x [B, P], log p [B, P])."""
         tokens, paths, log_x, log_p, broken = propose(
-            self.model, self.tree, self.cache, self.stores, self.catalog, wanted, epoch, epochs, drawn, self.top_m,
-            self.temperature, self.generator, self.meter, self.exclude)
+            self.model,
+            self.tree,
+            self.cache,
+            self.stores,
+            self.catalog,
+            wanted,
+            epoch,
+            epochs,
+            drawn,
+            self.top_m,
+            self.temperature,
+            self.generator,
+            self.meter,
+            self.exclude,
+        )
         self.broken |= broken
         self.decoded += wanted.sum(1)
         live = wanted & torch.isfinite(log_x)
@@ -304,6 +424,7 @@ class Draws:
     one that decided it (-1: not yet), how many of its proposals in turn it has tried and in how many passes, and
     the kept proposal's tokens [B, D, L], trie path [B, D, L + 1] (-1: no item), score (log p), log x, the
     proposals its sequential algorithm used and whether one was accepted (False: importance-resampled)."""
+
     open: torch.Tensor
     epoch: torch.Tensor
     decided_at: torch.Tensor
@@ -323,19 +444,30 @@ class Draws:
     @staticmethod
     def blank(b: int, d: int, code_len: int, device) -> "Draws":
         full = lambda shape, v, dtype: torch.full(shape, v, dtype=dtype, device=device)  # noqa: E731
-        return Draws(full((b, d), False, torch.bool), full((b, d), 0, torch.int64), full((b, d), -1, torch.int64),
-                     full((b, d), 0, torch.int64), full((b, d), 0, torch.int64),
-                     full((b, d, code_len), -1, torch.int64), full((b, d, code_len + 1), -1, torch.int64),
-                     full((b, d), NEG_INF, torch.float32), full((b, d), NEG_INF, torch.float64),
-                     full((b, d), 0, torch.float32), full((b, d), False, torch.bool))
+        return Draws(
+            full((b, d), False, torch.bool),
+            full((b, d), 0, torch.int64),
+            full((b, d), -1, torch.int64),
+            full((b, d), 0, torch.int64),
+            full((b, d), 0, torch.int64),
+            full((b, d, code_len), -1, torch.int64),
+            full((b, d, code_len + 1), -1, torch.int64),
+            full((b, d), NEG_INF, torch.float32),
+            full((b, d), NEG_INF, torch.float64),
+            full((b, d), 0, torch.float32),
+            full((b, d), False, torch.bool),
+        )
 
     def missing(self, k: int) -> torch.Tensor:
         """[B] draws to launch: k minus the distinct items decided and the draws still open; none once a draw found
         nothing left to draw."""
         leaf, decided = self.paths[:, :, -1], self.decided_at >= 0
         d = leaf.shape[1]
-        again = ((leaf[:, :, None] == leaf[:, None, :]) & decided[:, None, :] &
-                 torch.ones(d, d, dtype=torch.bool, device=leaf.device).tril(-1)).any(2)
+        again = (
+            (leaf[:, :, None] == leaf[:, None, :])
+            & decided[:, None, :]
+            & torch.ones(d, d, dtype=torch.bool, device=leaf.device).tril(-1)
+        ).any(2)
         distinct = (decided & (leaf >= 0) & ~again).sum(1)
         exhausted = (decided & (leaf < 0)).any(1)
         return torch.where(exhausted, 0, k - distinct - self.open.sum(1)).clamp(min=0)
@@ -373,8 +505,14 @@ class Draws:
         w = int(n.max())
         j = torch.arange(w, device=dev)  # [W] proposal index within its draw's pass
         index = ((end - n)[:, :, None] + j).clamp(max=max(width - 1, 0)).view(b, d * w)  # [B, D * W]
-        per_draw = lambda x: x.gather(1, index.view(b, d * w, *([1] * (x.dim() - 2))).expand(  # noqa: E731
-            b, d * w, *x.shape[2:])).view(b, d, w, *x.shape[2:])
+        per_draw = (
+            lambda x: x.gather(
+                1,
+                index.view(b, d * w, *([1] * (x.dim() - 2))).expand(  # noqa: E731
+                    b, d * w, *x.shape[2:]
+                ),
+            ).view(b, d, w, *x.shape[2:])
+        )
         tokens, paths, log_x, log_p = per_draw(tokens), per_draw(paths), per_draw(log_x), per_draw(log_p)
         in_turn = j < turn[:, :, None]  # [B, D, W]
         if r == 0:
@@ -386,8 +524,14 @@ class Draws:
         fresh = log_x.masked_fill(in_turn | (j >= n[:, :, None]), NEG_INF)  # [B, D, W] the r fresh ones
         pick = torch.where(ok, first, (fresh + gumbel_like(fresh, run.generator)).argmax(2))  # else resample by x
         done = self.open & (ok | final)
-        take = lambda x: x.gather(2, pick.view(b, d, 1, *([1] * (x.dim() - 3))).expand(  # noqa: E731
-            b, d, 1, *x.shape[3:])).squeeze(2)
+        take = (
+            lambda x: x.gather(
+                2,
+                pick.view(b, d, 1, *([1] * (x.dim() - 3))).expand(  # noqa: E731
+                    b, d, 1, *x.shape[3:]
+                ),
+            ).squeeze(2)
+        )
         kept_x = take(log_x)
         dead = done & ~torch.isfinite(kept_x)  # the kept proposal found no item left (x = 0)
         self.paths = torch.where(done[:, :, None], take(paths).masked_fill(dead[:, :, None], -1), self.paths)
@@ -402,21 +546,53 @@ class Draws:
         self.open = self.open & ~done
 
 
-def constrained_sample(model, input_ids, attention_mask, catalog: Catalog, k: int = 1, top_m: int | None = None,
-                       temperature: float = 1.0, generator: torch.Generator | None = None,
-                       prefix: Prefix | None = None, exclude: Exclusions | None = None) -> Recommendations:
+def constrained_sample(
+    model,
+    input_ids,
+    attention_mask,
+    catalog: Catalog,
+    k: int = 1,
+    top_m: int | None = None,
+    temperature: float = 1.0,
+    generator: torch.Generator | None = None,
+    prefix: Prefix | None = None,
+    exclude: Exclusions | None = None,
+) -> Recommendations:
     """The trie-style baseline: k items per user, each sampled token by token from the model's distribution
     renormalised over the valid tokens (without replacement across the k). stats['importance_weight'] = x(a)."""
-    return sample_items(model, input_ids, attention_mask, catalog, k, 1, False, top_m, temperature, generator, prefix,
-                        exclude=exclude)
+    return sample_items(
+        model, input_ids, attention_mask, catalog, k, 1, False, top_m, temperature, generator, prefix, exclude=exclude
+    )
 
 
-def disc_sample(model, input_ids, attention_mask, catalog: Catalog, k: int, rounds: int = 4, top_m: int | None = None,
-                temperature: float = 1.0, generator: torch.Generator | None = None,
-                prefix: Prefix | None = None, exclude: Exclusions | None = None) -> Recommendations:
+def disc_sample(
+    model,
+    input_ids,
+    attention_mask,
+    catalog: Catalog,
+    k: int,
+    rounds: int = 4,
+    top_m: int | None = None,
+    temperature: float = 1.0,
+    generator: torch.Generator | None = None,
+    prefix: Prefix | None = None,
+    exclude: Exclusions | None = None,
+) -> Recommendations:
     """k distinct items per user drawn with DISC (Algorithm 1): asymptotically the model's distribution restricted
     to the catalog minus the user's `exclude`d items (and to the items not drawn yet). stats: the base keys (decoding/stats.py) plus proposals [B]
     (sequential count), proposals_decoded, acceptance_rate [B], invalid_mass [B] (estimated p_b),
     importance_weight [B, k]."""
-    return sample_items(model, input_ids, attention_mask, catalog, k, rounds, True, top_m, temperature, generator,
-                        prefix, exclude=exclude)
+    return sample_items(
+        model,
+        input_ids,
+        attention_mask,
+        catalog,
+        k,
+        rounds,
+        True,
+        top_m,
+        temperature,
+        generator,
+        prefix,
+        exclude=exclude,
+    )

@@ -16,6 +16,7 @@ would move scores by more than the gaps that decide a trained model's ranks.
 Gemma's final_logit_softcapping), then checks itself once against the model's own forward on a probe: a model whose
 head does something else is refused, naming the mismatch, never scored differently.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ NEG_INF = float("-inf")
 @dataclass
 class Scores:
     """Next-token scores of R query rows."""
+
     logits: torch.Tensor  # [R, D] float32 logits of the tokens asked for, -inf where a token is -1
     lse: torch.Tensor  # [R] float32 log-normaliser over the full vocabulary (temperature 1)
     lse_t: torch.Tensor | None = None  # [R] the same of logits / temperature, when a temperature was given
@@ -58,9 +60,14 @@ class Head:
         if not isinstance(out, torch.nn.Linear):
             raise ValueError(f"{type(model).__name__}: the output layer is {type(out).__name__}, not a linear head")
         config = model.config
-        head = cls(out.weight, out.bias, float(getattr(config, "logit_scale", None) or 1.0),
-                   getattr(config, "final_logit_softcapping", None),
-                   1 << 26 if out.weight.device.type == "cuda" else 1 << 18, float32_product(out.weight))
+        head = cls(
+            out.weight,
+            out.bias,
+            float(getattr(config, "logit_scale", None) or 1.0),
+            getattr(config, "final_logit_softcapping", None),
+            1 << 26 if out.weight.device.type == "cuda" else 1 << 18,
+            float32_product(out.weight),
+        )
         if check:
             head.check(model)
         return head
@@ -70,8 +77,9 @@ class Head:
         return self.weight.shape[0]
 
     @torch.no_grad()
-    def chunk_logits(self, hidden: torch.Tensor, lo: int, hi: int, out: torch.Tensor | None = None,
-                     wbuf: torch.Tensor | None = None) -> torch.Tensor:
+    def chunk_logits(
+        self, hidden: torch.Tensor, lo: int, hi: int, out: torch.Tensor | None = None, wbuf: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """hidden [R, H] -> float32 logits [R, hi - lo] of tokens lo .. hi - 1: the model's logits, with the product
         accumulated and written in float32 (into `out`, a contiguous float32 [R, hi - lo], when given; `wbuf`, at
         least (hi - lo) x H float32, holds the upcast weights: the head's products then allocate nothing)."""
@@ -85,7 +93,7 @@ class Head:
             b = None
         else:
             if self.product == "upcast":
-                w = w.float() if wbuf is None else wbuf[:w.numel()].view_as(w).copy_(w)  # [c, H] float32, exact
+                w = w.float() if wbuf is None else wbuf[: w.numel()].view_as(w).copy_(w)  # [c, H] float32, exact
                 hidden = hidden.float()
             torch.mm(hidden, w.t(), out=out)
         if b is not None:
@@ -103,8 +111,7 @@ class Head:
         return max(1024, min(self.vocab_size, self.budget // width))
 
     @torch.no_grad()
-    def score(self, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0,
-              top_m: int = 0) -> Scores:
+    def score(self, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, top_m: int = 0) -> Scores:
         """hidden [R, H], tokens [R, D] (-1 = none) -> Scores: their logits and the normalisers (at temperature 1 and,
         when temperature != 1, at `temperature`); top_m > 0 also returns the top-M tokens of the full vocabulary.
         The vocabulary streams through one float32 buffer of R x chunk (two with a temperature), reused chunk after
@@ -122,7 +129,7 @@ class Head:
         maxes, sums, sums_t, top_v, top_i = [], [], [], [], []
         for lo in range(0, v, step):
             hi = min(v, lo + step)
-            z = self.chunk_logits(hidden, lo, hi, buf[:r * (hi - lo)].view(r, hi - lo), wbuf)  # [R, c]
+            z = self.chunk_logits(hidden, lo, hi, buf[: r * (hi - lo)].view(r, hi - lo), wbuf)  # [R, c]
             if lo_tok < hi and hi_tok >= lo:  # the asked tokens in this chunk
                 inside = real & (tokens >= lo) & (tokens < hi)
                 logits = torch.where(inside, z.gather(1, (tokens - lo).clamp(0, hi - lo - 1)), logits)
@@ -134,15 +141,16 @@ class Head:
             maxes.append(m)
             z.sub_(m[:, None])  # z - m <= 0 from here on
             if buf_t is not None:
-                sums_t.append(torch.div(z, temperature, out=buf_t[:z.numel()].view_as(z)).exp_().sum(1))
+                sums_t.append(torch.div(z, temperature, out=buf_t[: z.numel()].view_as(z)).exp_().sum(1))
             sums.append(z.exp_().sum(1))
         m = torch.stack(maxes, 1)  # [R, chunks]
         big = m.amax(1, keepdim=True)  # [R, 1]
         lse = big[:, 0] + (torch.stack(sums, 1) * torch.exp(m - big)).sum(1).log()
         scores = Scores(torch.where(real, logits, NEG_INF), lse)
         if temperature != 1.0:
-            scores.lse_t = big[:, 0] / temperature + (torch.stack(sums_t, 1) * torch.exp((m - big) / temperature)
-                                                      ).sum(1).log()
+            scores.lse_t = (
+                big[:, 0] / temperature + (torch.stack(sums_t, 1) * torch.exp((m - big) / temperature)).sum(1).log()
+            )
         if top_m:
             values, pick = torch.cat(top_v, 1).topk(min(top_m, v), 1)
             scores.top_logits, scores.top_tokens = values, torch.cat(top_i, 1).gather(1, pick)
@@ -157,8 +165,10 @@ class Head:
             got = self.chunk_logits(model.base_model(input_ids=probe).last_hidden_state[0], 0, self.vocab_size)
         tol = 1e-4 if self.weight.dtype == torch.float32 else 5e-2  # half: the model's logits are rounded to it
         if not torch.allclose(got, want, atol=tol * (1 + float(want.abs().max())), rtol=0):
-            raise ValueError(f"{type(model).__name__}: its logits are not its output layer applied to its last hidden "
-                             f"state (max difference {float((got - want).abs().max()):.3g}); this head is not supported")
+            raise ValueError(
+                f"{type(model).__name__}: its logits are not its output layer applied to its last hidden "
+                f"state (max difference {float((got - want).abs().max()):.3g}); this head is not supported"
+            )
 
 
 def float32_product(weight: torch.Tensor) -> str:

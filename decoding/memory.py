@@ -4,6 +4,7 @@
 keys and values for the prompt and the tree tokens, the widest transients of a forward), K, L, the prompt length and a
 headroom. An estimate: the nightly actor halves its batch on out-of-memory all the same.
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,21 +28,32 @@ def bytes_per_user(config, prompt_len: int, tree_tokens: int, queries: int, dtyp
     return int(cache + max(prompt_len * width * size, step))
 
 
-def decode_bytes_per_user(target, prompt_len: int, k: int, code_len: int, dtype: torch.dtype, mode: str = "beam",
-                          draft=None, draft_beams: int | None = None, gamma: int | None = None) -> int:
+def decode_bytes_per_user(
+    target,
+    prompt_len: int,
+    k: int,
+    code_len: int,
+    dtype: torch.dtype,
+    mode: str = "beam",
+    draft=None,
+    draft_beams: int | None = None,
+    gamma: int | None = None,
+) -> int:
     """bytes_per_user for a decoding mode: beam search holds K(L-1) tree tokens and runs K queries a step; DISC up to
     2KL (its cache's capacity); speculative decoding the target's K(L + gamma) and the draft's N L (N drafted
     sequences), with K gamma verify queries."""
     if mode.startswith("atspeed") and draft is not None:
         n, g = draft_beams or max(40, k), gamma or code_len
-        return (bytes_per_user(target.config, prompt_len, k * (code_len + g), k * g, dtype)
-                + bytes_per_user(draft.config, prompt_len, n * code_len, n, dtype))
+        return bytes_per_user(target.config, prompt_len, k * (code_len + g), k * g, dtype) + bytes_per_user(
+            draft.config, prompt_len, n * code_len, n, dtype
+        )
     tree = 2 * k * code_len if mode == "disc" else k * (code_len - 1)
     return bytes_per_user(target.config, prompt_len, tree, 2 * k if mode == "disc" else k, dtype)
 
 
-def fit_batch(per_user: int, free_bytes: int, head_bytes: int = 8 << 26, headroom: float = 0.2,
-              most: int = 4096) -> int:
+def fit_batch(
+    per_user: int, free_bytes: int, head_bytes: int = 8 << 26, headroom: float = 0.2, most: int = 4096
+) -> int:
     """The largest batch (at least 1, at most `most`) of users of `per_user` bytes that fits in `free_bytes` after a
     `headroom` fraction is kept back and the head's vocabulary buffers (`head_bytes`: two float32 buffers of the CUDA
     budget, decoding/head.py) are set aside."""

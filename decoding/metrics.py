@@ -1,5 +1,6 @@
 """Offline recommendation metrics, draft/target alignment measures, and the distances of sampled items to an exact
 distribution over the catalog (DISC's bias) (pure tensors / numpy)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -13,13 +14,15 @@ def recall_ndcg(recommended: np.ndarray, targets, ks=(5, 10, 20), chunk: int = 6
     Recall@k = |top-k ∩ targets| / |targets|, NDCG@k with binary relevance; users without targets are skipped
     (the paper's convention). Returns {"recall@k": ..., "ndcg@k": ..., "users": n}."""
     lengths = np.array([0 if t is None else len(t) for t in targets], dtype=np.int64)  # [U]
-    flat = np.concatenate([np.asarray(t, dtype=np.int64) for t in targets if t is not None and len(t)] or
-                          [np.zeros(0, np.int64)])
+    flat = np.concatenate(
+        [np.asarray(t, dtype=np.int64) for t in targets if t is not None and len(t)] or [np.zeros(0, np.int64)]
+    )
     return recall_ndcg_flat(recommended, flat, lengths, ks, chunk)
 
 
-def recall_ndcg_flat(recommended: np.ndarray, flat: np.ndarray, lengths: np.ndarray, ks=(5, 10, 20),
-                     chunk: int = 65536) -> dict:
+def recall_ndcg_flat(
+    recommended: np.ndarray, flat: np.ndarray, lengths: np.ndarray, ks=(5, 10, 20), chunk: int = 65536
+) -> dict:
     """`recall_ndcg` with the targets as one flat array [T] and each user's count [U] (an Arrow list column's
     values and lengths: no Python object per user)."""
     recommended = np.asarray(recommended, dtype=np.int64)
@@ -35,8 +38,9 @@ def recall_ndcg_flat(recommended: np.ndarray, flat: np.ndarray, lengths: np.ndar
     tgt.sort(1)
     tgt[:, 1:][tgt[:, 1:] == tgt[:, :-1]] = -2  # a target listed twice counts once
     n_tgt = (tgt != -2).sum(1)  # [U']
-    hit = np.concatenate([(rec[a:a + chunk, :, None] == tgt[a:a + chunk, None, :]).any(2)
-                          for a in range(0, len(keep), chunk)]) & (rec >= 0)  # [U', K]
+    hit = np.concatenate(
+        [(rec[a : a + chunk, :, None] == tgt[a : a + chunk, None, :]).any(2) for a in range(0, len(keep), chunk)]
+    ) & (rec >= 0)  # [U', K]
     discount = 1.0 / np.log2(np.arange(2, max(max(ks), rec.shape[1], tgt.shape[1]) + 2))
     ideal_at = np.concatenate([[0.0], np.cumsum(discount)])  # ideal DCG of the first i relevant items
     for k in ks:
@@ -58,9 +62,11 @@ def distances(p_s: torch.Tensor, q: torch.Tensor, catalog: Catalog) -> dict:
     """Two distributions over the catalog rows [N] -> total variation distance over the items and over the first
     code's (level a) marginal, and KL(P_S || q)."""
     level_a = lambda p: p.new_zeros(catalog.vocab_size).index_add_(0, catalog.tokens[:, 0], p)  # noqa: E731 [V]
-    return {"tv_items": 0.5 * float((p_s - q).abs().sum()),
-            "tv_level_a": 0.5 * float((level_a(p_s) - level_a(q)).abs().sum()),
-            "kl": float((torch.special.xlogy(p_s, p_s) - p_s * q.log()).sum())}
+    return {
+        "tv_items": 0.5 * float((p_s - q).abs().sum()),
+        "tv_level_a": 0.5 * float((level_a(p_s) - level_a(q)).abs().sum()),
+        "kl": float((torch.special.xlogy(p_s, p_s) - p_s * q.log()).sum()),
+    }
 
 
 def draw_stats(p_s: torch.Tensor, x: torch.Tensor, drawn: torch.Tensor, catalog: Catalog) -> dict:
@@ -70,14 +76,22 @@ def draw_stats(p_s: torch.Tensor, x: torch.Tensor, drawn: torch.Tensor, catalog:
         raise RuntimeError(f"{int((drawn < 0).sum())} draws are not catalog items")
     counts = torch.bincount(drawn, minlength=p_s.numel()).to(p_s.dtype)  # [N]
     smoothed = (counts + 0.5) / (counts.sum() + 0.5 * counts.numel())  # [N]
-    return {**distances(p_s, counts / counts.sum(), catalog), "kl": distances(p_s, smoothed, catalog)["kl"],
-            "mean_x": float(x[drawn].mean()), "mean_x_se": float(x[drawn].std() / drawn.numel() ** 0.5)}
+    return {
+        **distances(p_s, counts / counts.sum(), catalog),
+        "kl": distances(p_s, smoothed, catalog)["kl"],
+        "mean_x": float(x[drawn].mean()),
+        "mean_x_se": float(x[drawn].std() / drawn.numel() ** 0.5),
+    }
 
 
 def mean_over_users(cells: list[dict]) -> dict:
     """Per-user dicts of numbers -> their mean; standard errors (`*_se`) combine as those of a mean."""
-    return {key: float(np.sqrt(np.sum(np.square([c[key] for c in cells]))) / len(cells)) if key.endswith("_se")
-            else float(np.mean([c[key] for c in cells])) for key in cells[0]}
+    return {
+        key: float(np.sqrt(np.sum(np.square([c[key] for c in cells]))) / len(cells))
+        if key.endswith("_se")
+        else float(np.mean([c[key] for c in cells]))
+        for key in cells[0]
+    }
 
 
 def same_within_ties(items_a: torch.Tensor, scores_a: torch.Tensor, items_b: torch.Tensor, tie: float) -> torch.Tensor:
@@ -95,8 +109,9 @@ def same_within_ties(items_a: torch.Tensor, scores_a: torch.Tensor, items_b: tor
     return torch.tensor(out, dtype=torch.bool)
 
 
-def topk_agreement(ref_items: torch.Tensor, ref_scores: torch.Tensor, items: torch.Tensor,
-                   scores: torch.Tensor) -> dict:
+def topk_agreement(
+    ref_items: torch.Tensor, ref_scores: torch.Tensor, items: torch.Tensor, scores: torch.Tensor
+) -> dict:
     """A reference top-K [U, K] (item ids, -1 = none; scores) against another engine's [U, K] -> per user [U]:
     `identical` (the same items in the same order), `overlap` (the share of the reference's items the other list
     holds, in any order) and `score_diff` (the largest |score difference| of an item both lists hold; 0 if none)."""
@@ -104,5 +119,8 @@ def topk_agreement(ref_items: torch.Tensor, ref_scores: torch.Tensor, items: tor
     both = (ref_items[:, :, None] == items[:, None, :]) & (ref_items[:, :, None] >= 0)  # [U, K, K]
     real = (ref_items >= 0).sum(1).clamp(min=1)  # [U]
     diff = (ref_scores.cpu().float()[:, :, None] - scores.cpu().float()[:, None, :]).abs()  # [U, K, K]
-    return {"identical": (ref_items == items).all(1), "overlap": both.any(2).sum(1) / real,
-            "score_diff": torch.where(both, diff, 0.0).amax((1, 2))}
+    return {
+        "identical": (ref_items == items).all(1),
+        "overlap": both.any(2).sum(1) / real,
+        "score_diff": torch.where(both, diff, 0.0).amax((1, 2)),
+    }

@@ -1,4 +1,5 @@
 """Model loading (local directories, safetensors only, no remote code, never a hub) and tiny test models."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,11 +16,17 @@ def sdpa_gqa(module, query, key, value, attention_mask, dropout=0.0, scaling=Non
     forward (transformers repeats them whenever a mask is given, which the token tree always is). Elsewhere, or
     without a mask, transformers' own path."""
     groups = getattr(module, "num_key_value_groups", 1)
-    if groups == 1 or query.device.type != "cpu" or attention_mask is None or kwargs.get("position_bias") is not None \
-            or kwargs.get("cache") is not None:
+    if (
+        groups == 1
+        or query.device.type != "cpu"
+        or attention_mask is None
+        or kwargs.get("position_bias") is not None
+        or kwargs.get("cache") is not None
+    ):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
-                                                           dropout_p=dropout, scale=scaling, enable_gqa=True)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
+    )
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -31,16 +38,46 @@ ATTENTION = ("eager", "sdpa", "sdpa_gqa")
 # attention biases (and optional sliding-window layers), Mistral (sliding window), Qwen3 with q/k norms.
 # Sizes are set by `tiny_model(..., **overrides)`.
 TINY = {
-    "llama": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512),
-    "qwen2": dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  use_sliding_window=False),
-    "mistral": dict(model_type="mistral", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, sliding_window=None),
-    "qwen3": dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                  use_sliding_window=False),
+    "llama": dict(
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    ),
+    "qwen2": dict(
+        model_type="qwen2",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        use_sliding_window=False,
+    ),
+    "mistral": dict(
+        model_type="mistral",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        sliding_window=None,
+    ),
+    "qwen3": dict(
+        model_type="qwen3",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        use_sliding_window=False,
+    ),
 }
 
 
@@ -49,12 +86,25 @@ def tiny_config(arch: str, vocab_size: int, **overrides):
         raise ValueError(f"unknown tiny architecture {arch!r}; choose from {sorted(TINY)}")
     spec = {**TINY[arch], **overrides}
     model_type = spec.pop("model_type")
-    return AutoConfig.for_model(model_type, vocab_size=vocab_size, tie_word_embeddings=False,
-                                pad_token_id=0, bos_token_id=1, eos_token_id=2, **spec)
+    return AutoConfig.for_model(
+        model_type,
+        vocab_size=vocab_size,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        **spec,
+    )
 
 
-def tiny_model(arch: str, vocab_size: int, seed: int = 0, attn_implementation: str = "sdpa",
-               dtype: torch.dtype = torch.float32, **overrides):
+def tiny_model(
+    arch: str,
+    vocab_size: int,
+    seed: int = 0,
+    attn_implementation: str = "sdpa",
+    dtype: torch.dtype = torch.float32,
+    **overrides,
+):
     """A randomly initialised causal LM built from a config in memory (never downloaded)."""
     if attn_implementation not in ATTENTION:
         raise ValueError(f"attn_implementation must be one of {ATTENTION}, got {attn_implementation!r}")
@@ -64,14 +114,33 @@ def tiny_model(arch: str, vocab_size: int, seed: int = 0, attn_implementation: s
     return model.eval()
 
 
-def build_model(vocab_size: int, layers: int, hidden: int, heads: int, kv_heads: int, seed: int = 0,
-                arch: str = "llama", attn_implementation: str = "sdpa", max_positions: int = 512):
+def build_model(
+    vocab_size: int,
+    layers: int,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    seed: int = 0,
+    arch: str = "llama",
+    attn_implementation: str = "sdpa",
+    max_positions: int = 512,
+):
     """A model trained from scratch: `arch` (Llama by default) of the given size, randomly initialised."""
     if hidden % heads or heads % kv_heads:
         raise ValueError(f"hidden ({hidden}) must divide by heads ({heads}), heads by kv_heads ({kv_heads})")
-    return tiny_model(arch, vocab_size, seed=seed, attn_implementation=attn_implementation, hidden_size=hidden,
-                      intermediate_size=4 * hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                      num_key_value_heads=kv_heads, head_dim=hidden // heads, max_position_embeddings=max_positions)
+    return tiny_model(
+        arch,
+        vocab_size,
+        seed=seed,
+        attn_implementation=attn_implementation,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
+        max_position_embeddings=max_positions,
+    )
 
 
 def add_code_tokens(model, tokenizer, levels: int, codes: int, template=None) -> list[str]:
@@ -117,7 +186,9 @@ def check_model_dir(path) -> Path:
         raise ValueError(f"{path}: not a model directory (no config.json)")
     if not list(path.glob("*.safetensors")):
         unsafe = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
-        raise ValueError(f"{path}: no *.safetensors weights" + (f" (refusing pickled weights {unsafe})" if unsafe else ""))
+        raise ValueError(
+            f"{path}: no *.safetensors weights" + (f" (refusing pickled weights {unsafe})" if unsafe else "")
+        )
     return path
 
 
@@ -127,15 +198,21 @@ def check_causal_lm(config, source) -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     if getattr(config, "is_encoder_decoder", False):
-        raise ValueError(f"{source}: {config.model_type} is an encoder-decoder model; genrec-batch decodes "
-                         "decoder-only causal LMs (a ...ForCausalLM checkpoint)")
+        raise ValueError(
+            f"{source}: {config.model_type} is an encoder-decoder model; genrec-batch decodes "
+            "decoder-only causal LMs (a ...ForCausalLM checkpoint)"
+        )
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise ValueError(f"{source}: model type {config.model_type!r} has no causal LM in transformers; genrec-batch "
-                         "decodes decoder-only causal LMs (a ...ForCausalLM checkpoint)")
+        raise ValueError(
+            f"{source}: model type {config.model_type!r} has no causal LM in transformers; genrec-batch "
+            "decodes decoder-only causal LMs (a ...ForCausalLM checkpoint)"
+        )
     heads = [a for a in config.architectures or [] if a.endswith(("ForCausalLM", "LMHeadModel"))]
     if config.architectures and not heads:
-        raise ValueError(f"{source}: the checkpoint has no causal LM head (architectures {config.architectures}); "
-                         "save the ...ForCausalLM model, whose head scores the next token")
+        raise ValueError(
+            f"{source}: the checkpoint has no causal LM head (architectures {config.architectures}); "
+            "save the ...ForCausalLM model, whose head scores the next token"
+        )
 
 
 def attention_window(config) -> int | None:
@@ -158,10 +235,12 @@ def check_window(config, tokens: int, source) -> None:
     window = attention_window(config)
     if window is not None and window < tokens:
         name = "sliding_window" if getattr(config, "sliding_window", None) == window else "attention_chunk_size"
-        raise ValueError(f"{source}: the model attends within {name} = {window} tokens, shorter than the longest "
-                         f"prompt plus an item ({tokens} tokens); its sliding-window attention would differ from "
-                         "the full attention genrec-batch computes. Shorten the prompt (max_items of the prompt "
-                         "template) or use a model whose window covers it")
+        raise ValueError(
+            f"{source}: the model attends within {name} = {window} tokens, shorter than the longest "
+            f"prompt plus an item ({tokens} tokens); its sliding-window attention would differ from "
+            "the full attention genrec-batch computes. Shorten the prompt (max_items of the prompt "
+            "template) or use a model whose window covers it"
+        )
 
 
 def load_config(path):
@@ -172,16 +251,22 @@ def load_config(path):
     return config
 
 
-def load_model(path, device: str | None = None, dtype: str | torch.dtype | None = None,
-               attn_implementation: str = "sdpa_gqa"):
+def load_model(
+    path, device: str | None = None, dtype: str | torch.dtype | None = None, attn_implementation: str = "sdpa_gqa"
+):
     """A causal LM from a local directory: safetensors only, no remote code, no hub; an encoder-decoder or a
     checkpoint without a causal LM head is refused (`load_config`)."""
     load_config(path)
     path = Path(path)
     dev = pick_device(device)
     model = AutoModelForCausalLM.from_pretrained(
-        path, local_files_only=True, trust_remote_code=False, use_safetensors=True,
-        dtype=pick_dtype(dtype, dev), attn_implementation=attn_implementation)
+        path,
+        local_files_only=True,
+        trust_remote_code=False,
+        use_safetensors=True,
+        dtype=pick_dtype(dtype, dev),
+        attn_implementation=attn_implementation,
+    )
     return model.to(dev).eval()
 
 

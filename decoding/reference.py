@@ -3,6 +3,7 @@ exact sequence / whole-catalog log-probabilities from plain `transformers` forwa
 
 Used by the exactness tests, by `python -m jobs.bench decode` and by the DISC bias benchmark.
 """
+
 from __future__ import annotations
 
 import copy
@@ -39,11 +40,25 @@ def generate_beam_search(model, input_ids, attention_mask, catalog: Catalog, k: 
         return tries[batch_id].get(tuple(sent[s:].tolist()), [0])
 
     beam_args = dict(length_penalty=0.0) if k > 1 else {}
-    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, num_beams=k, num_return_sequences=k,
-                         max_new_tokens=code_len, min_new_tokens=code_len, do_sample=False,
-                         prefix_allowed_tokens_fn=allowed, return_dict_in_generate=True, output_scores=k > 1,
-                         pad_token_id=0, eos_token_id=2, bos_token_id=1, top_k=None, top_p=None, temperature=None,
-                         **beam_args)
+    out = model.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        num_beams=k,
+        num_return_sequences=k,
+        max_new_tokens=code_len,
+        min_new_tokens=code_len,
+        do_sample=False,
+        prefix_allowed_tokens_fn=allowed,
+        return_dict_in_generate=True,
+        output_scores=k > 1,
+        pad_token_id=0,
+        eos_token_id=2,
+        bos_token_id=1,
+        top_k=None,
+        top_p=None,
+        temperature=None,
+        **beam_args,
+    )
     b = input_ids.shape[0]
     tokens = out.sequences[:, s:].reshape(b, k, code_len)
     items = catalog.lookup(tokens.reshape(-1, code_len)).view(b, k)
@@ -64,13 +79,20 @@ def sequence_logprob(model, sequences, prompt_mask, n_new: int, temperature: flo
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=sequences, attention_mask=mask, position_ids=pos).logits.float()
     logp = (logits / temperature).log_softmax(-1)
-    picked = logp[:, -n_new - 1:-1].gather(2, sequences[:, -n_new:, None]).squeeze(2)
+    picked = logp[:, -n_new - 1 : -1].gather(2, sequences[:, -n_new:, None]).squeeze(2)
     return picked.sum(1)
 
 
 @torch.no_grad()
-def catalog_logprob(model, input_ids, attention_mask, catalog: Catalog, temperature: float = 1.0,
-                    chunk: int = 1024, valid_mass: bool = False):
+def catalog_logprob(
+    model,
+    input_ids,
+    attention_mask,
+    catalog: Catalog,
+    temperature: float = 1.0,
+    chunk: int = 1024,
+    valid_mass: bool = False,
+):
     """One left-padded prompt [1, S] -> log p, the exact tempered log-probability of every catalog item [N] float64,
     in the order of catalog.tokens: sum over the L levels of log_softmax(logits / temperature) over the FULL
     vocabulary. exp(log p) sums to 1 - p_b (p_b: the mass of invalid sequences); softmax(log p) over the catalog is
@@ -79,20 +101,28 @@ def catalog_logprob(model, input_ids, attention_mask, catalog: Catalog, temperat
     Q(a) = p(a) / x(a). The prompt is prefilled once; each chunk of items continues a copy of that cache with its
     first L - 1 code tokens ([C, L - 1], one plain forward)."""
     if input_ids.shape[0] != 1 or input_ids.shape != attention_mask.shape:
-        raise ValueError(f"need one prompt [1, S], got input_ids {tuple(input_ids.shape)}, "
-                         f"attention_mask {tuple(attention_mask.shape)}")
+        raise ValueError(
+            f"need one prompt [1, S], got input_ids {tuple(input_ids.shape)}, "
+            f"attention_mask {tuple(attention_mask.shape)}"
+        )
     if not temperature > 0 or chunk < 1:
         raise ValueError(f"need temperature > 0 and chunk >= 1, got {temperature}, {chunk}")
     if catalog.device != input_ids.device:
         raise ValueError(f"catalog is on {catalog.device} but input_ids on {input_ids.device}: use catalog.to(...)")
     code_len, dev = catalog.code_len, input_ids.device
     cache = DynamicCache(config=model.config)
-    first = model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True,
-                  position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0), logits_to_keep=1).logits  # [1, 1, V]
+    first = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        past_key_values=cache,
+        use_cache=True,
+        position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0),
+        logits_to_keep=1,
+    ).logits  # [1, 1, V]
     start = int(attention_mask.sum())  # position of the first code token
     log_p, log_x = [], []
     for a in range(0, len(catalog), chunk):
-        tokens = catalog.tokens[a:a + chunk]  # [C, L]
+        tokens = catalog.tokens[a : a + chunk]  # [C, L]
         c = tokens.shape[0]
         logits = first.expand(c, 1, -1)  # [C, 1, V]: level a, from the prompt
         if code_len > 1:
@@ -100,8 +130,9 @@ def catalog_logprob(model, input_ids, attention_mask, catalog: Catalog, temperat
             rows.batch_repeat_interleave(c)  # [C] copies of the prompt's KV
             mask = torch.cat([attention_mask.expand(c, -1), attention_mask.new_ones(c, code_len - 1)], 1)
             pos = (start + torch.arange(code_len - 1, device=dev)).expand(c, -1)  # [C, L - 1]
-            later = model(input_ids=tokens[:, :-1], attention_mask=mask, position_ids=pos, past_key_values=rows,
-                          use_cache=True).logits  # [C, L - 1, V]: levels b.. from the item's own prefix
+            later = model(
+                input_ids=tokens[:, :-1], attention_mask=mask, position_ids=pos, past_key_values=rows, use_cache=True
+            ).logits  # [C, L - 1, V]: levels b.. from the item's own prefix
             logits = torch.cat([logits, later], 1)  # [C, L, V]
         logp = (logits.double() / temperature).log_softmax(-1)  # [C, L, V]
         log_p.append(logp.gather(2, tokens[:, :, None]).squeeze(2).sum(1))  # [C]

@@ -32,14 +32,27 @@ mode, and any other value is refused rather than ignored.
 
 Read top to bottom: `speculative_beam_search` (the loop), `start`, `first_step`, `draft_steps`, `verify`, `accept`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
-from decoding.beam import (Children, Prefix, Recommendations, candidates, check_prompts, children, expand_beams,
-                           forward, gumbel_like, pick, prefill, sample_beams)
+from decoding.beam import (
+    Children,
+    Prefix,
+    Recommendations,
+    candidates,
+    check_prompts,
+    children,
+    expand_beams,
+    forward,
+    gumbel_like,
+    pick,
+    prefill,
+    sample_beams,
+)
 from decoding.catalog import Catalog, Exclusions
 from decoding.stats import Meter, beam_batch_kv
 from decoding.tree import TokenTree
@@ -50,6 +63,7 @@ NEG_INF = float("-inf")
 @dataclass
 class Side:
     """One model's view: its token tree and cache, and where the K accepted beams of each user sit in it."""
+
     model: object
     role: str  # "target" or "draft"
     tree: TokenTree
@@ -64,10 +78,17 @@ class Side:
 
     def select(self, users: torch.Tensor) -> None:
         self.tree.select_users(users, self.cache)
-        self.leaf, self.kids, self.pending, self.parent = (self.leaf[users], self.kids.select(users),
-                                                           self.pending[users], self.parent[users])
-        self.carry, self.carry_token, self.carry_parent = (self.carry[users], self.carry_token[users],
-                                                           self.carry_parent[users])
+        self.leaf, self.kids, self.pending, self.parent = (
+            self.leaf[users],
+            self.kids.select(users),
+            self.pending[users],
+            self.parent[users],
+        )
+        self.carry, self.carry_token, self.carry_parent = (
+            self.carry[users],
+            self.carry_token[users],
+            self.carry_parent[users],
+        )
 
     def pending_block(self, last_token: torch.Tensor, alive: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The tokens to add before anything else this round -> (tokens [A, Q], parents [A, Q], block depth): the
@@ -88,8 +109,7 @@ class Side:
         """The pending beams' tokens are now tree nodes first_node .. first_node + K - 1, scored `kids`."""
         k = self.leaf.shape[1]
         self.kids = kids.where(self.pending, self.kids)
-        self.leaf = torch.where(self.pending[:, None], first_node + torch.arange(k, device=self.leaf.device),
-                                self.leaf)
+        self.leaf = torch.where(self.pending[:, None], first_node + torch.arange(k, device=self.leaf.device), self.leaf)
         self.pending = torch.zeros_like(self.pending)
         self.carry = torch.zeros_like(self.carry)
 
@@ -105,8 +125,14 @@ class Side:
         self.parent = torch.where(users[:, None], parent, self.parent)
         self.pending = self.pending | users
 
-    def defer_carried(self, users: torch.Tensor, beam_parent: torch.Tensor, alive: torch.Tensor,
-                      token: torch.Tensor, parent: torch.Tensor) -> None:
+    def defer_carried(
+        self,
+        users: torch.Tensor,
+        beam_parent: torch.Tensor,
+        alive: torch.Tensor,
+        token: torch.Tensor,
+        parent: torch.Tensor,
+    ) -> None:
         """Users [A] take beams whose parents (tokens [A, K] under tree nodes parent [A, K]: the last drafted step,
         accepted, never run through this model) are not in the tree either: both enter with the next forward."""
         self.carry = self.carry | users
@@ -118,8 +144,9 @@ class Side:
     def compact(self, alive: torch.Tensor) -> None:
         """Keeps the paths of the accepted beams (of their parents, where pending; of the carried nodes' parents,
         where carrying); drops every other node."""
-        nodes = torch.where(self.carry[:, None], self.carry_parent,
-                            torch.where(self.pending[:, None], self.parent, self.leaf))
+        nodes = torch.where(
+            self.carry[:, None], self.carry_parent, torch.where(self.pending[:, None], self.parent, self.leaf)
+        )
         kept = self.tree.keep_paths(torch.where(alive, nodes, -1), self.cache)
         self.leaf = torch.where(self.pending[:, None], self.leaf, kept)
         self.parent = torch.where(self.pending[:, None] & ~self.carry[:, None], kept, self.parent)
@@ -130,6 +157,7 @@ class Side:
 class Step:
     """K (or N) sequences one level below the beams: score, parent beam, token and catalog node [A, K] (-1 / -inf:
     none); relaxed: the candidates' log-weights [A, C] they were drawn with and the draws [A, K] in draw order."""
+
     score: torch.Tensor
     parent: torch.Tensor
     token: torch.Tensor
@@ -140,8 +168,14 @@ class Step:
     def where(self, use: torch.Tensor, other: "Step") -> "Step":
         """This step for the users use [A], `other` for the rest."""
         pick_ = lambda a, b: torch.where(use[:, None], a, b)  # noqa: E731
-        return Step(pick_(self.score, other.score), pick_(self.parent, other.parent), pick_(self.token, other.token),
-                    pick_(self.node, other.node), other.weight, other.flat)
+        return Step(
+            pick_(self.score, other.score),
+            pick_(self.parent, other.parent),
+            pick_(self.token, other.token),
+            pick_(self.node, other.node),
+            other.weight,
+            other.flat,
+        )
 
 
 @dataclass
@@ -149,6 +183,7 @@ class Extend:
     """One beam step over the catalog: the exact top-`count` extensions (strict) or `count` draws without
     replacement (relaxed), from beams scored `score` [A, W] whose children are `kids` [A, W, D]; children closed for
     a user by `exclude` (rows: the active users, selected with them) are never candidates, for the draft either."""
+
     catalog: Catalog
     relaxed: bool
     temperature: float
@@ -168,6 +203,7 @@ class Extend:
 @dataclass
 class Beams:
     """The K accepted beams of each active user: the target's exact top-K (strict) or K draws (relaxed)."""
+
     tokens: torch.Tensor  # [A, K, L] code tokens so far, -1 beyond the depth and on dead beams
     score: torch.Tensor  # [A, K] sequence log-probs under the target, -inf = dead
     node: torch.Tensor  # [A, K] catalog node, -1 = dead
@@ -200,6 +236,7 @@ class Drafted:
     or into the beams for j = 1) [A, N]; their children under the draft [A, N, D] and draft tree nodes [A, N] (none
     for the last drafted step, never run through the draft); the step they were drawn by (relaxed verification
     needs its weights and draws)."""
+
     node: torch.Tensor
     token: torch.Tensor
     parent: torch.Tensor
@@ -210,11 +247,21 @@ class Drafted:
 
 
 @torch.no_grad()
-def speculative_beam_search(target, draft, input_ids: torch.Tensor, attention_mask: torch.Tensor, catalog: Catalog,
-                            k: int, draft_beams: int | None = None, gamma: int | None = None,
-                            verification: str = "strict", temperature: float = 1.0,
-                            generator: torch.Generator | None = None, prefix: Prefix | None = None,
-                            exclude: Exclusions | None = None) -> Recommendations:
+def speculative_beam_search(
+    target,
+    draft,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    catalog: Catalog,
+    k: int,
+    draft_beams: int | None = None,
+    gamma: int | None = None,
+    verification: str = "strict",
+    temperature: float = 1.0,
+    generator: torch.Generator | None = None,
+    prefix: Prefix | None = None,
+    exclude: Exclusions | None = None,
+) -> Recommendations:
     """input_ids, attention_mask [B, S] left-padded (continuing `prefix` when given; per-user exclusions `exclude`
     as in beam_search) -> exactly `beam_search(target, ...)`'s top-k items per user (strict; draft_beams N defaults
     to max(40, k)), or a draw of `beam_search(target, do_sample=True, ...)` (relaxed: the draft proposes the K
@@ -225,8 +272,9 @@ def speculative_beam_search(target, draft, input_ids: torch.Tensor, attention_ma
     gamma = code_len if gamma is None else gamma
     relaxed = verification == "relaxed"
     n = (k if relaxed else max(40, k)) if draft_beams is None else draft_beams
-    check_arguments(target, draft, input_ids, attention_mask, catalog, k, n, gamma, verification, temperature, prefix,
-                    exclude)
+    check_arguments(
+        target, draft, input_ids, attention_mask, catalog, k, n, gamma, verification, temperature, prefix, exclude
+    )
     b, dev = input_ids.shape[0], input_ids.device
     extend = Extend(catalog, relaxed, temperature, generator, exclude)
     meter = Meter(dev)
@@ -283,32 +331,54 @@ def speculative_beam_search(target, draft, input_ids: torch.Tensor, attention_ma
         order = torch.sort(out.score, dim=1, descending=True, stable=True).indices
         out.score, out.node = out.score.gather(1, order), out.node.gather(1, order)
         out.tokens = out.tokens.gather(1, order[:, :, None].expand_as(out.tokens))
-    stats = meter.result(beam_batch_kv(b, k, input_ids.shape[1], code_len), accepted_steps=accepted,
-                         drafted_steps=drafted, rounds=rounds, accepted_hist=accepted_hist, non_finite=broken)
+    stats = meter.result(
+        beam_batch_kv(b, k, input_ids.shape[1], code_len),
+        accepted_steps=accepted,
+        drafted_steps=drafted,
+        rounds=rounds,
+        accepted_hist=accepted_hist,
+        non_finite=broken,
+    )
     return Recommendations(catalog.item_of_node(out.node), out.tokens, out.score, stats)
 
 
-def check_arguments(target, draft, input_ids, attention_mask, catalog: Catalog, k: int, draft_beams: int, gamma: int,
-                    verification: str, temperature: float, prefix: Prefix | None,
-                    exclude: Exclusions | None = None) -> None:
+def check_arguments(
+    target,
+    draft,
+    input_ids,
+    attention_mask,
+    catalog: Catalog,
+    k: int,
+    draft_beams: int,
+    gamma: int,
+    verification: str,
+    temperature: float,
+    prefix: Prefix | None,
+    exclude: Exclusions | None = None,
+) -> None:
     if verification not in ("strict", "relaxed"):
         raise ValueError(f"verification must be 'strict' or 'relaxed', got {verification!r}")
     if verification == "relaxed" and not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if verification == "relaxed" and draft_beams != k:
-        raise ValueError(f"relaxed verification drafts exactly k = {k} sequences per step (each verified by one "
-                         f"draw), so draft_beams = {draft_beams} cannot be honoured: leave it unset or set it to k")
+        raise ValueError(
+            f"relaxed verification drafts exactly k = {k} sequences per step (each verified by one "
+            f"draw), so draft_beams = {draft_beams} cannot be honoured: leave it unset or set it to k"
+        )
     if k < 1 or draft_beams < k or gamma < 1:
-        raise ValueError(f"need 1 <= k <= draft_beams and gamma >= 1, got k={k}, draft_beams={draft_beams}, "
-                         f"gamma={gamma}")
+        raise ValueError(
+            f"need 1 <= k <= draft_beams and gamma >= 1, got k={k}, draft_beams={draft_beams}, gamma={gamma}"
+        )
     if target.config.vocab_size != draft.config.vocab_size:
-        raise ValueError(f"target and draft vocabularies differ: {target.config.vocab_size} vs "
-                         f"{draft.config.vocab_size}")
+        raise ValueError(
+            f"target and draft vocabularies differ: {target.config.vocab_size} vs {draft.config.vocab_size}"
+        )
     check_prompts(input_ids, attention_mask, catalog, target, draft, prefix=prefix, exclude=exclude)
 
 
-def start(model, role: str, input_ids, attention_mask, k: int, meter: Meter, extend: Extend, prefix: Prefix | None,
-          room: int) -> Side:
+def start(
+    model, role: str, input_ids, attention_mask, k: int, meter: Meter, extend: Extend, prefix: Prefix | None, room: int
+) -> Side:
     """Prefills the prompts once: a tree holding only them, every beam at the prompt."""
     cache, hidden = prefill(model, input_ids, attention_mask, meter, role, prefix, room)  # [A, H]
     a, dev = input_ids.shape[0], input_ids.device
@@ -335,7 +405,7 @@ def add_pending(side: Side, beams: Beams, extend: Extend, meter: Meter, rows: in
     tok, par, depth = side.pending_block(beams.last_tokens(), beams.score > NEG_INF)
     first = side.tree.num_nodes + tok.shape[1] - beams.score.shape[1]  # the beams' block: the last K columns
     hidden = forward(side.model, side.tree, side.cache, tok, par, depth, meter, side.role, rows)
-    kids = extend.score(side.model, hidden[:, -beams.score.shape[1]:], beams.node[:hidden.shape[0]])
+    kids = extend.score(side.model, hidden[:, -beams.score.shape[1] :], beams.node[: hidden.shape[0]])
     side.take_pending(pad_rows(kids, beams.score.shape[0]), first)
 
 
@@ -358,8 +428,16 @@ def draft_steps(drf: Side, beams: Beams, g: torch.Tensor, n: int, extend: Extend
         if i < steps:  # the draft's scores at D_i: needed to draft D_{i+1} (only by the users with g > i)
             rows = int((g > i).sum())
             first = drf.tree.num_nodes
-            hidden = forward(drf.model, drf.tree, drf.cache, torch.where(live, step.token, 0), parent_tree,
-                             meter=meter, role=drf.role, rows=rows)
+            hidden = forward(
+                drf.model,
+                drf.tree,
+                drf.cache,
+                torch.where(live, step.token, 0),
+                parent_tree,
+                meter=meter,
+                role=drf.role,
+                rows=rows,
+            )
             kids = pad_rows(extend.score(drf.model, hidden, node[:rows]), a)
             tree = (first + torch.arange(n, device=g.device)).expand(a, n)
             d.kids, d.tree = kids, tree
@@ -383,8 +461,16 @@ def verify(tgt: Side, beams: Beams, drafts: list[Drafted], extend: Extend, meter
         block_par.append(torch.where(d.node >= 0, prev.gather(1, d.parent), -1))
         block_node.append(d.node)
         prev = (base + k + i * n + torch.arange(n, device=dev)).expand(a, n)
-    hidden = forward(tgt.model, tgt.tree, tgt.cache, torch.cat(block_tok, 1), torch.cat(block_par, 1),
-                     len(drafts) + 1, meter, tgt.role)
+    hidden = forward(
+        tgt.model,
+        tgt.tree,
+        tgt.cache,
+        torch.cat(block_tok, 1),
+        torch.cat(block_par, 1),
+        len(drafts) + 1,
+        meter,
+        tgt.role,
+    )
     kids = extend.score(tgt.model, hidden, torch.cat(block_node, 1))
     tgt.take_pending(kids.take(torch.arange(k, device=dev).expand(a, k)), base)
     return kids, base
@@ -397,8 +483,16 @@ def covered(t_node: torch.Tensor, d_node: torch.Tensor) -> tuple[torch.Tensor, t
     return (hit.any(-1) | (t_node < 0)).all(-1), hit.int().argmax(-1)
 
 
-def accept(tgt: Side, drf: Side, beams: Beams, drafts: list[Drafted], kids_v: Children, first: int, g: torch.Tensor,
-           extend: Extend) -> torch.Tensor:
+def accept(
+    tgt: Side,
+    drf: Side,
+    beams: Beams,
+    drafts: list[Drafted],
+    kids_v: Children,
+    first: int,
+    g: torch.Tensor,
+    extend: Extend,
+) -> torch.Tensor:
     """Step by step j = 1 .. steps + 1: the target's own step T_j from the beams (strict: its exact top-K; relaxed:
     K draws that accept the drafted sequences in order with probability min(1, P_i / Q_i)). A user whose step j is
     verified (T_j covered by D_j; relaxed: all K draws accepted) moves its beams onto the drafted nodes, whose
@@ -491,7 +585,13 @@ def relaxed_draws(p_weight: torch.Tensor, q_weight: torch.Tensor, proposals: tor
     later = torch.where(taken | (torch.arange(c, device=p_weight.device) == x[:, None]), float("-inf"), lp)
     rest = torch.topk(later + gumbel_like(later, generator), k, dim=1)  # the remaining draws, from P
     rest_idx = torch.where(torch.isfinite(rest.values), rest.indices, c)
-    drawn = torch.where(m < r[:, None], torch.where(live, prop, c),
-                        torch.where(m == r[:, None], torch.where(torch.isfinite(lp.gather(1, x[:, None])), x[:, None], c),
-                                    rest_idx.gather(1, (m - r[:, None] - 1).clamp(min=0))))
+    drawn = torch.where(
+        m < r[:, None],
+        torch.where(live, prop, c),
+        torch.where(
+            m == r[:, None],
+            torch.where(torch.isfinite(lp.gather(1, x[:, None])), x[:, None], c),
+            rest_idx.gather(1, (m - r[:, None] - 1).clamp(min=0)),
+        ),
+    )
     return drawn, r >= k

@@ -25,6 +25,7 @@ Each mode adds its own extras beside them (speculative: accepted_steps, drafted_
 DISC: proposals, acceptance_rate, invalid_mass, importance_weight; beam search: kv_len, kv_batch, tree_tokens).
 Scalars are Python numbers; per-user extras are tensors [B].
 """
+
 from __future__ import annotations
 
 import time

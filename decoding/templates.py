@@ -13,6 +13,7 @@ that adds it itself (Llama's) does: the ids are `[bos] + tokenizer(text, add_spe
 Presets: `codes` (the project's own format: `<bos>` + the code tokens of the last 20 items, nothing else) and `lcrec`
 (the LC-Rec / AtSpeed instruction prompt). The file `genrec_template.json` in a model directory holds one.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,20 +36,26 @@ class PromptTemplate:
 
     def __post_init__(self):
         if self.item.count("{codes}") != 1:
-            raise ValueError(f"prompt template {self.name!r}: `item` must contain {{codes}} exactly once, got "
-                             f"{self.item!r}")
+            raise ValueError(
+                f"prompt template {self.name!r}: `item` must contain {{codes}} exactly once, got {self.item!r}"
+            )
         if not isinstance(self.max_items, int) or self.max_items < 1:
-            raise ValueError(f"prompt template {self.name!r}: max_items must be an integer >= 1, got "
-                             f"{self.max_items!r}")
+            raise ValueError(
+                f"prompt template {self.name!r}: max_items must be an integer >= 1, got {self.max_items!r}"
+            )
         if "{code}" not in self.code_token or not ("{level}" in self.code_token or "{level_index}" in self.code_token):
-            raise ValueError(f"prompt template {self.name!r}: code_token must contain {{code}} and {{level}} or "
-                             f"{{level_index}}, got {self.code_token!r}")
+            raise ValueError(
+                f"prompt template {self.name!r}: code_token must contain {{code}} and {{level}} or "
+                f"{{level_index}}, got {self.code_token!r}"
+            )
         try:
             self.item.format(index=1, codes="")
             self.code_token.format(level="a", level_index=0, code=0)
         except (KeyError, IndexError, ValueError) as e:
-            raise ValueError(f"prompt template {self.name!r}: bad placeholder in item or code_token ({e!r}); use "
-                             "{index}, {codes}, {level}, {level_index}, {code}") from None
+            raise ValueError(
+                f"prompt template {self.name!r}: bad placeholder in item or code_token ({e!r}); use "
+                "{index}, {codes}, {level}, {level_index}, {code}"
+            ) from None
 
     def code(self, level: int, code: int) -> str:
         """(level 0, code 47) -> '<a_47>' by default."""
@@ -59,9 +66,11 @@ class PromptTemplate:
     def text(self, items: list[list[int]]) -> str:
         """The prompt text of a history given as the items' codes [[c_0, .., c_{L-1}], ...] (oldest first); only the
         last max_items are written."""
-        items = items[-self.max_items:]
-        written = [self.item.format(index=i + 1, codes="".join(self.code(j, c) for j, c in enumerate(codes)))
-                   for i, codes in enumerate(items)]
+        items = items[-self.max_items :]
+        written = [
+            self.item.format(index=i + 1, codes="".join(self.code(j, c) for j, c in enumerate(codes)))
+            for i, codes in enumerate(items)
+        ]
         return self.prefix + self.separator.join(written) + self.suffix
 
     def with_max_items(self, max_items: int | None) -> "PromptTemplate":
@@ -81,14 +90,18 @@ class PromptTemplate:
         return cls(**raw)
 
 
-LCREC_PREFIX = ("Below is an instruction that describes a task. Write a response that appropriately completes the "
-                "request.\n\n### Instruction:\nThe user has interacted with items ")
-LCREC_SUFFIX = (" in chronological order. Can you predict the next possible item that the user may expect?\n\n"
-                "### Response:")
+LCREC_PREFIX = (
+    "Below is an instruction that describes a task. Write a response that appropriately completes the "
+    "request.\n\n### Instruction:\nThe user has interacted with items "
+)
+LCREC_SUFFIX = (
+    " in chronological order. Can you predict the next possible item that the user may expect?\n\n### Response:"
+)
 PRESETS = {
     "codes": PromptTemplate(name="codes"),
-    "lcrec": PromptTemplate(name="lcrec", prefix=LCREC_PREFIX, item="{index}. {codes}", separator=", ",
-                            suffix=LCREC_SUFFIX),
+    "lcrec": PromptTemplate(
+        name="lcrec", prefix=LCREC_PREFIX, item="{index}. {codes}", separator=", ", suffix=LCREC_SUFFIX
+    ),
 }
 
 
@@ -125,7 +138,8 @@ def read_template(model_dir) -> PromptTemplate:
             f"{model_dir}: no {TEMPLATE_FILE}, so nothing says how this model's prompts are written. Add one with "
             f"`python -m jobs.template --model {model_dir} --preset lcrec` (the LC-Rec instruction prompt; `codes` "
             "for models trained on bare code tokens, or a JSON file of your own), or set models.template in the "
-            "nightly config")
+            "nightly config"
+        )
     return _read(path)
 
 

@@ -8,6 +8,7 @@ through an additive float 4-D mask, at the position it would have in an unshared
 
 Cache layout per user: [P shared-prefix columns | S padded prompt columns | T tree columns]; tree column i is node i.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,8 +30,12 @@ class TokenTree:
         prompt_mask = attention_mask.bool()  # [B, S]
         b, dev = prompt_mask.shape[0], prompt_mask.device
         prompt_mask = torch.cat([prompt_mask.new_ones(b, prefix), prompt_mask], 1)  # [B, P + S]
-        return cls(prompt_mask, prompt_mask.sum(1), torch.zeros(b, 0, 0, dtype=torch.bool, device=dev),
-                   torch.zeros(b, 0, dtype=torch.int64, device=dev))
+        return cls(
+            prompt_mask,
+            prompt_mask.sum(1),
+            torch.zeros(b, 0, 0, dtype=torch.bool, device=dev),
+            torch.zeros(b, 0, dtype=torch.int64, device=dev),
+        )
 
     @property
     def num_nodes(self) -> int:
@@ -77,7 +82,9 @@ class TokenTree:
         b, t = keep.shape
         kept = int(keep.sum(1).max()) if t else 0
         idx = torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices[:, :kept]  # [B, T']
-        self.anc = self.anc.gather(1, idx[:, :, None].expand(b, kept, t)).gather(2, idx[:, None, :].expand(b, kept, kept))
+        self.anc = self.anc.gather(1, idx[:, :, None].expand(b, kept, t)).gather(
+            2, idx[:, None, :].expand(b, kept, kept)
+        )
         self.depth = self.depth.gather(1, idx)
         cache.keep(self.prompt_mask.shape[1], idx)  # [B, H, S + T, D] -> [B, H, S + T', D], in place
         remap = torch.full((b, t), -1, dtype=torch.int64, device=keep.device)
@@ -121,13 +128,16 @@ def chain_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     parent[:, :1] = -1
     tree_mask, tree_pos = tree.add(parent.reshape(1, -1).expand(b, -1), model.dtype, block_depth=max(n, 1))
     causal = torch.ones(s, s, dtype=torch.bool, device=chains.device).tril()  # [S, S]
-    prompt_rows = torch.cat([causal & tree.prompt_mask[:, None, :],
-                             torch.zeros(b, s, c * n, dtype=torch.bool, device=chains.device)], 2)  # [B, S, S+Q]
+    prompt_rows = torch.cat(
+        [causal & tree.prompt_mask[:, None, :], torch.zeros(b, s, c * n, dtype=torch.bool, device=chains.device)], 2
+    )  # [B, S, S+Q]
     prompt_mask = torch.zeros(prompt_rows.shape, dtype=model.dtype, device=chains.device)
     prompt_mask.masked_fill_(~prompt_rows, torch.finfo(model.dtype).min)
-    out = model(input_ids=torch.cat([input_ids, chains[:, :, :n].reshape(b, c * n)], 1),
-                attention_mask=torch.cat([prompt_mask[:, None], tree_mask], 2),
-                position_ids=torch.cat([prompt_position_ids(attention_mask), tree_pos], 1),
-                logits_to_keep=1 + c * n).logits  # [B, 1 + C*n, V]
+    out = model(
+        input_ids=torch.cat([input_ids, chains[:, :, :n].reshape(b, c * n)], 1),
+        attention_mask=torch.cat([prompt_mask[:, None], tree_mask], 2),
+        position_ids=torch.cat([prompt_position_ids(attention_mask), tree_pos], 1),
+        logits_to_keep=1 + c * n,
+    ).logits  # [B, 1 + C*n, V]
     first = out[:, :1].expand(b, c, -1)[:, :, None]  # the prompt's last position predicts every chain's token 0
     return torch.cat([first, out[:, 1:].reshape(b, c, n, out.shape[-1])], 2)

@@ -1,4 +1,5 @@
 """Argument types and flag groups shared by the command-line entry points (no logic beyond parsing)."""
+
 from __future__ import annotations
 
 import argparse
@@ -53,8 +54,9 @@ def dataclass_args(p: argparse.ArgumentParser, cls, skip=(), zero_ok=(), helps=N
             continue
         kind = {"int": non_negative if name in zero_ok else positive, "float": non_negative_float}
         item = base.removeprefix("list[").removesuffix("]")
-        p.add_argument(flag, type=kind.get(item, str), nargs="+" if base.startswith("list[") else None,
-                       default=default, help=help_)
+        p.add_argument(
+            flag, type=kind.get(item, str), nargs="+" if base.startswith("list[") else None, default=default, help=help_
+        )
 
 
 def config_from_args(args: argparse.Namespace, cls, preset: dict):
@@ -66,6 +68,9 @@ def config_from_args(args: argparse.Namespace, cls, preset: dict):
 
 def storage_args(p: argparse.ArgumentParser) -> None:
     """--endpoint / --region for s3:// URIs (credentials come from the environment, never from flags)."""
-    p.add_argument("--endpoint", default=os.environ.get("AWS_ENDPOINT_URL"),
-                   help="S3-compatible endpoint for s3:// URIs (default: $AWS_ENDPOINT_URL)")
+    p.add_argument(
+        "--endpoint",
+        default=os.environ.get("AWS_ENDPOINT_URL"),
+        help="S3-compatible endpoint for s3:// URIs (default: $AWS_ENDPOINT_URL)",
+    )
     p.add_argument("--region", default=os.environ.get("AWS_REGION", "us-east-1"))

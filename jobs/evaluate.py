@@ -7,6 +7,7 @@ quality section. The report states the run's exclusion setting (decoding.exclude
 each user's targets without its history items (the protocol of a run with exclude: history; default: all, as the
 AtSpeed paper scores).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,19 +20,30 @@ from pipeline.config import Storage
 def main(argv=None) -> int:
     from pipeline.evaluate import KS, TARGETS, evaluate, to_markdown
 
-    p = argparse.ArgumentParser(prog="python -m jobs.evaluate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m jobs.evaluate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--run", required=True, help="a run folder, run date folder or output root (local or s3://)")
     p.add_argument("--input", help="histories with target_items (default: the run's input)")
     p.add_argument("--out", help="output folder (default: <run>/report)")
     p.add_argument("--ks", type=positive, nargs="+", default=list(KS))
-    p.add_argument("--targets", choices=list(TARGETS), default="all",
-                   help="; ".join(f"{name}: targets {meaning}" for name, meaning in TARGETS.items()))
+    p.add_argument(
+        "--targets",
+        choices=list(TARGETS),
+        default="all",
+        help="; ".join(f"{name}: targets {meaning}" for name, meaning in TARGETS.items()),
+    )
     storage_args(p)
     args = p.parse_args(argv)
     try:
-        result = evaluate(args.run, Storage(endpoint=args.endpoint, region=args.region), args.input, args.out,
-                          tuple(args.ks), args.targets)
+        result = evaluate(
+            args.run,
+            Storage(endpoint=args.endpoint, region=args.region),
+            args.input,
+            args.out,
+            tuple(args.ks),
+            args.targets,
+        )
     except (FileNotFoundError, ValueError, PermissionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

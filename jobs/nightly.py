@@ -10,6 +10,7 @@ it). A run that fails or is killed keeps what it committed: `--resume RUN_ID` (o
 newest unfinished run, else a new one) decodes only the rest.
 `--gc` deletes the runs superseded more than runs.grace_s ago, then exits.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,9 @@ from pipeline.config import load_config
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jobs.nightly", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m jobs.nightly", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--config", help="YAML config (infra/configs/demo.yaml is the embedded default)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. decoding.k=20")
     p.add_argument("--resume", metavar="RUN_ID|latest", help="continue a killed or failed run of the date")
@@ -56,9 +58,12 @@ def main(argv=None) -> int:
     except StoreUnavailable as e:
         print(f"error: {e}", file=sys.stderr)
         return 4
-    print(json.dumps({k: manifest[k] for k in ("run_id", "run_date", "status", "counts", "resume", "timings",
-                                                   "outputs")},
-                     indent=2))
+    print(
+        json.dumps(
+            {k: manifest[k] for k in ("run_id", "run_date", "status", "counts", "resume", "timings", "outputs")},
+            indent=2,
+        )
+    )
     return 0
 
 

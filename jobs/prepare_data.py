@@ -24,20 +24,34 @@ DEFAULT_SOURCE = Path(__file__).resolve().parents[1].parent / "shared" / "datase
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m jobs.prepare_data", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--format", choices=["beauty", "lcrec"], default="beauty",
-                   help="beauty: items/train/valid/test.parquet; lcrec: *.index.json + sequential_*.txt")
-    p.add_argument("--source", type=Path, default=None,
-                   help=f"the source folder (default for --format beauty: {DEFAULT_SOURCE})")
-    p.add_argument("--index", type=Path, default=None,
-                   help="lcrec: the index JSON (default: the one JSON file in --source mapping item ids to code "
-                        "tokens)")
-    p.add_argument("--id-offset", type=int, default=None,
-                   help="lcrec: added to every user and item id of the interaction files (e.g. -1 for files that "
-                        "count from 1 against an index from 0); without it, ids that look shifted are refused")
-    p.add_argument("--code-token", default="<{level}_{code}>",
-                   help="how the LC-Rec index names code tokens, default %(default)s")
+    p = argparse.ArgumentParser(
+        prog="python -m jobs.prepare_data", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--format",
+        choices=["beauty", "lcrec"],
+        default="beauty",
+        help="beauty: items/train/valid/test.parquet; lcrec: *.index.json + sequential_*.txt",
+    )
+    p.add_argument(
+        "--source", type=Path, default=None, help=f"the source folder (default for --format beauty: {DEFAULT_SOURCE})"
+    )
+    p.add_argument(
+        "--index",
+        type=Path,
+        default=None,
+        help="lcrec: the index JSON (default: the one JSON file in --source mapping item ids to code tokens)",
+    )
+    p.add_argument(
+        "--id-offset",
+        type=int,
+        default=None,
+        help="lcrec: added to every user and item id of the interaction files (e.g. -1 for files that "
+        "count from 1 against an index from 0); without it, ids that look shifted are refused",
+    )
+    p.add_argument(
+        "--code-token", default="<{level}_{code}>", help="how the LC-Rec index names code tokens, default %(default)s"
+    )
     p.add_argument("--out", type=Path, default=Path("data/beauty"), help="output folder, default %(default)s")
     p.add_argument("--history-len", type=positive, default=20, help="items per prompt, default %(default)s")
     p.add_argument("--synthetic", action="store_true", help="write a synthetic catalog and users instead")
@@ -46,16 +60,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--levels", type=positive, default=4, help="synthetic semantic-ID levels, default %(default)s")
     p.add_argument("--codes", type=positive, default=256, help="synthetic codes per level, default %(default)s")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--chunk-users", type=positive, default=1_000_000,
-                   help="synthetic users per parquet row group, default %(default)s")
+    p.add_argument(
+        "--chunk-users",
+        type=positive,
+        default=1_000_000,
+        help="synthetic users per parquet row group, default %(default)s",
+    )
     args = p.parse_args(argv)
     if args.synthetic:
         if args.users is None or args.items is None:
             p.error("--synthetic needs --users and --items")
         if args.levels > 26:
             p.error(f"--levels must be at most 26, got {args.levels}")
-        if args.items > args.codes ** args.levels:
-            p.error(f"--items {args.items} > codes**levels = {args.codes ** args.levels}")
+        if args.items > args.codes**args.levels:
+            p.error(f"--items {args.items} > codes**levels = {args.codes**args.levels}")
     elif args.users is not None or args.items is not None:
         p.error("--users / --items need --synthetic")
     if args.format == "lcrec" and args.source is None:
@@ -69,11 +87,25 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         if args.synthetic:
-            summary = write_synthetic(args.out, args.users, args.items, args.levels, args.codes, args.seed,
-                                      history_len=args.history_len, chunk_users=args.chunk_users)
+            summary = write_synthetic(
+                args.out,
+                args.users,
+                args.items,
+                args.levels,
+                args.codes,
+                args.seed,
+                history_len=args.history_len,
+                chunk_users=args.chunk_users,
+            )
         elif args.format == "lcrec":
-            summary = prepare_lcrec(args.source, args.out, history_len=args.history_len, code_token=args.code_token,
-                                    index=args.index, id_offset=args.id_offset)
+            summary = prepare_lcrec(
+                args.source,
+                args.out,
+                history_len=args.history_len,
+                code_token=args.code_token,
+                index=args.index,
+                id_offset=args.id_offset,
+            )
         else:
             summary = prepare_beauty(args.source or DEFAULT_SOURCE, args.out, history_len=args.history_len)
     except ValueError as e:  # a bad input file: name it, no traceback

@@ -8,6 +8,7 @@ environment). Writes report.md, report.html (self-contained: plots embedded), re
 the users/s of --run over those of --compare, and the outputs are checked for identity user by user, rank by rank.
 A run evaluated by `python -m jobs.evaluate` (its `<run>/report/evaluation.json`) adds a quality section.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,9 @@ from pipeline.config import Storage
 def main(argv=None) -> int:
     from pipeline.report import report_run, screenshot_report
 
-    p = argparse.ArgumentParser(prog="python -m jobs.report", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m jobs.report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--run", required=True, help="the run to report")
     p.add_argument("--compare", help="a second run, side by side (the baseline of the speed-up)")
     p.add_argument("--gpu-hour-price", type=non_negative_float, default=2.5, help="USD per accelerator-hour")
@@ -44,8 +46,16 @@ def main(argv=None) -> int:
             print(f"error: the report is written, but --screenshot failed: {e}", file=sys.stderr)
             return 2
     print(S.read_bytes(S.join(out, "report.md"), storage).decode())
-    print(f"report: {S.join(out, 'report.html')}" + (f", speed-up {doc['speedup']['users_per_s']:.2f}x, outputs "
-          f"{'identical' if doc['outputs']['identical'] else 'differ'}" if doc["outputs"] else ""), file=sys.stderr)
+    print(
+        f"report: {S.join(out, 'report.html')}"
+        + (
+            f", speed-up {doc['speedup']['users_per_s']:.2f}x, outputs "
+            f"{'identical' if doc['outputs']['identical'] else 'differ'}"
+            if doc["outputs"]
+            else ""
+        ),
+        file=sys.stderr,
+    )
     return 0
 
 

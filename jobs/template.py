@@ -5,6 +5,7 @@ A model directory must say how its prompts are written (`genrec_template.json` b
 write it, a model you bring gets it here. The template is checked against the model's tokenizer and the catalog
 first (every code token present, the code tokens kept apart from the text), then written.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,8 +19,9 @@ from jobs.cli import positive
 def main(argv=None) -> int:
     from pipeline.models import attach_template
 
-    p = argparse.ArgumentParser(prog="python -m jobs.template", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m jobs.template", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", required=True, help="local model directory (config.json, weights, tokenizer)")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--preset", choices=sorted(PRESETS), help="a preset template")

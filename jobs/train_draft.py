@@ -13,6 +13,7 @@ Teacher data (the target's top-K sequences and its logits along them) is cached 
 Each epoch the draft is scored by what strict verification needs: the fraction of validation users whose target
 top-K beams at step t are all among the draft's top-N beams (t = 1..L); the best checkpoint is kept.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,9 @@ from pipeline.training.draft import PRESETS, DraftConfig, train_draft
 
 
 def parse_args(argv=None) -> DraftConfig:
-    p = argparse.ArgumentParser(prog="python -m jobs.train_draft", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m jobs.train_draft", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--data", required=True, help="a prepare_data folder")
     p.add_argument("--target", required=True, help="the trained target model directory")
     p.add_argument("--out", required=True, help="output model directory")
@@ -33,8 +35,9 @@ def parse_args(argv=None) -> DraftConfig:
     p.add_argument("--preset", choices=sorted(PRESETS))
     p.add_argument("--init", help="start from this local draft model instead of a fresh one")
     p.add_argument("--teacher-cache", help="teacher data folder (default: <target>/teacher)")
-    dataclass_args(p, DraftConfig, skip=("data", "target", "out", "objective", "init", "teacher_cache"),
-                   zero_ok=("seed", "warmup"))
+    dataclass_args(
+        p, DraftConfig, skip=("data", "target", "out", "objective", "init", "teacher_cache"), zero_ok=("seed", "warmup")
+    )
     args = p.parse_args(argv)
     return config_from_args(args, DraftConfig, PRESETS.get(args.preset, {}))
 
@@ -46,8 +49,10 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"draft {cfg.objective}: best epoch {report.get('best_epoch')}, test coverage {report['test_coverage']}"
-          f" -> {cfg.out}")
+    print(
+        f"draft {cfg.objective}: best epoch {report.get('best_epoch')}, test coverage {report['test_coverage']}"
+        f" -> {cfg.out}"
+    )
     return 0
 
 

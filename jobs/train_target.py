@@ -6,6 +6,7 @@ scratch (--layers/--hidden/--heads/--kv-heads) or a local HF causal LM whose voc
 added (--base-model DIR, the LC-Rec recipe). Each epoch: Recall/NDCG@{5,10,20} on the validation split with
 `beam_search`; the best checkpoint is kept (safetensors + config + tokenizer + training.json); early stopping.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,8 +17,9 @@ from pipeline.training.target import PRESETS, TargetConfig, train_target
 
 
 def parse_args(argv=None) -> TargetConfig:
-    p = argparse.ArgumentParser(prog="python -m jobs.train_target", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m jobs.train_target", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--data", required=True, help="a prepare_data folder (items, train, valid, tokenizer/)")
     p.add_argument("--out", required=True, help="output model directory")
     p.add_argument("--preset", choices=sorted(PRESETS), help="size and schedule defaults; flags override")

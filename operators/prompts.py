@@ -67,7 +67,7 @@ def ragged_arrays(histories) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nda
 
 
 class Prompts(NamedTuple):
-    input_ids: torch.Tensor       # [B, S] int64, left-padded with pad_id
+    input_ids: torch.Tensor  # [B, S] int64, left-padded with pad_id
     attention_mask: torch.Tensor  # [B, S] int64, 0 on padding
 
 
@@ -97,6 +97,7 @@ def excluded_items(histories, exclude=None, whole_history: bool = False) -> tupl
 @dataclass
 class Renderer:
     """A prompt template compiled against a tokenizer (`compile`), rendering batches of histories (`render`)."""
+
     template: PromptTemplate
     levels: int  # L code tokens per item
     pad_id: int
@@ -117,10 +118,10 @@ class Renderer:
     def prefix_ids(self) -> np.ndarray:
         """The token ids every prompt starts with, whatever its length [P] (BOS and the template's fixed text up to
         the first item's codes: the part to prefill once, decoding.beam.Prefix)."""
-        rows = [self.skeleton[n, :self.item_start[n, 0]] for n in range(1, self.max_items + 1)]
+        rows = [self.skeleton[n, : self.item_start[n, 0]] for n in range(1, self.max_items + 1)]
         p = min(len(r) for r in rows)
         same = np.all([r[:p] == rows[0][:p] for r in rows], axis=0)  # [p]
-        return rows[0][:int(np.argmin(same)) if not same.all() else p].copy()
+        return rows[0][: int(np.argmin(same)) if not same.all() else p].copy()
 
     @classmethod
     def compile(cls, template: PromptTemplate, tokenizer, probes: np.ndarray) -> "Renderer":
@@ -131,8 +132,10 @@ class Renderer:
         probes = np.asarray(probes, dtype=np.int64)
         m, levels = template.max_items, probes.shape[1]
         if template.bos and tokenizer.bos_token_id is None:
-            raise ValueError(f"prompt template {template.name!r} starts prompts with BOS (bos: true), but the tokenizer "
-                             "has no BOS token: set bos to false in the template")
+            raise ValueError(
+                f"prompt template {template.name!r} starts prompts with BOS (bos: true), but the tokenizer "
+                "has no BOS token: set bos to false in the template"
+            )
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if pad_id is None:
             raise ValueError("the tokenizer has neither a pad nor an eos token to left-pad prompts with")
@@ -143,23 +146,32 @@ class Renderer:
             shapes = []
             for shift in (0, 1):  # two probe sequences: the text's tokens must not depend on the codes
                 pick = (np.arange(n) + shift) % len(probes)  # [n] probe rows
-                text = template.prefix + template.separator.join(
-                    template.item.format(index=q + 1, codes="".join(names[r])) for q, r in enumerate(pick)) + \
-                    template.suffix
-                ids = np.asarray(([tokenizer.bos_token_id] if template.bos else []) +
-                                 tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
+                text = (
+                    template.prefix
+                    + template.separator.join(
+                        template.item.format(index=q + 1, codes="".join(names[r])) for q, r in enumerate(pick)
+                    )
+                    + template.suffix
+                )
+                ids = np.asarray(
+                    ([tokenizer.bos_token_id] if template.bos else [])
+                    + tokenizer(text, add_special_tokens=False)["input_ids"],
+                    dtype=np.int64,
+                )
                 shapes.append(_code_slots(ids, probes[pick], code_set, template, n))
             if not (np.array_equal(shapes[0][0], shapes[1][0]) and np.array_equal(shapes[0][1], shapes[1][1])):
-                raise ValueError(f"prompt template {template.name!r}: the {n}-item prompt tokenizes differently with "
-                                 "other codes, so the tokenizer merges text across the code tokens' boundaries; the "
-                                 "code tokens must be tokens of their own (tokenizer.add_tokens, the LC-Rec recipe)")
+                raise ValueError(
+                    f"prompt template {template.name!r}: the {n}-item prompt tokenizes differently with "
+                    "other codes, so the tokenizer merges text across the code tokens' boundaries; the "
+                    "code tokens must be tokens of their own (tokenizer.add_tokens, the LC-Rec recipe)"
+                )
             rows.append(shapes[0])
         width = max(len(skel) for skel, _ in rows)
         skeleton = np.full((m + 1, width), pad_id, dtype=np.int64)
         item_start = np.zeros((m + 1, m), dtype=np.int64)
         length = np.zeros(m + 1, dtype=np.int64)
         for n, (skel, starts) in enumerate(rows, start=1):
-            skeleton[n, :len(skel)], length[n], item_start[n, :n] = skel, len(skel), starts
+            skeleton[n, : len(skel)], length[n], item_start[n, :n] = skel, len(skel), starts
         return cls(template, levels, pad_id, skeleton, length, item_start)
 
     def render(self, histories, items: ItemTokens, skip: int = 0) -> Prompts:
@@ -170,8 +182,10 @@ class Renderer:
         tokens, known = items.lookup(item_ids)  # [U, L]
         if (used == 0).any() or not known.all():
             bad = np.union1d(np.flatnonzero(used == 0), row_of[~known])
-            raise ValueError(f"rows {format_rows(bad)} have an empty history or items missing from the catalog: "
-                             "validate them first (operators.validate)")
+            raise ValueError(
+                f"rows {format_rows(bad)} have an empty history or items missing from the catalog: "
+                "validate them first (operators.validate)"
+            )
         if items.levels != self.levels:
             raise ValueError(f"the catalog has {items.levels} code tokens per item, the renderer {self.levels}")
         b = len(used)
@@ -201,13 +215,18 @@ def _code_slots(ids: np.ndarray, expected: np.ndarray, code_set: np.ndarray, tem
     at = np.flatnonzero(np.isin(ids, code_set))  # [n * L] where code tokens are
     levels = expected.shape[1]
     starts = at[::levels]  # [n]
-    whole = len(at) == expected.size and np.array_equal(ids[at], expected.ravel()) and \
-        np.array_equal(at.reshape(n, levels), starts[:, None] + np.arange(levels))
+    whole = (
+        len(at) == expected.size
+        and np.array_equal(ids[at], expected.ravel())
+        and np.array_equal(at.reshape(n, levels), starts[:, None] + np.arange(levels))
+    )
     if not whole:
-        raise ValueError(f"prompt template {template.name!r}: in the {n}-item prompt the tokenizer does not give each "
-                         f"code token its own id (expected {expected.size} code tokens in {n} runs of {levels}, found "
-                         f"{len(at)}); the code tokens must be tokens of their own (tokenizer.add_tokens, the LC-Rec "
-                         "recipe) and the template text must not touch them")
+        raise ValueError(
+            f"prompt template {template.name!r}: in the {n}-item prompt the tokenizer does not give each "
+            f"code token its own id (expected {expected.size} code tokens in {n} runs of {levels}, found "
+            f"{len(at)}); the code tokens must be tokens of their own (tokenizer.add_tokens, the LC-Rec "
+            "recipe) and the template text must not touch them"
+        )
     skeleton = ids.copy()
     skeleton[at] = -1
     return skeleton, starts

@@ -5,6 +5,7 @@ model directories, the catalog table it read once, the decoding settings. Output
 (user_id, rank, item_id, score, mode), "reject" (user_id, reason, detail) or "metric" (one per batch, JSON in
 `metrics`), so that one map over the users yields all three tables; `TABLES` names each table's columns.
 """
+
 from __future__ import annotations
 
 import gc
@@ -35,16 +36,31 @@ from operators.validate import validate
 
 FAIL_AFTER_ENV = "GENREC_TEST_FAIL_AFTER"  # tests only: "N:/path/marker" exits the actor once, after N batches
 SAMPLING = ("atspeed-relaxed", "disc")  # modes whose items are draws (seeded by the users decoded together)
-NON_FINITE = ("the model's log-probabilities were NaN or infinite while decoding this user (e.g. a float16 "
-              "overflow); its items would not be the model's")
-TABLES = {"rec": ["user_id", "rank", "item_id", "score", "mode"], "reject": ["user_id", "reason", "detail"],
-          "metric": ["metrics"]}  # the published tables' columns, by output kind
+NON_FINITE = (
+    "the model's log-probabilities were NaN or infinite while decoding this user (e.g. a float16 "
+    "overflow); its items would not be the model's"
+)
+TABLES = {
+    "rec": ["user_id", "rank", "item_id", "score", "mode"],
+    "reject": ["user_id", "reason", "detail"],
+    "metric": ["metrics"],
+}  # the published tables' columns, by output kind
 
 
 def output_schema(user_type: pa.DataType) -> pa.Schema:
-    return pa.schema([("kind", pa.string()), ("user_id", user_type), ("rank", pa.int32()), ("item_id", pa.int64()),
-                      ("score", pa.float32()), ("mode", pa.string()), ("reason", pa.string()), ("detail", pa.string()),
-                      ("metrics", pa.string())])
+    return pa.schema(
+        [
+            ("kind", pa.string()),
+            ("user_id", user_type),
+            ("rank", pa.int32()),
+            ("item_id", pa.int64()),
+            ("score", pa.float32()),
+            ("mode", pa.string()),
+            ("reason", pa.string()),
+            ("detail", pa.string()),
+            ("metrics", pa.string()),
+        ]
+    )
 
 
 def table_schema(kind: str, user_type: pa.DataType) -> pa.Schema:
@@ -56,6 +72,7 @@ def table_schema(kind: str, user_type: pa.DataType) -> pa.Schema:
 @dataclass
 class Inputs:
     """What an actor builds from its spec before any weight is loaded; each step refuses bad input, naming it."""
+
     target: str  # local model directories
     draft: str | None
     tokenizer: object
@@ -71,10 +88,17 @@ def prepare(spec: ActorSpec, device: torch.device | str = "cpu") -> Inputs:
     target = fetch(spec.target)
     draft = fetch(spec.draft) if spec.decoding.uses_draft else None
     tokenizer = load_tokenizer(target)
-    catalog = Catalog.from_table(spec.catalog, tokenizer, on_duplicate=spec.on_duplicate, device=device,
-                                 source=spec.catalog_name, code_token=spec.template.code)
-    renderer = Renderer.compile(spec.template.with_max_items(spec.decoding.history_len), tokenizer,
-                                catalog_probes(catalog.item_tokens))
+    catalog = Catalog.from_table(
+        spec.catalog,
+        tokenizer,
+        on_duplicate=spec.on_duplicate,
+        device=device,
+        source=spec.catalog_name,
+        code_token=spec.template.code,
+    )
+    renderer = Renderer.compile(
+        spec.template.with_max_items(spec.decoding.history_len), tokenizer, catalog_probes(catalog.item_tokens)
+    )
     vocab = {}
     for role, path in (("target", target), ("draft", draft)):
         if path is not None:
@@ -82,8 +106,10 @@ def prepare(spec: ActorSpec, device: torch.device | str = "cpu") -> Inputs:
             check_window(config, renderer.max_len + catalog.code_len, f"models.{role} {path}")
             vocab[role] = config.vocab_size
     if len(set(vocab.values())) > 1:
-        raise ValueError(f"models.draft {draft}: vocabulary of {vocab['draft']} tokens, the target's has "
-                         f"{vocab['target']}: a draft must share its target's tokenizer")
+        raise ValueError(
+            f"models.draft {draft}: vocabulary of {vocab['draft']} tokens, the target's has "
+            f"{vocab['target']}: a draft must share its target's tokenizer"
+        )
     return Inputs(target, draft, tokenizer, catalog, renderer)
 
 
@@ -91,6 +117,7 @@ class AutoMode:
     """decoding.mode = auto: the first batches alternate between beam search and strict speculative decoding (their
     outputs are identical) in the order A B B A ..., `trials` batches each; then the decoder with the lower time per
     user (the better of its trials, so that a cold first call does not decide) decodes every later batch."""
+
     CHOICES = ("beam", "atspeed-strict")
 
     def __init__(self, trials: int):
@@ -110,8 +137,11 @@ class AutoMode:
 
     def state(self) -> dict:
         best = {m: 1 / min(v) if v else None for m, v in self.per_user.items()}
-        return {"choice": self.choice, "trial_users_per_s": best, "trial_batches": {m: len(v) for m, v in
-                                                                                  self.per_user.items()}}
+        return {
+            "choice": self.choice,
+            "trial_users_per_s": best,
+            "trial_batches": {m: len(v) for m, v in self.per_user.items()},
+        }
 
 
 class Recommender:
@@ -148,7 +178,9 @@ class Recommender:
         if self.spec.compile_cache:
             use_compile_cache(self.spec.compile_cache)
         prompt = self.renderer.max_len - (len(self.prefix) if self.prefix is not None else 0)
-        users = min(self.spec.warm_users, self._fitting_batch("beam", prompt, self.target, None) or self.spec.warm_users)
+        users = min(
+            self.spec.warm_users, self._fitting_batch("beam", prompt, self.target, None) or self.spec.warm_users
+        )
         warm_up(self.target, self.catalog, users, prompt, self.spec.decoding.k, self.prefix)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
@@ -170,38 +202,72 @@ class Recommender:
                 torch.cuda.reset_peak_memory_stats()
             ids, mask = p.input_ids.to(self.device), p.attention_mask.to(self.device)
             first = self._first_batch(mode, ids, self.target, self.draft, self.oom_batch)
-            rec, self.decode_batch = self._decode_slices(mode, ids, mask, users, self.target, self.draft, first,
-                                                         exclude)
+            rec, self.decode_batch = self._decode_slices(
+                mode, ids, mask, users, self.target, self.draft, first, exclude
+            )
             self.oom_batch = self.decode_batch if self.decode_batch < first else self.oom_batch  # kept for later shards
             stats = rec.stats
             if self.auto:
                 self.auto.record(mode, sum(stats[key] for key in PHASES), good.num_rows)
             items, scores = rec.item_ids.cpu().numpy(), rec.scores.float().cpu().numpy()
             broken = stats["non_finite"].cpu().numpy()  # [U] NaN / inf log-probs: rejected, never a short list
-            pick = np.nonzero(~broken)[0][:self.audit_left]  # the first decoded users, while the audit lasts
+            pick = np.nonzero(~broken)[0][: self.audit_left]  # the first decoded users, while the audit lasts
             if len(pick):
                 audit = self._audit(mode, ids, mask, users, rec, pick, exclude)
             items[broken] = -1
-            rejects = pa.concat_tables([rejects, pa.table([
-                users.filter(pa.array(broken)), pa.array(["non_finite_logits"] * int(broken.sum()), pa.string()),
-                pa.array([NON_FINITE] * int(broken.sum()), pa.string())], schema=rejects.schema)])
+            rejects = pa.concat_tables(
+                [
+                    rejects,
+                    pa.table(
+                        [
+                            users.filter(pa.array(broken)),
+                            pa.array(["non_finite_logits"] * int(broken.sum()), pa.string()),
+                            pa.array([NON_FINITE] * int(broken.sum()), pa.string()),
+                        ],
+                        schema=rejects.schema,
+                    ),
+                ]
+            )
         wall = time.perf_counter() - t0 - audit.get("audit_s", 0.0)  # the audit is reported as its own cost
         row, rank = np.nonzero(items >= 0)  # fewer than k only when the catalog has fewer items
         schema = output_schema(user_type)
-        recs = pa.table({"kind": pa.array(np.full(len(row), "rec", object), pa.string()),
-                         "user_id": users.take(pa.array(row, pa.int64())),
-                         "rank": pa.array((rank + 1).astype(np.int32)), "item_id": pa.array(items[row, rank]),
-                         "score": pa.array(scores[row, rank].astype(np.float32)),
-                         "mode": pa.array(np.full(len(row), d.mode, object), pa.string())})
-        metric = self._metric_row(batch.num_rows, good.num_rows - int(broken.sum()), rejects.num_rows,
-                                  int(p.attention_mask.sum()) + skip * good.num_rows, len(row), wall, stats)
-        metric.update(users_non_finite=int(broken.sum()), decoder=mode, prefix_tokens_saved=skip * good.num_rows,
-                      auto=self.auto.state() if self.auto else None, dtype=self.dtype, **excluded, **audit,
-                      **self._compiled_since())
-        table = pa.concat_tables([
-            recs, rejects.add_column(0, "kind", pa.array(np.full(rejects.num_rows, "reject", object), pa.string())),
-            pa.table({"kind": ["metric"], "metrics": [json.dumps(metric)]}),
-        ], promote_options="permissive")
+        recs = pa.table(
+            {
+                "kind": pa.array(np.full(len(row), "rec", object), pa.string()),
+                "user_id": users.take(pa.array(row, pa.int64())),
+                "rank": pa.array((rank + 1).astype(np.int32)),
+                "item_id": pa.array(items[row, rank]),
+                "score": pa.array(scores[row, rank].astype(np.float32)),
+                "mode": pa.array(np.full(len(row), d.mode, object), pa.string()),
+            }
+        )
+        metric = self._metric_row(
+            batch.num_rows,
+            good.num_rows - int(broken.sum()),
+            rejects.num_rows,
+            int(p.attention_mask.sum()) + skip * good.num_rows,
+            len(row),
+            wall,
+            stats,
+        )
+        metric.update(
+            users_non_finite=int(broken.sum()),
+            decoder=mode,
+            prefix_tokens_saved=skip * good.num_rows,
+            auto=self.auto.state() if self.auto else None,
+            dtype=self.dtype,
+            **excluded,
+            **audit,
+            **self._compiled_since(),
+        )
+        table = pa.concat_tables(
+            [
+                recs,
+                rejects.add_column(0, "kind", pa.array(np.full(rejects.num_rows, "reject", object), pa.string())),
+                pa.table({"kind": ["metric"], "metrics": [json.dumps(metric)]}),
+            ],
+            promote_options="permissive",
+        )
         self.batches += 1
         return table.select(schema.names).cast(schema)
 
@@ -209,11 +275,13 @@ class Recommender:
         """Users per decode for the prompts ids [U, S]: compute.decode_batch if pinned, else on CUDA the largest that
         fits (decoding/memory.py), else all of them; never above `oom_batch` (the batch an out-of-memory left)."""
         n = ids.shape[0]
-        return min(n, self.spec.decode_batch or self._fitting_batch(mode, ids.shape[1], target, draft) or n,
-                   oom_batch or n)
+        return min(
+            n, self.spec.decode_batch or self._fitting_batch(mode, ids.shape[1], target, draft) or n, oom_batch or n
+        )
 
-    def _decode_slices(self, mode: str, ids, mask, users, target, draft, batch: int,
-                       exclude: Exclusions | None = None) -> tuple[Recommendations, int]:
+    def _decode_slices(
+        self, mode: str, ids, mask, users, target, draft, batch: int, exclude: Exclusions | None = None
+    ) -> tuple[Recommendations, int]:
         """The users [U, S] in consecutive slices of `batch` users, a slice that runs out of memory halved and retried
         (the slices already decoded stay) -> (one Recommendations, the batch it ended at). Sampling modes seed each
         slice by its users."""
@@ -222,8 +290,11 @@ class Recommender:
             rows = torch.arange(a, min(a + batch, ids.shape[0]), device=ids.device)
             part = exclude.select(rows) if exclude is not None else None  # the slice's users' exclusions
             try:
-                parts.append(self._decode(mode, target, draft, ids[a:a + batch], mask[a:a + batch],
-                                          users.slice(a, batch), part))
+                parts.append(
+                    self._decode(
+                        mode, target, draft, ids[a : a + batch], mask[a : a + batch], users.slice(a, batch), part
+                    )
+                )
                 a += batch
             except torch.OutOfMemoryError:
                 if batch == 1:
@@ -246,8 +317,17 @@ class Recommender:
         if free is None:
             return None
         d = self.spec.decoding
-        per_user = decode_bytes_per_user(target, prompt_len + (len(self.prefix) if self.prefix else 0), d.k,
-                                         self.catalog.code_len, target.dtype, mode, draft, d.draft_beams, d.gamma)
+        per_user = decode_bytes_per_user(
+            target,
+            prompt_len + (len(self.prefix) if self.prefix else 0),
+            d.k,
+            self.catalog.code_len,
+            target.dtype,
+            mode,
+            draft,
+            d.draft_beams,
+            d.gamma,
+        )
         return fit_batch(per_user, free)
 
     def _exclusions(self, good: pa.Table) -> tuple[Exclusions | None, dict]:
@@ -258,8 +338,12 @@ class Recommender:
         d = self.spec.decoding
         column = good.column(d.exclude_column) if d.exclude_column in good.column_names else None
         row, item = excluded_items(good.column("history"), column, d.exclude == "history")  # [M], [M]
-        counts = {"exclude_users": good.num_rows, "excluded_items": 0, "excluded_max": 0,
-                  "exclude_unknown_ids": int((~self.catalog.item_tokens.lookup(item)[1]).sum())}
+        counts = {
+            "exclude_users": good.num_rows,
+            "excluded_items": 0,
+            "excluded_max": 0,
+            "exclude_unknown_ids": int((~self.catalog.item_tokens.lookup(item)[1]).sum()),
+        }
         if not len(item):
             return None, counts
         exclude = Exclusions.from_items(self.catalog, torch.from_numpy(row), torch.from_numpy(item), good.num_rows)
@@ -269,21 +353,53 @@ class Recommender:
     def _decode(self, mode: str, target, draft, ids, mask, users, exclude: Exclusions | None = None):
         d, prefix = self.spec.decoding, self.prefix
         if mode == "beam":  # the audit's float32 reference runs eager, the reference engine
-            return beam_search(target, ids, mask, self.catalog, d.k, prefix=prefix, exclude=exclude,
-                               engine=self.spec.engine if target is self.target else "eager")
+            return beam_search(
+                target,
+                ids,
+                mask,
+                self.catalog,
+                d.k,
+                prefix=prefix,
+                exclude=exclude,
+                engine=self.spec.engine if target is self.target else "eager",
+            )
         # sampling modes: a generator seeded by the batch's users, so a retried batch draws the same items
         g = torch.Generator(device=self.device).manual_seed(
-            (d.seed * 1_000_003 + zlib.crc32(str(users.to_pylist()).encode())) % (2 ** 63))
+            (d.seed * 1_000_003 + zlib.crc32(str(users.to_pylist()).encode())) % (2**63)
+        )
         if mode == "disc":
-            return disc_sample(target, ids, mask, self.catalog, d.k, rounds=d.rounds, top_m=d.top_m,
-                               temperature=d.temperature, generator=g, prefix=prefix, exclude=exclude)
-        return speculative_beam_search(target, draft, ids, mask, self.catalog, d.k,
-                                       draft_beams=d.draft_beams, gamma=d.gamma,
-                                       verification=mode.removeprefix("atspeed-"), temperature=d.temperature,
-                                       generator=g, prefix=prefix, exclude=exclude)
+            return disc_sample(
+                target,
+                ids,
+                mask,
+                self.catalog,
+                d.k,
+                rounds=d.rounds,
+                top_m=d.top_m,
+                temperature=d.temperature,
+                generator=g,
+                prefix=prefix,
+                exclude=exclude,
+            )
+        return speculative_beam_search(
+            target,
+            draft,
+            ids,
+            mask,
+            self.catalog,
+            d.k,
+            draft_beams=d.draft_beams,
+            gamma=d.gamma,
+            verification=mode.removeprefix("atspeed-"),
+            temperature=d.temperature,
+            generator=g,
+            prefix=prefix,
+            exclude=exclude,
+        )
 
-    def _audit(self, mode: str, ids, mask, users, rec: Recommendations, pick: np.ndarray,
-               exclude: Exclusions | None = None) -> dict:
+    def _audit(
+        self, mode: str, ids, mask, users, rec: Recommendations, pick: np.ndarray, exclude: Exclusions | None = None
+    ) -> dict:
         """The precision audit: the users at `pick` (rows of this batch, decoded in half precision into `rec`)
         re-decoded by the float32 models with the same mode -> their agreement (metrics keys audit_*). A sampling
         mode decodes them again in half precision too, so that both draws share one seed."""
@@ -296,8 +412,16 @@ class Recommender:
         f32 = self._float32_models(mode)
         ref, _ = self._decode_slices(mode, ids, mask, users, *f32, self._first_batch(mode, ids, *f32), exclude)
         if mode in SAMPLING:  # the same draws' seed: the audited users decoded together in half precision too
-            rec, _ = self._decode_slices(mode, ids, mask, users, self.target, self.draft,
-                                         self._first_batch(mode, ids, self.target, self.draft, self.oom_batch), exclude)
+            rec, _ = self._decode_slices(
+                mode,
+                ids,
+                mask,
+                users,
+                self.target,
+                self.draft,
+                self._first_batch(mode, ids, self.target, self.draft, self.oom_batch),
+                exclude,
+            )
             sel = slice(None)
         agree = topk_agreement(ref.item_ids, ref.scores, rec.item_ids[sel], rec.scores[sel])
         self.audit_left -= len(pick)
@@ -306,9 +430,13 @@ class Recommender:
             gc.collect()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-        return {"audit_users": len(pick), "audit_identical_lists": int(agree["identical"].sum()),
-                "audit_topk_overlap_sum": float(agree["overlap"].sum()),
-                "audit_max_abs_score_diff": float(agree["score_diff"].max()), "audit_s": time.perf_counter() - t0}
+        return {
+            "audit_users": len(pick),
+            "audit_identical_lists": int(agree["identical"].sum()),
+            "audit_topk_overlap_sum": float(agree["overlap"].sum()),
+            "audit_max_abs_score_diff": float(agree["score_diff"].max()),
+            "audit_s": time.perf_counter() - t0,
+        }
 
     def _float32_models(self, mode: str) -> tuple:
         """The audit's (target, draft) in float32, loaded from the same directories on first use."""
@@ -326,15 +454,26 @@ class Recommender:
         hist = stats.get("accepted_hist")
         base = {key: float(stats[key]) if key in PHASES else int(stats[key]) for key in BASE_KEYS}
         return {
-            "run_id": self.spec.run_id, "shard": f"{self.actor}:{self.batches}", "actor": self.actor,
+            "run_id": self.spec.run_id,
+            "shard": f"{self.actor}:{self.batches}",
+            "actor": self.actor,
             "batch": self.batches,
-            "host": self.host, "accelerator": self.accelerator,
+            "host": self.host,
+            "accelerator": self.accelerator,
             "device": torch.cuda.get_device_name() if self.device.type == "cuda" else "cpu",
-            "mode": d.mode, "k": d.k, "users_in": users_in, "users_ok": users_ok, "users_rejected": rejected,
-            "recommendations": recommendations, "prompt_tokens": prompt_tokens, "wall_s": wall, **base,
+            "mode": d.mode,
+            "k": d.k,
+            "users_in": users_in,
+            "users_ok": users_ok,
+            "users_rejected": rejected,
+            "recommendations": recommendations,
+            "prompt_tokens": prompt_tokens,
+            "wall_s": wall,
+            **base,
             "other_s": max(wall - sum(base[p] for p in PHASES), 0.0),
             "mean_accepted_steps": float((accepted.float() / rounds.clamp(min=1).float()).mean())
-            if accepted is not None and len(accepted) else None,
+            if accepted is not None and len(accepted)
+            else None,
             "accepted_hist": hist.tolist() if hist is not None else None,
             "peak_memory_bytes": torch.cuda.max_memory_allocated() if self.device.type == "cuda" else None,
             "decode_batch": self.decode_batch if users_ok else None,

@@ -2,6 +2,7 @@
 
 The nightly config embeds `Decoding` as its `decoding` section; the graph builds one `ActorSpec` per run.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ MODES = ("beam", "atspeed-strict", "atspeed-relaxed", "disc", "auto")
 @dataclass
 class Decoding:
     """How each user is decoded (the `decoding` section of the nightly config)."""
+
     mode: str = "beam"  # one of MODES; auto: beam or atspeed-strict, whichever each actor measures faster
     k: int = 10
     draft_beams: int | None = None  # N drafted sequences per step (strict: None = max(40, k); relaxed: always k)
@@ -39,6 +41,7 @@ class Decoding:
 @dataclass
 class ActorSpec:
     """Everything an actor needs, resolved by the graph before any actor starts."""
+
     run_id: str
     target: str  # model directory (with its tokenizer): a local path, or a URI that `fetch` turns into one
     catalog: pa.Table  # item_id, semantic_id: read once by the graph

@@ -9,6 +9,7 @@ Reasons, in order of precedence (a row gets the first that applies):
     unknown_item      an item the prompt would use (the last `history_len`) is not in the catalog; the detail lists them
 Duplicate user ids are a rule across batches: the nightly graph applies it (`duplicates` finds them).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -25,8 +26,9 @@ def reject_schema(user_type: pa.DataType) -> pa.Schema:
     return pa.schema([("user_id", user_type), ("reason", pa.string()), ("detail", pa.string())])
 
 
-def validate(batch: pa.Table, items: ItemTokens, history_len: int,
-             exclude_column: str = "exclude_items") -> tuple[pa.Table, pa.Table]:
+def validate(
+    batch: pa.Table, items: ItemTokens, history_len: int, exclude_column: str = "exclude_items"
+) -> tuple[pa.Table, pa.Table]:
     """A histories batch (user_id, history, optionally `exclude_column`) -> (good rows: user_id, history list<int64>
     and, when the batch has it, exclude_column list<int64>; rejects: user_id, reason, detail). Vectorised: Python runs
     only over the rejected rows' details (and over the rows of a column that does not cast to lists of integers)."""
@@ -51,8 +53,11 @@ def validate(batch: pa.Table, items: ItemTokens, history_len: int,
     mark(np.flatnonzero(users.is_null().to_numpy(zero_copy_only=False)), "missing_user_id", "user_id is null")
     mark(np.array(sorted(bad_type), dtype=np.int64), "bad_type", lambda rows: [bad_type[r] for r in rows])
     if has_exclude:
-        mark(np.array(sorted(bad_exclude), dtype=np.int64), "bad_exclude_items",
-             lambda rows: [bad_exclude[r] for r in rows])
+        mark(
+            np.array(sorted(bad_exclude), dtype=np.int64),
+            "bad_exclude_items",
+            lambda rows: [bad_exclude[r] for r in rows],
+        )
     nulls = history.is_null().to_numpy(zero_copy_only=False)
     empty = pc.fill_null(pc.list_value_length(history), 0).to_numpy(zero_copy_only=False) == 0
     mark(np.flatnonzero(nulls), "empty_history", "history is null")
@@ -60,15 +65,22 @@ def validate(batch: pa.Table, items: ItemTokens, history_len: int,
     used_items, row_of, _ = history_window(history, history_len)  # [U], [U]
     known = items.lookup(used_items)[1]
     unknown_row, unknown_id = row_of[~known], used_items[~known]
-    mark(np.unique(unknown_row), "unknown_item", lambda rows: [
-        "item ids not in catalog: " + ", ".join(map(str, np.unique(unknown_id[unknown_row == r]).tolist()))
-        for r in rows])
+    mark(
+        np.unique(unknown_row),
+        "unknown_item",
+        lambda rows: [
+            "item ids not in catalog: " + ", ".join(map(str, np.unique(unknown_id[unknown_row == r]).tolist()))
+            for r in rows
+        ],
+    )
 
     bad = reason != None  # noqa: E711
     keep = pa.array(np.flatnonzero(~bad), pa.int64())
     rows = pa.array(np.flatnonzero(bad), pa.int64())
-    rejects = pa.table([users.take(rows), pa.array(reason[bad].tolist(), pa.string()),
-                        pa.array(detail[bad].tolist(), pa.string())], schema=reject_schema(users.type))
+    rejects = pa.table(
+        [users.take(rows), pa.array(reason[bad].tolist(), pa.string()), pa.array(detail[bad].tolist(), pa.string())],
+        schema=reject_schema(users.type),
+    )
     good = {"user_id": users.take(keep), "history": history.take(keep)}
     if has_exclude:
         good[exclude_column] = exclude.take(keep)

@@ -4,6 +4,7 @@ Errors name the field (`config: decoding.k must be an integer >= 1, got 0`). Cre
 a key that looks like one is an error; object-store credentials come from the environment (AWS_ACCESS_KEY_ID /
 AWS_SECRET_ACCESS_KEY) or the cloud's default chain, and are never logged or written to the manifest.
 """
+
 from __future__ import annotations
 
 import datetime as dt
@@ -13,6 +14,7 @@ from pathlib import Path
 import yaml
 
 from operators.spec import MODES, Decoding
+
 SECRET_WORDS = ("secret", "password", "token", "access_key", "credential")
 
 
@@ -70,7 +72,9 @@ class Config:
     catalog: str = ""  # items.parquet
     output: str = ""  # output root (local folder or s3://bucket/prefix)
     run_date: str = ""  # YYYY-MM-DD; default: today (UTC)
-    duplicate_items: str = "first"  # catalog items sharing a semantic ID: first (keep the first, report the rest) | error
+    duplicate_items: str = (
+        "first"  # catalog items sharing a semantic ID: first (keep the first, report the rest) | error
+    )
     models: Models = field(default_factory=Models)
     decoding: Decoding = field(default_factory=Decoding)
     compute: Compute = field(default_factory=Compute)
@@ -117,8 +121,10 @@ def _build(cls, raw: dict, prefix: str):
     for key in raw:
         name = f"{prefix}{key}"
         if any(w in str(key).lower() for w in SECRET_WORDS):
-            raise ValueError(f"config: {name} looks like a credential; credentials come from the environment "
-                             "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) or the cloud's default chain, never the file")
+            raise ValueError(
+                f"config: {name} looks like a credential; credentials come from the environment "
+                "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) or the cloud's default chain, never the file"
+            )
         if key not in known:
             raise ValueError(f"config: unknown field {name} (known: {', '.join(sorted(known))})")
     values = {}
@@ -126,9 +132,11 @@ def _build(cls, raw: dict, prefix: str):
         if name not in raw:
             continue
         value = raw[name]
-        sub = {"models": Models, "decoding": Decoding, "compute": Compute, "storage": Storage,
-               "runs": Runs}.get(name) \
-            if cls is Config else None
+        sub = (
+            {"models": Models, "decoding": Decoding, "compute": Compute, "storage": Storage, "runs": Runs}.get(name)
+            if cls is Config
+            else None
+        )
         if sub is not None:
             if not isinstance(value, dict):
                 raise ValueError(f"config: {prefix}{name} must be a section (mapping), got {value!r}")
@@ -148,11 +156,16 @@ def _typed(value, kind: str, name: str):
     base = "str" if isinstance(value, str) and "str" in kinds else kinds[0]
     if isinstance(value, dt.date) and base == "str":
         return value.isoformat()  # YAML reads 2026-11-21 as a date
-    ok = {"str": isinstance(value, str), "int": isinstance(value, int) and not isinstance(value, bool),
-          "float": isinstance(value, (int, float)) and not isinstance(value, bool)}[base]
+    ok = {
+        "str": isinstance(value, str),
+        "int": isinstance(value, int) and not isinstance(value, bool),
+        "float": isinstance(value, (int, float)) and not isinstance(value, bool),
+    }[base]
     if not ok:
-        raise ValueError(f"config: {name} must be {'a number' if base == 'float' else 'an ' + base if base == 'int' else 'a string'}, "
-                         f"got {value!r}")
+        raise ValueError(
+            f"config: {name} must be {'a number' if base == 'float' else 'an ' + base if base == 'int' else 'a string'}, "
+            f"got {value!r}"
+        )
     return float(value) if base == "float" else value
 
 
@@ -169,55 +182,97 @@ def validate(cfg: Config) -> None:
         dt.date.fromisoformat(cfg.run_date)
     except ValueError:
         need(False, "run_date", "must be a date YYYY-MM-DD", cfg.run_date)
-    need(bool(cfg.models.target), "models.target", "must be set (a local model directory or s3:// prefix)",
-         cfg.models.target)
+    need(
+        bool(cfg.models.target),
+        "models.target",
+        "must be set (a local model directory or s3:// prefix)",
+        cfg.models.target,
+    )
     d, c = cfg.decoding, cfg.compute
     need(d.mode in MODES, "decoding.mode", f"must be one of {', '.join(MODES)}", d.mode)
     need(cfg.duplicate_items in ("first", "error"), "duplicate_items", "must be first or error", cfg.duplicate_items)
     if d.uses_draft:
         need(bool(cfg.models.draft), "models.draft", f"must be set for decoding.mode {d.mode}", cfg.models.draft)
-    for name, value in (("decoding.k", d.k),
-                        ("decoding.rounds", d.rounds), ("decoding.auto_trials", d.auto_trials),
-                        ("compute.batch_size", c.batch_size)):
+    for name, value in (
+        ("decoding.k", d.k),
+        ("decoding.rounds", d.rounds),
+        ("decoding.auto_trials", d.auto_trials),
+        ("compute.batch_size", c.batch_size),
+    ):
         need(value >= 1, name, "must be an integer >= 1", value)
-    need(d.draft_beams is None or d.draft_beams >= d.k, "decoding.draft_beams", f"must be >= decoding.k ({d.k}) or null",
-         d.draft_beams)
-    need(d.draft_beams in (None, d.k) or d.mode != "atspeed-relaxed", "decoding.draft_beams",
-         f"is k ({d.k}) in atspeed-relaxed (each drafted sequence is verified by one of the k draws): leave it unset",
-         d.draft_beams)
+    need(
+        d.draft_beams is None or d.draft_beams >= d.k,
+        "decoding.draft_beams",
+        f"must be >= decoding.k ({d.k}) or null",
+        d.draft_beams,
+    )
+    need(
+        d.draft_beams in (None, d.k) or d.mode != "atspeed-relaxed",
+        "decoding.draft_beams",
+        f"is k ({d.k}) in atspeed-relaxed (each drafted sequence is verified by one of the k draws): leave it unset",
+        d.draft_beams,
+    )
     need(d.gamma is None or d.gamma >= 1, "decoding.gamma", "must be >= 1 or null", d.gamma)
     need(d.history_len is None or d.history_len >= 1, "decoding.history_len", "must be >= 1 or null", d.history_len)
     need(d.top_m is None or d.top_m >= 1, "decoding.top_m", "must be >= 1 or null", d.top_m)
     need(d.temperature > 0, "decoding.temperature", "must be > 0", d.temperature)
     need(d.exclude in ("none", "history"), "decoding.exclude", "must be none or history", d.exclude)
-    need(bool(d.exclude_column) and d.exclude_column not in ("user_id", "history", "target_items"),
-         "decoding.exclude_column", "must name an input column other than user_id, history and target_items",
-         d.exclude_column)
-    need(c.decode_batch is None or c.decode_batch >= 1, "compute.decode_batch", "must be >= 1 or null",
-         c.decode_batch)
+    need(
+        bool(d.exclude_column) and d.exclude_column not in ("user_id", "history", "target_items"),
+        "decoding.exclude_column",
+        "must name an input column other than user_id, history and target_items",
+        d.exclude_column,
+    )
+    need(c.decode_batch is None or c.decode_batch >= 1, "compute.decode_batch", "must be >= 1 or null", c.decode_batch)
     need(c.batches_per_task >= 1, "compute.batches_per_task", "must be >= 1", c.batches_per_task)
-    need(c.num_actors == "auto" or (isinstance(c.num_actors, int) and c.num_actors >= 1), "compute.num_actors",
-         "must be an integer >= 1 or auto", c.num_actors)
-    need(c.gpus_per_actor >= 0 and (c.gpus_per_actor <= 1 or float(c.gpus_per_actor).is_integer()),
-         "compute.gpus_per_actor", "must be >= 0, a fraction of one GPU (0.25: four actors share a GPU) or a whole "
-         "number", c.gpus_per_actor)
+    need(
+        c.num_actors == "auto" or (isinstance(c.num_actors, int) and c.num_actors >= 1),
+        "compute.num_actors",
+        "must be an integer >= 1 or auto",
+        c.num_actors,
+    )
+    need(
+        c.gpus_per_actor >= 0 and (c.gpus_per_actor <= 1 or float(c.gpus_per_actor).is_integer()),
+        "compute.gpus_per_actor",
+        "must be >= 0, a fraction of one GPU (0.25: four actors share a GPU) or a whole number",
+        c.gpus_per_actor,
+    )
     need(c.cpus_per_actor > 0, "compute.cpus_per_actor", "must be > 0", c.cpus_per_actor)
-    need(c.threads_per_actor is None or c.threads_per_actor >= 1, "compute.threads_per_actor", "must be >= 1 or null",
-         c.threads_per_actor)
-    need(c.dtype in ("auto", "float32", "bfloat16", "float16"), "compute.dtype",
-         "must be auto, float32, bfloat16 or float16", c.dtype)
-    need(c.audit_users is None or (isinstance(c.audit_users, int) and c.audit_users >= 0), "compute.audit_users",
-         "must be an integer >= 0 (0: no audit) or null (one batch's worth)", c.audit_users)
+    need(
+        c.threads_per_actor is None or c.threads_per_actor >= 1,
+        "compute.threads_per_actor",
+        "must be >= 1 or null",
+        c.threads_per_actor,
+    )
+    need(
+        c.dtype in ("auto", "float32", "bfloat16", "float16"),
+        "compute.dtype",
+        "must be auto, float32, bfloat16 or float16",
+        c.dtype,
+    )
+    need(
+        c.audit_users is None or (isinstance(c.audit_users, int) and c.audit_users >= 0),
+        "compute.audit_users",
+        "must be an integer >= 0 (0: no audit) or null (one batch's worth)",
+        c.audit_users,
+    )
     need(c.engine in ("eager", "compiled"), "compute.engine", "must be eager or compiled", c.engine)
-    need(c.engine == "eager" or d.mode in ("beam", "auto"), "compute.engine",
-         f"compiled runs decoding.mode beam (and auto's beam trials); {d.mode} runs eager: set compute.engine=eager",
-         c.engine)
+    need(
+        c.engine == "eager" or d.mode in ("beam", "auto"),
+        "compute.engine",
+        f"compiled runs decoding.mode beam (and auto's beam trials); {d.mode} runs eager: set compute.engine=eager",
+        c.engine,
+    )
     r = cfg.runs
     need(r.lease_s >= 10, "runs.lease_s", "must be >= 10 seconds", r.lease_s)
     need(r.grace_s >= 0, "runs.grace_s", "must be >= 0 seconds", r.grace_s)
     need(r.progress_s > 0, "runs.progress_s", "must be > 0 seconds", r.progress_s)
-    need(r.duplicates_driver_mb >= 0, "runs.duplicates_driver_mb", "must be >= 0 (0: always the Ray aggregation)",
-         r.duplicates_driver_mb)
+    need(
+        r.duplicates_driver_mb >= 0,
+        "runs.duplicates_driver_mb",
+        "must be >= 0 (0: always the Ray aggregation)",
+        r.duplicates_driver_mb,
+    )
     need(cfg.storage.retry_s >= 0, "storage.retry_s", "must be >= 0 seconds (0: no retries)", cfg.storage.retry_s)
     e = cfg.storage.endpoint
     need(e is None or e.startswith(("http://", "https://")), "storage.endpoint", "must be an http(s):// URL", e)

@@ -10,6 +10,7 @@ manifest). Targets are scored as given (`targets="all"`, the AtSpeed protocol: i
 items of each user's whole history (`targets="unseen"`, the protocol that matches a run with `exclude: history`, which
 can never recommend them); a user left without targets is then skipped, as users without targets always are.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,9 +27,11 @@ from pipeline.report import num
 from pipeline.runs import Run, load_run, read_recommendations, report_dir
 
 KS = (1, 5, 10, 20)
-TARGETS = {"all": "as given (the AtSpeed protocol: nothing excluded)",
-           "unseen": "without the items of the user's whole history (a run with decoding.exclude: history can never "
-                     "recommend them)"}
+TARGETS = {
+    "all": "as given (the AtSpeed protocol: nothing excluded)",
+    "unseen": "without the items of the user's whole history (a run with decoding.exclude: history can never "
+    "recommend them)",
+}
 
 
 def split_protocol(input_uri: str, storage: Storage) -> dict:
@@ -41,8 +44,12 @@ def split_protocol(input_uri: str, storage: Storage) -> dict:
     splits = json.loads(raw).get("splits", {}) if raw else {}
     if split in splits:
         return {"split": split, "convention": splits[split], "source": S.join(folder or ".", "prepare.json")}
-    return {"split": split, "convention": "the input's own history and target_items columns, as given "
-                                          "(no prepare.json with a split convention beside it)", "source": None}
+    return {
+        "split": split,
+        "convention": "the input's own history and target_items columns, as given "
+        "(no prepare.json with a split convention beside it)",
+        "source": None,
+    }
 
 
 def read_targets(input_uri: str, storage: Storage, targets: str = "all") -> pa.Table:
@@ -54,8 +61,10 @@ def read_targets(input_uri: str, storage: Storage, targets: str = "all") -> pa.T
     except (OSError, pa.ArrowInvalid) as e:
         raise ValueError(f"input {input_uri}: not readable as parquet ({e})") from None
     if "target_items" not in data.schema.names:
-        raise ValueError(f"input {input_uri}: no target_items column; offline evaluation needs each user's held-out "
-                         f"items (has {data.schema.names})")
+        raise ValueError(
+            f"input {input_uri}: no target_items column; offline evaluation needs each user's held-out "
+            f"items (has {data.schema.names})"
+        )
     kind = data.schema.field("target_items").type
     if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or not pa.types.is_integer(kind.value_type):
         raise ValueError(f"input {input_uri}: target_items must be a list of integer item ids, got {kind}")
@@ -78,13 +87,13 @@ def without_history(targets: pa.ChunkedArray, history: pa.ChunkedArray) -> pa.Ar
     item_t = pc.list_flatten(targets).to_numpy()
     item_h = pc.list_flatten(history).fill_null(-1).to_numpy(zero_copy_only=False)
     codes, inverse = np.unique(np.concatenate([item_t, item_h]), return_inverse=True)
-    key_t, key_h = (row * len(codes) + code for row, code in ((row_t, inverse[:len(item_t)]),
-                                                              (row_h, inverse[len(item_t):])))
+    key_t, key_h = (
+        row * len(codes) + code for row, code in ((row_t, inverse[: len(item_t)]), (row_h, inverse[len(item_t) :]))
+    )
     keep = ~np.isin(key_t, key_h)  # [T]
     lengths = np.bincount(row_t[keep], minlength=len(targets))  # [U]
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(item_t[keep], pa.int64()),
-                                    mask=targets.is_null())
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(item_t[keep], pa.int64()), mask=targets.is_null())
 
 
 def exclusion_setting(manifest: dict) -> dict:
@@ -100,9 +109,17 @@ def evaluate_run(run: Run, input_uri: str, storage: Storage, ks=KS, targets: str
     exclusions = exclusion_setting(run.manifest)
     targets_table = read_targets(input_uri, storage, targets)
     result = score(run, targets_table, storage, ks)
-    return {"run_id": run.run_id, "run": run.uri, "input": input_uri, "ks": list(ks), "k": result.pop("k"),
-            "protocol": split_protocol(input_uri, storage), "exclusions": exclusions,
-            "targets": {"mode": targets, "meaning": TARGETS[targets]}, **result}
+    return {
+        "run_id": run.run_id,
+        "run": run.uri,
+        "input": input_uri,
+        "ks": list(ks),
+        "k": result.pop("k"),
+        "protocol": split_protocol(input_uri, storage),
+        "exclusions": exclusions,
+        "targets": {"mode": targets, "meaning": TARGETS[targets]},
+        **result,
+    }
 
 
 def score(run: Run, targets: pa.Table, storage: Storage, ks) -> dict:
@@ -122,8 +139,9 @@ def score(run: Run, targets: pa.Table, storage: Storage, ks) -> dict:
     return {"k": k, "users_without_recommendations": int((matrix[:, 0] < 0).sum()), **metrics}
 
 
-def evaluate(uri: str, storage: Storage, input_uri: str | None = None, out: str | None = None, ks=KS,
-             targets: str = "all") -> dict:
+def evaluate(
+    uri: str, storage: Storage, input_uri: str | None = None, out: str | None = None, ks=KS, targets: str = "all"
+) -> dict:
     """Evaluates a published run against `input_uri` (default: the run's configured input), its targets as given or
     without history items (`targets`, TARGETS), and writes evaluation.json and evaluation.md into `out` (default
     `<run>/report`, where the report reads it) -> the result."""
@@ -140,22 +158,31 @@ def evaluate(uri: str, storage: Storage, input_uri: str | None = None, out: str 
 def exclusions_line(ev: dict) -> str:
     """What the run excluded and how the targets were scored, in one sentence."""
     e, t = ev["exclusions"], ev["targets"]
-    counts = (f" (excluded items per user: mean {num(e['excluded_per_user_mean'], 1)}, max "
-              f"{num(e['excluded_per_user_max'])})" if "excluded_per_user_mean" in e else "")
+    counts = (
+        f" (excluded items per user: mean {num(e['excluded_per_user_mean'], 1)}, max {num(e['excluded_per_user_max'])})"
+        if "excluded_per_user_mean" in e
+        else ""
+    )
     column = f" plus the input column `{e['column']}`" if e.get("column") else ""
     return f"The run's exclusions: `decoding.exclude: {e['mode']}`{column}{counts}. Targets scored {t['meaning']}."
 
 
 def to_markdown(ev: dict) -> str:
     ks = ev["ks"]
-    lines = [f"# Offline evaluation of run {ev['run_id']}", "",
-             f"`{ev['input']}`: {num(ev['users'])} users with target items (users without targets skipped; "
-             f"{num(ev['users_without_recommendations'])} of them got no recommendations and count as misses); "
-             f"the run returned k = {ev['k']} items per user.", "",
-             *([f"Split `{ev['protocol']['split']}`: {ev['protocol']['convention']}.", ""] if "protocol" in ev else []),
-             *([exclusions_line(ev), ""] if "exclusions" in ev else []),
-             "| metric | " + " | ".join(f"@{k}" for k in ks) + " |", "|---|" + "---:|" * len(ks)]
+    lines = [
+        f"# Offline evaluation of run {ev['run_id']}",
+        "",
+        f"`{ev['input']}`: {num(ev['users'])} users with target items (users without targets skipped; "
+        f"{num(ev['users_without_recommendations'])} of them got no recommendations and count as misses); "
+        f"the run returned k = {ev['k']} items per user.",
+        "",
+        *([f"Split `{ev['protocol']['split']}`: {ev['protocol']['convention']}.", ""] if "protocol" in ev else []),
+        *([exclusions_line(ev), ""] if "exclusions" in ev else []),
+        "| metric | " + " | ".join(f"@{k}" for k in ks) + " |",
+        "|---|" + "---:|" * len(ks),
+    ]
     for m in ("recall", "ndcg"):
-        lines.append(f"| {'Recall' if m == 'recall' else 'NDCG'} | "
-                     + " | ".join(num(ev[f"{m}@{k}"], 4) for k in ks) + " |")
+        lines.append(
+            f"| {'Recall' if m == 'recall' else 'NDCG'} | " + " | ".join(num(ev[f"{m}@{k}"], 4) for k in ks) + " |"
+        )
     return "\n".join(lines) + "\n"

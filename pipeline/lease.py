@@ -14,6 +14,7 @@ logged, not raised over the run's own error, and the lease then stays held until
 Local storage: an exclusive `flock` on the same file, held by the driver process for the whole run and released by
 the kernel when the process dies (no expiry needed); the file names the holder for the refusal message.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -51,8 +52,9 @@ class Lease:
         self.lock = threading.Lock()
 
     def body(self, expires: float) -> bytes:
-        return json.dumps({"run_id": self.run_id, "host": socket.gethostname(), "pid": os.getpid(),
-                           "expires": expires}).encode()
+        return json.dumps(
+            {"run_id": self.run_id, "host": socket.gethostname(), "pid": os.getpid(), "expires": expires}
+        ).encode()
 
     # ------------------------------------------------------------------ acquire / renew / release
 
@@ -72,10 +74,13 @@ class Lease:
                     raise LeaseHeld(self._held_message(holder, f"until {_utc(holder['expires'])}"))
                 if holder["expires"] > 0:  # not released: dead only if nobody renews it for ttl_s
                     got = self._watch(got)
-                log.warning("lease %s: taking over the lease of run %s (released, or not renewed for %.0f s)",
-                            self.uri, holder["run_id"], self.ttl_s)
-            self.etag = S.put_if(self.uri, self.body(self.clock() + self.ttl_s), self.storage,
-                                 got[1] if got else None)
+                log.warning(
+                    "lease %s: taking over the lease of run %s (released, or not renewed for %.0f s)",
+                    self.uri,
+                    holder["run_id"],
+                    self.ttl_s,
+                )
+            self.etag = S.put_if(self.uri, self.body(self.clock() + self.ttl_s), self.storage, got[1] if got else None)
             if self.etag is None:
                 raise LeaseHeld(f"run_date lease {self.uri}: another run took it at the same moment")
         self.renewed = time.monotonic()
@@ -85,8 +90,12 @@ class Lease:
     def _watch(self, got: tuple[bytes, str]) -> tuple[bytes, str] | None:
         """Polls the lease for ttl_s (monotonic): LeaseHeld as soon as its ETag changes (its holder renewed it) ->
         the unchanged version, to take over."""
-        log.warning("lease %s: held by run %s, which may be dead; watching it for %.0f s before taking it over",
-                    self.uri, json.loads(got[0])["run_id"], self.ttl_s)
+        log.warning(
+            "lease %s: held by run %s, which may be dead; watching it for %.0f s before taking it over",
+            self.uri,
+            json.loads(got[0])["run_id"],
+            self.ttl_s,
+        )
         deadline = time.monotonic() + self.ttl_s
         while time.monotonic() < deadline:
             time.sleep(min(1.0, self.ttl_s / 10))
@@ -107,8 +116,10 @@ class Lease:
     def _expire_if_stale(self) -> None:
         """A holder that has not renewed for ttl_s (its own monotonic clock) may have been taken over: lost."""
         if self.etag is not None and not self.lost and time.monotonic() - self.renewed > self.ttl_s:
-            self.lost = (f"run {self.run_id} could not renew its run_date lease {self.uri} for {self.ttl_s:.0f} s "
-                         "(another run may have taken it over): this run does not publish")
+            self.lost = (
+                f"run {self.run_id} could not renew its run_date lease {self.uri} for {self.ttl_s:.0f} s "
+                "(another run may have taken it over): this run does not publish"
+            )
 
     def release(self) -> None:
         """Gives the date back (S3: expires 0, so the next run takes it at once). Best effort: it runs while the job
@@ -123,8 +134,14 @@ class Lease:
                 with self.lock:
                     S.put_if(self.uri, self.body(0.0), self.storage, self.etag)
             except Exception as e:
-                log.error("lease %s: could not release it (%s); it stays held until it expires: a `--resume latest` "
-                          "of run %s watches it for %.0f s before taking it over", self.uri, e, self.run_id, self.ttl_s)
+                log.error(
+                    "lease %s: could not release it (%s); it stays held until it expires: a `--resume latest` "
+                    "of run %s watches it for %.0f s before taking it over",
+                    self.uri,
+                    e,
+                    self.run_id,
+                    self.ttl_s,
+                )
             self.etag = None
 
     def _renew(self, budget_s: float | None = None) -> None:
@@ -135,8 +152,10 @@ class Lease:
             t = time.monotonic()
             etag = S.put_if(self.uri, self.body(self.clock() + self.ttl_s), self.storage, self.etag, budget_s)
             if etag is None:
-                self.lost = (f"run {self.run_id} lost its run_date lease {self.uri} (it expired and another run took "
-                             "it): this run does not publish")
+                self.lost = (
+                    f"run {self.run_id} lost its run_date lease {self.uri} (it expired and another run took "
+                    "it): this run does not publish"
+                )
                 raise LeaseLost(self.lost)
             self.etag, self.renewed = etag, t
 
@@ -174,10 +193,12 @@ class Lease:
         return self
 
     def _held_message(self, holder: dict, until: str) -> str:
-        return (f"run_date {Path(self.uri).parent.name.removeprefix('run_date=')} is being written by run "
-                f"{holder['run_id']} (host {holder['host']}, pid {holder['pid']}), which holds {self.uri} {until}; "
-                f"this run ({self.run_id}) refuses to start. Wait for it, or resume it with --resume "
-                f"{holder['run_id']} once it is gone")
+        return (
+            f"run_date {Path(self.uri).parent.name.removeprefix('run_date=')} is being written by run "
+            f"{holder['run_id']} (host {holder['host']}, pid {holder['pid']}), which holds {self.uri} {until}; "
+            f"this run ({self.run_id}) refuses to start. Wait for it, or resume it with --resume "
+            f"{holder['run_id']} once it is gone"
+        )
 
 
 def _utc(t: float) -> str:

@@ -1,4 +1,5 @@
 """Model directories as users bring them: attach the prompt template a model was trained with, checked first."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -19,8 +20,9 @@ def attach_template(model_dir, template: str | PromptTemplate, catalog, max_item
     load_config(model_dir)
     template = get_template(template).with_max_items(max_items)
     tokenizer = load_tokenizer(model_dir)
-    cat = Catalog.from_table(pq.read_table(catalog), tokenizer, on_duplicate="first", source=str(catalog),
-                             code_token=template.code)
+    cat = Catalog.from_table(
+        pq.read_table(catalog), tokenizer, on_duplicate="first", source=str(catalog), code_token=template.code
+    )
     renderer = Renderer.compile(template, tokenizer, catalog_probes(cat.item_tokens))
     path = write_template(model_dir, template)
     return {"file": str(path), "template": template.to_dict(), "max_prompt_tokens": renderer.max_len}

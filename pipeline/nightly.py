@@ -10,6 +10,7 @@ Nothing proportional to the number of users stays on the driver or in the object
 are written as they finish. A killed run is resumed with `resume=RUN_ID` (or "latest"): only the positions no
 committed shard covers are decoded again.
 """
+
 from __future__ import annotations
 
 import datetime as dt
@@ -56,8 +57,10 @@ def open_input(cfg: Config) -> tuple[pads.Dataset, object, str]:
         info = S.retrying(lambda: fs.get_file_info(path), cfg.storage, f"HEAD {cfg.input}")
     except OSError as e:
         if "ACCESS_DENIED" in str(e) or "AccessDenied" in str(e):
-            raise PermissionError(f"input {cfg.input}: the object store refused access; check the credentials in "
-                                  "the environment and storage.endpoint") from None
+            raise PermissionError(
+                f"input {cfg.input}: the object store refused access; check the credentials in "
+                "the environment and storage.endpoint"
+            ) from None
         raise
     if info.type == pafs.FileType.NotFound:
         raise FileNotFoundError(f"input {cfg.input} not found")
@@ -78,8 +81,13 @@ def open_input(cfg: Config) -> tuple[pads.Dataset, object, str]:
 
 def code_version() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).resolve().parent).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).resolve().parent,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         from importlib.metadata import version
 
@@ -110,8 +118,10 @@ def resolve_template(cfg: Config, models: dict) -> PromptTemplate:
         raise ValueError(f"models.template: {e}" if cfg.models.template else f"models.target: {e}") from None
     draft = models.get("draft", {}).get("dir")
     if draft and (Path(draft) / TEMPLATE_FILE).is_file() and read_template(draft) != template:
-        raise ValueError(f"models.draft {cfg.models.draft}: its {TEMPLATE_FILE} differs from the target's prompt "
-                         "template; a draft must read the prompts its target reads")
+        raise ValueError(
+            f"models.draft {cfg.models.draft}: its {TEMPLATE_FILE} differs from the target's prompt "
+            "template; a draft must read the prompts its target reads"
+        )
     return template
 
 
@@ -124,21 +134,31 @@ def actor_spec(cfg: Config, run_id: str, catalog: pa.Table, template: PromptTemp
     """What every actor gets: the model URIs and how to fetch them on its node, the catalog read once, the prompt
     template, the decoding settings."""
     m = cfg.models
-    return ActorSpec(run_id=run_id, target=m.target, catalog=catalog, catalog_name=cfg.catalog,
-                     decoding=cfg.decoding, template=template, on_duplicate=cfg.duplicate_items,
-                     draft=m.draft if cfg.decoding.uses_draft else None,
-                     fetch=functools.partial(fetch_model, cache_dir=m.cache_dir, storage=cfg.storage),
-                     gpu=cfg.compute.gpus_per_actor > 0, dtype=cfg.compute.dtype,
-                     audit_users=cfg.compute.batch_size if cfg.compute.audit_users is None else cfg.compute.audit_users,
-                     decode_batch=cfg.compute.decode_batch,
-                     threads=cfg.compute.threads_per_actor, engine=cfg.compute.engine,
-                     compile_cache=cfg.compute.compile_cache,
-                     warm_users=cfg.compute.decode_batch or cfg.compute.batch_size)
+    return ActorSpec(
+        run_id=run_id,
+        target=m.target,
+        catalog=catalog,
+        catalog_name=cfg.catalog,
+        decoding=cfg.decoding,
+        template=template,
+        on_duplicate=cfg.duplicate_items,
+        draft=m.draft if cfg.decoding.uses_draft else None,
+        fetch=functools.partial(fetch_model, cache_dir=m.cache_dir, storage=cfg.storage),
+        gpu=cfg.compute.gpus_per_actor > 0,
+        dtype=cfg.compute.dtype,
+        audit_users=cfg.compute.batch_size if cfg.compute.audit_users is None else cfg.compute.audit_users,
+        decode_batch=cfg.compute.decode_batch,
+        threads=cfg.compute.threads_per_actor,
+        engine=cfg.compute.engine,
+        compile_cache=cfg.compute.compile_cache,
+        warm_users=cfg.compute.decode_batch or cfg.compute.batch_size,
+    )
 
 
 @dataclass
 class Plan:
     """A run checked on the driver, before Ray starts any work."""
+
     cfg: Config
     data: pads.Dataset
     fs: object  # the input's filesystem
@@ -166,12 +186,18 @@ class Plan:
         if state.get("fingerprint") == self.fingerprint:
             return []
         old, new = state.get("identity") or {}, self.identity
-        out = [f"input file {f}" for f in sorted(set(old.get("input", {})) | set(new["input"]))
-               if old.get("input", {}).get(f) != new["input"].get(f)]
+        out = [
+            f"input file {f}"
+            for f in sorted(set(old.get("input", {})) | set(new["input"]))
+            if old.get("input", {}).get(f) != new["input"].get(f)
+        ]
         out += ["the input's row groups"] * (old.get("row_groups") != new["row_groups"])
         out += [f"the catalog {self.cfg.catalog}"] * (old.get("catalog") != new["catalog"])
-        out += [f"models.{r} {getattr(self.cfg.models, r)}" for r in sorted(set(old.get("models", {})) | set(new["models"]))
-                if old.get("models", {}).get(r) != new["models"].get(r)]
+        out += [
+            f"models.{r} {getattr(self.cfg.models, r)}"
+            for r in sorted(set(old.get("models", {})) | set(new["models"]))
+            if old.get("models", {}).get(r) != new["models"].get(r)
+        ]
         was = resume_config(state.get("config") or {})
         keys = sorted(k for k in set(was) | set(self.config) if was.get(k) != self.config.get(k))
         out += [f"the config ({', '.join(keys)})"] * bool(keys)
@@ -192,10 +218,12 @@ def content_identity(cfg: Config, data: pads.Dataset, fs, plan_units: list, mode
     the catalog's identity and every model's sha256."""
     cat_fs, cat_path = S.filesystem(cfg.catalog, cfg.storage)
     rows = [(u.path, u.row_group, u.rows) for u in plan_units]
-    return {"input": {f: S.content_id(f, fs, cfg.storage) for f in sorted(data.files)},
-            "row_groups": hashlib.sha256(json.dumps(rows).encode()).hexdigest(),
-            "catalog": S.content_id(cat_path, cat_fs, cfg.storage),
-            "models": {role: m["sha256"] for role, m in models.items()}}
+    return {
+        "input": {f: S.content_id(f, fs, cfg.storage) for f in sorted(data.files)},
+        "row_groups": hashlib.sha256(json.dumps(rows).encode()).hexdigest(),
+        "catalog": S.content_id(cat_path, cat_fs, cfg.storage),
+        "models": {role: m["sha256"] for role, m in models.items()},
+    }
 
 
 def plan_run(cfg: Config) -> Plan:
@@ -250,17 +278,28 @@ def resume_id(plan: Plan, resume: str) -> str | None:
             return None
         changed = plan.changes(runs.state_of(runs.run_dir(cfg.output, cfg.run_date, unfinished[0]), cfg.storage))
         if changed:
-            log.warning("--resume latest: run %s cannot be resumed: %s changed since it started; starting a new run "
-                        "(it supersedes that one when it publishes)", unfinished[0], "; ".join(changed))
+            log.warning(
+                "--resume latest: run %s cannot be resumed: %s changed since it started; starting a new run "
+                "(it supersedes that one when it publishes)",
+                unfinished[0],
+                "; ".join(changed),
+            )
             return None
         return unfinished[0]
     if resume not in unfinished:
         run = runs.run_dir(cfg.output, cfg.run_date, resume)
-        why = ("it has _SUCCESS (already complete)" if S.read_bytes(S.join(run, "_SUCCESS"), cfg.storage) is not None
-               else "it was superseded by a later run" if S.read_bytes(S.join(run, "_SUPERSEDED"), cfg.storage)
-               else "not found")
-        raise FileNotFoundError(f"--resume {resume}: run {run} cannot be resumed: {why}"
-                                if why != "not found" else f"--resume {resume}: run {run} not found")
+        why = (
+            "it has _SUCCESS (already complete)"
+            if S.read_bytes(S.join(run, "_SUCCESS"), cfg.storage) is not None
+            else "it was superseded by a later run"
+            if S.read_bytes(S.join(run, "_SUPERSEDED"), cfg.storage)
+            else "not found"
+        )
+        raise FileNotFoundError(
+            f"--resume {resume}: run {run} cannot be resumed: {why}"
+            if why != "not found"
+            else f"--resume {resume}: run {run} not found"
+        )
     check_resumable(plan, resume, runs.state_of(runs.run_dir(cfg.output, cfg.run_date, resume), cfg.storage))
     return resume
 
@@ -269,9 +308,11 @@ def check_resumable(plan: Plan, run_id: str, state: dict) -> None:
     changed = plan.changes(state)
     if changed:
         run = runs.run_dir(plan.cfg.output, plan.cfg.run_date, run_id)
-        raise ValueError(f"--resume {run_id}: {'; '.join(changed)} changed since the run started (compare "
-                         f"{S.join(run, '_RUN.json')}); its committed shards would mix two inputs or models. Start a "
-                         "new run instead (--resume latest does)")
+        raise ValueError(
+            f"--resume {run_id}: {'; '.join(changed)} changed since the run started (compare "
+            f"{S.join(run, '_RUN.json')}); its committed shards would mix two inputs or models. Start a "
+            "new run instead (--resume latest does)"
+        )
 
 
 def finished_unpublished(plan: Plan) -> str | None:
@@ -309,8 +350,18 @@ def execute(plan: Plan, run_id: str, resumed: bool, lease: Lease, latest: str | 
     run = runs.run_dir(cfg.output, cfg.run_date, run_id)
     state = runs.state_of(run, cfg.storage)
     if state is None:
-        runs.start(run, {"run_id": run_id, "run_date": cfg.run_date, "fingerprint": plan.fingerprint,
-                         "started": time.time(), "config": cfg.to_dict(), "identity": plan.identity}, cfg.storage)
+        runs.start(
+            run,
+            {
+                "run_id": run_id,
+                "run_date": cfg.run_date,
+                "fingerprint": plan.fingerprint,
+                "started": time.time(),
+                "config": cfg.to_dict(),
+                "identity": plan.identity,
+            },
+            cfg.storage,
+        )
     else:
         check_resumable(plan, run_id, state)
     attempt, t_attempt = uuid.uuid4().hex[:8], time.perf_counter()  # this driver execution: its shards carry it
@@ -320,11 +371,27 @@ def execute(plan: Plan, run_id: str, resumed: bool, lease: Lease, latest: str | 
     total = sum(u.rows for u in plan.units)
     work = units.todo(plan.units, done)
     left = sum(len(units.positions(u)) for u in work)
-    log.info("run %s%s: %d users in %d row groups of %s; %d already committed in %d shards, %d to decode",
-             run_id, " (resumed)" if resumed else "", total, len(plan.units), cfg.input, total - left, committed, left)
+    log.info(
+        "run %s%s: %d users in %d row groups of %s; %d already committed in %d shards, %d to decode",
+        run_id,
+        " (resumed)" if resumed else "",
+        total,
+        len(plan.units),
+        cfg.input,
+        total - left,
+        committed,
+        left,
+    )
     t_dup = time.perf_counter()
-    duplicates, dup_where = S.retrying(lambda: units.find_duplicates(plan.units, plan.fs, cfg.runs.duplicates_driver_mb),
-                                       cfg.storage, f"read the user ids of {cfg.input}") if total else (None, "driver")
+    duplicates, dup_where = (
+        S.retrying(
+            lambda: units.find_duplicates(plan.units, plan.fs, cfg.runs.duplicates_driver_mb),
+            cfg.storage,
+            f"read the user ids of {cfg.input}",
+        )
+        if total
+        else (None, "driver")
+    )
     t_dup = time.perf_counter() - t_dup
     spec = replace(plan.spec, run_id=run_id)
     new_shards, actors = 0, num_actors(c, ray.cluster_resources())
@@ -337,17 +404,32 @@ def execute(plan: Plan, run_id: str, resumed: bool, lease: Lease, latest: str | 
         ds.context.raise_original_map_exception = True
         ds.context.actor_task_retry_on_errors = [S.StoreUnavailable]
         retries = {"max_retries": S.BATCH_RETRIES, "retry_exceptions": [S.StoreUnavailable]}
-        ds = ds.map_batches(read_units, batch_size=1, batch_format="pyarrow", num_cpus=0.5, **retries,
-                            fn_kwargs={"fs": plan.fs, "columns": columns, "duplicates": duplicates,
-                                       "storage": cfg.storage, "uri": cfg.input})
+        ds = ds.map_batches(
+            read_units,
+            batch_size=1,
+            batch_format="pyarrow",
+            num_cpus=0.5,
+            **retries,
+            fn_kwargs={
+                "fs": plan.fs,
+                "columns": columns,
+                "duplicates": duplicates,
+                "storage": cfg.storage,
+                "uri": cfg.input,
+            },
+        )
         # blocks of batches_per_task batches: every actor of the pool gets work, each task decodes (and commits) them
         # one batch at a time
         ds = ds.repartition(target_num_rows_per_block=c.batch_size * c.batches_per_task)
-        ds = ds.map_batches(shards.ShardRecommender, batch_size=c.batch_size, batch_format="pyarrow",
-                            fn_constructor_kwargs={"spec": spec, "run": run, "storage": cfg.storage,
-                                                   "attempt": attempt},
-                            compute=ray.data.ActorPoolStrategy(size=actors), max_task_retries=S.BATCH_RETRIES,
-                            **actor_resources(c))
+        ds = ds.map_batches(
+            shards.ShardRecommender,
+            batch_size=c.batch_size,
+            batch_format="pyarrow",
+            fn_constructor_kwargs={"spec": spec, "run": run, "storage": cfg.storage, "attempt": attempt},
+            compute=ray.data.ActorPoolStrategy(size=actors),
+            max_task_retries=S.BATCH_RETRIES,
+            **actor_resources(c),
+        )
         new_shards = follow(ds, left, cfg.runs.progress_s, lease)
     t_decode = time.perf_counter() - t0
     stems = shards.attempt_shards(run, cfg.storage, trusted, attempt)  # what this run publishes, and nothing else
@@ -361,32 +443,61 @@ def execute(plan: Plan, run_id: str, resumed: bool, lease: Lease, latest: str | 
     if sums["users_in"] != total:
         raise RuntimeError(f"run {run_id}: the committed shards cover {sums['users_in']} users, the input has {total}")
     inputs = plan.inputs
-    catalog_info = {"items": plan.catalog.num_rows, "indexed": len(inputs.catalog),
-                    "duplicates": {"policy": cfg.duplicate_items, "dropped": len(inputs.catalog.duplicates),
-                                   "items": [{"item_id": d, "kept": k} for d, k in inputs.catalog.duplicates]}}
-    counts = {"input_rows": total, "users_ok": sums["users_ok"], "users_rejected": sums["users_rejected"],
-              "users_non_finite": sums["users_non_finite"], "recommendations": sums["recommendations"],
-              "batches": sums["batches"], "decode_batch": sums["decode_batch"]}
-    manifest = {"run_id": run_id, "run_date": cfg.run_date, "status": "succeeded", "config": cfg.to_dict(),
-                "actors": {"count": actors, **actor_resources(c)},
-                "code_version": code_version(),
-                "models": {role: {"uri": m["uri"], "sha256": m["sha256"]} for role, m in plan.models.items()},
-                "template": inputs.renderer.template.to_dict(), "max_prompt_tokens": inputs.renderer.max_len,
-                "prefix_tokens": len(inputs.renderer.prefix_ids), "auto": sums["auto"],
-                "catalog": catalog_info, "counts": counts,
-                "resume": {"resumed": resumed, "shards_committed_before": committed, "shards_decoded": new_shards,
-                           "users_decoded": left},
-                "duplicates": {"users": 0 if duplicates is None else duplicates.num_rows, "checked_on": dup_where},
-                "precision_audit": sums["precision_audit"],
-                "engine": {"name": c.engine, "graphs_compiled": sums["graphs_compiled"]},
-                "exclusions": exclusions_summary(cfg, plan.data.schema, sums["exclusions"]),
-                "timings": {"input_identity_s": plan.identity_s, "attempt_s": t_attempt,
-                            "duplicates_s": t_dup, "actor_ready_s": sums["actor_ready_s"],  # models loaded
-                            "first_shard_s": sums["first_commit_s"],
-                            "compile_s": sums["compile_s"],  # per actor: the compiled engine's warm-up and compiles
-                            "decode_s": t_decode, "total_s": time.perf_counter() - t0},
-                "outputs": {name: runs.table_dir(run, name) for name in runs.TABLES},
-                "files": files}  # every table's files: readers read these, never a listing
+    catalog_info = {
+        "items": plan.catalog.num_rows,
+        "indexed": len(inputs.catalog),
+        "duplicates": {
+            "policy": cfg.duplicate_items,
+            "dropped": len(inputs.catalog.duplicates),
+            "items": [{"item_id": d, "kept": k} for d, k in inputs.catalog.duplicates],
+        },
+    }
+    counts = {
+        "input_rows": total,
+        "users_ok": sums["users_ok"],
+        "users_rejected": sums["users_rejected"],
+        "users_non_finite": sums["users_non_finite"],
+        "recommendations": sums["recommendations"],
+        "batches": sums["batches"],
+        "decode_batch": sums["decode_batch"],
+    }
+    manifest = {
+        "run_id": run_id,
+        "run_date": cfg.run_date,
+        "status": "succeeded",
+        "config": cfg.to_dict(),
+        "actors": {"count": actors, **actor_resources(c)},
+        "code_version": code_version(),
+        "models": {role: {"uri": m["uri"], "sha256": m["sha256"]} for role, m in plan.models.items()},
+        "template": inputs.renderer.template.to_dict(),
+        "max_prompt_tokens": inputs.renderer.max_len,
+        "prefix_tokens": len(inputs.renderer.prefix_ids),
+        "auto": sums["auto"],
+        "catalog": catalog_info,
+        "counts": counts,
+        "resume": {
+            "resumed": resumed,
+            "shards_committed_before": committed,
+            "shards_decoded": new_shards,
+            "users_decoded": left,
+        },
+        "duplicates": {"users": 0 if duplicates is None else duplicates.num_rows, "checked_on": dup_where},
+        "precision_audit": sums["precision_audit"],
+        "engine": {"name": c.engine, "graphs_compiled": sums["graphs_compiled"]},
+        "exclusions": exclusions_summary(cfg, plan.data.schema, sums["exclusions"]),
+        "timings": {
+            "input_identity_s": plan.identity_s,
+            "attempt_s": t_attempt,
+            "duplicates_s": t_dup,
+            "actor_ready_s": sums["actor_ready_s"],  # models loaded
+            "first_shard_s": sums["first_commit_s"],
+            "compile_s": sums["compile_s"],  # per actor: the compiled engine's warm-up and compiles
+            "decode_s": t_decode,
+            "total_s": time.perf_counter() - t0,
+        },
+        "outputs": {name: runs.table_dir(run, name) for name in runs.TABLES},
+        "files": files,
+    }  # every table's files: readers read these, never a listing
     runs.finish(run, manifest, cfg.storage)
     lease.check()  # a run that lost the date never publishes
     deleted = runs.publish(cfg.output, cfg.run_date, run_id, cfg.storage, cfg.runs.grace_s, latest)
@@ -401,18 +512,23 @@ def read_units(batch: pa.Table, storage, uri: str, **kwargs) -> pa.Table:
 
 def input_columns(cfg: Config, schema: pa.Schema) -> list[str]:
     """The input columns the actors read: user_id, history and the exclusion column when the input has it."""
-    return ["user_id", "history"] + ([cfg.decoding.exclude_column] if cfg.decoding.exclude_column in schema.names
-                                     else [])
+    return ["user_id", "history"] + (
+        [cfg.decoding.exclude_column] if cfg.decoding.exclude_column in schema.names else []
+    )
 
 
 def exclusions_summary(cfg: Config, schema: pa.Schema, sums: dict) -> dict:
     """The manifest's `exclusions`: the mode, the exclusion column (None: not in the input), the users they were built
     for, the excluded items per user (distinct items the index holds: mean and max) and the ignored unknown ids."""
     users = sums["exclude_users"]
-    return {"mode": cfg.decoding.exclude,
-            "column": cfg.decoding.exclude_column if cfg.decoding.exclude_column in schema.names else None,
-            "users": users, "excluded_per_user_mean": sums["excluded_items"] / users if users else 0.0,
-            "excluded_per_user_max": sums["excluded_max"], "unknown_ids_ignored": sums["exclude_unknown_ids"]}
+    return {
+        "mode": cfg.decoding.exclude,
+        "column": cfg.decoding.exclude_column if cfg.decoding.exclude_column in schema.names else None,
+        "users": users,
+        "excluded_per_user_mean": sums["excluded_items"] / users if users else 0.0,
+        "excluded_per_user_max": sums["excluded_max"],
+        "unknown_ids_ignored": sums["exclude_unknown_ids"],
+    }
 
 
 def num_actors(c: Compute, resources: dict) -> int:
@@ -446,8 +562,14 @@ def follow(ds, total: int, every_s: float, lease: Lease) -> int:
         if now - last >= every_s:
             last, rate = now, users / (now - t0)
             eta = (total - users) / rate if rate > 0 else float("inf")
-            log.info("progress: %d / %d users (%.1f%%), %.1f users/s, ETA %.0f s", users, total,
-                     100 * users / max(total, 1), rate, eta)
+            log.info(
+                "progress: %d / %d users (%.1f%%), %.1f users/s, ETA %.0f s",
+                users,
+                total,
+                100 * users / max(total, 1),
+                rate,
+                eta,
+            )
     log.info("decoded %d users in %d shards, %.1f s", users, n, time.perf_counter() - t0)
     return n
 

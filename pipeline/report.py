@@ -11,6 +11,7 @@ what a nightly window sees) and users per busy actor-second (the sum of the batc
 sustains). Cost is accelerator-hours x price: allocated = actors x GPUs per actor x decode wall time (what is billed;
 a CPU actor counts as one accelerator), busy = the batches' wall times (the floor at full utilisation).
 """
+
 from __future__ import annotations
 
 import base64
@@ -69,40 +70,68 @@ def summarize(run: Run, gpu_hour_price: float) -> dict:
     hours = {"allocated": accelerators * wall / 3600, "busy": gpus_per_actor * busy / 3600}
     peak = m.peak_memory_bytes.dropna() if "peak_memory_bytes" in m else pd.Series(dtype=float)
     return {
-        "run_id": run.run_id, "uri": run.uri, "run_date": man["run_date"], "mode": run.mode,
-        "k": man["config"]["decoding"]["k"], "devices": sorted(set(m.device)), "code_version": man.get("code_version"),
+        "run_id": run.run_id,
+        "uri": run.uri,
+        "run_date": man["run_date"],
+        "mode": run.mode,
+        "k": man["config"]["decoding"]["k"],
+        "devices": sorted(set(m.device)),
+        "code_version": man.get("code_version"),
         "models": {role: v["sha256"][:12] for role, v in man.get("models", {}).items()},
-        "users_ok": users, "users_rejected": int(man["counts"]["users_rejected"]),
+        "users_ok": users,
+        "users_rejected": int(man["counts"]["users_rejected"]),
         "users_non_finite": int(m.users_non_finite.sum()) if "users_non_finite" in m else 0,
-        "catalog": man.get("catalog"), "template": (man.get("template") or {}).get("name"),
+        "catalog": man.get("catalog"),
+        "template": (man.get("template") or {}).get("name"),
         "max_prompt_tokens": man.get("max_prompt_tokens"),
         "decoders": m.decoder.value_counts().to_dict() if "decoder" in m else {},
-        "auto": man.get("auto"), "precision_audit": man.get("precision_audit"),
+        "auto": man.get("auto"),
+        "precision_audit": man.get("precision_audit"),
         "exclusions": man.get("exclusions") or {"mode": man["config"]["decoding"].get("exclude", "none")},
         "prefix_tokens_saved_per_user": float(m.prefix_tokens_saved.sum() / users)
-        if "prefix_tokens_saved" in m and users else None,
-        "input_rows": int(man["counts"]["input_rows"]), "recommendations": int(m.recommendations.sum()),
-        "batches": len(m), "actors": len(per_actor), "accelerators": accelerators,
-        "decode_wall_s": wall, "total_s": float(man["timings"]["total_s"]), "busy_s": busy,
-        "users_per_s": users / wall, "users_per_busy_s": users / busy,
+        if "prefix_tokens_saved" in m and users
+        else None,
+        "input_rows": int(man["counts"]["input_rows"]),
+        "recommendations": int(m.recommendations.sum()),
+        "batches": len(m),
+        "actors": len(per_actor),
+        "accelerators": accelerators,
+        "decode_wall_s": wall,
+        "total_s": float(man["timings"]["total_s"]),
+        "busy_s": busy,
+        "users_per_s": users / wall,
+        "users_per_busy_s": users / busy,
         "phase_s": {p: float(m[p].sum()) for p in PHASES},
-        "target_forwards": int(m.target_forwards.sum()), "draft_forwards": int(m.draft_forwards.sum()),
+        "target_forwards": int(m.target_forwards.sum()),
+        "draft_forwards": int(m.draft_forwards.sum()),
         "target_tokens_per_user": float(m.target_tokens.sum() / users) if users else None,
         "draft_tokens_per_user": float(m.draft_tokens.sum() / users) if users else None,
         "accepted_hist": None if hist is None else hist.tolist(),
-        "mean_accepted_steps": None if hist is None or hist.sum() == 0
+        "mean_accepted_steps": None
+        if hist is None or hist.sum() == 0
         else float((hist * np.arange(len(hist))).sum() / hist.sum()),
         "kv_tokens_per_user": float(kv / users) if users else None,
         "kv_tokens_beam_batch_per_user": float(kv_beam / users) if users else None,
         "kv_ratio": float(kv / kv_beam) if kv_beam else None,
-        "peak_memory_gb": float(peak.max() / 2 ** 30) if len(peak) else None,
-        "gpu_hour_price": gpu_hour_price, "accelerator_hours": hours,
+        "peak_memory_gb": float(peak.max() / 2**30) if len(peak) else None,
+        "gpu_hour_price": gpu_hour_price,
+        "accelerator_hours": hours,
         "cost_per_million_users": {k: gpu_hour_price * h / users * 1e6 if users else None for k, h in hours.items()},
-        "per_shard": [{"shard": s, "actor": a, "batch": int(b), "users": int(u), "users_per_s": float(r)}
-                      for s, a, b, u, r in zip(m.shard, m.actor, m.batch, m.users_ok, m.users_per_s.fillna(0.0))],
-        "per_actor": [{"actor": a, "users": int(r.users), "batches": int(r.batches), "busy_s": float(r.busy_s),
-                       "busy_fraction": float(r.busy_s / wall) if wall else None,
-                       "users_per_s": float(r.users_per_s)} for a, r in per_actor.iterrows()],
+        "per_shard": [
+            {"shard": s, "actor": a, "batch": int(b), "users": int(u), "users_per_s": float(r)}
+            for s, a, b, u, r in zip(m.shard, m.actor, m.batch, m.users_ok, m.users_per_s.fillna(0.0))
+        ],
+        "per_actor": [
+            {
+                "actor": a,
+                "users": int(r.users),
+                "batches": int(r.batches),
+                "busy_s": float(r.busy_s),
+                "busy_fraction": float(r.busy_s / wall) if wall else None,
+                "users_per_s": float(r.users_per_s),
+            }
+            for a, r in per_actor.iterrows()
+        ],
         "per_accelerator": busy_accelerators(m, wall),
     }
 
@@ -136,8 +165,14 @@ def compare_outputs(a: Run, b: Run, storage: Storage) -> dict:
     diff = pc.max(pc.abs(pc.subtract(both["score_a"], both["score_b"]))).as_py() if both.num_rows else None
     users = pc.count_distinct(j["user_id"]).as_py()
     users_differ = pc.count_distinct(differ["user_id"]).as_py() if differ.num_rows else 0
-    return {"users": users, "users_differ": users_differ, "rows_a": ta.num_rows, "rows_b": tb.num_rows,
-            "identical": users_differ == 0, "max_abs_score_diff": diff}
+    return {
+        "users": users,
+        "users_differ": users_differ,
+        "rows_a": ta.num_rows,
+        "rows_b": tb.num_rows,
+        "identical": users_differ == 0,
+        "max_abs_score_diff": diff,
+    }
 
 
 # ------------------------------------------------------------------ figures
@@ -175,8 +210,10 @@ def fig_throughput(runs: list[dict]) -> bytes:
         right.bar(np.arange(len(actors)) + i * width, [rate[x] for x in actors], width, label=_label(s))
     left.set(title="users/s per shard (batch), by actor then batch", xlabel="shard", ylabel="users/s")
     right.set(title="users/s per actor (busy seconds)", xlabel="actor", ylabel="users/s")
-    right.set_xticks(np.arange(max(s["actors"] for s in runs)) + 0.4 - width / 2,
-                     [str(i + 1) for i in range(max(s["actors"] for s in runs))])
+    right.set_xticks(
+        np.arange(max(s["actors"] for s in runs)) + 0.4 - width / 2,
+        [str(i + 1) for i in range(max(s["actors"] for s in runs))],
+    )
     left.legend(fontsize=8)
     left.set_ylim(bottom=0)
     return _png(fig)
@@ -204,18 +241,29 @@ def fig_accepted_steps(runs: list[dict]) -> bytes:
     fig, ax = plt.subplots(figsize=(6, 3.4))
     spec = [s for s in runs if s["accepted_hist"]]
     if not spec:
-        ax.text(0.5, 0.5, "no speculative rounds in " + ", ".join(s["mode"] for s in runs), ha="center",
-                va="center", transform=ax.transAxes)
+        ax.text(
+            0.5,
+            0.5,
+            "no speculative rounds in " + ", ".join(s["mode"] for s in runs),
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+        )
         ax.set_axis_off()
         return _png(fig)
     width = 0.8 / len(spec)
     n = max(int(np.nonzero(s["accepted_hist"])[0].max()) + 1 for s in spec)  # up to the largest bin in use
     for i, s in enumerate(spec):
         h = np.asarray(s["accepted_hist"][:n], float)
-        ax.bar(np.arange(len(h)) + i * width, h / h.sum(), width, label=f"{_label(s)}: mean {s['mean_accepted_steps']:.2f}")
+        ax.bar(
+            np.arange(len(h)) + i * width, h / h.sum(), width, label=f"{_label(s)}: mean {s['mean_accepted_steps']:.2f}"
+        )
     ax.set_xticks(np.arange(n) + 0.4 - width / 2, [str(i) for i in range(n)])
-    ax.set(title="accepted steps per verification (user-rounds)", xlabel="drafted steps accepted",
-           ylabel="share of user-rounds")
+    ax.set(
+        title="accepted steps per verification (user-rounds)",
+        xlabel="drafted steps accepted",
+        ylabel="share of user-rounds",
+    )
     _legend_above_bars(ax)
     return _png(fig)
 
@@ -237,9 +285,12 @@ def fig_kv_memory(runs: list[dict]) -> bytes:
     held = [s["kv_tokens_per_user"] or 0 for s in runs]
     beam = [s["kv_tokens_beam_batch_per_user"] or 0 for s in runs]
     ratio = [f"{h / b:.2f}x" if b else "" for h, b in zip(held, beam)]
-    return _paired_bars(runs, [("held (shared-prefix tree)", held, ratio),
-                               ("batch beam search (K prompt copies)", beam, [""] * len(runs))],
-                        "KV cache tokens per user", "tokens")
+    return _paired_bars(
+        runs,
+        [("held (shared-prefix tree)", held, ratio), ("batch beam search (K prompt copies)", beam, [""] * len(runs))],
+        "KV cache tokens per user",
+        "tokens",
+    )
 
 
 def fig_cost(runs: list[dict]) -> bytes:
@@ -247,8 +298,9 @@ def fig_cost(runs: list[dict]) -> bytes:
     for kind in ("allocated", "busy"):
         values = [s["cost_per_million_users"][kind] or 0 for s in runs]
         bars.append((f"{kind} accelerator-hours", values, [f"\\${v:,.2f}" for v in values]))
-    return _paired_bars(runs, bars, f"cost per million users at \\${runs[0]['gpu_hour_price']:g} per accelerator-hour",
-                        "USD")
+    return _paired_bars(
+        runs, bars, f"cost per million users at \\${runs[0]['gpu_hour_price']:g} per accelerator-hour", "USD"
+    )
 
 
 def _legend_above_bars(ax) -> None:
@@ -257,9 +309,13 @@ def _legend_above_bars(ax) -> None:
     ax.legend(fontsize=8, loc="upper left")
 
 
-FIGURES = {"throughput": (fig_throughput, "Throughput"), "time_split": (fig_time_split, "Time split"),
-           "accepted_steps": (fig_accepted_steps, "Accepted steps"), "kv_memory": (fig_kv_memory, "KV memory"),
-           "cost": (fig_cost, "Cost")}
+FIGURES = {
+    "throughput": (fig_throughput, "Throughput"),
+    "time_split": (fig_time_split, "Time split"),
+    "accepted_steps": (fig_accepted_steps, "Accepted steps"),
+    "kv_memory": (fig_kv_memory, "KV memory"),
+    "cost": (fig_cost, "Cost"),
+}
 
 
 # ------------------------------------------------------------------ document: blocks rendered as Markdown and HTML
@@ -280,38 +336,49 @@ def pct(x) -> str:
 
 def summary_rows(runs: list[dict]) -> list[list[str]]:
     """(metric, value per run) rows of the summary table."""
+
     def row(name, fn):
         return [name] + [fn(s) for s in runs]
 
-    rows = [row("mode / k", lambda s: f"{s['mode']} / {s['k']}"),
-            row("device", lambda s: ", ".join(s["devices"])),
-            row("dtype / precision audit (float32 re-decode)", lambda s: audit_text(s["precision_audit"])),
-            row("exclusions (decoding.exclude; items excluded per user)", lambda s: exclusions_text(s["exclusions"])),
-            row("users ok", lambda s: num(s["users_ok"])),
-            row("users rejected", lambda s: num(s["users_rejected"])),
-            row("of them: non-finite log-probs", lambda s: num(s["users_non_finite"])),
-            row("prompt template / longest prompt (tokens)", lambda s: f"{s['template'] or '-'} / "
-                                                                     f"{num(s['max_prompt_tokens'])}"),
-            row("prefill tokens saved per user (shared prefix)", lambda s: num(s["prefix_tokens_saved_per_user"], 1)),
-            row("decoder (batches)", lambda s: ", ".join(f"{d} {n}" for d, n in sorted(s["decoders"].items())) or "-"),
-            row("recommendations", lambda s: num(s["recommendations"])),
-            row("batches / actors", lambda s: f"{num(s['batches'])} / {num(s['actors'])}"),
-            row("decode wall time (s)", lambda s: num(s["decode_wall_s"])),
-            row("users/s (decode wall time)", lambda s: num(s["users_per_s"])),
-            row("users/s per busy actor-second", lambda s: num(s["users_per_busy_s"]))]
-    rows += [row(f"{p.removesuffix('_s')} (s, summed over batches)", lambda s, p=p: num(s["phase_s"][p])) for p in PHASES]
-    rows += [row("target forwards", lambda s: num(s["target_forwards"])),
-             row("draft forwards", lambda s: num(s["draft_forwards"])),
-             row("target tokens per user (prompt + tree)", lambda s: num(s["target_tokens_per_user"], 1)),
-             row("draft tokens per user (prompt + tree)", lambda s: num(s["draft_tokens_per_user"], 1)),
-             row("mean accepted steps per verification", lambda s: num(s["mean_accepted_steps"])),
-             row("KV tokens held per user", lambda s: num(s["kv_tokens_per_user"], 1)),
-             row("KV tokens per user, batch beam search", lambda s: num(s["kv_tokens_beam_batch_per_user"], 1)),
-             row("peak accelerator memory (GiB)", lambda s: num(s["peak_memory_gb"])),
-             row("accelerator-hours (allocated / busy)", lambda s: f"{num(s['accelerator_hours']['allocated'], 6)} / "
-                                                                 f"{num(s['accelerator_hours']['busy'], 6)}"),
-             row("cost per million users, allocated (USD)", lambda s: num(s["cost_per_million_users"]["allocated"], 2)),
-             row("cost per million users, busy (USD)", lambda s: num(s["cost_per_million_users"]["busy"], 2))]
+    rows = [
+        row("mode / k", lambda s: f"{s['mode']} / {s['k']}"),
+        row("device", lambda s: ", ".join(s["devices"])),
+        row("dtype / precision audit (float32 re-decode)", lambda s: audit_text(s["precision_audit"])),
+        row("exclusions (decoding.exclude; items excluded per user)", lambda s: exclusions_text(s["exclusions"])),
+        row("users ok", lambda s: num(s["users_ok"])),
+        row("users rejected", lambda s: num(s["users_rejected"])),
+        row("of them: non-finite log-probs", lambda s: num(s["users_non_finite"])),
+        row(
+            "prompt template / longest prompt (tokens)",
+            lambda s: f"{s['template'] or '-'} / {num(s['max_prompt_tokens'])}",
+        ),
+        row("prefill tokens saved per user (shared prefix)", lambda s: num(s["prefix_tokens_saved_per_user"], 1)),
+        row("decoder (batches)", lambda s: ", ".join(f"{d} {n}" for d, n in sorted(s["decoders"].items())) or "-"),
+        row("recommendations", lambda s: num(s["recommendations"])),
+        row("batches / actors", lambda s: f"{num(s['batches'])} / {num(s['actors'])}"),
+        row("decode wall time (s)", lambda s: num(s["decode_wall_s"])),
+        row("users/s (decode wall time)", lambda s: num(s["users_per_s"])),
+        row("users/s per busy actor-second", lambda s: num(s["users_per_busy_s"])),
+    ]
+    rows += [
+        row(f"{p.removesuffix('_s')} (s, summed over batches)", lambda s, p=p: num(s["phase_s"][p])) for p in PHASES
+    ]
+    rows += [
+        row("target forwards", lambda s: num(s["target_forwards"])),
+        row("draft forwards", lambda s: num(s["draft_forwards"])),
+        row("target tokens per user (prompt + tree)", lambda s: num(s["target_tokens_per_user"], 1)),
+        row("draft tokens per user (prompt + tree)", lambda s: num(s["draft_tokens_per_user"], 1)),
+        row("mean accepted steps per verification", lambda s: num(s["mean_accepted_steps"])),
+        row("KV tokens held per user", lambda s: num(s["kv_tokens_per_user"], 1)),
+        row("KV tokens per user, batch beam search", lambda s: num(s["kv_tokens_beam_batch_per_user"], 1)),
+        row("peak accelerator memory (GiB)", lambda s: num(s["peak_memory_gb"])),
+        row(
+            "accelerator-hours (allocated / busy)",
+            lambda s: f"{num(s['accelerator_hours']['allocated'], 6)} / {num(s['accelerator_hours']['busy'], 6)}",
+        ),
+        row("cost per million users, allocated (USD)", lambda s: num(s["cost_per_million_users"]["allocated"], 2)),
+        row("cost per million users, busy (USD)", lambda s: num(s["cost_per_million_users"]["busy"], 2)),
+    ]
     return rows
 
 
@@ -321,9 +388,11 @@ def audit_text(a: dict | None) -> str:
         return "-"
     if not a.get("users"):
         return f"{a['dtype']}: {a.get('note', 'no audit')}"
-    return (f"{a['dtype']}: {a['identical_lists']} of {a['users']} users' top-K identical to float32 "
-            f"({a['identical_lists'] / a['users']:.0%}), top-K overlap {a['topk_overlap']:.1%}, largest score "
-            f"difference {a['max_abs_score_diff']:.3g}, audit {num(a['seconds'])} s")
+    return (
+        f"{a['dtype']}: {a['identical_lists']} of {a['users']} users' top-K identical to float32 "
+        f"({a['identical_lists'] / a['users']:.0%}), top-K overlap {a['topk_overlap']:.1%}, largest score "
+        f"difference {a['max_abs_score_diff']:.3g}, audit {num(a['seconds'])} s"
+    )
 
 
 def exclusions_text(e: dict) -> str:
@@ -332,23 +401,30 @@ def exclusions_text(e: dict) -> str:
     if "users" not in e:  # a run from before exclusions were counted
         return f"{e['mode']}{column}"
     unknown = f", {num(e['unknown_ids_ignored'])} unknown ids ignored" if e["unknown_ids_ignored"] else ""
-    return (f"{e['mode']}{column}: mean {num(e['excluded_per_user_mean'], 1)}, max "
-            f"{num(e['excluded_per_user_max'])}{unknown}")
+    return (
+        f"{e['mode']}{column}: mean {num(e['excluded_per_user_mean'], 1)}, max "
+        f"{num(e['excluded_per_user_max'])}{unknown}"
+    )
 
 
 def auto_text(s: dict) -> str:
     """decoding.mode = auto: what each actor chose and the trial timings behind it."""
-    parts = [f"{actor[-8:]}: **{a['choice'] or 'undecided'}** (trials, users/s: " + ", ".join(
-        f"{d} {num(v, 1)}" for d, v in a["trial_users_per_s"].items() if v is not None) + ")"
-        for actor, a in sorted(s["auto"].items())]
+    parts = [
+        f"{actor[-8:]}: **{a['choice'] or 'undecided'}** (trials, users/s: "
+        + ", ".join(f"{d} {num(v, 1)}" for d, v in a["trial_users_per_s"].items() if v is not None)
+        + ")"
+        for actor, a in sorted(s["auto"].items())
+    ]
     return f"Auto mode of {_label(s)}, per actor: " + "; ".join(parts) + "."
 
 
 def catalog_text(s: dict) -> str:
     """The catalog a run decoded against and what its duplicate-semantic-ID policy dropped."""
     c, d = s["catalog"], s["catalog"]["duplicates"]
-    text = (f"Catalog of {_label(s)}: {num(c['items'])} items, {num(c['indexed'])} distinct semantic IDs in the index; "
-            f"duplicate policy `{d['policy']}`: ")
+    text = (
+        f"Catalog of {_label(s)}: {num(c['items'])} items, {num(c['indexed'])} distinct semantic IDs in the index; "
+        f"duplicate policy `{d['policy']}`: "
+    )
     if not d["dropped"]:
         return text + "no item shares a semantic ID."
     shown = ", ".join(f"{x['item_id']} (kept {x['kept']})" for x in d["items"][:30])
@@ -359,19 +435,33 @@ def catalog_text(s: dict) -> str:
 def comparison_text(run: dict, base: dict, outputs: dict) -> str:
     speed = run["users_per_s"] / base["users_per_s"]
     busy = run["users_per_busy_s"] / base["users_per_busy_s"]
-    same = ("identical" if outputs["identical"] else
-            f"NOT identical: {num(outputs['users_differ'])} of {num(outputs['users'])} users differ")
+    same = (
+        "identical"
+        if outputs["identical"]
+        else f"NOT identical: {num(outputs['users_differ'])} of {num(outputs['users'])} users differ"
+    )
     diff = outputs["max_abs_score_diff"]
-    return (f"Speed-up of {_label(run)} over {_label(base)}: **{speed:.2f}x** users/s (decode wall time), "
-            f"**{busy:.2f}x** per busy actor-second. Outputs: **{same}** ({num(outputs['users'])} users compared by "
-            f"user and rank; max |score difference| {'-' if diff is None else f'{diff:.2e}'}).")
+    return (
+        f"Speed-up of {_label(run)} over {_label(base)}: **{speed:.2f}x** users/s (decode wall time), "
+        f"**{busy:.2f}x** per busy actor-second. Outputs: **{same}** ({num(outputs['users'])} users compared by "
+        f"user and rank; max |score difference| {'-' if diff is None else f'{diff:.2e}'})."
+    )
 
 
 def build_blocks(runs: list[dict], outputs: dict | None, evaluations: list[dict | None]) -> list[tuple]:
     title = "genrec-batch run report: " + " vs ".join(s["run_id"] for s in runs)
-    blocks = [("h1", title),
-              ("p", "; ".join(f"`{s['uri']}` (run date {s['run_date']}, code {str(s['code_version'])[:12]}, models "
-                              + ", ".join(f"{r} {h}" for r, h in s["models"].items()) + ")" for s in runs))]
+    blocks = [
+        ("h1", title),
+        (
+            "p",
+            "; ".join(
+                f"`{s['uri']}` (run date {s['run_date']}, code {str(s['code_version'])[:12]}, models "
+                + ", ".join(f"{r} {h}" for r, h in s["models"].items())
+                + ")"
+                for s in runs
+            ),
+        ),
+    ]
     header = ["metric"] + [_label(s) for s in runs]
     blocks += [("h2", "Summary"), ("table", header, summary_rows(runs))]
     blocks += [("p", catalog_text(s)) for s in runs if s["catalog"]]
@@ -381,29 +471,56 @@ def build_blocks(runs: list[dict], outputs: dict | None, evaluations: list[dict 
     for name, (_, heading) in FIGURES.items():
         blocks += [("h2", heading), ("img", name)]
         if name == "throughput":
-            rows = [[_label(s), str(i + 1), a["actor"], num(a["batches"]), num(a["users"]), num(a["users_per_s"]),
-                     pct(a.get("busy_fraction"))]
-                    for s in runs for i, a in enumerate(sorted(s["per_actor"], key=lambda a: a["actor"]))]
+            rows = [
+                [
+                    _label(s),
+                    str(i + 1),
+                    a["actor"],
+                    num(a["batches"]),
+                    num(a["users"]),
+                    num(a["users_per_s"]),
+                    pct(a.get("busy_fraction")),
+                ]
+                for s in runs
+                for i, a in enumerate(sorted(s["per_actor"], key=lambda a: a["actor"]))
+            ]
             blocks.append(("table", ["run", "actor", "actor id", "batches", "users", "users/s", "busy"], rows))
-            rows = [[_label(s), x["accelerator"], num(x["actors"]), pct(x["busy_fraction"])]
-                    for s in runs for x in s.get("per_accelerator", [])]
+            rows = [
+                [_label(s), x["accelerator"], num(x["actors"]), pct(x["busy_fraction"])]
+                for s in runs
+                for x in s.get("per_accelerator", [])
+            ]
             if rows:
                 blocks.append(("table", ["run", "accelerator", "actors", "busy (any of its actors decoding)"], rows))
     evaluated = [(s, e) for s, e in zip(runs, evaluations) if e is not None]
     if evaluated:
         ks = sorted({k for _, e in evaluated for k in e["ks"]})
-        blocks += [("h2", "Quality (offline evaluation)"),
-                   ("p", "; ".join(f"{_label(s)}: {num(e['users'])} users with target items, "
-                                   f"{num(e['users_without_recommendations'])} of them without recommendations "
-                                   f"(misses), k = {e['k']}"
-                                   + (f", targets {e['targets']['meaning']}" if "targets" in e else "")
-                                   for s, e in evaluated)
-                    + ". Users without targets are skipped (`python -m jobs.evaluate`)."
-                    + "".join(f" Split `{p['split']}`: {p['convention']}." for p in
-                              {e["protocol"]["split"]: e["protocol"] for _, e in evaluated if "protocol" in e}.values())),
-                   ("table", ["metric"] + [_label(s) for s, _ in evaluated],
-                    [[f"{m}@{k}"] + [num(e.get(f"{m.lower()}@{k}"), 4) for _, e in evaluated]
-                     for m in ("Recall", "NDCG") for k in ks])]
+        blocks += [
+            ("h2", "Quality (offline evaluation)"),
+            (
+                "p",
+                "; ".join(
+                    f"{_label(s)}: {num(e['users'])} users with target items, "
+                    f"{num(e['users_without_recommendations'])} of them without recommendations "
+                    f"(misses), k = {e['k']}" + (f", targets {e['targets']['meaning']}" if "targets" in e else "")
+                    for s, e in evaluated
+                )
+                + ". Users without targets are skipped (`python -m jobs.evaluate`)."
+                + "".join(
+                    f" Split `{p['split']}`: {p['convention']}."
+                    for p in {e["protocol"]["split"]: e["protocol"] for _, e in evaluated if "protocol" in e}.values()
+                ),
+            ),
+            (
+                "table",
+                ["metric"] + [_label(s) for s, _ in evaluated],
+                [
+                    [f"{m}@{k}"] + [num(e.get(f"{m.lower()}@{k}"), 4) for _, e in evaluated]
+                    for m in ("Recall", "NDCG")
+                    for k in ks
+                ],
+            ),
+        ]
     return blocks
 
 
@@ -419,8 +536,12 @@ def to_markdown(blocks, figure_dir: str = "figures") -> str:
         elif b[0] == "img":
             out.append(f"![{b[1]}]({figure_dir}/{b[1]}.png)")
         elif b[0] == "table":
-            out.append("\n".join(["| " + " | ".join(b[1]) + " |", "|" + "---|" * len(b[1])]
-                                 + ["| " + " | ".join(r) + " |" for r in b[2]]))
+            out.append(
+                "\n".join(
+                    ["| " + " | ".join(b[1]) + " |", "|" + "---|" * len(b[1])]
+                    + ["| " + " | ".join(r) + " |" for r in b[2]]
+                )
+            )
     return "\n\n".join(out) + "\n"
 
 
@@ -442,13 +563,17 @@ def to_html(blocks, figures: dict[str, bytes]) -> str:
             head = "".join(f"<th>{inline(h)}</th>" for h in b[1])
             rows = "".join("<tr>" + "".join(f"<td>{inline(c)}</td>" for c in r) + "</tr>" for r in b[2])
             body.append(f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>")
-    style = ("body{font-family:sans-serif;max-width:1150px;margin:24px auto;color:#222}"
-             "table{border-collapse:collapse;margin:8px 0}td,th{border:1px solid #ccc;padding:3px 8px;"
-             "text-align:right}td:first-child,th:first-child{text-align:left}img{max-width:100%;display:block}"
-             "code{background:#f3f3f3;padding:0 3px}")
+    style = (
+        "body{font-family:sans-serif;max-width:1150px;margin:24px auto;color:#222}"
+        "table{border-collapse:collapse;margin:8px 0}td,th{border:1px solid #ccc;padding:3px 8px;"
+        "text-align:right}td:first-child,th:first-child{text-align:left}img{max-width:100%;display:block}"
+        "code{background:#f3f3f3;padding:0 3px}"
+    )
     title = html.escape(blocks[0][1])
-    return (f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>{title}</title><style>{style}</style>"
-            f"</head><body>\n" + "\n".join(body) + "\n</body></html>\n")
+    return (
+        f'<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>{title}</title><style>{style}</style>'
+        f"</head><body>\n" + "\n".join(body) + "\n</body></html>\n"
+    )
 
 
 def read_evaluation(run: Run, storage: Storage) -> dict | None:
@@ -464,10 +589,17 @@ def write_report(runs: list[Run], out: str, storage: Storage, gpu_hour_price: fl
     outputs = compare_outputs(runs[0], runs[1], storage) if len(runs) == 2 else None
     figures = {name: fn(summaries) for name, (fn, _) in FIGURES.items()}
     blocks = build_blocks(summaries, outputs, evaluations)
-    doc = {"runs": summaries, "outputs": outputs, "evaluations": evaluations,
-           "speedup": None if outputs is None else {
-               "users_per_s": summaries[0]["users_per_s"] / summaries[1]["users_per_s"],
-               "users_per_busy_s": summaries[0]["users_per_busy_s"] / summaries[1]["users_per_busy_s"]}}
+    doc = {
+        "runs": summaries,
+        "outputs": outputs,
+        "evaluations": evaluations,
+        "speedup": None
+        if outputs is None
+        else {
+            "users_per_s": summaries[0]["users_per_s"] / summaries[1]["users_per_s"],
+            "users_per_busy_s": summaries[0]["users_per_busy_s"] / summaries[1]["users_per_busy_s"],
+        },
+    }
     for name, png in figures.items():
         S.write_bytes(S.join(out, "figures", f"{name}.png"), png, storage)
     S.write_bytes(S.join(out, "report.md"), to_markdown(blocks).encode(), storage)
@@ -476,8 +608,9 @@ def write_report(runs: list[Run], out: str, storage: Storage, gpu_hour_price: fl
     return doc
 
 
-def report_run(uri: str, storage: Storage, compare: str | None = None, out: str | None = None,
-               gpu_hour_price: float = 2.5) -> tuple[dict, str]:
+def report_run(
+    uri: str, storage: Storage, compare: str | None = None, out: str | None = None, gpu_hour_price: float = 2.5
+) -> tuple[dict, str]:
     """The report of a published run (a run folder, a `run_date=D` folder or an output root), beside a second run
     when `compare` is given -> (the report's JSON, the folder it was written to: default `<run>/report` or
     `<run>/report-vs-<compare run id>`)."""
@@ -514,10 +647,22 @@ def screenshot(html_file: Path, png_file: Path, width: int = 1200, height: int =
     from PIL import Image
 
     with tempfile.TemporaryDirectory() as profile:
-        cmd = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-               "--disable-background-networking", "--disable-component-update", "--disable-sync",
-               "--hide-scrollbars", f"--user-data-dir={profile}", f"--window-size={width},{height}",
-               f"--screenshot={png_file.resolve()}", html_file.resolve().as_uri()]
+        cmd = [
+            chromium(),
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--hide-scrollbars",
+            f"--user-data-dir={profile}",
+            f"--window-size={width},{height}",
+            f"--screenshot={png_file.resolve()}",
+            html_file.resolve().as_uri(),
+        ]
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     if run.returncode != 0 or not png_file.is_file():
         raise RuntimeError(f"chromium screenshot of {html_file} failed: {run.stderr[-2000:]}")

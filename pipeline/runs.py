@@ -19,6 +19,7 @@ replacing _LATEST (on S3 compare-and-swap), then marks the date's other runs sup
 resolved _LATEST just before keeps its run) and are deleted by a later publish or `--gc`. A run without _SUCCESS and
 not superseded is unfinished: `--resume` continues it.
 """
+
 from __future__ import annotations
 
 import functools
@@ -85,13 +86,18 @@ def unfinished(output: str, run_date: str, storage: Storage) -> list[str]:
     """The date's run ids that started, have no _SUCCESS and were not superseded, newest first."""
     folder = date_dir(output, run_date)
     ids = [c.removeprefix("run_id=") for c in S.list_children(folder, storage) if c.startswith("run_id=")]
-    return [r for r in sorted(ids, reverse=True) if state_of(run_dir(output, run_date, r), storage) is not None
-            and S.read_bytes(S.join(run_dir(output, run_date, r), "_SUCCESS"), storage) is None
-            and S.read_bytes(S.join(run_dir(output, run_date, r), "_SUPERSEDED"), storage) is None]
+    return [
+        r
+        for r in sorted(ids, reverse=True)
+        if state_of(run_dir(output, run_date, r), storage) is not None
+        and S.read_bytes(S.join(run_dir(output, run_date, r), "_SUCCESS"), storage) is None
+        and S.read_bytes(S.join(run_dir(output, run_date, r), "_SUPERSEDED"), storage) is None
+    ]
 
 
-def publish(output: str, run_date: str, run_id: str, storage: Storage, grace_s: float,
-            latest: str | None = None) -> list[str]:
+def publish(
+    output: str, run_date: str, run_id: str, storage: Storage, grace_s: float, latest: str | None = None
+) -> list[str]:
     """Points _LATEST of the date at this run, marks the date's other runs superseded now, and deletes those
     superseded more than grace_s ago -> the run ids deleted. The caller holds the date's lease and checked it just
     before. On S3 _LATEST is replaced by compare-and-swap: only if it is still the version `latest` the caller read
@@ -104,8 +110,10 @@ def publish(output: str, run_date: str, run_id: str, storage: Storage, grace_s: 
     body = json.dumps({"run_id": run_id}).encode()
     if S.is_s3(folder):
         if S.put_if(S.join(folder, "_LATEST"), body, storage, latest) is None:
-            raise LeaseLost(f"run {run_id}: {S.join(folder, '_LATEST')} changed since this run took the date's "
-                            "lease (another run published the date): this run publishes nothing")
+            raise LeaseLost(
+                f"run {run_id}: {S.join(folder, '_LATEST')} changed since this run took the date's "
+                "lease (another run published the date): this run publishes nothing"
+            )
     else:
         S.write_bytes(S.join(folder, "_LATEST"), body, storage)
     try:
@@ -116,8 +124,11 @@ def publish(output: str, run_date: str, run_id: str, storage: Storage, grace_s: 
                 S.write_bytes(marker, json.dumps({"by": run_id, "at": now}).encode(), storage)
         return collect(output, storage, grace_s, run_date)
     except Exception as e:  # published: the clean-up is not the job's success
-        log.error("run %s is published; marking or deleting the date's superseded runs failed (%s): `--gc` will "
-                  "finish it", run_id, e)
+        log.error(
+            "run %s is published; marking or deleting the date's superseded runs failed (%s): `--gc` will finish it",
+            run_id,
+            e,
+        )
         return []
 
 
@@ -147,31 +158,46 @@ def complete_unpublished(output: str, run_date: str, storage: Storage) -> list[s
     latest = S.read_bytes(S.join(folder, "_LATEST"), storage)
     named = json.loads(latest)["run_id"] if latest else None
     ids = [c.removeprefix("run_id=") for c in S.list_children(folder, storage) if c.startswith("run_id=")]
-    return [r for r in sorted(ids, reverse=True) if r != named
-            and S.read_bytes(S.join(run_dir(output, run_date, r), "_SUCCESS"), storage) is not None
-            and S.read_bytes(S.join(run_dir(output, run_date, r), "_SUPERSEDED"), storage) is None]
+    return [
+        r
+        for r in sorted(ids, reverse=True)
+        if r != named
+        and S.read_bytes(S.join(run_dir(output, run_date, r), "_SUCCESS"), storage) is not None
+        and S.read_bytes(S.join(run_dir(output, run_date, r), "_SUPERSEDED"), storage) is None
+    ]
 
 
 def collect(output: str, storage: Storage, grace_s: float, run_date: str | None = None) -> list[str]:
     """Deletes the runs superseded more than grace_s ago (of one date, or of every date) -> their run ids. The run
     _LATEST points at is never deleted; files in it that its manifest does not list (a fenced driver's late shards)
     are."""
-    dates = [run_date] if run_date else [c.removeprefix("run_date=") for c in S.list_children(output, storage)
-                                          if c.startswith("run_date=")]
+    dates = (
+        [run_date]
+        if run_date
+        else [c.removeprefix("run_date=") for c in S.list_children(output, storage) if c.startswith("run_date=")]
+    )
     deleted = []
     for d in dates:
         latest = S.read_bytes(S.join(date_dir(output, d), "_LATEST"), storage)
         keep = json.loads(latest)["run_id"] if latest else None
         manifest = S.read_bytes(S.join(run_dir(output, d, keep), "manifest.json"), storage) if keep else None
-        if manifest is not None and json.loads(manifest).get("files") and \
-                prune(run_dir(output, d, keep), json.loads(manifest)["files"], storage):
-            log.warning("run %s of %s: deleted files its manifest does not list (a fenced driver's late shards)",
-                        keep, d)
+        if (
+            manifest is not None
+            and json.loads(manifest).get("files")
+            and prune(run_dir(output, d, keep), json.loads(manifest)["files"], storage)
+        ):
+            log.warning(
+                "run %s of %s: deleted files its manifest does not list (a fenced driver's late shards)", keep, d
+            )
         for child in S.list_children(date_dir(output, d), storage):
             run_id = child.removeprefix("run_id=")
             marker = S.read_bytes(S.join(date_dir(output, d), child, "_SUPERSEDED"), storage)
-            if child.startswith("run_id=") and run_id != keep and marker is not None \
-                    and time.time() - json.loads(marker)["at"] >= grace_s:
+            if (
+                child.startswith("run_id=")
+                and run_id != keep
+                and marker is not None
+                and time.time() - json.loads(marker)["at"] >= grace_s
+            ):
                 S.delete_tree(run_dir(output, d, run_id), storage)
                 log.info("deleted run %s of %s (superseded by %s)", run_id, d, json.loads(marker)["by"])
                 deleted.append(run_id)
@@ -203,15 +229,18 @@ def resolve(uri: str, storage: Storage) -> str:
             runs = [latest_run(uri, d.removeprefix("run_date="), storage) for d in reversed(dates)]
             run = next((r for r in runs if r), None)
         if run is None:
-            raise FileNotFoundError(f"{uri}: no published run (expected a run folder with manifest.json, a run_date= "
-                                    "folder with _LATEST, or an output root)")
+            raise FileNotFoundError(
+                f"{uri}: no published run (expected a run folder with manifest.json, a run_date= "
+                "folder with _LATEST, or an output root)"
+            )
     if S.read_bytes(S.join(run, "_SUCCESS"), storage) is None:
         raise ValueError(f"run {run}: no _SUCCESS marker; the run is incomplete or failed and is not read")
     return run
 
 
-def read_files(run: str, name: str, storage: Storage, columns=None, in_flight: int = 16,
-               files: list[str] | None = None) -> Iterator[pa.Table]:
+def read_files(
+    run: str, name: str, storage: Storage, columns=None, in_flight: int = 16, files: list[str] | None = None
+) -> Iterator[pa.Table]:
     """One of the run's tables, file by file in name order (`in_flight` reads at once: object stores are latency
     bound): the files its manifest lists (`files`: these shard stems instead, while the run is being written; a run
     written before manifests listed files: the folder's). Memory stays flat in the number of files, where one
@@ -222,12 +251,15 @@ def read_files(run: str, name: str, storage: Storage, columns=None, in_flight: i
     else:
         raw = S.read_bytes(S.join(run, "manifest.json"), storage)
         listed = json.loads(raw).get("files") if raw is not None else None
-        names = listed[name] if listed else [f for f in S.list_files(folder, storage)
-                                             if f.endswith(".parquet") and not f.startswith(".")]
+        names = (
+            listed[name]
+            if listed
+            else [f for f in S.list_files(folder, storage) if f.endswith(".parquet") and not f.startswith(".")]
+        )
     read = functools.partial(S.read_parquet, storage=storage, columns=list(columns) if columns else None)
     with ThreadPoolExecutor(in_flight) as pool:
         for i in range(0, len(names), in_flight):
-            yield from pool.map(read, [S.join(folder, f) for f in names[i:i + in_flight]])
+            yield from pool.map(read, [S.join(folder, f) for f in names[i : i + in_flight]])
 
 
 def read_table(run: str, name: str, storage: Storage, columns=None, files: list[str] | None = None) -> pa.Table:
@@ -240,6 +272,7 @@ def read_table(run: str, name: str, storage: Storage, columns=None, files: list[
 @dataclass
 class Run:
     """A published run as readers see it."""
+
     uri: str  # the run folder
     manifest: dict
     metrics: pd.DataFrame  # one row per processed batch (operators/recommender.py)

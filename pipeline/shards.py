@@ -13,6 +13,7 @@ manifest lists exactly those shards and its own (`manifest["files"]`), which is 
 past its lease while another took the run over may have actors still writing: their files carry the old attempt,
 no later attempt trusts them, and a resume or the publish deletes them.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,20 +34,55 @@ from pipeline.units import merge
 DUPLICATE = ("duplicate_user", "user_id appears more than once; the first row is kept")
 _INT = pa.int64()
 METRIC_SCHEMA = pa.schema(
-    [("run_id", pa.string()), ("shard", pa.string()), ("attempt", pa.string()), ("actor", pa.string()), ("batch", _INT), ("host", pa.string()),
-     ("accelerator", pa.string()),
-     ("device", pa.string()), ("mode", pa.string()), ("decoder", pa.string()), ("k", _INT), ("users_in", _INT),
-     ("users_ok", _INT), ("users_rejected", _INT), ("users_non_finite", _INT), ("users_duplicate", _INT),
-     ("recommendations", _INT), ("prompt_tokens", _INT), ("prefix_tokens_saved", _INT), ("wall_s", pa.float64()),
-     ("other_s", pa.float64())]
+    [
+        ("run_id", pa.string()),
+        ("shard", pa.string()),
+        ("attempt", pa.string()),
+        ("actor", pa.string()),
+        ("batch", _INT),
+        ("host", pa.string()),
+        ("accelerator", pa.string()),
+        ("device", pa.string()),
+        ("mode", pa.string()),
+        ("decoder", pa.string()),
+        ("k", _INT),
+        ("users_in", _INT),
+        ("users_ok", _INT),
+        ("users_rejected", _INT),
+        ("users_non_finite", _INT),
+        ("users_duplicate", _INT),
+        ("recommendations", _INT),
+        ("prompt_tokens", _INT),
+        ("prefix_tokens_saved", _INT),
+        ("wall_s", pa.float64()),
+        ("other_s", pa.float64()),
+    ]
     + [(key, pa.float64() if key in PHASES else _INT) for key in BASE_KEYS]
-    + [("mean_accepted_steps", pa.float64()), ("accepted_hist", pa.list_(_INT)), ("peak_memory_bytes", _INT),
-       ("decode_batch", _INT), ("actor_ready_at", pa.float64()), ("committed_at", pa.float64()),
-       ("users_per_s", pa.float64()), ("auto", pa.string()), ("dtype", pa.string()), ("audit_users", _INT),
-       ("audit_identical_lists", _INT), ("audit_topk_overlap_sum", pa.float64()),
-       ("audit_max_abs_score_diff", pa.float64()), ("audit_s", pa.float64()), ("engine", pa.string()),
-       ("compile_s", pa.float64()), ("graphs_compiled", _INT), ("ranges", pa.list_(pa.list_(_INT))),
-       ("exclude_users", _INT), ("excluded_items", _INT), ("excluded_max", _INT), ("exclude_unknown_ids", _INT)])
+    + [
+        ("mean_accepted_steps", pa.float64()),
+        ("accepted_hist", pa.list_(_INT)),
+        ("peak_memory_bytes", _INT),
+        ("decode_batch", _INT),
+        ("actor_ready_at", pa.float64()),
+        ("committed_at", pa.float64()),
+        ("users_per_s", pa.float64()),
+        ("auto", pa.string()),
+        ("dtype", pa.string()),
+        ("audit_users", _INT),
+        ("audit_identical_lists", _INT),
+        ("audit_topk_overlap_sum", pa.float64()),
+        ("audit_max_abs_score_diff", pa.float64()),
+        ("audit_s", pa.float64()),
+        ("engine", pa.string()),
+        ("compile_s", pa.float64()),
+        ("graphs_compiled", _INT),
+        ("ranges", pa.list_(pa.list_(_INT))),
+        ("exclude_users", _INT),
+        ("excluded_items", _INT),
+        ("excluded_max", _INT),
+        ("exclude_unknown_ids", _INT),
+    ]
+)
 AUDIT = ("audit_users", "audit_identical_lists", "audit_topk_overlap_sum", "audit_s")  # summed over shards
 EXCLUDED = ("exclude_users", "excluded_items", "exclude_unknown_ids")  # summed over shards (excluded_max: the max)
 
@@ -61,30 +97,43 @@ def begin_attempt(run: str, storage: Storage, attempt: str) -> list[str]:
     if records:
         last = json.loads(S.read_bytes(S.join(folder, records[-1]), storage))
         mine = f"-{last['attempt']}.parquet"
-        trusted = set(last["trusted"]) | {n.removesuffix(".parquet") for n in
-                                          S.list_files(runs.table_dir(run, "metrics"), storage) if n.endswith(mine)}
+        trusted = set(last["trusted"]) | {
+            n.removesuffix(".parquet")
+            for n in S.list_files(runs.table_dir(run, "metrics"), storage)
+            if n.endswith(mine)
+        }
     trusted = sorted(trusted)
-    S.write_bytes(S.join(folder, f"{len(records):06d}-{attempt}.json"),
-                  json.dumps({"attempt": attempt, "started": time.time(), "trusted": trusted}).encode(), storage)
+    S.write_bytes(
+        S.join(folder, f"{len(records):06d}-{attempt}.json"),
+        json.dumps({"attempt": attempt, "started": time.time(), "trusted": trusted}).encode(),
+        storage,
+    )
     keep = set(trusted)
     for table in runs.TABLES:
         folder = runs.table_dir(run, table)
-        S.delete_files(folder, [f for f in S.list_files(folder, storage) if f.removesuffix(".parquet") not in keep],
-                       storage)
+        S.delete_files(
+            folder, [f for f in S.list_files(folder, storage) if f.removesuffix(".parquet") not in keep], storage
+        )
     return trusted
 
 
 def committed(run: str, storage: Storage, stems: list[str]) -> list[tuple[int, int]]:
     """The position ranges [(start, end)] the shards `stems` cover, merged."""
-    ranges = [tuple(r) for t in runs.read_files(run, "metrics", storage, ["ranges"], files=stems)
-              for rs in t.column("ranges").to_pylist() for r in rs]
+    ranges = [
+        tuple(r)
+        for t in runs.read_files(run, "metrics", storage, ["ranges"], files=stems)
+        for rs in t.column("ranges").to_pylist()
+        for r in rs
+    ]
     return merge(ranges)
 
 
 def attempt_shards(run: str, storage: Storage, trusted: list[str], attempt: str) -> list[str]:
     """The shards a run publishes: those its attempt trusted when it started, and those it committed itself."""
     mine = f"-{attempt}.parquet"
-    own = [n.removesuffix(".parquet") for n in S.list_files(runs.table_dir(run, "metrics"), storage) if n.endswith(mine)]
+    own = [
+        n.removesuffix(".parquet") for n in S.list_files(runs.table_dir(run, "metrics"), storage) if n.endswith(mine)
+    ]
     return sorted(set(trusted) | set(own))
 
 
@@ -105,8 +154,20 @@ def tally(run: str, storage: Storage, stems: list[str], since: float = 0.0) -> d
     audit, worst, dtypes = dict.fromkeys(AUDIT, 0), [], set()
     excluded = {**dict.fromkeys(EXCLUDED, 0), "excluded_max": 0}
     compile_s, graphs = {}, 0
-    columns = [*SUMS, "actor", "batch", "auto", "decode_batch", *times, "dtype", *AUDIT, "audit_max_abs_score_diff",
-               *excluded, "compile_s", "graphs_compiled"]
+    columns = [
+        *SUMS,
+        "actor",
+        "batch",
+        "auto",
+        "decode_batch",
+        *times,
+        "dtype",
+        *AUDIT,
+        "audit_max_abs_score_diff",
+        *excluded,
+        "compile_s",
+        "graphs_compiled",
+    ]
     for t in runs.read_files(run, "metrics", storage, columns, files=stems):
         for key, seen in times.items():
             seen += [v - since for v in t[key].to_pylist() if v is not None and v >= since]
@@ -128,12 +189,18 @@ def tally(run: str, storage: Storage, stems: list[str], since: float = 0.0) -> d
             if r["auto"] and r["batch"] >= last.get(r["actor"], (-1, None))[0]:
                 last[r["actor"]] = (r["batch"], json.loads(r["auto"]))
     decode_batch = {"min": min(s.as_py() for s in sizes), "max": max(s.as_py() for s in sizes)} if sizes else None
-    return {**sums, "batches": batches, "decode_batch": decode_batch,
-            "actor_ready_s": min(times["actor_ready_at"], default=None),
-            "first_commit_s": min(times["committed_at"], default=None),
-            "auto": {actor: state for actor, (_, state) in sorted(last.items())} or None,
-            "precision_audit": precision_audit(sorted(dtypes), audit, worst), "exclusions": excluded,
-            "compile_s": dict(sorted(compile_s.items())) if graphs else None, "graphs_compiled": graphs}
+    return {
+        **sums,
+        "batches": batches,
+        "decode_batch": decode_batch,
+        "actor_ready_s": min(times["actor_ready_at"], default=None),
+        "first_commit_s": min(times["committed_at"], default=None),
+        "auto": {actor: state for actor, (_, state) in sorted(last.items())} or None,
+        "precision_audit": precision_audit(sorted(dtypes), audit, worst),
+        "exclusions": excluded,
+        "compile_s": dict(sorted(compile_s.items())) if graphs else None,
+        "graphs_compiled": graphs,
+    }
 
 
 def precision_audit(dtypes: list[str], audit: dict, worst: list[float]) -> dict:
@@ -144,10 +211,14 @@ def precision_audit(dtypes: list[str], audit: dict, worst: list[float]) -> dict:
     if dtypes and set(dtypes) <= {"float32"}:
         return {**out, "note": "float32 is exact (top-K identical to transformers); nothing to audit"}
     n = out["users"]
-    return {**out, "identical_lists": int(audit["audit_identical_lists"]),
-            "topk_overlap": audit["audit_topk_overlap_sum"] / n if n else None,
-            "max_abs_score_diff": max(worst, default=None), "seconds": float(audit["audit_s"]),
-            **({} if n else {"note": "half precision without an audit (compute.audit_users = 0)"})}
+    return {
+        **out,
+        "identical_lists": int(audit["audit_identical_lists"]),
+        "topk_overlap": audit["audit_topk_overlap_sum"] / n if n else None,
+        "max_abs_score_diff": max(worst, default=None),
+        "seconds": float(audit["audit_s"]),
+        **({} if n else {"note": "half precision without an audit (compute.audit_users = 0)"}),
+    }
 
 
 class ShardRecommender:
@@ -169,20 +240,34 @@ class ShardRecommender:
         kind = out["kind"]
         metric = json.loads(out["metrics"].filter(pc.equal(kind, "metric"))[0].as_py())
         n_dup = int(dup.sum())
-        metric.update(shard=shard, attempt=self.attempt, users_in=metric["users_in"] + n_dup, users_duplicate=n_dup,
-                      users_rejected=metric["users_rejected"] + n_dup, ranges=ranges_of(pos))
+        metric.update(
+            shard=shard,
+            attempt=self.attempt,
+            users_in=metric["users_in"] + n_dup,
+            users_duplicate=n_dup,
+            users_rejected=metric["users_rejected"] + n_dup,
+            ranges=ranges_of(pos),
+        )
         user_type = batch.schema.field("user_id").type
         rejects = out.filter(pc.equal(kind, "reject")).select(TABLES["reject"])
         rejects = rejects.cast(table_schema("reject", user_type))
         metric["committed_at"] = time.time()  # the shard commits with the metrics row written next
         if n_dup:
             users = batch["user_id"].filter(pa.array(dup))
-            rejects = pa.concat_tables([rejects, pa.table(
-                {"user_id": users, "reason": [DUPLICATE[0]] * n_dup, "detail": [DUPLICATE[1]] * n_dup},
-                schema=rejects.schema)])
+            rejects = pa.concat_tables(
+                [
+                    rejects,
+                    pa.table(
+                        {"user_id": users, "reason": [DUPLICATE[0]] * n_dup, "detail": [DUPLICATE[1]] * n_dup},
+                        schema=rejects.schema,
+                    ),
+                ]
+            )
         recs = out.filter(pc.equal(kind, "rec")).select(TABLES["rec"]).cast(table_schema("rec", user_type))
         write_shard(f"{shard}-{self.attempt}", recs, rejects, metric, self.run, self.storage)
-        self.written[shard] = {key: metric[key] for key in ("users_in", "users_ok", "users_rejected", "recommendations")}
+        self.written[shard] = {
+            key: metric[key] for key in ("users_in", "users_ok", "users_rejected", "recommendations")
+        }
         return pa.Table.from_pylist([self.written[shard]])
 
 

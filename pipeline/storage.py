@@ -3,6 +3,7 @@ written atomically, file hashes, model directories copied once per node into a v
 policy of every call that talks to the object store (`retrying`).
 The layout of a run's outputs is pipeline/runs.py.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -39,10 +40,23 @@ SDK_ATTEMPTS = 3  # attempts inside one call (boto3 retries.max_attempts, pyarro
 CONNECT_S, REQUEST_S = 5.0, 20.0  # an attempt gives up on a store that does not connect / send a byte for this long
 BACKOFF_S = (0.2, 10.0)  # the n-th retry waits uniform(0, min(10, 0.2 * 2^n)) s (full jitter)
 BATCH_RETRIES = 2  # a batch whose shard still cannot be written after the budget is run again by Ray this many times
-TRANSIENT_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestThrottled", "TooManyRequests",
-                             "RequestLimitExceeded", "RequestTimeout", "InternalError", "ServiceUnavailable"})
-_ARROW_TRANSIENT = re.compile(r"AWS Error (NETWORK_CONNECTION|SLOW_DOWN|THROTTLING|SERVICE_UNAVAILABLE|"
-                              r"INTERNAL_FAILURE|REQUEST_TIMEOUT)\b|HTTP status (429|5\d\d)\b")
+TRANSIENT_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestThrottled",
+        "TooManyRequests",
+        "RequestLimitExceeded",
+        "RequestTimeout",
+        "InternalError",
+        "ServiceUnavailable",
+    }
+)
+_ARROW_TRANSIENT = re.compile(
+    r"AWS Error (NETWORK_CONNECTION|SLOW_DOWN|THROTTLING|SERVICE_UNAVAILABLE|"
+    r"INTERNAL_FAILURE|REQUEST_TIMEOUT)\b|HTTP status (429|5\d\d)\b"
+)
 
 
 class StoreUnavailable(Exception):
@@ -91,19 +105,27 @@ def retrying(call: Callable[[], T], storage: Storage, what: str, budget_s: float
             waited = time.monotonic() - start
             cause = " ".join(str(e).split()) or type(e).__name__
             if waited >= budget:
-                down = StoreUnavailable(f"object store {store_name(storage)} unavailable: {what} failed for "
-                                        f"{waited:.0f} s ({attempt + 1} tries; storage.retry_s = {budget:g}): "
-                                        f"{cause}")
+                down = StoreUnavailable(
+                    f"object store {store_name(storage)} unavailable: {what} failed for "
+                    f"{waited:.0f} s ({attempt + 1} tries; storage.retry_s = {budget:g}): "
+                    f"{cause}"
+                )
                 log.error("giving up: %s", down)
                 raise down from e
-            delay = min(random.uniform(0, min(BACKOFF_S[1], BACKOFF_S[0] * 2 ** attempt)), budget - waited)
-            log.warning("store %s: %s failed (%s); retry %d in %.1f s", store_name(storage), what, cause,
-                        attempt + 1, delay)
+            delay = min(random.uniform(0, min(BACKOFF_S[1], BACKOFF_S[0] * 2**attempt)), budget - waited)
+            log.warning(
+                "store %s: %s failed (%s); retry %d in %.1f s", store_name(storage), what, cause, attempt + 1, delay
+            )
             time.sleep(delay)
         else:
             if attempt:
-                log.warning("store %s: %s succeeded after %d retries, %.1f s", store_name(storage), what, attempt,
-                            time.monotonic() - start)
+                log.warning(
+                    "store %s: %s succeeded after %d retries, %.1f s",
+                    store_name(storage),
+                    what,
+                    attempt,
+                    time.monotonic() - start,
+                )
             return result
 
 
@@ -140,8 +162,13 @@ def filesystem(uri: str, storage: Storage) -> tuple[pafs.FileSystem, str]:
         kwargs.update(endpoint_override=endpoint.netloc, scheme=endpoint.scheme)
     bucket, key = split_s3(uri)
     # allow_delayed_open: a small file is one PutObject at close (not a multipart upload's three requests)
-    fs = pafs.S3FileSystem(**kwargs, connect_timeout=CONNECT_S, request_timeout=REQUEST_S, allow_delayed_open=True,
-                           retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=SDK_ATTEMPTS))
+    fs = pafs.S3FileSystem(
+        **kwargs,
+        connect_timeout=CONNECT_S,
+        request_timeout=REQUEST_S,
+        allow_delayed_open=True,
+        retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=SDK_ATTEMPTS),
+    )
     return fs, f"{bucket}/{key}".rstrip("/")
 
 
@@ -150,10 +177,12 @@ def s3_client(storage: Storage):
     import boto3
     import botocore.config
 
-    config = botocore.config.Config(connect_timeout=CONNECT_S, read_timeout=REQUEST_S,
-                                    retries={"mode": "standard", "max_attempts": SDK_ATTEMPTS})
-    return boto3.session.Session().client("s3", endpoint_url=storage.endpoint, region_name=storage.region,
-                                          config=config)
+    config = botocore.config.Config(
+        connect_timeout=CONNECT_S, read_timeout=REQUEST_S, retries={"mode": "standard", "max_attempts": SDK_ATTEMPTS}
+    )
+    return boto3.session.Session().client(
+        "s3", endpoint_url=storage.endpoint, region_name=storage.region, config=config
+    )
 
 
 def join(uri: str, *parts: str) -> str:
@@ -274,13 +303,18 @@ def delete_files(uri: str, names: list[str], storage: Storage) -> None:
         return
     bucket, key = split_s3(join(uri, ""))
     for i in range(0, len(names), 1000):
-        objects = [{"Key": key + name} for name in names[i:i + 1000]]
-        done = retrying(lambda: s3_client(storage).delete_objects(Bucket=bucket, Delete={"Objects": objects}),
-                        storage, f"DELETE {len(objects)} objects in {uri}")
+        objects = [{"Key": key + name} for name in names[i : i + 1000]]
+        done = retrying(
+            lambda: s3_client(storage).delete_objects(Bucket=bucket, Delete={"Objects": objects}),
+            storage,
+            f"DELETE {len(objects)} objects in {uri}",
+        )
         if done.get("Errors"):  # per key, in a 200 answer
             e = done["Errors"][0]
-            raise OSError(f"DELETE s3://{bucket}/{e.get('Key')}: {e.get('Code')} ({e.get('Message')}); "
-                          f"{len(done['Errors'])} of {len(objects)} objects in {uri} not deleted")
+            raise OSError(
+                f"DELETE s3://{bucket}/{e.get('Key')}: {e.get('Code')} ({e.get('Message')}); "
+                f"{len(done['Errors'])} of {len(objects)} objects in {uri} not deleted"
+            )
 
 
 def exists(uri: str, storage: Storage) -> bool:
@@ -291,8 +325,15 @@ def exists(uri: str, storage: Storage) -> bool:
 def delete_tree(uri: str, storage: Storage) -> None:
     if is_s3(uri):
         bucket, key = split_s3(uri)
-        pages = retrying(lambda: list(s3_client(storage).get_paginator("list_objects_v2").paginate(
-            Bucket=bucket, Prefix=key.rstrip("/") + "/")), storage, f"LIST {uri}")
+        pages = retrying(
+            lambda: list(
+                s3_client(storage)
+                .get_paginator("list_objects_v2")
+                .paginate(Bucket=bucket, Prefix=key.rstrip("/") + "/")
+            ),
+            storage,
+            f"LIST {uri}",
+        )
         names = [o["Key"].removeprefix(key.rstrip("/") + "/") for page in pages for o in page.get("Contents", [])]
         delete_files(uri, names, storage)
     else:
@@ -318,12 +359,16 @@ def check_access(uri: str, storage: Storage) -> None:
     try:
         retrying(lambda: s3_client(storage).head_bucket(Bucket=bucket), storage, f"HEAD bucket {bucket} of {uri}")
     except botocore.exceptions.NoCredentialsError:
-        raise PermissionError(f"{uri}: no object-store credentials (set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY "
-                              "or use the cloud's default credential chain)") from None
+        raise PermissionError(
+            f"{uri}: no object-store credentials (set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY "
+            "or use the cloud's default credential chain)"
+        ) from None
     except botocore.exceptions.ClientError as e:
         code = e.response.get("Error", {}).get("Code", "?")
-        raise PermissionError(f"{uri}: the object store refused access to bucket {bucket!r} ({code}); check the "
-                              "credentials in the environment and storage.endpoint") from None
+        raise PermissionError(
+            f"{uri}: the object store refused access to bucket {bucket!r} ({code}); check the "
+            "credentials in the environment and storage.endpoint"
+        ) from None
 
 
 # ------------------------------------------------------------------ model directories
@@ -356,8 +401,11 @@ def upload_model_dir(local: str, uri: str, storage: Storage) -> None:
     bucket, key = split_s3(uri)
     client = s3_client(storage)
     for p in files:
-        retrying(lambda: client.upload_file(str(p), bucket, f"{key.rstrip('/')}/{p.name}"), storage,
-                 f"PUT {join(uri, p.name)}")
+        retrying(
+            lambda: client.upload_file(str(p), bucket, f"{key.rstrip('/')}/{p.name}"),
+            storage,
+            f"PUT {join(uri, p.name)}",
+        )
     write_bytes(join(uri, "sha256sums.json"), json.dumps(sums).encode(), storage)
 
 
@@ -379,11 +427,16 @@ def local_model_dir(uri: str, cache_dir: str, storage: Storage) -> Path:
         client = s3_client(storage)
         raw = read_bytes(join(uri, "sha256sums.json"), storage)
         if raw is None:
-            raise FileNotFoundError(f"model {uri}: no sha256sums.json (upload it with pipeline.storage.upload_model_dir)")
+            raise FileNotFoundError(
+                f"model {uri}: no sha256sums.json (upload it with pipeline.storage.upload_model_dir)"
+            )
         sums = json.loads(raw)
         for name, digest in sums.items():
-            retrying(lambda: client.download_file(bucket, f"{key.rstrip('/')}/{name}", str(target / name)), storage,
-                     f"GET {join(uri, name)}")
+            retrying(
+                lambda: client.download_file(bucket, f"{key.rstrip('/')}/{name}", str(target / name)),
+                storage,
+                f"GET {join(uri, name)}",
+            )
             if sha256_file(target / name) != digest:
                 raise ValueError(f"model {uri}: {name} does not match its sha256 in sha256sums.json")
         (target / ".complete").write_text(uri)

@@ -9,6 +9,7 @@ ids, with their first position, reach the read tasks.
 Nothing here imports torch: the read tasks' workers start in a fraction of a second (pipeline/shards.py, the output
 side, imports the recommender).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -25,6 +26,7 @@ import pyarrow.parquet as pq
 @dataclass(frozen=True)
 class Unit:
     """One row group of one input file."""
+
     path: str  # inside the input's filesystem
     row_group: int
     rows: int
@@ -60,7 +62,7 @@ def todo(units: list[Unit], done: list[tuple[int, int]]) -> list[dict]:
     for u in units:
         lo, hi = u.offset, u.offset + u.rows
         i = np.searchsorted(starts, lo, side="right") - 1
-        inside = [(max(a, lo), min(b, hi)) for a, b in done[max(i, 0):] if a < hi and b > lo]
+        inside = [(max(a, lo), min(b, hi)) for a, b in done[max(i, 0) :] if a < hi and b > lo]
         if sum(b - a for a, b in inside) < u.rows:
             out.append({**asdict(u), "done": json.dumps(inside)})
     return out
@@ -70,8 +72,8 @@ def positions(unit: dict) -> np.ndarray:
     """The positions of a unit (a row of `todo`) still to decode."""
     pos = np.arange(unit["offset"], unit["offset"] + unit["rows"], dtype=np.int64)
     keep = np.ones(len(pos), bool)
-    for a, b in (json.loads(unit["done"]) if isinstance(unit["done"], str) else unit["done"]):
-        keep[a - unit["offset"]:b - unit["offset"]] = False
+    for a, b in json.loads(unit["done"]) if isinstance(unit["done"], str) else unit["done"]:
+        keep[a - unit["offset"] : b - unit["offset"]] = False
     return pos[keep]
 
 
@@ -98,7 +100,7 @@ def find_duplicates(units: list[Unit], fs, budget_mb: float = 1024) -> tuple[pa.
     (None: no duplicates), and where they were found: "driver" when the id column (uncompressed, with positions and
     the hash table: `id_bytes`) takes at most `budget_mb`, read and grouped by pyarrow in this process (milliseconds
     per million rows); else "ray", an aggregation over the cluster."""
-    if id_bytes(units, fs) <= budget_mb * 2 ** 20:
+    if id_bytes(units, fs) <= budget_mb * 2**20:
         return duplicates_on_driver(units, fs), "driver"
     return duplicates_on_ray(units, fs), "ray"
 
@@ -138,10 +140,15 @@ def duplicates_on_ray(units: list[Unit], fs) -> pa.Table | None:
     from ray.data.expressions import col
 
     ids = ray.data.from_items(todo(units, [])).map_batches(
-        read_units, batch_size=1, batch_format="pyarrow", fn_kwargs={"fs": fs, "columns": ["user_id"]})
+        read_units, batch_size=1, batch_format="pyarrow", fn_kwargs={"fs": fs, "columns": ["user_id"]}
+    )
     rows = sum(u.rows for u in units)
     grouped = ids.groupby("user_id", num_partitions=max(1, min(64, rows // 500_000 + 1))).aggregate(
-        Count(alias_name="n"), Min("pos", alias_name="first"))
-    found = [b.select(["user_id", "first"]) for b in grouped.filter(expr=col("n") > 1).iter_batches(
-        batch_size=None, batch_format="pyarrow") if b.num_rows]  # one execution
+        Count(alias_name="n"), Min("pos", alias_name="first")
+    )
+    found = [
+        b.select(["user_id", "first"])
+        for b in grouped.filter(expr=col("n") > 1).iter_batches(batch_size=None, batch_format="pyarrow")
+        if b.num_rows
+    ]  # one execution
     return pa.concat_tables(found) if found else None

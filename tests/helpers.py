@@ -1,4 +1,5 @@
 """Shared test fixtures: random catalogs, left-padded prompts, a CPU trie for `generate`, comparisons."""
+
 from __future__ import annotations
 
 import torch
@@ -14,7 +15,7 @@ def random_catalog(n_items: int, levels: int, codes: int, seed: int = 0, skew: f
     """n_items distinct semantic IDs over `levels` x `codes`; token id = SPECIALS + level * codes + code.
     skew > 0 concentrates the first levels on few codes, so that some prefixes have few continuations."""
     g = torch.Generator().manual_seed(seed)
-    space = codes ** levels
+    space = codes**levels
     if n_items > space:
         raise ValueError("more items than semantic IDs")
     weights = torch.ones(space) if skew == 0 else torch.rand(space, generator=g) ** (1 + 10 * skew)
@@ -34,8 +35,8 @@ def left_padded_prompts(batch: int, lengths, vocab_size: int, seed: int = 0):
     mask = torch.zeros(batch, s, dtype=torch.int64)
     for i, n in enumerate(lens):
         ids[i, s - n] = 1
-        ids[i, s - n + 1:] = torch.randint(SPECIALS, vocab_size, (n - 1,), generator=g)
-        mask[i, s - n:] = 1
+        ids[i, s - n + 1 :] = torch.randint(SPECIALS, vocab_size, (n - 1,), generator=g)
+        mask[i, s - n :] = 1
     return ids, mask
 
 
@@ -80,8 +81,9 @@ def trained_model(arch: str, catalog: Catalog, input_ids, attention_mask, steps:
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     for _ in range(steps):
         codes = catalog.tokens[favourite.gather(1, torch.multinomial(weights, 1, generator=g))[:, 0]]  # [B, L]
-        logits = model(input_ids=torch.cat([input_ids, codes], 1), attention_mask=mask,
-                       position_ids=pos).logits[:, -code_len - 1:-1]  # [B, L, V]
+        logits = model(input_ids=torch.cat([input_ids, codes], 1), attention_mask=mask, position_ids=pos).logits[
+            :, -code_len - 1 : -1
+        ]  # [B, L, V]
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), codes.reshape(-1))
         opt.zero_grad()
         loss.backward()
@@ -108,7 +110,7 @@ def forced_scores(model, input_ids, attention_mask, tokens, head: str = "exact")
             logits += out.bias.double()
     else:
         logits = model(input_ids=seq, attention_mask=mask, position_ids=pos).logits.double()
-    logp = logits.log_softmax(-1)[:, -code_len - 1:-1].gather(2, seq[:, -code_len:, None]).squeeze(2)
+    logp = logits.log_softmax(-1)[:, -code_len - 1 : -1].gather(2, seq[:, -code_len:, None]).squeeze(2)
     return torch.where(real, logp.sum(1).view(b, k), float("-inf"))
 
 

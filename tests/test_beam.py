@@ -1,12 +1,19 @@
 """beam_search returns exactly what transformers' constrained beam search returns, only faster."""
+
 import pytest
 import torch
 
 from decoding.beam import beam_search
 from decoding.catalog import Catalog
 from decoding.models import tiny_model
-from tests.helpers import (SPECIALS, assert_same_ranking, hf_beam_search, left_padded_prompts, random_catalog,
-                           sequence_logprob)
+from tests.helpers import (
+    SPECIALS,
+    assert_same_ranking,
+    hf_beam_search,
+    left_padded_prompts,
+    random_catalog,
+    sequence_logprob,
+)
 
 LENGTHS = [3, 11, 6, 17, 9, 4, 14, 8]  # 8 users, all different prompt lengths
 
@@ -16,8 +23,9 @@ def catalog():
     return random_catalog(400, 4, 8, seed=11)
 
 
-@pytest.mark.parametrize("arch, attn", [("llama", "eager"), ("llama", "sdpa"), ("qwen2", "eager"),
-                                        ("qwen2", "sdpa"), ("qwen3", "sdpa")])
+@pytest.mark.parametrize(
+    "arch, attn", [("llama", "eager"), ("llama", "sdpa"), ("qwen2", "eager"), ("qwen2", "sdpa"), ("qwen3", "sdpa")]
+)
 @pytest.mark.parametrize("k", [1, 5, 20])
 def test_equals_transformers_beam_search(catalog, arch, attn, k):
     model = tiny_model(arch, catalog.vocab_size, seed=k, attn_implementation=attn)
@@ -82,8 +90,8 @@ def test_batch_of_users_equals_users_one_at_a_time(catalog):
     rec = beam_search(model, ids, mask, catalog, 5)
     for i in range(8):
         n = int(mask[i].sum())
-        one = beam_search(model, ids[i:i + 1, -n:], mask[i:i + 1, -n:], catalog, 5)
-        assert_same_ranking(one.item_ids, one.scores, rec.item_ids[i:i + 1], rec.scores[i:i + 1], atol=1e-5)
+        one = beam_search(model, ids[i : i + 1, -n:], mask[i : i + 1, -n:], catalog, 5)
+        assert_same_ranking(one.item_ids, one.scores, rec.item_ids[i : i + 1], rec.scores[i : i + 1], atol=1e-5)
 
 
 def test_deterministic_tie_break():

@@ -1,6 +1,7 @@
 """The benchmarks run end to end on real Beauty prompts (`python -m jobs.bench` in a subprocess): decode agreement
 with transformers, DISC timing, and `bench all` (every section, one report, every timed repeat recorded); the exact
 catalog scorer and the distances behind the DISC bias section. The timing harness itself: test_bench_harness.py."""
+
 import json
 import re
 import shutil
@@ -25,8 +26,12 @@ BEAUTY = ROOT.parent / "shared" / "datasets" / "amazon-beauty"
 def data(tmp_path_factory):
     """Amazon Beauty prepared once for the module."""
     out = tmp_path_factory.mktemp("beauty")
-    subprocess.run([sys.executable, "-m", "jobs.prepare_data", "--source", str(BEAUTY), "--out", str(out)],
-                   cwd=ROOT, check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "jobs.prepare_data", "--source", str(BEAUTY), "--out", str(out)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
     return out
 
 
@@ -44,16 +49,44 @@ def bench(*argv):
 
 def test_bench_decode_small(data, tmp_path):
     out = tmp_path / "out"
-    run = bench("decode", "--data", str(data), "--users", "6", "--batch", "3", "--k", "5", "--layers", "1",
-                "--hidden", "32", "--heads", "2", "--index-items", "3000", "--repeats", "2", "--device", "cpu",
-                "--out", str(out))
+    run = bench(
+        "decode",
+        "--data",
+        str(data),
+        "--users",
+        "6",
+        "--batch",
+        "3",
+        "--k",
+        "5",
+        "--layers",
+        "1",
+        "--hidden",
+        "32",
+        "--heads",
+        "2",
+        "--index-items",
+        "3000",
+        "--repeats",
+        "2",
+        "--device",
+        "cpu",
+        "--out",
+        str(out),
+    )
     assert run.returncode == 0, run.stderr
     result = json.loads((out / "decode.json").read_text())
     decode = result["decode"]
-    assert decode["agreement"] == {"users": 6, "same_items_same_order": 1.0, "same_item_set": 1.0,
-                                   "max_abs_score_diff": decode["agreement"]["max_abs_score_diff"]}
+    assert decode["agreement"] == {
+        "users": 6,
+        "same_items_same_order": 1.0,
+        "same_item_set": 1.0,
+        "max_abs_score_diff": decode["agreement"]["max_abs_score_diff"],
+    }
     assert decode["agreement"]["max_abs_score_diff"] < 1e-4
-    assert decode["methods"]["beam_search"]["kv_tokens_per_user"] < decode["methods"]["transformers"]["kv_tokens_per_user"]
+    assert (
+        decode["methods"]["beam_search"]["kv_tokens_per_user"] < decode["methods"]["transformers"]["kv_tokens_per_user"]
+    )
     assert [r["items"] for r in result["index"]] == [12023, 3000]
     # every repeat's seconds, interleaved with the order alternating, the median within the range
     assert decode["order"] == ["transformers", "beam_search", "beam_search", "transformers"]
@@ -94,13 +127,40 @@ def test_bench_bad_arguments(tmp_path):
 
 def test_bench_disc_small(data, tmp_path):
     out, model = tmp_path / "out", tiny_beauty_model(tmp_path / "model", data, 32, 0)
-    run = bench("disc", "--data", str(data), "--model", str(model), "--users", "4", "--batch", "2", "--k", "3",
-                "--max-rounds", "2", "--top-m", "20", "--repeats", "2", "--device", "cpu", "--out", str(out))
+    run = bench(
+        "disc",
+        "--data",
+        str(data),
+        "--model",
+        str(model),
+        "--users",
+        "4",
+        "--batch",
+        "2",
+        "--k",
+        "3",
+        "--max-rounds",
+        "2",
+        "--top-m",
+        "20",
+        "--repeats",
+        "2",
+        "--device",
+        "cpu",
+        "--out",
+        str(out),
+    )
     assert run.returncode == 0, run.stderr
     disc = json.loads((out / "disc.json").read_text())["disc"]
     methods = disc["methods"]
-    assert set(methods) == {"beam_search", "constrained_sample", "disc rounds=1 exact", "disc rounds=2 exact",
-                            "disc rounds=1 PPV top-20", "disc rounds=2 PPV top-20"}
+    assert set(methods) == {
+        "beam_search",
+        "constrained_sample",
+        "disc rounds=1 exact",
+        "disc rounds=2 exact",
+        "disc rounds=1 PPV top-20",
+        "disc rounds=2 PPV top-20",
+    }
     assert methods["constrained_sample"]["acceptance_rate"] == 1.0
     assert all(0 <= m["invalid_mass"] <= 1 for n, m in methods.items() if n != "beam_search")
     assert all(len(m["timing"]["seconds"]) == 2 for m in methods.values())
@@ -111,8 +171,28 @@ def test_bench_disc_small(data, tmp_path):
 
 def test_bench_exclude_small(data, tmp_path):
     out, model = tmp_path / "out", tiny_beauty_model(tmp_path / "model", data, 32, 0)
-    run = bench("exclude", "--data", str(data), "--model", str(model), "--users", "5", "--batch", "2", "--k", "4",
-                "--counts", "3", "60", "--repeats", "2", "--device", "cpu", "--out", str(out))
+    run = bench(
+        "exclude",
+        "--data",
+        str(data),
+        "--model",
+        str(model),
+        "--users",
+        "5",
+        "--batch",
+        "2",
+        "--k",
+        "4",
+        "--counts",
+        "3",
+        "60",
+        "--repeats",
+        "2",
+        "--device",
+        "cpu",
+        "--out",
+        str(out),
+    )
     assert run.returncode == 0, run.stderr
     ex = json.loads((out / "exclude.json").read_text())["exclude"]
     methods = ex["methods"]
@@ -130,10 +210,45 @@ def test_bench_all_small(data, tmp_path):
     out = tmp_path / "out"
     target = tiny_beauty_model(tmp_path / "target", data, 32, 0)
     drafts = [tiny_beauty_model(tmp_path / f"draft-{i}", data, 16, i + 1) for i in range(2)]
-    run = bench("all", "--data", str(data), "--target", str(target), "--drafts", *map(str, drafts), "--users", "4",
-                "--batch", "2", "--k", "3", "--index-items", "2000", "--repeats", "2", "--ks", "1", "3",
-                "--batch1-users", "2", "--disc-k", "2", "--rounds", "1", "2", "--bias-users", "2", "--draws", "64",
-                "--device", "cpu", "--seed", "7", "--out", str(out))
+    run = bench(
+        "all",
+        "--data",
+        str(data),
+        "--target",
+        str(target),
+        "--drafts",
+        *map(str, drafts),
+        "--users",
+        "4",
+        "--batch",
+        "2",
+        "--k",
+        "3",
+        "--index-items",
+        "2000",
+        "--repeats",
+        "2",
+        "--ks",
+        "1",
+        "3",
+        "--batch1-users",
+        "2",
+        "--disc-k",
+        "2",
+        "--rounds",
+        "1",
+        "2",
+        "--bias-users",
+        "2",
+        "--draws",
+        "64",
+        "--device",
+        "cpu",
+        "--seed",
+        "7",
+        "--out",
+        str(out),
+    )
     assert run.returncode == 0, run.stderr
     result = json.loads((out / "all.json").read_text())
     sections = result["sections"]
@@ -154,8 +269,10 @@ def test_bench_all_small(data, tmp_path):
     for t in spec["batches"]:  # every repeat of beam_search and of every draft x mode (x transformers at batch 1)
         for row in t["k"].values():
             assert len(row["beam_search"]["seconds"]) == 2 and len(row["order"]) == 2 * (1 + 2 * 2 + (t["batch"] == 1))
-            assert all(len(c["timing"]["seconds"]) == 2 and c["ws_range"][0] <= c["ws"] <= c["ws_range"][1]
-                       for c in row["drafts"].values())
+            assert all(
+                len(c["timing"]["seconds"]) == 2 and c["ws_range"][0] <= c["ws"] <= c["ws_range"][1]
+                for c in row["drafts"].values()
+            )
     assert result["repeats"] == 2
     assert all(len(r["timing"]["seconds"]) == 2 for r in decode["methods"].values())
 
@@ -171,12 +288,24 @@ def test_bench_all_small(data, tmp_path):
     assert all(0 < c["mean_x"] <= 1 for c in cells) and all(0 < p <= 1 for p in bias["p_b"])
 
     md = (out / "all.md").read_text()
-    for text in ("# genrec-batch", "| hardware |", "| versions |", "| seeds | 7", result["versions"]["git_commit"],
-                 "## decode", "## catalog index", "## speculative beam search", "## DISC vs constrained",
-                 "## DISC bias", "| exact sampler (draws from P_S) |",
-                 "strict speculative identical to beam_search on 100% of users",
-                 "beam_search = transformers on 100% of users", "best WS@K over beam_search by median",
-                 "2 interleaved repeats per method", "median (min-max)"):
+    for text in (
+        "# genrec-batch",
+        "| hardware |",
+        "| versions |",
+        "| seeds | 7",
+        result["versions"]["git_commit"],
+        "## decode",
+        "## catalog index",
+        "## speculative beam search",
+        "## DISC vs constrained",
+        "## DISC bias",
+        "| exact sampler (draws from P_S) |",
+        "strict speculative identical to beam_search on 100% of users",
+        "beam_search = transformers on 100% of users",
+        "best WS@K over beam_search by median",
+        "2 interleaved repeats per method",
+        "median (min-max)",
+    ):
         assert text in md, text
     assert md.count("**verdict**") == 4
     assert "bench all: sections" in run.stderr  # the progress bar
@@ -192,14 +321,22 @@ def test_catalog_logprob_scores_every_item_exactly(temperature):
     ids, mask = ids[1:], mask[1:]  # the left-padded prompt
     log_p, log_x = catalog_logprob(model, ids, mask, cat, temperature=temperature, chunk=7, valid_mass=True)
     n = len(cat)
-    full = sequence_logprob(model, torch.cat([ids.repeat(n, 1), cat.tokens], 1), mask.repeat(n, 1), cat.code_len,
-                            temperature=temperature).double()
+    full = sequence_logprob(
+        model, torch.cat([ids.repeat(n, 1), cat.tokens], 1), mask.repeat(n, 1), cat.code_len, temperature=temperature
+    ).double()
     torch.testing.assert_close(log_p, full, atol=1e-5, rtol=0)
     torch.testing.assert_close(catalog_logprob(model, ids, mask, cat, temperature=temperature, chunk=n), log_p)
     assert (log_x <= 1e-9).all() and (log_x > log_p).all()
     assert (log_p - log_x).exp().sum().item() == pytest.approx(1.0, abs=1e-9)
-    rec = constrained_sample(model, ids.repeat(20, 1), mask.repeat(20, 1), cat, 1, temperature=temperature,
-                             generator=torch.Generator().manual_seed(0))
+    rec = constrained_sample(
+        model,
+        ids.repeat(20, 1),
+        mask.repeat(20, 1),
+        cat,
+        1,
+        temperature=temperature,
+        generator=torch.Generator().manual_seed(0),
+    )
     row = cat.node_of(rec.token_ids[:, 0]) - cat.level_start[cat.code_len]
     torch.testing.assert_close(rec.stats["importance_weight"][:, 0].double(), log_x[row].exp(), atol=1e-6, rtol=1e-5)
 
@@ -218,7 +355,7 @@ def test_disc_bias_distances():
     x = torch.tensor([1.0, 0.5, 0.25, 0.125], dtype=torch.float64)
     s = draw_stats(p_s, x, torch.tensor([0, 0, 0, 1]), cat)  # empirical (0.75, 0.25, 0, 0)
     assert s["tv_items"] == pytest.approx(0.5 * (0.35 + 0.05 + 0.2 + 0.1))
-    assert s["mean_x"] == pytest.approx(0.875) and s["mean_x_se"] == pytest.approx(0.25 / 4 ** 0.5)
+    assert s["mean_x"] == pytest.approx(0.875) and s["mean_x_se"] == pytest.approx(0.25 / 4**0.5)
     smoothed = torch.tensor([3.5, 1.5, 0.5, 0.5], dtype=torch.float64) / 6
     assert s["kl"] == pytest.approx(float((p_s * (p_s / smoothed).log()).sum()))
     with pytest.raises(RuntimeError, match="not catalog items"):
@@ -228,8 +365,25 @@ def test_disc_bias_distances():
 def test_bench_templates_small(data, tmp_path):
     """Rendering cost of every template (renderer vs tokenizer) and one nightly job per template, at tiny sizes."""
     out = tmp_path / "out"
-    run = bench("templates", "--data", str(data), "--users", "40", "--repeats", "1", "--layers", "1", "--hidden",
-                "32", "--heads", "2", "--batch", "20", "--out", str(out))
+    run = bench(
+        "templates",
+        "--data",
+        str(data),
+        "--users",
+        "40",
+        "--repeats",
+        "1",
+        "--layers",
+        "1",
+        "--hidden",
+        "32",
+        "--heads",
+        "2",
+        "--batch",
+        "20",
+        "--out",
+        str(out),
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     t = json.loads((out / "templates.json").read_text())["templates"]
     render = t["render"]["templates"]
@@ -265,9 +419,32 @@ def test_bench_gpu_smoke_on_cpu(data, tmp_path):
     out = tmp_path / "out"
     target = tiny_beauty_model(tmp_path / "target", data, 32, 0)
     draft = tiny_beauty_model(tmp_path / "draft", data, 16, 1)
-    run = bench("gpu", "--device", "cpu", "--smoke", "--data", str(data), "--layers", "1", "--hidden", "32",
-                "--heads", "2", "--target", str(target), "--drafts", str(draft), "--out", str(out),
-                "--sections", "parity", "shapes", "anchor", "disc", "speculative")
+    run = bench(
+        "gpu",
+        "--device",
+        "cpu",
+        "--smoke",
+        "--data",
+        str(data),
+        "--layers",
+        "1",
+        "--hidden",
+        "32",
+        "--heads",
+        "2",
+        "--target",
+        str(target),
+        "--drafts",
+        str(draft),
+        "--out",
+        str(out),
+        "--sections",
+        "parity",
+        "shapes",
+        "anchor",
+        "disc",
+        "speculative",
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads((out / "gpu.json").read_text())
     assert {"matmul", "parity", "shapes", "anchor", "disc", "speculative", "seconds", "hardware"} <= set(result)
@@ -296,10 +473,19 @@ def test_bench_gpu_smoke_on_cpu(data, tmp_path):
     assert "disc rounds=4 exact" in result["disc"]["methods"]
     assert result["speculative"]["batches"]
     md = (out / "gpu.md").read_text()
-    for section in ("TFLOP/s**", "## parity", "| float32 | beam_search vs transformers float32", "| float16 | beam_search "
-                    "vs speculative", "## shapes: beam_search vs transformers", "## anchor: NVIDIA SID-GR's shape",
-                    "| 8 | ", "93.2 ms", "17.6 ms", "## DISC vs constrained sampling",
-                    "## speculative beam search vs beam_search"):
+    for section in (
+        "TFLOP/s**",
+        "## parity",
+        "| float32 | beam_search vs transformers float32",
+        "| float16 | beam_search vs speculative",
+        "## shapes: beam_search vs transformers",
+        "## anchor: NVIDIA SID-GR's shape",
+        "| 8 | ",
+        "93.2 ms",
+        "17.6 ms",
+        "## DISC vs constrained sampling",
+        "## speculative beam search vs beam_search",
+    ):
         assert section in md, section
 
 
@@ -308,8 +494,26 @@ def test_bench_gpu_records_out_of_memory(data, tmp_path):
     down to batch 1, then recorded as "out of memory" in the table; the report is still written, the other method
     timed."""
     out = tmp_path / "out"
-    run = bench("gpu", "--device", "cpu", "--smoke", "--data", str(data), "--layers", "1", "--hidden", "32",
-                "--heads", "2", "--sections", "shapes", "--simulate-oom", "transformers", "--out", str(out))
+    run = bench(
+        "gpu",
+        "--device",
+        "cpu",
+        "--smoke",
+        "--data",
+        str(data),
+        "--layers",
+        "1",
+        "--hidden",
+        "32",
+        "--heads",
+        "2",
+        "--sections",
+        "shapes",
+        "--simulate-oom",
+        "transformers",
+        "--out",
+        str(out),
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     [cell] = json.loads((out / "gpu.json").read_text())["shapes"]
     assert cell["methods"]["transformers"] == {"status": "out of memory"}
@@ -322,12 +526,33 @@ def test_bench_precision_small(data, tmp_path):
     dtype twice (the float32 head, and logits rounded to the model's dtype), its counts consistent, the table."""
     model = tiny_beauty_model(tmp_path / "model", data, 32, seed=0)
     out = tmp_path / "out"
-    run = bench("precision", "--data", str(data), "--target", str(model), "--users", "8", "--batch", "4", "--ks", "5",
-                "--dtypes", "float32", "bfloat16", "--device", "cpu", "--out", str(out))
+    run = bench(
+        "precision",
+        "--data",
+        str(data),
+        "--target",
+        str(model),
+        "--users",
+        "8",
+        "--batch",
+        "4",
+        "--ks",
+        "5",
+        "--dtypes",
+        "float32",
+        "bfloat16",
+        "--device",
+        "cpu",
+        "--out",
+        str(out),
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads((out / "precision.json").read_text())["rows"]
-    assert [(r["dtype"], r["head"]) for r in rows] == [("float32", "float32"), ("bfloat16", "float32"),
-                                                       ("bfloat16", "bfloat16")]
+    assert [(r["dtype"], r["head"]) for r in rows] == [
+        ("float32", "float32"),
+        ("bfloat16", "float32"),
+        ("bfloat16", "bfloat16"),
+    ]
     assert rows[0]["identical"] == 8 and rows[0]["max_abs_score_diff"] < 1e-4 and rows[0]["topk_overlap"] == 1.0
     for r in rows:
         assert 0 <= r["clear_identical"] <= r["clear_users"] <= r["users"] == 8 and 0 < r["topk_overlap"] <= 1

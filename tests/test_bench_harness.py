@@ -1,6 +1,7 @@
 """The benchmark timing harness (pipeline/bench/common.py) on fake methods and a fake clock: interleaving order,
 warm-up, every repeat recorded, median / min / max, ratios of medians with their ranges, and verdicts that say
 "within noise" when two methods' ranges overlap and name a winner only when they do not. No real timing is asserted."""
+
 import pytest
 
 from decoding.metrics import mean_over_users
@@ -20,12 +21,15 @@ def clock(monkeypatch):
 
 def fake_methods(clock, costs: dict[str, list[float]], calls: list[str]):
     """name -> a method that records its call and advances the clock by its next cost (warm-up first)."""
+
     def method(name):
         def run():
             calls.append(name)
             clock[0] += costs[name].pop(0)
             return f"{name} output {len(calls)}"
+
         return run
+
     return {name: method(name) for name in costs}
 
 
@@ -67,8 +71,13 @@ def test_timing_median_min_max_and_derived_quantities():
 def test_ratio_and_verdict_name_a_winner_only_for_separated_ranges():
     slow, fast = Timing([10.0, 11.0, 12.0, 9.0, 10.0]), Timing([2.0, 2.5, 1.5, 2.0, 2.0])
     r = ratio(slow, fast)  # fast's speed-up over slow
-    assert r == {"median": 5.0, "low": 9.0 / 2.5, "high": 12.0 / 1.5, "within_noise": False,
-                 "per_repeat": [5.0, 11.0 / 2.5, 8.0, 4.5, 5.0]}
+    assert r == {
+        "median": 5.0,
+        "low": 9.0 / 2.5,
+        "high": 12.0 / 1.5,
+        "within_noise": False,
+        "per_repeat": [5.0, 11.0 / 2.5, 8.0, 4.5, 5.0],
+    }
     assert not overlap(slow, fast)
     assert compare("fast", "slow", r) == "fast 5.00x (3.60-8.00) faster than slow"
     assert compare("slow", "fast", ratio(fast, slow)).startswith("fast 5.00x")  # the faster one is named
@@ -81,8 +90,10 @@ def test_ratio_and_verdict_name_a_winner_only_for_separated_ranges():
 def speculative_result(best_ws_range):
     """A speculative result with one batch, K=1: a strict cell at WS 1.1 and a relaxed cell, the best by median."""
     low, high = best_ws_range
-    cells = {"d|strict": {"ws": 1.1, "ws_range": [1.05, 1.15], "within_noise": False, "same_as_beam_search": 1.0},
-             "d|relaxed": {"ws": 4.8, "ws_range": [low, high], "within_noise": low <= 1 <= high}}
+    cells = {
+        "d|strict": {"ws": 1.1, "ws_range": [1.05, 1.15], "within_noise": False, "same_as_beam_search": 1.0},
+        "d|relaxed": {"ws": 4.8, "ws_range": [low, high], "within_noise": low <= 1 <= high},
+    }
     return {"speculative": {"batches": [{"batch": 1, "k": {"1": {"drafts": cells}}}]}}
 
 
@@ -96,11 +107,21 @@ def test_speculative_verdict_picks_the_best_median_and_says_within_noise():
 
 def test_disc_verdict_from_medians():
     disc = Timing([30.0, 31.0, 29.0])
-    result = {"args": {"max_rounds": 2}, "disc": {
-        "k": 3, "methods": {"disc rounds=2 exact": {"ms_per_user": disc.per(lambda s: s), "proposals_per_item": 1.5,
-                                                    "acceptance_rate": 0.7}},
-        "disc_vs_constrained": ratio(disc, Timing([10.0, 10.0, 10.0])),
-        "disc_vs_beam_search": ratio(disc, Timing([28.0, 35.0, 20.0]))}}
+    result = {
+        "args": {"max_rounds": 2},
+        "disc": {
+            "k": 3,
+            "methods": {
+                "disc rounds=2 exact": {
+                    "ms_per_user": disc.per(lambda s: s),
+                    "proposals_per_item": 1.5,
+                    "acceptance_rate": 0.7,
+                }
+            },
+            "disc_vs_constrained": ratio(disc, Timing([10.0, 10.0, 10.0])),
+            "disc_vs_beam_search": ratio(disc, Timing([28.0, 35.0, 20.0])),
+        },
+    }
     line = verdict_disc(result)
     assert "3.0x (2.9-3.1) the time of constrained sampling," in line
     assert "1.1x (0.8-1.6) (within noise) that of beam_search" in line

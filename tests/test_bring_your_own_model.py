@@ -2,6 +2,7 @@
 with a real BPE tokenizer -> `train_target --base-model --template lcrec` (the LC-Rec recipe) -> the nightly job ->
 `jobs.evaluate`. The published recommendations equal `transformers` constrained beam search run on the rendered
 prompt text through the tokenizer, the way a user of the model calls it."""
+
 import json
 import os
 import subprocess
@@ -28,8 +29,9 @@ LEVELS, CODES, K = 3, 6, 5
 
 def job(name: str, *argv):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    run = subprocess.run([sys.executable, "-m", f"jobs.{name}", *argv], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, "-m", f"jobs.{name}", *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     return run
 
@@ -64,14 +66,45 @@ def published(tmp_path_factory):
     tok = bpe_tokenizer(LEVELS, CODES, code_tokens=False)
     build_model(len(tok), 1, 32, 2, 1, seed=0).save_pretrained(base)
     tok.save_pretrained(base)
-    job("train_target", "--data", str(root / "data"), "--out", str(root / "target"), "--base-model", str(base),
-        "--template", "lcrec", "--epochs", "1", "--batch-size", "32", "--lr", "0.01", "--warmup", "2",
-        "--eval-users", "20", "--test-users", "20", "--device", "cpu")
+    job(
+        "train_target",
+        "--data",
+        str(root / "data"),
+        "--out",
+        str(root / "target"),
+        "--base-model",
+        str(base),
+        "--template",
+        "lcrec",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "32",
+        "--lr",
+        "0.01",
+        "--warmup",
+        "2",
+        "--eval-users",
+        "20",
+        "--test-users",
+        "20",
+        "--device",
+        "cpu",
+    )
     ray.init(num_cpus=2, include_dashboard=False)
     try:
-        cfg = load_config(None, [f"input={root / 'data' / 'test.parquet'}", f"catalog={root / 'data' / 'items.parquet'}",
-                                 f"output={root / 'out'}", f"models.target={root / 'target'}", f"decoding.k={K}",
-                                 "compute.batch_size=64", "run_date=2026-11-22"])
+        cfg = load_config(
+            None,
+            [
+                f"input={root / 'data' / 'test.parquet'}",
+                f"catalog={root / 'data' / 'items.parquet'}",
+                f"output={root / 'out'}",
+                f"models.target={root / 'target'}",
+                f"decoding.k={K}",
+                "compute.batch_size=64",
+                "run_date=2026-11-22",
+            ],
+        )
         manifest = run_nightly(cfg)
     finally:
         ray.shutdown()
@@ -106,11 +139,16 @@ def test_published_recommendations_equal_transformers_on_the_rendered_text(publi
     assert (enc.input_ids[:, 0][enc.attention_mask[:, 0].bool()] == tok.bos_token_id).all()
     got = {u: g for u, g in recs.groupby("user_id")}
     for a in range(0, len(texts), 32):
-        want_items, _, want_scores = generate_beam_search(model, enc.input_ids[a:a + 32], enc.attention_mask[a:a + 32],
-                                                          cat, K)[:3]
-        ours = [got[u] for u in users.user_id.iloc[a:a + 32]]
-        assert_same_ranking(torch.tensor(np.stack([g.item_id.to_numpy() for g in ours])),
-                            torch.tensor(np.stack([g.score.to_numpy() for g in ours])), want_items, want_scores)
+        want_items, _, want_scores = generate_beam_search(
+            model, enc.input_ids[a : a + 32], enc.attention_mask[a : a + 32], cat, K
+        )[:3]
+        ours = [got[u] for u in users.user_id.iloc[a : a + 32]]
+        assert_same_ranking(
+            torch.tensor(np.stack([g.item_id.to_numpy() for g in ours])),
+            torch.tensor(np.stack([g.score.to_numpy() for g in ours])),
+            want_items,
+            want_scores,
+        )
 
 
 def test_evaluation_of_the_run(published):

@@ -1,4 +1,5 @@
 """Catalog index: CSR allowed_next, PPV verify and lookup against brute force; bad input."""
+
 from pathlib import Path
 
 import pytest
@@ -27,14 +28,14 @@ def random_prefixes(rows, t, n, vocab, g):
     return real + rand
 
 
-catalogs = st.tuples(st.integers(1, 4), st.integers(2, 6), st.integers(1, 80), st.integers(0, 10 ** 6))
+catalogs = st.tuples(st.integers(1, 4), st.integers(2, 6), st.integers(1, 80), st.integers(0, 10**6))
 
 
 @settings(max_examples=60, deadline=None)
 @given(catalogs)
 def test_allowed_next_verify_lookup_match_brute_force(spec):
     levels, codes, n, seed = spec
-    n = min(n, codes ** levels)
+    n = min(n, codes**levels)
     cat = random_catalog(n, levels, codes, seed=seed, skew=0.5)
     rows = [tuple(r) for r in cat.tokens.tolist()]
     g = torch.Generator().manual_seed(seed)
@@ -90,15 +91,21 @@ def test_small_hand_catalog():
     assert cat.max_children == [3, 2]
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(item_ids=[1, 2], token_ids=[[4, 5], [4]], vocab_size=8), r"ragged code lengths: rows \[1\]"),
-    (dict(item_ids=[1, 2], token_ids=[[4, 5], [-1, 5]], vocab_size=8), r"outside \[0, 8\) in rows \[1\]"),
-    (dict(item_ids=[1, 2], token_ids=[[4, 5], [4, 8]], vocab_size=8), r"outside \[0, 8\) in rows \[1\]"),
-    (dict(item_ids=[7, 7], token_ids=[[4, 5], [4, 6]], vocab_size=8), r"duplicate item ids: \[7\]"),
-    (dict(item_ids=[1, 2, 3], token_ids=[[4, 5], [4, 6], [4, 5]], vocab_size=8), r"input rows \[2\] repeat rows \[0\]"),
-    (dict(item_ids=[1, 2], token_ids=[[4, 5], [4, 6]], vocab_size=8, on_duplicate="last"), "on_duplicate"),
-    (dict(item_ids=[], token_ids=torch.zeros(0, 2, dtype=torch.int64), vocab_size=8), "empty"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(item_ids=[1, 2], token_ids=[[4, 5], [4]], vocab_size=8), r"ragged code lengths: rows \[1\]"),
+        (dict(item_ids=[1, 2], token_ids=[[4, 5], [-1, 5]], vocab_size=8), r"outside \[0, 8\) in rows \[1\]"),
+        (dict(item_ids=[1, 2], token_ids=[[4, 5], [4, 8]], vocab_size=8), r"outside \[0, 8\) in rows \[1\]"),
+        (dict(item_ids=[7, 7], token_ids=[[4, 5], [4, 6]], vocab_size=8), r"duplicate item ids: \[7\]"),
+        (
+            dict(item_ids=[1, 2, 3], token_ids=[[4, 5], [4, 6], [4, 5]], vocab_size=8),
+            r"input rows \[2\] repeat rows \[0\]",
+        ),
+        (dict(item_ids=[1, 2], token_ids=[[4, 5], [4, 6]], vocab_size=8, on_duplicate="last"), "on_duplicate"),
+        (dict(item_ids=[], token_ids=torch.zeros(0, 2, dtype=torch.int64), vocab_size=8), "empty"),
+    ],
+)
 def test_bad_catalogs_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Catalog.from_token_ids(**kwargs)
@@ -114,6 +121,7 @@ def test_duplicate_policy_first_keeps_first_item():
 @pytest.fixture(scope="module")
 def beauty():
     from pipeline.prepare import build_tokenizer
+
     tok = build_tokenizer(4, 256)
     return tok, Catalog.from_parquet(BEAUTY / "items.parquet", tok, on_duplicate="first")
 
@@ -147,6 +155,7 @@ def test_from_parquet_bad_files(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
     from pipeline.prepare import build_tokenizer
+
     tok = build_tokenizer(2, 4)
     pq.write_table(pa.table({"item_id": [1, 2], "codes": [[0, 1], [1, 1]]}), tmp_path / "a.parquet")
     with pytest.raises(ValueError, match=r"a.parquet: missing column 'semantic_id'"):
@@ -155,6 +164,9 @@ def test_from_parquet_bad_files(tmp_path):
     with pytest.raises(ValueError, match=r"b.parquet: column 'semantic_id' is ragged: rows \[1\]"):
         Catalog.from_parquet(tmp_path / "b.parquet", tok)
     pq.write_table(pa.table({"item_id": [1, 2], "semantic_id": [[0, 1], [1, 9]]}), tmp_path / "c.parquet")
-    with pytest.raises(ValueError, match=r"c.parquet: 1 code tokens the catalog needs are missing from the tokenizer: "
-                                         r"<b_9> \(used by rows \[1\]\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"c.parquet: 1 code tokens the catalog needs are missing from the tokenizer: "
+        r"<b_9> \(used by rows \[1\]\)",
+    ):
         Catalog.from_parquet(tmp_path / "c.parquet", tok)

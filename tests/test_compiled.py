@@ -12,6 +12,7 @@ on the machine's kernels. Each test measures it in the same run: the eager engin
 computations of the same float32 quantity in different kernel orders, with a margin), and users whose eager search
 never had its k-th and (k+1)-th candidates within 2 x that bound (stats["tie_gap"]) get identical lists.
 """
+
 import copy
 import tempfile
 import warnings
@@ -21,13 +22,26 @@ import pytest
 import torch
 
 from decoding.beam import Prefix, Recommendations, beam_search
-from decoding.compiled import (Bucket, Engine, compiled_beam_search, flex_compiles, prompt_bucket, use_compile_cache,
-                               users_bucket)
+from decoding.compiled import (
+    Bucket,
+    Engine,
+    compiled_beam_search,
+    flex_compiles,
+    prompt_bucket,
+    use_compile_cache,
+    users_bucket,
+)
 from decoding.metrics import same_within_ties, topk_agreement
 from decoding.models import tiny_model
 from decoding.stats import BASE_KEYS, PHASES
-from tests.helpers import (assert_same_ranking, hf_beam_search, left_padded_prompts, random_catalog,
-                           sequence_logprob, trained_model)
+from tests.helpers import (
+    assert_same_ranking,
+    hf_beam_search,
+    left_padded_prompts,
+    random_catalog,
+    sequence_logprob,
+    trained_model,
+)
 
 COMPILE_CACHE = str(Path(tempfile.gettempdir()) / "genrec-test-compile-cache")  # the suite's, kept between runs
 LENGTHS = [3, 11, 6, 17, 9, 4, 14, 8]  # 8 users, prompts of 3..17 tokens: bucket 8 x 24
@@ -52,8 +66,10 @@ def catalog():
 @pytest.fixture(scope="module")
 def models(catalog):
     """One model per architecture, kept for the module: its engine (graphs, slots) is reused across tests."""
-    return {arch: tiny_model(arch, catalog.vocab_size, seed=i) for i, arch in
-            enumerate(("llama", "qwen2", "qwen3", "mistral"))}
+    return {
+        arch: tiny_model(arch, catalog.vocab_size, seed=i)
+        for i, arch in enumerate(("llama", "qwen2", "qwen3", "mistral"))
+    }
 
 
 def exact_scores(model, ids, mask, tokens, prefix=None):
@@ -73,7 +89,7 @@ def full_prompts(prefix: Prefix, ids, mask):
     full_mask = torch.zeros_like(full)
     for row in range(ids.shape[0]):
         real = torch.cat([prefix.ids, ids[row][mask[row].bool()]])
-        full[row, -len(real):], full_mask[row, -len(real):] = real, 1
+        full[row, -len(real) :], full_mask[row, -len(real) :] = real, 1
     return full, full_mask
 
 
@@ -90,20 +106,33 @@ def assert_same_as_eager(model, ids, mask, catalog, k, rec, ref, prefix=None):
     got = (rec.scores - exact_scores(model, ids, mask, rec.token_ids, prefix))[rec.item_ids >= 0].abs().max()
     assert got <= bound, f"compiled scores off the exact ones by {got:.3g}, eager's rounding bound {bound:.3g}"
     clear = ref.stats["tie_gap"] > 2 * bound
-    assert torch.equal(rec.item_ids[clear], ref.item_ids[clear]) and torch.equal(rec.token_ids[clear],
-                                                                                   ref.token_ids[clear])
+    assert torch.equal(rec.item_ids[clear], ref.item_ids[clear]) and torch.equal(
+        rec.token_ids[clear], ref.token_ids[clear]
+    )
     assert same_within_ties(ref.item_ids, ref.scores, rec.item_ids, 2 * bound).all()
     assert torch.equal(catalog.lookup(rec.token_ids.view(-1, catalog.code_len)).view(rec.item_ids.shape), rec.item_ids)
     torch.testing.assert_close(rec.scores, ref.scores, atol=2 * bound, rtol=0)
     gap, want = rec.stats["tie_gap"], ref.stats["tie_gap"]
-    assert torch.equal(torch.isinf(gap), torch.isinf(want)) and ((gap - want)[~torch.isinf(want)].abs() <= 2 * bound).all()
+    assert (
+        torch.equal(torch.isinf(gap), torch.isinf(want)) and ((gap - want)[~torch.isinf(want)].abs() <= 2 * bound).all()
+    )
     return bound
 
 
 def test_buckets():
     assert [users_bucket(n) for n in (1, 2, 3, 5, 8, 9, 200)] == [1, 2, 4, 8, 8, 16, 256]
-    assert [prompt_bucket(n) for n in (1, 16, 17, 24, 25, 33, 49, 65, 97, 300)] == [16, 16, 24, 24, 32, 48, 64, 96,
-                                                                                    128, 384]
+    assert [prompt_bucket(n) for n in (1, 16, 17, 24, 25, 33, 49, 65, 97, 300)] == [
+        16,
+        16,
+        24,
+        24,
+        32,
+        48,
+        64,
+        96,
+        128,
+        384,
+    ]
     assert Bucket.of(5, 17, 10, 4) == Bucket(8, 24, 10, 4)
 
 
@@ -141,8 +170,11 @@ def test_a_second_batch_of_the_bucket_compiles_nothing(models, catalog):
     with torch.compiler.set_stance("fail_on_recompile"):  # a graph that would compile raises instead
         rec = beam_search(model, ids2, mask2, catalog, 10, prefix=PREFIX, engine="compiled")
     assert rec.stats["graphs_compiled"] == 0 and rec.stats["compile_s"] == 0
-    assert (first.stats["bucket_users"], first.stats["bucket_prompt"]) == (8, 24) == (rec.stats["bucket_users"],
-                                                                                     rec.stats["bucket_prompt"])
+    assert (
+        (first.stats["bucket_users"], first.stats["bucket_prompt"])
+        == (8, 24)
+        == (rec.stats["bucket_users"], rec.stats["bucket_prompt"])
+    )
     ref = beam_search(model, ids2, mask2, catalog, 10, prefix=PREFIX)
     assert_same_as_eager(model, ids2, mask2, catalog, 10, rec, ref, PREFIX)
     engine = Engine.of(model)
@@ -161,8 +193,12 @@ def trained(catalog):
 
 
 def in_batches(model, ids, mask, catalog, k, engine, batch=8) -> Recommendations:
-    return Recommendations.concat([beam_search(model, ids[a:a + batch], mask[a:a + batch], catalog, k, engine=engine)
-                                   for a in range(0, ids.shape[0], batch)])
+    return Recommendations.concat(
+        [
+            beam_search(model, ids[a : a + batch], mask[a : a + batch], catalog, k, engine=engine)
+            for a in range(0, ids.shape[0], batch)
+        ]
+    )
 
 
 def test_a_trained_model_in_float32_and_bfloat16(catalog, trained):
@@ -181,8 +217,9 @@ def test_a_trained_model_in_float32_and_bfloat16(catalog, trained):
     assert rec_low.stats["engine"] == "compiled" and rec_low.scores.dtype == torch.float32
     diff = lambda a, b: topk_agreement(a.item_ids, a.scores, b.item_ids, b.scores)["score_diff"]  # noqa: E731 [U]
     e, e_compiled, between = diff(ref, ref_low), diff(ref, rec_low), diff(ref_low, rec_low)
-    assert 0 < e.max() and between.max() <= 2 * e.max(), \
+    assert 0 < e.max() and between.max() <= 2 * e.max(), (
         f"bfloat16: compiled vs eager {between.max():.3g}, eager vs float32 {e.max():.3g}"
+    )
     clear = ref.stats["tie_gap"] >= 2 * (e + e_compiled)  # [U] both bfloat16 lists are the float32 one
     assert clear.sum() >= 8, f"only {int(clear.sum())} users clear of near-ties: the test says too little"
     assert torch.equal(rec_low.item_ids[clear], ref_low.item_ids[clear])
@@ -191,9 +228,19 @@ def test_a_trained_model_in_float32_and_bfloat16(catalog, trained):
 def test_other_models_and_sampling_run_eager_and_say_why(catalog):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model("gemma", vocab_size=catalog.vocab_size, hidden_size=64, intermediate_size=128,
-                                  num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                  pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config = AutoConfig.for_model(
+        "gemma",
+        vocab_size=catalog.vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     gemma = AutoModelForCausalLM.from_config(config).eval()
     ids, mask = left_padded_prompts(3, LENGTHS, catalog.vocab_size, seed=2)
     with pytest.warns(UserWarning, match="model_type 'gemma'"):
@@ -204,8 +251,9 @@ def test_other_models_and_sampling_run_eager_and_say_why(catalog):
     llama = tiny_model("llama", catalog.vocab_size)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        rec = beam_search(llama, ids, mask, catalog, 4, do_sample=True, engine="compiled",
-                          generator=torch.Generator().manual_seed(0))
+        rec = beam_search(
+            llama, ids, mask, catalog, 4, do_sample=True, engine="compiled", generator=torch.Generator().manual_seed(0)
+        )
     assert rec.stats["engine"] == "eager" and "do_sample" in rec.stats["engine_note"] and seen
     with pytest.raises(ValueError, match="engine must be eager or compiled"):
         beam_search(llama, ids, mask, catalog, 4, engine="fast")
@@ -224,8 +272,12 @@ def test_a_compiled_nightly_publishes_what_eager_does(tmp_path_factory):
     world = make_world(tmp_path_factory.mktemp("compiled-nightly"), n_users=40)  # shards of 16, 16 and 8 users
     ray.init(num_cpus=2, include_dashboard=False)
     try:
-        runs = {engine: run_nightly(config(world, world / engine, f"compute.engine={engine}",
-                                           f"compute.compile_cache={COMPILE_CACHE}")) for engine in ("eager", "compiled")}
+        runs = {
+            engine: run_nightly(
+                config(world, world / engine, f"compute.engine={engine}", f"compute.compile_cache={COMPILE_CACHE}")
+            )
+            for engine in ("eager", "compiled")
+        }
     finally:
         ray.shutdown()
     out = {engine: read_run(config(world, world / engine))[1] for engine in runs}
@@ -244,7 +296,7 @@ def test_a_compiled_nightly_publishes_what_eager_does(tmp_path_factory):
     assert (metrics.engine == "compiled").all() and sorted(metrics.users_in) == [8, 16, 16]
     assert metrics.graphs_compiled.sum() == 2  # the warm-up's prefill and step: every shard snapped to its bucket
     manifest, eager = runs["compiled"], runs["eager"]
-    (actor, seconds), = manifest["timings"]["compile_s"].items()
+    ((actor, seconds),) = manifest["timings"]["compile_s"].items()
     assert seconds > 0 and manifest["engine"] == {"name": "compiled", "graphs_compiled": 2}
     assert eager["timings"]["compile_s"] is None and eager["engine"] == {"name": "eager", "graphs_compiled": 0}
 

@@ -7,35 +7,45 @@ BASE = ["input=data/in.parquet", "catalog=data/items.parquet", "output=out", "mo
 
 def test_file_plus_overrides(tmp_path):
     f = tmp_path / "c.yaml"
-    f.write_text("input: a.parquet\ncatalog: b.parquet\noutput: s3://bucket/out\nmodels: {target: m}\n"
-                 "decoding: {mode: disc, k: 5}\nrun_date: 2026-01-02\n")
+    f.write_text(
+        "input: a.parquet\ncatalog: b.parquet\noutput: s3://bucket/out\nmodels: {target: m}\n"
+        "decoding: {mode: disc, k: 5}\nrun_date: 2026-01-02\n"
+    )
     cfg = load_config(str(f), ["decoding.k=20", "compute.gpus_per_actor=1", "decoding.top_m=null"])
-    assert (cfg.decoding.k, cfg.decoding.mode, cfg.compute.gpus_per_actor, cfg.run_date) == (20, "disc", 1.0, "2026-01-02")
+    assert (cfg.decoding.k, cfg.decoding.mode, cfg.compute.gpus_per_actor, cfg.run_date) == (
+        20,
+        "disc",
+        1.0,
+        "2026-01-02",
+    )
     assert cfg.output == "s3://bucket/out" and cfg.decoding.top_m is None
     assert len(load_config(None, BASE).run_date) == 10  # default: today
 
 
-@pytest.mark.parametrize("override, message", [
-    ("decoding.k=0", "decoding.k must be an integer >= 1, got 0"),
-    ("decoding.k=ten", "decoding.k must be an int, got 'ten'"),
-    ("decoding.mode=greedy", "decoding.mode must be one of beam, atspeed-strict"),
-    ("decoding.mode=atspeed-strict", "models.draft must be set for decoding.mode atspeed-strict"),
-    ("decoding.draft_beams=3", "decoding.draft_beams must be >= decoding.k (10)"),
-    ("run_date=21/11/2026", "run_date must be a date YYYY-MM-DD"),
-    ("output=gs://bucket/x", "output must be a local path or an s3:// URI"),
-    ("storage.endpoint=127.0.0.1:9000", "storage.endpoint must be an http(s):// URL"),
-    ("compute.batches_per_task=0", "compute.batches_per_task must be >= 1, got 0"),
-    ("compute.gpus=1", "unknown field compute.gpus"),
-    ("storage.secret_key=abc", "storage.secret_key looks like a credential"),
-    ("decoding=3", "decoding must be a section"),
-    ("compute.num_actors=0", "compute.num_actors must be an integer >= 1 or auto, got 0"),
-    ("compute.num_actors=all", "compute.num_actors must be an integer >= 1 or auto, got 'all'"),
-    ("compute.gpus_per_actor=1.5", "compute.gpus_per_actor must be >= 0, a fraction of one GPU"),
-    ("compute.decode_batch=0", "compute.decode_batch must be >= 1 or null, got 0"),
-    ("compute.audit_users=-1", "compute.audit_users must be an integer >= 0 (0: no audit) or null"),
-    ("compute.audit_users=some", "config: compute.audit_users must be an int, got 'some'"),
-    ("runs.duplicates_driver_mb=-1", "runs.duplicates_driver_mb must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("decoding.k=0", "decoding.k must be an integer >= 1, got 0"),
+        ("decoding.k=ten", "decoding.k must be an int, got 'ten'"),
+        ("decoding.mode=greedy", "decoding.mode must be one of beam, atspeed-strict"),
+        ("decoding.mode=atspeed-strict", "models.draft must be set for decoding.mode atspeed-strict"),
+        ("decoding.draft_beams=3", "decoding.draft_beams must be >= decoding.k (10)"),
+        ("run_date=21/11/2026", "run_date must be a date YYYY-MM-DD"),
+        ("output=gs://bucket/x", "output must be a local path or an s3:// URI"),
+        ("storage.endpoint=127.0.0.1:9000", "storage.endpoint must be an http(s):// URL"),
+        ("compute.batches_per_task=0", "compute.batches_per_task must be >= 1, got 0"),
+        ("compute.gpus=1", "unknown field compute.gpus"),
+        ("storage.secret_key=abc", "storage.secret_key looks like a credential"),
+        ("decoding=3", "decoding must be a section"),
+        ("compute.num_actors=0", "compute.num_actors must be an integer >= 1 or auto, got 0"),
+        ("compute.num_actors=all", "compute.num_actors must be an integer >= 1 or auto, got 'all'"),
+        ("compute.gpus_per_actor=1.5", "compute.gpus_per_actor must be >= 0, a fraction of one GPU"),
+        ("compute.decode_batch=0", "compute.decode_batch must be >= 1 or null, got 0"),
+        ("compute.audit_users=-1", "compute.audit_users must be an integer >= 0 (0: no audit) or null"),
+        ("compute.audit_users=some", "config: compute.audit_users must be an int, got 'some'"),
+        ("runs.duplicates_driver_mb=-1", "runs.duplicates_driver_mb must be >= 0"),
+    ],
+)
 def test_errors_name_the_field(override, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_config(None, BASE + [override])

@@ -1,6 +1,7 @@
 """DISC on a catalog small enough to enumerate: unbiasedness (KL to the exact constrained distribution), the
 paper's expected number of proposals, PPV = exact mask when top_m covers the vocabulary, k distinct items and their
 exact law."""
+
 import math
 
 import pytest
@@ -20,7 +21,7 @@ DRAWS = 6000  # one batch of 6000 copies of one prompt: 6000 independent seeded 
 def setup():
     """3 levels x 6 codes: 40 of the 216 semantic IDs are items."""
     g = torch.Generator().manual_seed(0)
-    flat = torch.randperm(6 ** 3, generator=g)[:40]
+    flat = torch.randperm(6**3, generator=g)[:40]
     digits = torch.stack([flat // 36, flat // 6 % 6, flat % 6], 1)
     cat = Catalog.from_token_ids(100 + torch.arange(40), SPECIALS + torch.arange(3) * 6 + digits, SPECIALS + 18)
     model = tiny_model("llama", cat.vocab_size, seed=3)
@@ -49,11 +50,12 @@ def test_disc_reduces_the_bias_of_constrained_sampling(setup):
     base = constrained_sample(model, ids, mask, cat, 1, temperature=T, generator=torch.Generator().manual_seed(1))
     kl = {"constrained": kl_to(p_s, cat, base.item_ids[:, 0])}
     for rounds in (1, 2, 4):
-        rec = disc_sample(model, ids, mask, cat, 1, rounds=rounds, temperature=T,
-                          generator=torch.Generator().manual_seed(1))
+        rec = disc_sample(
+            model, ids, mask, cat, 1, rounds=rounds, temperature=T, generator=torch.Generator().manual_seed(1)
+        )
         kl[rounds] = kl_to(p_s, cat, rec.item_ids[:, 0])
         # the paper's expected number of proposals, E[k] = (1 - p_b^R) / (1 - p_b) + R p_b^R, within 4 std errors
-        expected = (1 - p_b ** rounds) / (1 - p_b) + rounds * p_b ** rounds
+        expected = (1 - p_b**rounds) / (1 - p_b) + rounds * p_b**rounds
         used = rec.stats["proposals"].double()
         assert abs(used.mean().item() - expected) < 4 * used.std().item() / math.sqrt(DRAWS) + 1e-9
         invalid = rec.stats["invalid_mass"].double()  # [DRAWS] each user's estimate of p_b = 1 - E_q[x]
@@ -65,8 +67,9 @@ def test_disc_reduces_the_bias_of_constrained_sampling(setup):
 
 def test_importance_weight_is_the_product_of_valid_masses(setup):
     cat, model, ids, mask = setup
-    rec = constrained_sample(model, ids.repeat(5, 1), mask.repeat(5, 1), cat, 1, temperature=T,
-                             generator=torch.Generator().manual_seed(4))
+    rec = constrained_sample(
+        model, ids.repeat(5, 1), mask.repeat(5, 1), cat, 1, temperature=T, generator=torch.Generator().manual_seed(4)
+    )
     for row in range(5):
         tokens = rec.token_ids[row, 0]
         log_x = 0.0
@@ -84,11 +87,21 @@ def test_top_m_covering_the_vocabulary_equals_the_exact_mask(setup):
     cat, model, ids, mask = setup
     ids, mask = ids.repeat(300, 1), mask.repeat(300, 1)
     exact = disc_sample(model, ids, mask, cat, 5, rounds=3, temperature=T, generator=torch.Generator().manual_seed(2))
-    ppv = disc_sample(model, ids, mask, cat, 5, rounds=3, top_m=cat.vocab_size + 5, temperature=T,
-                      generator=torch.Generator().manual_seed(2))
+    ppv = disc_sample(
+        model,
+        ids,
+        mask,
+        cat,
+        5,
+        rounds=3,
+        top_m=cat.vocab_size + 5,
+        temperature=T,
+        generator=torch.Generator().manual_seed(2),
+    )
     assert torch.equal(exact.item_ids, ppv.item_ids) and torch.equal(exact.scores, ppv.scores)
-    small = disc_sample(model, ids, mask, cat, 5, rounds=3, top_m=3, temperature=T,
-                        generator=torch.Generator().manual_seed(2))
+    small = disc_sample(
+        model, ids, mask, cat, 5, rounds=3, top_m=3, temperature=T, generator=torch.Generator().manual_seed(2)
+    )
     assert torch.isin(small.item_ids[small.item_ids >= 0], cat.item_ids).all()
 
 
@@ -103,16 +116,23 @@ def test_k_distinct_catalog_items_padded_when_the_catalog_is_smaller(sampler):
         assert sorted(items[:7]) == sorted(cat.item_ids.tolist()) and items[7:] == [-1, -1, -1]
     big = random_catalog(300, 3, 8, seed=4)
     model = tiny_model("llama", big.vocab_size, seed=1)
-    rec = fn(model, *left_padded_prompts(6, [5, 2, 9], big.vocab_size), big, 12, generator=torch.Generator().manual_seed(0))
+    rec = fn(
+        model, *left_padded_prompts(6, [5, 2, 9], big.vocab_size), big, 12, generator=torch.Generator().manual_seed(0)
+    )
     assert all(len(set(r)) == 12 for r in rec.item_ids.tolist()) and torch.isin(rec.item_ids, big.item_ids).all()
     assert (rec.scores[:, :-1] >= rec.scores[:, 1:]).all()
-    torch.testing.assert_close(rec.scores, sequence_scores(model, *left_padded_prompts(6, [5, 2, 9], big.vocab_size),
-                                                           rec.token_ids), atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        rec.scores,
+        sequence_scores(model, *left_padded_prompts(6, [5, 2, 9], big.vocab_size), rec.token_ids),
+        atol=1e-4,
+        rtol=0,
+    )
 
 
 def sequence_scores(model, ids, mask, tokens):
     """Sequence log-probabilities (temperature 1) of tokens [B, k, L] -> [B, k]."""
     from decoding.reference import sequence_logprob
+
     b, k, code_len = tokens.shape
     seq = torch.cat([ids.repeat_interleave(k, 0), tokens.reshape(b * k, code_len)], 1)
     return sequence_logprob(model, seq, mask.repeat_interleave(k, 0), code_len).view(b, k)
@@ -129,7 +149,7 @@ def next_token_logprobs(model, ids, cat):
     """One unpadded prompt [1, S] -> log_softmax(logits / T) at each item's L prefixes [N, L, V] (float64)."""
     seq = torch.cat([ids.expand(len(cat), -1), cat.tokens], 1)  # [N, S + L]
     with torch.no_grad():
-        logits = model(input_ids=seq, attention_mask=torch.ones_like(seq)).logits[:, ids.shape[1] - 1:-1]
+        logits = model(input_ids=seq, attention_mask=torch.ones_like(seq)).logits[:, ids.shape[1] - 1 : -1]
     return (logits.double() / T).log_softmax(-1)
 
 
@@ -156,7 +176,7 @@ def pair_inclusion(first: torch.Tensor, then: torch.Tensor, parallel: bool) -> t
     passes: two independent draws; if they coincide on i, one more draw excluding i."""
     q = first
     if parallel:
-        pair = 2 * q[:, None] * q[None, :] + (q ** 2)[:, None] * then + ((q ** 2)[:, None] * then).T
+        pair = 2 * q[:, None] * q[None, :] + (q**2)[:, None] * then + ((q**2)[:, None] * then).T
     else:
         pair = q[:, None] * then + (q[:, None] * then).T
     pair.fill_diagonal_(0)
@@ -184,12 +204,14 @@ def test_k_distinct_draws_follow_the_stated_law(setup):
     assert z.abs().max() < 4.5, z
     p_s, _ = exact_constrained(model, ids[:1], mask[:1], cat)
     successive = pair_inclusion(p_s, p_s[None, :] / (1 - p_s[:, None]) * (1 - torch.eye(len(cat))), parallel=False)
-    assert torch.allclose(successive, pair_inclusion(p_s, p_s[None, :] / (1 - p_s[:, None]) * (
-        1 - torch.eye(len(cat))), parallel=True))  # for P_S, the passes are successive sampling
+    assert torch.allclose(
+        successive, pair_inclusion(p_s, p_s[None, :] / (1 - p_s[:, None]) * (1 - torch.eye(len(cat))), parallel=True)
+    )  # for P_S, the passes are successive sampling
     tv = {}
     for rounds in (1, 4):
-        rec = disc_sample(model, ids, mask, cat, 2, rounds=rounds, temperature=T,
-                          generator=torch.Generator().manual_seed(6))
+        rec = disc_sample(
+            model, ids, mask, cat, 2, rounds=rounds, temperature=T, generator=torch.Generator().manual_seed(6)
+        )
         freq = (rec.item_ids[:, :, None] == cat.item_ids).any(1).double().mean(0)
         tv[rounds] = (freq - successive).abs().sum().item() / 2
     print("TV(inclusion, successive P_S):", tv)

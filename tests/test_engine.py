@@ -1,6 +1,7 @@
 """The decoding engine at production shape: the chunked head (scores of the children, never [B, Q, V]), the tree
 cache written in place, half precision within stated bounds, cheaper speculation, DISC sharing scored nodes, the
 shared prompt prefix, grouped-query attention without repeated keys."""
+
 import copy
 
 import pytest
@@ -13,8 +14,15 @@ from decoding.head import Head
 from decoding.metrics import same_within_ties, topk_agreement
 from decoding.models import load_model, tiny_model
 from decoding.speculative import speculative_beam_search
-from tests.helpers import (assert_same_ranking, forced_scores, hf_beam_search, left_padded_prompts, mean_abs_diff,
-                           random_catalog, trained_model)
+from tests.helpers import (
+    assert_same_ranking,
+    forced_scores,
+    hf_beam_search,
+    left_padded_prompts,
+    mean_abs_diff,
+    random_catalog,
+    trained_model,
+)
 
 LENGTHS = [3, 11, 6, 17, 9, 4, 14, 8]
 
@@ -56,10 +64,21 @@ def test_logit_transforms_and_a_foreign_head():
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cat = random_catalog(200, 3, 6, seed=0)
-    config = AutoConfig.for_model("gemma2", vocab_size=cat.vocab_size, hidden_size=64, intermediate_size=128,
-                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                  final_logit_softcapping=3.0, sliding_window=64, pad_token_id=0, bos_token_id=1,
-                                  eos_token_id=2)
+    config = AutoConfig.for_model(
+        "gemma2",
+        vocab_size=cat.vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        final_logit_softcapping=3.0,
+        sliding_window=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     torch.manual_seed(0)
     gemma = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     ids, mask = left_padded_prompts(4, [5, 9, 3, 7], cat.vocab_size, seed=1)
@@ -256,9 +275,11 @@ def test_a_shared_prefix_prefilled_once_is_exact(setup):
     # left padding now sits between the prefix and each user's tokens: positions skip it
     prefix = Prefix(fixed)
     g = lambda: torch.Generator().manual_seed(4)  # noqa: E731
-    for decode in (lambda i, m, **kw: beam_search(target, i, m, cat, 10, **kw),
-                   lambda i, m, **kw: speculative_beam_search(target, draft, i, m, cat, 10, **kw),
-                   lambda i, m, **kw: disc_sample(target, i, m, cat, 5, generator=g(), **kw)):
+    for decode in (
+        lambda i, m, **kw: beam_search(target, i, m, cat, 10, **kw),
+        lambda i, m, **kw: speculative_beam_search(target, draft, i, m, cat, 10, **kw),
+        lambda i, m, **kw: disc_sample(target, i, m, cat, 5, generator=g(), **kw),
+    ):
         want = decode(*repack(full_ids, full_mask))
         got = decode(ids, mask, prefix=prefix)
         assert_same_ranking(got.item_ids, got.scores, want.item_ids, want.scores)
@@ -308,9 +329,10 @@ def test_fit_batch_covers_the_tree_cache_and_shrinks_with_the_shape(arch):
     assert decode_bytes_per_user(model, 300, k, cat.code_len, torch.float32) > per_user  # longer prompts
     assert decode_bytes_per_user(model, ids.shape[1], 4 * k, cat.code_len, torch.float32) > per_user  # wider beams
     assert decode_bytes_per_user(model, ids.shape[1], k, cat.code_len, torch.bfloat16) < per_user  # half the bytes
-    assert decode_bytes_per_user(model, ids.shape[1], k, cat.code_len, torch.float32, "atspeed-strict", model) > \
-        per_user  # a draft's cache besides the target's
+    assert (
+        decode_bytes_per_user(model, ids.shape[1], k, cat.code_len, torch.float32, "atspeed-strict", model) > per_user
+    )  # a draft's cache besides the target's
     gib = 1 << 30
-    small, large = (fit_batch(per_user, n * gib, head_bytes=0, most=10 ** 9) for n in (1, 8))
+    small, large = (fit_batch(per_user, n * gib, head_bytes=0, most=10**9) for n in (1, 8))
     assert small == int(0.8 * gib // per_user) and large > small  # 20% headroom kept back
     assert fit_batch(per_user, 8 * gib, head_bytes=0, most=64) == 64 and fit_batch(per_user, 1000) == 1

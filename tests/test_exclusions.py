@@ -3,6 +3,7 @@
 beam_search equals transformers' constrained beam search with a per-user trie that omits the user's excluded items;
 strict speculative decoding equals beam_search; DISC's law is P_S over the user's remaining items; the closed nodes
 are exactly the trie nodes with no item left."""
+
 import math
 
 import pytest
@@ -41,9 +42,16 @@ def exclusion_lists(cat: Catalog, top: torch.Tensor, k: int, seed: int = 0) -> l
     rand = lambda n: ids[torch.randperm(len(ids), generator=g)[:n]].tolist()  # noqa: E731
     top = top.tolist()
     keep3 = torch.randperm(len(ids), generator=g)[:3]
-    return [[], top[1][:k], under(cat, top[2][0], 1), under(cat, top[3][0], 1) + under(cat, top[3][1], 1) + rand(30),
-            [i for j, i in enumerate(ids.tolist()) if j not in keep3.tolist()], rand(50) + rand(5) + [-7, 10 ** 9],
-            under(cat, top[6][0], 2), []]
+    return [
+        [],
+        top[1][:k],
+        under(cat, top[2][0], 1),
+        under(cat, top[3][0], 1) + under(cat, top[3][1], 1) + rand(30),
+        [i for j, i in enumerate(ids.tolist()) if j not in keep3.tolist()],
+        rand(50) + rand(5) + [-7, 10**9],
+        under(cat, top[6][0], 2),
+        [],
+    ]
 
 
 def as_pairs(lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,7 +87,7 @@ def assert_respects(rec, lists, left: list[int], k: int):
 
 def test_closed_nodes_are_exactly_the_nodes_with_no_item_left(catalog):
     cat = catalog
-    top = cat.item_ids[:8 * 20].view(8, 20)
+    top = cat.item_ids[: 8 * 20].view(8, 20)
     lists = exclusion_lists(cat, top, 5)
     ex = Exclusions.from_items(cat, *as_pairs(lists), 8)
     nodes = torch.arange(cat.num_nodes)
@@ -96,8 +104,9 @@ def test_closed_nodes_are_exactly_the_nodes_with_no_item_left(catalog):
 
 
 def test_leaf_of_ignores_unknown_ids_and_dropped_duplicates():
-    cat = Catalog.from_token_ids(torch.tensor([7, 3, 9, 5]), torch.tensor([[4, 6], [4, 7], [5, 6], [4, 6]]), 8,
-                                 on_duplicate="first")
+    cat = Catalog.from_token_ids(
+        torch.tensor([7, 3, 9, 5]), torch.tensor([[4, 6], [4, 7], [5, 6], [4, 6]]), 8, on_duplicate="first"
+    )
     assert cat.duplicates == [(5, 7)]
     leaf = cat.leaf_of(torch.tensor([3, 5, 7, 9, 11, -1]))
     assert (leaf[[1, 4, 5]] == -1).all()
@@ -157,8 +166,9 @@ def test_strict_speculative_equals_beam_search_with_exclusions(catalog, draft_se
     ref = beam_search(target, ids, mask, catalog, k, exclude=ex)
     assert_respects(ref, lists, remaining(catalog, lists), k)
     for n, gamma in ((k, 1), (2 * k, 2), (40, catalog.code_len)):
-        rec = speculative_beam_search(target, draft, ids, mask, catalog, k, draft_beams=max(n, k), gamma=gamma,
-                                      exclude=ex)
+        rec = speculative_beam_search(
+            target, draft, ids, mask, catalog, k, draft_beams=max(n, k), gamma=gamma, exclude=ex
+        )
         assert_same_ranking(rec.item_ids, rec.scores, ref.item_ids, ref.scores)
         assert len(set(rec.stats["rounds"].tolist())) > 1 or gamma == catalog.code_len  # users left at other rounds
 
@@ -169,16 +179,24 @@ def test_sampling_decoders_never_return_an_excluded_item(catalog):
     lists = exclusion_lists(catalog, beam_search(target, ids, mask, catalog, 5).item_ids, 5, seed=2)
     ex, left = Exclusions.from_items(catalog, *as_pairs(lists), 8), remaining(catalog, lists)
     g = lambda: torch.Generator().manual_seed(0)  # noqa: E731
-    assert_respects(beam_search(target, ids, mask, catalog, 5, do_sample=True, generator=g(), exclude=ex), lists,
-                    left, 5)
-    assert_respects(speculative_beam_search(target, target, ids, mask, catalog, 5, verification="relaxed",
-                                            generator=g(), exclude=ex), lists, left, 5)
+    assert_respects(
+        beam_search(target, ids, mask, catalog, 5, do_sample=True, generator=g(), exclude=ex), lists, left, 5
+    )
+    assert_respects(
+        speculative_beam_search(
+            target, target, ids, mask, catalog, 5, verification="relaxed", generator=g(), exclude=ex
+        ),
+        lists,
+        left,
+        5,
+    )
     for sampler in (constrained_sample, disc_sample):
         rec = sampler(target, ids, mask, catalog, 5, generator=g(), exclude=ex)
         assert_respects(rec, lists, left, 5)
         rec = sampler(target, ids, mask, catalog, 5, top_m=6, generator=g(), exclude=ex)  # PPV candidates
-        assert not any(torch.isin(rec.item_ids[u], torch.tensor(e, dtype=torch.int64)).any() for u, e in
-                       enumerate(lists))
+        assert not any(
+            torch.isin(rec.item_ids[u], torch.tensor(e, dtype=torch.int64)).any() for u, e in enumerate(lists)
+        )
 
 
 # ------------------------------------------------------------------ DISC's law
@@ -215,14 +233,15 @@ def test_disc_law_is_p_s_over_the_remaining_items():
 
     draws, codes = 3000, 5
     g = torch.Generator().manual_seed(0)
-    flat = torch.randperm(codes ** 3, generator=g)[:100]
+    flat = torch.randperm(codes**3, generator=g)[:100]
     cat = Catalog.from_token_ids(100 + torch.arange(100), torch.stack([flat // 25, flat // 5 % 5, flat % 5], 1), codes)
     model = tiny_model("llama", codes, seed=0)
     ids = torch.tensor([[1, 4, 0, 2, 3]])
     mask = torch.ones_like(ids)
     p = catalog_logprob(model, ids, mask, cat, temperature=T, chunk=128).exp()  # [N] tempered p of every item
     rows = set((cat.tokens[:, 0] == cat.tokens[p.argmax(), 0]).nonzero().flatten().tolist()) | set(
-        p.argsort(descending=True)[:3].tolist())
+        p.argsort(descending=True)[:3].tolist()
+    )
     left = torch.ones(len(cat), dtype=torch.bool)
     left[sorted(rows)] = False
     p_s = torch.where(left, p, 0) / p[left].sum()  # [N] P_S over the remaining items
@@ -239,14 +258,16 @@ def test_disc_law_is_p_s_over_the_remaining_items():
     user = torch.zeros(len(rows), dtype=torch.int64)
     ex = Exclusions.from_items(cat, user, cat.item_ids[sorted(rows)], 1).select(torch.zeros(draws, dtype=torch.int64))
     batch = ids.repeat(draws, 1), mask.repeat(draws, 1)
-    rec = disc_sample(model, *batch, cat, 1, rounds=rounds, temperature=T, generator=torch.Generator().manual_seed(1),
-                      exclude=ex)
+    rec = disc_sample(
+        model, *batch, cat, 1, rounds=rounds, temperature=T, generator=torch.Generator().manual_seed(1), exclude=ex
+    )
     counts = (rec.item_ids[:, 0, None] == cat.item_ids).sum(0).double()  # [N]
     assert counts.sum() == draws and counts[~left].sum() == 0
     z, _ = chi2_z(counts, p_s, draws)
     assert z < 4.5, z
-    base = constrained_sample(model, *batch, cat, 1, temperature=T, generator=torch.Generator().manual_seed(2),
-                              exclude=ex)
+    base = constrained_sample(
+        model, *batch, cat, 1, temperature=T, generator=torch.Generator().manual_seed(2), exclude=ex
+    )
     counts = (base.item_ids[:, 0, None] == cat.item_ids).sum(0).double()
     assert chi2_z(counts, p_s, draws)[0] > 4.5 and chi2_z(counts, q, draws)[0] < 4.5
 
@@ -261,19 +282,30 @@ def test_bad_exclusion_rows_are_rejected_with_a_reason():
     from operators.validate import validate
 
     items = ItemTokens.from_arrays([1, 2, 3], [[4, 5], [4, 6], [5, 5]])
-    batch = pa.table({"user_id": [1, 2, 3, 4, 5, 6, 7], "history": [[1], [2], [3], [1, 2], [3], [1], [2]],
-                      "skip": pa.array([[1], None, [1.5], [1, None], [], [2.0, 99], [3]])})
+    batch = pa.table(
+        {
+            "user_id": [1, 2, 3, 4, 5, 6, 7],
+            "history": [[1], [2], [3], [1, 2], [3], [1], [2]],
+            "skip": pa.array([[1], None, [1.5], [1, None], [], [2.0, 99], [3]]),
+        }
+    )
     good, rejects = validate(batch, items, 20, exclude_column="skip")
     assert good.column_names == ["user_id", "history", "skip"] and good["user_id"].to_pylist() == [1, 2, 5, 6, 7]
     assert good["skip"].to_pylist() == [[1], None, [], [2, 99], [3]]  # unknown ids stay: the actor ignores them
     assert rejects.to_pylist() == [
         {"user_id": 3, "reason": "bad_exclude_items", "detail": "skip must be a list of integer item ids, got '[1.5]'"},
-        {"user_id": 4, "reason": "bad_exclude_items",
-         "detail": "skip must be a list of integer item ids, got '[1.0, None]'"}]
-    nulls = pa.table({"user_id": [1, 2], "history": [[1], [2]],
-                      "skip": pa.array([[1, None], [2]], pa.list_(pa.int64()))})
+        {
+            "user_id": 4,
+            "reason": "bad_exclude_items",
+            "detail": "skip must be a list of integer item ids, got '[1.0, None]'",
+        },
+    ]
+    nulls = pa.table(
+        {"user_id": [1, 2], "history": [[1], [2]], "skip": pa.array([[1, None], [2]], pa.list_(pa.int64()))}
+    )
     assert validate(nulls, items, 20, "skip")[1].to_pylist() == [
-        {"user_id": 1, "reason": "bad_exclude_items", "detail": "skip holds a null item id"}]
+        {"user_id": 1, "reason": "bad_exclude_items", "detail": "skip holds a null item id"}
+    ]
     plain = validate(batch.drop_columns(["skip"]), items, 20, "skip")[0]  # no column: nothing to check or carry
     assert plain.column_names == ["user_id", "history"] and plain.num_rows == 7
 
@@ -307,13 +339,19 @@ def test_nightly_with_exclude_history_and_an_exclusion_column(ray_world, tmp_pat
     users = pq.read_table(world / "data" / "test.parquet")
     catalog_ids = pq.read_table(world / "data" / "items.parquet")["item_id"].to_numpy()
     n = users.num_rows
-    lists = [[str(i) for i in catalog_ids[(7 * u) % 140:(7 * u) % 140 + u % 9]] for u in range(n)]  # 0-8 items
+    lists = [[str(i) for i in catalog_ids[(7 * u) % 140 : (7 * u) % 140 + u % 9]] for u in range(n)]  # 0-8 items
     lists[1] += ["123456789"]  # an id the catalog does not hold: ignored, counted
     lists[2], lists[3], lists[4] = ["12", "abc"], None, []  # a bad row, no list, an empty list
-    pq.write_table(users.append_column("exclude_items", pa.array(lists, pa.list_(pa.string()))),
-                   tmp_path / "in.parquet")
-    cfg = config(world, tmp_path / "out", f"input={tmp_path / 'in.parquet'}", "decoding.exclude=history",
-                 "decoding.history_len=3")
+    pq.write_table(
+        users.append_column("exclude_items", pa.array(lists, pa.list_(pa.string()))), tmp_path / "in.parquet"
+    )
+    cfg = config(
+        world,
+        tmp_path / "out",
+        f"input={tmp_path / 'in.parquet'}",
+        "decoding.exclude=history",
+        "decoding.history_len=3",
+    )
     manifest = run_nightly(cfg)
     _, t = read_run(cfg)
     rejects = dict(zip(t["rejects"]["user_id"].to_pylist(), t["rejects"]["reason"].to_pylist()))
@@ -329,10 +367,15 @@ def test_nightly_with_exclude_history_and_an_exclusion_column(ray_world, tmp_pat
         assert not set(recs[recs.user_id == users["user_id"][u].as_py()].item_id) & items, u
     from decoding.models import load_model, load_tokenizer
 
-    cat = Catalog.from_table(pq.read_table(world / "data" / "items.parquet"), load_tokenizer(world / "target"),
-                             on_duplicate="first")
-    ex = Exclusions.from_items(cat, torch.tensor([r for r, items in enumerate(excluded) for _ in items]),
-                               torch.tensor([i for items in excluded for i in items]), len(good))
+    cat = Catalog.from_table(
+        pq.read_table(world / "data" / "items.parquet"), load_tokenizer(world / "target"), on_duplicate="first"
+    )
+    ex = Exclusions.from_items(
+        cat,
+        torch.tensor([r for r, items in enumerate(excluded) for _ in items]),
+        torch.tensor([i for items in excluded for i in items]),
+        len(good),
+    )
     _, p = direct_beam_search(world, [h[-3:] for h in users.take(good)["history"].to_pylist()])  # the 3-item prompts
     ref = beam_search(load_model(world / "target"), p.input_ids, p.attention_mask, cat, 5, exclude=ex)
     want = dict(zip(users.take(good)["user_id"].to_pylist(), ref.item_ids.tolist()))
@@ -340,9 +383,14 @@ def test_nightly_with_exclude_history_and_an_exclusion_column(ray_world, tmp_pat
     assert all(want[u] == items for u, items in got.items())
 
     per_user = ex.per_user()
-    assert manifest["exclusions"] == {"mode": "history", "column": "exclude_items", "users": len(good),
-                                      "excluded_per_user_mean": pytest.approx(per_user.float().mean().item()),
-                                      "excluded_per_user_max": int(per_user.max()), "unknown_ids_ignored": 1}
+    assert manifest["exclusions"] == {
+        "mode": "history",
+        "column": "exclude_items",
+        "users": len(good),
+        "excluded_per_user_mean": pytest.approx(per_user.float().mean().item()),
+        "excluded_per_user_max": int(per_user.max()),
+        "unknown_ids_ignored": 1,
+    }
     assert t["metrics"]["excluded_items"].to_numpy().sum() == per_user.sum().item()
     from pipeline.report import summarize, summary_rows
     from pipeline.runs import load_run
@@ -350,7 +398,8 @@ def test_nightly_with_exclude_history_and_an_exclusion_column(ray_world, tmp_pat
     rows = dict((r[0], r[1]) for r in summary_rows([summarize(load_run(str(tmp_path / "out"), cfg.storage), 2.5)]))
     assert rows["exclusions (decoding.exclude; items excluded per user)"] == (
         f"history, column `exclude_items`: mean {per_user.float().mean().item():,.1f}, max {int(per_user.max())}, "
-        "1 unknown ids ignored")
+        "1 unknown ids ignored"
+    )
     for targets in ("all", "unseen"):
         ev = evaluate(f"{tmp_path / 'out'}", cfg.storage, targets=targets, out=str(tmp_path / f"ev-{targets}"))
         assert ev["exclusions"] == manifest["exclusions"] and ev["targets"]["mode"] == targets

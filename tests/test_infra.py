@@ -2,6 +2,7 @@
 ../shared/schemas (KubeRay's CRDs, Kubernetes 1.33 strict, Ray 2.60's cluster launcher and runtime_env), the
 versions pinned in pyproject.toml everywhere, the RayJob's fixed name per run date and short TTL, the launcher's
 AlreadyExists handling, and the head node's right to pass the worker role."""
+
 from __future__ import annotations
 
 import copy
@@ -89,8 +90,11 @@ def all_checks(docs_by_file: dict[str, list[dict]]):
 
 
 def manifest_errors(docs_by_file: dict[str, list[dict]]) -> list[str]:
-    return [f"{where}: {name}{ref or ''} at {e}" for where, doc, name, ref in all_checks(docs_by_file)
-            for e in errors(doc, name, ref)]
+    return [
+        f"{where}: {name}{ref or ''} at {e}"
+        for where, doc, name, ref in all_checks(docs_by_file)
+        for e in errors(doc, name, ref)
+    ]
 
 
 def kuberay_docs() -> dict[str, list[dict]]:
@@ -98,6 +102,7 @@ def kuberay_docs() -> dict[str, list[dict]]:
 
 
 # --- every document against its schemas --------------------------------------------------------------------------
+
 
 @needs_schemas
 def test_every_kuberay_document_validates_against_every_schema_it_falls_under():
@@ -122,16 +127,36 @@ def test_cluster_launcher_and_runtime_env_validate():
 BREAKS = [  # (file, path into its first document, value): an unknown field or a wrong type somewhere deep
     ("rayjob-nightly.yaml", ["spec", "ttlSecondsAfterFinished"], "600"),
     ("rayjob-nightly.yaml", ["spec", "ttlSecondAfterFinished"], 600),
-    ("rayjob-nightly.yaml", ["spec", "rayClusterSpec", "workerGroupSpecs", 0, "template", "spec", "containers", 0,
-                             "imagePullPolicyy"], "Always"),
+    (
+        "rayjob-nightly.yaml",
+        ["spec", "rayClusterSpec", "workerGroupSpecs", 0, "template", "spec", "containers", 0, "imagePullPolicyy"],
+        "Always",
+    ),
     ("rayjob-nightly.yaml", ["spec", "rayClusterSpec", "headGroupSpec", "rayStartParams", "num-cpus"], 4),
     ("rayjob-nightly.yaml", ["metadata", "generateName"], 7),
     ("rayjob-nightly.yaml", ["spec", "runtimeEnvYAML"], "env_vars: {A: '1'}\nworking_dirr: .\n"),
     ("raycronjob-nightly.yaml", ["spec", "concurrencyPolicy"], "Forbid"),
-    ("raycronjob-nightly.yaml", ["spec", "jobTemplate", "rayClusterSpec", "headGroupSpec", "template", "spec",
-                                 "containers", 0, "resources", "limit"], {"cpu": "1"}),
-    ("cronjob-nightly.yaml", ["items", 3, "spec", "jobTemplate", "spec", "template", "spec", "containers", 0,
-                              "volumeMount"], []),
+    (
+        "raycronjob-nightly.yaml",
+        [
+            "spec",
+            "jobTemplate",
+            "rayClusterSpec",
+            "headGroupSpec",
+            "template",
+            "spec",
+            "containers",
+            0,
+            "resources",
+            "limit",
+        ],
+        {"cpu": "1"},
+    ),
+    (
+        "cronjob-nightly.yaml",
+        ["items", 3, "spec", "jobTemplate", "spec", "template", "spec", "containers", 0, "volumeMount"],
+        [],
+    ),
     ("cronjob-nightly.yaml", ["items", 2, "roleRef", "name"], 1),
 ]
 
@@ -150,12 +175,15 @@ def test_an_unknown_field_or_a_wrong_type_fails_validation(file, path, value):
 
 
 @needs_schemas
-@pytest.mark.parametrize("file,schema_name,key,value", [
-    (LAUNCHER, "ray-2.60.0-cluster-launcher.json", "max_worker", 8),
-    (LAUNCHER, "ray-2.60.0-cluster-launcher.json", "idle_timeout_minutes", "10"),
-    (RUNTIME_ENV, "ray-2.60.0-runtime-env.json", "working_dirr", "."),
-    (RUNTIME_ENV, "ray-2.60.0-runtime-env.json", "env_vars", {"A": 1}),
-])
+@pytest.mark.parametrize(
+    "file,schema_name,key,value",
+    [
+        (LAUNCHER, "ray-2.60.0-cluster-launcher.json", "max_worker", 8),
+        (LAUNCHER, "ray-2.60.0-cluster-launcher.json", "idle_timeout_minutes", "10"),
+        (RUNTIME_ENV, "ray-2.60.0-runtime-env.json", "working_dirr", "."),
+        (RUNTIME_ENV, "ray-2.60.0-runtime-env.json", "env_vars", {"A": 1}),
+    ],
+)
 def test_launcher_and_runtime_env_schemas_catch_mistakes(file, schema_name, key, value):
     doc = yaml.safe_load(file.read_text())
     doc[key] = value
@@ -163,6 +191,7 @@ def test_launcher_and_runtime_env_schemas_catch_mistakes(file, schema_name, key,
 
 
 # --- versions: pyproject.toml is the single source ---------------------------------------------------------------
+
 
 def pinned() -> dict[str, str]:
     """The exact pins of pyproject.toml's dependencies (name -> version), its version and its Python."""
@@ -188,13 +217,24 @@ def test_versions_everywhere_agree_with_pyproject():
     must_have = {  # the places that pin: each must carry at least these
         "Dockerfile": [f'"torch=={v["torch"]}"', f"FROM rayproject/ray:{v['ray']}-py{py.replace('.', '')}-gpu"],
         "Makefile": [f"TORCH   ?= torch=={v['torch']}"],
-        "infra/cluster/aws-gpu.yaml": [f'"torch=={v["torch"]}"', f'"ray[data,default]=={v["ray"]}"',
-                                       f'"transformers=={v["transformers"]}"', f"python{py} -m venv"],
+        "infra/cluster/aws-gpu.yaml": [
+            f'"torch=={v["torch"]}"',
+            f'"ray[data,default]=={v["ray"]}"',
+            f'"transformers=={v["transformers"]}"',
+            f"python{py} -m venv",
+        ],
         "infra/kuberay/rayjob-nightly.yaml": [f'rayVersion: "{v["ray"]}"', f"/genrec-batch:{image}"],
         "infra/kuberay/raycronjob-nightly.yaml": [f'rayVersion: "{v["ray"]}"', f"/genrec-batch:{image}"],
     }
-    files = sorted({ROOT / "Dockerfile", ROOT / "Makefile", ROOT / "README.md", ROOT / ".ci" / "run",
-                    *(p for p in INFRA.rglob("*") if p.is_file())})
+    files = sorted(
+        {
+            ROOT / "Dockerfile",
+            ROOT / "Makefile",
+            ROOT / "README.md",
+            ROOT / ".ci" / "run",
+            *(p for p in INFRA.rglob("*") if p.is_file()),
+        }
+    )
     wrong = []
     for path in files:
         text = path.read_text()
@@ -222,6 +262,7 @@ def test_dockerfile_installs_pinned_torch_then_the_project_and_bakes_in_nothing(
 
 
 # --- one run per date ---------------------------------------------------------------------------------------------
+
 
 def test_rayjob_name_is_fixed_per_run_date_and_its_cluster_goes_away_in_minutes():
     (rayjob,) = yaml_docs(INFRA / "kuberay" / "rayjob-nightly.yaml")
@@ -283,8 +324,9 @@ def test_launcher_creates_tonights_rayjob_once_and_a_second_launch_exits_0(tmp_p
     env = {"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin", "STATE": str(tmp_path / "state")}
 
     def launch(**extra):
-        return subprocess.run(["/bin/sh", "-c", script], env={**env, **extra}, capture_output=True, text=True,
-                              timeout=30)
+        return subprocess.run(
+            ["/bin/sh", "-c", script], env={**env, **extra}, capture_output=True, text=True, timeout=30
+        )
 
     today = {dt.datetime.now(dt.timezone.utc).date().isoformat()}
     first = launch()
@@ -305,6 +347,7 @@ def test_launcher_creates_tonights_rayjob_once_and_a_second_launch_exits_0(tmp_p
 
 
 # --- the cluster launcher's IAM ------------------------------------------------------------------------------------
+
 
 def test_head_instance_profile_may_pass_the_worker_role():
     cfg = yaml.safe_load(LAUNCHER.read_text())

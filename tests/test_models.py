@@ -40,11 +40,14 @@ LENGTHS = [5, 11, 7, 3, 9, 6]
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
-@pytest.mark.parametrize("arch, window", [("qwen2", {"use_sliding_window": True, "sliding_window": 16,
-                                                      "max_window_layers": 1}),
-                                          ("qwen2", {"use_sliding_window": True, "sliding_window": 14,
-                                                     "max_window_layers": 0}),
-                                          ("mistral", {"sliding_window": 20})])
+@pytest.mark.parametrize(
+    "arch, window",
+    [
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}),
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 14, "max_window_layers": 0}),
+        ("mistral", {"sliding_window": 20}),
+    ],
+)
 def test_sliding_window_models_decode_exactly_when_the_window_covers_the_sequence(attn, arch, window):
     """Qwen2 with sliding-window layers (some or all) and Mistral: beam_search = transformers beam search when the
     window covers the longest prompt (11) plus an item (3); the window used to crash beam_search."""
@@ -61,11 +64,16 @@ def test_a_window_shorter_than_prompt_plus_item_is_refused():
     cat = random_catalog(200, 3, 6, seed=0)
     model = tiny_model("qwen2", cat.vocab_size, use_sliding_window=True, sliding_window=12, max_window_layers=0)
     ids, mask = left_padded_prompts(6, LENGTHS, cat.vocab_size, seed=1)
-    for decode in (lambda: beam_search(model, ids, mask, cat, 5),
-                   lambda: speculative_beam_search(model, model, ids, mask, cat, 5),
-                   lambda: disc_sample(model, ids, mask, cat, 5)):
-        with pytest.raises(ValueError, match=r"sliding_window = 12 tokens, shorter than the longest prompt plus an "
-                                             r"item \(14 tokens\)"):
+    for decode in (
+        lambda: beam_search(model, ids, mask, cat, 5),
+        lambda: speculative_beam_search(model, model, ids, mask, cat, 5),
+        lambda: disc_sample(model, ids, mask, cat, 5),
+    ):
+        with pytest.raises(
+            ValueError,
+            match=r"sliding_window = 12 tokens, shorter than the longest prompt plus an "
+            r"item \(14 tokens\)",
+        ):
             decode()
     beam_search(model, ids[:, -9:][3:4], mask[:, -9:][3:4], cat, 5)  # a 3-token prompt: 6 tokens fit the window
 
@@ -74,7 +82,8 @@ def test_encoder_decoder_and_headless_models_are_refused(tmp_path):
     from transformers import AutoConfig, LlamaModel
 
     AutoConfig.for_model("t5", vocab_size=50, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2).save_pretrained(
-        tmp_path / "t5")
+        tmp_path / "t5"
+    )
     (tmp_path / "t5" / "model.safetensors").write_bytes(b"")
     with pytest.raises(ValueError, match="t5 is an encoder-decoder model"):
         load_model(tmp_path / "t5")
@@ -100,14 +109,21 @@ def test_non_finite_logits_are_flagged_per_user():
     assert 0 < int(hit.sum()) < 6
     model = poisoned(tiny_model("llama", cat.vocab_size, seed=0), bad)
     clean = tiny_model("llama", cat.vocab_size, seed=0)
-    for name, decode in (("beam", lambda m: beam_search(m, ids, mask, cat, 5)),
-                         ("sample", lambda m: beam_search(m, ids, mask, cat, 5, do_sample=True,
-                                                          generator=torch.Generator().manual_seed(0))),
-                         ("strict", lambda m: speculative_beam_search(m, clean, ids, mask, cat, 5, draft_beams=10)),
-                         ("relaxed", lambda m: speculative_beam_search(m, clean, ids, mask, cat, 5,
-                                                                       verification="relaxed",
-                                                                       generator=torch.Generator().manual_seed(0))),
-                         ("disc", lambda m: disc_sample(m, ids, mask, cat, 5, generator=torch.Generator().manual_seed(0)))):
+    for name, decode in (
+        ("beam", lambda m: beam_search(m, ids, mask, cat, 5)),
+        (
+            "sample",
+            lambda m: beam_search(m, ids, mask, cat, 5, do_sample=True, generator=torch.Generator().manual_seed(0)),
+        ),
+        ("strict", lambda m: speculative_beam_search(m, clean, ids, mask, cat, 5, draft_beams=10)),
+        (
+            "relaxed",
+            lambda m: speculative_beam_search(
+                m, clean, ids, mask, cat, 5, verification="relaxed", generator=torch.Generator().manual_seed(0)
+            ),
+        ),
+        ("disc", lambda m: disc_sample(m, ids, mask, cat, 5, generator=torch.Generator().manual_seed(0))),
+    ):
         rec = decode(model)
         assert torch.equal(rec.stats["non_finite"], hit), name
         if name == "beam":

@@ -1,5 +1,6 @@
 """The nightly graph on a real local Ray with local files: exactly-once outputs equal to beam_search, bad rows in
 rejects, fail-fast on bad files and models, atomic reruns, and an actor killed mid-run."""
+
 import json
 import shutil
 from dataclasses import replace
@@ -48,17 +49,27 @@ def ray_session(world):
     import ray
 
     marker = world / "actor-crashed"  # the first actor exits once, after 2 batches; Ray restarts it
-    ray.init(num_cpus=2, include_dashboard=False,
-             runtime_env={"env_vars": {"GENREC_TEST_FAIL_AFTER": f"2:{marker}"}})
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"GENREC_TEST_FAIL_AFTER": f"2:{marker}"}})
     yield marker
     ray.shutdown()
 
 
 def config(world, out, *extra):
-    return load_config(None, [f"input={world / 'data' / 'test.parquet'}", f"catalog={world / 'data' / 'items.parquet'}",
-                              f"output={out}", f"models.target={world / 'target'}", f"models.draft={world / 'draft'}",
-                              "decoding.k=5", "compute.batch_size=16", "run_date=2026-11-21",
-                              f"models.cache_dir={world / 'cache'}", *extra])
+    return load_config(
+        None,
+        [
+            f"input={world / 'data' / 'test.parquet'}",
+            f"catalog={world / 'data' / 'items.parquet'}",
+            f"output={out}",
+            f"models.target={world / 'target'}",
+            f"models.draft={world / 'draft'}",
+            "decoding.k=5",
+            "compute.batch_size=16",
+            "run_date=2026-11-21",
+            f"models.cache_dir={world / 'cache'}",
+            *extra,
+        ],
+    )
 
 
 def read_run(cfg):
@@ -88,7 +99,8 @@ def direct_beam_search(world, histories, k=5):
     items = pq.read_table(world / "data" / "items.parquet")
     cat = Catalog.from_table(items, tok, on_duplicate="first")
     p = Renderer.compile(PRESETS["codes"].with_max_items(8), tok, catalog_probes(cat.item_tokens)).render(
-        histories, cat.item_tokens)
+        histories, cat.item_tokens
+    )
     return beam_search(load_model(world / "target"), p.input_ids, p.attention_mask, cat, k), p
 
 
@@ -125,8 +137,11 @@ def test_nightly_outputs_equal_beam_search_exactly_once(world, ray_session, tmp_
     assert 0 < t["actor_ready_s"] < t["first_shard_s"]  # an actor ready, then its first shard committed
     assert manifest["duplicates"] == {"users": 0, "checked_on": "driver"}
     assert (metrics.dtype == "float32").all() and metrics.audit_users.isna().all()  # float32: exact, no audit
-    assert manifest["precision_audit"] == {"dtype": "float32", "users": 0, "note": "float32 is exact (top-K "
-                                           "identical to transformers); nothing to audit"}
+    assert manifest["precision_audit"] == {
+        "dtype": "float32",
+        "users": 0,
+        "note": "float32 is exact (top-K identical to transformers); nothing to audit",
+    }
 
 
 @pytest.mark.parametrize("mode", ["beam", "atspeed-strict"])
@@ -150,10 +165,12 @@ def test_an_actor_decodes_a_shard_in_slices_that_fit(world, mode, monkeypatch):
     assert metric(got)["target_tokens"] == metric(whole)["target_tokens"]  # the same prompts, summed over slices
 
     decode = sliced._decode
+
     def at_most_two(mode, target, draft, ids, mask, users, exclude=None):  # what a GPU with room for two users does
         if ids.shape[0] > 2:
             raise torch.OutOfMemoryError(f"CUDA out of memory (simulated): {ids.shape[0]} users")
         return decode(mode, target, draft, ids, mask, users, exclude)
+
     monkeypatch.setattr(sliced, "_decode", at_most_two)
     got = sliced(users).to_pandas()
     pd.testing.assert_frame_equal(recs(got), recs(whole), check_exact=False, atol=1e-5, rtol=0)
@@ -172,8 +189,9 @@ def test_a_half_precision_actor_audits_its_first_users_in_float32(world, mode):
 
     users = pq.read_table(world / "data" / "test.parquet", columns=["user_id", "history"])
     batches = [users.slice(0, 11), users.slice(11, 11), users.slice(22, 11)]
-    spec = plan_run(config(world, world / "unused", f"decoding.mode={mode}", "compute.dtype=bfloat16",
-                           "compute.audit_users=20")).spec
+    spec = plan_run(
+        config(world, world / "unused", f"decoding.mode={mode}", "compute.dtype=bfloat16", "compute.audit_users=20")
+    ).spec
     assert spec.audit_users == 20
     half, exact = Recommender(spec), Recommender(replace(spec, dtype="float32"))
     metric = lambda t: json.loads(t.filter(pc.equal(t["kind"], "metric"))["metrics"][0].as_py())  # noqa: E731
@@ -231,7 +249,7 @@ def test_duplicate_ids_found_on_the_driver_and_by_ray_alike(ray_session, tmp_pat
     rng = np.random.default_rng(0)
     ids = rng.integers(0, 700, 2000)  # about 2000 - 700 (1 - e^-2.9) repeats, across files and row groups
     for f in range(3):
-        part = pa.table({"user_id": pa.array(ids[f * 700:(f + 1) * 700]).cast(id_type)})
+        part = pa.table({"user_id": pa.array(ids[f * 700 : (f + 1) * 700]).cast(id_type)})
         pq.write_table(part, tmp_path / f"part-{f}.parquet", row_group_size=256)
     data = pads.dataset(str(tmp_path), format="parquet")
     units = plan_units(data)
@@ -241,15 +259,16 @@ def test_duplicate_ids_found_on_the_driver_and_by_ray_alike(ray_session, tmp_pat
     for pos, u in enumerate(ids):
         first.setdefault(u, pos)
     want = {(str(u) if id_type == pa.string() else int(u), first[u]) for u in set(ids) if (ids == u).sum() > 1}
-    budget = id_bytes(units, fs) / 2 ** 20
+    budget = id_bytes(units, fs) / 2**20
     for mb, where in ((budget, "driver"), (budget * 0.99, "ray")):
         found, how = find_duplicates(units, fs, mb)
         assert how == where
         assert set(zip(found["user_id"].to_pylist(), found["first"].to_pylist())) == want
     unique = tmp_path / "unique"
     unique.mkdir()
-    pq.write_table(pa.table({"user_id": pa.array(np.arange(600)).cast(id_type)}), unique / "u.parquet",
-                   row_group_size=256)
+    pq.write_table(
+        pa.table({"user_id": pa.array(np.arange(600)).cast(id_type)}), unique / "u.parquet", row_group_size=256
+    )
     assert find_duplicates(plan_units(pads.dataset(str(unique), format="parquet")), fs) == (None, "driver")
 
 
@@ -259,10 +278,16 @@ def test_bad_rows_land_in_rejects(world, ray_session, tmp_path, check):
 
     good = pq.read_table(world / "data" / "test.parquet", columns=["user_id", "history"]).slice(0, 20)
     hist = [[str(i) for i in h] for h in good.column("history").to_pylist()]
-    bad = {"user_id": [9001, 9002, 9003, 9004, good["user_id"][0].as_py(), good["user_id"][1].as_py()],
-           "history": [None, [], ["12", "abc"], [str(10 ** 12)], hist[0], hist[1]]}
-    table = pa.table({"user_id": good["user_id"].to_pylist() + bad["user_id"],
-                      "history": pa.array(hist + bad["history"], pa.list_(pa.string()))})  # wrong column type
+    bad = {
+        "user_id": [9001, 9002, 9003, 9004, good["user_id"][0].as_py(), good["user_id"][1].as_py()],
+        "history": [None, [], ["12", "abc"], [str(10**12)], hist[0], hist[1]],
+    }
+    table = pa.table(
+        {
+            "user_id": good["user_id"].to_pylist() + bad["user_id"],
+            "history": pa.array(hist + bad["history"], pa.list_(pa.string())),
+        }
+    )  # wrong column type
     pq.write_table(table, tmp_path / "in.parquet")
     budget = "1024" if check == "driver" else "0"  # 0: the Ray aggregation
     cfg = config(world, tmp_path / "out", f"input={tmp_path / 'in.parquet'}", f"runs.duplicates_driver_mb={budget}")
@@ -361,8 +386,13 @@ def test_non_finite_users_are_rejected_and_duplicates_reported(world, ray_sessio
     from pipeline.report import report_run
 
     items = pq.read_table(world / "data" / "items.parquet")
-    shared = pa.table({"item_id": [9001, 9002], "semantic_id": items["semantic_id"].to_pylist()[:2],
-                       "code_tokens": items["code_tokens"].to_pylist()[:2]}).cast(items.schema)
+    shared = pa.table(
+        {
+            "item_id": [9001, 9002],
+            "semantic_id": items["semantic_id"].to_pylist()[:2],
+            "code_tokens": items["code_tokens"].to_pylist()[:2],
+        }
+    ).cast(items.schema)
     pq.write_table(pa.concat_tables([items, shared]), tmp_path / "items.parquet")
     target = tmp_path / "target"
     shutil.copytree(world / "target", target)
@@ -385,8 +415,10 @@ def test_non_finite_users_are_rejected_and_duplicates_reported(world, ray_sessio
     assert t["metrics"].to_pandas().users_non_finite.sum() == len(poisoned) == manifest["counts"]["users_non_finite"]
     dup = manifest["catalog"]["duplicates"]
     assert dup["policy"] == "first" and dup["dropped"] == 2
-    assert dup["items"] == [{"item_id": 9001, "kept": items["item_id"][0].as_py()},
-                            {"item_id": 9002, "kept": items["item_id"][1].as_py()}]
+    assert dup["items"] == [
+        {"item_id": 9001, "kept": items["item_id"][0].as_py()},
+        {"item_id": 9002, "kept": items["item_id"][1].as_py()},
+    ]
     _, out = report_run(str(tmp_path / "out"), cfg.storage)
     md = (Path(out) / "report.md").read_text()
     assert "**2 items dropped** for sharing a semantic ID with a kept item: 9001" in md
@@ -411,18 +443,26 @@ def test_auto_mode_times_both_decoders_then_keeps_the_faster(world, ray_session,
     m = t["metrics"].to_pandas().sort_values(["actor", "batch"])
     for actor, rows in m.groupby("actor"):
         decoders = rows.decoder.tolist()
-        trials = ["beam", "atspeed-strict", "atspeed-strict", "beam"][:len(decoders)]
+        trials = ["beam", "atspeed-strict", "atspeed-strict", "beam"][: len(decoders)]
         assert decoders[:4] == trials  # the trials, in A B B A order
         state = manifest["auto"][actor]
         if len(decoders) > 4:  # decided: every later batch uses the choice
             assert state["choice"] in ("beam", "atspeed-strict") and set(decoders[4:]) == {state["choice"]}
             # the rule the actor implements, from the same timings: each decoder's best (fastest) trial batch in
             # users per decoder-second, the faster decoder kept
-            best = {d: max(r.users_ok / (r.prefill_s + r.draft_s + r.verify_s + r.decode_s)
-                           for r in rows.head(4).itertuples() if r.decoder == d) for d in ("beam", "atspeed-strict")}
+            best = {
+                d: max(
+                    r.users_ok / (r.prefill_s + r.draft_s + r.verify_s + r.decode_s)
+                    for r in rows.head(4).itertuples()
+                    if r.decoder == d
+                )
+                for d in ("beam", "atspeed-strict")
+            }
             assert state["trial_users_per_s"] == pytest.approx(best, rel=1e-9)
-            assert state["choice"] == max(best, key=best.get) and state["trial_batches"] == {"beam": 2,
-                                                                                             "atspeed-strict": 2}
+            assert state["choice"] == max(best, key=best.get) and state["trial_batches"] == {
+                "beam": 2,
+                "atspeed-strict": 2,
+            }
     assert set(recs["mode"]) == {"auto"} and (m.draft_forwards[m.decoder == "beam"] == 0).all()
     from pipeline.report import report_run
 
@@ -439,8 +479,12 @@ def killed_run(cfg, keep: int) -> str:
     run = runs.latest_run(cfg.output, cfg.run_date, cfg.storage)
     metrics = sorted((Path(run) / "metrics").glob("s*.parquet"))
     assert len(metrics) > keep
-    for f in [*metrics[keep:], Path(run) / "manifest.json", Path(run) / "_SUCCESS",
-              Path(runs.date_dir(cfg.output, cfg.run_date)) / "_LATEST"]:
+    for f in [
+        *metrics[keep:],
+        Path(run) / "manifest.json",
+        Path(run) / "_SUCCESS",
+        Path(runs.date_dir(cfg.output, cfg.run_date)) / "_LATEST",
+    ]:
         f.unlink()
     return Path(run).name.removeprefix("run_id=")
 
@@ -472,8 +516,11 @@ def test_a_resume_trusts_only_an_unchanged_input(world, ray_session, tmp_path, c
     run_nightly(cfg)
     old = killed_run(cfg, keep=4)
     table = pq.read_table(histories)
-    pq.write_table(table.take(pa.array(np.arange(table.num_rows)[::-1])), histories,
-                   row_group_size=pq.ParquetFile(histories).metadata.row_group(0).num_rows)
+    pq.write_table(
+        table.take(pa.array(np.arange(table.num_rows)[::-1])),
+        histories,
+        row_group_size=pq.ParquetFile(histories).metadata.row_group(0).num_rows,
+    )
     assert [rg["num_rows"] for rg in pq.ParquetFile(histories).metadata.to_dict()["row_groups"]] == [table.num_rows]
     with pytest.raises(ValueError, match=f"input file {histories} changed since the run started"):
         run_nightly(cfg, resume=old)
@@ -489,7 +536,10 @@ def test_a_resume_trusts_only_an_unchanged_input(world, ray_session, tmp_path, c
     pq.write_table(catalog.take(pa.array(np.arange(catalog.num_rows)[::-1])), items)
     assert plan_run(cfg).changes(state) == [f"the catalog {items}"]
     assert plan_run(replace(cfg, models=replace(cfg.models, target=str(world / "draft")))).changes(state) == [
-        f"the catalog {items}", f"models.target {world / 'draft'}", "the config (models)"]
+        f"the catalog {items}",
+        f"models.target {world / 'draft'}",
+        "the config (models)",
+    ]
 
 
 def test_a_complete_unpublished_run_is_published_without_decoding(world, ray_session, tmp_path):
@@ -525,9 +575,16 @@ def test_a_fenced_attempts_late_shards_are_never_read(world, ray_session, tmp_pa
 
     def then_a_late_commit(*args):
         trusted = begin(*args)
-        recs = pa.table({"user_id": users.user_id[80:90].tolist() * 5, "rank": np.repeat(np.arange(1, 6), 10)
-                         .astype(np.int32), "item_id": [1] * 50, "score": [0.0] * 50, "mode": ["beam"] * 50},
-                        schema=table_schema("rec", pa.int64()))
+        recs = pa.table(
+            {
+                "user_id": users.user_id[80:90].tolist() * 5,
+                "rank": np.repeat(np.arange(1, 6), 10).astype(np.int32),
+                "item_id": [1] * 50,
+                "score": [0.0] * 50,
+                "mode": ["beam"] * 50,
+            },
+            schema=table_schema("rec", pa.int64()),
+        )
         metric = {"run_id": old, "shard": late[:13], "users_in": 10, "users_ok": 10, "ranges": [[80, 90]]}
         shards.write_shard(late, recs, table_schema("reject", pa.int64()).empty_table(), metric, run, cfg.storage)
         return trusted
@@ -548,12 +605,23 @@ def test_a_retried_shard_without_rejects_leaves_no_stale_rejects(tmp_path):
     from pipeline.shards import write_shard
 
     run, storage = str(tmp_path / "run"), Storage()
-    recs = pa.table({"user_id": [1, 2], "rank": pa.array([1, 1], pa.int32()), "item_id": [5, 6], "score":
-                     pa.array([0.0, 0.0], pa.float32()), "mode": ["beam", "beam"]}, schema=table_schema("rec", pa.int64()))
-    rejects = pa.table({"user_id": [1, 2], "reason": ["bad", "bad"], "detail": ["x", "x"]},
-                       schema=table_schema("reject", pa.int64()))
+    recs = pa.table(
+        {
+            "user_id": [1, 2],
+            "rank": pa.array([1, 1], pa.int32()),
+            "item_id": [5, 6],
+            "score": pa.array([0.0, 0.0], pa.float32()),
+            "mode": ["beam", "beam"],
+        },
+        schema=table_schema("rec", pa.int64()),
+    )
+    rejects = pa.table(
+        {"user_id": [1, 2], "reason": ["bad", "bad"], "detail": ["x", "x"]}, schema=table_schema("reject", pa.int64())
+    )
     metric = {"run_id": "r", "shard": "s000000000000", "users_in": 2, "ranges": [[0, 2]]}
     write_shard("s000000000000-a", recs.slice(0, 0), rejects, metric, run, storage)
     write_shard("s000000000000-a", recs, rejects.slice(0, 0), metric, run, storage)  # Ray's retry of the batch
     got = runs.read_table(run, "rejects", storage, files=["s000000000000-a"])
-    assert got.num_rows == 0 and runs.read_table(run, "recommendations", storage, files=["s000000000000-a"]).num_rows == 2
+    assert (
+        got.num_rows == 0 and runs.read_table(run, "recommendations", storage, files=["s000000000000-a"]).num_rows == 2
+    )

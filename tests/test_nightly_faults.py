@@ -1,6 +1,7 @@
 """Faults from outside, on a real Ray head (token auth) with real driver processes: the driver SIGKILLed mid-run
 and then resumed (every user exactly once, only the uncommitted shards decoded again), and two runs of one date
 overlapping (exactly one publishes; a reader that resolved the previous run keeps reading it)."""
+
 import json
 import os
 import signal
@@ -32,17 +33,27 @@ def head(tmp_path_factory):
 
 
 def args(world, out, *extra):
-    return [f"input={world / 'data' / 'test.parquet'}", f"catalog={world / 'data' / 'items.parquet'}",
-            f"output={out}", f"models.target={world / 'target'}", f"decoding.k={K}", "compute.batch_size=8",
-            f"run_date={DATE}", f"models.cache_dir={world / 'cache'}", "runs.progress_s=1", *extra]
+    return [
+        f"input={world / 'data' / 'test.parquet'}",
+        f"catalog={world / 'data' / 'items.parquet'}",
+        f"output={out}",
+        f"models.target={world / 'target'}",
+        f"decoding.k={K}",
+        "compute.batch_size=8",
+        f"run_date={DATE}",
+        f"models.cache_dir={world / 'cache'}",
+        "runs.progress_s=1",
+        *extra,
+    ]
 
 
 def driver(head, items, *flags) -> subprocess.Popen:
     """`python -m jobs.nightly` as its own process (and session), connected to the head."""
     cmd = [sys.executable, "-m", "jobs.nightly", *(x for item in items for x in ("--set", item)), *flags]
     env = {**os.environ, **head.env(), "RAY_ADDRESS": head.address}
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
 
 
 def finish(proc: subprocess.Popen, timeout=600) -> tuple[int, str, str]:
@@ -77,13 +88,15 @@ def test_driver_killed_mid_run_then_resumed(head, tmp_path):
     assert runs.latest_run(str(out), DATE, load_config(None, items).storage) is None  # nothing published
     rc, stdout, err = finish(driver(head, items, "--resume", "latest"))
     assert rc == 0, err[-3000:]
-    manifest = json.loads(stdout[stdout.index("{"):])
+    manifest = json.loads(stdout[stdout.index("{") :])
     resume = manifest["resume"]
     assert resume["resumed"] and resume["shards_committed_before"] >= killed >= 6
     total = manifest["counts"]["batches"]  # shards of the published run
     assert 0 < resume["shards_decoded"] < total and resume["users_decoded"] < USERS
-    print(f"resume: {resume['shards_committed_before']} shards committed before the kill, "
-          f"{resume['shards_decoded']} of {total} decoded again ({resume['users_decoded']} of {USERS} users)")
+    print(
+        f"resume: {resume['shards_committed_before']} shards committed before the kill, "
+        f"{resume['shards_decoded']} of {total} decoded again ({resume['users_decoded']} of {USERS} users)"
+    )
     assert "progress:" in err  # the driver logs users done / total, users/s and an ETA
     run = runs.latest_run(str(out), DATE, load_config(None, items).storage)
     recs, users = assert_every_user_once(world, run)
@@ -109,11 +122,12 @@ def test_overlapping_runs_publish_once_and_readers_keep_their_run(head, tmp_path
     refused = next(err for rc, _, err in results if rc == 3)
     assert "refused" in refused and "is being written by run" in refused
     stdout = next(o for rc, o, _ in results if rc == 0)
-    winner = json.loads(stdout[stdout.index("{"):])
+    winner = json.loads(stdout[stdout.index("{") :])
     assert pq.read_table(f"{old}/recommendations").num_rows == USERS * K  # the old run is still whole
     assert (Path(old) / "_SUPERSEDED").is_file()
     run = runs.resolve(str(out / f"run_date={DATE}"), storage)
     assert run.endswith(winner["run_id"])
     assert_every_user_once(world, run)
     assert S.list_children(str(out / f"run_date={DATE}"), storage) == sorted(
-        [Path(old).name, f"run_id={winner['run_id']}"])  # the refused run wrote nothing
+        [Path(old).name, f"run_id={winner['run_id']}"]
+    )  # the refused run wrote nothing

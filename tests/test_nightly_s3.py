@@ -1,5 +1,6 @@
 """The nightly graph on a real Ray head node (token auth) against a real S3 server (SeaweedFS): inputs, models
 and outputs all on s3://; wrong credentials fail clearly and leak no secret; `ray job submit` end to end."""
+
 import json
 import os
 import subprocess
@@ -34,8 +35,9 @@ def cluster(tmp_path_factory):
                 fs.create_dir(f"{s3.bucket}/data")
                 with open(world / "data" / name, "rb") as src, fs.open_output_stream(f"{s3.bucket}/data/{name}") as dst:
                     dst.write(src.read())
-            storage = load_config(None, ["input=x", "catalog=x", "output=x", "models.target=x",
-                                         f"storage.endpoint={s3.endpoint}"]).storage
+            storage = load_config(
+                None, ["input=x", "catalog=x", "output=x", "models.target=x", f"storage.endpoint={s3.endpoint}"]
+            ).storage
             for name in ("target", "draft"):
                 S.upload_model_dir(str(world / name), s3.uri("models", name), storage)
             yield world, s3, head, root
@@ -45,11 +47,20 @@ def cluster(tmp_path_factory):
 
 
 def s3_config(s3, root, *extra):
-    return [f"input={s3.uri('data', 'test.parquet')}", f"catalog={s3.uri('data', 'items.parquet')}",
-            f"output={s3.uri('nightly')}", f"models.target={s3.uri('models', 'target')}",
-            f"models.draft={s3.uri('models', 'draft')}", f"storage.endpoint={s3.endpoint}",
-            f"models.cache_dir={root / 'cache'}", "decoding.k=5", "decoding.history_len=8", "compute.batch_size=32",
-            "run_date=2026-11-21", *extra]
+    return [
+        f"input={s3.uri('data', 'test.parquet')}",
+        f"catalog={s3.uri('data', 'items.parquet')}",
+        f"output={s3.uri('nightly')}",
+        f"models.target={s3.uri('models', 'target')}",
+        f"models.draft={s3.uri('models', 'draft')}",
+        f"storage.endpoint={s3.endpoint}",
+        f"models.cache_dir={root / 'cache'}",
+        "decoding.k=5",
+        "decoding.history_len=8",
+        "compute.batch_size=32",
+        "run_date=2026-11-21",
+        *extra,
+    ]
 
 
 def write_config(path: Path, items: list[str]) -> Path:
@@ -70,10 +81,16 @@ def test_nightly_on_s3_equals_beam_search(cluster, tmp_path):
     world, s3, head, root = cluster
     config = write_config(tmp_path / "nightly.yaml", s3_config(s3, root))
     env = {**os.environ, **head.env(), "RAY_ADDRESS": head.address}
-    run = subprocess.run([sys.executable, "-m", "jobs.nightly", "--config", str(config)], env=env, cwd=ROOT,
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, "-m", "jobs.nightly", "--config", str(config)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
-    summary = json.loads(run.stdout[run.stdout.index("{"):])
+    summary = json.loads(run.stdout[run.stdout.index("{") :])
     cfg = load_config(str(config))
     published = runs.latest_run(cfg.output, cfg.run_date, cfg.storage)
     assert published and published.startswith("s3://") and summary["run_id"] in published
@@ -91,8 +108,14 @@ def test_nightly_on_s3_equals_beam_search(cluster, tmp_path):
     assert metrics.users_ok.sum() == len(users)
     # evaluation and report read the run from the bucket (the output root resolves to its newest run) and write there
     for job in ("evaluate", "report"):
-        done = subprocess.run([sys.executable, "-m", f"jobs.{job}", "--run", cfg.output, "--endpoint", s3.endpoint],
-                              env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [sys.executable, "-m", f"jobs.{job}", "--run", cfg.output, "--endpoint", s3.endpoint],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert done.returncode == 0, done.stderr[-3000:]
     report = S.read_bytes(S.join(published, "report", "report.md"), cfg.storage).decode()
     assert f"| users ok | {len(users):,} |" in report and "## Quality (offline evaluation)" in report
@@ -123,9 +146,23 @@ def test_ray_job_submit_end_to_end(cluster, tmp_path):
     world, s3, head, root = cluster
     config = write_config(tmp_path / "nightly.yaml", s3_config(s3, root, f"output={s3.uri('e2e')}"))
     env = {**os.environ, **head.env()}
-    cmd = [str(Path(sys.executable).parent / "ray"), "job", "submit", "--address", head.dashboard_url,
-           "--working-dir", str(ROOT), "--runtime-env", str(ROOT / "infra" / "runtime_env.yaml"), "--",
-           "python", "-m", "jobs.nightly", "--config", str(config)]
+    cmd = [
+        str(Path(sys.executable).parent / "ray"),
+        "job",
+        "submit",
+        "--address",
+        head.dashboard_url,
+        "--working-dir",
+        str(ROOT),
+        "--runtime-env",
+        str(ROOT / "infra" / "runtime_env.yaml"),
+        "--",
+        "python",
+        "-m",
+        "jobs.nightly",
+        "--config",
+        str(config),
+    ]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     logs = run.stdout + run.stderr
     assert run.returncode == 0 and "succeeded" in logs, logs[-3000:]
@@ -139,8 +176,9 @@ def test_ray_job_submit_end_to_end(cluster, tmp_path):
         assert secret not in logs and secret not in manifest
     # without the token the cluster refuses the job
     bare = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_TOKEN", "RAY_AUTH_MODE")}
-    refused = subprocess.run(cmd[:5] + ["--", "python", "-c", "print(1)"], env=bare, capture_output=True, text=True,
-                             timeout=120)
+    refused = subprocess.run(
+        cmd[:5] + ["--", "python", "-c", "print(1)"], env=bare, capture_output=True, text=True, timeout=120
+    )
     assert refused.returncode != 0
 
 
@@ -207,8 +245,14 @@ def test_skewed_clocks_never_take_a_live_lease(cluster):
     a = Lease(date, "A", storage, ttl_s=3).acquire()
     try:
         for _ in range(2):
-            taker = subprocess.run([sys.executable, "-c", SKEWED_TAKER, date, s3.endpoint], cwd=ROOT,
-                                   capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+            taker = subprocess.run(
+                [sys.executable, "-c", SKEWED_TAKER, date, s3.endpoint],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=60,
+                env={**os.environ, "PYTHONPATH": str(ROOT)},
+            )
             assert taker.returncode == 3, taker.stderr[-2000:]
             assert "is being written by run A" in taker.stdout
         a.check()  # still A's
@@ -268,8 +312,10 @@ def test_overlapping_runs_on_s3_publish_once(cluster, tmp_path):
     items = s3_config(s3, root, f"output={s3.uri('overlap')}", "compute.batch_size=4")
     cmd = [sys.executable, "-m", "jobs.nightly", *(x for item in items for x in ("--set", item))]
     env = {**os.environ, "RAY_ADDRESS": head.address}
-    procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(2)]
+    procs = [
+        subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
     results = [p.communicate(timeout=600) + (p.returncode,) for p in procs]
     assert sorted(rc for _, _, rc in results) == [0, 3], [err[-2000:] for _, err, _ in results]
     assert "is being written by run" in next(err for _, err, rc in results if rc == 3)

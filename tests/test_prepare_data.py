@@ -47,7 +47,7 @@ def test_tokenizer_ids_as_specified():
     assert tok("<bos><a_1><b_2>")["input_ids"] == [1, 4 + 1, 4 + 256 + 2]  # no special token appended
     assert tok("<a_0><d_255><eos>")["input_ids"] == [4, 4 + 3 * 256 + 255, 2]
     assert tok(" <a_1>  <b_2> ")["input_ids"] == [5, 262]  # whitespace between tokens is dropped
-    assert tok("<a_1>x<z_9>")["input_ids"] == [5, 3, 3]     # anything else is <unk>
+    assert tok("<a_1>x<z_9>")["input_ids"] == [5, 3, 3]  # anything else is <unk>
     assert tok.decode([1, 5, 262]) == "<bos><a_1><b_2>"
     small = build_tokenizer(2, 8)
     assert small.convert_tokens_to_ids(["<a_7>", "<b_0>", "<b_7>"]) == [11, 12, 19]
@@ -117,8 +117,11 @@ def test_beauty_counts_and_collisions(beauty):
     assert report["distinct_semantic_ids"] == summary.distinct_semantic_ids == 12_023
     assert len(collisions) == summary.colliding_semantic_ids == 9
     assert sum(len(c["item_ids"]) - 1 for c in collisions) == 12
-    assert {"code_tokens": "<a_179><b_229><c_186><d_0>", "item_ids": [5699, 7329, 7680],
-            "semantic_id": [179, 229, 186, 0]} in collisions
+    assert {
+        "code_tokens": "<a_179><b_229><c_186><d_0>",
+        "item_ids": [5699, 7329, 7680],
+        "semantic_id": [179, 229, 186, 0],
+    } in collisions
     # the ids are the release index's (0-based): every history item is in the catalog. (An earlier copy kept the
     # release text files' 1-based ids: item 12035, one past the index, was "unknown" in 15 train histories.)
     assert all(d == {"interactions": 0, "users": 0, "item_ids": []} for d in report["dropped_unknown_items"].values())
@@ -176,8 +179,10 @@ def test_prepare_tiny_source(tmp_path):
     summary = prepare_beauty(src, tmp_path / "out", history_len=2)
     assert (summary.levels, summary.codes, summary.colliding_semantic_ids) == (2, 2, 1)
     test = pq.read_table(tmp_path / "out" / "test.parquet").to_pylist()
-    assert test == [{"user_id": 1, "history": [6, 7], "target_items": [6]},
-                    {"user_id": 2, "history": [6, 5], "target_items": []}]  # train + valid items
+    assert test == [
+        {"user_id": 1, "history": [6, 7], "target_items": [6]},
+        {"user_id": 2, "history": [6, 5], "target_items": []},
+    ]  # train + valid items
     assert pq.read_table(tmp_path / "out" / "items.parquet").column("code_tokens").to_pylist()[1] == ["<a_1>", "<b_1>"]
 
 
@@ -265,19 +270,44 @@ def test_write_synthetic_chunks(tmp_path):
 
 def test_cli_synthetic(tmp_path):
     out = tmp_path / "synth"
-    run = subprocess.run([sys.executable, "-m", "jobs.prepare_data", "--synthetic", "--users", "300",
-                          "--items", "2000", "--levels", "3", "--codes", "32", "--out", str(out)],
-                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jobs.prepare_data",
+            "--synthetic",
+            "--users",
+            "300",
+            "--items",
+            "2000",
+            "--levels",
+            "3",
+            "--codes",
+            "32",
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr
     summary = json.loads(run.stdout)
     assert (summary["users"], summary["items"], summary["levels"], summary["codes"]) == (300, 2000, 3, 32)
     assert pq.read_metadata(out / "test.parquet").num_rows == 300
-    bad = subprocess.run([sys.executable, "-m", "jobs.prepare_data", "--synthetic", "--users", "0", "--items", "5",
-                          "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "jobs.prepare_data", "--synthetic", "--users", "0", "--items", "5", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "--users: expected an integer >= 1, got 0" in bad.stderr
 
 
 # ---------------------------------------------------------------- the LC-Rec layout
+
 
 def test_lcrec_format_with_every_problem_reported(tmp_path):
     """An LC-Rec index JSON and sequential_*.txt files -> the project's parquet contracts; collisions, bad index
@@ -293,9 +323,25 @@ def test_lcrec_format_with_every_problem_reported(tmp_path):
     (src / "sequential_valid.txt").write_text("1 3\n2 5\n")
     (src / "sequential_test.txt").write_text("1 4\n4 2\n")
     out = tmp_path / "out"
-    run = subprocess.run([sys.executable, "-m", "jobs.prepare_data", "--format", "lcrec", "--source", str(src),
-                          "--out", str(out), "--history-len", "3"], cwd=REPO, capture_output=True, text=True,
-                         timeout=120)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jobs.prepare_data",
+            "--format",
+            "lcrec",
+            "--source",
+            str(src),
+            "--out",
+            str(out),
+            "--history-len",
+            "3",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr
     summary = json.loads(run.stdout)
     assert (summary["items"], summary["colliding_semantic_ids"], summary["index_problems"]) == (8, 1, 2)
@@ -304,35 +350,62 @@ def test_lcrec_format_with_every_problem_reported(tmp_path):
     assert summary["dropped_interactions"] == {"train": 1, "valid": 0, "test": 0}
     items = pq.read_table(out / "items.parquet")
     assert items["item_id"].to_pylist() == list(range(8))
-    assert _lists(items, "semantic_id")[5] == [2, 5, 10] and _lists(items, "code_tokens")[5] == ["<a_2>", "<b_5>",
-                                                                                                 "<c_10>"]
+    assert _lists(items, "semantic_id")[5] == [2, 5, 10] and _lists(items, "code_tokens")[5] == [
+        "<a_2>",
+        "<b_5>",
+        "<c_10>",
+    ]
     report = json.loads((out / "prepare.json").read_text())
     assert [c["item_ids"] for c in report["semantic_id_collisions"]] == [[0, 7]]
     assert sorted(p["item"] for p in report["index_problems"]["entries"]) == ["8", "9"]
     lines = report["lines"]["train"]
     assert [(m["line"], m["reason"]) for m in lines["malformed"]] == [
-        (4, "not all fields are integers"), (6, "user 2 listed again")]
+        (4, "not all fields are integers"),
+        (6, "user 2 listed again"),
+    ]
     assert lines["users_without_items"] == 1 and report["ids"]["offset"] == 0
     assert lines["unknown"] == [{"line": 5, "user": 4, "items": [99]}]
     train, valid, test = (pq.read_table(out / f"{s}.parquet").to_pylist() for s in ("train", "valid", "test"))
-    assert train == [{"user_id": 1, "history": [0, 1, 2]}, {"user_id": 2, "history": [3, 4]},
-                     {"user_id": 4, "history": [6, 1]}]
+    assert train == [
+        {"user_id": 1, "history": [0, 1, 2]},
+        {"user_id": 2, "history": [3, 4]},
+        {"user_id": 4, "history": [6, 1]},
+    ]
     assert [(r["user_id"], r["history"], r["target_items"]) for r in valid] == [
-        (1, [0, 1, 2], [3]), (2, [3, 4], [5]), (4, [6, 1], []), (5, [], [])]
+        (1, [0, 1, 2], [3]),
+        (2, [3, 4], [5]),
+        (4, [6, 1], []),
+        (5, [], []),
+    ]
     # a test user's history is its train + valid items (the last history_len of them)
     assert [(r["user_id"], r["history"], r["target_items"]) for r in test] == [
-        (1, [1, 2, 3], [4]), (2, [3, 4, 5], []), (4, [6, 1], [2]), (5, [], [])]
-    bad = subprocess.run([sys.executable, "-m", "jobs.prepare_data", "--format", "lcrec", "--out", str(out)],
-                         cwd=REPO, capture_output=True, text=True, timeout=120)
+        (1, [1, 2, 3], [4]),
+        (2, [3, 4, 5], []),
+        (4, [6, 1], [2]),
+        (5, [], []),
+    ]
+    bad = subprocess.run(
+        [sys.executable, "-m", "jobs.prepare_data", "--format", "lcrec", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "--format lcrec needs --source DIR" in bad.stderr
     (src / "sequential_valid.txt").unlink()
-    missing = subprocess.run([sys.executable, "-m", "jobs.prepare_data", "--format", "lcrec", "--source", str(src),
-                              "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    missing = subprocess.run(
+        [sys.executable, "-m", "jobs.prepare_data", "--format", "lcrec", "--source", str(src), "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert missing.returncode == 1 and "sequential_valid.txt: file not found" in missing.stderr
 
 
-def _lcrec_release(folder: Path, seed: int, users: int = 40, items: int = 30, shift: int = 0,
-                   index_name: str = "toy.LCRec-1e-3lr.json") -> dict:
+def _lcrec_release(
+    folder: Path, seed: int, users: int = 40, items: int = 30, shift: int = 0, index_name: str = "toy.LCRec-1e-3lr.json"
+) -> dict:
     """A small dataset in the AtSpeed authors' layout: the index from 0, the interaction files' ids + `shift` (the
     authors' text files use shift 1); every user on every line of valid / test, most of them without items there.
     -> the 0-based truth {split: {user: items}}."""
@@ -350,7 +423,8 @@ def _lcrec_release(folder: Path, seed: int, users: int = 40, items: int = 30, sh
     truth["train"][0] = [0, items - 1]  # the smallest and largest ids are used
     for split, lists in truth.items():
         (folder / f"sequential_{split}.txt").write_text(
-            "".join(" ".join(str(x + shift) for x in [u, *v]) + "\n" for u, v in lists.items()))
+            "".join(" ".join(str(x + shift) for x in [u, *v]) + "\n" for u, v in lists.items())
+        )
     return truth
 
 
@@ -361,16 +435,50 @@ def test_lcrec_published_release_one_based_ids(tmp_path):
     0-based truth; users listed without items are counted apart from malformed lines."""
     truth = _lcrec_release(tmp_path / "zero", seed=1)
     _lcrec_release(tmp_path / "one", seed=1, shift=1)
-    refused = subprocess.run([sys.executable, "-m", "jobs.prepare_data", "--format", "lcrec", "--source",
-                              str(tmp_path / "one"), "--out", str(tmp_path / "out-refused")], cwd=REPO,
-                             capture_output=True, text=True, timeout=120)
+    refused = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jobs.prepare_data",
+            "--format",
+            "lcrec",
+            "--source",
+            str(tmp_path / "one"),
+            "--out",
+            str(tmp_path / "out-refused"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert refused.returncode == 1 and not (tmp_path / "out-refused").exists()
-    assert "look shifted against the index toy.LCRec-1e-3lr.json: it holds ids 0..29 (30 items), " \
-           "the files use ids 1..30" in refused.stderr
+    assert (
+        "look shifted against the index toy.LCRec-1e-3lr.json: it holds ids 0..29 (30 items), "
+        "the files use ids 1..30" in refused.stderr
+    )
     assert "id 0 is never used" in refused.stderr and "Rerun with --id-offset -1" in refused.stderr
-    run = subprocess.run([sys.executable, "-m", "jobs.prepare_data", "--format", "lcrec", "--source",
-                          str(tmp_path / "one"), "--out", str(tmp_path / "out-one"), "--id-offset", "-1",
-                          "--history-len", "5"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jobs.prepare_data",
+            "--format",
+            "lcrec",
+            "--source",
+            str(tmp_path / "one"),
+            "--out",
+            str(tmp_path / "out-one"),
+            "--id-offset",
+            "-1",
+            "--history-len",
+            "5",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr
     summary = json.loads(run.stdout)
     assert summary["id_offset"] == -1 and summary["index"].endswith("toy.LCRec-1e-3lr.json")
@@ -381,13 +489,21 @@ def test_lcrec_published_release_one_based_ids(tmp_path):
     train, valid, test = (pq.read_table(out / f"{s}.parquet").to_pylist() for s in ("train", "valid", "test"))
     assert {r["user_id"]: r["history"] for r in train} == truth["train"]
     assert {r["user_id"]: (r["history"], r["target_items"]) for r in valid} == {
-        u: (truth["train"][u][-5:], truth["valid"][u]) for u in truth["train"]}
+        u: (truth["train"][u][-5:], truth["valid"][u]) for u in truth["train"]
+    }
     assert {r["user_id"]: (r["history"], r["target_items"]) for r in test} == {
-        u: ((truth["train"][u] + truth["valid"][u])[-5:], truth["test"][u]) for u in truth["train"]}
+        u: ((truth["train"][u] + truth["valid"][u])[-5:], truth["test"][u]) for u in truth["train"]
+    }
     report = json.loads((out / "prepare.json").read_text())
     assert report["ids"] | {"unknown_examples": None} == {
-        "index_ids": "0..29", "index_items": 30, "item_ids_used": "1..30", "offset": -1, "unknown_after_offset": 0,
-        "unknown_examples": None, "distinct_items_used": report["ids"]["distinct_items_used"]}
+        "index_ids": "0..29",
+        "index_items": 30,
+        "item_ids_used": "1..30",
+        "offset": -1,
+        "unknown_after_offset": 0,
+        "unknown_examples": None,
+        "distinct_items_used": report["ids"]["distinct_items_used"],
+    }
     assert report["splits"]["test"].startswith("history = the user's train + valid items")
     # the 0-based copy imports as it is, to the same tables
     prepare_lcrec(tmp_path / "zero", tmp_path / "out-zero", history_len=5)
@@ -401,8 +517,11 @@ def test_lcrec_index_choice_and_unknown_items_after_offset(tmp_path):
     src = tmp_path / "src"
     truth = _lcrec_release(src, seed=2, shift=1)
     (src / "Toy.index.json").write_text((src / "toy.LCRec-1e-3lr.json").read_text())
-    with pytest.raises(ValueError, match=r"found 2 JSON files \(Toy\.index\.json, toy\.LCRec-1e-3lr\.json\) "
-                                         r".*name it with --index FILE"):
+    with pytest.raises(
+        ValueError,
+        match=r"found 2 JSON files \(Toy\.index\.json, toy\.LCRec-1e-3lr\.json\) "
+        r".*name it with --index FILE",
+    ):
         prepare_lcrec(src, tmp_path / "out")
     summary = prepare_lcrec(src, tmp_path / "out", index=src / "Toy.index.json", id_offset=-1)
     assert summary.index == str(src / "Toy.index.json") and summary.dropped_interactions["train"] == 0
@@ -450,8 +569,15 @@ def test_lcrec_layout_of_the_release_imports_as_the_parquet_release(beauty, tmp_
     for name in ("items", "train", "valid", "test"):
         assert pq.read_table(tmp_path / "out" / f"{name}.parquet").equals(pq.read_table(out / f"{name}.parquet")), name
     report, expected = (json.loads((d / "prepare.json").read_text()) for d in (tmp_path / "out", out))
-    counts = ("distinct_semantic_ids", "semantic_id_collisions", "users", "users_with_targets", "interactions",
-              "history_length", "splits")
+    counts = (
+        "distinct_semantic_ids",
+        "semantic_id_collisions",
+        "users",
+        "users_with_targets",
+        "interactions",
+        "history_length",
+        "splits",
+    )
     assert {k: report[k] for k in counts} == {k: expected[k] for k in counts}
 
 
@@ -462,10 +588,13 @@ def _convention(train: dict, valid: dict, test: dict, history_len: int) -> dict:
     """SPLIT_CONVENTION written out on {user: items} dicts (rows in the dicts' order)."""
     return {
         "train": [{"user_id": u, "history": v} for u, v in train.items()],
-        "valid": [{"user_id": u, "history": train.get(u, [])[-history_len:], "target_items": v}
-                  for u, v in valid.items()],
-        "test": [{"user_id": u, "history": (train.get(u, []) + valid.get(u, []))[-history_len:], "target_items": v}
-                 for u, v in test.items()],
+        "valid": [
+            {"user_id": u, "history": train.get(u, [])[-history_len:], "target_items": v} for u, v in valid.items()
+        ],
+        "test": [
+            {"user_id": u, "history": (train.get(u, []) + valid.get(u, []))[-history_len:], "target_items": v}
+            for u, v in test.items()
+        ],
     }
 
 
@@ -519,8 +648,13 @@ sys.exit(main(sys.argv[1:]))
 
 def _make_plans_import(out: Path) -> bool:
     """Would `make` (the Makefile's `$(DATA)/items.parquet` target; the venv taken as installed) import again?"""
-    run = subprocess.run(["make", "-n", "-o", ".venv/bin/.installed", f"DATA={out}", f"{out}/items.parquet"],
-                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    run = subprocess.run(
+        ["make", "-n", "-o", ".venv/bin/.installed", f"DATA={out}", f"{out}/items.parquet"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert run.returncode == 0, run.stderr
     return f"jobs.prepare_data --out {out}" in run.stdout
 
@@ -537,8 +671,13 @@ def test_import_killed_before_its_items_file_is_not_prepared(tmp_path):
     write_synthetic(out, 300, 500, levels=3, codes=16, seed=1)  # an earlier import, complete
     assert prepared(out) and not _make_plans_import(out)
     args = ["--synthetic", "--users", "300", "--items", "500", "--levels", "3", "--codes", "16", "--seed", "2"]
-    proc = subprocess.Popen([sys.executable, "-c", STOP_AFTER_ITEMS, *args, "--out", str(out)], cwd=REPO,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", STOP_AFTER_ITEMS, *args, "--out", str(out)],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout.readline() == "items written\n"
     finally:

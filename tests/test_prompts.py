@@ -1,6 +1,7 @@
 """Prompt templates rendered by operators/prompts.py (the `codes` format exactly as before; the LC-Rec instruction
 prompt equal to the tokenizer's own ids for a real BPE tokenizer), operators/validate.py (row rules) and the
 catalog's item-to-tokens map."""
+
 from dataclasses import replace
 
 import numpy as np
@@ -22,6 +23,7 @@ def build_prompts(histories, items, bos, pad, history_len):
     assert (tok.bos_token_id, tok.pad_token_id) == (bos, pad)
     renderer = Renderer.compile(PRESETS["codes"].with_max_items(history_len), tok, catalog_probes(items))
     return renderer.render(histories, items)
+
 
 # L = 2 levels, 8 codes: token id of (level j, code c) = 4 + 8 j + c
 CATALOG = pa.table({"item_id": [30, 10, 20], "semantic_id": [[5, 0], [1, 2], [3, 4]]})
@@ -73,9 +75,12 @@ def test_same_as_tokenizer_text(items, tok):
 
 
 def test_bad_rows_rejected_with_reasons(items):
-    batch = pa.table({"user_id": pa.array([1, 2, 3, None, 5, 6, 7], pa.int64()),
-                      "history": pa.array([[], [10, 99, 20, 98], None, [10], [20], [5], [99, 10, 20]],
-                                          pa.list_(pa.int64()))})
+    batch = pa.table(
+        {
+            "user_id": pa.array([1, 2, 3, None, 5, 6, 7], pa.int64()),
+            "history": pa.array([[], [10, 99, 20, 98], None, [10], [20], [5], [99, 10, 20]], pa.list_(pa.int64())),
+        }
+    )
     good, rejects = validate(batch, items, history_len=2)
     assert good["user_id"].to_pylist() == [5, 7]  # user 7's unknown item is older than the window: not used
     assert good["history"].to_pylist() == [[20], [99, 10, 20]]
@@ -88,10 +93,14 @@ def test_bad_rows_rejected_with_reasons(items):
     ]
     wide, _ = validate(batch, items, history_len=5)  # the window now reaches user 2's 98 and user 7's 99
     assert wide["user_id"].to_pylist() == [5]
-    assert validate(batch, items, 5)[1].to_pylist()[1] == {"user_id": 2, "reason": "unknown_item",
-                                                           "detail": "item ids not in catalog: 98, 99"}
-    strings = pa.table({"user_id": ["a", "b", "c"],
-                        "history": pa.array([["10", "20"], ["x"], None], pa.list_(pa.string()))})
+    assert validate(batch, items, 5)[1].to_pylist()[1] == {
+        "user_id": 2,
+        "reason": "unknown_item",
+        "detail": "item ids not in catalog: 98, 99",
+    }
+    strings = pa.table(
+        {"user_id": ["a", "b", "c"], "history": pa.array([["10", "20"], ["x"], None], pa.list_(pa.string()))}
+    )
     good, rejects = validate(strings, items, history_len=5)
     assert good["user_id"].to_pylist() == ["a"] and good["history"].to_pylist() == [[10, 20]]
     assert [r["reason"] for r in rejects.to_pylist()] == ["bad_type", "empty_history"]
@@ -152,7 +161,7 @@ def test_rendered_ids_equal_the_tokenizer_on_the_rendered_text(bpe, preset):
     lengths = np.concatenate([np.arange(1, 26), rng.integers(1, 30, size=375)])  # 1..25 and 375 random lengths
     histories = [rng.choice(item_ids, size=n).tolist() for n in lengths]
     for a in range(0, len(histories), 64):
-        batch = histories[a:a + 64]
+        batch = histories[a : a + 64]
         p = renderer.render(batch, cat.item_tokens)
         for row, history in enumerate(batch):
             text = template.text([codes_of[i] for i in history])
@@ -167,7 +176,8 @@ def test_rendered_ids_equal_the_tokenizer_on_the_rendered_text(bpe, preset):
             "Below is an instruction that describes a task. Write a response that appropriately completes the "
             "request.\n\n### Instruction:\nThe user has interacted with items "
             f"1. <a_{a1}><b_{b1}><c_{c1}>, 2. <a_{a2}><b_{b2}><c_{c2}> in chronological order. Can you predict the "
-            "next possible item that the user may expect?\n\n### Response:")
+            "next possible item that the user may expect?\n\n### Response:"
+        )
 
 
 def test_a_tokenizer_that_merges_text_into_code_tokens_is_refused(bpe):
@@ -183,8 +193,9 @@ def test_a_tokenizer_that_merges_text_into_code_tokens_is_refused(bpe):
     raw = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     merging = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", pad_token="<pad>", unk_token="<unk>")
-    catalog = Catalog.from_table(pa.table({"item_id": list(codes_of), "semantic_id": list(codes_of.values())}),
-                                 merging)  # every code token is in the vocabulary ...
+    catalog = Catalog.from_table(
+        pa.table({"item_id": list(codes_of), "semantic_id": list(codes_of.values())}), merging
+    )  # every code token is in the vocabulary ...
     with pytest.raises(ValueError, match="code tokens must be tokens of their own"):  # ... but not kept apart
         Renderer.compile(PRESETS["lcrec"], merging, catalog_probes(catalog.item_tokens))
     with pytest.raises(ValueError, match=r"1-item prompt .* found 0\)"):  # `<a_0><b_1><c_2>` is one word to it
@@ -193,8 +204,16 @@ def test_a_tokenizer_that_merges_text_into_code_tokens_is_refused(bpe):
 
 def test_template_files_and_refusals(tmp_path, bpe):
     tok, cat, _ = bpe
-    custom = PromptTemplate(name="mine", prefix="History: ", item="[{index}] {codes}", separator="; ",
-                            suffix="\nNext:", max_items=5, bos=False, code_token="<{level}_{code}>")
+    custom = PromptTemplate(
+        name="mine",
+        prefix="History: ",
+        item="[{index}] {codes}",
+        separator="; ",
+        suffix="\nNext:",
+        max_items=5,
+        bos=False,
+        code_token="<{level}_{code}>",
+    )
     write_template(tmp_path, custom)
     assert read_template(tmp_path) == custom == get_template(str(tmp_path / "genrec_template.json"))
     assert get_template("lcrec") is PRESETS["lcrec"]
@@ -217,7 +236,8 @@ def test_template_files_and_refusals(tmp_path, bpe):
         Renderer.compile(PRESETS["lcrec"], no_bos, catalog_probes(cat.item_tokens))
     # code tokens named differently: every one the catalog needs must exist, named in the error
     other = replace(PRESETS["lcrec"], code_token="<|{level_index}_{code}|>")
-    every = pa.table({"item_id": list(range(216)),
-                      "semantic_id": [[a, b, c] for a in range(6) for b in range(6) for c in range(6)]})
+    every = pa.table(
+        {"item_id": list(range(216)), "semantic_id": [[a, b, c] for a in range(6) for b in range(6) for c in range(6)]}
+    )
     with pytest.raises(ValueError, match=r"18 code tokens the catalog needs are missing from the tokenizer: <\|0_0\|>"):
         Catalog.from_table(every, tok, code_token=other.code)

@@ -1,6 +1,7 @@
 """Reports and offline evaluation of real nightly runs (local Ray): the numbers equal the shard metrics aggregated
 here independently, the plots are valid PNGs, a comparison of a run with itself (and of strict speculative with
 beam search) shows identical outputs, the evaluation equals a hand-computed example, and Chromium renders the page."""
+
 import json
 import math
 import os
@@ -39,8 +40,10 @@ def runs(tmp_path_factory):
     world = make_world(root)
     ray.init(num_cpus=4, include_dashboard=False)  # two 1-CPU actors plus the read and write tasks
     try:
-        out = {mode: run_nightly(config(world, root / mode, f"decoding.mode={mode}", "compute.num_actors=2"))
-               for mode in ("beam", "atspeed-strict")}
+        out = {
+            mode: run_nightly(config(world, root / mode, f"decoding.mode={mode}", "compute.num_actors=2"))
+            for mode in ("beam", "atspeed-strict")
+        }
     finally:
         ray.shutdown()
     return {mode: str(root / mode / f"run_date={m['run_date']}" / f"run_id={m['run_id']}") for mode, m in out.items()}
@@ -59,12 +62,20 @@ def independent_summary(run: str) -> dict:
     for h in m.accepted_hist.dropna():
         hist[: len(h)] += np.asarray(h)
     actors = manifest["config"]["compute"]["num_actors"]
-    return {"users": users, "users_per_s": users / wall, "busy_users_per_s": users / m.wall_s.sum(),
-            "prefill": m.prefill_s.sum(), "verify": m.verify_s.sum(), "target_forwards": int(m.target_forwards.sum()),
-            "kv": m.kv_tokens.sum() / users, "kv_beam": m.kv_tokens_beam_batch.sum() / users,
-            "cost": PRICE * actors * wall / 3600 / users * 1e6, "busy_cost": PRICE * m.wall_s.sum() / 3600 / users * 1e6,
-            "accepted": (hist * np.arange(8)).sum() / hist.sum() if hist.sum() else None, "rounds": int(hist.sum()),
-}
+    return {
+        "users": users,
+        "users_per_s": users / wall,
+        "busy_users_per_s": users / m.wall_s.sum(),
+        "prefill": m.prefill_s.sum(),
+        "verify": m.verify_s.sum(),
+        "target_forwards": int(m.target_forwards.sum()),
+        "kv": m.kv_tokens.sum() / users,
+        "kv_beam": m.kv_tokens_beam_batch.sum() / users,
+        "cost": PRICE * actors * wall / 3600 / users * 1e6,
+        "busy_cost": PRICE * m.wall_s.sum() / 3600 / users * 1e6,
+        "accepted": (hist * np.arange(8)).sum() / hist.sum() if hist.sum() else None,
+        "rounds": int(hist.sum()),
+    }
 
 
 def assert_png(path):
@@ -87,21 +98,27 @@ def test_report_numbers_equal_the_metrics(runs, mode):
     md, html = (out / "report.md").read_text(), (out / "report.html").read_text()
     want = independent_summary(run)
     assert want["users"] == 100
-    for line in (f"| users ok | {num(want['users'])} |",
-                 f"| users/s (decode wall time) | {num(want['users_per_s'])} |",
-                 f"| users/s per busy actor-second | {num(want['busy_users_per_s'])} |",
-                 f"| prefill (s, summed over batches) | {num(want['prefill'])} |",
-                 f"| verify (s, summed over batches) | {num(want['verify'])} |",
-                 f"| target forwards | {num(want['target_forwards'])} |",
-                 f"| KV tokens held per user | {num(want['kv'], 1)} |",
-                 f"| KV tokens per user, batch beam search | {num(want['kv_beam'], 1)} |",
-                 f"| cost per million users, allocated (USD) | {num(want['cost'], 2)} |",
-                 f"| cost per million users, busy (USD) | {num(want['busy_cost'], 2)} |"):
+    for line in (
+        f"| users ok | {num(want['users'])} |",
+        f"| users/s (decode wall time) | {num(want['users_per_s'])} |",
+        f"| users/s per busy actor-second | {num(want['busy_users_per_s'])} |",
+        f"| prefill (s, summed over batches) | {num(want['prefill'])} |",
+        f"| verify (s, summed over batches) | {num(want['verify'])} |",
+        f"| target forwards | {num(want['target_forwards'])} |",
+        f"| KV tokens held per user | {num(want['kv'], 1)} |",
+        f"| KV tokens per user, batch beam search | {num(want['kv_beam'], 1)} |",
+        f"| cost per million users, allocated (USD) | {num(want['cost'], 2)} |",
+        f"| cost per million users, busy (USD) | {num(want['busy_cost'], 2)} |",
+    ):
         assert line in md, line
-    per_actor = pd.read_parquet(f"{run}/metrics").groupby("actor").agg(users=("users_ok", "sum"), busy=("wall_s", "sum"))
+    per_actor = (
+        pd.read_parquet(f"{run}/metrics").groupby("actor").agg(users=("users_ok", "sum"), busy=("wall_s", "sum"))
+    )
     wall = json.loads(open(f"{run}/manifest.json").read())["timings"]["decode_s"]
     for actor, r in per_actor.iterrows():  # one table row per actor (how many actors got batches is Ray's choice)
-        assert f"| {actor} | " in md and f"| {num(int(r.users))} | {num(r.users / r.busy)} | {r.busy / wall:.0%} |" in md
+        assert (
+            f"| {actor} | " in md and f"| {num(int(r.users))} | {num(r.users / r.busy)} | {r.busy / wall:.0%} |" in md
+        )
     m = pd.read_parquet(f"{run}/metrics")
     [accelerator] = set(m.accelerator)  # both CPU actors on this machine's CPUs
     assert accelerator.endswith("/cpu")
@@ -126,7 +143,10 @@ def test_compare_a_run_with_itself_and_with_strict_speculation(runs):
     doc = json.loads((out / "report.json").read_text())
     assert doc["speedup"] == {"users_per_s": 1.0, "users_per_busy_s": 1.0}
     assert doc["outputs"]["identical"] and doc["outputs"]["users"] == 100 and doc["outputs"]["max_abs_score_diff"] == 0
-    assert "**1.00x** users/s" in (out / "report.md").read_text() and "Outputs: **identical**" in (out / "report.md").read_text()
+    assert (
+        "**1.00x** users/s" in (out / "report.md").read_text()
+        and "Outputs: **identical**" in (out / "report.md").read_text()
+    )
     # strict speculative decoding is lossless: the same items as beam search, user by user, rank by rank
     report_run(runs["atspeed-strict"], LOCAL, compare=runs["beam"])
     doc = json.loads(next(Path(runs["atspeed-strict"]).glob("report-vs-*/report.json")).read_text())
@@ -183,9 +203,17 @@ def hand_run(root, recs: dict[int, list[int]], k: int):
     root.mkdir(parents=True)
     rows = [(u, r + 1, item) for u, items in recs.items() for r, item in enumerate(items)]
     (root / "recommendations").mkdir()
-    pq.write_table(pa.table({"user_id": [r[0] for r in rows], "rank": pa.array([r[1] for r in rows], pa.int32()),
-                             "item_id": [r[2] for r in rows], "score": pa.array([0.0] * len(rows), pa.float32())}),
-                   root / "recommendations" / "part.parquet")
+    pq.write_table(
+        pa.table(
+            {
+                "user_id": [r[0] for r in rows],
+                "rank": pa.array([r[1] for r in rows], pa.int32()),
+                "item_id": [r[2] for r in rows],
+                "score": pa.array([0.0] * len(rows), pa.float32()),
+            }
+        ),
+        root / "recommendations" / "part.parquet",
+    )
     (root / "metrics").mkdir()
     pq.write_table(pa.table({"users_ok": [len(recs)]}), root / "metrics" / "metrics.parquet")
     (root / "manifest.json").write_text(json.dumps({"run_id": "hand", "config": {"decoding": {"k": k}}}))
@@ -194,11 +222,19 @@ def hand_run(root, recs: dict[int, list[int]], k: int):
 
 
 def test_evaluation_equals_a_hand_computed_example(tmp_path):
-    run = hand_run(tmp_path / "run", {1: [10, 11, 12, 13], 2: [20, 21, 22, 23], 3: [30, 31, 32, 33],
-                                      4: [40, 41, 42, 43]}, k=4)
-    pq.write_table(pa.table({"user_id": [1, 2, 3, 4, 5, 1, 6],
-                             "history": [[1]] * 7,
-                             "target_items": [[11], [99], [], [40, 42, 42], [50], [10], None]}), tmp_path / "in.parquet")
+    run = hand_run(
+        tmp_path / "run", {1: [10, 11, 12, 13], 2: [20, 21, 22, 23], 3: [30, 31, 32, 33], 4: [40, 41, 42, 43]}, k=4
+    )
+    pq.write_table(
+        pa.table(
+            {
+                "user_id": [1, 2, 3, 4, 5, 1, 6],
+                "history": [[1]] * 7,
+                "target_items": [[11], [99], [], [40, 42, 42], [50], [10], None],
+            }
+        ),
+        tmp_path / "in.parquet",
+    )
     evaluate(str(run), LOCAL, str(tmp_path / "in.parquet"))
     ev = json.loads((run / "report" / "evaluation.json").read_text())
     # users 1 (hit at rank 2), 2 (miss), 4 (two targets, hits at ranks 1 and 3), 5 (no recommendations: a miss);
@@ -219,8 +255,11 @@ def test_evaluation_equals_a_hand_computed_example(tmp_path):
     (tmp_path / "in.parquet").rename(tmp_path / "data" / "test.parquet")
     (tmp_path / "data" / "prepare.json").write_text(json.dumps({"splits": SPLIT_CONVENTION}))
     ev = evaluate(str(run), LOCAL, str(tmp_path / "data" / "test.parquet"))
-    assert ev["protocol"] == {"split": "test", "convention": SPLIT_CONVENTION["test"],
-                              "source": str(tmp_path / "data" / "prepare.json")}
+    assert ev["protocol"] == {
+        "split": "test",
+        "convention": SPLIT_CONVENTION["test"],
+        "source": str(tmp_path / "data" / "prepare.json"),
+    }
     assert "train + valid items" in SPLIT_CONVENTION["test"]
     assert f"Split `test`: {SPLIT_CONVENTION['test']}." in (run / "report" / "evaluation.md").read_text()
 
@@ -246,8 +285,9 @@ def test_bad_runs_and_inputs_fail_clearly(runs, tmp_path):
 def job(name: str, *argv, path: str | None = None):
     """`python -m jobs.NAME ...` in a subprocess, as an operator runs it."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), **({"PATH": path} if path is not None else {})}
-    return subprocess.run([sys.executable, "-m", f"jobs.{name}", *argv], cwd=ROOT, env=env, capture_output=True,
-                          text=True)
+    return subprocess.run(
+        [sys.executable, "-m", f"jobs.{name}", *argv], cwd=ROOT, env=env, capture_output=True, text=True
+    )
 
 
 def test_the_command_lines(runs, tmp_path):
@@ -261,8 +301,16 @@ def test_the_command_lines(runs, tmp_path):
     pq.write_table(pa.table({"user_id": [1], "history": [[1]]}), no_targets)
     bad = job("evaluate", "--run", runs["beam"], "--input", str(no_targets))
     assert bad.returncode == 2 and "no target_items column" in bad.stderr
-    shot = job("report", "--run", runs["beam"], "--out", str(tmp_path / "s"), "--screenshot",
-               str(tmp_path / "shot.png"), path=str(tmp_path))
+    shot = job(
+        "report",
+        "--run",
+        runs["beam"],
+        "--out",
+        str(tmp_path / "s"),
+        "--screenshot",
+        str(tmp_path / "shot.png"),
+        path=str(tmp_path),
+    )
     assert shot.returncode == 2 and "--screenshot failed: no chromium on PATH" in shot.stderr
     assert (tmp_path / "s" / "report.html").is_file()  # the report itself is written
 

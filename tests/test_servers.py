@@ -1,5 +1,6 @@
 """The integration-test servers themselves: S3 round trips on SeaweedFS, and a token-authenticated Ray head
 that accepts `ray job submit` with the token and refuses it without."""
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,12 @@ def test_seaweedfs_s3_round_trip(tmp_path):
         assert s3.endpoint.startswith("http://127.0.0.1:")
         # pyarrow: parquet write and read back
         fs = s3.filesystem()
-        table = pa.table({"user_id": pa.array([1, 2, 3], pa.int64()),
-                          "history": pa.array([[10, 11], [12], []], pa.list_(pa.int64()))})
+        table = pa.table(
+            {
+                "user_id": pa.array([1, 2, 3], pa.int64()),
+                "history": pa.array([[10, 11], [12], []], pa.list_(pa.int64())),
+            }
+        )
         pq.write_table(table, f"{s3.bucket}/runs/2026-01-01/part-0.parquet", filesystem=fs)
         assert pq.read_table(f"{s3.bucket}/runs/2026-01-01/part-0.parquet", filesystem=fs).equals(table)
         infos = fs.get_file_info(pa.fs.FileSelector(f"{s3.bucket}/runs", recursive=True))
@@ -42,9 +47,19 @@ def test_seaweedfs_s3_round_trip(tmp_path):
 
 
 def _submit(head, env, working_dir):
-    cmd = [find_executable("ray"), "job", "submit", "--address", head.dashboard_url,
-           "--working-dir", str(working_dir), "--",
-           "python", "-c", "import ray; ray.init(); print(ray.cluster_resources())"]
+    cmd = [
+        find_executable("ray"),
+        "job",
+        "submit",
+        "--address",
+        head.dashboard_url,
+        "--working-dir",
+        str(working_dir),
+        "--",
+        "python",
+        "-c",
+        "import ray; ray.init(); print(ray.cluster_resources())",
+    ]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
 
 

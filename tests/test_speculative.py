@@ -1,4 +1,5 @@
 """Strict AtSpeed speculative beam search returns exactly beam_search(target), with fewer target forwards."""
+
 import pytest
 import torch
 
@@ -102,6 +103,7 @@ def test_bad_arguments(setup):
 
 # ---------------------------------------------------------------- relaxed sampling verification
 
+
 def chi2_critical(df: int, alpha_z: float = 3.09) -> float:
     """Wilson-Hilferty approximation of the chi-square quantile; z = 3.09 is alpha = 0.001."""
     return df * (1 - 2 / (9 * df) + alpha_z * (2 / (9 * df)) ** 0.5) ** 3
@@ -154,15 +156,18 @@ def small():
         target.lm_head.weight.mul_(8)
         far.lm_head.weight.mul_(8)
         near.load_state_dict(target.state_dict())
-        near.lm_head.weight.add_(0.5 * torch.randn(near.lm_head.weight.shape, generator=torch.Generator().manual_seed(0)))
+        near.lm_head.weight.add_(
+            0.5 * torch.randn(near.lm_head.weight.shape, generator=torch.Generator().manual_seed(0))
+        )
     return cat, target, {"near": near, "far": far}
 
 
 RUNS = 3000  # one batch of 3000 copies of one prompt: 3000 independent seeded runs
 
 
-@pytest.mark.parametrize("k, temperature, draft", [(1, 1.0, "far"), (3, 1.0, "far"), (3, 1.0, "near"),
-                                                   (2, 0.7, "near")])
+@pytest.mark.parametrize(
+    "k, temperature, draft", [(1, 1.0, "far"), (3, 1.0, "far"), (3, 1.0, "near"), (2, 0.7, "near")]
+)
 def test_relaxed_matches_sampling_beam_search_in_distribution(small, k, temperature, draft):
     """H0: relaxed speculative beam search returns the K-sets of the target's sampling-based beam search.
     (1) The top-1 item: two-sample chi-square homogeneity test on 3000 runs each, alpha = 0.001. Power: a shift of
@@ -174,10 +179,20 @@ def test_relaxed_matches_sampling_beam_search_in_distribution(small, k, temperat
     cat, target, drafts = small
     ids, mask = left_padded_prompts(1, [6], cat.vocab_size, seed=0)
     ids, mask = ids.repeat(RUNS, 1), mask.repeat(RUNS, 1)
-    ref = beam_search(target, ids, mask, cat, k, do_sample=True, temperature=temperature,
-                      generator=torch.Generator().manual_seed(11))
-    rel = speculative_beam_search(target, drafts[draft], ids, mask, cat, k, verification="relaxed",
-                                  temperature=temperature, generator=torch.Generator().manual_seed(12))
+    ref = beam_search(
+        target, ids, mask, cat, k, do_sample=True, temperature=temperature, generator=torch.Generator().manual_seed(11)
+    )
+    rel = speculative_beam_search(
+        target,
+        drafts[draft],
+        ids,
+        mask,
+        cat,
+        k,
+        verification="relaxed",
+        temperature=temperature,
+        generator=torch.Generator().manual_seed(12),
+    )
     assert (rel.item_ids >= 0).all() and (rel.scores[:, :-1] >= rel.scores[:, 1:]).all()
     assert all(len(set(r)) == k for r in rel.item_ids.tolist())  # k distinct items
     stat, df = homogeneity_chi2(top1_counts(ref, cat), top1_counts(rel, cat))
@@ -192,8 +207,17 @@ def test_relaxed_detects_a_different_distribution(small):
     ids, mask = left_padded_prompts(1, [6], cat.vocab_size, seed=0)
     ids, mask = ids.repeat(RUNS, 1), mask.repeat(RUNS, 1)
     ref = beam_search(target, ids, mask, cat, 3, do_sample=True, generator=torch.Generator().manual_seed(11))
-    hot = speculative_beam_search(target, drafts["near"], ids, mask, cat, 3, verification="relaxed",
-                                  temperature=1.3, generator=torch.Generator().manual_seed(12))
+    hot = speculative_beam_search(
+        target,
+        drafts["near"],
+        ids,
+        mask,
+        cat,
+        3,
+        verification="relaxed",
+        temperature=1.3,
+        generator=torch.Generator().manual_seed(12),
+    )
     stat, df = homogeneity_chi2(top1_counts(ref, cat), top1_counts(hot, cat))
     assert stat > chi2_critical(df)
     z, critical = inclusion_z(inclusion_counts(ref, cat), inclusion_counts(hot, cat), RUNS)
@@ -206,14 +230,16 @@ def test_relaxed_accepts_at_least_as_many_steps_as_strict(small, draft):
     ids, mask = left_padded_prompts(1, [6], cat.vocab_size, seed=0)
     ids, mask = ids.repeat(500, 1), mask.repeat(500, 1)
     strict = speculative_beam_search(target, drafts[draft], ids, mask, cat, 3, draft_beams=3)
-    relaxed = speculative_beam_search(target, drafts[draft], ids, mask, cat, 3, verification="relaxed",
-                                      generator=torch.Generator().manual_seed(5))
+    relaxed = speculative_beam_search(
+        target, drafts[draft], ids, mask, cat, 3, verification="relaxed", generator=torch.Generator().manual_seed(5)
+    )
     assert relaxed.stats["accepted_steps"].float().mean() >= strict.stats["accepted_steps"].float().mean()
     if draft == "near":
         assert relaxed.stats["accepted_steps"].float().mean() > strict.stats["accepted_steps"].float().mean()
 
 
 # ---------------------------------------------------------------- strict verification that can fail
+
 
 def clustered_catalog(fanout=(32, 6, 6, 8), codes: int = 32, seed: int = 0):
     """A 4-level catalog over `codes` codes per level whose every trie node has many children (fanout per level:
@@ -266,8 +292,16 @@ def test_strict_equals_beam_search_when_drafts_cannot_cover_every_candidate(wide
     assert len(set(rounds.tolist())) > 1  # users finish in different rounds
     assert hist[0] > 0 and hist[1:].sum() > 0  # some rounds reject the first drafted step, others accept steps
     # random drafts are rejected: exactness does not come from accepting everything
-    random = speculative_beam_search(target, tiny_model("llama", cat.vocab_size, seed=99, num_hidden_layers=1),
-                                     ids, mask, cat, 5, draft_beams=10, gamma=gamma)
+    random = speculative_beam_search(
+        target,
+        tiny_model("llama", cat.vocab_size, seed=99, num_hidden_layers=1),
+        ids,
+        mask,
+        cat,
+        5,
+        draft_beams=10,
+        gamma=gamma,
+    )
     assert random.stats["accepted_steps"].sum() < rec.stats["accepted_steps"].sum()
     assert_same_ranking(random.item_ids, random.scores, ref.item_ids, ref.scores)
 

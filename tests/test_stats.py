@@ -1,5 +1,6 @@
 """One stats contract (decoding/stats.py): every decoder returns the same base keys, with counts that follow from
 its algorithm and phases that add up to its wall time."""
+
 import time
 
 import pytest
@@ -30,8 +31,9 @@ def decoders(cat, target, draft):
         "beam": lambda i, m: beam_search(target, i, m, cat, K),
         "beam-sample": lambda i, m: beam_search(target, i, m, cat, K, do_sample=True, generator=g()),
         "atspeed-strict": lambda i, m: speculative_beam_search(target, draft, i, m, cat, K, draft_beams=8),
-        "atspeed-relaxed": lambda i, m: speculative_beam_search(target, draft, i, m, cat, K, verification="relaxed",
-                                                                generator=g()),
+        "atspeed-relaxed": lambda i, m: speculative_beam_search(
+            target, draft, i, m, cat, K, verification="relaxed", generator=g()
+        ),
         "disc": lambda i, m: disc_sample(target, i, m, cat, K, rounds=2, generator=g()),
         "constrained": lambda i, m: constrained_sample(target, i, m, cat, K, generator=g()),
     }

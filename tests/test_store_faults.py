@@ -4,6 +4,7 @@ and restarted 20 s later, mid-run: the job rides both out and publishes every us
 (every connection reset, through a proxy) for longer than storage.retry_s: the job exits 4 with one `error:` line
 naming the store, the URI and the cause, releases the lease as the store comes back, and a `--resume latest` with a
 larger budget takes the lease at once and publishes. The timings and retries are printed (`pytest -s`)."""
+
 from __future__ import annotations
 
 import json
@@ -49,10 +50,20 @@ def cluster(tmp_path_factory):
 
 
 def items(world, s3, endpoint: str, out: str, *extra) -> list[str]:
-    return [f"input={s3.uri('data', 'test.parquet')}", f"catalog={s3.uri('data', 'items.parquet')}",
-            f"output={s3.uri(out)}", f"storage.endpoint={endpoint}", f"models.target={world / 'target'}",
-            f"models.cache_dir={world / 'cache'}", f"decoding.k={K}", f"compute.batch_size={BATCH}",
-            "compute.batches_per_task=1", f"run_date={DATE}", "runs.progress_s=5", *extra]
+    return [
+        f"input={s3.uri('data', 'test.parquet')}",
+        f"catalog={s3.uri('data', 'items.parquet')}",
+        f"output={s3.uri(out)}",
+        f"storage.endpoint={endpoint}",
+        f"models.target={world / 'target'}",
+        f"models.cache_dir={world / 'cache'}",
+        f"decoding.k={K}",
+        f"compute.batch_size={BATCH}",
+        "compute.batches_per_task=1",
+        f"run_date={DATE}",
+        "runs.progress_s=5",
+        *extra,
+    ]
 
 
 class Driver:
@@ -61,8 +72,9 @@ class Driver:
     def __init__(self, head, s3, settings: list[str], *flags: str):
         cmd = [sys.executable, "-m", "jobs.nightly", *(x for item in settings for x in ("--set", item)), *flags]
         env = {**os.environ, **s3.env(), **head.env(), "RAY_ADDRESS": head.address}
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        )
         self.lines: list[str] = []
         self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stderr), daemon=True)
         self.reader.start()
@@ -144,9 +156,11 @@ def test_the_job_rides_out_a_paused_and_a_restarted_store(cluster):
     assert manifest["counts"]["batches"] == -(-USERS // BATCH)
     n_retries, n_recovered = retries(log)
     assert n_recovered >= 1  # the restart's refused connections were retried by our policy and passed
-    print(f"\npause: {PAUSE_S:.0f} s, next shard committed {back - paused:.1f} s after the pause began; "
-          f"kill: restarted after {restarted - killed:.1f} s, next shard {back_again - killed:.1f} s after the kill; "
-          f"{n_retries} retries logged, {n_recovered} calls recovered; total {manifest['timings']['total_s']:.1f} s")
+    print(
+        f"\npause: {PAUSE_S:.0f} s, next shard committed {back - paused:.1f} s after the pause began; "
+        f"kill: restarted after {restarted - killed:.1f} s, next shard {back_again - killed:.1f} s after the kill; "
+        f"{n_retries} retries logged, {n_recovered} calls recovered; total {manifest['timings']['total_s']:.1f} s"
+    )
 
 
 def test_an_outage_longer_than_the_budget_exits_4_and_resumes_at_once(cluster):
@@ -180,22 +194,26 @@ def test_an_outage_longer_than_the_budget_exits_4_and_resumes_at_once(cluster):
     failed_run = lease["run_id"]
     assert runs.latest_run(s3.uri(out), DATE, storage) is None  # nothing published
     # what the shards committed before the outage cost: their three PUTs, nothing else (no directory requests)
-    stems = {m.group(1) for _, target in requests if (m := re.search(r"/metrics/(s\d{12}-[0-9a-f]{8})\.parquet$",
-                                                                           target))}
+    stems = {
+        m.group(1) for _, target in requests if (m := re.search(r"/metrics/(s\d{12}-[0-9a-f]{8})\.parquet$", target))
+    }
     assert len(stems) >= 8
     for stem in stems:
         assert sorted(method for method, target in requests if stem in target) == ["PUT"] * 3
     assert not [r for r in requests if r[0] == "PUT" and r[1].endswith("/")]  # no directory markers at all
     resumed = time.monotonic()
-    rc, stdout, log = Driver(head, s3, items(world, s3, proxy.endpoint, out, "storage.retry_s=30"),
-                             "--resume", "latest").finish()
+    rc, stdout, log = Driver(
+        head, s3, items(world, s3, proxy.endpoint, out, "storage.retry_s=30"), "--resume", "latest"
+    ).finish()
     assert rc == 0, log[-3000:]
     assert "watching it" not in log  # the released lease is taken at once
-    summary = json.loads(stdout[stdout.index("{"):])
+    summary = json.loads(stdout[stdout.index("{") :])
     assert summary["run_id"] == failed_run and summary["resume"]["resumed"]
     assert summary["resume"]["shards_committed_before"] >= len(stems)
     _, manifest = published_once(world, s3, out)
     n_retries, _ = retries("".join(driver.lines))
-    print(f"\noutage: the job gave up {gave_up - down:.1f} s after the store went away ({n_retries} retries logged); "
-          f"the resume published in {time.monotonic() - resumed:.1f} s (decode {manifest['timings']['decode_s']:.1f} s); "
-          f"{len(stems)} shards before the outage, 3 PUTs each and no other request")
+    print(
+        f"\noutage: the job gave up {gave_up - down:.1f} s after the store went away ({n_retries} retries logged); "
+        f"the resume published in {time.monotonic() - resumed:.1f} s (decode {manifest['timings']['decode_s']:.1f} s); "
+        f"{len(stems)} shards before the outage, 3 PUTs each and no other request"
+    )

@@ -4,6 +4,7 @@ connections) are retried until they pass and only then; permanent ones (access d
 condition) fail at the first request; a conditional put whose answer was lost is recognised as the caller's own; a
 store down for longer than storage.retry_s ends in StoreUnavailable naming the store, the URI and the cause; the lease
 is released best effort."""
+
 from __future__ import annotations
 
 import json
@@ -62,9 +63,16 @@ class First:
 
 
 def shard_tables(n_users: int):
-    recs = pa.table({"user_id": list(range(n_users)), "rank": pa.array([1] * n_users, pa.int32()),
-                     "item_id": list(range(n_users)), "score": pa.array([0.5] * n_users, pa.float32()),
-                     "mode": ["beam"] * n_users}, schema=table_schema("rec", pa.int64()))
+    recs = pa.table(
+        {
+            "user_id": list(range(n_users)),
+            "rank": pa.array([1] * n_users, pa.int32()),
+            "item_id": list(range(n_users)),
+            "score": pa.array([0.5] * n_users, pa.float32()),
+            "mode": ["beam"] * n_users,
+        },
+        schema=table_schema("rec", pa.int64()),
+    )
     return recs, table_schema("reject", pa.int64()).empty_table()
 
 
@@ -80,19 +88,25 @@ def test_a_shard_costs_its_three_puts(store, proxy):
     for i in range(3):
         write_shard(f"s{i:012d}-a", recs, rejects, {"run_id": "R", "shard": f"s{i:012d}", "users_in": 5}, run, storage)
     prefix = f"/{s3.bucket}/count/run_date%3D2026-11-21/run_id%3DR"
-    assert proxy.requests == [("PUT", f"{prefix}/{table}/s{i:012d}-a.parquet")
-                              for i in range(3) for table in ("recommendations", "rejects", "metrics")]
+    assert proxy.requests == [
+        ("PUT", f"{prefix}/{table}/s{i:012d}-a.parquet")
+        for i in range(3)
+        for table in ("recommendations", "rejects", "metrics")
+    ]
     stems = [f"s{i:012d}-a" for i in range(3)]
     assert runs.read_table(run, "recommendations", storage, files=stems).num_rows == 15
     assert runs.read_table(run, "metrics", storage, files=stems)["users_in"].to_pylist() == [5, 5, 5]
 
 
-@pytest.mark.parametrize("fault, method, call", [
-    ("slowdown", "PUT", "write_parquet"),  # pyarrow (its retry strategy, then ours)
-    ("reset", "PUT", "write_bytes"),
-    ("reset", "GET", "read_bytes"),  # boto3 (standard retries, then ours)
-    ("slowdown", "GET", "read_parquet"),
-])
+@pytest.mark.parametrize(
+    "fault, method, call",
+    [
+        ("slowdown", "PUT", "write_parquet"),  # pyarrow (its retry strategy, then ours)
+        ("reset", "PUT", "write_bytes"),
+        ("reset", "GET", "read_bytes"),  # boto3 (standard retries, then ours)
+        ("slowdown", "GET", "read_parquet"),
+    ],
+)
 def test_transient_errors_are_retried_until_they_pass(store, proxy, caplog, fault, method, call):
     """Five failing requests in a row, more than the SDK's own attempts (3): the call still succeeds, whole, once
     they have passed, and our retry loop logged its retries."""
@@ -200,19 +214,31 @@ def test_transient_and_permanent_are_told_apart():
     def client_error(code, status):
         return be.ClientError({"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
 
-    transient = [be.EndpointConnectionError(endpoint_url="http://s3"), be.ReadTimeoutError(endpoint_url="http://s3"),
-                 be.ConnectionClosedError(endpoint_url="http://s3"), client_error("SlowDown", 503),
-                 client_error("InternalError", 500), client_error("Whatever", 502), client_error("Throttling", 400),
-                 OSError("When uploading ...: AWS Error NETWORK_CONNECTION during PutObject operation: curlCode: 7"),
-                 OSError("AWS Error SLOW_DOWN during PutObject operation: Please reduce your request rate."),
-                 OSError("AWS Error UNKNOWN (HTTP status 503) during HeadObject operation: No response body."),
-                 ConnectionResetError(104, "Connection reset by peer")]
-    permanent = [client_error("AccessDenied", 403), client_error("NoSuchBucket", 404), client_error("NoSuchKey", 404),
-                 client_error("PreconditionFailed", 412), be.NoCredentialsError(),
-                 be.SSLError(endpoint_url="https://s3", error="certificate verify failed"),
-                 OSError("AWS Error ACCESS_DENIED during HeadObject operation: No response body."),
-                 OSError("AWS Error NO_SUCH_BUCKET during PutObject operation"), FileNotFoundError("x"),
-                 ValueError("x")]
+    transient = [
+        be.EndpointConnectionError(endpoint_url="http://s3"),
+        be.ReadTimeoutError(endpoint_url="http://s3"),
+        be.ConnectionClosedError(endpoint_url="http://s3"),
+        client_error("SlowDown", 503),
+        client_error("InternalError", 500),
+        client_error("Whatever", 502),
+        client_error("Throttling", 400),
+        OSError("When uploading ...: AWS Error NETWORK_CONNECTION during PutObject operation: curlCode: 7"),
+        OSError("AWS Error SLOW_DOWN during PutObject operation: Please reduce your request rate."),
+        OSError("AWS Error UNKNOWN (HTTP status 503) during HeadObject operation: No response body."),
+        ConnectionResetError(104, "Connection reset by peer"),
+    ]
+    permanent = [
+        client_error("AccessDenied", 403),
+        client_error("NoSuchBucket", 404),
+        client_error("NoSuchKey", 404),
+        client_error("PreconditionFailed", 412),
+        be.NoCredentialsError(),
+        be.SSLError(endpoint_url="https://s3", error="certificate verify failed"),
+        OSError("AWS Error ACCESS_DENIED during HeadObject operation: No response body."),
+        OSError("AWS Error NO_SUCH_BUCKET during PutObject operation"),
+        FileNotFoundError("x"),
+        ValueError("x"),
+    ]
     assert [S.transient(e) for e in transient] == [True] * len(transient)
     assert [S.transient(e) for e in permanent] == [False] * len(permanent)
 

@@ -1,6 +1,7 @@
 """Tiny end-to-end training on generated data: target and draft losses fall, the saved directories reload
 through decoding/models.py, beam_search runs on them; bad input fails before any training starts, and the
 command-line entry points turn that into exit code 2."""
+
 import json
 import os
 import shutil
@@ -21,10 +22,37 @@ from pipeline.training.draft import DraftConfig, train_draft
 from pipeline.training.target import TargetConfig, train_target
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY_TARGET = dict(layers=1, hidden=32, heads=2, kv_heads=1, epochs=3, batch_size=32, lr=0.01, warmup=5,
-                   eval_users=40, test_users=40, device="cpu", patience=5)
-TINY_DRAFT = dict(layers=1, hidden=16, heads=2, kv_heads=1, epochs=2, batch_size=32, lr=0.01, warmup=5,
-                  eval_users=30, test_users=30, max_samples=600, k=4, draft_beams=8, device="cpu", patience=5)
+TINY_TARGET = dict(
+    layers=1,
+    hidden=32,
+    heads=2,
+    kv_heads=1,
+    epochs=3,
+    batch_size=32,
+    lr=0.01,
+    warmup=5,
+    eval_users=40,
+    test_users=40,
+    device="cpu",
+    patience=5,
+)
+TINY_DRAFT = dict(
+    layers=1,
+    hidden=16,
+    heads=2,
+    kv_heads=1,
+    epochs=2,
+    batch_size=32,
+    lr=0.01,
+    warmup=5,
+    eval_users=30,
+    test_users=30,
+    max_samples=600,
+    k=4,
+    draft_beams=8,
+    device="cpu",
+    patience=5,
+)
 
 
 def run_job(*argv) -> subprocess.CompletedProcess:
@@ -69,8 +97,11 @@ def test_target_trains_reloads_and_decodes(target, data):
     # the report states how the test users' histories were built (write_synthetic's splits, from prepare.json)
     from pipeline.prepare import SYNTHETIC_SPLITS
 
-    assert r["protocol"]["test"] == {"split": "test", "convention": SYNTHETIC_SPLITS["test"],
-                                     "source": str(data / "prepare.json")}
+    assert r["protocol"]["test"] == {
+        "split": "test",
+        "convention": SYNTHETIC_SPLITS["test"],
+        "source": str(data / "prepare.json"),
+    }
     assert r["config"]["hidden"] == 32 and list(target.glob("*.safetensors"))
     assert_runs_beam_search(target, data)
 
@@ -78,8 +109,9 @@ def test_target_trains_reloads_and_decodes(target, data):
 @pytest.mark.parametrize("objective", ["sft", "wordkd", "seqkd", "tvdkd", "atspeed-s", "atspeed-r"])
 def test_draft_objectives_train_reload_and_decode(objective, target, data, tmp_path):
     out = tmp_path / objective
-    train_draft(DraftConfig(data=str(data), target=str(target), out=str(out), objective=objective, history_len=8,
-                            **TINY_DRAFT))
+    train_draft(
+        DraftConfig(data=str(data), target=str(target), out=str(out), objective=objective, history_len=8, **TINY_DRAFT)
+    )
     r = report(out)
     losses = [e["train_loss"] for e in r["epochs"]]
     assert losses[-1] < losses[0], losses
@@ -103,8 +135,9 @@ def test_lcrec_base_model_gets_the_code_tokens(data, tmp_path):
     build_model(len(words), 1, 32, 2, 1).save_pretrained(base)
     base_tok.save_pretrained(base)
     out = tmp_path / "lcrec"
-    train_target(TargetConfig(data=str(data), out=str(out), base_model=str(base), history_len=8,
-                              **{**TINY_TARGET, "epochs": 1}))
+    train_target(
+        TargetConfig(data=str(data), out=str(out), base_model=str(base), history_len=8, **{**TINY_TARGET, "epochs": 1})
+    )
     tok = load_tokenizer(out)
     assert {"<a_0>", "<c_5>", "<bos>", "<pad>", "hello"} <= set(tok.get_vocab())
     assert load_model(out).config.vocab_size == len(tok) == 4 + 2 + 3 * 6
@@ -141,16 +174,24 @@ def test_draft_with_another_vocabulary_fails_before_training(target, data, tmp_p
     other = tmp_path / "other"
     build_model(load_model(target).config.vocab_size + 7, 1, 16, 2, 1).save_pretrained(other)
     out = tmp_path / "out"
-    cfg = DraftConfig(data=str(data), target=str(target), out=str(out), objective="sft", init=str(other),
-                      **TINY_DRAFT)
+    cfg = DraftConfig(data=str(data), target=str(target), out=str(out), objective="sft", init=str(other), **TINY_DRAFT)
     with pytest.raises(ValueError, match="draft vocabulary"):
         train_draft(cfg)
     assert not out.exists()
 
 
 def test_unknown_objective(target, data, tmp_path):
-    run = run_job("jobs.train_draft", "--data", str(data), "--target", str(target), "--out", str(tmp_path / "x"),
-                  "--objective", "kd9")
+    run = run_job(
+        "jobs.train_draft",
+        "--data",
+        str(data),
+        "--target",
+        str(target),
+        "--out",
+        str(tmp_path / "x"),
+        "--objective",
+        "kd9",
+    )
     assert run.returncode == 2 and "invalid choice: 'kd9'" in run.stderr
     assert not (tmp_path / "x").exists()
     cfg = DraftConfig(data=str(data), target=str(target), out=str(tmp_path / "o"), objective="kd9")
@@ -162,12 +203,37 @@ def test_unknown_objective(target, data, tmp_path):
 def test_bench_speculative_on_trained_models(target, data, tmp_path):
     """python -m jobs.bench speculative runs on a trained target and draft; strict results equal beam_search."""
     draft = tmp_path / "draft"
-    train_draft(DraftConfig(data=str(data), target=str(target), out=str(draft), objective="seqkd", history_len=8,
-                            **TINY_DRAFT))
+    train_draft(
+        DraftConfig(data=str(data), target=str(target), out=str(draft), objective="seqkd", history_len=8, **TINY_DRAFT)
+    )
     out = tmp_path / "bench"
-    run = run_job("jobs.bench", "speculative", "--data", str(data), "--target", str(target), "--drafts", str(draft),
-                  "--ks", "1", "3", "--users", "3", "--batch", "4", "--throughput-users", "8", "--draft-beams", "6",
-                  "--history-len", "8", "--device", "cpu", "--out", str(out))
+    run = run_job(
+        "jobs.bench",
+        "speculative",
+        "--data",
+        str(data),
+        "--target",
+        str(target),
+        "--drafts",
+        str(draft),
+        "--ks",
+        "1",
+        "3",
+        "--users",
+        "3",
+        "--batch",
+        "4",
+        "--throughput-users",
+        "8",
+        "--draft-beams",
+        "6",
+        "--history-len",
+        "8",
+        "--device",
+        "cpu",
+        "--out",
+        str(out),
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads((out / "speculative.json").read_text())["speculative"]
     assert [t["batch"] for t in result["batches"]] == [1, 4]

@@ -1,4 +1,5 @@
 """Tree attention: every tree node gets the logits of its unshared sequence; compaction keeps them."""
+
 import pytest
 import torch
 
@@ -30,9 +31,11 @@ def test_mask_and_positions_of_a_small_tree():
     assert pos.tolist() == [[2, 2], [3, 3]]
     mask, pos = tree.add(torch.tensor([[1, 1, 2], [0, 0, 3]]), torch.float32, block_depth=2)  # nodes 2, 3, 4
     allowed = mask[:, 0] == 0  # [B, Q, S + T]
-    assert allowed[0].int().tolist() == [[0, 1, 1, 0, 1, 1, 0, 0],   # node 2: prompt, node 1, itself
-                                         [0, 1, 1, 0, 1, 0, 1, 0],   # node 3: node 1, itself
-                                         [0, 1, 1, 0, 1, 1, 0, 1]]   # node 4: nodes 1, 2, itself
+    assert allowed[0].int().tolist() == [
+        [0, 1, 1, 0, 1, 1, 0, 0],  # node 2: prompt, node 1, itself
+        [0, 1, 1, 0, 1, 0, 1, 0],  # node 3: node 1, itself
+        [0, 1, 1, 0, 1, 1, 0, 1],
+    ]  # node 4: nodes 1, 2, itself
     assert allowed[1, 2].int().tolist() == [1, 1, 1, 1, 0, 0, 1, 1]  # node 4 of user 1: 0 -> 3 -> 4
     assert pos.tolist() == [[3, 3, 4], [4, 4, 5]]
     assert tree.depth.tolist() == [[1, 1, 2, 2, 3], [1, 1, 2, 2, 3]]
@@ -52,9 +55,12 @@ def test_tree_logits_equal_unshared_sequences(arch, attn):
     tok2 = torch.randint(4, V, (3, 3), generator=g)
     lp2 = tree_forward(model, tree, cache, tok2, torch.tensor([[0, 2, 3]] * 3), block_depth=2)
     for j in range(3):
-        torch.testing.assert_close(lp1[:, j], unshared_logp(model, ids, mask, tok1[:, j:j + 1]), atol=1e-5, rtol=0)
-    paths = [torch.stack([tok1[:, 0], tok2[:, 0]], 1), torch.stack([tok1[:, 2], tok2[:, 1]], 1),
-             torch.stack([tok1[:, 0], tok2[:, 0], tok2[:, 2]], 1)]
+        torch.testing.assert_close(lp1[:, j], unshared_logp(model, ids, mask, tok1[:, j : j + 1]), atol=1e-5, rtol=0)
+    paths = [
+        torch.stack([tok1[:, 0], tok2[:, 0]], 1),
+        torch.stack([tok1[:, 2], tok2[:, 1]], 1),
+        torch.stack([tok1[:, 0], tok2[:, 0], tok2[:, 2]], 1),
+    ]
     for j, path in enumerate(paths):
         torch.testing.assert_close(lp2[:, j], unshared_logp(model, ids, mask, path), atol=1e-5, rtol=0)
 
@@ -64,8 +70,9 @@ def test_tree_logits_equal_unshared_sequences(arch, attn):
     assert new.tolist() == [[2]] * 3 and cache.get_seq_length() == before - 3 == ids.shape[1] + 3
     tok3 = torch.randint(4, V, (3, 1), generator=g)
     lp3 = tree_forward(model, tree, cache, tok3, new)
-    torch.testing.assert_close(lp3[:, 0], unshared_logp(model, ids, mask, torch.cat([paths[2], tok3], 1)),
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        lp3[:, 0], unshared_logp(model, ids, mask, torch.cat([paths[2], tok3], 1)), atol=1e-5, rtol=0
+    )
 
 
 def test_compaction_pads_users_with_fewer_kept_nodes():
@@ -78,8 +85,12 @@ def test_compaction_pads_users_with_fewer_kept_nodes():
     new = tree.keep_paths(torch.tensor([[1, 3], [2, -1]]), cache)  # user 0 keeps 2 nodes, user 1 keeps 1
     assert new.tolist() == [[0, 1], [0, -1]] and tree.num_nodes == 2
     lp = tree_forward(model, tree, cache, tok[:, :1], new[:, :1])
-    torch.testing.assert_close(lp[1, 0], unshared_logp(model, ids[1:], mask[1:], torch.stack([tok[1, 2], tok[1, 0]])[None])[0],
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        lp[1, 0],
+        unshared_logp(model, ids[1:], mask[1:], torch.stack([tok[1, 2], tok[1, 0]])[None])[0],
+        atol=1e-5,
+        rtol=0,
+    )
 
 
 def test_prompt_kv_is_held_once():
@@ -98,6 +109,7 @@ def test_prompt_kv_is_held_once():
 @pytest.mark.parametrize("arch, attn", [("llama", "eager"), ("qwen2", "sdpa")])
 def test_chain_forward_equals_unshared_sequences(arch, attn):
     from decoding.tree import chain_forward
+
     model = tiny_model(arch, V, seed=5, attn_implementation=attn)
     ids, mask = left_padded_prompts(3, [4, 9, 6], V, seed=2)
     chains = torch.randint(4, V, (3, 2, 4), generator=torch.Generator().manual_seed(1))
@@ -107,5 +119,6 @@ def test_chain_forward_equals_unshared_sequences(arch, attn):
             want = unshared_logp(model, ids, mask, chains[:, c, :j])
             torch.testing.assert_close(logits[:, c, j], want, atol=1e-5, rtol=0)
     out = chain_forward(model, ids, mask, chains[:, :, :1])  # T = 1: only the prompt's prediction
-    torch.testing.assert_close(out[:, 0, 0].float().log_softmax(-1), unshared_logp(model, ids, mask, chains[:, 0, :0]),
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        out[:, 0, 0].float().log_softmax(-1), unshared_logp(model, ids, mask, chains[:, 0, :0]), atol=1e-5, rtol=0
+    )

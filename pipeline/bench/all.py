@@ -1,6 +1,7 @@
 """all: decode, speculative, disc and disc-bias in one process, on one target (and its drafts), called directly with
 their parameters; one Markdown report and one JSON with the hardware, versions, seeds, the command, every timed
 repeat, and a verdict per claim decided from medians ('within noise' where the ranges overlap)."""
+
 from __future__ import annotations
 
 import time
@@ -13,14 +14,24 @@ from pipeline.bench.common import hardware, progress, versions
 from pipeline.bench.inputs import require_models
 from pipeline.bench.params import AllParams, DecodeParams, DiscBiasParams, DiscParams, SpeculativeParams
 
-SEED_USES = ("torch.manual_seed at the start of every section; every sampling torch.Generator (relaxed speculative, "
-             "DISC, constrained sampling, the exact sampler) re-seeded with it before every call (every warm-up and "
-             "timed repeat of every method); the random model when none is given; the synthetic index catalogs")
+SEED_USES = (
+    "torch.manual_seed at the start of every section; every sampling torch.Generator (relaxed speculative, "
+    "DISC, constrained sampling, the exact sampler) re-seeded with it before every call (every warm-up and "
+    "timed repeat of every method); the random model when none is given; the synthetic index catalogs"
+)
 
-RUN = {"decode": decode.run_decode, "speculative": speculative.run_speculative, "disc": disc.run_disc,
-       "disc-bias": disc.run_disc_bias}
-VERDICTS = {"decode": decode.verdict_decode, "speculative": speculative.verdict_speculative,
-            "disc": disc.verdict_disc, "disc-bias": disc.verdict_disc_bias}
+RUN = {
+    "decode": decode.run_decode,
+    "speculative": speculative.run_speculative,
+    "disc": disc.run_disc,
+    "disc-bias": disc.run_disc_bias,
+}
+VERDICTS = {
+    "decode": decode.verdict_decode,
+    "speculative": speculative.verdict_speculative,
+    "disc": disc.verdict_disc,
+    "disc-bias": disc.verdict_disc_bias,
+}
 
 
 def section_params(p: AllParams) -> dict:
@@ -28,15 +39,37 @@ def section_params(p: AllParams) -> dict:
     common = dict(data=p.data, history_len=p.history_len, dtype=p.dtype, device=p.device, seed=p.seed)
     timed = dict(common, repeats=p.repeats)
     params = {
-        "decode": DecodeParams(**timed, model=p.target, users=p.users, batch=p.batch, k=p.k,
-                               index_items=list(p.index_items)),
-        "speculative": SpeculativeParams(**timed, target=p.target, drafts=list(p.drafts), ks=list(p.ks),
-                                         users=p.batch1_users, batch=p.batch, throughput_users=p.users,
-                                         temperature=p.temperature),
-        "disc": DiscParams(**timed, model=p.target, users=p.users, batch=p.batch, k=p.disc_k,
-                           max_rounds=max(p.rounds), temperature=p.temperature),
-        "disc-bias": DiscBiasParams(**common, model=p.target, users=p.bias_users, draws=p.draws,
-                                    rounds=list(p.rounds), temperature=p.temperature, chunk=p.chunk),
+        "decode": DecodeParams(
+            **timed, model=p.target, users=p.users, batch=p.batch, k=p.k, index_items=list(p.index_items)
+        ),
+        "speculative": SpeculativeParams(
+            **timed,
+            target=p.target,
+            drafts=list(p.drafts),
+            ks=list(p.ks),
+            users=p.batch1_users,
+            batch=p.batch,
+            throughput_users=p.users,
+            temperature=p.temperature,
+        ),
+        "disc": DiscParams(
+            **timed,
+            model=p.target,
+            users=p.users,
+            batch=p.batch,
+            k=p.disc_k,
+            max_rounds=max(p.rounds),
+            temperature=p.temperature,
+        ),
+        "disc-bias": DiscBiasParams(
+            **common,
+            model=p.target,
+            users=p.bias_users,
+            draws=p.draws,
+            rounds=list(p.rounds),
+            temperature=p.temperature,
+            chunk=p.chunk,
+        ),
     }
     return {name: params[name] for name in p.sections}
 
@@ -46,9 +79,16 @@ def bench_all(p: AllParams, command: str) -> tuple[dict, str]:
     a model is missing."""
     require_models(p.target, p.drafts if "speculative" in p.sections else None)
     started, t0 = datetime.now(timezone.utc).isoformat(timespec="seconds"), time.perf_counter()
-    result = {"command": command, "started": started, "hardware": hardware(pick_device(p.device), p.dtype),
-              "versions": versions(), "seeds": {"seed": p.seed, "where": SEED_USES}, "repeats": p.repeats,
-              "args": asdict(p), "sections": {}}
+    result = {
+        "command": command,
+        "started": started,
+        "hardware": hardware(pick_device(p.device), p.dtype),
+        "versions": versions(),
+        "seeds": {"seed": p.seed, "where": SEED_USES},
+        "repeats": p.repeats,
+        "args": asdict(p),
+        "sections": {},
+    }
     md = {}
     bar = progress(section_params(p).items(), "bench all: sections", total=len(p.sections), leave=True)
     for name, params in bar:
@@ -64,20 +104,28 @@ def bench_all(p: AllParams, command: str) -> tuple[dict, str]:
 def markdown_all(result: dict, sections_md: dict[str, str]) -> str:
     h, v, a = result["hardware"], result["versions"], result["args"]
     gpu = f"{h['gpu']} ({h['gpu_memory_gib']} GiB) x {h['gpus']}, CUDA {h['cuda']}" if "gpu" in h else "none"
-    lines = ["# genrec-batch: the project's claims on Amazon Beauty", "",
-             f"`{result['command']}`: {result['seconds'] / 60:.1f} min, started {result['started']}", "",
-             "| | |", "|---|---|",
-             f"| hardware | {h['cpu']}, {h['cpu_cores']} cores ({h['cpu_cores_usable']} usable), {h['ram_gib']} GiB "
-             f"RAM; GPU: {gpu} |",
-             f"| run on | {h['device']}, dtype {a['dtype']} ({h['dtype']}), {h['torch_threads']} torch threads |",
-             f"| versions | python {v['python']}, torch {v['torch']}, transformers {v['transformers']}, "
-             f"ray {v['ray']}, pyarrow {v['pyarrow']}, numpy {v['numpy']}, tqdm {v['tqdm']} |",
-             f"| genrec-batch | {v['genrec-batch']}, commit {v['git_commit']} |",
-             f"| seeds | {result['seeds']['seed']}: {result['seeds']['where']} |",
-             f"| timing | {result['repeats']} interleaved repeats per method after a warm-up run of each (the order "
-             "rotated every repeat); medians with (min-max); ratios of medians with the range from the extremes; "
-             "'within noise' where two methods' ranges overlap; every repeat's seconds in all.json |",
-             f"| models | target {a['target']}; drafts {', '.join(a['drafts'])} |", "", "## verdicts", ""]
+    lines = [
+        "# genrec-batch: the project's claims on Amazon Beauty",
+        "",
+        f"`{result['command']}`: {result['seconds'] / 60:.1f} min, started {result['started']}",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| hardware | {h['cpu']}, {h['cpu_cores']} cores ({h['cpu_cores_usable']} usable), {h['ram_gib']} GiB "
+        f"RAM; GPU: {gpu} |",
+        f"| run on | {h['device']}, dtype {a['dtype']} ({h['dtype']}), {h['torch_threads']} torch threads |",
+        f"| versions | python {v['python']}, torch {v['torch']}, transformers {v['transformers']}, "
+        f"ray {v['ray']}, pyarrow {v['pyarrow']}, numpy {v['numpy']}, tqdm {v['tqdm']} |",
+        f"| genrec-batch | {v['genrec-batch']}, commit {v['git_commit']} |",
+        f"| seeds | {result['seeds']['seed']}: {result['seeds']['where']} |",
+        f"| timing | {result['repeats']} interleaved repeats per method after a warm-up run of each (the order "
+        "rotated every repeat); medians with (min-max); ratios of medians with the range from the extremes; "
+        "'within noise' where two methods' ranges overlap; every repeat's seconds in all.json |",
+        f"| models | target {a['target']}; drafts {', '.join(a['drafts'])} |",
+        "",
+        "## verdicts",
+        "",
+    ]
     lines += [f"- **{name}** ({s['seconds']:.0f} s): {s['verdict']}" for name, s in result["sections"].items()]
     for name, s in result["sections"].items():
         heading, rest = sections_md[name].split("\n", 1)

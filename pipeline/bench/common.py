@@ -6,6 +6,7 @@ method's `Timing` reports the median with min and max; `ratio(a, b)` is the rati
 [min a / max b, max a / min b]; two methods whose ranges overlap (the ratio's range holds 1) are `within noise`, and a
 verdict then names no winner.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,6 +33,7 @@ from decoding.models import pick_device, pick_dtype
 @dataclass
 class Timing:
     """One method's seconds, one per timed repeat (in repeat order), and its peak memory when measured."""
+
     seconds: list[float]
     peak_memory_mb: float | None = None
 
@@ -60,6 +62,7 @@ class Timing:
 class Interleaved:
     """What `interleaved` returns: every method's Timing, its output of the last timed repeat, and the call order
     of the timed runs."""
+
     timings: dict[str, Timing]
     outputs: dict[str, Any]
     order: list[str] = field(default_factory=list)
@@ -68,12 +71,17 @@ class Interleaved:
 def run_order(names: list[str], repeats: int) -> list[list[str]]:
     """Repeat r runs the methods rotated by r: [A B C], [B C A], [C A B], ... (two methods alternate who goes first)."""
     n = len(names)
-    return [names[r % n:] + names[:r % n] for r in range(repeats)]
+    return [names[r % n :] + names[: r % n] for r in range(repeats)]
 
 
-def interleaved(methods: dict[str, Callable[[], Any]], repeats: int, device: torch.device | str = "cpu",
-                warmup: dict[str, Callable[[], Any]] | None = None, peak_memory: bool = False,
-                desc: str | None = None) -> Interleaved:
+def interleaved(
+    methods: dict[str, Callable[[], Any]],
+    repeats: int,
+    device: torch.device | str = "cpu",
+    warmup: dict[str, Callable[[], Any]] | None = None,
+    peak_memory: bool = False,
+    desc: str | None = None,
+) -> Interleaved:
     """Warms up every method once (with `warmup[name]` where given, e.g. on one batch; else the method itself), then
     times `repeats` interleaved rounds. peak_memory: also measure each call's peak memory (max over the repeats)."""
     if repeats < 1:
@@ -93,7 +101,7 @@ def interleaved(methods: dict[str, Callable[[], Any]], repeats: int, device: tor
         for name in names_r:
             outputs[name], s, peak = timed(methods[name], device, peak_memory)
             seconds[name].append(s)
-            peaks[name] = max(peaks[name], peak / 2 ** 20)
+            peaks[name] = max(peaks[name], peak / 2**20)
             order.append(name)
             if bar:
                 bar.set_postfix_str(f"{name} {s:.3g}s")
@@ -114,8 +122,13 @@ def ratio(a: Timing, b: Timing) -> dict:
     (low = min a / max b, high = max a / min b); within_noise when the range holds 1 (the two ranges overlap).
     per_repeat: the ratio within each interleaved repeat (for the record)."""
     low, high = a.min / b.max, a.max / b.min
-    return {"median": a.median / b.median, "low": low, "high": high, "within_noise": low <= 1.0 <= high,
-            "per_repeat": [x / y for x, y in zip(a.seconds, b.seconds)]}
+    return {
+        "median": a.median / b.median,
+        "low": low,
+        "high": high,
+        "within_noise": low <= 1.0 <= high,
+        "per_repeat": [x / y for x, y in zip(a.seconds, b.seconds)],
+    }
 
 
 def overlap(a: Timing, b: Timing) -> bool:
@@ -209,15 +222,23 @@ def progress(iterable=None, desc: str = "", total: int | None = None, leave: boo
 
 def hardware(device: torch.device, dtype: str) -> dict:
     """CPU model, cores, memory, the GPU if there is one, and the precision `dtype` resolves to on `device`."""
-    out = {"cpu": cpu_model(), "cpu_cores": os.cpu_count(),
-           "cpu_cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-           "ram_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30, 1),
-           "device": str(device), "dtype": str(pick_dtype(dtype, device)).removeprefix("torch."),
-           "torch_threads": torch.get_num_threads()}
+    out = {
+        "cpu": cpu_model(),
+        "cpu_cores": os.cpu_count(),
+        "cpu_cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "ram_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "device": str(device),
+        "dtype": str(pick_dtype(dtype, device)).removeprefix("torch."),
+        "torch_threads": torch.get_num_threads(),
+    }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(device if device.type == "cuda" else 0)
-        out.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2 ** 30, 1),
-                   gpus=torch.cuda.device_count(), cuda=torch.version.cuda)
+        out.update(
+            gpu=props.name,
+            gpu_memory_gib=round(props.total_memory / 2**30, 1),
+            gpus=torch.cuda.device_count(),
+            cuda=torch.version.cuda,
+        )
     return out
 
 
@@ -245,10 +266,15 @@ def versions() -> dict:
 def git_commit(root: Path) -> str:
     """HEAD of the checkout, `+dirty` when tracked files differ from it."""
     try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, check=True).stdout.strip()
+        head = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown (not a git checkout)"
     return head + ("+dirty" if dirty else "")
@@ -259,14 +285,20 @@ def environment(device: str | None, command: str) -> dict:
     import transformers
 
     dev = pick_device(device)
-    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
-            "cpu_threads": torch.get_num_threads(), "command": command}
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
+        "cpu_threads": torch.get_num_threads(),
+        "command": command,
+    }
 
 
 def footer(env: dict) -> str:
-    return (f"`{env['command']}` (torch {env['torch']}, transformers {env['transformers']}, {env['cpu_threads']} "
-            "threads)")
+    return (
+        f"`{env['command']}` (torch {env['torch']}, transformers {env['transformers']}, {env['cpu_threads']} threads)"
+    )
 
 
 def write_result(out: Path, name: str, result: dict, md: str) -> None:

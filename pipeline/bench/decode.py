@@ -3,6 +3,7 @@ genrec-batch's `beam_search` on the same model, the same Amazon Beauty prompts a
 with `--engines eager compiled`, beam_search's two engines (decoding/compiled.py) side by side the same way; then the
 per-step cost of the catalog index (CSR `allowed_next`, PPV `verify`) against a CPU trie, interleaved too.
 """
+
 from __future__ import annotations
 
 import time
@@ -18,8 +19,17 @@ from decoding.compiled import compile_totals, warm_up
 from decoding.metrics import same_within_ties, topk_agreement
 from decoding.models import pick_device
 from decoding.reference import cpu_trie, generate_beam_search
-from pipeline.bench.common import (Timing, compare, environment, fmt_ratio, fmt_spread, footer, interleaved, progress,
-                                   ratio)
+from pipeline.bench.common import (
+    Timing,
+    compare,
+    environment,
+    fmt_ratio,
+    fmt_spread,
+    footer,
+    interleaved,
+    progress,
+    ratio,
+)
 from pipeline.bench.inputs import bench_model, in_batches, load_beauty
 from pipeline.bench.params import DecodeParams
 
@@ -46,25 +56,44 @@ def bench_decode(p: DecodeParams, model, catalog: Catalog, ids: torch.Tensor, ma
     k, n_users = p.k, ids.shape[0]
     run_hf = lambda i, m: generate_beam_search(model, i, m, catalog, k, trie)  # noqa: E731
     run_bs = lambda i, m: beam_search(model, i, m, catalog, k)  # noqa: E731
-    run = interleaved({"transformers": lambda: in_batches(run_hf, ids, mask, p.batch),
-                       "beam_search": lambda: in_batches(run_bs, ids, mask, p.batch)}, p.repeats, ids.device,
-                      warmup={"transformers": lambda: run_hf(ids[:2], mask[:2]),
-                              "beam_search": lambda: run_bs(ids[:p.batch], mask[:p.batch])},
-                      peak_memory=True, desc="decode: transformers vs beam_search")
+    run = interleaved(
+        {
+            "transformers": lambda: in_batches(run_hf, ids, mask, p.batch),
+            "beam_search": lambda: in_batches(run_bs, ids, mask, p.batch),
+        },
+        p.repeats,
+        ids.device,
+        warmup={
+            "transformers": lambda: run_hf(ids[:2], mask[:2]),
+            "beam_search": lambda: run_bs(ids[: p.batch], mask[: p.batch]),
+        },
+        peak_memory=True,
+        desc="decode: transformers vs beam_search",
+    )
     hf, bs = run.outputs["transformers"], run.outputs["beam_search"]
     hf_items, hf_scores = torch.cat([o[0] for o in hf]), torch.cat([o[2] for o in hf])  # [U, k]
     items, scores = torch.cat([r.item_ids for r in bs]), torch.cat([r.scores for r in bs])  # [U, k]
-    rows = {"transformers": method_row(run.timings["transformers"], n_users, sum(o[3] for o in hf)),
-            "beam_search": method_row(run.timings["beam_search"], n_users, sum(r.stats["kv_tokens"] for r in bs))}
+    rows = {
+        "transformers": method_row(run.timings["transformers"], n_users, sum(o[3] for o in hf)),
+        "beam_search": method_row(run.timings["beam_search"], n_users, sum(r.stats["kv_tokens"] for r in bs)),
+    }
     same_order = int((items == hf_items).all(1).sum())
     same_set = int((items.sort(1).values == hf_items.sort(1).values).all(1).sum())
-    return {"prompt_tokens_max": ids.shape[1], "prompt_tokens_mean": float(mask.sum(1).float().mean()),
-            "repeats": p.repeats, "order": run.order, "methods": rows,
-            "speedup": ratio(run.timings["transformers"], run.timings["beam_search"]),
-            "kv_ratio": rows["beam_search"]["kv_tokens"] / rows["transformers"]["kv_tokens"],
-            "agreement": {"users": n_users, "same_items_same_order": same_order / n_users,
-                          "same_item_set": same_set / n_users,
-                          "max_abs_score_diff": float((scores - hf_scores).abs().max())}}
+    return {
+        "prompt_tokens_max": ids.shape[1],
+        "prompt_tokens_mean": float(mask.sum(1).float().mean()),
+        "repeats": p.repeats,
+        "order": run.order,
+        "methods": rows,
+        "speedup": ratio(run.timings["transformers"], run.timings["beam_search"]),
+        "kv_ratio": rows["beam_search"]["kv_tokens"] / rows["transformers"]["kv_tokens"],
+        "agreement": {
+            "users": n_users,
+            "same_items_same_order": same_order / n_users,
+            "same_item_set": same_set / n_users,
+            "max_abs_score_diff": float((scores - hf_scores).abs().max()),
+        },
+    }
 
 
 def bench_engines(p: DecodeParams, model, catalog: Catalog, ids: torch.Tensor, mask: torch.Tensor) -> dict:
@@ -76,33 +105,58 @@ def bench_engines(p: DecodeParams, model, catalog: Catalog, ids: torch.Tensor, m
     t0 = time.perf_counter()
     warm_up(model, catalog, min(p.batch, ids.shape[0]), ids.shape[1], p.k)
     compile_s, graphs = time.perf_counter() - t0, compile_totals(model)[1]
-    decode = {engine: (lambda e: lambda i, m: beam_search(model, i, m, catalog, p.k, engine=e))(engine)
-              for engine in ("eager", "compiled")}
-    run = interleaved({e: (lambda f: lambda: in_batches(f, ids, mask, p.batch))(f) for e, f in decode.items()},
-                      p.repeats, ids.device, peak_memory=True,
-                      warmup={"eager": lambda: decode["eager"](ids[:p.batch], mask[:p.batch]), "compiled": lambda: None},
-                      desc="decode: beam_search eager vs compiled")
+    decode = {
+        engine: (lambda e: lambda i, m: beam_search(model, i, m, catalog, p.k, engine=e))(engine)
+        for engine in ("eager", "compiled")
+    }
+    run = interleaved(
+        {e: (lambda f: lambda: in_batches(f, ids, mask, p.batch))(f) for e, f in decode.items()},
+        p.repeats,
+        ids.device,
+        peak_memory=True,
+        warmup={"eager": lambda: decode["eager"](ids[: p.batch], mask[: p.batch]), "compiled": lambda: None},
+        desc="decode: beam_search eager vs compiled",
+    )
     eager, compiled = (Recommendations.concat(run.outputs[e]) for e in decode)
     n = ids.shape[0]
     agree = topk_agreement(eager.item_ids, eager.scores, compiled.item_ids, compiled.scores)
     diff = float(agree["score_diff"].max())
     clear = eager.stats["tie_gap"].cpu() > 2 * diff
     same = same_within_ties(eager.item_ids.cpu(), eager.scores.cpu(), compiled.item_ids.cpu(), 2 * diff)
-    return {"users": n, "batch": p.batch, "repeats": p.repeats, "order": run.order, "compile_s": compile_s,
-            "graphs_compiled": graphs, "bucket": [compiled.stats["bucket_users"], compiled.stats["bucket_prompt"]],
-            "methods": {e: method_row(run.timings[e], n, r.stats["kv_tokens"]) for e, r in (("eager", eager),
-                                                                                           ("compiled", compiled))},
-            "speedup": ratio(run.timings["eager"], run.timings["compiled"]),
-            "agreement": {"users": n, "same_items_same_order": float(agree["identical"].float().mean()),
-                          "max_abs_score_diff": diff, "clear_users": int(clear.sum()),
-                          "clear_users_identical": int((agree["identical"] & clear).sum()),
-                          "same_within_ties": float(same.float().mean())}}
+    return {
+        "users": n,
+        "batch": p.batch,
+        "repeats": p.repeats,
+        "order": run.order,
+        "compile_s": compile_s,
+        "graphs_compiled": graphs,
+        "bucket": [compiled.stats["bucket_users"], compiled.stats["bucket_prompt"]],
+        "methods": {
+            e: method_row(run.timings[e], n, r.stats["kv_tokens"])
+            for e, r in (("eager", eager), ("compiled", compiled))
+        },
+        "speedup": ratio(run.timings["eager"], run.timings["compiled"]),
+        "agreement": {
+            "users": n,
+            "same_items_same_order": float(agree["identical"].float().mean()),
+            "max_abs_score_diff": diff,
+            "clear_users": int(clear.sum()),
+            "clear_users_identical": int((agree["identical"] & clear).sum()),
+            "same_within_ties": float(same.float().mean()),
+        },
+    }
 
 
 def method_row(t: Timing, users: int, kv_tokens: int) -> dict:
     """One method over all users: every repeat's seconds, users/s (median, min, max), peak memory, KV tokens."""
-    return {"users": users, "timing": t.to_dict(), "users_per_s": t.per(lambda s: users / s),
-            "peak_memory_mb": t.peak_memory_mb, "kv_tokens": int(kv_tokens), "kv_tokens_per_user": kv_tokens / users}
+    return {
+        "users": users,
+        "timing": t.to_dict(),
+        "users_per_s": t.per(lambda s: users / s),
+        "peak_memory_mb": t.peak_memory_mb,
+        "kv_tokens": int(kv_tokens),
+        "kv_tokens_per_user": kv_tokens / users,
+    }
 
 
 # ------------------------------------------------------------------ catalog index: CSR, PPV, CPU trie
@@ -116,13 +170,15 @@ def run_index(p: DecodeParams, beauty: Catalog | None) -> list[dict]:
         out.append({"catalog": "amazon-beauty", **bench_index(beauty, rows, p.top_m, p.repeats, True, p.seed)})
     for n in progress(p.index_items, "index: synthetic catalogs"):
         cat = synthetic_token_catalog(n, 4, 256, p.seed, device)
-        out.append({"catalog": f"synthetic-{n}",
-                    **bench_index(cat, rows, p.top_m, p.repeats, n <= p.trie_max_items, p.seed)})
+        out.append(
+            {"catalog": f"synthetic-{n}", **bench_index(cat, rows, p.top_m, p.repeats, n <= p.trie_max_items, p.seed)}
+        )
     return out
 
 
-def synthetic_token_catalog(n_items: int, levels: int, codes: int, seed: int, device, vocab: int | None = None
-                            ) -> Catalog:
+def synthetic_token_catalog(
+    n_items: int, levels: int, codes: int, seed: int, device, vocab: int | None = None
+) -> Catalog:
     """n_items distinct random semantic IDs, as token ids in the project tokenizer's layout (after its 4 special
     tokens), or, given `vocab`, as the last levels x codes tokens of a `vocab`-token vocabulary (an LLM's added code
     tokens after its text vocabulary)."""
@@ -133,8 +189,9 @@ def synthetic_token_catalog(n_items: int, levels: int, codes: int, seed: int, de
     start = 4 if vocab is None else vocab - levels * codes
     tokens = start + np.arange(levels) * codes + sid.astype(np.int64)  # [N, L]
     item_ids = table.column("item_id").to_numpy().copy()
-    return Catalog.from_token_ids(torch.from_numpy(item_ids), torch.from_numpy(tokens), start + levels * codes,
-                                  device=device)
+    return Catalog.from_token_ids(
+        torch.from_numpy(item_ids), torch.from_numpy(tokens), start + levels * codes, device=device
+    )
 
 
 def bench_index(catalog: Catalog, rows: int, top_m: int, repeats: int, with_trie: bool, seed: int) -> dict:
@@ -154,13 +211,20 @@ def bench_index(catalog: Catalog, rows: int, top_m: int, repeats: int, with_trie
         c = torch.randint(catalog.vocab_size, (rows, top_m), generator=g).to(dev)  # [R, M]
         c[:, 0] = catalog.tokens[pick, level]
         cands.append(c)
-    methods = {"allowed_next": lambda: [catalog.allowed_next(x) for x in prefixes],
-               "verify": lambda: [catalog.verify(x, c) for x, c in zip(prefixes, cands)]}
+    methods = {
+        "allowed_next": lambda: [catalog.allowed_next(x) for x in prefixes],
+        "verify": lambda: [catalog.verify(x, c) for x, c in zip(prefixes, cands)],
+    }
     if trie is not None:
         methods["cpu_trie"] = lambda: [trie_mask(trie, x, catalog.vocab_size) for x in prefixes]
     run = interleaved(methods, repeats, dev)
-    out.update(trie_build_s=t_build, repeats=repeats, timings={n: t.to_dict() for n, t in run.timings.items()},
-               cpu_trie_ms=None, trie_over_csr=None)
+    out.update(
+        trie_build_s=t_build,
+        repeats=repeats,
+        timings={n: t.to_dict() for n, t in run.timings.items()},
+        cpu_trie_ms=None,
+        trie_over_csr=None,
+    )
     for name, t in run.timings.items():
         out[f"{name}_ms"] = t.per(lambda s: 1e3 * s / levels)
     if trie is not None:
@@ -189,42 +253,66 @@ def markdown_decode(result: dict) -> str:
     env, a, lines = result["environment"], result["args"], []
     if "decode" in result:
         d = result["decode"]
-        lines += [f"## decode: K={a['k']}, batch {a['batch']}, {d['agreement']['users']} Amazon Beauty users (prompt "
-                  f"up to {d['prompt_tokens_max']} tokens), {env['device']}; median (min-max) of {d['repeats']} "
-                  "interleaved repeats", "", "| method | users/s | peak memory (MB) | KV tokens / user |",
-                  "|---|---:|---:|---:|"]
+        lines += [
+            f"## decode: K={a['k']}, batch {a['batch']}, {d['agreement']['users']} Amazon Beauty users (prompt "
+            f"up to {d['prompt_tokens_max']} tokens), {env['device']}; median (min-max) of {d['repeats']} "
+            "interleaved repeats",
+            "",
+            "| method | users/s | peak memory (MB) | KV tokens / user |",
+            "|---|---:|---:|---:|",
+        ]
         for name, r in d["methods"].items():
-            lines.append(f"| {name} | {fmt_spread(r['users_per_s'])} | {r['peak_memory_mb']:.1f} | "
-                         f"{r['kv_tokens_per_user']:.0f} |")
+            lines.append(
+                f"| {name} | {fmt_spread(r['users_per_s'])} | {r['peak_memory_mb']:.1f} | "
+                f"{r['kv_tokens_per_user']:.0f} |"
+            )
         ag = d["agreement"]
-        lines += ["", f"speed-up (users/s of beam_search over transformers, ratio of medians, range): "
-                  f"**{fmt_ratio(d['speedup'], 1)}**{' within noise' if d['speedup']['within_noise'] else ''}; KV "
-                  f"held: {d['kv_ratio']:.3f}x; same items in the same order: {ag['same_items_same_order']:.1%}, same "
-                  f"item set: {ag['same_item_set']:.1%}, max |score diff| {ag['max_abs_score_diff']:.2e}", ""]
+        lines += [
+            "",
+            f"speed-up (users/s of beam_search over transformers, ratio of medians, range): "
+            f"**{fmt_ratio(d['speedup'], 1)}**{' within noise' if d['speedup']['within_noise'] else ''}; KV "
+            f"held: {d['kv_ratio']:.3f}x; same items in the same order: {ag['same_items_same_order']:.1%}, same "
+            f"item set: {ag['same_item_set']:.1%}, max |score diff| {ag['max_abs_score_diff']:.2e}",
+            "",
+        ]
     if "engines" in result:
         e, ag = result["engines"], result["engines"]["agreement"]
-        lines += [f"## beam_search engines: eager vs compiled, K={a['k']}, {e['users']} users in batches of "
-                  f"{e['batch']} (bucket {e['bucket'][0]} x {e['bucket'][1]}), {env['device']}; median (min-max) of "
-                  f"{e['repeats']} interleaved repeats", "", "| engine | users/s | peak memory (MB) |", "|---|---:|---:|"]
+        lines += [
+            f"## beam_search engines: eager vs compiled, K={a['k']}, {e['users']} users in batches of "
+            f"{e['batch']} (bucket {e['bucket'][0]} x {e['bucket'][1]}), {env['device']}; median (min-max) of "
+            f"{e['repeats']} interleaved repeats",
+            "",
+            "| engine | users/s | peak memory (MB) |",
+            "|---|---:|---:|",
+        ]
         for name, r in e["methods"].items():
             lines.append(f"| {name} | {fmt_spread(r['users_per_s'])} | {r['peak_memory_mb']:.1f} |")
-        lines += ["", f"compiled over eager (ratio of medians, range): **{fmt_ratio(e['speedup'])}**"
-                  f"{' within noise' if e['speedup']['within_noise'] else ''}; compile {e['compile_s']:.1f} s "
-                  f"({e['graphs_compiled']} graphs, before the timed runs); same items in the same order: "
-                  f"{ag['same_items_same_order']:.1%} (up to near-tie swaps: {ag['same_within_ties']:.1%}); users "
-                  f"clear of a near-tie: {ag['clear_users_identical']} of {ag['clear_users']} identical; max |score "
-                  f"diff| {ag['max_abs_score_diff']:.2e}", ""]
+        lines += [
+            "",
+            f"compiled over eager (ratio of medians, range): **{fmt_ratio(e['speedup'])}**"
+            f"{' within noise' if e['speedup']['within_noise'] else ''}; compile {e['compile_s']:.1f} s "
+            f"({e['graphs_compiled']} graphs, before the timed runs); same items in the same order: "
+            f"{ag['same_items_same_order']:.1%} (up to near-tie swaps: {ag['same_within_ties']:.1%}); users "
+            f"clear of a near-tie: {ag['clear_users_identical']} of {ag['clear_users']} identical; max |score "
+            f"diff| {ag['max_abs_score_diff']:.2e}",
+            "",
+        ]
     if result.get("index"):
         i0 = result["index"][0]
-        lines += [f"## catalog index: ms per decoding step ({i0['rows']} prefixes, PPV top-M = {i0['top_m']}), "
-                  f"median (min-max) of {i0['repeats']} interleaved repeats", "",
-                  "| catalog | items | allowed_next (CSR) | verify (PPV) | CPU trie | trie build (s) |",
-                  "|---|---:|---:|---:|---:|---:|"]
+        lines += [
+            f"## catalog index: ms per decoding step ({i0['rows']} prefixes, PPV top-M = {i0['top_m']}), "
+            f"median (min-max) of {i0['repeats']} interleaved repeats",
+            "",
+            "| catalog | items | allowed_next (CSR) | verify (PPV) | CPU trie | trie build (s) |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
         fmt = lambda x: "-" if x is None else fmt_spread(x, 3)  # noqa: E731
         for r in result["index"]:
             build = "-" if r["trie_build_s"] is None else f"{r['trie_build_s']:.1f}"
-            lines.append(f"| {r['catalog']} | {r['items']:,} | {fmt(r['allowed_next_ms'])} | {fmt(r['verify_ms'])} | "
-                         f"{fmt(r['cpu_trie_ms'])} | {build} |")
+            lines.append(
+                f"| {r['catalog']} | {r['items']:,} | {fmt(r['allowed_next_ms'])} | {fmt(r['verify_ms'])} | "
+                f"{fmt(r['cpu_trie_ms'])} | {build} |"
+            )
     lines += ["", footer(env)]
     return "\n".join(lines)
 
@@ -234,14 +322,18 @@ def verdict_decode(r: dict) -> str:
     d, ag = r["decode"], r["decode"]["agreement"]
     m = d["methods"]
     speed = compare("beam_search", "transformers", d["speedup"])
-    line = (f"beam_search = transformers on {ag['same_items_same_order']:.0%} of users (same items, same order; max "
-            f"|score diff| {ag['max_abs_score_diff']:.1e}); users/s: {speed}"
-            f"; {1 / d['kv_ratio']:.1f}x fewer KV tokens, peak memory {m['beam_search']['peak_memory_mb']:.0f} vs "
-            f"{m['transformers']['peak_memory_mb']:.0f} MB")
+    line = (
+        f"beam_search = transformers on {ag['same_items_same_order']:.0%} of users (same items, same order; max "
+        f"|score diff| {ag['max_abs_score_diff']:.1e}); users/s: {speed}"
+        f"; {1 / d['kv_ratio']:.1f}x fewer KV tokens, peak memory {m['beam_search']['peak_memory_mb']:.0f} vs "
+        f"{m['transformers']['peak_memory_mb']:.0f} MB"
+    )
     with_trie = [i for i in r["index"] if i["trie_over_csr"] is not None]
     if with_trie:
         i = max(with_trie, key=lambda i: i["items"])
-        line += (f"; catalog index on {i['items']:,} items, ms per step: CSR allowed_next "
-                 f"{fmt_spread(i['allowed_next_ms'])}, CPU trie {fmt_spread(i['cpu_trie_ms'])}, PPV verify "
-                 f"{fmt_spread(i['verify_ms'])}: {compare('CSR allowed_next', 'CPU trie', i['trie_over_csr'])}")
+        line += (
+            f"; catalog index on {i['items']:,} items, ms per step: CSR allowed_next "
+            f"{fmt_spread(i['allowed_next_ms'])}, CPU trie {fmt_spread(i['cpu_trie_ms'])}, PPV verify "
+            f"{fmt_spread(i['verify_ms'])}: {compare('CSR allowed_next', 'CPU trie', i['trie_over_csr'])}"
+        )
     return line

@@ -8,6 +8,7 @@ catalog (every item scored); then N draws of constrained sampling, DISC at sever
 marginal), KL, and the mean valid mass x(a) of the drawn items (constrained decoding's exact distribution Q = p / x
 is computed too, so its bias is known without sampling noise). A distance measurement, not a timing comparison.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict
@@ -41,54 +42,83 @@ def bench_disc(p: DiscParams) -> dict:
     _, catalog, ids, mask = load_beauty(Path(p.data), p.users, p.history_len, device, model_dir)
     model = bench_model(p, catalog.vocab_size, device)
     k, t, g = p.k, p.temperature, torch.Generator(device=device)
-    fns = {"beam_search": lambda i, m: beam_search(model, i, m, catalog, k),
-           "constrained_sample": lambda i, m: constrained_sample(model, i, m, catalog, k, temperature=t, generator=g)}
+    fns = {
+        "beam_search": lambda i, m: beam_search(model, i, m, catalog, k),
+        "constrained_sample": lambda i, m: constrained_sample(model, i, m, catalog, k, temperature=t, generator=g),
+    }
     for top_m in (None, p.top_m):
         for rounds in range(1, p.max_rounds + 1):
             fns[f"disc rounds={rounds} {'exact' if top_m is None else f'PPV top-{top_m}'}"] = (
-                lambda i, m, r=rounds, tm=top_m: disc_sample(model, i, m, catalog, k, rounds=r, top_m=tm,
-                                                             temperature=t, generator=g))
+                lambda i, m, r=rounds, tm=top_m: disc_sample(
+                    model, i, m, catalog, k, rounds=r, top_m=tm, temperature=t, generator=g
+                )
+            )
 
     def seeded(fn, i, m):
         g.manual_seed(p.seed)
         return in_batches(fn, i, m, p.batch)
 
-    run = interleaved({n: lambda f=f: seeded(f, ids, mask) for n, f in fns.items()}, p.repeats, device,
-                      warmup={n: lambda f=f: seeded(f, ids[:p.batch], mask[:p.batch]) for n, f in fns.items()},
-                      desc="disc: methods")
+    run = interleaved(
+        {n: lambda f=f: seeded(f, ids, mask) for n, f in fns.items()},
+        p.repeats,
+        device,
+        warmup={n: lambda f=f: seeded(f, ids[: p.batch], mask[: p.batch]) for n, f in fns.items()},
+        desc="disc: methods",
+    )
     users, beam = ids.shape[0], run.timings["beam_search"]
     rows = {}
     for name, tm in run.timings.items():
         recs = run.outputs[name]
-        row = {"timing": tm.to_dict(), "ms_per_user": tm.per(lambda s: 1e3 * s / users),
-               "users_per_s": tm.per(lambda s: users / s)}
+        row = {
+            "timing": tm.to_dict(),
+            "ms_per_user": tm.per(lambda s: 1e3 * s / users),
+            "users_per_s": tm.per(lambda s: users / s),
+        }
         if name != "beam_search":
             row["vs_beam_search"] = ratio(tm, beam)
         if "proposals" in recs[0].stats:
             cat = lambda key: torch.cat([r.stats[key] for r in recs]).double()  # noqa: E731 [U]
-            row.update(proposals_per_item=float(cat("proposals").mean()) / k,
-                       acceptance_rate=float(cat("acceptance_rate").mean()),
-                       invalid_mass=float(cat("invalid_mass").mean()))
+            row.update(
+                proposals_per_item=float(cat("proposals").mean()) / k,
+                acceptance_rate=float(cat("acceptance_rate").mean()),
+                invalid_mass=float(cat("invalid_mass").mean()),
+            )
         rows[name] = row
     disc, base = run.timings[f"disc rounds={p.max_rounds} exact"], run.timings["constrained_sample"]
-    return {"k": k, "users": users, "batch": p.batch, "temperature": t, "repeats": p.repeats,
-            "model": str(model_dir) if model_dir else "random", "order": run.order, "methods": rows,
-            "disc_vs_constrained": ratio(disc, base), "disc_vs_beam_search": ratio(disc, beam)}
+    return {
+        "k": k,
+        "users": users,
+        "batch": p.batch,
+        "temperature": t,
+        "repeats": p.repeats,
+        "model": str(model_dir) if model_dir else "random",
+        "order": run.order,
+        "methods": rows,
+        "disc_vs_constrained": ratio(disc, base),
+        "disc_vs_beam_search": ratio(disc, beam),
+    }
 
 
 def markdown_disc(result: dict) -> str:
     d, env = result["disc"], result["environment"]
-    lines = [f"## DISC vs constrained sampling vs beam search: k={d['k']}, {d['users']} Amazon Beauty users, batch "
-             f"{d['batch']}, temperature {d['temperature']}, model {d['model']} ({env['device']}); median (min-max) "
-             f"of {d['repeats']} interleaved repeats", "",
-             "| method | ms / user | users/s | x beam_search time | proposals / item | acceptance | est. invalid "
-             "mass p_b |", "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"## DISC vs constrained sampling vs beam search: k={d['k']}, {d['users']} Amazon Beauty users, batch "
+        f"{d['batch']}, temperature {d['temperature']}, model {d['model']} ({env['device']}); median (min-max) "
+        f"of {d['repeats']} interleaved repeats",
+        "",
+        "| method | ms / user | users/s | x beam_search time | proposals / item | acceptance | est. invalid mass p_b |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for name, r in d["methods"].items():
-        extra = (f"{r['proposals_per_item']:.2f} | {r['acceptance_rate']:.3f} | {r['invalid_mass']:.3f}"
-                 if "proposals_per_item" in r else "- | - | -")
+        extra = (
+            f"{r['proposals_per_item']:.2f} | {r['acceptance_rate']:.3f} | {r['invalid_mass']:.3f}"
+            if "proposals_per_item" in r
+            else "- | - | -"
+        )
         times = fmt_ratio(r["vs_beam_search"]) if "vs_beam_search" in r else "1"
-        lines.append(f"| {name} | {fmt_spread(r['ms_per_user'], 1)} | {fmt_spread(r['users_per_s'], 1)} | {times} | "
-                     f"{extra} |")
+        lines.append(
+            f"| {name} | {fmt_spread(r['ms_per_user'], 1)} | {fmt_spread(r['users_per_s'], 1)} | {times} | {extra} |"
+        )
     lines += ["", footer(env)]
     return "\n".join(lines)
 
@@ -98,10 +128,12 @@ def verdict_disc(r: dict) -> str:
     their ranges, 'within noise' where the ranges overlap."""
     d, rounds = r["disc"], r["args"]["max_rounds"]
     disc = d["methods"][f"disc rounds={rounds} exact"]
-    return (f"DISC rounds={rounds} (exact mask) {fmt_spread(disc['ms_per_user'], 1)} ms/user for k={d['k']}: "
-            f"{_times(d['disc_vs_constrained'])} the time of constrained sampling, "
-            f"{_times(d['disc_vs_beam_search'])} that of beam_search; {disc['proposals_per_item']:.2f} proposals "
-            f"per item, acceptance {disc['acceptance_rate']:.2f}")
+    return (
+        f"DISC rounds={rounds} (exact mask) {fmt_spread(disc['ms_per_user'], 1)} ms/user for k={d['k']}: "
+        f"{_times(d['disc_vs_constrained'])} the time of constrained sampling, "
+        f"{_times(d['disc_vs_beam_search'])} that of beam_search; {disc['proposals_per_item']:.2f} proposals "
+        f"per item, acceptance {disc['acceptance_rate']:.2f}"
+    )
 
 
 def _times(r: dict) -> str:
@@ -130,63 +162,94 @@ def bench_disc_bias(p: DiscBiasParams) -> dict:
     _, catalog, ids, mask = load_beauty(Path(p.data), p.users, p.history_len, device, Path(p.model))
     model = load_model(p.model, device=str(device), dtype=p.dtype)
     t, g = p.temperature, torch.Generator(device=device)
-    samplers = {"constrained_sample": lambda i, m: constrained_sample(model, i, m, catalog, 1, temperature=t,
-                                                                      generator=g)}
+    samplers = {
+        "constrained_sample": lambda i, m: constrained_sample(model, i, m, catalog, 1, temperature=t, generator=g)
+    }
     for rounds in p.rounds:
-        samplers[f"disc rounds={rounds}"] = lambda i, m, r=rounds: disc_sample(model, i, m, catalog, 1, rounds=r,
-                                                                              temperature=t, generator=g)
+        samplers[f"disc rounds={rounds}"] = lambda i, m, r=rounds: disc_sample(
+            model, i, m, catalog, 1, rounds=r, temperature=t, generator=g
+        )
     users = []
     for u in progress(range(ids.shape[0]), "disc bias: users"):
-        (log_p, log_x), t_exact, _ = timed(lambda: catalog_logprob(
-            model, ids[u:u + 1], mask[u:u + 1], catalog, t, p.chunk, valid_mass=True), device)  # [N], [N]
+        (log_p, log_x), t_exact, _ = timed(
+            lambda: catalog_logprob(model, ids[u : u + 1], mask[u : u + 1], catalog, t, p.chunk, valid_mass=True),
+            device,
+        )  # [N], [N]
         p_s = (log_p - log_p.logsumexp(0)).exp()  # [N] P_S over the catalog rows
         q, x = (log_p - log_x).exp(), log_x.exp()  # [N] constrained decoding's distribution, valid masses
-        row = {"p_b": float(1 - log_p.exp().sum()), "exact_scoring_s": t_exact,
-               "exact": {"P_S": {"mean_x": float((p_s * x).sum())},
-                         "constrained decoding Q": {**distances(p_s, q, catalog), "mean_x": float((q * x).sum())}},
-               "methods": {}}
+        row = {
+            "p_b": float(1 - log_p.exp().sum()),
+            "exact_scoring_s": t_exact,
+            "exact": {
+                "P_S": {"mean_x": float((p_s * x).sum())},
+                "constrained decoding Q": {**distances(p_s, q, catalog), "mean_x": float((q * x).sum())},
+            },
+            "methods": {},
+        }
         g.manual_seed(p.seed)
         drawn = torch.multinomial(p_s, p.draws, replacement=True, generator=g)  # [D] catalog rows
         row["methods"]["exact sampler"] = draw_stats(p_s, x, drawn, catalog)
-        u_ids, u_mask = ids[u:u + 1].repeat(p.draws, 1), mask[u:u + 1].repeat(p.draws, 1)  # [D, S]
+        u_ids, u_mask = ids[u : u + 1].repeat(p.draws, 1), mask[u : u + 1].repeat(p.draws, 1)  # [D, S]
         for name, fn in samplers.items():
             g.manual_seed(p.seed)
             recs, seconds, _ = timed(lambda: in_batches(fn, u_ids, u_mask, p.batch), device)
             tokens = torch.cat([r.token_ids[:, 0] for r in recs])  # [D, L]
             drawn = catalog.node_of(tokens) - catalog.level_start[catalog.code_len]  # [D] catalog rows
             p_b = torch.cat([r.stats["invalid_mass"] for r in recs]).double().mean()  # 1 - E_q[x] over proposals
-            row["methods"][name] = {**draw_stats(p_s, x, drawn, catalog), "est_invalid_mass": float(p_b),
-                                    "seconds": seconds}
+            row["methods"][name] = {
+                **draw_stats(p_s, x, drawn, catalog),
+                "est_invalid_mass": float(p_b),
+                "seconds": seconds,
+            }
         users.append(row)
-    return {"users": len(users), "draws": p.draws, "items": len(catalog), "temperature": t, "model": str(p.model),
-            "p_b": [u["p_b"] for u in users],
-            "exact": {name: mean_over_users([u["exact"][name] for u in users]) for name in users[0]["exact"]},
-            "methods": {name: mean_over_users([u["methods"][name] for u in users]) for name in users[0]["methods"]},
-            "per_user": users}
+    return {
+        "users": len(users),
+        "draws": p.draws,
+        "items": len(catalog),
+        "temperature": t,
+        "model": str(p.model),
+        "p_b": [u["p_b"] for u in users],
+        "exact": {name: mean_over_users([u["exact"][name] for u in users]) for name in users[0]["exact"]},
+        "methods": {name: mean_over_users([u["methods"][name] for u in users]) for name in users[0]["methods"]},
+        "per_user": users,
+    }
 
 
 def markdown_disc_bias(result: dict) -> str:
     b, env = result["disc_bias"], result["environment"]
     p_b = ", ".join(f"{x:.3f}" for x in b["p_b"])
-    lines = [f"## DISC bias: distance to the exact constrained distribution P_S, {b['users']} Amazon Beauty users x "
-             f"{b['draws']:,} draws (k=1), temperature {b['temperature']}, model {b['model']} ({env['device']})", "",
-             f"P_S and constrained decoding's own distribution Q computed exactly over all {b['items']:,} catalog "
-             f"items per user; invalid mass p_b per user: {p_b}. Means over the users. The exact sampler draws "
-             "from P_S itself: its distances are the noise floor at this number of draws. x(a) = the valid mass "
-             "along item a's prefix; constrained decoding over-draws items with small x.", "",
-             "| method | TV items | TV level a | KL(P_S ‖ ·) | mean x(a) of the draws | est. p_b | "
-             f"s / {b['draws']:,} draws |", "|---|---:|---:|---:|---:|---:|---:|",
-             f"| P_S, exact (DISC's target) | - | - | - | {b['exact']['P_S']['mean_x']:.4f} | - | - |"]
+    lines = [
+        f"## DISC bias: distance to the exact constrained distribution P_S, {b['users']} Amazon Beauty users x "
+        f"{b['draws']:,} draws (k=1), temperature {b['temperature']}, model {b['model']} ({env['device']})",
+        "",
+        f"P_S and constrained decoding's own distribution Q computed exactly over all {b['items']:,} catalog "
+        f"items per user; invalid mass p_b per user: {p_b}. Means over the users. The exact sampler draws "
+        "from P_S itself: its distances are the noise floor at this number of draws. x(a) = the valid mass "
+        "along item a's prefix; constrained decoding over-draws items with small x.",
+        "",
+        "| method | TV items | TV level a | KL(P_S ‖ ·) | mean x(a) of the draws | est. p_b | "
+        f"s / {b['draws']:,} draws |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+        f"| P_S, exact (DISC's target) | - | - | - | {b['exact']['P_S']['mean_x']:.4f} | - | - |",
+    ]
     q = b["exact"]["constrained decoding Q"]
-    lines.append(f"| constrained decoding, exact Q (no sampling) | {q['tv_items']:.3f} | {q['tv_level_a']:.3f} | "
-                 f"{q['kl']:.3f} | {q['mean_x']:.4f} | - | - |")
+    lines.append(
+        f"| constrained decoding, exact Q (no sampling) | {q['tv_items']:.3f} | {q['tv_level_a']:.3f} | "
+        f"{q['kl']:.3f} | {q['mean_x']:.4f} | - | - |"
+    )
     for name, r in b["methods"].items():
         extra = f"{r['est_invalid_mass']:.3f} | {r['seconds']:.1f}" if "seconds" in r else "- | -"
         label = f"{name} (draws from P_S)" if name == "exact sampler" else name
-        lines.append(f"| {label} | {r['tv_items']:.3f} | {r['tv_level_a']:.3f} | {r['kl']:.3f} | "
-                     f"{r['mean_x']:.4f} ± {r['mean_x_se']:.4f} | {extra} |")
-    lines += ["", "KL of the draws: to the empirical distribution smoothed by +0.5 per item; ± one standard error.",
-              "", footer(env)]
+        lines.append(
+            f"| {label} | {r['tv_items']:.3f} | {r['tv_level_a']:.3f} | {r['kl']:.3f} | "
+            f"{r['mean_x']:.4f} ± {r['mean_x_se']:.4f} | {extra} |"
+        )
+    lines += [
+        "",
+        "KL of the draws: to the empirical distribution smoothed by +0.5 per item; ± one standard error.",
+        "",
+        footer(env),
+    ]
     return "\n".join(lines)
 
 
@@ -194,8 +257,10 @@ def verdict_disc_bias(r: dict) -> str:
     b, rounds = r["disc_bias"], max(r["args"]["rounds"])
     m, q, target = b["methods"], b["exact"]["constrained decoding Q"], b["exact"]["P_S"]["mean_x"]
     floor, base, disc = m["exact sampler"], m["constrained_sample"], m[f"disc rounds={rounds}"]
-    return (f"mean x(a) of the draws: DISC rounds={rounds} {disc['mean_x']:.3f} ± {disc['mean_x_se']:.3f}, "
-            f"constrained {base['mean_x']:.3f} ± {base['mean_x_se']:.3f}, exact P_S {target:.3f}; "
-            f"DISC rounds={rounds} TV (level a) {disc['tv_level_a']:.3f} vs constrained {base['tv_level_a']:.3f}, "
-            f"exact-sampler floor {floor['tv_level_a']:.3f} (constrained decoding's exact bias: TV "
-            f"{q['tv_level_a']:.3f} level a, {q['tv_items']:.3f} items); p_b {np.mean(b['p_b']):.2f}")
+    return (
+        f"mean x(a) of the draws: DISC rounds={rounds} {disc['mean_x']:.3f} ± {disc['mean_x_se']:.3f}, "
+        f"constrained {base['mean_x']:.3f} ± {base['mean_x_se']:.3f}, exact P_S {target:.3f}; "
+        f"DISC rounds={rounds} TV (level a) {disc['tv_level_a']:.3f} vs constrained {base['tv_level_a']:.3f}, "
+        f"exact-sampler floor {floor['tv_level_a']:.3f} (constrained decoding's exact bias: TV "
+        f"{q['tv_level_a']:.3f} level a, {q['tv_items']:.3f} items); p_b {np.mean(b['p_b']):.2f}"
+    )

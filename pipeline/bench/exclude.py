@@ -4,6 +4,7 @@ with distinct random catalog items), interleaved; the timed call builds each bat
 item) pairs, as the actor does. Reported: users/s per method, median (min-max), and each count's cost over no
 exclusions as the ratio of medians with its range, against the issue's bounds (1.1x at 50 items, 1.5x at 1,000).
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, fields
@@ -30,9 +31,12 @@ def run_exclude(p: ExcludeParams, command: str) -> tuple[dict, str]:
     tok, catalog, ids, mask = load_beauty(Path(p.data), p.users, p.history_len, device, p.model and Path(p.model))
     model = bench_model(p, len(tok), device)
     histories = pq.read_table(Path(p.data) / "test.parquet", columns=["history"]).column("history").to_pylist()
-    histories = [h for h in histories if h][:ids.shape[0]]  # the users load_beauty rendered, in order
-    result = {"args": asdict(p), "environment": environment(p.device, command),
-              "exclude": bench_exclude(p, model, catalog, ids, mask, histories)}
+    histories = [h for h in histories if h][: ids.shape[0]]  # the users load_beauty rendered, in order
+    result = {
+        "args": asdict(p),
+        "environment": environment(p.device, command),
+        "exclude": bench_exclude(p, model, catalog, ids, mask, histories),
+    }
     return result, markdown_exclude(result)
 
 
@@ -51,41 +55,59 @@ def exclusion_pairs(catalog: Catalog, histories: list[list[int]], count: int, se
     return to(users), to(items)
 
 
-def bench_exclude(p: ExcludeParams, model, catalog: Catalog, ids: torch.Tensor, mask: torch.Tensor,
-                  histories: list[list[int]]) -> dict:
+def bench_exclude(
+    p: ExcludeParams, model, catalog: Catalog, ids: torch.Tensor, mask: torch.Tensor, histories: list[list[int]]
+) -> dict:
     """beam_search over the users [U, S] in batches of p.batch, with no exclusions and with each of p.counts
     excluded items per user, interleaved; whether any user got an excluded item."""
     pairs = {n: exclusion_pairs(catalog, histories, n, p.seed) for n in p.counts}
 
     def decode_batch(n: int | None, a: int):
         """Users a .. a + B - 1 with n excluded items each (None: no exclusions)."""
-        i, m = ids[a:a + p.batch], mask[a:a + p.batch]
+        i, m = ids[a : a + p.batch], mask[a : a + p.batch]
         if n is None:
             return beam_search(model, i, m, catalog, p.k)
         user, item = pairs[n]
         pick = (user >= a) & (user < a + i.shape[0])
-        return beam_search(model, i, m, catalog, p.k,
-                           exclude=Exclusions.from_items(catalog, user[pick] - a, item[pick], i.shape[0]))
+        return beam_search(
+            model, i, m, catalog, p.k, exclude=Exclusions.from_items(catalog, user[pick] - a, item[pick], i.shape[0])
+        )
 
     names = {"none": None, **{f"exclude {n}": n for n in p.counts}}
-    run = interleaved({name: lambda n=n: [decode_batch(n, a) for a in range(0, ids.shape[0], p.batch)]
-                       for name, n in names.items()}, p.repeats, ids.device,
-                      warmup={name: lambda n=n: decode_batch(n, 0) for name, n in names.items()},
-                      desc="exclude: beam_search with and without exclusions")
+    run = interleaved(
+        {name: lambda n=n: [decode_batch(n, a) for a in range(0, ids.shape[0], p.batch)] for name, n in names.items()},
+        p.repeats,
+        ids.device,
+        warmup={name: lambda n=n: decode_batch(n, 0) for name, n in names.items()},
+        desc="exclude: beam_search with and without exclusions",
+    )
     users = ids.shape[0]
-    rows = {name: {"excluded_per_user": n or 0, "timing": t.to_dict(), "users_per_s": t.per(lambda s: users / s)}
-            for (name, n), t in zip(names.items(), run.timings.values())}
+    rows = {
+        name: {"excluded_per_user": n or 0, "timing": t.to_dict(), "users_per_s": t.per(lambda s: users / s)}
+        for (name, n), t in zip(names.items(), run.timings.values())
+    }
     for name, n in names.items():
         if n is None:
             continue
         items = torch.cat([r.item_ids for r in run.outputs[name]])  # [U, k]
         user, item = pairs[n]
         hit = (items[user] == item[:, None]).any(1)  # [M] an excluded item among its user's recommendations
-        rows[name].update(cost=ratio(run.timings[name], run.timings["none"]), bound=BOUNDS.get(n),
-                          excluded_returned=int(hit.sum()),
-                          full_lists=float((items >= 0).all(1).float().mean()))
-    return {"users": users, "batch": p.batch, "k": p.k, "repeats": p.repeats, "order": run.order, "methods": rows,
-            "prompt_tokens_max": ids.shape[1], "own_work": own_work(p, model, catalog, ids, mask, pairs)}
+        rows[name].update(
+            cost=ratio(run.timings[name], run.timings["none"]),
+            bound=BOUNDS.get(n),
+            excluded_returned=int(hit.sum()),
+            full_lists=float((items >= 0).all(1).float().mean()),
+        )
+    return {
+        "users": users,
+        "batch": p.batch,
+        "k": p.k,
+        "repeats": p.repeats,
+        "order": run.order,
+        "methods": rows,
+        "prompt_tokens_max": ids.shape[1],
+        "own_work": own_work(p, model, catalog, ids, mask, pairs),
+    }
 
 
 class Recording(Exclusions):
@@ -114,38 +136,58 @@ def own_work(p: ExcludeParams, model, catalog: Catalog, ids: torch.Tensor, mask:
         methods[f"masks {n}"] = lambda ex=ex, asked=rec.asked: [ex.open(node) for node in asked]
     run = interleaved(methods, p.repeats, ids.device, desc="exclude: the exclusions' own work")
     t = run.timings
-    return {"users": b, "timings": {name: x.to_dict() for name, x in t.items()},
-            "parts": {n: {"build_ms": t[f"build {n}"].per(lambda s: 1e3 * s),
-                          "masks_ms": t[f"masks {n}"].per(lambda s: 1e3 * s),
-                          "of_decode_median": (t[f"build {n}"].median + t[f"masks {n}"].median) / t["decode"].median,
-                          "of_decode_min": (t[f"build {n}"].min + t[f"masks {n}"].min) / t["decode"].min}
-                      for n in pairs}}
+    return {
+        "users": b,
+        "timings": {name: x.to_dict() for name, x in t.items()},
+        "parts": {
+            n: {
+                "build_ms": t[f"build {n}"].per(lambda s: 1e3 * s),
+                "masks_ms": t[f"masks {n}"].per(lambda s: 1e3 * s),
+                "of_decode_median": (t[f"build {n}"].median + t[f"masks {n}"].median) / t["decode"].median,
+                "of_decode_min": (t[f"build {n}"].min + t[f"masks {n}"].min) / t["decode"].min,
+            }
+            for n in pairs
+        },
+    }
 
 
 def markdown_exclude(result: dict) -> str:
     e, env, a = result["exclude"], result["environment"], result["args"]
     model = a["model"] or f"a random Llama {a['layers']} x {a['hidden']}"
-    lines = [f"## exclude: beam_search with per-user exclusions, K={e['k']}, batch {e['batch']}, {e['users']} Amazon "
-             f"Beauty users (prompt up to {e['prompt_tokens_max']} tokens), {model}, {env['device']}; median (min-max) "
-             f"of {e['repeats']} interleaved repeats", "",
-             "| excluded items per user | users/s | cost over none (ratio of medians, range) | bound | excluded items "
-             "returned |", "|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"## exclude: beam_search with per-user exclusions, K={e['k']}, batch {e['batch']}, {e['users']} Amazon "
+        f"Beauty users (prompt up to {e['prompt_tokens_max']} tokens), {model}, {env['device']}; median (min-max) "
+        f"of {e['repeats']} interleaved repeats",
+        "",
+        "| excluded items per user | users/s | cost over none (ratio of medians, range) | bound | excluded items "
+        "returned |",
+        "|---:|---:|---:|---:|---:|",
+    ]
     for name, r in e["methods"].items():
         cost = fmt_ratio(r["cost"]) if "cost" in r else "1"
         bound = f"{r['bound']:.1f}x" if r.get("bound") else "-"
-        lines.append(f"| {r['excluded_per_user']:,} | {fmt_spread(r['users_per_s'])} | {cost} | {bound} | "
-                     f"{r.get('excluded_returned', '-')} |")
+        lines.append(
+            f"| {r['excluded_per_user']:,} | {fmt_spread(r['users_per_s'])} | {cost} | {bound} | "
+            f"{r.get('excluded_returned', '-')} |"
+        )
     w = e["own_work"]
     d = {key: 1e3 * w["timings"]["decode"][f"{key}_s"] for key in ("median", "min", "max")}
-    lines += ["", verdict_exclude(result), "",
-              f"The exclusions' own work on one batch of {w['users']} users, each part timed alone (ms, median "
-              f"(min-max) of {e['repeats']} interleaved repeats with the batch's decode without exclusions, "
-              f"{fmt_spread(d, 0)} ms):", "",
-              "| excluded items per user | build | masks, every step | both / decode (medians) | both / decode "
-              "(minima) |", "|---:|---:|---:|---:|---:|"]
+    lines += [
+        "",
+        verdict_exclude(result),
+        "",
+        f"The exclusions' own work on one batch of {w['users']} users, each part timed alone (ms, median "
+        f"(min-max) of {e['repeats']} interleaved repeats with the batch's decode without exclusions, "
+        f"{fmt_spread(d, 0)} ms):",
+        "",
+        "| excluded items per user | build | masks, every step | both / decode (medians) | both / decode (minima) |",
+        "|---:|---:|---:|---:|---:|",
+    ]
     for n, r in w["parts"].items():
-        lines.append(f"| {int(n):,} | {fmt_spread(r['build_ms'], 1)} | {fmt_spread(r['masks_ms'], 1)} | "
-                     f"{r['of_decode_median']:.1%} | {r['of_decode_min']:.1%} |")
+        lines.append(
+            f"| {int(n):,} | {fmt_spread(r['build_ms'], 1)} | {fmt_spread(r['masks_ms'], 1)} | "
+            f"{r['of_decode_median']:.1%} | {r['of_decode_min']:.1%} |"
+        )
     lines += ["", footer(env)]
     return "\n".join(lines)
 
@@ -157,8 +199,13 @@ def verdict_exclude(result: dict) -> str:
         if "cost" not in r:
             continue
         c = r["cost"]
-        within = "" if r["bound"] is None else (f", {'within' if c['median'] <= r['bound'] else 'ABOVE'} the "
-                                                f"{r['bound']:.1f}x bound")
-        parts.append(f"{r['excluded_per_user']:,} excluded items per user cost {fmt_ratio(c)} of beam_search without"
-                     f"{within} ({compare('none', name, c)})")
+        within = (
+            ""
+            if r["bound"] is None
+            else (f", {'within' if c['median'] <= r['bound'] else 'ABOVE'} the {r['bound']:.1f}x bound")
+        )
+        parts.append(
+            f"{r['excluded_per_user']:,} excluded items per user cost {fmt_ratio(c)} of beam_search without"
+            f"{within} ({compare('none', name, c)})"
+        )
     return "; ".join(parts) + "."

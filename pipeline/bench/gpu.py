@@ -24,6 +24,7 @@ Models are built once per cell and freed before the next. Useful FLOPs per user 
 parameters x (prompt + K(L-1)) tokens, plus 2 x hidden x vocabulary x (1 + K(L-1)) head rows (exact scores need each
 row's full normaliser); attention's own products are not counted.
 """
+
 from __future__ import annotations
 
 import copy
@@ -43,8 +44,19 @@ from decoding.models import pick_device, tiny_model
 from decoding.reference import cpu_trie, generate_beam_search
 from decoding.speculative import speculative_beam_search
 from pipeline.bench import disc, shapes, speculative
-from pipeline.bench.common import (Timing, environment, fmt_ratio, fmt_spread, footer, hardware, interleaved,
-                                   progress, ratio, synchronize, versions)
+from pipeline.bench.common import (
+    Timing,
+    environment,
+    fmt_ratio,
+    fmt_spread,
+    footer,
+    hardware,
+    interleaved,
+    progress,
+    ratio,
+    synchronize,
+    versions,
+)
 from pipeline.bench.decode import synthetic_token_catalog
 from pipeline.bench.params import GPU_SECTIONS, DiscParams, GpuParams, SpeculativeParams
 
@@ -52,8 +64,16 @@ TIE = {"float32": 1e-4, "bfloat16": 4e-2, "float16": 8e-3}  # two engines in one
 TIE_EXACT = {"float32": 1e-4, "bfloat16": 0.2, "float16": 0.04}  # half against float32 (tests/test_engine.py BOUNDS)
 OOM = "out of memory"
 SID_GR_MS = {8: 93.2, 1: 17.6}  # NVIDIA recsys-examples SID-GR on an H100: ms per batch of 8, and at batch 1
-QWEN3_1_7B = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-                  num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1_000_000.0)
+QWEN3_1_7B = dict(
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rope_theta=1_000_000.0,
+)
 
 
 @dataclass
@@ -61,6 +81,7 @@ class Cell:
     """One shape: a random `arch` model of `model` (tiny_model overrides) over `vocab` tokens, `users` prompts of
     `prompt` tokens, top-`k` over a catalog of `code_len`-token semantic IDs (Beauty's 4-level catalog after the text
     vocabulary, or `items` random ones of 256 codes per level)."""
+
     name: str
     vocab: int
     prompt: int
@@ -77,17 +98,24 @@ class Cell:
 def run_gpu(p: GpuParams, command: str) -> tuple[dict, str]:
     device = pick_device(p.device)
     if device.type == "cuda" and not torch.cuda.is_available():  # --device cuda on a machine without one
-        raise FileNotFoundError(f"bench gpu: --device {p.device} but torch {torch.__version__} sees no CUDA device "
-                                "(or --device cpu --smoke, at smoke sizes)")
+        raise FileNotFoundError(
+            f"bench gpu: --device {p.device} but torch {torch.__version__} sees no CUDA device "
+            "(or --device cpu --smoke, at smoke sizes)"
+        )
     if device.type != "cuda" and not p.smoke:
         raise FileNotFoundError("bench gpu needs a CUDA device (or --device cpu --smoke, at smoke sizes)")
     unknown = sorted(set(p.sections) - set(GPU_SECTIONS))
     if unknown:
         raise ValueError(f"bench gpu: unknown sections {unknown}; choose from {list(GPU_SECTIONS)}")
     t0, half = time.perf_counter(), torch.float32 if p.smoke else torch.bfloat16
-    result = {"args": asdict(p), "environment": environment(p.device, command), "hardware": hardware(device, "auto"),
-              "versions": versions(), "dtype": str(half).removeprefix("torch."),
-              "matmul": matmul_rate(device, half, 256 if p.smoke else 8192)}
+    result = {
+        "args": asdict(p),
+        "environment": environment(p.device, command),
+        "hardware": hardware(device, "auto"),
+        "versions": versions(),
+        "dtype": str(half).removeprefix("torch."),
+        "matmul": matmul_rate(device, half, 256 if p.smoke else 8192),
+    }
     rate = result["matmul"]["flops_per_s"]
     md = {}
     if "parity" in p.sections:
@@ -97,22 +125,46 @@ def run_gpu(p: GpuParams, command: str) -> tuple[dict, str]:
             free(device)  # the dtype's models died with parity's frame
     compiled = ("beam_search_compiled",) if "compiled" in p.engines else ()
     if "shapes" in p.sections:
-        result["shapes"] = [run_cell(c, p, device, half, rate, ("beam_search", "transformers") + compiled)
-                            for c in progress(shape_cells(p), "gpu: shapes", leave=True)]
+        result["shapes"] = [
+            run_cell(c, p, device, half, rate, ("beam_search", "transformers") + compiled)
+            for c in progress(shape_cells(p), "gpu: shapes", leave=True)
+        ]
     if "anchor" in p.sections:
         result["anchor"] = anchor(p, device, half, rate, ("beam_search",) + compiled)
     if "disc" in p.sections:
-        section, md["disc"] = disc.run_disc(DiscParams(
-            data=p.data, device=p.device, users=4 if p.smoke else 256, batch=2 if p.smoke else 128, max_rounds=4,
-            repeats=1 if p.smoke else p.repeats, dtype=result["dtype"], layers=p.layers, hidden=p.hidden,
-            heads=p.heads), command)
+        section, md["disc"] = disc.run_disc(
+            DiscParams(
+                data=p.data,
+                device=p.device,
+                users=4 if p.smoke else 256,
+                batch=2 if p.smoke else 128,
+                max_rounds=4,
+                repeats=1 if p.smoke else p.repeats,
+                dtype=result["dtype"],
+                layers=p.layers,
+                hidden=p.hidden,
+                heads=p.heads,
+            ),
+            command,
+        )
         result["disc"] = section["disc"]
     if "speculative" in p.sections and p.target and p.drafts:
-        section, md["speculative"] = speculative.run_speculative(SpeculativeParams(
-            data=p.data, device=p.device, target=p.target, drafts=list(p.drafts), ks=[1, 10] if p.smoke else
-            [1, 5, 10, 20], users=2 if p.smoke else 20, batch=2 if p.smoke else 64,
-            throughput_users=4 if p.smoke else 256, repeats=1 if p.smoke else p.repeats, with_transformers=False,
-            dtype=result["dtype"]), command)
+        section, md["speculative"] = speculative.run_speculative(
+            SpeculativeParams(
+                data=p.data,
+                device=p.device,
+                target=p.target,
+                drafts=list(p.drafts),
+                ks=[1, 10] if p.smoke else [1, 5, 10, 20],
+                users=2 if p.smoke else 20,
+                batch=2 if p.smoke else 64,
+                throughput_users=4 if p.smoke else 256,
+                repeats=1 if p.smoke else p.repeats,
+                with_transformers=False,
+                dtype=result["dtype"],
+            ),
+            command,
+        )
         result["speculative"] = section["speculative"]
     result["seconds"] = time.perf_counter() - t0
     return result, markdown_gpu(result, md)
@@ -135,7 +187,7 @@ def matmul_rate(device: torch.device, dtype: torch.dtype, n: int, repeats: int =
         synchronize(device)
         seconds.append(time.perf_counter() - t0)
     s = float(np.median(seconds))
-    return {"n": n, "dtype": str(dtype).removeprefix("torch."), "median_s": s, "flops_per_s": 2 * n ** 3 / s}
+    return {"n": n, "dtype": str(dtype).removeprefix("torch."), "median_s": s, "flops_per_s": 2 * n**3 / s}
 
 
 def useful_flops(model, prompt: int, k: int, code_len: int) -> float:
@@ -152,42 +204,87 @@ def useful_flops(model, prompt: int, k: int, code_len: int) -> float:
 
 def shape_cells(p: GpuParams) -> list[Cell]:
     """The grid: vocabulary x prompt x K on a random Llama of layers x hidden."""
-    model = dict(hidden_size=p.hidden, intermediate_size=4 * p.hidden, num_hidden_layers=p.layers,
-                 num_attention_heads=p.heads, num_key_value_heads=p.heads, max_position_embeddings=2048)
+    model = dict(
+        hidden_size=p.hidden,
+        intermediate_size=4 * p.hidden,
+        num_hidden_layers=p.layers,
+        num_attention_heads=p.heads,
+        num_key_value_heads=p.heads,
+        max_position_embeddings=2048,
+    )
     grid = [(2048, 40, 5)] if p.smoke else [(v, s, k) for v in (32768, 152667) for s in (300, 1000) for k in (20, 50)]
-    return [Cell(f"V={v} S={s} K={k}", v, s, k, 4 if p.smoke else 64, model,
-                 batches={"beam_search": 2 if p.smoke else None, "transformers": 2 if p.smoke else p.batch},
-                 reference_users=None if p.smoke else 16) for v, s, k in grid]
+    return [
+        Cell(
+            f"V={v} S={s} K={k}",
+            v,
+            s,
+            k,
+            4 if p.smoke else 64,
+            model,
+            batches={"beam_search": 2 if p.smoke else None, "transformers": 2 if p.smoke else p.batch},
+            reference_users=None if p.smoke else 16,
+        )
+        for v, s, k in grid
+    ]
 
 
 def anchor(p: GpuParams, device: torch.device, dtype: torch.dtype, rate: float, methods: tuple) -> list[dict]:
     """SID-GR's shape at batch 8, batch 1 and the largest batch that fits (beam_search only: transformers fits one
     user at this shape and takes seconds for it)."""
     if p.smoke:
-        model, vocab, k, prompt, items = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2,
-                                              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                              max_position_embeddings=512), 4096, 8, 40, 2000
+        model, vocab, k, prompt, items = (
+            dict(
+                hidden_size=64,
+                intermediate_size=192,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
+                max_position_embeddings=512,
+            ),
+            4096,
+            8,
+            40,
+            2000,
+        )
     else:
         model, vocab, k, prompt, items = QWEN3_1_7B, 151936, 256, 1000, 1_000_000
     rows = []
     for batch in (8, 1, None):
-        cell = Cell(f"SID-GR batch {batch or 'best'}", vocab, prompt, k, 0, model, arch="qwen3", code_len=3,
-                    items=items, batches={"beam_search": batch})
+        cell = Cell(
+            f"SID-GR batch {batch or 'best'}",
+            vocab,
+            prompt,
+            k,
+            0,
+            model,
+            arch="qwen3",
+            code_len=3,
+            items=items,
+            batches={"beam_search": batch},
+        )
         cell.users = 2 * (batch or 0) if p.smoke else {8: 32, 1: 8}.get(batch, 0)
         rows.append(run_cell(cell, p, device, dtype, rate, methods))
     return rows
 
 
-def run_cell(cell: Cell, p: GpuParams, device: torch.device, dtype: torch.dtype, rate: float,
-             methods: tuple = ("beam_search", "transformers")) -> dict:
+def run_cell(
+    cell: Cell,
+    p: GpuParams,
+    device: torch.device,
+    dtype: torch.dtype,
+    rate: float,
+    methods: tuple = ("beam_search", "transformers"),
+) -> dict:
     """`measure_cell`, then everything it built freed (its model, catalog and outputs die with its frame)."""
     row = measure_cell(cell, p, device, dtype, rate, methods)
     free(device)
     return row
 
 
-def measure_cell(cell: Cell, p: GpuParams, device: torch.device, dtype: torch.dtype, rate: float,
-                 methods: tuple) -> dict:
+def measure_cell(
+    cell: Cell, p: GpuParams, device: torch.device, dtype: torch.dtype, rate: float, methods: tuple
+) -> dict:
     """Builds the cell's model and catalog, finds each method's batch (halving on out-of-memory), times the methods
     that fit interleaved (p.repeats rounds, 1 with --smoke) -> the cell's row."""
     model = tiny_model(cell.arch, cell.vocab, seed=p.seed, dtype=dtype, **cell.model).to(device)
@@ -204,13 +301,25 @@ def measure_cell(cell: Cell, p: GpuParams, device: torch.device, dtype: torch.dt
     ids = torch.randint(4, cell.vocab - catalog.code_len * 256, (cell.users, cell.prompt), generator=g).to(device)
     mask = torch.ones_like(ids)
     trie = cpu_trie(catalog.to("cpu")) if "transformers" in methods else None
-    decoders = {"beam_search": lambda i, m: beam_search(model, i, m, catalog, cell.k),
-                "beam_search_compiled": lambda i, m: beam_search(model, i, m, catalog, cell.k, engine="compiled"),
-                "transformers": lambda i, m: generate_beam_search(model, i, m, catalog, cell.k, trie)}
-    row = {"cell": cell.name, "arch": cell.arch, "vocab": cell.vocab, "prompt": cell.prompt, "k": cell.k,
-           "code_len": catalog.code_len, "items": len(catalog), "dtype": str(dtype).removeprefix("torch."),
-           "parameters": sum(x.numel() for x in model.parameters()), "useful_flops_per_user": flops,
-           "fit_batch": best, "methods": {}}
+    decoders = {
+        "beam_search": lambda i, m: beam_search(model, i, m, catalog, cell.k),
+        "beam_search_compiled": lambda i, m: beam_search(model, i, m, catalog, cell.k, engine="compiled"),
+        "transformers": lambda i, m: generate_beam_search(model, i, m, catalog, cell.k, trie),
+    }
+    row = {
+        "cell": cell.name,
+        "arch": cell.arch,
+        "vocab": cell.vocab,
+        "prompt": cell.prompt,
+        "k": cell.k,
+        "code_len": catalog.code_len,
+        "items": len(catalog),
+        "dtype": str(dtype).removeprefix("torch."),
+        "parameters": sum(x.numel() for x in model.parameters()),
+        "useful_flops_per_user": flops,
+        "fit_batch": best,
+        "methods": {},
+    }
     runs = {}
     for method in methods:
         users = min(cell.users, cell.reference_users or cell.users) if method == "transformers" else cell.users
@@ -229,15 +338,23 @@ def measure_cell(cell: Cell, p: GpuParams, device: torch.device, dtype: torch.dt
         for method, t in timed.timings.items():
             x = row["methods"][method]
             ups, batches = t.per(lambda s, u=x["users"]: u / s), -(-x["users"] // x["batch"])
-            x.update(seconds=t.to_dict(), users_per_s=ups, ms_per_batch=t.per(lambda s, n=batches: 1e3 * s / n),
-                     flop_fraction=flops * ups["median"] / rate)
+            x.update(
+                seconds=t.to_dict(),
+                users_per_s=ups,
+                ms_per_batch=t.per(lambda s, n=batches: 1e3 * s / n),
+                flop_fraction=flops * ups["median"] / rate,
+            )
         if {"beam_search", "transformers"} <= set(runs):
-            row["speedup"] = ratio(per_user(timed.timings["transformers"], row, "transformers"),
-                                   per_user(timed.timings["beam_search"], row, "beam_search"))
+            row["speedup"] = ratio(
+                per_user(timed.timings["transformers"], row, "transformers"),
+                per_user(timed.timings["beam_search"], row, "beam_search"),
+            )
             row.update(agreement(timed.outputs, row["methods"]["transformers"]["users"]))
         if {"beam_search", "beam_search_compiled"} <= set(runs):
-            row["compiled_speedup"] = ratio(per_user(timed.timings["beam_search"], row, "beam_search"),
-                                            per_user(timed.timings["beam_search_compiled"], row, "beam_search_compiled"))
+            row["compiled_speedup"] = ratio(
+                per_user(timed.timings["beam_search"], row, "beam_search"),
+                per_user(timed.timings["beam_search_compiled"], row, "beam_search_compiled"),
+            )
             row["compiled_agreement"] = agreement(timed.outputs, cell.users, "beam_search_compiled", "beam_search")
     return row
 
@@ -258,7 +375,7 @@ def fitting_batch(decode, method: str, ids, mask, batch: int, simulate_oom: list
 
 
 def decode_all(decode, ids, mask, batch: int) -> list:
-    return [decode(ids[a:a + batch], mask[a:a + batch]) for a in range(0, ids.shape[0], batch)]
+    return [decode(ids[a : a + batch], mask[a : a + batch]) for a in range(0, ids.shape[0], batch)]
 
 
 def per_user(t: Timing, row: dict, method: str) -> Timing:
@@ -269,16 +386,22 @@ def per_user(t: Timing, row: dict, method: str) -> Timing:
 def agreement(outputs: dict, users: int, ours: str = "beam_search", ref: str = "transformers") -> dict:
     """One method against another (beam_search vs transformers; the compiled engine vs the eager one) on the first
     `users` users, which both decoded: same items in the same order, largest score gap."""
+
     def lists(name: str):  # -> item ids, scores [U, K]
         out = outputs[name]
-        items, scores = ([r[0] for r in out], [r[2] for r in out]) if name == "transformers" else \
-            ([r.item_ids for r in out], [r.scores for r in out])
+        items, scores = (
+            ([r[0] for r in out], [r[2] for r in out])
+            if name == "transformers"
+            else ([r.item_ids for r in out], [r.scores for r in out])
+        )
         return torch.cat(items)[:users].cpu(), torch.cat(scores)[:users].float().cpu()
 
     (ours, ours_s), (ref, ref_s) = lists(ours), lists(ref)
     finite = torch.isfinite(ours_s) & torch.isfinite(ref_s)
-    return {"same_items_same_order": float((ours == ref).all(1).float().mean()),
-            "max_abs_score_diff": float((ours_s - ref_s).abs()[finite].max()) if finite.any() else 0.0}
+    return {
+        "same_items_same_order": float((ours == ref).all(1).float().mean()),
+        "max_abs_score_diff": float((ours_s - ref_s).abs()[finite].max()) if finite.any() else 0.0,
+    }
 
 
 def free(device: torch.device) -> None:
@@ -295,21 +418,41 @@ def parity(p: GpuParams, dtype: str, device: torch.device) -> dict:
     vocab, prompt, users, k, batch = (2048, 24, 4, 5, 2) if p.smoke else (32768, 300, 128, 20, 32)
     catalog = shapes.catalog_after_text(str(Path(p.data) / "items.parquet"), vocab, device)
     torch_dtype = getattr(torch, dtype)
-    target = tiny_model("llama", vocab, seed=p.seed, hidden_size=p.hidden, intermediate_size=4 * p.hidden,
-                        num_hidden_layers=p.layers, num_attention_heads=p.heads, num_key_value_heads=p.heads,
-                        max_position_embeddings=2048, dtype=torch_dtype).to(device)
-    draft = tiny_model("llama", vocab, seed=p.seed + 1, hidden_size=p.hidden // 2, intermediate_size=2 * p.hidden,
-                       num_hidden_layers=1, num_attention_heads=p.heads, num_key_value_heads=p.heads,
-                       max_position_embeddings=2048, dtype=torch_dtype).to(device)
+    target = tiny_model(
+        "llama",
+        vocab,
+        seed=p.seed,
+        hidden_size=p.hidden,
+        intermediate_size=4 * p.hidden,
+        num_hidden_layers=p.layers,
+        num_attention_heads=p.heads,
+        num_key_value_heads=p.heads,
+        max_position_embeddings=2048,
+        dtype=torch_dtype,
+    ).to(device)
+    draft = tiny_model(
+        "llama",
+        vocab,
+        seed=p.seed + 1,
+        hidden_size=p.hidden // 2,
+        intermediate_size=2 * p.hidden,
+        num_hidden_layers=1,
+        num_attention_heads=p.heads,
+        num_key_value_heads=p.heads,
+        max_position_embeddings=2048,
+        dtype=torch_dtype,
+    ).to(device)
     g = torch.Generator().manual_seed(p.seed)
     ids = torch.randint(4, vocab - catalog.code_len * 256, (users, prompt), generator=g).to(device)
     mask = torch.ones_like(ids)
-    mask[1::2, :prompt // 4] = 0  # every other user left-padded
+    mask[1::2, : prompt // 4] = 0  # every other user left-padded
     trie = cpu_trie(catalog.to("cpu"))
     exact = copy.deepcopy(target).float() if dtype != "float32" else target  # the same weights, in float32
     out = {"dtype": dtype, "users": users, "k": k, "vocab": vocab, "prompt": prompt}
-    others = {"transformers": lambda i, m: generate_beam_search(exact, i, m, catalog, k, trie),
-              "speculative": lambda i, m: speculative_beam_search(target, draft, i, m, catalog, k)}
+    others = {
+        "transformers": lambda i, m: generate_beam_search(exact, i, m, catalog, k, trie),
+        "speculative": lambda i, m: speculative_beam_search(target, draft, i, m, catalog, k),
+    }
     if "compiled" in p.engines:
         others["compiled"] = lambda i, m: beam_search(target, i, m, catalog, k, engine="compiled")
     for name, other in others.items():
@@ -317,7 +460,7 @@ def parity(p: GpuParams, dtype: str, device: torch.device) -> dict:
         clear = same = identical = 0
         worst = 0.0
         for a in range(0, users, batch):
-            i, m = ids[a:a + batch], mask[a:a + batch]
+            i, m = ids[a : a + batch], mask[a : a + batch]
             ref = beam_search(target, i, m, catalog, k)
             got = other(i, m)
             items, scores = (got[0], got[2]) if name == "transformers" else (got.item_ids, got.scores)
@@ -327,8 +470,13 @@ def parity(p: GpuParams, dtype: str, device: torch.device) -> dict:
             agree = topk_agreement(ref.item_ids, ref.scores, items, scores)
             identical += int(agree["identical"].sum())
             worst = max(worst, float(agree["score_diff"].max()))
-        out[name] = {"clear_users": clear, "clear_users_identical": same, "identical": identical,
-                     "max_abs_score_diff": worst, "tie": tie}
+        out[name] = {
+            "clear_users": clear,
+            "clear_users_identical": same,
+            "identical": identical,
+            "max_abs_score_diff": worst,
+            "tie": tie,
+        }
     return out
 
 
@@ -337,42 +485,68 @@ def parity(p: GpuParams, dtype: str, device: torch.device) -> dict:
 
 def markdown_gpu(result: dict, md: dict) -> str:
     h, mm = result["hardware"], result["matmul"]
-    lines = [f"# genrec-batch on {h.get('gpu', h['device'])}: parity and benchmarks", "",
-             f"{result['seconds'] / 60:.1f} min; torch {result['versions']['torch']}, transformers "
-             f"{result['versions']['transformers']}, commit {result['versions']['git_commit']}", "",
-             f"Matrix-product rate measured in this run ({mm['dtype']}, [{mm['n']}, {mm['n']}] x [{mm['n']}, "
-             f"{mm['n']}]): **{mm['flops_per_s'] / 1e12:.1f} TFLOP/s**; every cell's useful-FLOP fraction is of it."]
+    lines = [
+        f"# genrec-batch on {h.get('gpu', h['device'])}: parity and benchmarks",
+        "",
+        f"{result['seconds'] / 60:.1f} min; torch {result['versions']['torch']}, transformers "
+        f"{result['versions']['transformers']}, commit {result['versions']['git_commit']}",
+        "",
+        f"Matrix-product rate measured in this run ({mm['dtype']}, [{mm['n']}, {mm['n']}] x [{mm['n']}, "
+        f"{mm['n']}]): **{mm['flops_per_s'] / 1e12:.1f} TFLOP/s**; every cell's useful-FLOP fraction is of it.",
+    ]
     if "parity" in result:
-        lines += ["", "## parity: float32 identical to transformers; half precision on users clear of a near-tie", "",
-                  "| dtype | against | users (every other left-padded) | identical lists | clear of a near-tie (TIE) | "
-                  "of them identical | max score diff |", "|---|---|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            "## parity: float32 identical to transformers; half precision on users clear of a near-tie",
+            "",
+            "| dtype | against | users (every other left-padded) | identical lists | clear of a near-tie (TIE) | "
+            "of them identical | max score diff |",
+            "|---|---|---:|---:|---:|---:|---:|",
+        ]
         for r in result["parity"]:
             for name in [n for n in ("transformers", "speculative", "compiled") if n in r]:
                 x = r[name]
                 against = "transformers float32" if name == "transformers" else name
-                lines.append(f"| {r['dtype']} | beam_search vs {against} | {r['users']} | {x['identical']} | "
-                             f"{x['clear_users']} ({x['tie']:g}) | {x['clear_users_identical']} | "
-                             f"{x['max_abs_score_diff']:.2e} |")
+                lines.append(
+                    f"| {r['dtype']} | beam_search vs {against} | {r['users']} | {x['identical']} | "
+                    f"{x['clear_users']} ({x['tie']:g}) | {x['clear_users_identical']} | "
+                    f"{x['max_abs_score_diff']:.2e} |"
+                )
     if "shapes" in result:
-        lines += ["", f"## shapes: beam_search vs transformers beam search ({result['dtype']}, random Llama), users/s "
-                  "median (min-max); batch: beam_search's largest that fits, transformers' halved until it fits", "",
-                  "| vocabulary | prompt | K | beam_search users/s (batch) | transformers users/s (batch) | speed-up "
-                  "| useful-FLOP fraction beam_search / transformers | same items, same order |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            f"## shapes: beam_search vs transformers beam search ({result['dtype']}, random Llama), users/s "
+            "median (min-max); batch: beam_search's largest that fits, transformers' halved until it fits",
+            "",
+            "| vocabulary | prompt | K | beam_search users/s (batch) | transformers users/s (batch) | speed-up "
+            "| useful-FLOP fraction beam_search / transformers | same items, same order |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for c in result["shapes"]:
             ours, ref = c["methods"]["beam_search"], c["methods"].get("transformers", {"status": OOM})
-            lines.append(f"| {c['vocab']:,} | {c['prompt']} | {c['k']} | {method_cell(ours)} | {method_cell(ref)} | "
-                         f"{fmt_ratio(c['speedup'], 1) if 'speedup' in c else '-'} | {fraction(ours)} / "
-                         f"{fraction(ref)} | " + (f"{c['same_items_same_order']:.0%} (max score diff "
-                                                  f"{c['max_abs_score_diff']:.1e})" if "same_items_same_order" in c
-                                                  else "-") + " |")
+            lines.append(
+                f"| {c['vocab']:,} | {c['prompt']} | {c['k']} | {method_cell(ours)} | {method_cell(ref)} | "
+                f"{fmt_ratio(c['speedup'], 1) if 'speedup' in c else '-'} | {fraction(ours)} / "
+                f"{fraction(ref)} | "
+                + (
+                    f"{c['same_items_same_order']:.0%} (max score diff {c['max_abs_score_diff']:.1e})"
+                    if "same_items_same_order" in c
+                    else "-"
+                )
+                + " |"
+            )
     if "anchor" in result:
         a0 = result["anchor"][0]
-        lines += ["", f"## anchor: NVIDIA SID-GR's shape ({a0['arch']}, {a0['parameters'] / 1e9:.2f}B parameters, "
-                  f"vocabulary {a0['vocab']:,}, context {a0['prompt']}, beam {a0['k']}, {a0['code_len']} code "
-                  f"tokens, {a0['items']:,} items, {a0['dtype']})", "",
-                  "| engine | batch | ms per batch | NVIDIA recsys-examples (H100) | genrec-batch / NVIDIA rate | "
-                  "users/s | useful-FLOP fraction |", "|---|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            f"## anchor: NVIDIA SID-GR's shape ({a0['arch']}, {a0['parameters'] / 1e9:.2f}B parameters, "
+            f"vocabulary {a0['vocab']:,}, context {a0['prompt']}, beam {a0['k']}, {a0['code_len']} code "
+            f"tokens, {a0['items']:,} items, {a0['dtype']})",
+            "",
+            "| engine | batch | ms per batch | NVIDIA recsys-examples (H100) | genrec-batch / NVIDIA rate | "
+            "users/s | useful-FLOP fraction |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
         for r in result["anchor"]:
             for method, x in r["methods"].items():
                 engine = "compiled" if method == "beam_search_compiled" else "eager"
@@ -381,20 +555,29 @@ def markdown_gpu(result: dict, md: dict) -> str:
                     continue
                 ref, ms = SID_GR_MS.get(x["batch"]), x["ms_per_batch"]
                 theirs = f"{ref} ms | {ref / ms['median']:.2f}x" if ref else "- | -"
-                lines.append(f"| {engine} | {x['batch']} | {fmt_spread(ms, 1)} | {theirs} | "
-                             f"{fmt_spread(x['users_per_s'], 1)} | {fraction(x)} |")
+                lines.append(
+                    f"| {engine} | {x['batch']} | {fmt_spread(ms, 1)} | {theirs} | "
+                    f"{fmt_spread(x['users_per_s'], 1)} | {fraction(x)} |"
+                )
     cells = [c for c in result.get("shapes", []) + result.get("anchor", []) if "compiled_speedup" in c]
     if cells:
-        lines += ["", f"## engines: beam_search eager vs compiled ({result['dtype']}), users/s median (min-max); "
-                  "compile: seconds and graphs of the warm-up batch (before the timed runs)", "",
-                  "| cell | eager users/s (batch) | compiled users/s (batch) | compiled / eager | compile s (graphs) | "
-                  "useful-FLOP fraction eager / compiled | same items, same order |", "|---|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            f"## engines: beam_search eager vs compiled ({result['dtype']}), users/s median (min-max); "
+            "compile: seconds and graphs of the warm-up batch (before the timed runs)",
+            "",
+            "| cell | eager users/s (batch) | compiled users/s (batch) | compiled / eager | compile s (graphs) | "
+            "useful-FLOP fraction eager / compiled | same items, same order |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
         for c in cells:
             eager, comp, ag = c["methods"]["beam_search"], c["methods"]["beam_search_compiled"], c["compiled_agreement"]
-            lines.append(f"| {c['cell']} | {method_cell(eager)} | {method_cell(comp)} | "
-                         f"{fmt_ratio(c['compiled_speedup'])} | {comp['compile_s']:.1f} ({comp['graphs_compiled']}) | "
-                         f"{fraction(eager)} / {fraction(comp)} | {ag['same_items_same_order']:.0%} (max score diff "
-                         f"{ag['max_abs_score_diff']:.1e}) |")
+            lines.append(
+                f"| {c['cell']} | {method_cell(eager)} | {method_cell(comp)} | "
+                f"{fmt_ratio(c['compiled_speedup'])} | {comp['compile_s']:.1f} ({comp['graphs_compiled']}) | "
+                f"{fraction(eager)} / {fraction(comp)} | {ag['same_items_same_order']:.0%} (max score diff "
+                f"{ag['max_abs_score_diff']:.1e}) |"
+            )
     for name, text in md.items():
         lines += ["", text]
     return "\n".join(lines + ["", footer(result["environment"])])

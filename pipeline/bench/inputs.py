@@ -1,4 +1,5 @@
 """What the benchmarks run on: Amazon Beauty prompts from a prepared data dir, the models, consecutive batches."""
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,10 @@ from decoding.templates import PRESETS, TEMPLATE_FILE, read_template
 from operators.prompts import Renderer, catalog_probes
 from pipeline.bench.params import ModelParams
 
-HOW_TO_TRAIN = ("train the demo models with `make models` (python -m jobs.train_target --preset demo, then "
-                "python -m jobs.train_draft --preset demo; about 15 minutes on a CPU), or pass your own")
+HOW_TO_TRAIN = (
+    "train the demo models with `make models` (python -m jobs.train_target --preset demo, then "
+    "python -m jobs.train_draft --preset demo; about 15 minutes on a CPU), or pass your own"
+)
 
 
 def load_beauty(data: Path, users: int, history_len: int, device, model_dir: Path | None = None):
@@ -27,28 +30,39 @@ def load_beauty(data: Path, users: int, history_len: int, device, model_dir: Pat
     tok = load_tokenizer(model_dir or data / "tokenizer")
     has_template = model_dir is not None and (Path(model_dir) / TEMPLATE_FILE).is_file()
     template = (read_template(model_dir) if has_template else PRESETS["codes"]).with_max_items(history_len)
-    catalog = Catalog.from_parquet(data / "items.parquet", tok, on_duplicate="first", device=device,
-                                   code_token=template.code)
+    catalog = Catalog.from_parquet(
+        data / "items.parquet", tok, on_duplicate="first", device=device, code_token=template.code
+    )
     histories = pq.read_table(data / "test.parquet", columns=["history"]).column("history").to_pylist()
     histories = [h for h in histories if h][:users]
-    prompts = Renderer.compile(template, tok, catalog_probes(catalog.item_tokens)).render(histories,
-                                                                                         catalog.item_tokens)
+    prompts = Renderer.compile(template, tok, catalog_probes(catalog.item_tokens)).render(
+        histories, catalog.item_tokens
+    )
     return tok, catalog, prompts.input_ids.to(device), prompts.attention_mask.to(device)
 
 
 def load_beauty_catalog(data: Path, device) -> Catalog:
     """The prepared catalog alone (for the index timings)."""
-    return Catalog.from_parquet(data / "items.parquet", load_tokenizer(data / "tokenizer"), on_duplicate="first",
-                                device=device)
+    return Catalog.from_parquet(
+        data / "items.parquet", load_tokenizer(data / "tokenizer"), on_duplicate="first", device=device
+    )
 
 
 def bench_model(p: ModelParams, vocab_size: int, device: torch.device):
     """p.model loaded, or a random Llama of p.layers x p.hidden over `vocab_size` tokens."""
     if p.model:
         return load_model(p.model, device=str(device), dtype=p.dtype, attn_implementation=p.attn)
-    model = tiny_model("llama", vocab_size, seed=p.seed, attn_implementation=p.attn, hidden_size=p.hidden,
-                       intermediate_size=4 * p.hidden, num_hidden_layers=p.layers, num_attention_heads=p.heads,
-                       num_key_value_heads=p.heads)
+    model = tiny_model(
+        "llama",
+        vocab_size,
+        seed=p.seed,
+        attn_implementation=p.attn,
+        hidden_size=p.hidden,
+        intermediate_size=4 * p.hidden,
+        num_hidden_layers=p.layers,
+        num_attention_heads=p.heads,
+        num_key_value_heads=p.heads,
+    )
     return model.to(device)
 
 
@@ -78,7 +92,7 @@ def load_drafts(paths: list[str], device: torch.device) -> dict:
 
 def in_batches(fn, ids: torch.Tensor, mask: torch.Tensor, batch: int) -> list:
     """fn(ids, mask) over consecutive batches of the users [U, S] -> the outputs, one per batch."""
-    return [fn(ids[a:a + batch], mask[a:a + batch]) for a in range(0, ids.shape[0], batch)]
+    return [fn(ids[a : a + batch], mask[a : a + batch]) for a in range(0, ids.shape[0], batch)]
 
 
 def parameters(model) -> int:

@@ -1,5 +1,6 @@
 """nightly: the nightly job on a local Ray (one actor) against the same recommender called directly in this process
 on the same users and batches; the two interleaved, `repeats` times each after a warm-up run of each."""
+
 from __future__ import annotations
 
 from dataclasses import asdict
@@ -28,8 +29,9 @@ def bench_nightly(p: NightlyParams) -> dict:
     from pipeline.config import load_config
     from pipeline.nightly import actor_spec, open_input, read_catalog, resolve_models, resolve_template, run_nightly
 
-    cfg = load_config(p.config, list(p.overrides) + [f"output={p.out}/nightly-bench", "compute.num_actors=1",
-                                                        "runs.grace_s=0"])
+    cfg = load_config(
+        p.config, list(p.overrides) + [f"output={p.out}/nightly-bench", "compute.num_actors=1", "runs.grace_s=0"]
+    )
     data, _, _ = open_input(cfg)
     table = data.to_table(columns=["user_id", "history"])
     size = cfg.compute.batch_size
@@ -40,8 +42,12 @@ def bench_nightly(p: NightlyParams) -> dict:
         torch.set_num_threads(max(int(cfg.compute.cpus_per_actor), 1))  # what Ray gives an actor
     ray.init(num_cpus=p.cpus, include_dashboard=False, ignore_reinit_error=True)
     try:
-        run = interleaved({"job": lambda: run_nightly(cfg), "direct": lambda: [actor(b) for b in batches]},
-                          p.repeats, actor.device, desc="nightly: job vs direct")
+        run = interleaved(
+            {"job": lambda: run_nightly(cfg), "direct": lambda: [actor(b) for b in batches]},
+            p.repeats,
+            actor.device,
+            desc="nightly: job vs direct",
+        )
     finally:
         ray.shutdown()
     direct_threads = torch.get_num_threads()
@@ -50,36 +56,56 @@ def bench_nightly(p: NightlyParams) -> dict:
     users = manifest["counts"]["users_ok"]
     metrics = pq.read_table(manifest["outputs"]["metrics"]).to_pandas()
     job, direct = run.timings["job"], run.timings["direct"]
-    return {"users": users, "input_rows": table.num_rows, "repeats": p.repeats, "order": run.order,
-            "job": job.to_dict(), "job_users_per_s": job.per(lambda s: users / s),
-            "direct": direct.to_dict(), "direct_users_per_s": direct.per(lambda s: users / s),
-            "job_vs_direct_users_per_s": ratio(direct, job), "actor_wall_s": float(metrics.wall_s.sum()),
-            "torch_threads": direct_threads,
-            "metrics_summary": {"batches": len(metrics), "users_ok": int(metrics.users_ok.sum()),
-                                "users_rejected": int(metrics.users_rejected.sum()),
-                                "mean_batch_users_per_s": float(metrics.users_per_s.mean()),
-                                "prefill_s": float(metrics.prefill_s.sum()), "decode_s": float(metrics.decode_s.sum()),
-                                "target_forwards": int(metrics.target_forwards.sum())},
-            "config": {"mode": cfg.decoding.mode, "k": cfg.decoding.k, "batch_size": size}, "arrow": pa.__version__}
+    return {
+        "users": users,
+        "input_rows": table.num_rows,
+        "repeats": p.repeats,
+        "order": run.order,
+        "job": job.to_dict(),
+        "job_users_per_s": job.per(lambda s: users / s),
+        "direct": direct.to_dict(),
+        "direct_users_per_s": direct.per(lambda s: users / s),
+        "job_vs_direct_users_per_s": ratio(direct, job),
+        "actor_wall_s": float(metrics.wall_s.sum()),
+        "torch_threads": direct_threads,
+        "metrics_summary": {
+            "batches": len(metrics),
+            "users_ok": int(metrics.users_ok.sum()),
+            "users_rejected": int(metrics.users_rejected.sum()),
+            "mean_batch_users_per_s": float(metrics.users_per_s.mean()),
+            "prefill_s": float(metrics.prefill_s.sum()),
+            "decode_s": float(metrics.decode_s.sum()),
+            "target_forwards": int(metrics.target_forwards.sum()),
+        },
+        "config": {"mode": cfg.decoding.mode, "k": cfg.decoding.k, "batch_size": size},
+        "arrow": pa.__version__,
+    }
 
 
 def markdown_nightly(result: dict) -> str:
     n, env = result["nightly"], result["environment"]
     m, r = n["metrics_summary"], n["job_vs_direct_users_per_s"]
-    return "\n".join([
-        f"## nightly job (one actor) vs direct calls: {n['users']} users, mode {n['config']['mode']}, k "
-        f"{n['config']['k']}, batch {n['config']['batch_size']}, {env['device']}; median (min-max) of {n['repeats']} "
-        "interleaved repeats", "",
-        "| path | seconds | users/s |", "|---|---:|---:|",
-        f"| `ray` nightly job (read, validate, actor pool, write, manifest, publish) | {_seconds(n['job'])} | "
-        f"{fmt_spread(n['job_users_per_s'], 1)} |",
-        f"| recommender called directly in one process (same batches) | {_seconds(n['direct'])} | "
-        f"{fmt_spread(n['direct_users_per_s'], 1)} |", "",
-        f"job / direct users/s: **{fmt_ratio(r)}** ({compare('job', 'direct', r)}; torch threads "
-        f"{n['torch_threads']}); shard metrics of the last job: {m['batches']} batches, {m['users_ok']} users ok, "
-        f"{m['users_rejected']} rejected, prefill {m['prefill_s']:.1f}s, decode {m['decode_s']:.1f}s, "
-        f"{m['target_forwards']} target forwards, mean {m['mean_batch_users_per_s']:.0f} users/s per batch", "",
-        f"`{env['command']}`"])
+    return "\n".join(
+        [
+            f"## nightly job (one actor) vs direct calls: {n['users']} users, mode {n['config']['mode']}, k "
+            f"{n['config']['k']}, batch {n['config']['batch_size']}, {env['device']}; median (min-max) of {n['repeats']} "
+            "interleaved repeats",
+            "",
+            "| path | seconds | users/s |",
+            "|---|---:|---:|",
+            f"| `ray` nightly job (read, validate, actor pool, write, manifest, publish) | {_seconds(n['job'])} | "
+            f"{fmt_spread(n['job_users_per_s'], 1)} |",
+            f"| recommender called directly in one process (same batches) | {_seconds(n['direct'])} | "
+            f"{fmt_spread(n['direct_users_per_s'], 1)} |",
+            "",
+            f"job / direct users/s: **{fmt_ratio(r)}** ({compare('job', 'direct', r)}; torch threads "
+            f"{n['torch_threads']}); shard metrics of the last job: {m['batches']} batches, {m['users_ok']} users ok, "
+            f"{m['users_rejected']} rejected, prefill {m['prefill_s']:.1f}s, decode {m['decode_s']:.1f}s, "
+            f"{m['target_forwards']} target forwards, mean {m['mean_batch_users_per_s']:.0f} users/s per batch",
+            "",
+            f"`{env['command']}`",
+        ]
+    )
 
 
 def _seconds(t: dict) -> str:

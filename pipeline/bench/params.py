@@ -1,5 +1,6 @@
 """The parameters of every benchmark section, as plain dataclasses (no torch here: the command line reads the
 defaults from them before anything heavy is imported)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ GPU_DEFAULT = ["parity", "shapes", "anchor"]  # at most about 10 minutes on an H
 @dataclass(kw_only=True)
 class Common:
     """Every section: the prepared data, the prompt window, precision, device and seed."""
+
     data: str  # a prepared data dir (python -m jobs.prepare_data)
     history_len: int = 20
     dtype: str = "auto"
@@ -23,12 +25,14 @@ class Common:
 @dataclass(kw_only=True)
 class Timed(Common):
     """A section that compares methods by wall time: `repeats` interleaved runs of each."""
+
     repeats: int = REPEATS
 
 
 @dataclass(kw_only=True)
 class ModelParams(Timed):
     """A section on one model: `model` (a local dir), or a random Llama of layers x hidden when None."""
+
     model: str | None = None
     layers: int = 4
     hidden: int = 256
@@ -53,6 +57,7 @@ class DecodeParams(ModelParams):
 class ExcludeParams(ModelParams):
     """`bench exclude`: beam_search without exclusions and with each of `counts` excluded items per user; by default
     the demo's shape (infra/configs/demo.yaml: k = 10, batches of 256 users; the demo target when trained)."""
+
     users: int = 512
     batch: int = 256
     k: int = 10
@@ -109,6 +114,7 @@ class ScaleParams:
     """`bench nightly-scale`: the nightly job on `users` synthetic users (each size a whole run in its own driver
     process) with a tiny random model, against the recommender called directly on `direct_batches` batches,
     `direct_repeats` times before the job and as many after it."""
+
     users: list[int] = field(default_factory=lambda: [100_000, 1_000_000])
     k: int = 10
     batch: int = 256
@@ -126,6 +132,7 @@ class TemplatesParams(Timed):
     """`bench templates`: rendering every Beauty test user with each template, renderer vs tokenizer; then the
     nightly job on `users` users with each template on one random Llama (layers x hidden) over a byte-level BPE of
     about `text_vocab` tokens plus the code tokens, one CPU actor of `cpus` CPUs."""
+
     templates: list[str] = field(default_factory=lambda: ["codes", "lcrec"])
     users: int = 2000
     layers: int = 2
@@ -143,6 +150,7 @@ class ShapesParams:
     """`bench shapes`: every vocabulary x prompt length x K cell, beam_search vs transformers, each method in its own
     process (fresh memory), alternating, `repeats` times. The full grid takes hours on a CPU (transformers at
     prompt 1000 and K = 50 alone runs minutes per repeat): choose cells with --vocabs / --prompts / --ks there."""
+
     data: str  # a prepared data dir: its catalog's semantic IDs become code tokens after the text vocabulary
     vocabs: list[int] = field(default_factory=lambda: [2048, 33024, 152667])
     prompts: list[int] = field(default_factory=lambda: [81, 300, 1000])
@@ -163,6 +171,7 @@ class ShapesParams:
 class GpuParams:
     """`bench gpu`: parity, the shapes grid and the SID-GR anchor on CUDA (DISC, and speculative with --target /
     --drafts, when named in --sections), in one process."""
+
     data: str
     sections: list[str] = field(default_factory=lambda: list(GPU_DEFAULT))
     target: str | None = None  # a trained target and its drafts for the speculative section (skipped without)
@@ -187,6 +196,7 @@ class AllParams(Timed):
     batch 32 for K in 1 3 5 10 20, DISC 64 users (batch 32, k=10, rounds 1..4), disc-bias 4 users x 2000 draws;
     every timing 5 interleaved repeats after a warm-up run. With the demo models on 2 CPU cores: about 3 minutes on
     a quiet machine, up to about 2x that on a busy one."""
+
     target: str
     drafts: list[str]
     sections: list[str] = field(default_factory=lambda: list(SECTIONS))
@@ -210,6 +220,7 @@ class PrecisionParams:
     logits rounded to the model's dtype as transformers computes them) against transformers beam search in float32,
     on a trained target and real users: identical top-K lists, among users clear of a near-tie, top-K set overlap,
     largest score difference."""
+
     data: str
     target: str
     users: int = 2048

@@ -8,6 +8,7 @@ precision runs twice: with the float32 head (as shipped, decoding/head.py) and w
 dtype (as transformers computes them), so the table shows what the float32 head buys. Decode times are of one pass
 per row (indicative, not an interleaved benchmark).
 """
+
 from __future__ import annotations
 
 import time
@@ -34,12 +35,15 @@ def run_precision(p: PrecisionParams, command: str) -> tuple[dict, str]:
     t0 = time.perf_counter()
     reference, f32 = {}, load_model(p.target, device=str(device), dtype="float32")
     for k in p.ks:  # transformers float32 -> the reference lists; beam_search float32 -> each user's tie gap
-        outs = [generate_beam_search(f32, ids[a:a + p.batch], mask[a:a + p.batch], catalog, k, trie)
-                for a in progress(range(0, len(ids), p.batch), f"precision: transformers float32 K={k}")]
-        gaps = [beam_search(f32, ids[a:a + p.batch], mask[a:a + p.batch], catalog, k).stats["tie_gap"].cpu()
-                for a in range(0, len(ids), p.batch)]
-        reference[k] = (torch.cat([o[0].cpu() for o in outs]), torch.cat([o[2].cpu() for o in outs]),
-                        torch.cat(gaps))
+        outs = [
+            generate_beam_search(f32, ids[a : a + p.batch], mask[a : a + p.batch], catalog, k, trie)
+            for a in progress(range(0, len(ids), p.batch), f"precision: transformers float32 K={k}")
+        ]
+        gaps = [
+            beam_search(f32, ids[a : a + p.batch], mask[a : a + p.batch], catalog, k).stats["tie_gap"].cpu()
+            for a in range(0, len(ids), p.batch)
+        ]
+        reference[k] = (torch.cat([o[0].cpu() for o in outs]), torch.cat([o[2].cpu() for o in outs]), torch.cat(gaps))
     del f32
     rows = []
     for dtype in p.dtypes:
@@ -47,11 +51,29 @@ def run_precision(p: PrecisionParams, command: str) -> tuple[dict, str]:
         for head in HEADS[dtype]:
             head_of(model).product = head if head == "model" else head_of(model).product
             for k in p.ks:
-                rows.append(compare(model, ids, mask, catalog, k, p, reference[k], device,
-                                    {"dtype": dtype, "head": "float32" if head != "model" else dtype}))
+                rows.append(
+                    compare(
+                        model,
+                        ids,
+                        mask,
+                        catalog,
+                        k,
+                        p,
+                        reference[k],
+                        device,
+                        {"dtype": dtype, "head": "float32" if head != "model" else dtype},
+                    )
+                )
         del model
-    result = {"args": vars(p), "environment": environment(p.device, command), "hardware": hardware(device, "float32"),
-              "versions": versions(), "users": len(ids), "rows": rows, "seconds": time.perf_counter() - t0}
+    result = {
+        "args": vars(p),
+        "environment": environment(p.device, command),
+        "hardware": hardware(device, "float32"),
+        "versions": versions(),
+        "users": len(ids),
+        "rows": rows,
+        "seconds": time.perf_counter() - t0,
+    }
     return result, markdown(result)
 
 
@@ -61,18 +83,25 @@ def compare(model, ids, mask, catalog, k: int, p: PrecisionParams, ref, device, 
     for a in progress(range(0, len(ids), p.batch), f"precision: {row['dtype']} head {row['head']} K={k}"):
         synchronize(device)
         t = time.perf_counter()
-        rec = beam_search(model, ids[a:a + p.batch], mask[a:a + p.batch], catalog, k)
+        rec = beam_search(model, ids[a : a + p.batch], mask[a : a + p.batch], catalog, k)
         synchronize(device)
         seconds += time.perf_counter() - t
         items.append(rec.item_ids.cpu())
         scores.append(rec.scores.cpu())
     agree = topk_agreement(ref_items, ref_scores, torch.cat(items), torch.cat(scores))
     clear = gap >= p.tie
-    return {**row, "k": k, "users": len(ids), "identical": int(agree["identical"].sum()),
-            "clear_users": int(clear.sum()), "clear_identical": int(agree["identical"][clear].sum()),
-            "topk_overlap": float(agree["overlap"].mean()), "max_abs_score_diff": float(agree["score_diff"].max()),
-            "median_tie_gap": float(gap[torch.isfinite(gap)].median()) if torch.isfinite(gap).any() else None,
-            "ms_per_user": 1e3 * seconds / len(ids)}
+    return {
+        **row,
+        "k": k,
+        "users": len(ids),
+        "identical": int(agree["identical"].sum()),
+        "clear_users": int(clear.sum()),
+        "clear_identical": int(agree["identical"][clear].sum()),
+        "topk_overlap": float(agree["overlap"].mean()),
+        "max_abs_score_diff": float(agree["score_diff"].max()),
+        "median_tie_gap": float(gap[torch.isfinite(gap)].median()) if torch.isfinite(gap).any() else None,
+        "ms_per_user": 1e3 * seconds / len(ids),
+    }
 
 
 def pct(a: int, b: int) -> str:
@@ -81,19 +110,26 @@ def pct(a: int, b: int) -> str:
 
 def markdown(result: dict) -> str:
     p, h = result["args"], result["hardware"]
-    lines = [f"# What half precision costs in ranking: {Path(p['target']).name}, {result['users']} users "
-             f"({h.get('gpu', h['device'])})", "",
-             "Against transformers beam search in float32 (the exact ranking). *Clear of a near-tie*: the user's "
-             f"float32 search never had its K-th and (K+1)-th candidates within {p['tie']:g}. Head float32: the "
-             "shipped head (half inputs, float32 products); head in the model's dtype: logits rounded as transformers "
-             "rounds them. ms/user: one pass, indicative.", "",
-             "| engine dtype | head | K | identical top-K lists | of users clear of a near-tie | top-K set overlap | "
-             "max score diff | median float32 tie gap | ms/user |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"# What half precision costs in ranking: {Path(p['target']).name}, {result['users']} users "
+        f"({h.get('gpu', h['device'])})",
+        "",
+        "Against transformers beam search in float32 (the exact ranking). *Clear of a near-tie*: the user's "
+        f"float32 search never had its K-th and (K+1)-th candidates within {p['tie']:g}. Head float32: the "
+        "shipped head (half inputs, float32 products); head in the model's dtype: logits rounded as transformers "
+        "rounds them. ms/user: one pass, indicative.",
+        "",
+        "| engine dtype | head | K | identical top-K lists | of users clear of a near-tie | top-K set overlap | "
+        "max score diff | median float32 tie gap | ms/user |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in result["rows"]:
         gap = f"{r['median_tie_gap']:.3f}" if r["median_tie_gap"] is not None else "-"
-        lines.append(f"| {r['dtype']} | {r['head']} | {r['k']} | {pct(r['identical'], r['users'])} | "
-                     f"{pct(r['clear_identical'], r['clear_users'])} (of {r['clear_users']}) | "
-                     f"{100 * r['topk_overlap']:.1f}% | {r['max_abs_score_diff']:.3g} | {gap} | "
-                     f"{r['ms_per_user']:.2f} |")
+        lines.append(
+            f"| {r['dtype']} | {r['head']} | {r['k']} | {pct(r['identical'], r['users'])} | "
+            f"{pct(r['clear_identical'], r['clear_users'])} (of {r['clear_users']}) | "
+            f"{100 * r['topk_overlap']:.1f}% | {r['max_abs_score_diff']:.3g} | {gap} | "
+            f"{r['ms_per_user']:.2f} |"
+        )
     lines += ["", f"{result['seconds'] / 60:.1f} min.", footer(result["environment"])]
     return "\n".join(lines) + "\n"

@@ -1,6 +1,7 @@
 """nightly-scale: the nightly job on synthetic users at scale on one machine, a tiny model, each size in its own
 driver process: every user exactly once, the driver's peak RSS and the object store's peak (polled), the job's users/s
 per actor against the same recommender called directly on a sample of the same batches."""
+
 from __future__ import annotations
 
 import json
@@ -47,8 +48,16 @@ def world(p: ScaleParams, n: int) -> Path:
 
     root = Path(p.out) / "nightly-scale" / f"world-{n}"
     if not prepared(root / "data"):  # items.parquet is written last: a world cut off part-way is written again
-        write_synthetic(root / "data", n_users=n, n_items=p.items, levels=3, codes=16, seed=0,
-                        history_len=p.history_len, chunk_users=100_000)
+        write_synthetic(
+            root / "data",
+            n_users=n,
+            n_items=p.items,
+            levels=3,
+            codes=16,
+            seed=0,
+            history_len=p.history_len,
+            chunk_users=100_000,
+        )
     if not (root / "target" / "config.json").is_file():
         build_model(4 + 3 * 16, 1, 32, 2, 1, seed=0).save_pretrained(root / "target")
         for f in (root / "data" / "tokenizer").iterdir():
@@ -58,10 +67,18 @@ def world(p: ScaleParams, n: int) -> Path:
 
 
 def overrides(p: ScaleParams, root: Path) -> list[str]:
-    return [f"input={root / 'data' / 'test.parquet'}", f"catalog={root / 'data' / 'items.parquet'}",
-            f"output={root / 'out'}", f"models.target={root / 'target'}", f"decoding.k={p.k}",
-            f"compute.batch_size={p.batch}", f"compute.num_actors={p.actors}", "runs.grace_s=0",
-            "runs.progress_s=10", "run_date=2026-01-01"]
+    return [
+        f"input={root / 'data' / 'test.parquet'}",
+        f"catalog={root / 'data' / 'items.parquet'}",
+        f"output={root / 'out'}",
+        f"models.target={root / 'target'}",
+        f"decoding.k={p.k}",
+        f"compute.batch_size={p.batch}",
+        f"compute.num_actors={p.actors}",
+        "runs.grace_s=0",
+        "runs.progress_s=10",
+        "run_date=2026-01-01",
+    ]
 
 
 def bench_size(p: ScaleParams, n: int) -> dict:
@@ -86,7 +103,7 @@ def bench_size(p: ScaleParams, n: int) -> dict:
         stdout, stderr = out.read(), err.read()
     if proc.returncode != 0:
         raise RuntimeError(f"nightly-scale {n} users failed:\n{stderr[-3000:]}")
-    manifest = json.loads(stdout[stdout.index("{"):])
+    manifest = json.loads(stdout[stdout.index("{") :])
     t = manifest["timings"]
     run = Path(manifest["outputs"]["recommendations"]).parent
     recs = runs.read_table(str(run), "recommendations", Storage(), ["user_id"])  # the manifest's files
@@ -98,18 +115,31 @@ def bench_size(p: ScaleParams, n: int) -> dict:
     steady = (ok - min(p.batch, ok)) / (t["decode_s"] - t["first_shard_s"]) / p.actors  # after the first shard
     direct += direct_users_per_s(p, root)
     d = spread(direct)
-    return {"users": n, "exactly_once": exactly_once, "recommendations": recs.num_rows, "wall_s": wall,
-            "decode_s": t["decode_s"], "duplicates_s": t["duplicates_s"], "first_shard_s": t["first_shard_s"],
-            "job_users_per_s": ok / t["decode_s"], "job_users_per_s_per_actor": job_per_actor,
-            "steady_users_per_s_per_actor": steady, "direct_users_per_s": d,
-            "job_vs_direct": {"median": job_per_actor / d["median"], "low": job_per_actor / d["max"],
-                              "high": job_per_actor / d["min"]},
-            "steady_vs_direct": {"median": steady / d["median"], "low": steady / d["max"], "high": steady / d["min"]},
-            "actor_busy_users_per_s": float(metrics.users_ok.sum() / metrics.wall_s.sum()),
-            "driver_peak_rss_mib": usage.ru_maxrss / 1024,
-            "driver_peak_anon_mib": max((x["anon_mib"] for x in samples), default=0.0),
-            "object_store_peak_mib": max((x["object_store_mib"] for x in samples), default=0.0),
-            "shards": len(metrics), "samples": samples}
+    return {
+        "users": n,
+        "exactly_once": exactly_once,
+        "recommendations": recs.num_rows,
+        "wall_s": wall,
+        "decode_s": t["decode_s"],
+        "duplicates_s": t["duplicates_s"],
+        "first_shard_s": t["first_shard_s"],
+        "job_users_per_s": ok / t["decode_s"],
+        "job_users_per_s_per_actor": job_per_actor,
+        "steady_users_per_s_per_actor": steady,
+        "direct_users_per_s": d,
+        "job_vs_direct": {
+            "median": job_per_actor / d["median"],
+            "low": job_per_actor / d["max"],
+            "high": job_per_actor / d["min"],
+        },
+        "steady_vs_direct": {"median": steady / d["median"], "low": steady / d["max"], "high": steady / d["min"]},
+        "actor_busy_users_per_s": float(metrics.users_ok.sum() / metrics.wall_s.sum()),
+        "driver_peak_rss_mib": usage.ru_maxrss / 1024,
+        "driver_peak_anon_mib": max((x["anon_mib"] for x in samples), default=0.0),
+        "object_store_peak_mib": max((x["object_store_mib"] for x in samples), default=0.0),
+        "shards": len(metrics),
+        "samples": samples,
+    }
 
 
 def direct_users_per_s(p: ScaleParams, root: Path) -> list[float]:
@@ -151,34 +181,50 @@ def poll(pid: int, samples: list[dict], done: threading.Event) -> None:
         except Exception:  # the driver has exited, or the cluster is busy: try again
             continue
         kib = {key: int(status.get(key, "0 kB").split()[0]) for key in ("VmRSS", "RssAnon", "RssShmem")}
-        samples.append({"t": round(time.perf_counter() - t0, 1), "rss_mib": kib["VmRSS"] / 1024,
-                        "anon_mib": kib["RssAnon"] / 1024, "shmem_mib": kib["RssShmem"] / 1024,
-                        "object_store_mib": float(used.group(1)) if used else 0.0})
+        samples.append(
+            {
+                "t": round(time.perf_counter() - t0, 1),
+                "rss_mib": kib["VmRSS"] / 1024,
+                "anon_mib": kib["RssAnon"] / 1024,
+                "shmem_mib": kib["RssShmem"] / 1024,
+                "object_store_mib": float(used.group(1)) if used else 0.0,
+            }
+        )
 
 
 def markdown_scale(result: dict) -> str:
     a, env = result["args"], result["environment"]
-    lines = [f"## nightly job at scale: synthetic users, tiny Llama (1 layer x 32), k {a['k']}, batch {a['batch']}, "
-             f"{a['actors']} CPU actor(s), local Ray with {a['cpus']} CPUs", "",
-             "| users | every user once | shards | decode s (duplicates s, first shard s) | job users/s per actor "
-             "(after the first shard) | direct users/s | job / direct (after the first shard) | actor busy users/s | "
-             "driver peak RSS (anonymous) | object store peak |", "|---:|:-:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"## nightly job at scale: synthetic users, tiny Llama (1 layer x 32), k {a['k']}, batch {a['batch']}, "
+        f"{a['actors']} CPU actor(s), local Ray with {a['cpus']} CPUs",
+        "",
+        "| users | every user once | shards | decode s (duplicates s, first shard s) | job users/s per actor "
+        "(after the first shard) | direct users/s | job / direct (after the first shard) | actor busy users/s | "
+        "driver peak RSS (anonymous) | object store peak |",
+        "|---:|:-:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in result["sizes"]:
-        lines.append(f"| {r['users']:,} | {'yes' if r['exactly_once'] else '**NO**'} | {r['shards']:,} | "
-                     f"{r['decode_s']:.1f} ({r['duplicates_s']:.1f}, {r['first_shard_s']:.1f}) | "
-                     f"{r['job_users_per_s_per_actor']:.0f} ({r['steady_users_per_s_per_actor']:.0f}) | "
-                     f"{fmt_spread(r['direct_users_per_s'], 0)} | {fmt_ratio(r['job_vs_direct'])} "
-                     f"({fmt_ratio(r['steady_vs_direct'])}) | "
-                     f"{r['actor_busy_users_per_s']:.0f} | {r['driver_peak_rss_mib']:.0f} MiB "
-                     f"({r['driver_peak_anon_mib']:.0f}) | "
-                     f"{r['object_store_peak_mib']:.0f} MiB |")
-    lines += ["", "decode s: the driver's time from the start of the execution to the last shard written (duplicate "
-              "user ids pass, actor start and model load included); job users/s per actor: users / decode s / actors; "
-              "after the first shard: the rate once the pipeline is full. Direct: the same recommender called in "
-              "one process on the input's first batches, one thread, median (min-max) of the runs before and "
-              "after the job; the ratios' ranges divide by direct's max and min. Actor busy: users / the actors' "
-              "summed batch wall time. Driver peak RSS: each size's `jobs.nightly` driver process (wait4); "
-              "anonymous: the peak of its own heap (RssAnon, polled every second; the rest is shared libraries "
-              "and object-store pages it mapped). Object store: polled every second; the JSON keeps both series.", "",
-              f"`{env['command']}`"]
+        lines.append(
+            f"| {r['users']:,} | {'yes' if r['exactly_once'] else '**NO**'} | {r['shards']:,} | "
+            f"{r['decode_s']:.1f} ({r['duplicates_s']:.1f}, {r['first_shard_s']:.1f}) | "
+            f"{r['job_users_per_s_per_actor']:.0f} ({r['steady_users_per_s_per_actor']:.0f}) | "
+            f"{fmt_spread(r['direct_users_per_s'], 0)} | {fmt_ratio(r['job_vs_direct'])} "
+            f"({fmt_ratio(r['steady_vs_direct'])}) | "
+            f"{r['actor_busy_users_per_s']:.0f} | {r['driver_peak_rss_mib']:.0f} MiB "
+            f"({r['driver_peak_anon_mib']:.0f}) | "
+            f"{r['object_store_peak_mib']:.0f} MiB |"
+        )
+    lines += [
+        "",
+        "decode s: the driver's time from the start of the execution to the last shard written (duplicate "
+        "user ids pass, actor start and model load included); job users/s per actor: users / decode s / actors; "
+        "after the first shard: the rate once the pipeline is full. Direct: the same recommender called in "
+        "one process on the input's first batches, one thread, median (min-max) of the runs before and "
+        "after the job; the ratios' ranges divide by direct's max and min. Actor busy: users / the actors' "
+        "summed batch wall time. Driver peak RSS: each size's `jobs.nightly` driver process (wait4); "
+        "anonymous: the peak of its own heap (RssAnon, polled every second; the rest is shared libraries "
+        "and object-store pages it mapped). Object store: polled every second; the JSON keeps both series.",
+        "",
+        f"`{env['command']}`",
+    ]
     return "\n".join(lines)

@@ -9,6 +9,7 @@ RSS minus the one after building the model is the decode's working memory; on CU
 then again (warm: the users/s). Cells report medians with (min-max) over the repeats, the speed-up as a ratio of
 medians, and whether the two methods returned the same items in the same order for every user.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -53,23 +54,46 @@ def bench_shapes(p: ShapesParams) -> dict:
             for order in run_order(methods, p.repeats):
                 for method in order:
                     bar.set_postfix_str(f"V={vocab} S={prompt} K={k} {method}")
-                    spec = dict(vocab=vocab, prompt=prompt, k=k, users=p.users, batch=p.batch, layers=p.layers,
-                                hidden=p.hidden, heads=p.heads, seed=p.seed, device=p.device, dtype=p.dtype,
-                                items=str(items), method=method, out=f"{tmp}/{method}.npz")
+                    spec = dict(
+                        vocab=vocab,
+                        prompt=prompt,
+                        k=k,
+                        users=p.users,
+                        batch=p.batch,
+                        layers=p.layers,
+                        hidden=p.hidden,
+                        heads=p.heads,
+                        seed=p.seed,
+                        device=p.device,
+                        dtype=p.dtype,
+                        items=str(items),
+                        method=method,
+                        out=f"{tmp}/{method}.npz",
+                    )
                     runs[method].append(worker_process(spec))
                     bar.update()
             rows.append(cell_row(vocab, prompt, k, p.users, runs, tmp))
     bar.close()
-    return {"model": {"layers": p.layers, "hidden": p.hidden, "heads": p.heads}, "users": p.users, "batch": p.batch,
-            "repeats": p.repeats, "cells": rows}
+    return {
+        "model": {"layers": p.layers, "hidden": p.hidden, "heads": p.heads},
+        "users": p.users,
+        "batch": p.batch,
+        "repeats": p.repeats,
+        "cells": rows,
+    }
 
 
 def worker_process(spec: dict) -> dict:
     """One method on one cell in a fresh process -> its JSON line (seconds, working memory)."""
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-m", "pipeline.bench.shapes", json.dumps(spec)], cwd=root, env=env,
-                         capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, "-m", "pipeline.bench.shapes", json.dumps(spec)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     if run.returncode != 0:
         raise RuntimeError(f"shapes worker {spec['method']} failed: {run.stderr[-3000:]}")
     return json.loads(run.stdout.strip().splitlines()[-1])
@@ -84,14 +108,25 @@ def cell_row(vocab: int, prompt: int, k: int, users: int, runs: dict, tmp: str) 
     memory = {m: [r["working_mb"] for r in runs[m]] for m in methods}
     out = {m: np.load(f"{tmp}/{m}.npz") for m in methods}  # the last repeat's outputs
     ref = "transformers" if "transformers" in out else "beam_search"
-    row = {"vocab": vocab, "prompt": prompt, "k": k, "reference": ref,
-           "users_per_s": {m: timing[m].per(lambda s: users / s) for m in methods},
-           "working_mb": {m: {"median": float(np.median(v)), "min": float(min(v)), "max": float(max(v))}
-                          for m, v in memory.items()},
-           "seconds": {m: timing[m].to_dict() for m in methods},
-           "agreement": {m: {"same_items_same_order": float((out[m]["items"] == out[ref]["items"]).all(1).mean()),
-                             "max_abs_score_diff": float(np.abs(out[m]["scores"] - out[ref]["scores"]).max())}
-                         for m in methods if m != ref}}
+    row = {
+        "vocab": vocab,
+        "prompt": prompt,
+        "k": k,
+        "reference": ref,
+        "users_per_s": {m: timing[m].per(lambda s: users / s) for m in methods},
+        "working_mb": {
+            m: {"median": float(np.median(v)), "min": float(min(v)), "max": float(max(v))} for m, v in memory.items()
+        },
+        "seconds": {m: timing[m].to_dict() for m in methods},
+        "agreement": {
+            m: {
+                "same_items_same_order": float((out[m]["items"] == out[ref]["items"]).all(1).mean()),
+                "max_abs_score_diff": float(np.abs(out[m]["scores"] - out[ref]["scores"]).max()),
+            }
+            for m in methods
+            if m != ref
+        },
+    }
     if {"beam_search", "transformers"} <= set(methods):
         row["speedup"] = ratio(timing["transformers"], timing["beam_search"])
         row.update(row["agreement"]["beam_search"])  # the columns the grid has always had
@@ -105,24 +140,33 @@ def markdown_shapes(result: dict) -> str:
     s, env = result["shapes"], result["environment"]
     m = s["model"]
     methods = list(s["cells"][0]["users_per_s"]) if s["cells"] else []
-    lines = [f"## shapes: {' vs '.join(methods)}, {s['users']} users in batches of {s['batch']}, a random Llama "
-             f"{m['layers']} x {m['hidden']} ({m['heads']} heads), Amazon Beauty's catalog after a text vocabulary; "
-             f"each method in its own process, alternating; median (min-max) of {s['repeats']} repeats; working "
-             "memory = peak RSS after decoding minus peak after building the model; compile: the compiled engine's "
-             "cold run, first repeat (later repeats load the inductor cache)", "",
-             "| vocabulary | prompt | K | " + " | ".join(f"{x} users/s" for x in methods) + " | speed-up | working "
-             f"memory (MB) {' / '.join(methods)} | same items, same order as {s['cells'][0]['reference'] if methods else '-'} |",
-             "|---:|---:|---:|" + "---:|" * (len(methods) + 3)]
+    lines = [
+        f"## shapes: {' vs '.join(methods)}, {s['users']} users in batches of {s['batch']}, a random Llama "
+        f"{m['layers']} x {m['hidden']} ({m['heads']} heads), Amazon Beauty's catalog after a text vocabulary; "
+        f"each method in its own process, alternating; median (min-max) of {s['repeats']} repeats; working "
+        "memory = peak RSS after decoding minus peak after building the model; compile: the compiled engine's "
+        "cold run, first repeat (later repeats load the inductor cache)",
+        "",
+        "| vocabulary | prompt | K | " + " | ".join(f"{x} users/s" for x in methods) + " | speed-up | working "
+        f"memory (MB) {' / '.join(methods)} | same items, same order as {s['cells'][0]['reference'] if methods else '-'} |",
+        "|---:|---:|---:|" + "---:|" * (len(methods) + 3),
+    ]
     for c in s["cells"]:
         u, w = c["users_per_s"], c["working_mb"]
         speed = [f"beam_search / transformers {fmt_ratio(c['speedup'], 1)}"] if "speedup" in c else []
         if "compiled_speedup" in c:
             speed.append(f"compiled / eager {fmt_ratio(c['compiled_speedup'])} (compile {c['compile_s'][0]:.0f} s)")
-        agree = "; ".join(f"{x}: {a['same_items_same_order']:.0%} (max score diff {a['max_abs_score_diff']:.1e})"
-                          for x, a in c["agreement"].items())
-        lines.append(f"| {c['vocab']:,} | {c['prompt']} | {c['k']} | "
-                     + " | ".join(fmt_spread(u[x], 2) for x in methods) + f" | {'; '.join(speed) or '-'} | "
-                     + " / ".join(f"{w[x]['median']:.0f}" for x in methods) + f" | {agree} |")
+        agree = "; ".join(
+            f"{x}: {a['same_items_same_order']:.0%} (max score diff {a['max_abs_score_diff']:.1e})"
+            for x, a in c["agreement"].items()
+        )
+        lines.append(
+            f"| {c['vocab']:,} | {c['prompt']} | {c['k']} | "
+            + " | ".join(fmt_spread(u[x], 2) for x in methods)
+            + f" | {'; '.join(speed) or '-'} | "
+            + " / ".join(f"{w[x]['median']:.0f}" for x in methods)
+            + f" | {agree} |"
+        )
     return "\n".join(lines + ["", footer(env)])
 
 
@@ -158,10 +202,18 @@ def worker(spec: dict) -> dict:
     torch.manual_seed(spec["seed"])
     vocab, prompt, k = spec["vocab"], spec["prompt"], spec["k"]
     catalog = catalog_after_text(spec["items"], vocab, device)
-    model = tiny_model("llama", vocab, seed=spec["seed"], hidden_size=spec["hidden"],
-                       intermediate_size=4 * spec["hidden"], num_hidden_layers=spec["layers"],
-                       num_attention_heads=spec["heads"], num_key_value_heads=spec["heads"],
-                       max_position_embeddings=max(2048, prompt + 8), dtype=pick_dtype(spec["dtype"], device)).to(device)
+    model = tiny_model(
+        "llama",
+        vocab,
+        seed=spec["seed"],
+        hidden_size=spec["hidden"],
+        intermediate_size=4 * spec["hidden"],
+        num_hidden_layers=spec["layers"],
+        num_attention_heads=spec["heads"],
+        num_key_value_heads=spec["heads"],
+        max_position_embeddings=max(2048, prompt + 8),
+        dtype=pick_dtype(spec["dtype"], device),
+    ).to(device)
     g = torch.Generator().manual_seed(spec["seed"] + 1)
     ids = torch.randint(4, vocab - CODE_TOKENS, (spec["users"], prompt), generator=g).to(device)
     mask = torch.ones_like(ids)
@@ -173,7 +225,9 @@ def worker(spec: dict) -> dict:
         decode = lambda i, m: generate_beam_search(model, i, m, catalog, k, trie)  # noqa: E731
 
     def run():
-        out = [decode(ids[a:a + spec["batch"]], mask[a:a + spec["batch"]]) for a in range(0, len(ids), spec["batch"])]
+        out = [
+            decode(ids[a : a + spec["batch"]], mask[a : a + spec["batch"]]) for a in range(0, len(ids), spec["batch"])
+        ]
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return out
@@ -184,8 +238,9 @@ def worker(spec: dict) -> dict:
         base = torch.cuda.memory_allocated(device)
     before = peak_rss_mb()
     run()  # cold: the decode's working memory
-    working = (torch.cuda.max_memory_allocated(device) - base) / 2 ** 20 if device.type == "cuda" else \
-        peak_rss_mb() - before
+    working = (
+        (torch.cuda.max_memory_allocated(device) - base) / 2**20 if device.type == "cuda" else peak_rss_mb() - before
+    )
     t0 = time.perf_counter()
     out = run()  # warm: the time
     seconds = time.perf_counter() - t0

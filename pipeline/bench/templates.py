@@ -3,6 +3,7 @@ renderer (numpy over compiled skeletons) against the tokenizer called on each us
 without the renderer). (2) The nightly job: users/s of the same model (a random Llama of layers x hidden over a
 byte-level BPE vocabulary plus the Beauty code tokens) with each template, interleaved runs on one local Ray.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -40,32 +41,43 @@ def bench_templates(p: TemplatesParams) -> dict:
     catalog = Catalog.from_table(items, tok, on_duplicate="first")
     test = pq.read_table(data / "test.parquet", columns=["user_id", "history"])
     test = test.filter(np.asarray([bool(h) for h in test["history"].to_pylist()]))
-    return {"text_vocab": len(tok), "render": bench_render(p, tok, catalog, items, test),
-            "nightly": bench_jobs(p, tok, catalog, items, test)}
+    return {
+        "text_vocab": len(tok),
+        "render": bench_render(p, tok, catalog, items, test),
+        "nightly": bench_jobs(p, tok, catalog, items, test),
+    }
 
 
 def bench_render(p: TemplatesParams, tok, catalog: Catalog, items, test) -> dict:
     """Every Beauty test user with a history, in blocks of 1,000, per template: renderer vs tokenizer."""
     histories = test["history"].to_pylist()
     codes_of = dict(zip(items["item_id"].to_pylist(), items["semantic_id"].to_pylist()))
-    blocks = [histories[a:a + 1000] for a in range(0, len(histories), 1000)]
+    blocks = [histories[a : a + 1000] for a in range(0, len(histories), 1000)]
     methods, out = {}, {}
     for name in p.templates:
         t0 = time.perf_counter()
-        renderer = Renderer.compile(PRESETS[name].with_max_items(p.history_len), tok, catalog_probes(catalog.item_tokens))
+        renderer = Renderer.compile(
+            PRESETS[name].with_max_items(p.history_len), tok, catalog_probes(catalog.item_tokens)
+        )
         out[name] = {"compile_s": time.perf_counter() - t0, "max_prompt_tokens": renderer.max_len}
         methods[f"{name} renderer"] = lambda r=renderer: [r.render(b, catalog.item_tokens) for b in blocks]
         template = renderer.template
         methods[f"{name} tokenizer"] = lambda t=template: [
-            tok([t.text([codes_of[i] for i in h]) for h in b], padding=True) for b in blocks]
+            tok([t.text([codes_of[i] for i in h]) for h in b], padding=True) for b in blocks
+        ]
     run = interleaved(methods, p.repeats, desc="templates: rendering")
     per_1000 = lambda s: 1e3 * s / len(histories) * 1000  # noqa: E731  ms per 1,000 users
     for name in p.templates:
         renderer, tokenizer = run.timings[f"{name} renderer"], run.timings[f"{name} tokenizer"]
         prompts = run.outputs[f"{name} renderer"]
-        out[name].update(renderer_ms_per_1000=renderer.per(per_1000), tokenizer_ms_per_1000=tokenizer.per(per_1000),
-                         speedup=ratio(tokenizer, renderer), renderer=renderer.to_dict(), tokenizer=tokenizer.to_dict(),
-                         prompt_tokens_mean=sum(float(x.attention_mask.sum()) for x in prompts) / len(histories))
+        out[name].update(
+            renderer_ms_per_1000=renderer.per(per_1000),
+            tokenizer_ms_per_1000=tokenizer.per(per_1000),
+            speedup=ratio(tokenizer, renderer),
+            renderer=renderer.to_dict(),
+            tokenizer=tokenizer.to_dict(),
+            prompt_tokens_mean=sum(float(x.attention_mask.sum()) for x in prompts) / len(histories),
+        )
     return {"users": len(histories), "order": run.order, "templates": out}
 
 
@@ -88,14 +100,24 @@ def bench_jobs(p: TemplatesParams, tok, catalog: Catalog, items, test) -> dict:
         model.save_pretrained(model_dir)
         tok.save_pretrained(model_dir)
         write_template(model_dir, PRESETS[name].with_max_items(p.history_len))
-        configs[name] = load_config(None, [
-            f"input={root / 'users.parquet'}", f"catalog={root / 'items.parquet'}", f"output={root / f'out-{name}'}",
-            f"models.target={model_dir}", f"decoding.k={p.k}", f"compute.batch_size={p.batch}",
-            "compute.num_actors=1", f"compute.cpus_per_actor={p.cpus}"])
+        configs[name] = load_config(
+            None,
+            [
+                f"input={root / 'users.parquet'}",
+                f"catalog={root / 'items.parquet'}",
+                f"output={root / f'out-{name}'}",
+                f"models.target={model_dir}",
+                f"decoding.k={p.k}",
+                f"compute.batch_size={p.batch}",
+                "compute.num_actors=1",
+                f"compute.cpus_per_actor={p.cpus}",
+            ],
+        )
     ray.init(num_cpus=p.cpus + 1, include_dashboard=False, ignore_reinit_error=True)
     try:
-        run = interleaved({name: lambda c=c: run_nightly(c) for name, c in configs.items()}, p.repeats,
-                          desc="templates: nightly jobs")
+        run = interleaved(
+            {name: lambda c=c: run_nightly(c) for name, c in configs.items()}, p.repeats, desc="templates: nightly jobs"
+        )
     finally:
         ray.shutdown()
     out = {}
@@ -103,37 +125,61 @@ def bench_jobs(p: TemplatesParams, tok, catalog: Catalog, items, test) -> dict:
         manifest = run.outputs[name]
         users = manifest["counts"]["users_ok"]
         metrics = pq.read_table(manifest["outputs"]["metrics"]).to_pandas()
-        out[name] = {"users": users, "job": run.timings[name].to_dict(),
-                     "job_users_per_s": run.timings[name].per(lambda s: users / s),
-                     "prompt_tokens_per_user": float(metrics.prompt_tokens.sum() / users),
-                     "max_prompt_tokens": manifest["max_prompt_tokens"],
-                     "decode_users_per_busy_s": float(users / metrics.wall_s.sum())}
+        out[name] = {
+            "users": users,
+            "job": run.timings[name].to_dict(),
+            "job_users_per_s": run.timings[name].per(lambda s: users / s),
+            "prompt_tokens_per_user": float(metrics.prompt_tokens.sum() / users),
+            "max_prompt_tokens": manifest["max_prompt_tokens"],
+            "decode_users_per_busy_s": float(users / metrics.wall_s.sum()),
+        }
     first, second = p.templates[0], p.templates[-1]
-    return {"order": run.order, "model": {"layers": p.layers, "hidden": p.hidden, "vocab": len(tok)},
-            "templates": out, "ratio": ratio(run.timings[second], run.timings[first])}
+    return {
+        "order": run.order,
+        "model": {"layers": p.layers, "hidden": p.hidden, "vocab": len(tok)},
+        "templates": out,
+        "ratio": ratio(run.timings[second], run.timings[first]),
+    }
 
 
 def markdown_templates(result: dict) -> str:
     t, env = result["templates"], result["environment"]
     r, n = t["render"], t["nightly"]
-    lines = [f"## prompt templates: rendering {r['users']:,} Amazon Beauty users (ms per 1,000 users), byte-level BPE "
-             f"of {t['text_vocab']:,} tokens with the code tokens added, {env['device']}; median (min-max) of "
-             f"{result['args']['repeats']} interleaved repeats", "",
-             "| template | longest prompt (tokens) | mean prompt (tokens) | renderer | tokenizer on the text | "
-             "renderer speed-up | compile (s) |", "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"## prompt templates: rendering {r['users']:,} Amazon Beauty users (ms per 1,000 users), byte-level BPE "
+        f"of {t['text_vocab']:,} tokens with the code tokens added, {env['device']}; median (min-max) of "
+        f"{result['args']['repeats']} interleaved repeats",
+        "",
+        "| template | longest prompt (tokens) | mean prompt (tokens) | renderer | tokenizer on the text | "
+        "renderer speed-up | compile (s) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for name, x in r["templates"].items():
-        lines.append(f"| {name} | {x['max_prompt_tokens']} | {x['prompt_tokens_mean']:.1f} | "
-                     f"{fmt_spread(x['renderer_ms_per_1000'], 1)} | {fmt_spread(x['tokenizer_ms_per_1000'], 1)} | "
-                     f"{fmt_ratio(x['speedup'])} | {x['compile_s']:.2f} |")
+        lines.append(
+            f"| {name} | {x['max_prompt_tokens']} | {x['prompt_tokens_mean']:.1f} | "
+            f"{fmt_spread(x['renderer_ms_per_1000'], 1)} | {fmt_spread(x['tokenizer_ms_per_1000'], 1)} | "
+            f"{fmt_ratio(x['speedup'])} | {x['compile_s']:.2f} |"
+        )
     first, second = list(n["templates"])[0], list(n["templates"])[-1]
-    lines += ["", f"## the nightly job with each template: {n['templates'][first]['users']:,} users, one CPU actor, "
-              f"a random Llama {n['model']['layers']} x {n['model']['hidden']} over {n['model']['vocab']:,} tokens; "
-              "median (min-max) of interleaved runs", "",
-              "| template | prompt tokens / user | users/s (job) | users/s per busy actor-second (last run) |",
-              "|---|---:|---:|---:|"]
+    lines += [
+        "",
+        f"## the nightly job with each template: {n['templates'][first]['users']:,} users, one CPU actor, "
+        f"a random Llama {n['model']['layers']} x {n['model']['hidden']} over {n['model']['vocab']:,} tokens; "
+        "median (min-max) of interleaved runs",
+        "",
+        "| template | prompt tokens / user | users/s (job) | users/s per busy actor-second (last run) |",
+        "|---|---:|---:|---:|",
+    ]
     for name, x in n["templates"].items():
-        lines.append(f"| {name} | {x['prompt_tokens_per_user']:.1f} | {fmt_spread(x['job_users_per_s'], 1)} | "
-                     f"{x['decode_users_per_busy_s']:.1f} |")
-    lines += ["", f"{first} over {second}, users/s of the job: **{fmt_ratio(n['ratio'])}** "
-              f"({compare(first, second, n['ratio'])})", "", footer(env)]
+        lines.append(
+            f"| {name} | {x['prompt_tokens_per_user']:.1f} | {fmt_spread(x['job_users_per_s'], 1)} | "
+            f"{x['decode_users_per_busy_s']:.1f} |"
+        )
+    lines += [
+        "",
+        f"{first} over {second}, users/s of the job: **{fmt_ratio(n['ratio'])}** "
+        f"({compare(first, second, n['ratio'])})",
+        "",
+        footer(env),
+    ]
     return "\n".join(lines)

@@ -70,7 +70,20 @@ from pipeline.prepare.synthetic import (
 )
 
 __all__ = [
-    "build_tokenizer", "build_text_tokenizer", "prepare_beauty", "prepare_lcrec", "find_lcrec_index", "PrepareSummary",
-    "SPLIT_CONVENTION", "SYNTHETIC_SPLITS", "synthetic_catalog", "synthetic_histories", "write_synthetic",
-    "SyntheticSummary", "prepared", "write_contract", "split_tables", "Interactions",
+    "build_tokenizer",
+    "build_text_tokenizer",
+    "prepare_beauty",
+    "prepare_lcrec",
+    "find_lcrec_index",
+    "PrepareSummary",
+    "SPLIT_CONVENTION",
+    "SYNTHETIC_SPLITS",
+    "synthetic_catalog",
+    "synthetic_histories",
+    "write_synthetic",
+    "SyntheticSummary",
+    "prepared",
+    "write_contract",
+    "split_tables",
+    "Interactions",
 ]

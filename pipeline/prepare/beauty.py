@@ -35,9 +35,17 @@ def read_beauty(source_dir: Path, codes: int | None = None) -> Source:
     item_ids, sid, codes = _read_catalog(source_dir / "items.parquet", codes)  # [N], [N, L]
     read = {s: _read_split(source_dir / f"{s}.parquet", item_ids) for s in SPLITS}
     dropped = {s: r[1] for s, r in read.items()}
-    return Source(source_dir, "beauty", item_ids, sid, codes, splits={s: r[0] for s, r in read.items()},
-                  files=[source_dir / f for f in BEAUTY_FILES], report={"dropped_unknown_items": dropped},
-                  summary={"dropped_interactions": {s: d["interactions"] for s, d in dropped.items()}})
+    return Source(
+        source_dir,
+        "beauty",
+        item_ids,
+        sid,
+        codes,
+        splits={s: r[0] for s, r in read.items()},
+        files=[source_dir / f for f in BEAUTY_FILES],
+        report={"dropped_unknown_items": dropped},
+        summary={"dropped_interactions": {s: d["interactions"] for s, d in dropped.items()}},
+    )
 
 
 def _read_parquet(path: Path, columns: list[str]) -> pa.Table:
@@ -72,8 +80,8 @@ def _read_catalog(path: Path, codes: int | None) -> tuple[np.ndarray, np.ndarray
     names = pq.read_schema(path).names if path.is_file() else []
     columns = ["item_id", "semantic_id"] + (["code_tokens"] if "code_tokens" in names else [])
     table = _read_parquet(path, columns)
-    item_ids = _int_ids(table, "item_id", str(path))            # [N]
-    sid = semantic_id_matrix(table, str(path))                  # [N, L]
+    item_ids = _int_ids(table, "item_id", str(path))  # [N]
+    sid = semantic_id_matrix(table, str(path))  # [N, L]
     codes = int(sid.max()) + 1 if codes is None else codes
     if sid.max() >= codes:
         rows = np.flatnonzero((sid >= codes).any(axis=1))
@@ -89,10 +97,10 @@ def _check_code_tokens(col: pa.Array, sid: np.ndarray, codes: int, path: Path) -
     if not pa.types.is_list(col.type) or not pa.types.is_string(col.type.value_type):
         raise ValueError(f"{path}: column 'code_tokens' must be list<string>, got {col.type}")
     lengths = col.value_lengths().fill_null(0).to_numpy(zero_copy_only=False)
-    bad = lengths != levels                                      # [N]
+    bad = lengths != levels  # [N]
     expected = code_tokens_array(sid, codes).combine_chunks().flatten().to_numpy(zero_copy_only=False)
     if not bad.any():
-        got = col.flatten().to_numpy(zero_copy_only=False)       # [N * L]
+        got = col.flatten().to_numpy(zero_copy_only=False)  # [N * L]
         bad = (got != expected).reshape(n, levels).any(axis=1)
     if bad.any():
         raise ValueError(f"{path}: code_tokens disagree with semantic_id in rows {format_rows(np.flatnonzero(bad))}")
@@ -111,12 +119,15 @@ def _read_split(path: Path, item_ids: np.ndarray) -> tuple[Interactions, dict]:
     is_list = pa.types.is_list(col.type) or pa.types.is_large_list(col.type)
     if not is_list or not pa.types.is_integer(col.type.value_type):
         raise ValueError(f"{path}: column 'items' must be list<int64>, got {col.type}")
-    values, starts, lengths, _ = ragged_arrays(col)             # null rows count as empty
-    values = values[ragged_ranges(starts, lengths)]             # [T] compact, row-major
-    row_of = np.repeat(np.arange(len(lengths)), lengths)        # [T]
-    known = np.isin(values, item_ids)                           # [T]
-    dropped = {"interactions": int((~known).sum()), "users": int(len(np.unique(row_of[~known]))),
-               "item_ids": np.unique(values[~known]).tolist()}
+    values, starts, lengths, _ = ragged_arrays(col)  # null rows count as empty
+    values = values[ragged_ranges(starts, lengths)]  # [T] compact, row-major
+    row_of = np.repeat(np.arange(len(lengths)), lengths)  # [T]
+    known = np.isin(values, item_ids)  # [T]
+    dropped = {
+        "interactions": int((~known).sum()),
+        "users": int(len(np.unique(row_of[~known]))),
+        "item_ids": np.unique(values[~known]).tolist(),
+    }
     values, row_of = values[known], row_of[known]
     lengths = np.bincount(row_of, minlength=len(lengths)).astype(np.int64)  # [U]
     return Interactions(user_ids, values, np.cumsum(lengths) - lengths, lengths), dropped

@@ -31,8 +31,9 @@ def prepared(folder) -> bool:
     return (Path(folder) / ITEMS).is_file()
 
 
-def write_contract(out_dir: Path, items: pa.Table, tokenizer, tables: Iterable[dict[str, pa.Table]],
-                   report: Callable[[], dict]) -> dict:
+def write_contract(
+    out_dir: Path, items: pa.Table, tokenizer, tables: Iterable[dict[str, pa.Table]], report: Callable[[], dict]
+) -> dict:
     """Writes a data folder: `tables` ({name: table} chunks, one parquet row group per chunk; `<name>.parquet`),
     `tokenizer/`, `prepare.json` (= report(), asked once the tables are written), then `items` through
     items.parquet.tmp and a rename. An existing items.parquet is removed first: until this import's is renamed into
@@ -81,22 +82,29 @@ def build_tokenizer(levels: int = 4, codes: int = 256) -> PreTrainedTokenizerFas
         for c in range(codes):
             vocab[code_token(j, c)] = len(vocab)
     tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.WhitespaceSplit(),
-        pre_tokenizers.Split(Regex(r"<[^<>]+>"), behavior="isolated"),
-    ])
+    tk.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.WhitespaceSplit(),
+            pre_tokenizers.Split(Regex(r"<[^<>]+>"), behavior="isolated"),
+        ]
+    )
     tk.decoder = decoders.Fuse()  # decode -> "<bos><a_1><b_2>", no spaces
     tk.add_special_tokens(list(SPECIAL_TOKENS))
     return PreTrainedTokenizerFast(
         tokenizer_object=tk,
-        pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>",
+        pad_token="<pad>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        unk_token="<unk>",
         padding_side="left",
     )
 
 
 INSTRUCTION_TEXT = [
     "Below is an instruction that describes a task. Write a response that appropriately completes the request.",
-    "### Instruction:", "### Response:", "The user has interacted with items in chronological order.",
+    "### Instruction:",
+    "### Response:",
+    "The user has interacted with items in chronological order.",
     "Can you predict the next possible item that the user may expect?",
     "Here is the purchase history of a user. Recommend the next item the user is likely to buy.",
 ]
@@ -113,12 +121,20 @@ def build_text_tokenizer(levels: int, codes: int, vocab_size: int = 600, code_to
     raw = Tokenizer(models.BPE())
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     raw.decoder = decoders.ByteLevel()
-    raw.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"],
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    raw.post_processor = processors.TemplateProcessing(single="<s> $A",
-                                                       special_tokens=[("<s>", raw.token_to_id("<s>"))])
-    tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                  padding_side="left")
+    raw.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=["<pad>", "<s>", "</s>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
+    raw.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", raw.token_to_id("<s>"))]
+    )
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=raw, bos_token="<s>", eos_token="</s>", pad_token="<pad>", padding_side="left"
+    )
     if code_tokens:
         tok.add_tokens([code_token(j, c) for j in range(levels) for c in range(codes)])
     return tok
@@ -141,7 +157,7 @@ def code_tokens_array(semantic_ids: np.ndarray, codes: int, chunk: int = 1 << 20
     level_base = np.arange(levels, dtype=np.int64) * codes  # [L]
     chunks = []
     for lo in range(0, max(n, 1), chunk):
-        sid = semantic_ids[lo:lo + chunk]                           # [n_c, L]
+        sid = semantic_ids[lo : lo + chunk]  # [n_c, L]
         flat = (sid.astype(np.int64) + level_base[None, :]).ravel()  # [n_c * L] index into names
         offsets = np.arange(0, len(sid) * levels + 1, levels, dtype=np.int32)
         chunks.append(pa.ListArray.from_arrays(pa.array(offsets), names.take(pa.array(flat))))
@@ -150,11 +166,13 @@ def code_tokens_array(semantic_ids: np.ndarray, codes: int, chunk: int = 1 << 20
 
 def items_table(item_ids: np.ndarray, semantic_ids: np.ndarray, codes: int) -> pa.Table:
     """item ids [N], semantic IDs [N, L] -> items.parquet's table: item_id, semantic_id, code_tokens."""
-    return pa.table({
-        "item_id": pa.array(item_ids, pa.int64()),
-        "semantic_id": semantic_id_array(semantic_ids),
-        "code_tokens": code_tokens_array(semantic_ids, codes),
-    })
+    return pa.table(
+        {
+            "item_id": pa.array(item_ids, pa.int64()),
+            "semantic_id": semantic_id_array(semantic_ids),
+            "code_tokens": code_tokens_array(semantic_ids, codes),
+        }
+    )
 
 
 def semantic_id_collisions(item_ids: np.ndarray, semantic_ids: np.ndarray) -> list[dict]:
@@ -164,11 +182,13 @@ def semantic_id_collisions(item_ids: np.ndarray, semantic_ids: np.ndarray) -> li
     out = []
     for g in np.flatnonzero(counts > 1):
         sid = uniq[g].tolist()
-        out.append({
-            "semantic_id": sid,
-            "code_tokens": "".join(code_token(j, c) for j, c in enumerate(sid)),
-            "item_ids": sorted(item_ids[inverse == g].tolist()),
-        })
+        out.append(
+            {
+                "semantic_id": sid,
+                "code_tokens": "".join(code_token(j, c) for j, c in enumerate(sid)),
+                "item_ids": sorted(item_ids[inverse == g].tolist()),
+            }
+        )
     return out
 
 
@@ -176,9 +196,13 @@ def catalog_report(item_ids: np.ndarray, semantic_ids: np.ndarray, codes: int) -
     """prepare.json's counts of the catalog: levels, codes, items, distinct semantic IDs and the ones items share."""
     collisions = semantic_id_collisions(item_ids, semantic_ids)
     n_items, levels = semantic_ids.shape
-    return {"levels": levels, "codes": codes, "items": n_items,
-            "distinct_semantic_ids": n_items - sum(len(c["item_ids"]) - 1 for c in collisions),
-            "semantic_id_collisions": collisions}
+    return {
+        "levels": levels,
+        "codes": codes,
+        "items": n_items,
+        "distinct_semantic_ids": n_items - sum(len(c["item_ids"]) - 1 for c in collisions),
+        "semantic_id_collisions": collisions,
+    }
 
 
 # ---------------------------------------------------------------- sources read from files
@@ -191,7 +215,7 @@ class PrepareSummary:
     distinct_semantic_ids: int
     colliding_semantic_ids: int
     users: int
-    interactions: dict[str, int]          # written, after dropping unknown items
+    interactions: dict[str, int]  # written, after dropping unknown items
     dropped_interactions: dict[str, int]  # item ids not in the catalog, per split
     levels: int
     codes: int
@@ -206,6 +230,7 @@ class PrepareSummary:
 @dataclass
 class Source:
     """A source as read and checked, before anything is written."""
+
     folder: Path
     format: str  # "beauty" | "lcrec"
     item_ids: np.ndarray  # [N] int64
@@ -224,14 +249,27 @@ def write_source(source: Source, out_dir, history_len: int) -> PrepareSummary:
     tokenizer = build_tokenizer(source.semantic_ids.shape[1], source.codes)
     code_token_ids(tokenizer, source.semantic_ids)  # every catalog code has a token
     tables = split_tables(*(source.splits[s] for s in SPLITS), history_len)
-    report = {"source": str(Path(source.folder).resolve()), "format": source.format, "splits": SPLIT_CONVENTION,
-              "history_len": history_len, **catalog_report(source.item_ids, source.semantic_ids, source.codes),
-              **source.report, **split_report(source.splits, tables),
-              "sha256": {p.name: sha256_file(p) for p in source.files}}
+    report = {
+        "source": str(Path(source.folder).resolve()),
+        "format": source.format,
+        "splits": SPLIT_CONVENTION,
+        "history_len": history_len,
+        **catalog_report(source.item_ids, source.semantic_ids, source.codes),
+        **source.report,
+        **split_report(source.splits, tables),
+        "sha256": {p.name: sha256_file(p) for p in source.files},
+    }
     items = items_table(source.item_ids, source.semantic_ids, source.codes)
     write_contract(out_dir, items, tokenizer, [tables], lambda: report)
     return PrepareSummary(
-        out_dir=str(Path(out_dir)), items=report["items"], distinct_semantic_ids=report["distinct_semantic_ids"],
-        colliding_semantic_ids=len(report["semantic_id_collisions"]), users=report["users"]["test"],
-        interactions=report["interactions"], levels=report["levels"], codes=source.codes, history_len=history_len,
-        **source.summary)
+        out_dir=str(Path(out_dir)),
+        items=report["items"],
+        distinct_semantic_ids=report["distinct_semantic_ids"],
+        colliding_semantic_ids=len(report["semantic_id_collisions"]),
+        users=report["users"]["test"],
+        interactions=report["interactions"],
+        levels=report["levels"],
+        codes=source.codes,
+        history_len=history_len,
+        **source.summary,
+    )

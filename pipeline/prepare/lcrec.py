@@ -41,8 +41,10 @@ def _is_index(doc, sample: int = 100) -> bool:
     if not isinstance(doc, dict) or not doc:
         return False
     entries = list(itertools.islice(doc.items(), sample))
-    return all(k.strip().lstrip("-").isdigit() and isinstance(v, list) and v and all(isinstance(t, str) for t in v)
-               for k, v in entries)
+    return all(
+        k.strip().lstrip("-").isdigit() and isinstance(v, list) and v and all(isinstance(t, str) for t in v)
+        for k, v in entries
+    )
 
 
 def find_lcrec_index(source_dir: Path, index: Path | None = None) -> Path:
@@ -59,8 +61,10 @@ def find_lcrec_index(source_dir: Path, index: Path | None = None) -> Path:
     found = [p for p in seen if _is_index(_load_json(p))]
     if len(found) != 1:
         why = "no JSON file" if not found else f"{len(found)} JSON files ({', '.join(p.name for p in found)})"
-        raise ValueError(f"{source_dir}: expected one LC-Rec index (a JSON file mapping item ids to lists of code "
-                         f"tokens), found {why} among {[p.name for p in seen]}; name it with --index FILE")
+        raise ValueError(
+            f"{source_dir}: expected one LC-Rec index (a JSON file mapping item ids to lists of code "
+            f"tokens), found {why} among {[p.name for p in seen]}; name it with --index FILE"
+        )
     return found[0]
 
 
@@ -102,6 +106,7 @@ def read_lcrec_index(path: Path, code_token: str = "<{level}_{code}>") -> tuple[
 class LcrecSplit:
     """One interaction file as written: {user: (line number, items)} for users with items, the users listed without
     items (their line numbers), and the malformed lines (counted, the first REPORTED listed)."""
+
     file: str
     users: dict[int, tuple[int, list[int]]]
     without_items: dict[int, int]
@@ -146,13 +151,20 @@ def check_id_offset(splits: dict[str, LcrecSplit], known: np.ndarray, offset: in
     prepare.json). Without an explicit `offset`, ids that look shifted (some are unknown as written, and one constant
     offset makes every item known, e.g. the authors' sequential_*.txt counting from 1 against an index from 0)
     are refused with that evidence and the option to pass."""
-    used = sorted_unique(np.fromiter((i for s in splits.values() for _, items in s.users.values() for i in items),
-                                      np.int64))                                                      # [I] distinct
+    used = sorted_unique(
+        np.fromiter((i for s in splits.values() for _, items in s.users.values() for i in items), np.int64)
+    )  # [I] distinct
     shift = 0 if offset is None else offset
     unknown = (used + shift)[~np.isin(used + shift, known)]  # [u] after the offset
-    evidence = {"index_ids": _range(known), "index_items": int(len(known)), "item_ids_used": _range(used),
-                "distinct_items_used": int(len(used)), "offset": shift,
-                "unknown_after_offset": int(len(unknown)), "unknown_examples": unknown[:10].tolist()}
+    evidence = {
+        "index_ids": _range(known),
+        "index_items": int(len(known)),
+        "item_ids_used": _range(used),
+        "distinct_items_used": int(len(used)),
+        "offset": shift,
+        "unknown_after_offset": int(len(unknown)),
+        "unknown_examples": unknown[:10].tolist(),
+    }
     if offset is not None or not len(unknown) or not len(used):
         return evidence
     for d in sorted({int(known.min() - used.min()), int(known.max() - used.max())} - {0}):
@@ -165,7 +177,8 @@ def check_id_offset(splits: dict[str, LcrecSplit], known: np.ndarray, offset: in
                 f"({len(used):,} distinct); {zero}{len(unknown):,} distinct {are} not in the index as written "
                 f"(e.g. {', '.join(map(str, unknown[:5].tolist()))}), and adding {d:+d} to every id makes every item "
                 f"known. Rerun with --id-offset {d} (added to every user and item id of the interaction files), "
-                f"or --id-offset 0 to import the ids as written")
+                f"or --id-offset 0 to import the ids as written"
+            )
     return evidence
 
 
@@ -183,14 +196,25 @@ def apply_offset(split: LcrecSplit, known: np.ndarray, offset: int) -> tuple[dic
             if len(unknown) < REPORTED:
                 unknown.append({"line": number, "user": user + offset, "items": missing[:20]})
         users[user + offset] = [i for i in items if i in known_set]
-    return users, {"file": split.file, "users": len(users), "users_without_items": len(split.without_items),
-                   "malformed_lines": split.n_malformed, "unknown_items": n_unknown,
-                   "malformed": split.malformed, "unknown": unknown}
+    return users, {
+        "file": split.file,
+        "users": len(users),
+        "users_without_items": len(split.without_items),
+        "malformed_lines": split.n_malformed,
+        "unknown_items": n_unknown,
+        "malformed": split.malformed,
+        "unknown": unknown,
+    }
 
 
-
-def prepare_lcrec(source_dir, out_dir, history_len: int = 20, code_token: str = "<{level}_{code}>",
-                  index: Path | None = None, id_offset: int | None = None) -> PrepareSummary:
+def prepare_lcrec(
+    source_dir,
+    out_dir,
+    history_len: int = 20,
+    code_token: str = "<{level}_{code}>",
+    index: Path | None = None,
+    id_offset: int | None = None,
+) -> PrepareSummary:
     """LC-Rec's / AtSpeed's published layout -> the project's contracts in `out_dir` (as `prepare_beauty`): the index
     JSON (item id -> its code tokens; `index`, else found by `find_lcrec_index`) and `sequential_{train,valid,test}.txt`
     (split by global time, as in the AtSpeed paper). `id_offset` is added to every user and item id of the
@@ -203,8 +227,9 @@ def prepare_lcrec(source_dir, out_dir, history_len: int = 20, code_token: str = 
     return write_source(read_lcrec(Path(source_dir), code_token, index, id_offset), out_dir, history_len)
 
 
-def read_lcrec(source_dir: Path, code_token: str = "<{level}_{code}>", index: Path | None = None,
-               id_offset: int | None = None) -> Source:
+def read_lcrec(
+    source_dir: Path, code_token: str = "<{level}_{code}>", index: Path | None = None, id_offset: int | None = None
+) -> Source:
     """The index and the three interaction files, read and checked -> a Source: items in id order; train rows for the
     users with train lines, valid and test rows for every user of any file (their items, or none)."""
     index_path = find_lcrec_index(source_dir, index)
@@ -214,18 +239,32 @@ def read_lcrec(source_dir: Path, code_token: str = "<{level}_{code}>", index: Pa
     raw = {s: read_lcrec_split(source_dir / name) for s, name in LCREC_SPLITS.items()}
     ids = check_id_offset(raw, item_ids, id_offset, index_path.name)
     read = {s: apply_offset(r, item_ids, ids["offset"]) for s, r in raw.items()}
-    everyone = sorted_unique(np.array([u + ids["offset"] for r in raw.values() for u in [*r.users, *r.without_items]],
-                                      np.int64))  # [U]
+    everyone = sorted_unique(
+        np.array([u + ids["offset"] for r in raw.values() for u in [*r.users, *r.without_items]], np.int64)
+    )  # [U]
     splits = {s: Interactions.from_lists(users) for s, (users, _) in read.items()}
     splits |= {s: splits[s].aligned(everyone) for s in ("valid", "test")}
     lines = {s: r[1] for s, r in read.items()}
     return Source(
-        source_dir, "lcrec", item_ids, sid, int(sid.max()) + 1, splits,
+        source_dir,
+        "lcrec",
+        item_ids,
+        sid,
+        int(sid.max()) + 1,
+        splits,
         files=[index_path, *(source_dir / n for n in LCREC_SPLITS.values())],
-        report={"index": index_path.name, "ids": ids, "lines": lines,
-                "index_problems": {"count": len(index_problems), "entries": index_problems[:REPORTED]}},
-        summary={"dropped_interactions": {s: n["unknown_items"] for s, n in lines.items()},
-                 "malformed_lines": {s: n["malformed_lines"] for s, n in lines.items()},
-                 "index_problems": len(index_problems),
-                 "users_without_items": {s: n["users_without_items"] for s, n in lines.items()},
-                 "index": str(index_path), "id_offset": ids["offset"]})
+        report={
+            "index": index_path.name,
+            "ids": ids,
+            "lines": lines,
+            "index_problems": {"count": len(index_problems), "entries": index_problems[:REPORTED]},
+        },
+        summary={
+            "dropped_interactions": {s: n["unknown_items"] for s, n in lines.items()},
+            "malformed_lines": {s: n["malformed_lines"] for s, n in lines.items()},
+            "index_problems": len(index_problems),
+            "users_without_items": {s: n["users_without_items"] for s, n in lines.items()},
+            "index": str(index_path),
+            "id_offset": ids["offset"],
+        },
+    )

@@ -49,13 +49,21 @@ def length_summary(lengths) -> dict:
     if len(lengths) == 0:
         return {"count": 0}
     p50, p90, p99 = np.percentile(lengths, [50, 90, 99]).tolist()
-    return {"count": int(len(lengths)), "min": int(lengths.min()), "p50": p50, "mean": float(lengths.mean()),
-            "p90": p90, "p99": p99, "max": int(lengths.max())}
+    return {
+        "count": int(len(lengths)),
+        "min": int(lengths.min()),
+        "p50": p50,
+        "mean": float(lengths.mean()),
+        "p90": p90,
+        "p99": p99,
+        "max": int(lengths.max()),
+    }
 
 
 @dataclass
 class Interactions:
     """One split's interactions: user_ids[i]'s items, chronological, are values[starts[i] : starts[i] + lengths[i]]."""
+
     user_ids: np.ndarray  # [U] int64
     values: np.ndarray  # [T] int64
     starts: np.ndarray  # [U] int64
@@ -85,20 +93,26 @@ class Interactions:
         pos = np.minimum(np.searchsorted(src_users, user_ids, sorter=order), len(order) - 1)
         row = order[pos]  # [U] source row of each user
         found = src_users[row] == user_ids
-        return Interactions(user_ids, self.values, np.where(found, src_starts[row], 0),
-                            np.where(found, src_lengths[row], 0))
+        return Interactions(
+            user_ids, self.values, np.where(found, src_starts[row], 0), np.where(found, src_lengths[row], 0)
+        )
 
     def then(self, later: Interactions) -> Interactions:
         """Row i = this row i, then `later`'s row i (the same users in the same order)."""
         if later.values is self.values and np.array_equal(later.starts, self.starts + self.lengths):
             return Interactions(self.user_ids, self.values, self.starts, self.lengths + later.lengths)  # adjacent
         rows = np.arange(len(self.lengths))
-        values = np.concatenate([self.values[ragged_ranges(self.starts, self.lengths)],
-                                 later.values[ragged_ranges(later.starts, later.lengths)]])  # [T + T']
+        values = np.concatenate(
+            [
+                self.values[ragged_ranges(self.starts, self.lengths)],
+                later.values[ragged_ranges(later.starts, later.lengths)],
+            ]
+        )  # [T + T']
         key = np.concatenate([np.repeat(2 * rows, self.lengths), np.repeat(2 * rows + 1, later.lengths)])
         lengths = self.lengths + later.lengths  # [U]
-        return Interactions(self.user_ids, values[np.argsort(key, kind="stable")], np.cumsum(lengths) - lengths,
-                            lengths)
+        return Interactions(
+            self.user_ids, values[np.argsort(key, kind="stable")], np.cumsum(lengths) - lengths, lengths
+        )
 
 
 def split_tables(train: Interactions, valid: Interactions, test: Interactions, history_len: int) -> dict[str, pa.Table]:
@@ -116,11 +130,13 @@ def split_tables(train: Interactions, valid: Interactions, test: Interactions, h
 
 def _eval_table(targets: Interactions, history: Interactions, history_len: int) -> pa.Table:
     """(user_id, history = the last history_len items of `history`, target_items = the split's items)."""
-    return pa.table({
-        "user_id": pa.array(targets.user_ids, pa.int64()),
-        "history": history.tails(history_len),
-        "target_items": targets.lists(),
-    })
+    return pa.table(
+        {
+            "user_id": pa.array(targets.user_ids, pa.int64()),
+            "history": history.tails(history_len),
+            "target_items": targets.lists(),
+        }
+    )
 
 
 def split_report(splits: dict[str, Interactions], tables: dict[str, pa.Table]) -> dict:

@@ -64,36 +64,45 @@ def synthetic_catalog(n_items: int, levels: int = 4, codes: int = 256, seed=0) -
     Item ids are 1_000_000 + a random permutation of arange(n_items) (unique, not row order).
     `seed` is an int, a SeedSequence or a Generator.
     """
-    population = codes ** levels  # Python int: no overflow
+    population = codes**levels  # Python int: no overflow
     if n_items <= 0:
         raise ValueError(f"n_items must be positive, got {n_items}")
     if n_items > population:
-        raise ValueError(f"n_items={n_items} > codes**levels={codes}**{levels}={population}: "
-                         "not enough distinct semantic IDs")
-    if population >= 2 ** 62:
+        raise ValueError(
+            f"n_items={n_items} > codes**levels={codes}**{levels}={population}: not enough distinct semantic IDs"
+        )
+    if population >= 2**62:
         raise ValueError(f"codes**levels={population} is too large for synthetic catalogs (max 2**62)")
     rng = np.random.default_rng(seed)
-    keys = _distinct_integers(rng, n_items, population)                        # [N]
-    sid = np.empty((n_items, levels), dtype=np.int32)                          # [N, L]
+    keys = _distinct_integers(rng, n_items, population)  # [N]
+    sid = np.empty((n_items, levels), dtype=np.int32)  # [N, L]
     for j in range(levels):  # base-`codes` digits, most significant first
         sid[:, j] = (keys // codes ** (levels - 1 - j)) % codes
     del keys
-    item_ids = 1_000_000 + rng.permutation(n_items).astype(np.int64)           # [N]
+    item_ids = 1_000_000 + rng.permutation(n_items).astype(np.int64)  # [N]
     return items_table(item_ids, sid, codes)
 
 
-def _popularity(catalog_item_ids: np.ndarray, alpha: float, rng: np.random.Generator,
-                offset: float = BEAUTY_ZIPF_OFFSET):
+def _popularity(
+    catalog_item_ids: np.ndarray, alpha: float, rng: np.random.Generator, offset: float = BEAUTY_ZIPF_OFFSET
+):
     """Zipf-Mandelbrot popularity: (item ids by rank [N], cdf [N] float64); ranks at random."""
-    ranked = rng.permutation(np.asarray(catalog_item_ids, dtype=np.int64))     # [N]
+    ranked = rng.permutation(np.asarray(catalog_item_ids, dtype=np.int64))  # [N]
     cdf = np.cumsum((np.arange(1, len(ranked) + 1, dtype=np.float64) + offset) ** -alpha)
     cdf /= cdf[-1]
     return ranked, cdf
 
 
-def synthetic_histories(n_users: int, catalog_item_ids: np.ndarray, seed=0, *, first_user_id: int = 1,
-                        alpha: float = BEAUTY_ZIPF_ALPHA, max_len: int = 1000,
-                        popularity=None) -> pa.Table:
+def synthetic_histories(
+    n_users: int,
+    catalog_item_ids: np.ndarray,
+    seed=0,
+    *,
+    first_user_id: int = 1,
+    alpha: float = BEAUTY_ZIPF_ALPHA,
+    max_len: int = 1000,
+    popularity=None,
+) -> pa.Table:
     """n_users synthetic users: user_id, history list<int64> (full), target_items list<int64> [1].
 
     History length n = 5 + floor(LogNormal(BEAUTY_LENGTH_MU, BEAUTY_LENGTH_SIGMA)), capped at
@@ -103,21 +112,24 @@ def synthetic_histories(n_users: int, catalog_item_ids: np.ndarray, seed=0, *, f
     first_user_id + arange(n_users). `popularity` = _popularity(...) lets chunks share it.
     """
     if n_users < 0 or len(catalog_item_ids) == 0:
-        raise ValueError(f"need n_users >= 0 and a non-empty catalog, got {n_users} users, "
-                         f"{len(catalog_item_ids)} items")
+        raise ValueError(
+            f"need n_users >= 0 and a non-empty catalog, got {n_users} users, {len(catalog_item_ids)} items"
+        )
     rng = np.random.default_rng(seed)
     ranked, cdf = popularity if popularity is not None else _popularity(catalog_item_ids, alpha, rng)
-    y = rng.lognormal(BEAUTY_LENGTH_MU, BEAUTY_LENGTH_SIGMA, size=n_users)     # [U]
+    y = rng.lognormal(BEAUTY_LENGTH_MU, BEAUTY_LENGTH_SIGMA, size=n_users)  # [U]
     lengths = np.minimum(MIN_HISTORY + np.floor(np.minimum(y, max_len)), max_len).astype(np.int64)
-    total = lengths + 1                                                        # history + target
-    rank = np.searchsorted(cdf, rng.random(int(total.sum())), side="right")    # [T]
-    items = ranked[np.minimum(rank, len(ranked) - 1)]                          # [T]
-    starts = np.cumsum(total) - total                                          # [U]
-    return pa.table({
-        "user_id": pa.array(first_user_id + np.arange(n_users, dtype=np.int64)),
-        "history": list_array(items, starts, lengths),
-        "target_items": list_array(items, starts + lengths, np.ones(n_users, dtype=np.int64)),
-    })
+    total = lengths + 1  # history + target
+    rank = np.searchsorted(cdf, rng.random(int(total.sum())), side="right")  # [T]
+    items = ranked[np.minimum(rank, len(ranked) - 1)]  # [T]
+    starts = np.cumsum(total) - total  # [U]
+    return pa.table(
+        {
+            "user_id": pa.array(first_user_id + np.arange(n_users, dtype=np.int64)),
+            "history": list_array(items, starts, lengths),
+            "target_items": list_array(items, starts + lengths, np.ones(n_users, dtype=np.int64)),
+        }
+    )
 
 
 @dataclass
@@ -133,14 +145,24 @@ class SyntheticSummary:
     history_length: dict = field(default_factory=dict)
 
 
-def write_synthetic(out_dir, n_users: int, n_items: int, levels: int = 4, codes: int = 256, seed: int = 0,
-                    *, history_len: int = 20, chunk_users: int = 1_000_000) -> SyntheticSummary:
+def write_synthetic(
+    out_dir,
+    n_users: int,
+    n_items: int,
+    levels: int = 4,
+    codes: int = 256,
+    seed: int = 0,
+    *,
+    history_len: int = 20,
+    chunk_users: int = 1_000_000,
+) -> SyntheticSummary:
     """Synthetic catalog + users in `out_dir`: items, train (histories without their last item), valid (that last
     item as target), test (last history_len items + 1 held-out target), tokenizer/, prepare.json. Users are generated
     and written `chunk_users` at a time (one parquet row group each)."""
     if n_users <= 0 or chunk_users <= 0 or history_len <= 0:
-        raise ValueError(f"n_users, chunk_users and history_len must be positive, got "
-                         f"{n_users}, {chunk_users}, {history_len}")
+        raise ValueError(
+            f"n_users, chunk_users and history_len must be positive, got {n_users}, {chunk_users}, {history_len}"
+        )
     out_dir = Path(out_dir)
     catalog_seed, users_seed = np.random.SeedSequence(seed).spawn(2)
     catalog = synthetic_catalog(n_items, levels, codes, seed=catalog_seed)
@@ -148,29 +170,48 @@ def write_synthetic(out_dir, n_users: int, n_items: int, levels: int = 4, codes:
     popularity = _popularity(catalog.column("item_id").to_numpy(), BEAUTY_ZIPF_ALPHA, rng)
     lengths = []  # [chunk users] history lengths of every chunk, appended as it is written
     chunks = _leave_one_out(n_users, chunk_users, history_len, popularity, rng, lengths)
-    summary = SyntheticSummary(str(out_dir), n_users, n_items, levels, codes, history_len, interactions=0,
-                               row_groups=len(range(0, n_users, chunk_users)))
+    summary = SyntheticSummary(
+        str(out_dir),
+        n_users,
+        n_items,
+        levels,
+        codes,
+        history_len,
+        interactions=0,
+        row_groups=len(range(0, n_users, chunk_users)),
+    )
 
     def report() -> dict:  # asked once every chunk is written
         lens = np.concatenate(lengths)
         summary.interactions, summary.history_length = int(lens.sum()) + n_users, length_summary(lens)
-        return {"synthetic": True, "splits": SYNTHETIC_SPLITS, "seed": seed, "chunk_users": chunk_users,
-                "zipf_alpha": BEAUTY_ZIPF_ALPHA, "zipf_offset": BEAUTY_ZIPF_OFFSET,
-                "length_lognormal": {"mu": BEAUTY_LENGTH_MU, "sigma": BEAUTY_LENGTH_SIGMA, "min": MIN_HISTORY},
-                "semantic_id_collisions": [], **asdict(summary)}
+        return {
+            "synthetic": True,
+            "splits": SYNTHETIC_SPLITS,
+            "seed": seed,
+            "chunk_users": chunk_users,
+            "zipf_alpha": BEAUTY_ZIPF_ALPHA,
+            "zipf_offset": BEAUTY_ZIPF_OFFSET,
+            "length_lognormal": {"mu": BEAUTY_LENGTH_MU, "sigma": BEAUTY_LENGTH_SIGMA, "min": MIN_HISTORY},
+            "semantic_id_collisions": [],
+            **asdict(summary),
+        }
 
     write_contract(out_dir, catalog, build_tokenizer(levels, codes), chunks, report)
     return summary
 
 
-def _leave_one_out(n_users: int, chunk_users: int, history_len: int, popularity, rng: np.random.Generator,
-                   lengths: list) -> Iterator[dict[str, pa.Table]]:
+def _leave_one_out(
+    n_users: int, chunk_users: int, history_len: int, popularity, rng: np.random.Generator, lengths: list
+) -> Iterator[dict[str, pa.Table]]:
     """Synthetic users, `chunk_users` at a time -> each chunk's train / valid / test tables (nothing of a chunk is
     kept while the next one is drawn); each chunk's history lengths go to `lengths`."""
     for lo in range(0, n_users, chunk_users):
         n = min(chunk_users, n_users - lo)
-        yield _split(synthetic_histories(n, popularity[0], rng, first_user_id=1 + lo, popularity=popularity),
-                     history_len, lengths)
+        yield _split(
+            synthetic_histories(n, popularity[0], rng, first_user_id=1 + lo, popularity=popularity),
+            history_len,
+            lengths,
+        )
 
 
 def _split(users: pa.Table, history_len: int, lengths: list) -> dict[str, pa.Table]:
@@ -180,6 +221,9 @@ def _split(users: pa.Table, history_len: int, lengths: list) -> dict[str, pa.Tab
     values, starts, lens, _ = ragged_arrays(users.column("history"))  # [T], [n], [n]
     held_out, held_starts, ones, _ = ragged_arrays(users.column("target_items"))  # [n], [n], [n]
     lengths.append(lens)
-    return split_tables(Interactions(user_ids, values, starts, lens - 1),
-                        Interactions(user_ids, values, starts + lens - 1, np.ones(len(lens), np.int64)),
-                        Interactions(user_ids, held_out, held_starts, ones), history_len)
+    return split_tables(
+        Interactions(user_ids, values, starts, lens - 1),
+        Interactions(user_ids, values, starts + lens - 1, np.ones(len(lens), np.int64)),
+        Interactions(user_ids, held_out, held_starts, ones),
+        history_len,
+    )

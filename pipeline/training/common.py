@@ -4,6 +4,7 @@ Samples: every prefix of every training history; the prompt is the last `history
 written by the model's prompt template (operators/prompts.py), the label is item j's L code tokens. The losses live
 in `decoding/alignment.py`.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -32,6 +33,7 @@ from pipeline.storage import sha256_file
 @dataclass(kw_only=True)
 class TrainConfig:
     """Settings shared by target and draft training (presets in target.py / draft.py; the jobs' flags override)."""
+
     layers: int = 2
     hidden: int = 128
     heads: int = 4
@@ -85,8 +87,9 @@ def load_data(data_dir, tokenizer, template: PromptTemplate, eval_users: int, de
         if not (data_dir / name).is_file():
             raise ValueError(f"{data_dir / name} not found: run `python -m jobs.prepare_data --out {data_dir}`")
     try:  # a catalog/tokenizer mismatch fails here, before any training
-        catalog = Catalog.from_parquet(data_dir / "items.parquet", tokenizer, on_duplicate="first", device=device,
-                                       code_token=template.code)
+        catalog = Catalog.from_parquet(
+            data_dir / "items.parquet", tokenizer, on_duplicate="first", device=device, code_token=template.code
+        )
     except ValueError as e:
         raise ValueError(f"catalog and tokenizer do not match: {e}") from None
     item_tokens = catalog.item_tokens
@@ -111,8 +114,18 @@ def load_data(data_dir, tokenizer, template: PromptTemplate, eval_users: int, de
         raise ValueError(f"{data_dir / 'train.parquet'}: empty training set (no history with two known items)")
 
     histories, targets = load_eval_users(data_dir, split, eval_users)
-    return Data(tokenizer, catalog, item_tokens, renderer, values, end, start, histories, targets,
-                sha256_files([data_dir / "items.parquet", data_dir / "train.parquet", data_dir / f"{split}.parquet"]))
+    return Data(
+        tokenizer,
+        catalog,
+        item_tokens,
+        renderer,
+        values,
+        end,
+        start,
+        histories,
+        targets,
+        sha256_files([data_dir / "items.parquet", data_dir / "train.parquet", data_dir / f"{split}.parquet"]),
+    )
 
 
 def load_eval_users(data_dir, split: str, limit: int | None) -> tuple[list, list]:
@@ -148,16 +161,19 @@ def batches(data: Data, subset: np.ndarray, batch_size: int, rng: np.random.Gene
     out = []
     chunk = 50 * batch_size
     for a in range(0, len(order), chunk):
-        part = order[a:a + chunk][np.argsort(lengths[a:a + chunk], kind="stable")]
-        out += [part[i:i + batch_size] for i in range(0, len(part), batch_size)]
+        part = order[a : a + chunk][np.argsort(lengths[a : a + chunk], kind="stable")]
+        out += [part[i : i + batch_size] for i in range(0, len(part), batch_size)]
     return [out[i] for i in rng.permutation(len(out))]
 
 
 def optimizer_and_schedule(model, lr: float, weight_decay: float, warmup: int, total_steps: int):
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.95),
+    )
     return opt, get_cosine_schedule_with_warmup(opt, min(warmup, total_steps // 10 + 1), total_steps)
 
 
@@ -166,8 +182,7 @@ def autocast(device: torch.device):
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
-def train_epoch(model, step_loss, data: Data, subset, batch_size, rng, opt, sched, clip, device,
-                desc: str) -> float:
+def train_epoch(model, step_loss, data: Data, subset, batch_size, rng, opt, sched, clip, device, desc: str) -> float:
     """One pass over `subset`; step_loss(model, batch_idx) -> scalar loss. Returns the mean training loss."""
     model.train()
     total, count = 0.0, 0
@@ -188,17 +203,31 @@ def train_epoch(model, step_loss, data: Data, subset, batch_size, rng, opt, sche
     return total / max(count, 1)
 
 
-def fit(model, tokenizer, step_loss, validate, data: Data, subset, cfg: TrainConfig, rng, device, out: Path,
-        report: dict, name: str):
+def fit(
+    model,
+    tokenizer,
+    step_loss,
+    validate,
+    data: Data,
+    subset,
+    cfg: TrainConfig,
+    rng,
+    device,
+    out: Path,
+    report: dict,
+    name: str,
+):
     """Trains for cfg.epochs; after each epoch validate(model) -> (metrics, score). The best-scoring checkpoint is
     written to `out` (with training.json); training stops after cfg.patience epochs without improvement.
     Returns the kept checkpoint, reloaded from disk."""
-    opt, sched = optimizer_and_schedule(model, cfg.lr, cfg.weight_decay, cfg.warmup,
-                                        total_steps(len(subset), cfg.batch_size, cfg.epochs))
+    opt, sched = optimizer_and_schedule(
+        model, cfg.lr, cfg.weight_decay, cfg.warmup, total_steps(len(subset), cfg.batch_size, cfg.epochs)
+    )
     best, bad_epochs, clock = float("-inf"), 0, Timer()
     for epoch in range(1, cfg.epochs + 1):
-        loss = train_epoch(model, step_loss, data, subset, cfg.batch_size, rng, opt, sched,
-                           cfg.clip, device, f"{name} epoch {epoch}")
+        loss = train_epoch(
+            model, step_loss, data, subset, cfg.batch_size, rng, opt, sched, cfg.clip, device, f"{name} epoch {epoch}"
+        )
         metrics, score = validate(model)
         report["epochs"].append({"epoch": epoch, "train_loss": loss, "valid": metrics, "seconds": clock()})
         print(f"{name} epoch {epoch}: loss {loss:.4f}, valid {json.dumps(metrics)} ({clock():.0f}s)", file=sys.stderr)
@@ -215,13 +244,12 @@ def fit(model, tokenizer, step_loss, validate, data: Data, subset, cfg: TrainCon
 
 
 @torch.no_grad()
-def evaluate_recommendations(model, data: Data, histories, targets, batch_size: int, device,
-                             ks=(5, 10, 20)) -> dict:
+def evaluate_recommendations(model, data: Data, histories, targets, batch_size: int, device, ks=(5, 10, 20)) -> dict:
     """Recall@K / NDCG@K of beam_search on held-out users (targets = the split's items)."""
     model.eval()
     recs = []
     for a in range(0, len(histories), batch_size):
-        ids, mask = prompts(data, histories[a:a + batch_size], device)
+        ids, mask = prompts(data, histories[a : a + batch_size], device)
         recs.append(beam_search(model, ids, mask, data.catalog, max(ks)).item_ids.cpu().numpy())
     if not recs:
         return {"users": 0}

@@ -6,6 +6,7 @@ data in `teacher.py`). Each epoch the draft is scored by what strict verificatio
 fraction of validation users whose target top-K beams are all among the draft's top-N beams (`coverage`); the
 best checkpoint is kept and scored on the test split.
 """
+
 from __future__ import annotations
 
 import sys
@@ -23,17 +24,41 @@ from decoding.templates import TEMPLATE_FILE, PromptTemplate, get_template, read
 from decoding.tree import chain_forward
 from pipeline.config import Storage
 from pipeline.evaluate import split_protocol
-from pipeline.training.common import (Data, TrainConfig, config_dict, fit, load_data, load_eval_users, prompts,
-                                      sample_batch, seed_everything, subset_of, write_report)
+from pipeline.training.common import (
+    Data,
+    TrainConfig,
+    config_dict,
+    fit,
+    load_data,
+    load_eval_users,
+    prompts,
+    sample_batch,
+    seed_everything,
+    subset_of,
+    write_report,
+)
 from pipeline.training.teacher import teacher_data
 
 PRESETS = {
-    "demo": dict(layers=1, hidden=64, heads=2, kv_heads=1, epochs=3, batch_size=64, lr=3e-3, warmup=100,
-                 max_samples=20000, eval_users=500, test_users=1000),
-    "gpu-small": dict(layers=2, hidden=256, heads=4, kv_heads=2, epochs=20, batch_size=128, lr=1e-3,
-                      max_samples=None, eval_users=2000),
-    "gpu-base": dict(layers=2, hidden=512, heads=8, kv_heads=4, epochs=20, batch_size=128, lr=5e-4,
-                     max_samples=None, eval_users=5000),
+    "demo": dict(
+        layers=1,
+        hidden=64,
+        heads=2,
+        kv_heads=1,
+        epochs=3,
+        batch_size=64,
+        lr=3e-3,
+        warmup=100,
+        max_samples=20000,
+        eval_users=500,
+        test_users=1000,
+    ),
+    "gpu-small": dict(
+        layers=2, hidden=256, heads=4, kv_heads=2, epochs=20, batch_size=128, lr=1e-3, max_samples=None, eval_users=2000
+    ),
+    "gpu-base": dict(
+        layers=2, hidden=512, heads=8, kv_heads=4, epochs=20, batch_size=128, lr=5e-4, max_samples=None, eval_users=5000
+    ),
 }
 
 
@@ -64,8 +89,10 @@ def check_config(cfg: DraftConfig, target, tokenizer, draft) -> None:
     if not 0 <= cfg.alpha <= 1:
         raise ValueError(f"alpha must be in [0, 1], got {cfg.alpha}")
     if draft.config.vocab_size != target.config.vocab_size:
-        raise ValueError(f"draft vocabulary ({draft.config.vocab_size} tokens, {cfg.init}) differs from the "
-                         f"target's ({target.config.vocab_size} tokens, {cfg.target}): they must share a tokenizer")
+        raise ValueError(
+            f"draft vocabulary ({draft.config.vocab_size} tokens, {cfg.init}) differs from the "
+            f"target's ({target.config.vocab_size} tokens, {cfg.target}): they must share a tokenizer"
+        )
     if cfg.init and (Path(cfg.init) / "tokenizer.json").is_file():
         if load_tokenizer(cfg.init).get_vocab() != tokenizer.get_vocab():
             raise ValueError(f"draft tokenizer ({cfg.init}) differs from the target's ({cfg.target})")
@@ -77,7 +104,7 @@ def beams_per_step(model, data: Data, histories, width: int, batch_size: int, de
     model.eval()
     out = [[] for _ in range(data.catalog.code_len)]
     for a in range(0, len(histories), batch_size):
-        ids, mask = prompts(data, histories[a:a + batch_size], device)
+        ids, mask = prompts(data, histories[a : a + batch_size], device)
         for t in range(1, data.catalog.code_len + 1):
             out[t - 1].append(beam_search(model, ids, mask, data.catalog, width, steps=t).token_ids.cpu())
     return [torch.cat(x) for x in out]
@@ -92,11 +119,15 @@ def draft_template(cfg: DraftConfig) -> PromptTemplate:
     """The target's prompt template: a draft reads the prompts its target reads."""
     template = read_template(cfg.target)
     if cfg.template is not None and get_template(cfg.template) != template:
-        raise ValueError(f"template {cfg.template!r} differs from the target's ({cfg.target}/{TEMPLATE_FILE}): a "
-                         "draft is trained on its target's prompts")
+        raise ValueError(
+            f"template {cfg.template!r} differs from the target's ({cfg.target}/{TEMPLATE_FILE}): a "
+            "draft is trained on its target's prompts"
+        )
     if cfg.history_len is not None and cfg.history_len != template.max_items:
-        raise ValueError(f"history_len {cfg.history_len} differs from the target's template ({template.max_items} "
-                         "items): a draft is trained on its target's prompts")
+        raise ValueError(
+            f"history_len {cfg.history_len} differs from the target's template ({template.max_items} "
+            "items): a draft is trained on its target's prompts"
+        )
     return template
 
 
@@ -109,14 +140,22 @@ def train_draft(cfg: DraftConfig) -> dict:
         raise ValueError(f"unknown objective {cfg.objective!r}; choose from {', '.join(A.OBJECTIVES)}")
     target = load_model(cfg.target, device=str(device), dtype="float32")
     tokenizer = load_tokenizer(cfg.target)
-    draft = load_model(cfg.init, device=str(device), dtype="float32") if cfg.init else build_model(
-        target.config.vocab_size, cfg.layers, cfg.hidden, cfg.heads, cfg.kv_heads, seed=cfg.seed).to(device)
+    draft = (
+        load_model(cfg.init, device=str(device), dtype="float32")
+        if cfg.init
+        else build_model(target.config.vocab_size, cfg.layers, cfg.hidden, cfg.heads, cfg.kv_heads, seed=cfg.seed).to(
+            device
+        )
+    )
     check_config(cfg, target, tokenizer, draft)
     template = draft_template(cfg)
     data = load_data(cfg.data, tokenizer, template, cfg.eval_users, device)
     subset = subset_of(len(data.sample_end), cfg.max_samples, rng)
-    teacher = None if cfg.objective == "sft" else teacher_data(
-        cfg.target, target, data, subset, cfg.k, cfg.teacher_batch, device, cfg.teacher_cache)
+    teacher = (
+        None
+        if cfg.objective == "sft"
+        else teacher_data(cfg.target, target, data, subset, cfg.k, cfg.teacher_batch, device, cfg.teacher_cache)
+    )
     span_lo = teacher.span_lo if teacher is not None else None
     width = teacher.top_logits.shape[-1] if teacher is not None else None
 
@@ -147,22 +186,44 @@ def train_draft(cfg: DraftConfig) -> dict:
         return A.mix(rec, align, cfg.alpha)
 
     target_valid = beams_per_step(target, data, data.eval_histories, cfg.k, cfg.eval_batch, device)
-    report = {"kind": "draft", "objective": cfg.objective, "config": config_dict(cfg), "template": template.to_dict(),
-              "data_fingerprint": data.fingerprint, "samples": int(len(subset)), "device": str(device),
-              "parameters": sum(p.numel() for p in draft.parameters()),
-              "target_parameters": sum(p.numel() for p in target.parameters()), "epochs": []}
+    report = {
+        "kind": "draft",
+        "objective": cfg.objective,
+        "config": config_dict(cfg),
+        "template": template.to_dict(),
+        "data_fingerprint": data.fingerprint,
+        "samples": int(len(subset)),
+        "device": str(device),
+        "parameters": sum(p.numel() for p in draft.parameters()),
+        "target_parameters": sum(p.numel() for p in target.parameters()),
+        "epochs": [],
+    }
 
     def validate(m):  # what strict verification needs, at every step
-        cov = coverage(target_valid, beams_per_step(m, data, data.eval_histories, cfg.draft_beams, cfg.eval_batch,
-                                                    device))
+        cov = coverage(
+            target_valid, beams_per_step(m, data, data.eval_histories, cfg.draft_beams, cfg.eval_batch, device)
+        )
         return {"coverage": cov}, float(np.mean(cov))
 
-    best_draft = fit(draft, tokenizer, step_loss, validate, data, subset, cfg, rng, device, Path(cfg.out), report,
-                     f"draft {cfg.objective}")
+    best_draft = fit(
+        draft,
+        tokenizer,
+        step_loss,
+        validate,
+        data,
+        subset,
+        cfg,
+        rng,
+        device,
+        Path(cfg.out),
+        report,
+        f"draft {cfg.objective}",
+    )
     histories, _ = load_eval_users(cfg.data, "test", cfg.test_users)
     report["test_coverage"] = coverage(
         beams_per_step(target, data, histories, cfg.k, cfg.eval_batch, device),
-        beams_per_step(best_draft, data, histories, cfg.draft_beams, cfg.eval_batch, device))
+        beams_per_step(best_draft, data, histories, cfg.draft_beams, cfg.eval_batch, device),
+    )
     report["test_users"] = len(histories)
     report["protocol"] = {s: split_protocol(str(Path(cfg.data) / f"{s}.parquet"), Storage()) for s in ("valid", "test")}
     write_report(Path(cfg.out), report)

@@ -5,6 +5,7 @@ scratch (layers / hidden / heads / kv_heads) or a local HF causal LM whose vocab
 (`base_model`, the LC-Rec recipe). Each epoch: Recall/NDCG@{5,10,20} on the validation split with `beam_search`;
 the best checkpoint is kept (safetensors + config + tokenizer + training.json) and scored on the test split.
 """
+
 from __future__ import annotations
 
 import sys
@@ -20,14 +21,23 @@ from decoding.templates import get_template
 from decoding.tree import chain_forward
 from pipeline.config import Storage
 from pipeline.evaluate import split_protocol
-from pipeline.training.common import (TrainConfig, config_dict, evaluate_recommendations, fit, load_data,
-                                      load_eval_users, sample_batch, seed_everything, subset_of, write_report)
+from pipeline.training.common import (
+    TrainConfig,
+    config_dict,
+    evaluate_recommendations,
+    fit,
+    load_data,
+    load_eval_users,
+    sample_batch,
+    seed_everything,
+    subset_of,
+    write_report,
+)
 
 PRESETS = {  # small: CPU demo within minutes; gpu-*: real runs on an accelerator
     "demo": dict(layers=2, hidden=128, heads=4, kv_heads=2, epochs=3, batch_size=128, lr=3e-3, eval_users=1000),
     "gpu-small": dict(layers=8, hidden=512, heads=8, kv_heads=4, epochs=30, batch_size=256, lr=1e-3, eval_users=5000),
-    "gpu-base": dict(layers=12, hidden=768, heads=12, kv_heads=4, epochs=30, batch_size=256, lr=5e-4,
-                     eval_users=20000),
+    "gpu-base": dict(layers=12, hidden=768, heads=12, kv_heads=4, epochs=30, batch_size=256, lr=5e-4, eval_users=20000),
 }
 
 
@@ -62,10 +72,17 @@ def train_target(cfg: TargetConfig) -> dict:
         logits = chain_forward(m, ids, mask, labels[:, None])[:, 0]  # [B, L, V]
         return recommendation_loss(logits, labels)
 
-    report = {"kind": "target", "config": config_dict(cfg), "template": template.to_dict(),
-              "data_fingerprint": data.fingerprint,
-              "samples": int(len(subset)), "eval_users": len(data.eval_histories), "device": str(device),
-              "parameters": sum(p.numel() for p in model.parameters()), "epochs": []}
+    report = {
+        "kind": "target",
+        "config": config_dict(cfg),
+        "template": template.to_dict(),
+        "data_fingerprint": data.fingerprint,
+        "samples": int(len(subset)),
+        "eval_users": len(data.eval_histories),
+        "device": str(device),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "epochs": [],
+    }
 
     def validate(m):
         metrics = evaluate_recommendations(m, data, data.eval_histories, data.eval_targets, cfg.eval_batch, device)
