@@ -5,7 +5,7 @@ BIN      = $(VENV)/bin
 TORCH   ?= torch==2.13.0
 DATA    ?= data/beauty
 
-.PHONY: install browser demo models nightly bench bench-gpu report test test-kernels clean
+.PHONY: install browser demo models nightly bench bench-gpu report lint test test-kernels clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -57,8 +57,13 @@ models/demo-draft/config.json: $(DATA)/items.parquet
 	$(BIN)/python -m jobs.train_draft --data $(DATA) --target models/demo-target --out models/demo-draft \
 		--objective atspeed-s --preset demo
 
-test: $(BIN)/.installed browser
+# ruff (pyproject.toml [tool.ruff]) lints and checks the format first: a failure there stops the suite in seconds.
+test: $(BIN)/.installed browser lint
 	$(BIN)/python -m pytest -q
+
+lint: $(BIN)/.installed
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 # The numerics-sensitive tests (tests/conftest.py) under every other CPU kernel family this machine offers
 # (ATEN_CPU_CAPABILITY: default, avx2, avx512): each rounds differently, so a bound tuned on one fails here. CI runs it.

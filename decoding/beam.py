@@ -20,14 +20,14 @@ import torch
 
 from decoding.cache import TreeCache
 from decoding.catalog import Catalog, Exclusions
-from decoding.head import Head, Scores
+from decoding.head import Head
 from decoding.models import check_window
 from decoding.stats import PHASES, Meter, beam_batch_kv
 from decoding.tree import TokenTree, prompt_position_ids
 
 NEG_INF = float("-inf")
 SUMMED = (*PHASES, "target_forwards", "draft_forwards", "target_tokens", "draft_tokens")  # Recommendations.concat
-_HEADS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_HEADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -38,7 +38,7 @@ class Recommendations:
     stats: dict = field(default_factory=dict)  # the base keys of decoding/stats.py, plus the mode's extras
 
     @classmethod
-    def concat(cls, parts: list["Recommendations"]) -> "Recommendations":
+    def concat(cls, parts: list[Recommendations]) -> Recommendations:
         """Consecutive slices of one batch's users, decoded one after the other -> one result, as if decoded at once:
         rows concatenated; per-user stats ([B] tensors) concatenated, other tensors (histograms) summed; phases,
         forwards and tokens summed; the other numbers (KV peaks, cache sizes) the largest, since the slices held
@@ -74,12 +74,12 @@ class Children:
     logp: torch.Tensor
     broken: torch.Tensor
 
-    def take(self, idx: torch.Tensor) -> "Children":
+    def take(self, idx: torch.Tensor) -> Children:
         """The query nodes idx [B, K] of every row -> Children [B, K, D]."""
         rows = lambda x: x.gather(1, idx[:, :, None].expand(-1, -1, x.shape[2]))  # noqa: E731
         return Children(rows(self.token), rows(self.node), rows(self.logp), self.broken.gather(1, idx))
 
-    def where(self, use: torch.Tensor, other: "Children") -> "Children":
+    def where(self, use: torch.Tensor, other: Children) -> Children:
         """These children for rows use [B] (or query nodes use [B, Q]), `other`'s elsewhere."""
         u = use if use.dim() == 2 else use[:, None]
         return Children(
@@ -89,7 +89,7 @@ class Children:
             torch.where(u, self.broken, other.broken),
         )
 
-    def select(self, users: torch.Tensor) -> "Children":
+    def select(self, users: torch.Tensor) -> Children:
         return Children(self.token[users], self.node[users], self.logp[users], self.broken[users])
 
 
@@ -100,7 +100,7 @@ class Prefix:
 
     def __init__(self, ids):
         self.ids = torch.as_tensor(ids, dtype=torch.int64).reshape(-1)
-        self._kv: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        self._kv: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def __len__(self) -> int:
         return self.ids.numel()
@@ -285,7 +285,7 @@ def gumbel_like(x: torch.Tensor, generator: torch.Generator | None) -> torch.Ten
 def sample_beams(kids: Children, score: torch.Tensor, k: int, temperature: float, generator: torch.Generator | None):
     """Sampling-based beam step: k (beam, token) pairs drawn WITHOUT replacement with probability proportional to
     exp((score + log p(token)) / temperature) over the valid children (Gumbel top-k), in draw order.
-    -> score, parent beam, token, node [B, k], the candidates' log-weights [B, W*D] and the drawn flat indices [B, k]."""
+    -> score, parent beam, token, node [B, k], the candidates' log-weights [B, W*D], the drawn flat indices [B, k]."""
     cand, tok, child, d = candidates(kids, score)
     weight = cand.double() / temperature
     flat = topk_stable((weight + gumbel_like(weight, generator)).float(), k)[1]  # draw order

@@ -39,7 +39,7 @@ class ItemTokens:
     token_ids: np.ndarray  # [N, L] int64, row i belongs to item_ids[i]
 
     @classmethod
-    def from_arrays(cls, item_ids, token_ids) -> "ItemTokens":
+    def from_arrays(cls, item_ids, token_ids) -> ItemTokens:
         item_ids = np.asarray(item_ids, dtype=np.int64).reshape(-1)
         token_ids = np.asarray(token_ids, dtype=np.int64)
         if token_ids.ndim != 2 or len(token_ids) != len(item_ids):
@@ -84,7 +84,7 @@ class Catalog:
     @classmethod
     def from_token_ids(
         cls, item_ids, token_ids, vocab_size: int, on_duplicate: str = "error", device: torch.device | str | None = None
-    ) -> "Catalog":
+    ) -> Catalog:
         """item_ids [N]; token_ids [N, L] (tensor, array or list of rows; ragged rows are an error). Items that share
         a semantic ID: an error, or (on_duplicate="first") the first keeps it in the index and the others are listed
         in `duplicates`; all of them stay in `item_tokens`, since histories may name any of them."""
@@ -140,9 +140,7 @@ class Catalog:
         return cat.to(device) if device is not None else cat
 
     @classmethod
-    def from_parquet(
-        cls, path, tokenizer, on_duplicate: str = "error", device=None, code_token=code_token
-    ) -> "Catalog":
+    def from_parquet(cls, path, tokenizer, on_duplicate: str = "error", device=None, code_token=code_token) -> Catalog:
         """Builds the catalog from `items.parquet` (`item_id`, `semantic_id` list of L codes) and a tokenizer
         whose vocabulary holds the code tokens `<a_12>`, `<b_3>`, ... (level letter, code)."""
         import pyarrow.parquet as pq  # the one file this module reads, outside any decoding path
@@ -158,7 +156,7 @@ class Catalog:
         device=None,
         source: str = "items.parquet",
         code_token=code_token,
-    ) -> "Catalog":
+    ) -> Catalog:
         """The one parser of a catalog table (`item_id`, `semantic_id`), read from anywhere: the index and the
         item-to-tokens map of prompts, from one pass over the semantic IDs. code_token(level, code) names the code
         tokens (a prompt template's `code`); every one the catalog needs must be in the tokenizer."""
@@ -180,7 +178,7 @@ class Catalog:
         except ValueError as e:
             raise ValueError(f"{source}: {e}") from None
 
-    def to(self, device) -> "Catalog":
+    def to(self, device) -> Catalog:
         """The index on `device` (the item-to-tokens map stays on the CPU, where prompts are rendered)."""
         return replace(
             self,
@@ -339,7 +337,7 @@ class Exclusions:
     parent: torch.Tensor  # [G] the catalog's parent of each node (counts walk the paths up)
 
     @classmethod
-    def from_items(cls, catalog: Catalog, user, item_ids, users: int) -> "Exclusions":
+    def from_items(cls, catalog: Catalog, user, item_ids, users: int) -> Exclusions:
         """Pairs (user [M] in 0 .. users - 1, item id [M]): repeats count once; ids the index does not hold are
         ignored (they cannot be recommended anyway)."""
         user = torch.as_tensor(user, dtype=torch.int64).to(catalog.device).reshape(-1)
@@ -366,7 +364,7 @@ class Exclusions:
         )
 
     @classmethod
-    def none(cls, catalog: Catalog, users: int) -> "Exclusions":
+    def none(cls, catalog: Catalog, users: int) -> Exclusions:
         """No exclusions for `users` users (the same answers as passing None, at a search's cost)."""
         return cls.from_items(catalog, torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), users)
 
@@ -383,7 +381,7 @@ class Exclusions:
             out.insert(0, (key, count))
         return out
 
-    def select(self, rows: torch.Tensor) -> "Exclusions":
+    def select(self, rows: torch.Tensor) -> Exclusions:
         """The rows [A'] of the current rows (a slice of the batch, or the users still decoding)."""
         return replace(self, rows=self.rows[rows])
 

@@ -59,7 +59,7 @@ ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 ATTENTION = {"flex": "genrec_tree_flex", "sdpa": "genrec_tree_sdpa"}  # engine attention -> registered interface
 MAX_CHUNKS = 16  # vocabulary chunks of the head inside a graph (each is unrolled into it)
 RECOMPILE_LIMIT = 256  # graphs per compiled function (every bucket of every model is one)
-_ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 # ---------------------------------------------------------------- buckets
@@ -86,7 +86,7 @@ class Bucket:
     depth: int  # levels decoded (L, or `steps`)
 
     @classmethod
-    def of(cls, users: int, prompt: int, k: int, depth: int) -> "Bucket":
+    def of(cls, users: int, prompt: int, k: int, depth: int) -> Bucket:
         return cls(users_bucket(users), prompt_bucket(prompt), k, depth)
 
 
@@ -113,7 +113,7 @@ class Slots:
     prefix_len: int  # P
 
     @classmethod
-    def allocate(cls, model, bucket: Bucket, code_len: int, prefix_kv: list | None) -> "Slots":
+    def allocate(cls, model, bucket: Bucket, code_len: int, prefix_kv: list | None) -> Slots:
         c, dev = model.config, model.device
         b, s, k = bucket.users, bucket.prompt, bucket.k
         p = prefix_kv[0][0].shape[2] if prefix_kv else 0
@@ -407,7 +407,7 @@ class Engine:
         )
 
     @classmethod
-    def of(cls, model, attention: str | None = None, cuda_graphs: bool | None = None) -> "Engine":
+    def of(cls, model, attention: str | None = None, cuda_graphs: bool | None = None) -> Engine:
         """The model's engine (made on first use). attention: "flex" or "sdpa" (None: flex on CUDA, sdpa elsewhere,
         where it compiles in a fraction of flex's time); cuda_graphs: the step replayed as a CUDA graph (None: on
         CUDA)."""

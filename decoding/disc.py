@@ -12,10 +12,10 @@ k distinct items per user: the first k distinct items of a sequence of independe
 replacement). Draws run in passes: the first pass launches k draws at once; a later pass launches one draw per item
 still missing, and a draw launched in pass e excludes the items decided before pass e (a trie node closes once
 every item under it is excluded), standing for the draws that would have repeated them. For a sampler whose law on
-C minus S is its law on C conditioned on C minus S (P_S, DISC's limit) this is exactly successive sampling, item after item
-each excluding the ones before; for plain constrained (trie) sampling, whose renormalisation moves with S, it is a
-different law (stated and tested in tests/test_disc.py); k = 1 is unaffected. The score of an item is its sequence
-log-probability under the model (temperature 1); items come back sorted by score.
+C minus S is its law on C conditioned on C minus S (P_S, DISC's limit) this is exactly successive sampling, item
+after item each excluding the ones before; for plain constrained (trie) sampling, whose renormalisation moves with
+S, it is a different law (stated and tested in tests/test_disc.py); k = 1 is unaffected. The score of an item is its
+sequence log-probability under the model (temperature 1); items come back sorted by score.
 
 A user's trie nodes are scored once: every node a proposal reaches is run through the model the first time any of
 the user's proposals (of any draw) reaches it, and its children's log-probs are kept (`Expanded`) for every later
@@ -54,7 +54,7 @@ class Expanded:
     broken: torch.Tensor  # [E] NaN or infinite scores
 
     @staticmethod
-    def empty(device) -> "Expanded":
+    def empty(device) -> Expanded:
         none = lambda dtype: torch.zeros(0, dtype=dtype, device=device)  # noqa: E731
         return Expanded(
             none(torch.int64),
@@ -74,7 +74,7 @@ class Expanded:
         at = torch.searchsorted(self.key, key).clamp(max=self.key.numel() - 1)
         return at, self.key[at] == key
 
-    def add(self, other: "Expanded") -> "Expanded":
+    def add(self, other: Expanded) -> Expanded:
         """The union (keys disjoint, same width), sorted again."""
         if self.key.numel() == 0:
             return other
@@ -126,7 +126,7 @@ def token_gumbel(seed: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     return -torch.log(-torch.log(u))
 
 
-def drawn_counts(catalog: Catalog, draws: "Draws", epochs: int) -> tuple[torch.Tensor, torch.Tensor]:
+def drawn_counts(catalog: Catalog, draws: Draws, epochs: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The items each draw must exclude: a draw launched in pass e excludes the distinct items of the draws decided
     before pass e. -> (sorted keys (user * E + e) * G + node of the nodes on those items' paths, how many excluded
     items lie under each) [U], E = epochs."""
@@ -181,7 +181,7 @@ def expand_missing(
     """Runs the level-t trie nodes node [B, P] (-1 = dead; prefix [B, P, t] their tokens) that no proposal of their
     user reached before through the model, each once however many proposals stand on it (under its parent's tree
     node), and adds them to stores[t]."""
-    (b, p), t, g = node.shape, prefix.shape[2], catalog.num_nodes
+    b, t, g = node.shape[0], prefix.shape[2], catalog.num_nodes
     user = torch.arange(b, device=node.device)[:, None].expand_as(node)
     key = user * g + node.clamp(min=0)
     _, found = stores[t].find(key)
@@ -438,11 +438,11 @@ class Draws:
     accepted: torch.Tensor
 
     @staticmethod
-    def empty(b: int, code_len: int, device) -> "Draws":
+    def empty(b: int, code_len: int, device) -> Draws:
         return Draws.blank(b, 0, code_len, device)
 
     @staticmethod
-    def blank(b: int, d: int, code_len: int, device) -> "Draws":
+    def blank(b: int, d: int, code_len: int, device) -> Draws:
         full = lambda shape, v, dtype: torch.full(shape, v, dtype=dtype, device=device)  # noqa: E731
         return Draws(
             full((b, d), False, torch.bool),
@@ -505,14 +505,11 @@ class Draws:
         w = int(n.max())
         j = torch.arange(w, device=dev)  # [W] proposal index within its draw's pass
         index = ((end - n)[:, :, None] + j).clamp(max=max(width - 1, 0)).view(b, d * w)  # [B, D * W]
-        per_draw = (
-            lambda x: x.gather(
-                1,
-                index.view(b, d * w, *([1] * (x.dim() - 2))).expand(  # noqa: E731
-                    b, d * w, *x.shape[2:]
-                ),
-            ).view(b, d, w, *x.shape[2:])
-        )
+
+        def per_draw(x: torch.Tensor) -> torch.Tensor:  # [B, P, ...] -> [B, D, W, ...]
+            at = index.view(b, d * w, *([1] * (x.dim() - 2))).expand(b, d * w, *x.shape[2:])
+            return x.gather(1, at).view(b, d, w, *x.shape[2:])
+
         tokens, paths, log_x, log_p = per_draw(tokens), per_draw(paths), per_draw(log_x), per_draw(log_p)
         in_turn = j < turn[:, :, None]  # [B, D, W]
         if r == 0:
@@ -524,14 +521,10 @@ class Draws:
         fresh = log_x.masked_fill(in_turn | (j >= n[:, :, None]), NEG_INF)  # [B, D, W] the r fresh ones
         pick = torch.where(ok, first, (fresh + gumbel_like(fresh, run.generator)).argmax(2))  # else resample by x
         done = self.open & (ok | final)
-        take = (
-            lambda x: x.gather(
-                2,
-                pick.view(b, d, 1, *([1] * (x.dim() - 3))).expand(  # noqa: E731
-                    b, d, 1, *x.shape[3:]
-                ),
-            ).squeeze(2)
-        )
+
+        def take(x: torch.Tensor) -> torch.Tensor:  # [B, D, W, ...] -> [B, D, ...] the picked proposal
+            return x.gather(2, pick.view(b, d, 1, *([1] * (x.dim() - 3))).expand(b, d, 1, *x.shape[3:])).squeeze(2)
+
         kept_x = take(log_x)
         dead = done & ~torch.isfinite(kept_x)  # the kept proposal found no item left (x = 0)
         self.paths = torch.where(done[:, :, None], take(paths).masked_fill(dead[:, :, None], -1), self.paths)
@@ -579,9 +572,9 @@ def disc_sample(
     exclude: Exclusions | None = None,
 ) -> Recommendations:
     """k distinct items per user drawn with DISC (Algorithm 1): asymptotically the model's distribution restricted
-    to the catalog minus the user's `exclude`d items (and to the items not drawn yet). stats: the base keys (decoding/stats.py) plus proposals [B]
-    (sequential count), proposals_decoded, acceptance_rate [B], invalid_mass [B] (estimated p_b),
-    importance_weight [B, k]."""
+    to the catalog minus the user's `exclude`d items (and to the items not drawn yet). stats: the base keys
+    (decoding/stats.py) plus proposals [B] (sequential count), proposals_decoded, acceptance_rate [B], invalid_mass
+    [B] (estimated p_b), importance_weight [B, k]."""
     return sample_items(
         model,
         input_ids,

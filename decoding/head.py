@@ -54,7 +54,7 @@ class Head:
     # (in the model's dtype, then upcast: transformers' rounding; `bench precision` measures what it costs)
 
     @classmethod
-    def of(cls, model, check: bool = True) -> "Head":
+    def of(cls, model, check: bool = True) -> Head:
         """The head of a transformers causal LM, checked against the model's own logits on a probe."""
         out = model.get_output_embeddings()
         if not isinstance(out, torch.nn.Linear):

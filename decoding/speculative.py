@@ -165,7 +165,7 @@ class Step:
     weight: torch.Tensor | None = None
     flat: torch.Tensor | None = None
 
-    def where(self, use: torch.Tensor, other: "Step") -> "Step":
+    def where(self, use: torch.Tensor, other: Step) -> Step:
         """This step for the users use [A], `other` for the rest."""
         pick_ = lambda a, b: torch.where(use[:, None], a, b)  # noqa: E731
         return Step(
@@ -209,7 +209,7 @@ class Beams:
     node: torch.Tensor  # [A, K] catalog node, -1 = dead
     depth: torch.Tensor  # [A] tokens generated
 
-    def select(self, users: torch.Tensor) -> "Beams":
+    def select(self, users: torch.Tensor) -> Beams:
         return Beams(self.tokens[users], self.score[users], self.node[users], self.depth[users])
 
     def last_tokens(self) -> torch.Tensor:

@@ -73,14 +73,14 @@ class PromptTemplate:
         ]
         return self.prefix + self.separator.join(written) + self.suffix
 
-    def with_max_items(self, max_items: int | None) -> "PromptTemplate":
+    def with_max_items(self, max_items: int | None) -> PromptTemplate:
         return self if max_items is None else replace(self, max_items=max_items)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, raw: dict, source: str = "template") -> "PromptTemplate":
+    def from_dict(cls, raw: dict, source: str = "template") -> PromptTemplate:
         if not isinstance(raw, dict):
             raise ValueError(f"{source}: a prompt template is a JSON object, got {type(raw).__name__}")
         known = {f.name for f in fields(cls)}

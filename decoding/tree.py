@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from decoding.cache import TreeCache
 
 
@@ -25,7 +26,7 @@ class TokenTree:
     depth: torch.Tensor  # [B, T] int64, 1 for a child of the prompt
 
     @classmethod
-    def from_prompt(cls, attention_mask: torch.Tensor, prefix: int = 0) -> "TokenTree":
+    def from_prompt(cls, attention_mask: torch.Tensor, prefix: int = 0) -> TokenTree:
         """A tree over left-padded prompts [B, S] that continue a shared prefix of `prefix` tokens."""
         prompt_mask = attention_mask.bool()  # [B, S]
         b, dev = prompt_mask.shape[0], prompt_mask.device

@@ -124,7 +124,7 @@ class Renderer:
         return rows[0][: int(np.argmin(same)) if not same.all() else p].copy()
 
     @classmethod
-    def compile(cls, template: PromptTemplate, tokenizer, probes: np.ndarray) -> "Renderer":
+    def compile(cls, template: PromptTemplate, tokenizer, probes: np.ndarray) -> Renderer:
         """Tokenizes the prompt of every length 1 .. max_items twice, with two different sequences of probe items
         (probes [P, L]: code token ids of real items, e.g. the catalog's), and keeps where the code tokens land.
         Refused with a message when the tokenizer does not keep the code tokens apart from the text, or when the

@@ -5,8 +5,8 @@ The nightly config embeds `Decoding` as its `decoding` section; the graph builds
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import pyarrow as pa
 

@@ -111,7 +111,7 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
         node[parts[-1]] = yaml.safe_load(value) if value.strip() else None
     cfg = _build(Config, raw, "")
     if not cfg.run_date:
-        cfg.run_date = dt.datetime.now(dt.timezone.utc).date().isoformat()
+        cfg.run_date = dt.datetime.now(dt.UTC).date().isoformat()
     validate(cfg)
     return cfg
 
@@ -162,10 +162,8 @@ def _typed(value, kind: str, name: str):
         "float": isinstance(value, (int, float)) and not isinstance(value, bool),
     }[base]
     if not ok:
-        raise ValueError(
-            f"config: {name} must be {'a number' if base == 'float' else 'an ' + base if base == 'int' else 'a string'}, "
-            f"got {value!r}"
-        )
+        kind = "a number" if base == "float" else "an " + base if base == "int" else "a string"
+        raise ValueError(f"config: {name} must be {kind}, got {value!r}")
     return float(value) if base == "float" else value
 
 

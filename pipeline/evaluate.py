@@ -2,8 +2,8 @@
 
 The paper's convention: users without target items are skipped; the split's history convention (a test user's
 history is its train + valid items, the AtSpeed paper's) is quoted from the data folder's prepare.json. A user with
-targets but no recommendations (a rejected row) counts as a miss, so a run cannot look better by rejecting users. Duplicate user ids: the first row's
-targets, as the nightly job keeps the first row.
+targets but no recommendations (a rejected row) counts as a miss, so a run cannot look better by rejecting users.
+Duplicate user ids: the first row's targets, as the nightly job keeps the first row.
 
 Exclusions: the report states the run's `decoding.exclude` setting (and the excluded items per user, from its
 manifest). Targets are scored as given (`targets="all"`, the AtSpeed protocol: it excludes nothing), or without the

@@ -58,7 +58,7 @@ class Lease:
 
     # ------------------------------------------------------------------ acquire / renew / release
 
-    def acquire(self, resuming: bool = False) -> "Lease":
+    def acquire(self, resuming: bool = False) -> Lease:
         """Takes the date, or raises LeaseHeld naming the run that holds it. A lease that its holder released is
         taken at once; one that looks expired by this machine's clock (or, resuming, is held by this same run id:
         its killed driver's) is watched for ttl_s on the monotonic clock and taken over only if no renewal came."""
@@ -176,7 +176,7 @@ class Lease:
 
         threading.Thread(target=loop, name="lease-renewal", daemon=True).start()
 
-    def _lock_local(self) -> "Lease":
+    def _lock_local(self) -> Lease:
         path = Path(self.uri).expanduser()
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)

@@ -252,7 +252,7 @@ def run_nightly(cfg: Config, resume: str | None = None, plan: Plan | None = None
         return publish_finished(plan, finished)
     run_id = resume_id(plan, resume) if resume else None
     resumed = run_id is not None
-    run_id = run_id or dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6]
+    run_id = run_id or dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6]
     lease = Lease(runs.date_dir(cfg.output, cfg.run_date), run_id, cfg.storage, cfg.runs.lease_s).acquire(resumed)
     try:
         return execute(plan, run_id, resumed, lease, runs.latest_version(cfg.output, cfg.run_date, cfg.storage))

@@ -28,7 +28,6 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from decoding.stats import PHASES as DECODER_PHASES
 from pipeline import storage as S

@@ -15,9 +15,9 @@
     <run>/_SUPERSEDED                                            {"by", "at"}: another run of the date was published
 
 A reader resolves _LATEST, then trusts the run only if it has _SUCCESS. A run publishes (holding the date's lease) by
-replacing _LATEST (on S3 compare-and-swap), then marks the date's other runs superseded; they stay readable for a grace period (a reader that
-resolved _LATEST just before keeps its run) and are deleted by a later publish or `--gc`. A run without _SUCCESS and
-not superseded is unfinished: `--resume` continues it.
+replacing _LATEST (on S3 compare-and-swap), then marks the date's other runs superseded; they stay readable for a
+grace period (a reader that resolved _LATEST just before keeps its run) and are deleted by a later publish or
+`--gc`. A run without _SUCCESS and not superseded is unfinished: `--resume` continues it.
 """
 
 from __future__ import annotations

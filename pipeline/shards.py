@@ -141,8 +141,8 @@ SUMS = ("users_in", "users_ok", "users_rejected", "users_non_finite", "recommend
 
 
 def tally(run: str, storage: Storage, stems: list[str], since: float = 0.0) -> dict:
-    """The totals of the shards `stems`, read file by file: {SUMS..., "batches", "decode_batch": the smallest and largest
-    users per decode (compute.decode_batch, or what the GPU actors found to fit), "actor_ready_s" and
+    """The totals of the shards `stems`, read file by file: {SUMS..., "batches", "decode_batch": the smallest and
+    largest users per decode (compute.decode_batch, or what the GPU actors found to fit), "actor_ready_s" and
     "first_commit_s": seconds from `since` (epoch) until the first actor started after it was ready to decode and
     until the first shard written after it was committed (None: none; the actors' clocks: on one machine exact),
     "auto": each actor's last auto state (decoding.mode = auto: its choice and the trial timings behind it) or None,

@@ -16,8 +16,9 @@ import random
 import re
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TypeVar
 from urllib.parse import urlparse
 
 import pyarrow as pa

@@ -33,9 +33,9 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Mapping
 
 TEST_ACCESS_KEY = "genrec-test"
 TEST_SECRET_KEY = "genrec-test-secret"
@@ -656,8 +656,8 @@ def ray_head(
     try:
         try:
             rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise TimeoutError(f"`ray start` still running after {timeout:.0f} s; {log_path}:\n{tail(log_path)}")
+        except subprocess.TimeoutExpired as e:
+            raise TimeoutError(f"`ray start` still running after {timeout:.0f} s; {log_path}:\n{tail(log_path)}") from e
         if rc != 0:
             raise RuntimeError(
                 f"`ray start` failed with code {rc}; {log_path}:\n{tail(log_path)}\n" + _ray_logs_tail(temp_dir)

@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from decoding.catalog import Catalog
 from tests.helpers import random_catalog
@@ -154,6 +155,7 @@ def test_beauty_catalog_matches_brute_force(beauty):
 def test_from_parquet_bad_files(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
+
     from pipeline.prepare import build_tokenizer
 
     tok = build_tokenizer(2, 4)

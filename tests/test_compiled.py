@@ -263,8 +263,8 @@ def test_a_compiled_nightly_publishes_what_eager_does(tmp_path_factory):
     """The nightly job on a local Ray with compute.engine=compiled: the actor compiles its bucket at start (cache in
     COMPILE_CACHE) and publishes the eager run's recommendations, for every user clear of a near-tie within the
     two runs' largest score difference; compile seconds and graphs in the metrics and the manifest."""
-    import ray
     import pyarrow.parquet as pq
+    import ray
 
     from pipeline.nightly import run_nightly
     from tests.test_nightly import config, direct_beam_search, make_world, read_run

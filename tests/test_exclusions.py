@@ -15,7 +15,7 @@ from decoding.disc import constrained_sample, disc_sample
 from decoding.models import tiny_model
 from decoding.reference import catalog_logprob, cpu_trie, generate_beam_search
 from decoding.speculative import speculative_beam_search
-from tests.helpers import SPECIALS, assert_same_ranking, left_padded_prompts, random_catalog, trained_model
+from tests.helpers import assert_same_ranking, left_padded_prompts, random_catalog
 
 LENGTHS = [3, 11, 6, 17, 9, 4, 14, 8]  # 8 users, all different prompt lengths: left padding
 HF_PAD = -1e8  # transformers fills a user's missing beams with sequences scored about -1e9

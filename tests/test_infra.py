@@ -307,7 +307,8 @@ doc = yaml.safe_load(sys.stdin)
 name = doc["metadata"]["name"]
 path = os.path.join(os.environ["STATE"], name)
 if os.path.exists(path):
-    sys.exit(f'Error from server (AlreadyExists): error when creating "STDIN": rayjobs.ray.io "{{name}}" already exists')
+    sys.exit(f'Error from server (AlreadyExists): error when creating "STDIN": rayjobs.ray.io "{{name}}" already '
+             'exists')
 with open(path, "w") as f:
     f.write(yaml.safe_dump(doc))
 print(f"rayjob.ray.io/{{name}} created")
@@ -328,9 +329,9 @@ def test_launcher_creates_tonights_rayjob_once_and_a_second_launch_exits_0(tmp_p
             ["/bin/sh", "-c", script], env={**env, **extra}, capture_output=True, text=True, timeout=30
         )
 
-    today = {dt.datetime.now(dt.timezone.utc).date().isoformat()}
+    today = {dt.datetime.now(dt.UTC).date().isoformat()}
     first = launch()
-    today.add(dt.datetime.now(dt.timezone.utc).date().isoformat())
+    today.add(dt.datetime.now(dt.UTC).date().isoformat())
     assert first.returncode == 0, first.stderr
     (created,) = (tmp_path / "state").iterdir()
     date = created.name.removeprefix("genrec-nightly-")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from decoding.models import pick_device
 from pipeline.bench import decode, disc, speculative
@@ -78,7 +78,7 @@ def bench_all(p: AllParams, command: str) -> tuple[dict, str]:
     """Every selected section in this process, in order -> (all.json content, all.md). Fails before any work when
     a model is missing."""
     require_models(p.target, p.drafts if "speculative" in p.sections else None)
-    started, t0 = datetime.now(timezone.utc).isoformat(timespec="seconds"), time.perf_counter()
+    started, t0 = datetime.now(UTC).isoformat(timespec="seconds"), time.perf_counter()
     result = {
         "command": command,
         "started": started,

@@ -15,17 +15,17 @@ import platform
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
 from decoding.models import pick_device, pick_dtype
-
 
 # ------------------------------------------------------------------ the harness
 

@@ -163,7 +163,7 @@ def markdown_exclude(result: dict) -> str:
         "returned |",
         "|---:|---:|---:|---:|---:|",
     ]
-    for name, r in e["methods"].items():
+    for r in e["methods"].values():
         cost = fmt_ratio(r["cost"]) if "cost" in r else "1"
         bound = f"{r['bound']:.1f}x" if r.get("bound") else "-"
         lines.append(

@@ -578,7 +578,7 @@ def markdown_gpu(result: dict, md: dict) -> str:
                 f"{fraction(eager)} / {fraction(comp)} | {ag['same_items_same_order']:.0%} (max score diff "
                 f"{ag['max_abs_score_diff']:.1e}) |"
             )
-    for name, text in md.items():
+    for text in md.values():
         lines += ["", text]
     return "\n".join(lines + ["", footer(result["environment"])])
 

@@ -88,8 +88,8 @@ def markdown_nightly(result: dict) -> str:
     return "\n".join(
         [
             f"## nightly job (one actor) vs direct calls: {n['users']} users, mode {n['config']['mode']}, k "
-            f"{n['config']['k']}, batch {n['config']['batch_size']}, {env['device']}; median (min-max) of {n['repeats']} "
-            "interleaved repeats",
+            f"{n['config']['k']}, batch {n['config']['batch_size']}, {env['device']}; median (min-max) of "
+            f"{n['repeats']} interleaved repeats",
             "",
             "| path | seconds | users/s |",
             "|---|---:|---:|",

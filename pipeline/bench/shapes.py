@@ -1,6 +1,6 @@
-"""shapes: `beam_search` against `transformers` beam search at the shapes real LLM recommenders have: vocabulary x prompt
-length x K, a random Llama of layers x hidden, Amazon Beauty's catalog with its 1,024 code tokens appended after a
-text vocabulary, random text prompts of the given length. `--methods` picks the methods: beam_search (the eager
+"""shapes: `beam_search` against `transformers` beam search at the shapes real LLM recommenders have: vocabulary x
+prompt length x K, a random Llama of layers x hidden, Amazon Beauty's catalog with its 1,024 code tokens appended after
+a text vocabulary, random text prompts of the given length. `--methods` picks the methods: beam_search (the eager
 engine), beam_search_compiled (decoding/compiled.py: its cold run compiles, compile_s records it) and transformers.
 
 Every (cell, method, repeat) runs in its own process (`python -m pipeline.bench.shapes WORKER_JSON`), the methods
@@ -148,7 +148,8 @@ def markdown_shapes(result: dict) -> str:
         "cold run, first repeat (later repeats load the inductor cache)",
         "",
         "| vocabulary | prompt | K | " + " | ".join(f"{x} users/s" for x in methods) + " | speed-up | working "
-        f"memory (MB) {' / '.join(methods)} | same items, same order as {s['cells'][0]['reference'] if methods else '-'} |",
+        f"memory (MB) {' / '.join(methods)} | same items, same order as "
+        f"{s['cells'][0]['reference'] if methods else '-'} |",
         "|---:|---:|---:|" + "---:|" * (len(methods) + 3),
     ]
     for c in s["cells"]:

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
-import torch
 
 from decoding.catalog import Catalog
 from decoding.codes import semantic_id_matrix

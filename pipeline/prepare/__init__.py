@@ -15,53 +15,11 @@ removing the one an earlier import left; a folder is prepared when its items.par
 import killed part-way never leaves a folder that looks done.
 """
 
-from pipeline.prepare.beauty import BEAUTY_FILES, prepare_beauty, read_beauty
-from pipeline.prepare.contract import (
-    INSTRUCTION_TEXT,
-    ITEMS,
-    PrepareSummary,
-    Source,
-    build_text_tokenizer,
-    build_tokenizer,
-    catalog_report,
-    code_tokens_array,
-    items_table,
-    prepared,
-    semantic_id_array,
-    semantic_id_collisions,
-    write_contract,
-    write_source,
-)
-from pipeline.prepare.lcrec import (
-    LCREC_SPLITS,
-    REPORTED,
-    LcrecSplit,
-    apply_offset,
-    check_id_offset,
-    code_token_pattern,
-    find_lcrec_index,
-    prepare_lcrec,
-    read_lcrec,
-    read_lcrec_index,
-    read_lcrec_split,
-)
-from pipeline.prepare.splits import (
-    SPLIT_CONVENTION,
-    SPLITS,
-    Interactions,
-    length_summary,
-    list_array,
-    sorted_unique,
-    split_report,
-    split_tables,
-    tail_lists,
-)
+from pipeline.prepare.beauty import prepare_beauty
+from pipeline.prepare.contract import PrepareSummary, build_text_tokenizer, build_tokenizer, prepared, write_contract
+from pipeline.prepare.lcrec import find_lcrec_index, prepare_lcrec
+from pipeline.prepare.splits import SPLIT_CONVENTION, Interactions, split_tables
 from pipeline.prepare.synthetic import (
-    BEAUTY_LENGTH_MU,
-    BEAUTY_LENGTH_SIGMA,
-    BEAUTY_ZIPF_ALPHA,
-    BEAUTY_ZIPF_OFFSET,
-    MIN_HISTORY,
     SYNTHETIC_SPLITS,
     SyntheticSummary,
     synthetic_catalog,
@@ -70,20 +28,20 @@ from pipeline.prepare.synthetic import (
 )
 
 __all__ = [
-    "build_tokenizer",
-    "build_text_tokenizer",
-    "prepare_beauty",
-    "prepare_lcrec",
-    "find_lcrec_index",
-    "PrepareSummary",
     "SPLIT_CONVENTION",
     "SYNTHETIC_SPLITS",
+    "Interactions",
+    "PrepareSummary",
+    "SyntheticSummary",
+    "build_text_tokenizer",
+    "build_tokenizer",
+    "find_lcrec_index",
+    "prepare_beauty",
+    "prepare_lcrec",
+    "prepared",
+    "split_tables",
     "synthetic_catalog",
     "synthetic_histories",
-    "write_synthetic",
-    "SyntheticSummary",
-    "prepared",
     "write_contract",
-    "split_tables",
-    "Interactions",
+    "write_synthetic",
 ]

@@ -15,7 +15,6 @@ from operators.prompts import ragged_arrays
 from pipeline.prepare.contract import build_tokenizer, items_table, write_contract
 from pipeline.prepare.splits import Interactions, length_summary, list_array, sorted_unique, split_tables
 
-
 # History lengths of synthetic users: n = 5 + floor(Y), Y ~ LogNormal(mu, sigma).
 # Fitted once on /work/shared/datasets/amazon-beauty/train.parquet (19,383 users; train
 # lengths min 2, median 5, mean 6.31, p99 31, max 165). 5-core data has >= 5 interactions
