@@ -4,6 +4,10 @@ The graph (pipeline/nightly.py) resolves everything first and hands the actor an
 model directories, the catalog table it read once, the decoding settings. Output rows carry a `kind`: "rec"
 (user_id, rank, item_id, score, mode), "reject" (user_id, reason, detail) or "metric" (one per batch, JSON in
 `metrics`), so that one map over the users yields all three tables; `TABLES` names each table's columns.
+
+`__call__` validates, renders, decodes (`Decoded`: one batch's items, scores, stats and audit) and hands the rest to
+pure functions of plain arrays: `recommendation_table`, `non_finite_rejects`, `batch_counts`, `decoder_metrics` and
+`output_table`, which tags each row with its kind.
 """
 
 from __future__ import annotations
@@ -30,9 +34,9 @@ from decoding.metrics import topk_agreement
 from decoding.models import check_window, load_config, load_model, load_tokenizer
 from decoding.speculative import speculative_beam_search
 from decoding.stats import BASE_KEYS, PHASES
-from operators.prompts import Renderer, catalog_probes, excluded_items
+from operators.prompts import Prompts, Renderer, catalog_probes, excluded_items
 from operators.spec import ActorSpec
-from operators.validate import validate
+from operators.validate import reject_schema, validate
 
 FAIL_AFTER_ENV = "GENREC_TEST_FAIL_AFTER"  # tests only: "N:/path/marker" exits the actor once, after N batches
 SAMPLING = ("atspeed-relaxed", "disc")  # modes whose items are draws (seeded by the users decoded together)
@@ -67,6 +71,97 @@ def table_schema(kind: str, user_type: pa.DataType) -> pa.Schema:
     """The schema of one published table (TABLES[kind]'s columns of the output schema)."""
     schema = output_schema(user_type)
     return pa.schema([schema.field(n) for n in TABLES[kind]])
+
+
+@dataclass
+class Decoded:
+    """One batch's decode, what its output rows are made from (rows: the validated users, U)."""
+
+    mode: str  # the decoder that ran (decoding.mode = auto: the one whose turn it was)
+    items: np.ndarray  # [U, k] int64, -1 where there is no item (a small catalog; a user with non-finite log-probs)
+    scores: np.ndarray  # [U, k] float32, the target model's sequence log-probabilities
+    broken: np.ndarray  # [U] bool: NaN / inf log-probabilities while decoding (rejected, never a short list)
+    stats: dict  # the decoder's stats (decoding/stats.py); BASE_KEYS at 0 when no user was decoded
+    audit: dict  # the precision audit's metrics (audit_*), {} when no user of the batch was audited
+
+    @classmethod
+    def empty(cls, mode: str, k: int) -> Decoded:
+        """A batch without a valid row: nothing decoded."""
+        none = np.zeros((0, k), np.int64), np.zeros((0, k), np.float32), np.zeros(0, bool)
+        return cls(mode, *none, dict.fromkeys(BASE_KEYS, 0), {})
+
+
+def recommendation_table(users: pa.Array, items: np.ndarray, scores: np.ndarray, mode: str) -> pa.Table:
+    """users [U], items [U, k] (-1: no item), scores [U, k] -> the recommendations (TABLES["rec"]), one row per
+    item, users in order and ranks 1.. within each."""
+    row, rank = np.nonzero(items >= 0)  # fewer than k only when the catalog has fewer items
+    return pa.table(
+        {
+            "user_id": users.take(pa.array(row, pa.int64())),
+            "rank": pa.array((rank + 1).astype(np.int32)),
+            "item_id": pa.array(items[row, rank]),
+            "score": pa.array(scores[row, rank].astype(np.float32)),
+            "mode": pa.array(np.full(len(row), mode, object), pa.string()),
+        }
+    )
+
+
+def non_finite_rejects(users: pa.Array, broken: np.ndarray) -> pa.Table:
+    """users [U], broken [U] bool -> the rejects (TABLES["reject"]) of the users whose log-probabilities were not
+    finite while decoding."""
+    n = int(broken.sum())
+    return pa.table(
+        [
+            users.filter(pa.array(broken)),
+            pa.array(["non_finite_logits"] * n, pa.string()),
+            pa.array([NON_FINITE] * n, pa.string()),
+        ],
+        schema=reject_schema(users.type),
+    )
+
+
+def output_table(recs: pa.Table, rejects: pa.Table, metric: dict, user_type: pa.DataType) -> pa.Table:
+    """The batch's recommendations, rejects and metric row (JSON in `metrics`) as one table of the output schema,
+    each row tagged with its `kind`."""
+    schema = output_schema(user_type)
+    tagged = [
+        t.add_column(0, "kind", pa.array([kind] * t.num_rows, pa.string()))
+        for t, kind in ((recs, "rec"), (rejects, "reject"))
+    ]
+    metrics = pa.table({"kind": ["metric"], "metrics": [json.dumps(metric)]})
+    return pa.concat_tables([*tagged, metrics], promote_options="permissive").select(schema.names).cast(schema)
+
+
+def batch_counts(
+    users_in: int, broken: np.ndarray, rejected: int, recommendations: int, prompts: Prompts, prefix_len: int
+) -> dict:
+    """A batch's counts: its rows, the validated users (broken [U]) that got items, rejects, items, and the prompt
+    tokens (those rendered, prompts [U, S], plus the shared prefix each user's prefill skipped)."""
+    users = len(broken)
+    return {
+        "users_in": users_in,
+        "users_ok": users - int(broken.sum()),
+        "users_rejected": rejected,
+        "recommendations": recommendations,
+        "prompt_tokens": int(prompts.attention_mask.sum()) + prefix_len * users,
+        "prefix_tokens_saved": prefix_len * users,
+    }
+
+
+def decoder_metrics(stats: dict, wall: float) -> dict:
+    """A decoder's stats and the batch's wall time -> metric values: wall_s, the base stats (decoding/stats.py),
+    other_s = the wall time outside the decoder (validation, prompts, output rows), and the speculative extras (mean
+    accepted steps per round and their histogram; None for the other decoders)."""
+    base = {key: float(stats[key]) if key in PHASES else int(stats[key]) for key in BASE_KEYS}
+    accepted, rounds, hist = stats.get("accepted_steps"), stats.get("rounds"), stats.get("accepted_hist")  # [U], [U]
+    mean = accepted is not None and len(accepted)
+    return {
+        "wall_s": wall,
+        **base,
+        "other_s": max(wall - sum(base[p] for p in PHASES), 0.0),
+        "mean_accepted_steps": float((accepted.float() / rounds.clamp(min=1).float()).mean()) if mean else None,
+        "accepted_hist": hist.tolist() if hist is not None else None,
+    }
 
 
 @dataclass
@@ -172,104 +267,60 @@ class Recommender:
             self._warm_up()
         self.ready_at = time.time()  # ready to decode: process started, modules imported, models loaded, compiled
 
+    @property
+    def prefix_len(self) -> int:
+        """Tokens of the template's fixed prefix: prefilled once per model, left out of every rendered prompt."""
+        return len(self.prefix) if self.prefix is not None else 0
+
     def _warm_up(self) -> None:
         """compute.engine compiled: the node's compile cache, then the actor's bucket compiled (a dummy batch of its
         decode batch x the longest prompt); every decode of a shard snaps to it."""
         if self.spec.compile_cache:
             use_compile_cache(self.spec.compile_cache)
-        prompt = self.renderer.max_len - (len(self.prefix) if self.prefix is not None else 0)
+        prompt = self.renderer.max_len - self.prefix_len
         users = min(
             self.spec.warm_users, self._fitting_batch("beam", prompt, self.target, None) or self.spec.warm_users
         )
         warm_up(self.target, self.catalog, users, prompt, self.spec.decoding.k, self.prefix)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
+        """A histories batch -> its output rows: its users' recommendations and rejects, and one metric row."""
         self._fault_injection()
         t0 = time.perf_counter()
         d = self.spec.decoding
-        user_type = batch.schema.field("user_id").type
         good, rejects = validate(batch, self.catalog.item_tokens, self.renderer.max_items, d.exclude_column)
         users = good.column("user_id")
         exclude, excluded = self._exclusions(good)
-        skip = len(self.prefix) if self.prefix is not None else 0
-        p = self.renderer.render(good.column("history"), self.catalog.item_tokens, skip)
-        mode = self.auto.next() if self.auto else d.mode
-        stats = dict.fromkeys(BASE_KEYS, 0)
-        items, scores = np.zeros((0, d.k), np.int64), np.zeros((0, d.k), np.float32)
-        broken, audit = np.zeros(0, bool), {}
-        if good.num_rows:
-            if self.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            ids, mask = p.input_ids.to(self.device), p.attention_mask.to(self.device)
-            first = self._first_batch(mode, ids, self.target, self.draft, self.oom_batch)
-            rec, self.decode_batch = self._decode_slices(
-                mode, ids, mask, users, self.target, self.draft, first, exclude
-            )
-            self.oom_batch = self.decode_batch if self.decode_batch < first else self.oom_batch  # kept for later shards
-            stats = rec.stats
-            if self.auto:
-                self.auto.record(mode, sum(stats[key] for key in PHASES), good.num_rows)
-            items, scores = rec.item_ids.cpu().numpy(), rec.scores.float().cpu().numpy()
-            broken = stats["non_finite"].cpu().numpy()  # [U] NaN / inf log-probs: rejected, never a short list
-            pick = np.nonzero(~broken)[0][: self.audit_left]  # the first decoded users, while the audit lasts
-            if len(pick):
-                audit = self._audit(mode, ids, mask, users, rec, pick, exclude)
-            items[broken] = -1
-            rejects = pa.concat_tables(
-                [
-                    rejects,
-                    pa.table(
-                        [
-                            users.filter(pa.array(broken)),
-                            pa.array(["non_finite_logits"] * int(broken.sum()), pa.string()),
-                            pa.array([NON_FINITE] * int(broken.sum()), pa.string()),
-                        ],
-                        schema=rejects.schema,
-                    ),
-                ]
-            )
-        wall = time.perf_counter() - t0 - audit.get("audit_s", 0.0)  # the audit is reported as its own cost
-        row, rank = np.nonzero(items >= 0)  # fewer than k only when the catalog has fewer items
-        schema = output_schema(user_type)
-        recs = pa.table(
-            {
-                "kind": pa.array(np.full(len(row), "rec", object), pa.string()),
-                "user_id": users.take(pa.array(row, pa.int64())),
-                "rank": pa.array((rank + 1).astype(np.int32)),
-                "item_id": pa.array(items[row, rank]),
-                "score": pa.array(scores[row, rank].astype(np.float32)),
-                "mode": pa.array(np.full(len(row), d.mode, object), pa.string()),
-            }
-        )
-        metric = self._metric_row(
-            batch.num_rows,
-            good.num_rows - int(broken.sum()),
-            rejects.num_rows,
-            int(p.attention_mask.sum()) + skip * good.num_rows,
-            len(row),
-            wall,
-            stats,
-        )
-        metric.update(
-            users_non_finite=int(broken.sum()),
-            decoder=mode,
-            prefix_tokens_saved=skip * good.num_rows,
-            auto=self.auto.state() if self.auto else None,
-            dtype=self.dtype,
-            **excluded,
-            **audit,
-            **self._compiled_since(),
-        )
-        table = pa.concat_tables(
-            [
-                recs,
-                rejects.add_column(0, "kind", pa.array(np.full(rejects.num_rows, "reject", object), pa.string())),
-                pa.table({"kind": ["metric"], "metrics": [json.dumps(metric)]}),
-            ],
-            promote_options="permissive",
-        )
+        prompts = self.renderer.render(good.column("history"), self.catalog.item_tokens, self.prefix_len)
+        decoded = self._decode_batch(prompts, users, exclude)
+        rejects = pa.concat_tables([rejects, non_finite_rejects(users, decoded.broken)])
+        recs = recommendation_table(users, decoded.items, decoded.scores, d.mode)
+        wall = time.perf_counter() - t0 - decoded.audit.get("audit_s", 0.0)  # the audit is reported as its own cost
+        counts = batch_counts(batch.num_rows, decoded.broken, rejects.num_rows, recs.num_rows, prompts, self.prefix_len)
+        metric = {**self._metric_row(counts, wall, decoded), **excluded}
         self.batches += 1
-        return table.select(schema.names).cast(schema)
+        return output_table(recs, rejects, metric, batch.schema.field("user_id").type)
+
+    def _decode_batch(self, prompts: Prompts, users, exclude: Exclusions | None) -> Decoded:
+        """The validated users' prompts [U, S] decoded by this batch's decoder (auto: the one whose turn it is), in
+        slices that fit, the first users audited while the audit lasts -> Decoded (empty when no row was valid)."""
+        mode = self.auto.next() if self.auto else self.spec.decoding.mode
+        if not len(users):
+            return Decoded.empty(mode, self.spec.decoding.k)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        ids, mask = prompts.input_ids.to(self.device), prompts.attention_mask.to(self.device)
+        first = self._first_batch(mode, ids, self.target, self.draft, self.oom_batch)
+        rec, self.decode_batch = self._decode_slices(mode, ids, mask, users, self.target, self.draft, first, exclude)
+        self.oom_batch = self.decode_batch if self.decode_batch < first else self.oom_batch  # kept for later shards
+        if self.auto:
+            self.auto.record(mode, sum(rec.stats[key] for key in PHASES), len(users))
+        broken = rec.stats["non_finite"].cpu().numpy()  # [U] NaN / inf log-probs: rejected, never a short list
+        pick = np.nonzero(~broken)[0][: self.audit_left]  # the first decoded users, while the audit lasts
+        audit = self._audit(mode, ids, mask, users, rec, pick, exclude) if len(pick) else {}
+        items = rec.item_ids.cpu().numpy()  # [U, k]
+        items[broken] = -1
+        return Decoded(mode, items, rec.scores.float().cpu().numpy(), broken, rec.stats, audit)
 
     def _first_batch(self, mode: str, ids, target, draft, oom_batch: int | None = None) -> int:
         """Users per decode for the prompts ids [U, S]: compute.decode_batch if pinned, else on CUDA the largest that
@@ -319,7 +370,7 @@ class Recommender:
         d = self.spec.decoding
         per_user = decode_bytes_per_user(
             target,
-            prompt_len + (len(self.prefix) if self.prefix else 0),
+            prompt_len + self.prefix_len,
             d.k,
             self.catalog.code_len,
             target.dtype,
@@ -351,51 +402,18 @@ class Recommender:
         return exclude, {**counts, "excluded_items": int(per_user.sum()), "excluded_max": int(per_user.max())}
 
     def _decode(self, mode: str, target, draft, ids, mask, users, exclude: Exclusions | None = None):
-        d, prefix = self.spec.decoding, self.prefix
+        """One decode of the users ids [U, S] by `mode`'s decoder -> Recommendations. Sampling modes draw from a
+        generator seeded by the users, so that a retried batch draws the same items."""
+        d, shared = self.spec.decoding, {"prefix": self.prefix, "exclude": exclude}
         if mode == "beam":  # the audit's float32 reference runs eager, the reference engine
-            return beam_search(
-                target,
-                ids,
-                mask,
-                self.catalog,
-                d.k,
-                prefix=prefix,
-                exclude=exclude,
-                engine=self.spec.engine if target is self.target else "eager",
-            )
-        # sampling modes: a generator seeded by the batch's users, so a retried batch draws the same items
-        g = torch.Generator(device=self.device).manual_seed(
-            (d.seed * 1_000_003 + zlib.crc32(str(users.to_pylist()).encode())) % (2**63)
-        )
+            engine = self.spec.engine if target is self.target else "eager"
+            return beam_search(target, ids, mask, self.catalog, d.k, engine=engine, **shared)
+        seed = (d.seed * 1_000_003 + zlib.crc32(str(users.to_pylist()).encode())) % (2**63)
+        shared.update(temperature=d.temperature, generator=torch.Generator(device=self.device).manual_seed(seed))
         if mode == "disc":
-            return disc_sample(
-                target,
-                ids,
-                mask,
-                self.catalog,
-                d.k,
-                rounds=d.rounds,
-                top_m=d.top_m,
-                temperature=d.temperature,
-                generator=g,
-                prefix=prefix,
-                exclude=exclude,
-            )
-        return speculative_beam_search(
-            target,
-            draft,
-            ids,
-            mask,
-            self.catalog,
-            d.k,
-            draft_beams=d.draft_beams,
-            gamma=d.gamma,
-            verification=mode.removeprefix("atspeed-"),
-            temperature=d.temperature,
-            generator=g,
-            prefix=prefix,
-            exclude=exclude,
-        )
+            return disc_sample(target, ids, mask, self.catalog, d.k, rounds=d.rounds, top_m=d.top_m, **shared)
+        drafting = {"draft_beams": d.draft_beams, "gamma": d.gamma, "verification": mode.removeprefix("atspeed-")}
+        return speculative_beam_search(target, draft, ids, mask, self.catalog, d.k, **drafting, **shared)
 
     def _audit(
         self, mode: str, ids, mask, users, rec: Recommendations, pick: np.ndarray, exclude: Exclusions | None = None
@@ -446,13 +464,30 @@ class Recommender:
                 self.float32[role] = load_model(self.paths[role], device=str(self.device), dtype="float32")
         return self.float32["target"], self.float32.get("draft")
 
-    def _metric_row(self, users_in, users_ok, rejected, prompt_tokens, recommendations, wall, stats) -> dict:
-        """One row per batch: ids, counts, the decoder's base stats (decoding/stats.py), other_s = the batch's
-        wall time outside the decoder (validation, prompts, output rows), and the speculative extras."""
-        d = self.spec.decoding
-        accepted, rounds = stats.get("accepted_steps"), stats.get("rounds")
-        hist = stats.get("accepted_hist")
-        base = {key: float(stats[key]) if key in PHASES else int(stats[key]) for key in BASE_KEYS}
+    def _metric_row(self, counts: dict, wall: float, decoded: Decoded) -> dict:
+        """One row per batch: ids, counts (batch_counts), the decoder's stats (decoder_metrics), the actor's state
+        (its decode batch, auto mode, dtype, compile totals) and the precision audit's figures."""
+        d, ok = self.spec.decoding, counts["users_ok"]
+        return {
+            **self._ids(),
+            "mode": d.mode,
+            "k": d.k,
+            **counts,
+            **decoder_metrics(decoded.stats, wall),
+            "peak_memory_bytes": torch.cuda.max_memory_allocated() if self.device.type == "cuda" else None,
+            "decode_batch": self.decode_batch if ok else None,
+            "actor_ready_at": self.ready_at if self.batches == 0 else None,  # on the actor's first batch only
+            "users_per_s": ok / wall if wall > 0 else None,
+            "users_non_finite": int(decoded.broken.sum()),
+            "decoder": decoded.mode,
+            "auto": self.auto.state() if self.auto else None,
+            "dtype": self.dtype,
+            **decoded.audit,
+            **self._compiled_since(),
+        }
+
+    def _ids(self) -> dict:
+        """Who decoded the batch: the run, the shard (actor:batch), the actor, its host, accelerator and device."""
         return {
             "run_id": self.spec.run_id,
             "shard": f"{self.actor}:{self.batches}",
@@ -461,24 +496,6 @@ class Recommender:
             "host": self.host,
             "accelerator": self.accelerator,
             "device": torch.cuda.get_device_name() if self.device.type == "cuda" else "cpu",
-            "mode": d.mode,
-            "k": d.k,
-            "users_in": users_in,
-            "users_ok": users_ok,
-            "users_rejected": rejected,
-            "recommendations": recommendations,
-            "prompt_tokens": prompt_tokens,
-            "wall_s": wall,
-            **base,
-            "other_s": max(wall - sum(base[p] for p in PHASES), 0.0),
-            "mean_accepted_steps": float((accepted.float() / rounds.clamp(min=1).float()).mean())
-            if accepted is not None and len(accepted)
-            else None,
-            "accepted_hist": hist.tolist() if hist is not None else None,
-            "peak_memory_bytes": torch.cuda.max_memory_allocated() if self.device.type == "cuda" else None,
-            "decode_batch": self.decode_batch if users_ok else None,
-            "actor_ready_at": self.ready_at if self.batches == 0 else None,  # on the actor's first batch only
-            "users_per_s": users_ok / wall if wall > 0 else None,
         }
 
     def _fault_injection(self) -> None:

@@ -1,0 +1,114 @@
+"""The actor's output tables from plain inputs (operators/recommender.py's pure functions), no model and no Ray: the
+recommendations, the non-finite rejects, the counts, the decoder's metric values and the one output table, their
+schemas and values checked against inputs built by hand."""
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+from decoding.stats import BASE_KEYS, PHASES
+from operators.prompts import Prompts
+from operators.recommender import (
+    NON_FINITE,
+    TABLES,
+    Decoded,
+    batch_counts,
+    decoder_metrics,
+    non_finite_rejects,
+    output_schema,
+    output_table,
+    recommendation_table,
+    table_schema,
+)
+
+USERS = pa.array(["u1", "u2", "u3"])  # [U]
+ITEMS = np.array([[7, 8, 9], [-1, -1, -1], [4, 5, -1]], np.int64)  # [U, k]: u2 none (broken), u3 two items
+SCORES = np.array([[-0.5, -1.0, -2.0], [0.0, 0.0, 0.0], [-0.25, -3.0, -np.inf]], np.float32)
+BROKEN = np.array([False, True, False])
+
+
+def test_recommendation_table_is_one_row_per_item_in_rank_order():
+    recs = recommendation_table(USERS, ITEMS, SCORES, "atspeed-strict")
+    assert recs.schema == table_schema("rec", pa.string())
+    assert recs.column_names == TABLES["rec"]
+    assert recs.to_pydict() == {
+        "user_id": ["u1", "u1", "u1", "u3", "u3"],
+        "rank": [1, 2, 3, 1, 2],
+        "item_id": [7, 8, 9, 4, 5],
+        "score": [-0.5, -1.0, -2.0, -0.25, -3.0],
+        "mode": ["atspeed-strict"] * 5,
+    }
+    empty = recommendation_table(pa.array([], pa.int64()), np.zeros((0, 3), np.int64), np.zeros((0, 3)), "beam")
+    assert empty.num_rows == 0 and empty.schema == table_schema("rec", pa.int64())
+
+
+def test_non_finite_rejects_name_each_broken_user():
+    rejects = non_finite_rejects(USERS, BROKEN)
+    assert rejects.schema == table_schema("reject", pa.string())
+    assert rejects.to_pydict() == {"user_id": ["u2"], "reason": ["non_finite_logits"], "detail": [NON_FINITE]}
+    none = non_finite_rejects(pa.array([1, 2], pa.int64()), np.zeros(2, bool))
+    assert none.num_rows == 0 and none.schema == table_schema("reject", pa.int64())
+
+
+def test_batch_counts():
+    mask = torch.tensor([[0, 1, 1], [1, 1, 1], [0, 0, 1]])  # [U, S]: 6 rendered tokens
+    prompts = Prompts(torch.zeros_like(mask), mask)
+    counts = batch_counts(5, BROKEN, rejected=3, recommendations=5, prompts=prompts, prefix_len=4)
+    assert counts == {
+        "users_in": 5,
+        "users_ok": 2,
+        "users_rejected": 3,
+        "recommendations": 5,
+        "prompt_tokens": 6 + 3 * 4,
+        "prefix_tokens_saved": 12,
+    }
+
+
+def test_decoder_metrics():
+    stats = {key: 0 for key in BASE_KEYS} | {"prefill_s": 0.5, "decode_s": 1.0, "target_forwards": 3}
+    plain = decoder_metrics(stats, wall=2.0)
+    assert plain["wall_s"] == 2.0 and plain["other_s"] == 0.5 and plain["target_forwards"] == 3
+    assert all(type(plain[key]) is (float if key in PHASES else int) for key in BASE_KEYS)
+    assert plain["mean_accepted_steps"] is None and plain["accepted_hist"] is None
+    assert decoder_metrics(stats, wall=1.0)["other_s"] == 0.0  # never below zero
+    spec = stats | {
+        "accepted_steps": torch.tensor([4, 3, 0]),  # [U] over rounds [U]: 2, 1.5, 0 (no round: counted as 0)
+        "rounds": torch.tensor([2, 2, 0]),
+        "accepted_hist": torch.tensor([1, 2, 1]),
+    }
+    got = decoder_metrics(spec, wall=2.0)
+    assert got["mean_accepted_steps"] == pytest.approx((2 + 1.5 + 0) / 3) and got["accepted_hist"] == [1, 2, 1]
+
+
+def test_output_table_tags_every_row_with_its_kind():
+    recs = recommendation_table(USERS, ITEMS, SCORES, "beam")
+    rejects = pa.concat_tables(
+        [
+            pa.table({"user_id": ["u0"], "reason": ["empty_history"], "detail": ["history has no items"]}),
+            non_finite_rejects(USERS, BROKEN),
+        ]
+    )
+    metric = {"users_in": 4, "accepted_hist": None}
+    out = output_table(recs, rejects, metric, pa.string())
+    assert out.schema == output_schema(pa.string())
+    assert out["kind"].to_pylist() == ["rec"] * 5 + ["reject"] * 2 + ["metric"]
+    assert out.slice(0, 5).select(TABLES["rec"]).equals(recs)
+    assert out.slice(5, 2).select(TABLES["reject"]).to_pydict() == rejects.to_pydict()
+    assert json.loads(out["metrics"][7].as_py()) == metric and out["metrics"].null_count == 7
+    assert out.slice(5, 3)["item_id"].null_count == 3 and out.slice(0, 5)["reason"].null_count == 5
+
+
+def test_an_empty_decode():
+    d = Decoded.empty("disc", 4)
+    assert d.items.shape == (0, 4) and d.scores.dtype == np.float32 and d.broken.shape == (0,) and d.audit == {}
+    assert decoder_metrics(d.stats, 0.1)["mean_accepted_steps"] is None
+    out = output_table(
+        recommendation_table(pa.array([], pa.int64()), d.items, d.scores, "disc"),
+        non_finite_rejects(pa.array([], pa.int64()), d.broken),
+        {"users_in": 0},
+        pa.int64(),
+    )
+    assert out["kind"].to_pylist() == ["metric"] and out.schema == output_schema(pa.int64())
