@@ -34,38 +34,70 @@ def validate(
     only over the rejected rows' details (and over the rows of a column that does not cast to lists of integers)."""
     users = batch.column("user_id").combine_chunks()
     history, bad_type = _as_int_lists(batch.column("history").combine_chunks(), "history")
-    has_exclude = exclude_column in batch.column_names
-    if has_exclude:
-        exclude, bad_exclude = _as_int_lists(batch.column(exclude_column).combine_chunks(), exclude_column)
-        flat = pc.list_flatten(exclude)
-        if flat.null_count:  # a null inside the list is no item id either
-            nulls = np.unique(pc.list_parent_indices(exclude).to_numpy()[flat.is_null().to_numpy(zero_copy_only=False)])
-            bad_exclude.update({int(r): f"{exclude_column} holds a null item id" for r in nulls})
-    n = len(users)
-    reason = np.full(n, None, dtype=object)
-    detail = np.full(n, None, dtype=object)
+    exclude, bad_exclude = _exclusion_lists(batch, exclude_column)
+    reasons = Reasons(len(users))
+    reasons.mark(np.flatnonzero(users.is_null().to_numpy(zero_copy_only=False)), "missing_user_id", "user_id is null")
+    reasons.mark_each(bad_type, "bad_type")
+    reasons.mark_each(bad_exclude, "bad_exclude_items")
+    _mark_empty(reasons, history)
+    _mark_unknown(reasons, history, items, history_len)
+    columns = {"history": history, **({exclude_column: exclude} if exclude is not None else {})}
+    return reasons.split(users, columns)
 
-    def mark(rows: np.ndarray, why: str, details) -> None:
-        free = rows[reason[rows] == None]  # noqa: E711 (object array: elementwise)
-        reason[free] = why
-        detail[free] = details(free) if callable(details) else details
 
-    mark(np.flatnonzero(users.is_null().to_numpy(zero_copy_only=False)), "missing_user_id", "user_id is null")
-    mark(np.array(sorted(bad_type), dtype=np.int64), "bad_type", lambda rows: [bad_type[r] for r in rows])
-    if has_exclude:
-        mark(
-            np.array(sorted(bad_exclude), dtype=np.int64),
-            "bad_exclude_items",
-            lambda rows: [bad_exclude[r] for r in rows],
-        )
+class Reasons:
+    """Each row's reject reason and detail while the rules run, in the module's order: a row keeps the first."""
+
+    def __init__(self, rows: int):
+        self.reason = np.full(rows, None, dtype=object)  # [B] None: no rule applies (yet)
+        self.detail = np.full(rows, None, dtype=object)  # [B]
+
+    def mark(self, rows: np.ndarray, why: str, details) -> None:
+        """The rows not marked yet get the reason `why` and `details` (one text, or a function of those rows)."""
+        free = rows[self.reason[rows] == None]  # noqa: E711 (object array: elementwise)
+        self.reason[free] = why
+        self.detail[free] = details(free) if callable(details) else details
+
+    def mark_each(self, details: dict[int, str], why: str) -> None:
+        """The rows of {row: detail} get the reason `why` and their own detail."""
+        self.mark(np.array(sorted(details), dtype=np.int64), why, lambda rows: [details[r] for r in rows])
+
+    def split(self, users: pa.Array, columns: dict[str, pa.Array]) -> tuple[pa.Table, pa.Table]:
+        """users [B] and their columns [B] -> (the unmarked rows: user_id and the columns; the rejects)."""
+        bad = self.reason != None  # noqa: E711
+        keep, rows = (pa.array(np.flatnonzero(b), pa.int64()) for b in (~bad, bad))
+        reasons = pa.array(self.reason[bad].tolist(), pa.string()), pa.array(self.detail[bad].tolist(), pa.string())
+        rejects = pa.table([users.take(rows), *reasons], schema=reject_schema(users.type))
+        return pa.table({"user_id": users.take(keep), **{n: c.take(keep) for n, c in columns.items()}}), rejects
+
+
+def _exclusion_lists(batch: pa.Table, column: str) -> tuple[pa.Array | None, dict]:
+    """The batch's exclusion column as list<int64> (None when the batch has none) and {row: why} for its bad rows:
+    not a list of integers, or a null inside the list (no item id either)."""
+    if column not in batch.column_names:
+        return None, {}
+    exclude, bad = _as_int_lists(batch.column(column).combine_chunks(), column)
+    flat = pc.list_flatten(exclude)
+    if flat.null_count:
+        nulls = np.unique(pc.list_parent_indices(exclude).to_numpy()[flat.is_null().to_numpy(zero_copy_only=False)])
+        bad.update({int(r): f"{column} holds a null item id" for r in nulls})
+    return exclude, bad
+
+
+def _mark_empty(reasons: Reasons, history: pa.Array) -> None:
     nulls = history.is_null().to_numpy(zero_copy_only=False)
     empty = pc.fill_null(pc.list_value_length(history), 0).to_numpy(zero_copy_only=False) == 0
-    mark(np.flatnonzero(nulls), "empty_history", "history is null")
-    mark(np.flatnonzero(empty), "empty_history", "history has no items")
+    reasons.mark(np.flatnonzero(nulls), "empty_history", "history is null")
+    reasons.mark(np.flatnonzero(empty), "empty_history", "history has no items")
+
+
+def _mark_unknown(reasons: Reasons, history: pa.Array, items: ItemTokens, history_len: int) -> None:
+    """Rows whose prompt window (the last history_len items) holds an item the catalog does not: the detail lists
+    them."""
     used_items, row_of, _ = history_window(history, history_len)  # [U], [U]
     known = items.lookup(used_items)[1]
     unknown_row, unknown_id = row_of[~known], used_items[~known]
-    mark(
+    reasons.mark(
         np.unique(unknown_row),
         "unknown_item",
         lambda rows: [
@@ -73,18 +105,6 @@ def validate(
             for r in rows
         ],
     )
-
-    bad = reason != None  # noqa: E711
-    keep = pa.array(np.flatnonzero(~bad), pa.int64())
-    rows = pa.array(np.flatnonzero(bad), pa.int64())
-    rejects = pa.table(
-        [users.take(rows), pa.array(reason[bad].tolist(), pa.string()), pa.array(detail[bad].tolist(), pa.string())],
-        schema=reject_schema(users.type),
-    )
-    good = {"user_id": users.take(keep), "history": history.take(keep)}
-    if has_exclude:
-        good[exclude_column] = exclude.take(keep)
-    return pa.table(good), rejects
 
 
 def _as_int_lists(column: pa.Array, name: str) -> tuple[pa.Array, dict]:
