@@ -130,49 +130,10 @@ class Renderer:
         Refused with a message when the tokenizer does not keep the code tokens apart from the text, or when the
         template needs a BOS token the tokenizer does not have."""
         probes = np.asarray(probes, dtype=np.int64)
-        m, levels = template.max_items, probes.shape[1]
-        if template.bos and tokenizer.bos_token_id is None:
-            raise ValueError(
-                f"prompt template {template.name!r} starts prompts with BOS (bos: true), but the tokenizer "
-                "has no BOS token: set bos to false in the template"
-            )
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        if pad_id is None:
-            raise ValueError("the tokenizer has neither a pad nor an eos token to left-pad prompts with")
+        pad_id = _pad_id(template, tokenizer)
         names = np.asarray(tokenizer.convert_ids_to_tokens(probes.ravel().tolist()), dtype=object).reshape(probes.shape)
-        code_set = np.unique(probes)
-        rows = []
-        for n in range(1, m + 1):
-            shapes = []
-            for shift in (0, 1):  # two probe sequences: the text's tokens must not depend on the codes
-                pick = (np.arange(n) + shift) % len(probes)  # [n] probe rows
-                text = (
-                    template.prefix
-                    + template.separator.join(
-                        template.item.format(index=q + 1, codes="".join(names[r])) for q, r in enumerate(pick)
-                    )
-                    + template.suffix
-                )
-                ids = np.asarray(
-                    ([tokenizer.bos_token_id] if template.bos else [])
-                    + tokenizer(text, add_special_tokens=False)["input_ids"],
-                    dtype=np.int64,
-                )
-                shapes.append(_code_slots(ids, probes[pick], code_set, template, n))
-            if not (np.array_equal(shapes[0][0], shapes[1][0]) and np.array_equal(shapes[0][1], shapes[1][1])):
-                raise ValueError(
-                    f"prompt template {template.name!r}: the {n}-item prompt tokenizes differently with "
-                    "other codes, so the tokenizer merges text across the code tokens' boundaries; the "
-                    "code tokens must be tokens of their own (tokenizer.add_tokens, the LC-Rec recipe)"
-                )
-            rows.append(shapes[0])
-        width = max(len(skel) for skel, _ in rows)
-        skeleton = np.full((m + 1, width), pad_id, dtype=np.int64)
-        item_start = np.zeros((m + 1, m), dtype=np.int64)
-        length = np.zeros(m + 1, dtype=np.int64)
-        for n, (skel, starts) in enumerate(rows, start=1):
-            skeleton[n, : len(skel)], length[n], item_start[n, :n] = skel, len(skel), starts
-        return cls(template, levels, pad_id, skeleton, length, item_start)
+        rows = [_skeleton(template, tokenizer, probes, names, n) for n in range(1, template.max_items + 1)]
+        return cls(template, probes.shape[1], pad_id, *_stack(rows, pad_id))
 
     def render(self, histories, items: ItemTokens, skip: int = 0) -> Prompts:
         """Histories [B] (item ids, oldest first; validated: non-empty, every item used in the catalog, see
@@ -207,6 +168,60 @@ def catalog_probes(items: ItemTokens, count: int = 3) -> np.ndarray:
     """Code token ids [P, L] of a few items spread over the catalog (first, middle, last), to compile a Renderer."""
     rows = np.unique(np.linspace(0, len(items.item_ids) - 1, count).astype(np.int64))
     return items.token_ids[rows]
+
+
+def _pad_id(template: PromptTemplate, tokenizer) -> int:
+    """The token that left-pads prompts (pad, else eos); refused when the tokenizer lacks it, or lacks the BOS token
+    the template starts prompts with."""
+    if template.bos and tokenizer.bos_token_id is None:
+        raise ValueError(
+            f"prompt template {template.name!r} starts prompts with BOS (bos: true), but the tokenizer "
+            "has no BOS token: set bos to false in the template"
+        )
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad_id is None:
+        raise ValueError("the tokenizer has neither a pad nor an eos token to left-pad prompts with")
+    return pad_id
+
+
+def _prompt_ids(template: PromptTemplate, tokenizer, names: np.ndarray) -> np.ndarray:
+    """The n-item prompt of the items whose code tokens are named names [n, L] -> its token ids [T] (BOS when the
+    template asks for it, then the tokenizer's ids of the text)."""
+    items = (template.item.format(index=q + 1, codes="".join(codes)) for q, codes in enumerate(names))
+    text = template.prefix + template.separator.join(items) + template.suffix
+    bos = [tokenizer.bos_token_id] if template.bos else []
+    return np.asarray(bos + tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
+
+
+def _skeleton(template: PromptTemplate, tokenizer, probes: np.ndarray, names: np.ndarray, n: int):
+    """The n-item prompt, tokenized with two sequences of probe items (probes [P, L], their token names [P, L]) ->
+    (skeleton [T], start of each item's codes [n]); refused unless both give the same (the text's tokens must not
+    depend on the codes)."""
+    shapes = []
+    for shift in (0, 1):
+        pick = (np.arange(n) + shift) % len(probes)  # [n] probe rows
+        ids = _prompt_ids(template, tokenizer, names[pick])
+        shapes.append(_code_slots(ids, probes[pick], np.unique(probes), template, n))
+    if not (np.array_equal(shapes[0][0], shapes[1][0]) and np.array_equal(shapes[0][1], shapes[1][1])):
+        raise ValueError(
+            f"prompt template {template.name!r}: the {n}-item prompt tokenizes differently with "
+            "other codes, so the tokenizer merges text across the code tokens' boundaries; the "
+            "code tokens must be tokens of their own (tokenizer.add_tokens, the LC-Rec recipe)"
+        )
+    return shapes[0]
+
+
+def _stack(rows: list[tuple[np.ndarray, np.ndarray]], pad_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The skeletons and item starts of the 1 .. M-item prompts -> (skeleton [M + 1, T] padded with pad_id, length
+    [M + 1], item_start [M + 1, M]); row 0 is the empty prompt."""
+    m = len(rows)
+    width = max(len(skel) for skel, _ in rows)
+    skeleton = np.full((m + 1, width), pad_id, dtype=np.int64)
+    item_start = np.zeros((m + 1, m), dtype=np.int64)
+    length = np.zeros(m + 1, dtype=np.int64)
+    for n, (skel, starts) in enumerate(rows, start=1):
+        skeleton[n, : len(skel)], length[n], item_start[n, :n] = skel, len(skel), starts
+    return skeleton, length, item_start
 
 
 def _code_slots(ids: np.ndarray, expected: np.ndarray, code_set: np.ndarray, template: PromptTemplate, n: int):
