@@ -21,6 +21,7 @@ import logging
 import subprocess
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -155,6 +156,25 @@ def actor_spec(cfg: Config, run_id: str, catalog: pa.Table, template: PromptTemp
     )
 
 
+class Clock:
+    """The driver's phase timings of one run, for the manifest's `timings` (as `decoding.stats.Meter.phase` times a
+    decoder's phases): `with clock.phase("attempt"):` adds the block's seconds to `seconds["attempt_s"]`. `started`
+    is the wall clock when it was made (the shards' commit times are measured from it)."""
+
+    def __init__(self):
+        self.started = time.time()
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            key = f"{name}_s"
+            self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - t0
+
+
 @dataclass
 class Plan:
     """A run checked on the driver, before Ray starts any work."""
@@ -236,10 +256,10 @@ def plan_run(cfg: Config) -> Plan:
     models = resolve_models(cfg)
     spec = actor_spec(cfg, "", catalog, resolve_template(cfg, models))
     inputs = prepare(spec)  # what an actor would refuse fails here, before any work
-    plan_units = units.plan_units(data)
-    t = time.perf_counter()
-    identity = content_identity(cfg, data, fs, plan_units, models)
-    return Plan(cfg, data, fs, plan_units, catalog, models, spec, inputs, identity, time.perf_counter() - t)
+    plan_units, clock = units.plan_units(data), Clock()
+    with clock.phase("input_identity"):
+        identity = content_identity(cfg, data, fs, plan_units, models)
+    return Plan(cfg, data, fs, plan_units, catalog, models, spec, inputs, identity, clock.seconds["input_identity_s"])
 
 
 def run_nightly(cfg: Config, resume: str | None = None, plan: Plan | None = None) -> dict:
@@ -341,168 +361,266 @@ def publish_finished(plan: Plan, run_id: str) -> dict:
         lease.release()
 
 
+@dataclass
+class Attempt:
+    """One driver execution of a run (its first start or a resume): the state its steps share."""
+
+    run_id: str
+    run: str  # the run's folder
+    resumed: bool
+    id: str  # this execution: the shards it writes carry it
+    trusted: list[str]  # the committed shards it takes over (their stems)
+    work: list[dict]  # the units with positions no trusted shard covers (`units.todo`)
+    total: int  # users in the input
+    left: int  # users to decode
+    actors: int  # the recommender actor pool's size
+    duplicates: pa.Table | None = None  # user ids seen more than once [user_id, first] (None: none)
+    checked_on: str = "driver"  # where they were looked for (`units.find_duplicates`)
+    shards_decoded: int = 0
+
+
 def execute(plan: Plan, run_id: str, resumed: bool, lease: Lease, latest: str | None) -> dict:
     """Decodes what the run has not committed, writes the manifest and _SUCCESS, and publishes the run with a
     compare-and-swap of _LATEST against `latest` (its version when this run took the date's lease)."""
+    clock = Clock()
+    with clock.phase("total"):
+        with clock.phase("decode"):  # from the start, as the shards' commit times are
+            attempt = start_attempt(plan, run_id, resumed, clock)
+            attempt.shards_decoded = decode_pending(plan, attempt, lease)
+        files, sums = tally_shards(plan, attempt, clock.started)
+    manifest = manifest_of(plan, attempt, files, sums, timings(plan, clock, sums))
+    publish_run(plan, attempt, manifest, lease, latest)
+    return manifest
+
+
+def start_run(plan: Plan, run_id: str, run: str) -> None:
+    """A new run records its start (_RUN.json: what a resume must find unchanged); a resumed one is checked against
+    it."""
+    cfg = plan.cfg
+    state = runs.state_of(run, cfg.storage)
+    if state is not None:
+        check_resumable(plan, run_id, state)
+        return
+    record = {"run_id": run_id, "run_date": cfg.run_date, "fingerprint": plan.fingerprint, "started": time.time()}
+    runs.start(run, {**record, "config": cfg.to_dict(), "identity": plan.identity}, cfg.storage)
+
+
+def start_attempt(plan: Plan, run_id: str, resumed: bool, clock: Clock) -> Attempt:
+    """Starts (or checks) the run, records this attempt with the shards it trusts, finds what is left to decode and
+    the input's duplicate user ids."""
     import ray
 
-    cfg, c, t0, started = plan.cfg, plan.cfg.compute, time.perf_counter(), time.time()
+    cfg = plan.cfg
     run = runs.run_dir(cfg.output, cfg.run_date, run_id)
-    state = runs.state_of(run, cfg.storage)
-    if state is None:
-        runs.start(
-            run,
-            {
-                "run_id": run_id,
-                "run_date": cfg.run_date,
-                "fingerprint": plan.fingerprint,
-                "started": time.time(),
-                "config": cfg.to_dict(),
-                "identity": plan.identity,
-            },
-            cfg.storage,
-        )
-    else:
-        check_resumable(plan, run_id, state)
-    attempt, t_attempt = uuid.uuid4().hex[:8], time.perf_counter()  # this driver execution: its shards carry it
-    trusted = shards.begin_attempt(run, cfg.storage, attempt)
-    done, committed = shards.committed(run, cfg.storage, trusted), len(trusted)
-    t_attempt = time.perf_counter() - t_attempt
-    total = sum(u.rows for u in plan.units)
+    start_run(plan, run_id, run)
+    with clock.phase("attempt"):
+        attempt_id = uuid.uuid4().hex[:8]
+        trusted = shards.begin_attempt(run, cfg.storage, attempt_id)
+        done = shards.committed(run, cfg.storage, trusted)
     work = units.todo(plan.units, done)
-    left = sum(len(units.positions(u)) for u in work)
+    total, left = sum(u.rows for u in plan.units), sum(len(units.positions(u)) for u in work)
+    actors = num_actors(cfg.compute, ray.cluster_resources())
+    a = Attempt(run_id, run, resumed, attempt_id, trusted, work, total, left, actors)
+    log_pending(plan, a)
+    with clock.phase("duplicates"):
+        a.duplicates, a.checked_on = find_duplicates(plan) if total else (None, "driver")
+    return a
+
+
+def log_pending(plan: Plan, a: Attempt) -> None:
     log.info(
         "run %s%s: %d users in %d row groups of %s; %d already committed in %d shards, %d to decode",
-        run_id,
-        " (resumed)" if resumed else "",
-        total,
+        a.run_id,
+        " (resumed)" if a.resumed else "",
+        a.total,
         len(plan.units),
-        cfg.input,
-        total - left,
-        committed,
-        left,
+        plan.cfg.input,
+        a.total - a.left,
+        len(a.trusted),
+        a.left,
     )
-    t_dup = time.perf_counter()
-    duplicates, dup_where = (
-        S.retrying(
-            lambda: units.find_duplicates(plan.units, plan.fs, cfg.runs.duplicates_driver_mb),
-            cfg.storage,
-            f"read the user ids of {cfg.input}",
-        )
-        if total
-        else (None, "driver")
+
+
+def find_duplicates(plan: Plan) -> tuple[pa.Table | None, str]:
+    """`units.find_duplicates` over the whole input, tried again as a whole while the store fails transiently."""
+    cfg = plan.cfg
+    return S.retrying(
+        lambda: units.find_duplicates(plan.units, plan.fs, cfg.runs.duplicates_driver_mb),
+        cfg.storage,
+        f"read the user ids of {cfg.input}",
     )
-    t_dup = time.perf_counter() - t_dup
-    spec = replace(plan.spec, run_id=run_id)
-    new_shards, actors = 0, num_actors(c, ray.cluster_resources())
-    if work:
-        columns = input_columns(cfg, plan.data.schema)  # user_id, history and the exclusion column if present
-        ds = ray.data.from_items(work)
-        # a task whose store calls still fail after storage.retry_s raises StoreUnavailable, itself (not wrapped), and
-        # Ray runs it again up to BATCH_RETRIES times (task and actor-task retries for that exception only) before
-        # the job gives up; an actor that dies is restarted and its task retried, as often
-        ds.context.raise_original_map_exception = True
-        ds.context.actor_task_retry_on_errors = [S.StoreUnavailable]
-        retries = {"max_retries": S.BATCH_RETRIES, "retry_exceptions": [S.StoreUnavailable]}
-        ds = ds.map_batches(
-            read_units,
-            batch_size=1,
-            batch_format="pyarrow",
-            num_cpus=0.5,
-            **retries,
-            fn_kwargs={
-                "fs": plan.fs,
-                "columns": columns,
-                "duplicates": duplicates,
-                "storage": cfg.storage,
-                "uri": cfg.input,
-            },
-        )
-        # blocks of batches_per_task batches: every actor of the pool gets work, each task decodes (and commits) them
-        # one batch at a time
-        ds = ds.repartition(target_num_rows_per_block=c.batch_size * c.batches_per_task)
-        ds = ds.map_batches(
-            shards.ShardRecommender,
-            batch_size=c.batch_size,
-            batch_format="pyarrow",
-            fn_constructor_kwargs={"spec": spec, "run": run, "storage": cfg.storage, "attempt": attempt},
-            compute=ray.data.ActorPoolStrategy(size=actors),
-            max_task_retries=S.BATCH_RETRIES,
-            **actor_resources(c),
-        )
-        new_shards = follow(ds, left, cfg.runs.progress_s, lease)
-    t_decode = time.perf_counter() - t0
-    stems = shards.attempt_shards(run, cfg.storage, trusted, attempt)  # what this run publishes, and nothing else
-    files = {name: [f"{stem}.parquet" for stem in stems] for name in runs.TABLES}
-    user_type = plan.data.schema.field("user_id").type
-    for name, kind in (("recommendations", "rec"), ("rejects", "reject")):  # no shard at all: empty, typed tables
-        if not stems:
-            runs.write_table(run, name, table_schema(kind, user_type).empty_table(), cfg.storage)
-            files[name] = [f"{name}.parquet"]
-    sums = shards.tally(run, cfg.storage, stems, since=started)
-    if sums["users_in"] != total:
-        raise RuntimeError(f"run {run_id}: the committed shards cover {sums['users_in']} users, the input has {total}")
-    inputs = plan.inputs
-    catalog_info = {
-        "items": plan.catalog.num_rows,
-        "indexed": len(inputs.catalog),
-        "duplicates": {
-            "policy": cfg.duplicate_items,
-            "dropped": len(inputs.catalog.duplicates),
-            "items": [{"item_id": d, "kept": k} for d, k in inputs.catalog.duplicates],
+
+
+def decode_pending(plan: Plan, a: Attempt, lease: Lease) -> int:
+    """One streaming Ray Data execution over the attempt's pending units -> the shards it wrote (0: none pending)."""
+    if not a.work:
+        return 0
+    return follow(recommend(read_pending(plan, a), plan, a), a.left, plan.cfg.runs.progress_s, lease)
+
+
+def read_pending(plan: Plan, a: Attempt):
+    """The pending units -> their rows (user_id, history and the exclusion column if present; duplicates flagged),
+    one read task per unit."""
+    import ray
+
+    cfg = plan.cfg
+    ds = ray.data.from_items(a.work)
+    # a task whose store calls still fail after storage.retry_s raises StoreUnavailable, itself (not wrapped), and
+    # Ray runs it again up to BATCH_RETRIES times (task and actor-task retries for that exception only) before
+    # the job gives up; an actor that dies is restarted and its task retried, as often
+    ds.context.raise_original_map_exception = True
+    ds.context.actor_task_retry_on_errors = [S.StoreUnavailable]
+    columns = input_columns(cfg, plan.data.schema)
+    return ds.map_batches(
+        read_units,
+        batch_size=1,
+        batch_format="pyarrow",
+        num_cpus=0.5,
+        max_retries=S.BATCH_RETRIES,
+        retry_exceptions=[S.StoreUnavailable],
+        fn_kwargs={
+            "fs": plan.fs,
+            "columns": columns,
+            "duplicates": a.duplicates,
+            "storage": cfg.storage,
+            "uri": cfg.input,
         },
-    }
-    counts = {
-        "input_rows": total,
-        "users_ok": sums["users_ok"],
-        "users_rejected": sums["users_rejected"],
-        "users_non_finite": sums["users_non_finite"],
-        "recommendations": sums["recommendations"],
-        "batches": sums["batches"],
-        "decode_batch": sums["decode_batch"],
-    }
-    manifest = {
-        "run_id": run_id,
+    )
+
+
+def recommend(ds, plan: Plan, a: Attempt):
+    """Rows -> the ShardRecommender actor pool (each batch a shard it decodes, writes and commits) -> one summary row
+    per shard."""
+    import ray
+
+    c = plan.cfg.compute
+    # blocks of batches_per_task batches: every actor of the pool gets work, each task decodes (and commits) them
+    # one batch at a time
+    ds = ds.repartition(target_num_rows_per_block=c.batch_size * c.batches_per_task)
+    return ds.map_batches(
+        shards.ShardRecommender,
+        batch_size=c.batch_size,
+        batch_format="pyarrow",
+        fn_constructor_kwargs={
+            "spec": replace(plan.spec, run_id=a.run_id),
+            "run": a.run,
+            "storage": plan.cfg.storage,
+            "attempt": a.id,
+        },
+        compute=ray.data.ActorPoolStrategy(size=a.actors),
+        max_task_retries=S.BATCH_RETRIES,
+        **actor_resources(c),
+    )
+
+
+def tally_shards(plan: Plan, a: Attempt, since: float) -> tuple[dict, dict]:
+    """The shards this run publishes (those its attempt trusted and those it committed, nothing else) -> (every
+    table's files, `shards.tally` of them); with no shard at all, empty typed recommendations and rejects tables.
+    The shards must cover every input user."""
+    cfg = plan.cfg
+    stems = shards.attempt_shards(a.run, cfg.storage, a.trusted, a.id)
+    files = {name: [f"{stem}.parquet" for stem in stems] for name in runs.TABLES}
+    if not stems:
+        files |= write_empty_tables(plan, a.run)
+    sums = shards.tally(a.run, cfg.storage, stems, since=since)
+    if sums["users_in"] != a.total:
+        raise RuntimeError(
+            f"run {a.run_id}: the committed shards cover {sums['users_in']} users, the input has {a.total}"
+        )
+    return files, sums
+
+
+def write_empty_tables(plan: Plan, run: str) -> dict:
+    """Empty, typed recommendations and rejects tables (a run without a shard) -> their files."""
+    user_type = plan.data.schema.field("user_id").type
+    for name, kind in (("recommendations", "rec"), ("rejects", "reject")):
+        runs.write_table(run, name, table_schema(kind, user_type).empty_table(), plan.cfg.storage)
+    return {name: [f"{name}.parquet"] for name in ("recommendations", "rejects")}
+
+
+def manifest_of(plan: Plan, a: Attempt, files: dict, sums: dict, timings: dict) -> dict:
+    """The run's manifest: what it read and how (config, code, models, template, catalog), what it wrote (counts,
+    every table's files: readers read these, never a listing) and how it went (resume, duplicates, precision audit,
+    engine, exclusions, timings)."""
+    cfg, renderer = plan.cfg, plan.inputs.renderer
+    return {
+        "run_id": a.run_id,
         "run_date": cfg.run_date,
         "status": "succeeded",
         "config": cfg.to_dict(),
-        "actors": {"count": actors, **actor_resources(c)},
+        "actors": {"count": a.actors, **actor_resources(cfg.compute)},
         "code_version": code_version(),
         "models": {role: {"uri": m["uri"], "sha256": m["sha256"]} for role, m in plan.models.items()},
-        "template": inputs.renderer.template.to_dict(),
-        "max_prompt_tokens": inputs.renderer.max_len,
-        "prefix_tokens": len(inputs.renderer.prefix_ids),
+        "template": renderer.template.to_dict(),
+        "max_prompt_tokens": renderer.max_len,
+        "prefix_tokens": len(renderer.prefix_ids),
         "auto": sums["auto"],
-        "catalog": catalog_info,
-        "counts": counts,
-        "resume": {
-            "resumed": resumed,
-            "shards_committed_before": committed,
-            "shards_decoded": new_shards,
-            "users_decoded": left,
-        },
-        "duplicates": {"users": 0 if duplicates is None else duplicates.num_rows, "checked_on": dup_where},
+        "catalog": catalog_info(plan),
+        "counts": {"input_rows": a.total, **{key: sums[key] for key in COUNTS}},
+        "resume": resume_info(a),
+        "duplicates": {"users": 0 if a.duplicates is None else a.duplicates.num_rows, "checked_on": a.checked_on},
         "precision_audit": sums["precision_audit"],
-        "engine": {"name": c.engine, "graphs_compiled": sums["graphs_compiled"]},
+        "engine": {"name": cfg.compute.engine, "graphs_compiled": sums["graphs_compiled"]},
         "exclusions": exclusions_summary(cfg, plan.data.schema, sums["exclusions"]),
-        "timings": {
-            "input_identity_s": plan.identity_s,
-            "attempt_s": t_attempt,
-            "duplicates_s": t_dup,
-            "actor_ready_s": sums["actor_ready_s"],  # models loaded
-            "first_shard_s": sums["first_commit_s"],
-            "compile_s": sums["compile_s"],  # per actor: the compiled engine's warm-up and compiles
-            "decode_s": t_decode,
-            "total_s": time.perf_counter() - t0,
-        },
-        "outputs": {name: runs.table_dir(run, name) for name in runs.TABLES},
+        "timings": timings,
+        "outputs": {name: runs.table_dir(a.run, name) for name in runs.TABLES},
         "files": files,
-    }  # every table's files: readers read these, never a listing
-    runs.finish(run, manifest, cfg.storage)
+    }
+
+
+COUNTS = ("users_ok", "users_rejected", "users_non_finite", "recommendations", "batches", "decode_batch")  # tallied
+
+
+def catalog_info(plan: Plan) -> dict:
+    """The manifest's `catalog`: its items, those indexed, and the duplicate-semantic-ID policy with the items it
+    dropped."""
+    catalog = plan.inputs.catalog
+    return {
+        "items": plan.catalog.num_rows,
+        "indexed": len(catalog),
+        "duplicates": {
+            "policy": plan.cfg.duplicate_items,
+            "dropped": len(catalog.duplicates),
+            "items": [{"item_id": d, "kept": k} for d, k in catalog.duplicates],
+        },
+    }
+
+
+def resume_info(a: Attempt) -> dict:
+    """The manifest's `resume`: whether the run was resumed, the shards committed before this attempt and after."""
+    return {
+        "resumed": a.resumed,
+        "shards_committed_before": len(a.trusted),
+        "shards_decoded": a.shards_decoded,
+        "users_decoded": a.left,
+    }
+
+
+def timings(plan: Plan, clock: Clock, sums: dict) -> dict:
+    """The manifest's `timings` in seconds: the driver's phases (`clock`, `plan_run`'s) and the actors' (from the
+    shards' metrics, since `clock.started`)."""
+    return {
+        "input_identity_s": plan.identity_s,  # the input files' content identities (plan_run)
+        "attempt_s": clock.seconds["attempt_s"],  # this attempt recorded, the trusted shards' ranges read
+        "duplicates_s": clock.seconds["duplicates_s"],  # the duplicate user ids found
+        "actor_ready_s": sums["actor_ready_s"],  # models loaded
+        "first_shard_s": sums["first_commit_s"],
+        "compile_s": sums["compile_s"],  # per actor: the compiled engine's warm-up and compiles
+        "decode_s": clock.seconds["decode_s"],  # from the start until the last shard committed
+        "total_s": clock.seconds["total_s"],  # until the manifest
+    }
+
+
+def publish_run(plan: Plan, a: Attempt, manifest: dict, lease: Lease, latest: str | None) -> None:
+    """Writes the manifest and _SUCCESS, then publishes the run (unless it lost the date's lease), deleting the runs
+    it superseded past their grace."""
+    cfg = plan.cfg
+    runs.finish(a.run, manifest, cfg.storage)
     lease.check()  # a run that lost the date never publishes
-    deleted = runs.publish(cfg.output, cfg.run_date, run_id, cfg.storage, cfg.runs.grace_s, latest)
-    log.info("run %s published: %s; deleted superseded runs %s", run_id, json.dumps(counts), deleted or "none")
-    return manifest
+    deleted = runs.publish(cfg.output, cfg.run_date, a.run_id, cfg.storage, cfg.runs.grace_s, latest)
+    log.info(
+        "run %s published: %s; deleted superseded runs %s", a.run_id, json.dumps(manifest["counts"]), deleted or "none"
+    )
 
 
 def read_units(batch: pa.Table, storage, uri: str, **kwargs) -> pa.Table:
