@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
@@ -138,6 +139,9 @@ def attempt_shards(run: str, storage: Storage, trusted: list[str], attempt: str)
 
 
 SUMS = ("users_in", "users_ok", "users_rejected", "users_non_finite", "recommendations")
+TIMES = ("actor_ready_at", "committed_at")  # epoch seconds
+TALLIED = [*SUMS, "actor", "batch", "auto", "decode_batch", *TIMES, "dtype", *AUDIT, "audit_max_abs_score_diff"]
+TALLIED += [*EXCLUDED, "excluded_max", "compile_s", "graphs_compiled"]  # the metrics columns `tally` reads
 
 
 def tally(run: str, storage: Storage, stems: list[str], since: float = 0.0) -> dict:
@@ -149,58 +153,73 @@ def tally(run: str, storage: Storage, stems: list[str], since: float = 0.0) -> d
     "precision_audit": `precision_audit` of the dtypes and audit sums, "exclusions": the EXCLUDED sums and the
     largest excluded_max, "compile_s": each actor's compile seconds (compute.engine compiled; None when nothing
     compiled), "graphs_compiled": how many graphs they compiled}."""
-    sums, batches, last, sizes = dict.fromkeys(SUMS, 0), 0, {}, []
-    times = {"actor_ready_at": [], "committed_at": []}
-    audit, worst, dtypes = dict.fromkeys(AUDIT, 0), [], set()
-    excluded = {**dict.fromkeys(EXCLUDED, 0), "excluded_max": 0}
-    compile_s, graphs = {}, 0
-    columns = [
-        *SUMS,
-        "actor",
-        "batch",
-        "auto",
-        "decode_batch",
-        *times,
-        "dtype",
-        *AUDIT,
-        "audit_max_abs_score_diff",
-        *excluded,
-        "compile_s",
-        "graphs_compiled",
-    ]
-    for t in runs.read_files(run, "metrics", storage, columns, files=stems):
-        for key, seen in times.items():
-            seen += [v - since for v in t[key].to_pylist() if v is not None and v >= since]
-        batches += t.num_rows
+    totals = Tally(since)
+    for t in runs.read_files(run, "metrics", storage, TALLIED, files=stems):
+        totals.add(t)
+    return totals.result()
+
+
+def _sum(column: pa.ChunkedArray):
+    return pc.sum(column).as_py() or 0
+
+
+@dataclass
+class Tally:
+    """The running totals of `tally`, one metrics file at a time."""
+
+    since: float  # epoch: TIMES before it are not this run's
+    sums: dict = field(default_factory=lambda: dict.fromkeys(SUMS, 0))
+    batches: int = 0
+    times: dict = field(default_factory=lambda: {key: [] for key in TIMES})  # seconds since `since`
+    audit: dict = field(default_factory=lambda: dict.fromkeys(AUDIT, 0))
+    worst: list = field(default_factory=list)  # audit_max_abs_score_diff of every audited batch
+    dtypes: set = field(default_factory=set)
+    excluded: dict = field(default_factory=lambda: {**dict.fromkeys(EXCLUDED, 0), "excluded_max": 0})
+    sizes: list = field(default_factory=list)  # every file's smallest and largest decode_batch
+    compile_s: dict = field(default_factory=dict)  # actor -> its compile seconds
+    graphs: int = 0
+    last: dict = field(default_factory=dict)  # actor -> (its last batch with an auto state, that state)
+
+    def add(self, t: pa.Table) -> None:
+        """One metrics file's rows (TALLIED columns)."""
+        for key, seen in self.times.items():
+            seen += [v - self.since for v in t[key].to_pylist() if v is not None and v >= self.since]
+        self.batches += t.num_rows
         for key in SUMS:
-            sums[key] += int(pc.sum(t[key]).as_py() or 0)
+            self.sums[key] += int(_sum(t[key]))
         for key in AUDIT:
-            audit[key] += pc.sum(t[key]).as_py() or 0
+            self.audit[key] += _sum(t[key])
         for key in EXCLUDED:
-            excluded[key] += pc.sum(t[key]).as_py() or 0
-        excluded["excluded_max"] = max(excluded["excluded_max"], pc.max(t["excluded_max"]).as_py() or 0)
-        worst += [v for v in t["audit_max_abs_score_diff"].to_pylist() if v is not None]
-        dtypes |= {v for v in t["dtype"].to_pylist() if v}
-        sizes += [v for v in pc.min_max(t["decode_batch"]).values() if v.as_py() is not None]
-        graphs += pc.sum(t["graphs_compiled"]).as_py() or 0
+            self.excluded[key] += _sum(t[key])
+        self.excluded["excluded_max"] = max(self.excluded["excluded_max"], pc.max(t["excluded_max"]).as_py() or 0)
+        self.worst += [v for v in t["audit_max_abs_score_diff"].to_pylist() if v is not None]
+        self.dtypes |= {v for v in t["dtype"].to_pylist() if v}
+        self.sizes += [v.as_py() for v in pc.min_max(t["decode_batch"]).values() if v.as_py() is not None]
+        self.graphs += _sum(t["graphs_compiled"])
+        self.add_actors(t)
+
+    def add_actors(self, t: pa.Table) -> None:
+        """Each actor's compile seconds and its last auto state."""
         for r in t.select(["actor", "compile_s"]).filter(pc.is_valid(t["compile_s"])).to_pylist():
-            compile_s[r["actor"]] = compile_s.get(r["actor"], 0.0) + r["compile_s"]
+            self.compile_s[r["actor"]] = self.compile_s.get(r["actor"], 0.0) + r["compile_s"]
         for r in t.select(["actor", "batch", "auto"]).to_pylist():
-            if r["auto"] and r["batch"] >= last.get(r["actor"], (-1, None))[0]:
-                last[r["actor"]] = (r["batch"], json.loads(r["auto"]))
-    decode_batch = {"min": min(s.as_py() for s in sizes), "max": max(s.as_py() for s in sizes)} if sizes else None
-    return {
-        **sums,
-        "batches": batches,
-        "decode_batch": decode_batch,
-        "actor_ready_s": min(times["actor_ready_at"], default=None),
-        "first_commit_s": min(times["committed_at"], default=None),
-        "auto": {actor: state for actor, (_, state) in sorted(last.items())} or None,
-        "precision_audit": precision_audit(sorted(dtypes), audit, worst),
-        "exclusions": excluded,
-        "compile_s": dict(sorted(compile_s.items())) if graphs else None,
-        "graphs_compiled": graphs,
-    }
+            if r["auto"] and r["batch"] >= self.last.get(r["actor"], (-1, None))[0]:
+                self.last[r["actor"]] = (r["batch"], json.loads(r["auto"]))
+
+    def result(self) -> dict:
+        """`tally`'s totals."""
+        return {
+            **self.sums,
+            "batches": self.batches,
+            "decode_batch": {"min": min(self.sizes), "max": max(self.sizes)} if self.sizes else None,
+            "actor_ready_s": min(self.times["actor_ready_at"], default=None),
+            "first_commit_s": min(self.times["committed_at"], default=None),
+            "auto": {actor: state for actor, (_, state) in sorted(self.last.items())} or None,
+            "precision_audit": precision_audit(sorted(self.dtypes), self.audit, self.worst),
+            "exclusions": self.excluded,
+            "compile_s": dict(sorted(self.compile_s.items())) if self.graphs else None,
+            "graphs_compiled": self.graphs,
+        }
 
 
 def precision_audit(dtypes: list[str], audit: dict, worst: list[float]) -> dict:
