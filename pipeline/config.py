@@ -168,109 +168,130 @@ def _typed(value, kind: str, name: str):
 
 
 def validate(cfg: Config) -> None:
-    def need(cond: bool, name: str, what: str, value) -> None:
-        if not cond:
-            raise ValueError(f"config: {name} {what}, got {value!r}")
+    """Every field checked; the first that is wrong raises ValueError naming it (`config: NAME ..., got VALUE`)."""
+    _check_sources(cfg)
+    _check_decoding(cfg)
+    _check_compute(cfg.compute, cfg.decoding)
+    _check_runs(cfg.runs)
+    _check_storage(cfg.storage)
 
+
+def _need(cond: bool, name: str, what: str, value) -> None:
+    if not cond:
+        raise ValueError(f"config: {name} {what}, got {value!r}")
+
+
+def _check_sources(cfg: Config) -> None:
+    """What the run reads and writes: the input, catalog and output URIs, the run date, the models."""
     for name in ("input", "catalog", "output"):
         uri = getattr(cfg, name)
-        need(bool(uri), name, "must be set (a local path or an s3:// URI)", uri)
-        need("://" not in uri or uri.startswith("s3://"), name, "must be a local path or an s3:// URI", uri)
+        _need(bool(uri), name, "must be set (a local path or an s3:// URI)", uri)
+        _need("://" not in uri or uri.startswith("s3://"), name, "must be a local path or an s3:// URI", uri)
     try:
         dt.date.fromisoformat(cfg.run_date)
     except ValueError:
-        need(False, "run_date", "must be a date YYYY-MM-DD", cfg.run_date)
-    need(
-        bool(cfg.models.target),
-        "models.target",
-        "must be set (a local model directory or s3:// prefix)",
-        cfg.models.target,
-    )
-    d, c = cfg.decoding, cfg.compute
-    need(d.mode in MODES, "decoding.mode", f"must be one of {', '.join(MODES)}", d.mode)
-    need(cfg.duplicate_items in ("first", "error"), "duplicate_items", "must be first or error", cfg.duplicate_items)
+        _need(False, "run_date", "must be a date YYYY-MM-DD", cfg.run_date)
+    target = cfg.models.target
+    _need(bool(target), "models.target", "must be set (a local model directory or s3:// prefix)", target)
+
+
+def _check_decoding(cfg: Config) -> None:
+    """decoding.*, the duplicate-item policy and the draft the mode needs."""
+    d = cfg.decoding
+    _need(d.mode in MODES, "decoding.mode", f"must be one of {', '.join(MODES)}", d.mode)
+    _need(cfg.duplicate_items in ("first", "error"), "duplicate_items", "must be first or error", cfg.duplicate_items)
     if d.uses_draft:
-        need(bool(cfg.models.draft), "models.draft", f"must be set for decoding.mode {d.mode}", cfg.models.draft)
+        _need(bool(cfg.models.draft), "models.draft", f"must be set for decoding.mode {d.mode}", cfg.models.draft)
     for name, value in (
         ("decoding.k", d.k),
         ("decoding.rounds", d.rounds),
         ("decoding.auto_trials", d.auto_trials),
-        ("compute.batch_size", c.batch_size),
+        ("compute.batch_size", cfg.compute.batch_size),
     ):
-        need(value >= 1, name, "must be an integer >= 1", value)
-    need(
-        d.draft_beams is None or d.draft_beams >= d.k,
-        "decoding.draft_beams",
-        f"must be >= decoding.k ({d.k}) or null",
-        d.draft_beams,
-    )
-    need(
-        d.draft_beams in (None, d.k) or d.mode != "atspeed-relaxed",
-        "decoding.draft_beams",
-        f"is k ({d.k}) in atspeed-relaxed (each drafted sequence is verified by one of the k draws): leave it unset",
-        d.draft_beams,
-    )
-    need(d.gamma is None or d.gamma >= 1, "decoding.gamma", "must be >= 1 or null", d.gamma)
-    need(d.history_len is None or d.history_len >= 1, "decoding.history_len", "must be >= 1 or null", d.history_len)
-    need(d.top_m is None or d.top_m >= 1, "decoding.top_m", "must be >= 1 or null", d.top_m)
-    need(d.temperature > 0, "decoding.temperature", "must be > 0", d.temperature)
-    need(d.exclude in ("none", "history"), "decoding.exclude", "must be none or history", d.exclude)
-    need(
+        _need(value >= 1, name, "must be an integer >= 1", value)
+    _check_draft_beams(d)
+    _need(d.gamma is None or d.gamma >= 1, "decoding.gamma", "must be >= 1 or null", d.gamma)
+    _need(d.history_len is None or d.history_len >= 1, "decoding.history_len", "must be >= 1 or null", d.history_len)
+    _need(d.top_m is None or d.top_m >= 1, "decoding.top_m", "must be >= 1 or null", d.top_m)
+    _need(d.temperature > 0, "decoding.temperature", "must be > 0", d.temperature)
+    _need(d.exclude in ("none", "history"), "decoding.exclude", "must be none or history", d.exclude)
+    _need(
         bool(d.exclude_column) and d.exclude_column not in ("user_id", "history", "target_items"),
         "decoding.exclude_column",
         "must name an input column other than user_id, history and target_items",
         d.exclude_column,
     )
-    need(c.decode_batch is None or c.decode_batch >= 1, "compute.decode_batch", "must be >= 1 or null", c.decode_batch)
-    need(c.batches_per_task >= 1, "compute.batches_per_task", "must be >= 1", c.batches_per_task)
-    need(
+
+
+def _check_draft_beams(d: Decoding) -> None:
+    _need(
+        d.draft_beams is None or d.draft_beams >= d.k,
+        "decoding.draft_beams",
+        f"must be >= decoding.k ({d.k}) or null",
+        d.draft_beams,
+    )
+    _need(
+        d.draft_beams in (None, d.k) or d.mode != "atspeed-relaxed",
+        "decoding.draft_beams",
+        f"is k ({d.k}) in atspeed-relaxed (each drafted sequence is verified by one of the k draws): leave it unset",
+        d.draft_beams,
+    )
+
+
+def _check_compute(c: Compute, d: Decoding) -> None:
+    """compute.* (batch_size is checked with the decoding integers): the actors, their resources, dtype, engine."""
+    _need(c.decode_batch is None or c.decode_batch >= 1, "compute.decode_batch", "must be >= 1 or null", c.decode_batch)
+    _need(c.batches_per_task >= 1, "compute.batches_per_task", "must be >= 1", c.batches_per_task)
+    _need(
         c.num_actors == "auto" or (isinstance(c.num_actors, int) and c.num_actors >= 1),
         "compute.num_actors",
         "must be an integer >= 1 or auto",
         c.num_actors,
     )
-    need(
+    _need(
         c.gpus_per_actor >= 0 and (c.gpus_per_actor <= 1 or float(c.gpus_per_actor).is_integer()),
         "compute.gpus_per_actor",
         "must be >= 0, a fraction of one GPU (0.25: four actors share a GPU) or a whole number",
         c.gpus_per_actor,
     )
-    need(c.cpus_per_actor > 0, "compute.cpus_per_actor", "must be > 0", c.cpus_per_actor)
-    need(
-        c.threads_per_actor is None or c.threads_per_actor >= 1,
-        "compute.threads_per_actor",
-        "must be >= 1 or null",
-        c.threads_per_actor,
-    )
-    need(
-        c.dtype in ("auto", "float32", "bfloat16", "float16"),
-        "compute.dtype",
-        "must be auto, float32, bfloat16 or float16",
-        c.dtype,
-    )
-    need(
-        c.audit_users is None or (isinstance(c.audit_users, int) and c.audit_users >= 0),
-        "compute.audit_users",
-        "must be an integer >= 0 (0: no audit) or null (one batch's worth)",
-        c.audit_users,
-    )
-    need(c.engine in ("eager", "compiled"), "compute.engine", "must be eager or compiled", c.engine)
-    need(
+    _need(c.cpus_per_actor > 0, "compute.cpus_per_actor", "must be > 0", c.cpus_per_actor)
+    threads = c.threads_per_actor
+    _need(threads is None or threads >= 1, "compute.threads_per_actor", "must be >= 1 or null", threads)
+    _check_precision(c)
+    _need(c.engine in ("eager", "compiled"), "compute.engine", "must be eager or compiled", c.engine)
+    _need(
         c.engine == "eager" or d.mode in ("beam", "auto"),
         "compute.engine",
         f"compiled runs decoding.mode beam (and auto's beam trials); {d.mode} runs eager: set compute.engine=eager",
         c.engine,
     )
-    r = cfg.runs
-    need(r.lease_s >= 10, "runs.lease_s", "must be >= 10 seconds", r.lease_s)
-    need(r.grace_s >= 0, "runs.grace_s", "must be >= 0 seconds", r.grace_s)
-    need(r.progress_s > 0, "runs.progress_s", "must be > 0 seconds", r.progress_s)
-    need(
+
+
+def _check_precision(c: Compute) -> None:
+    """compute.dtype and the float32 audit of half precision."""
+    dtypes = ("auto", "float32", "bfloat16", "float16")
+    _need(c.dtype in dtypes, "compute.dtype", "must be auto, float32, bfloat16 or float16", c.dtype)
+    _need(
+        c.audit_users is None or (isinstance(c.audit_users, int) and c.audit_users >= 0),
+        "compute.audit_users",
+        "must be an integer >= 0 (0: no audit) or null (one batch's worth)",
+        c.audit_users,
+    )
+
+
+def _check_runs(r: Runs) -> None:
+    _need(r.lease_s >= 10, "runs.lease_s", "must be >= 10 seconds", r.lease_s)
+    _need(r.grace_s >= 0, "runs.grace_s", "must be >= 0 seconds", r.grace_s)
+    _need(r.progress_s > 0, "runs.progress_s", "must be > 0 seconds", r.progress_s)
+    _need(
         r.duplicates_driver_mb >= 0,
         "runs.duplicates_driver_mb",
         "must be >= 0 (0: always the Ray aggregation)",
         r.duplicates_driver_mb,
     )
-    need(cfg.storage.retry_s >= 0, "storage.retry_s", "must be >= 0 seconds (0: no retries)", cfg.storage.retry_s)
-    e = cfg.storage.endpoint
-    need(e is None or e.startswith(("http://", "https://")), "storage.endpoint", "must be an http(s):// URL", e)
+
+
+def _check_storage(s: Storage) -> None:
+    _need(s.retry_s >= 0, "storage.retry_s", "must be >= 0 seconds (0: no retries)", s.retry_s)
+    e = s.endpoint
+    _need(e is None or e.startswith(("http://", "https://")), "storage.endpoint", "must be an http(s):// URL", e)
