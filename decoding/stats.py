@@ -52,14 +52,9 @@ class Meter:
             torch.cuda.synchronize()
         return time.perf_counter()
 
-    @contextmanager
     def phase(self, name: str):
         """Times the block into `<name>_s` (prefill, draft or verify)."""
-        t0 = self._now()
-        try:
-            yield
-        finally:
-            self.stats[f"{name}_s"] += self._now() - t0
+        return timed(self.stats, f"{name}_s", self._now)
 
     def forward(self, role: str, input_ids: torch.Tensor) -> None:
         """One forward of `role` ('target' or 'draft') over input_ids [B, Q]."""
@@ -75,6 +70,16 @@ class Meter:
         self.stats["decode_s"] = max(wall - sum(self.stats[p] for p in PHASES if p != "decode_s"), 0.0)
         self.stats["kv_tokens_beam_batch"] = int(kv_tokens_beam_batch)
         return {**self.stats, **extras}
+
+
+@contextmanager
+def timed(seconds: dict, key: str, now=time.perf_counter):
+    """Adds the seconds the block takes (clock `now`) to seconds[key] (0 when absent)."""
+    t0 = now()
+    try:
+        yield
+    finally:
+        seconds[key] = seconds.get(key, 0.0) + now() - t0
 
 
 def beam_batch_kv(batch: int, k: int, prompt_len: int, code_len: int) -> int:

@@ -21,7 +21,6 @@ import logging
 import subprocess
 import time
 import uuid
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -30,6 +29,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 
+from decoding.stats import timed
 from decoding.templates import TEMPLATE_FILE, PromptTemplate, get_template, read_template
 from operators.recommender import Inputs, prepare, table_schema
 from operators.spec import ActorSpec
@@ -157,22 +157,16 @@ def actor_spec(cfg: Config, run_id: str, catalog: pa.Table, template: PromptTemp
 
 
 class Clock:
-    """The driver's phase timings of one run, for the manifest's `timings` (as `decoding.stats.Meter.phase` times a
-    decoder's phases): `with clock.phase("attempt"):` adds the block's seconds to `seconds["attempt_s"]`. `started`
-    is the wall clock when it was made (the shards' commit times are measured from it)."""
+    """The driver's phase timings of one run, for the manifest's `timings` (`decoding.stats.timed`, as `Meter.phase`
+    times a decoder's phases): `with clock.phase("attempt"):` adds the block's seconds to `seconds["attempt_s"]`.
+    `started` is the wall clock when it was made (the shards' commit times are measured from it)."""
 
     def __init__(self):
         self.started = time.time()
         self.seconds: dict[str, float] = {}
 
-    @contextmanager
     def phase(self, name: str):
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            key = f"{name}_s"
-            self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - t0
+        return timed(self.seconds, f"{name}_s")
 
 
 @dataclass
