@@ -5,6 +5,9 @@
                              KV tokens held vs a batch beam search, accelerator-hours and cost per million users
     compare_outputs(a, b)    whether two runs published the same items for every user and rank
     write_report(...)        report.md + report.html (figures embedded) + figures/*.png + report.json
+    build_blocks(...)        the document: each section, figure and summary row only where it applies to one of the
+                             runs (FIGURES, SUMMARY: no accepted steps for a beam search), tables through
+                             pipeline/markdown.py's renderer; Recall/NDCG above a run's k read `n/a (k = ...)`
 
 Throughput is counted two ways: users per second of the job's decode wall time (read, shard, decode over all actors;
 what a nightly window sees) and users per busy actor-second (the sum of the batches' wall times; what one actor
@@ -32,6 +35,7 @@ import pyarrow.compute as pc
 from decoding.stats import PHASES as DECODER_PHASES
 from pipeline import storage as S
 from pipeline.config import Storage
+from pipeline.markdown import table
 from pipeline.runs import Run, load_run, read_recommendations, report_dir
 
 PHASES = DECODER_PHASES + ("other_s",)  # other: the batch outside the decoder (validation, prompts, output rows)
@@ -54,85 +58,143 @@ def accepted_histogram(metrics: pd.DataFrame) -> np.ndarray | None:
 
 
 def summarize(run: Run, gpu_hour_price: float) -> dict:
+    """A published run's shard metrics and manifest -> the report's numbers for it (the module docstring says how
+    throughput and cost are counted)."""
     m, man = run.metrics, run.manifest
-    compute = man["config"]["compute"]
-    users = int(m.users_ok.sum())
-    busy = float(m.wall_s.sum())
-    wall = float(man["timings"]["decode_s"])
-    per_actor = m.groupby("actor").agg(users=("users_ok", "sum"), busy_s=("wall_s", "sum"), batches=("shard", "size"))
-    per_actor["users_per_s"] = per_actor.users / per_actor.busy_s
-    hist = accepted_histogram(m)
-    actors = man.get("actors", {}).get("count", compute["num_actors"])  # num_actors as resolved (auto)
-    accelerators = actors * (compute["gpus_per_actor"] or 1)
-    gpus_per_actor = compute["gpus_per_actor"] or 1
-    kv, kv_beam = m.kv_tokens.sum(), m.kv_tokens_beam_batch.sum()
-    hours = {"allocated": accelerators * wall / 3600, "busy": gpus_per_actor * busy / 3600}
-    peak = m.peak_memory_bytes.dropna() if "peak_memory_bytes" in m else pd.Series(dtype=float)
+    users, busy, wall = int(m.users_ok.sum()), float(m.wall_s.sum()), float(man["timings"]["decode_s"])
+    return {
+        **run_facts(run),
+        **run_counts(m, man, users),
+        **run_time(m, man, users, busy, wall),
+        **work_per_user(m, users),
+        **run_cost(man, users, busy, wall, gpu_hour_price),
+        "per_shard": per_shard(m),
+        "per_actor": per_actor(m, wall),
+        "per_accelerator": busy_accelerators(m, wall),
+    }
+
+
+def run_facts(run: Run) -> dict:
+    """What ran: ids, mode and k, devices, code and models, catalog, template, decoders, settings."""
+    m, man = run.metrics, run.manifest
+    decoding = man["config"]["decoding"]
     return {
         "run_id": run.run_id,
         "uri": run.uri,
         "run_date": man["run_date"],
         "mode": run.mode,
-        "k": man["config"]["decoding"]["k"],
+        "k": decoding["k"],
         "devices": sorted(set(m.device)),
         "code_version": man.get("code_version"),
         "models": {role: v["sha256"][:12] for role, v in man.get("models", {}).items()},
-        "users_ok": users,
-        "users_rejected": int(man["counts"]["users_rejected"]),
-        "users_non_finite": int(m.users_non_finite.sum()) if "users_non_finite" in m else 0,
         "catalog": man.get("catalog"),
         "template": (man.get("template") or {}).get("name"),
         "max_prompt_tokens": man.get("max_prompt_tokens"),
         "decoders": m.decoder.value_counts().to_dict() if "decoder" in m else {},
         "auto": man.get("auto"),
         "precision_audit": man.get("precision_audit"),
-        "exclusions": man.get("exclusions") or {"mode": man["config"]["decoding"].get("exclude", "none")},
-        "prefix_tokens_saved_per_user": float(m.prefix_tokens_saved.sum() / users)
-        if "prefix_tokens_saved" in m and users
+        "exclusions": man.get("exclusions") or {"mode": decoding.get("exclude", "none")},
+    }
+
+
+def run_counts(m: pd.DataFrame, man: dict, users: int) -> dict:
+    """Users decoded and rejected, input rows, recommendations, batches, prefill tokens a shared prefix saved."""
+    return {
+        "users_ok": users,
+        "users_rejected": int(man["counts"]["users_rejected"]),
+        "users_non_finite": int(m.users_non_finite.sum()) if "users_non_finite" in m else 0,
+        "prefix_tokens_saved_per_user": per_user(m.prefix_tokens_saved.sum(), users)
+        if "prefix_tokens_saved" in m
         else None,
         "input_rows": int(man["counts"]["input_rows"]),
         "recommendations": int(m.recommendations.sum()),
         "batches": len(m),
-        "actors": len(per_actor),
-        "accelerators": accelerators,
+    }
+
+
+def run_time(m: pd.DataFrame, man: dict, users: int, busy: float, wall: float) -> dict:
+    """Actors and accelerators, wall and busy seconds, users/s both ways, seconds per decoding phase."""
+    return {
+        "actors": int(m.actor.nunique()),
+        "accelerators": accelerators(man),
         "decode_wall_s": wall,
         "total_s": float(man["timings"]["total_s"]),
         "busy_s": busy,
         "users_per_s": users / wall,
         "users_per_busy_s": users / busy,
         "phase_s": {p: float(m[p].sum()) for p in PHASES},
+    }
+
+
+def work_per_user(m: pd.DataFrame, users: int) -> dict:
+    """Forwards, tokens per user, accepted steps (speculative runs), KV tokens per user against a batch beam search,
+    peak accelerator memory (None where unmeasured, e.g. on a CPU)."""
+    hist = accepted_histogram(m)
+    kv, kv_beam = m.kv_tokens.sum(), m.kv_tokens_beam_batch.sum()
+    peak = m.peak_memory_bytes.dropna() if "peak_memory_bytes" in m else pd.Series(dtype=float)
+    return {
         "target_forwards": int(m.target_forwards.sum()),
         "draft_forwards": int(m.draft_forwards.sum()),
-        "target_tokens_per_user": float(m.target_tokens.sum() / users) if users else None,
-        "draft_tokens_per_user": float(m.draft_tokens.sum() / users) if users else None,
+        "target_tokens_per_user": per_user(m.target_tokens.sum(), users),
+        "draft_tokens_per_user": per_user(m.draft_tokens.sum(), users),
         "accepted_hist": None if hist is None else hist.tolist(),
         "mean_accepted_steps": None
         if hist is None or hist.sum() == 0
         else float((hist * np.arange(len(hist))).sum() / hist.sum()),
-        "kv_tokens_per_user": float(kv / users) if users else None,
-        "kv_tokens_beam_batch_per_user": float(kv_beam / users) if users else None,
+        "kv_tokens_per_user": per_user(kv, users),
+        "kv_tokens_beam_batch_per_user": per_user(kv_beam, users),
         "kv_ratio": float(kv / kv_beam) if kv_beam else None,
         "peak_memory_gb": float(peak.max() / 2**30) if len(peak) else None,
+    }
+
+
+def per_user(total, users: int) -> float | None:
+    return float(total / users) if users else None
+
+
+def accelerators(man: dict) -> int:
+    """Accelerators the run held: actors (compute.num_actors as resolved, e.g. auto) x GPUs per actor (a CPU actor
+    counts as one)."""
+    compute = man["config"]["compute"]
+    actors = man.get("actors", {}).get("count", compute["num_actors"])
+    return actors * (compute["gpus_per_actor"] or 1)
+
+
+def run_cost(man: dict, users: int, busy: float, wall: float, gpu_hour_price: float) -> dict:
+    """Accelerator-hours allocated (accelerators x decode wall time) and busy (GPUs per actor x the batches' wall
+    times), and the cost per million users of each at `gpu_hour_price`."""
+    gpus_per_actor = man["config"]["compute"]["gpus_per_actor"] or 1
+    hours = {"allocated": accelerators(man) * wall / 3600, "busy": gpus_per_actor * busy / 3600}
+    return {
         "gpu_hour_price": gpu_hour_price,
         "accelerator_hours": hours,
         "cost_per_million_users": {k: gpu_hour_price * h / users * 1e6 if users else None for k, h in hours.items()},
-        "per_shard": [
-            {"shard": s, "actor": a, "batch": int(b), "users": int(u), "users_per_s": float(r)}
-            for s, a, b, u, r in zip(m.shard, m.actor, m.batch, m.users_ok, m.users_per_s.fillna(0.0))
-        ],
-        "per_actor": [
-            {
-                "actor": a,
-                "users": int(r.users),
-                "batches": int(r.batches),
-                "busy_s": float(r.busy_s),
-                "busy_fraction": float(r.busy_s / wall) if wall else None,
-                "users_per_s": float(r.users_per_s),
-            }
-            for a, r in per_actor.iterrows()
-        ],
-        "per_accelerator": busy_accelerators(m, wall),
     }
+
+
+def per_shard(m: pd.DataFrame) -> list[dict]:
+    """One entry per shard (batch): its actor, batch number, users and users/s."""
+    rows = zip(m.shard, m.actor, m.batch, m.users_ok, m.users_per_s.fillna(0.0))
+    return [
+        {"shard": s, "actor": a, "batch": int(b), "users": int(u), "users_per_s": float(r)} for s, a, b, u, r in rows
+    ]
+
+
+def per_actor(m: pd.DataFrame, wall: float) -> list[dict]:
+    """One entry per actor: users, batches, busy seconds and their share of the decode wall time, users per busy
+    second."""
+    actors = m.groupby("actor").agg(users=("users_ok", "sum"), busy_s=("wall_s", "sum"), batches=("shard", "size"))
+    return [
+        {
+            "actor": a,
+            "users": int(r.users),
+            "batches": int(r.batches),
+            "busy_s": float(r.busy_s),
+            "busy_fraction": float(r.busy_s / wall) if wall else None,
+            "users_per_s": float(r.users / r.busy_s),
+        }
+        for a, r in actors.iterrows()
+    ]
 
 
 def busy_accelerators(m: pd.DataFrame, wall: float) -> list[dict]:
@@ -172,6 +234,43 @@ def compare_outputs(a: Run, b: Run, storage: Storage) -> dict:
         "identical": users_differ == 0,
         "max_abs_score_diff": diff,
     }
+
+
+# ------------------------------------------------------------------ what applies to a run
+
+
+def speculative(s: dict) -> bool:
+    """Verified drafted steps (atspeed modes; auto when it tried atspeed-strict)."""
+    return s["mean_accepted_steps"] is not None
+
+
+def drafts(s: dict) -> bool:
+    return s["draft_forwards"] > 0
+
+
+def excludes(s: dict) -> bool:
+    """decoding.exclude set, or an exclusion column in the input."""
+    return s["exclusions"]["mode"] != "none" or bool(s["exclusions"].get("column"))
+
+
+def chose_decoders(s: dict) -> bool:
+    """Batches decoded by another decoder than the run's mode names (auto)."""
+    return bool(set(s["decoders"]) - {s["mode"]})
+
+
+def measured_memory(s: dict) -> bool:
+    """Peak accelerator memory measured (CUDA)."""
+    return s["peak_memory_gb"] is not None
+
+
+def spent(phase: str):
+    """-> whether a run spent time in `phase` (a beam search has no draft or verify phase)."""
+    return lambda s: s["phase_s"][phase] > 0
+
+
+def applies(when, runs: list[dict]) -> bool:
+    """Whether a part of the report (its `when`: one of the above, None for every run) applies to at least one run."""
+    return when is None or any(when(s) for s in runs)
 
 
 # ------------------------------------------------------------------ figures
@@ -219,12 +318,14 @@ def fig_throughput(runs: list[dict]) -> bytes:
 
 
 def fig_time_split(runs: list[dict]) -> bytes:
+    """Seconds per phase, stacked per run: the phases some run spent time in (a beam search has no draft or verify),
+    each in its own colour whatever the runs."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(11, 1.2 + 0.7 * len(runs)))
     left = np.zeros(len(runs))
-    for p in PHASES:
+    for p in [p for p in PHASES if applies(spent(p), runs)]:
         values = np.array([s["phase_s"][p] for s in runs])
-        ax.barh([_label(s) for s in runs], values, left=left, label=p.removesuffix("_s"))
+        ax.barh([_label(s) for s in runs], values, left=left, label=p.removesuffix("_s"), color=f"C{PHASES.index(p)}")
         for y, (v, x0, s) in enumerate(zip(values, left, runs)):
             share = v / max(sum(s["phase_s"].values()), 1e-12)
             if share > 0.06:
@@ -236,20 +337,11 @@ def fig_time_split(runs: list[dict]) -> bytes:
 
 
 def fig_accepted_steps(runs: list[dict]) -> bytes:
+    """The speculative runs' accepted steps per verification, as shares of their user-rounds (drawn only for a
+    report with a speculative run: FIGURES)."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 3.4))
-    spec = [s for s in runs if s["accepted_hist"]]
-    if not spec:
-        ax.text(
-            0.5,
-            0.5,
-            "no speculative rounds in " + ", ".join(s["mode"] for s in runs),
-            ha="center",
-            va="center",
-            transform=ax.transAxes,
-        )
-        ax.set_axis_off()
-        return _png(fig)
+    spec = [s for s in runs if speculative(s)]
     width = 0.8 / len(spec)
     n = max(int(np.nonzero(s["accepted_hist"])[0].max()) + 1 for s in spec)  # up to the largest bin in use
     for i, s in enumerate(spec):
@@ -308,13 +400,18 @@ def _legend_above_bars(ax) -> None:
     ax.legend(fontsize=8, loc="upper left")
 
 
-FIGURES = {
-    "throughput": (fig_throughput, "Throughput"),
-    "time_split": (fig_time_split, "Time split"),
-    "accepted_steps": (fig_accepted_steps, "Accepted steps"),
-    "kv_memory": (fig_kv_memory, "KV memory"),
-    "cost": (fig_cost, "Cost"),
+FIGURES = {  # name: (draw, heading, the runs it applies to: None for every run)
+    "throughput": (fig_throughput, "Throughput", None),
+    "time_split": (fig_time_split, "Time split", None),
+    "accepted_steps": (fig_accepted_steps, "Accepted steps", speculative),
+    "kv_memory": (fig_kv_memory, "KV memory", None),
+    "cost": (fig_cost, "Cost", None),
 }
+
+
+def figures_for(runs: list[dict]) -> dict[str, tuple]:
+    """The figures of a report of these runs, name -> (draw, heading): those that apply to at least one of them."""
+    return {name: (draw, heading) for name, (draw, heading, when) in FIGURES.items() if applies(when, runs)}
 
 
 # ------------------------------------------------------------------ document: blocks rendered as Markdown and HTML
@@ -333,52 +430,55 @@ def pct(x) -> str:
     return "-" if x is None else f"{x:.0%}"
 
 
+SUMMARY = [  # the summary table's rows: (metric, its cell for one run, the runs it applies to: None for every run)
+    ("mode / k", lambda s: f"{s['mode']} / {s['k']}", None),
+    ("device", lambda s: ", ".join(s["devices"]), None),
+    ("dtype / precision audit (float32 re-decode)", lambda s: audit_text(s["precision_audit"]), None),
+    ("exclusions (decoding.exclude; items excluded per user)", lambda s: exclusions_text(s["exclusions"]), excludes),
+    ("users ok", lambda s: num(s["users_ok"]), None),
+    ("users rejected", lambda s: num(s["users_rejected"]), None),
+    ("of them: non-finite log-probs", lambda s: num(s["users_non_finite"]), None),
+    (
+        "prompt template / longest prompt (tokens)",
+        lambda s: f"{s['template'] or '-'} / {num(s['max_prompt_tokens'])}",
+        None,
+    ),
+    ("prefill tokens saved per user (shared prefix)", lambda s: num(s["prefix_tokens_saved_per_user"], 1), None),
+    (
+        "decoder (batches)",
+        lambda s: ", ".join(f"{d} {n}" for d, n in sorted(s["decoders"].items())) or "-",
+        chose_decoders,
+    ),
+    ("recommendations", lambda s: num(s["recommendations"]), None),
+    ("batches / actors", lambda s: f"{num(s['batches'])} / {num(s['actors'])}", None),
+    ("decode wall time (s)", lambda s: num(s["decode_wall_s"]), None),
+    ("users/s (decode wall time)", lambda s: num(s["users_per_s"]), None),
+    ("users/s per busy actor-second", lambda s: num(s["users_per_busy_s"]), None),
+    *[
+        (f"{p.removesuffix('_s')} (s, summed over batches)", lambda s, p=p: num(s["phase_s"][p]), spent(p))
+        for p in PHASES
+    ],
+    ("target forwards", lambda s: num(s["target_forwards"]), None),
+    ("draft forwards", lambda s: num(s["draft_forwards"]), drafts),
+    ("target tokens per user (prompt + tree)", lambda s: num(s["target_tokens_per_user"], 1), None),
+    ("draft tokens per user (prompt + tree)", lambda s: num(s["draft_tokens_per_user"], 1), drafts),
+    ("mean accepted steps per verification", lambda s: num(s["mean_accepted_steps"]), speculative),
+    ("KV tokens held per user", lambda s: num(s["kv_tokens_per_user"], 1), None),
+    ("KV tokens per user, batch beam search", lambda s: num(s["kv_tokens_beam_batch_per_user"], 1), None),
+    ("peak accelerator memory (GiB)", lambda s: num(s["peak_memory_gb"]), measured_memory),
+    (
+        "accelerator-hours (allocated / busy)",
+        lambda s: f"{num(s['accelerator_hours']['allocated'], 6)} / {num(s['accelerator_hours']['busy'], 6)}",
+        None,
+    ),
+    ("cost per million users, allocated (USD)", lambda s: num(s["cost_per_million_users"]["allocated"], 2), None),
+    ("cost per million users, busy (USD)", lambda s: num(s["cost_per_million_users"]["busy"], 2), None),
+]
+
+
 def summary_rows(runs: list[dict]) -> list[list[str]]:
-    """(metric, value per run) rows of the summary table."""
-
-    def row(name, fn):
-        return [name] + [fn(s) for s in runs]
-
-    rows = [
-        row("mode / k", lambda s: f"{s['mode']} / {s['k']}"),
-        row("device", lambda s: ", ".join(s["devices"])),
-        row("dtype / precision audit (float32 re-decode)", lambda s: audit_text(s["precision_audit"])),
-        row("exclusions (decoding.exclude; items excluded per user)", lambda s: exclusions_text(s["exclusions"])),
-        row("users ok", lambda s: num(s["users_ok"])),
-        row("users rejected", lambda s: num(s["users_rejected"])),
-        row("of them: non-finite log-probs", lambda s: num(s["users_non_finite"])),
-        row(
-            "prompt template / longest prompt (tokens)",
-            lambda s: f"{s['template'] or '-'} / {num(s['max_prompt_tokens'])}",
-        ),
-        row("prefill tokens saved per user (shared prefix)", lambda s: num(s["prefix_tokens_saved_per_user"], 1)),
-        row("decoder (batches)", lambda s: ", ".join(f"{d} {n}" for d, n in sorted(s["decoders"].items())) or "-"),
-        row("recommendations", lambda s: num(s["recommendations"])),
-        row("batches / actors", lambda s: f"{num(s['batches'])} / {num(s['actors'])}"),
-        row("decode wall time (s)", lambda s: num(s["decode_wall_s"])),
-        row("users/s (decode wall time)", lambda s: num(s["users_per_s"])),
-        row("users/s per busy actor-second", lambda s: num(s["users_per_busy_s"])),
-    ]
-    rows += [
-        row(f"{p.removesuffix('_s')} (s, summed over batches)", lambda s, p=p: num(s["phase_s"][p])) for p in PHASES
-    ]
-    rows += [
-        row("target forwards", lambda s: num(s["target_forwards"])),
-        row("draft forwards", lambda s: num(s["draft_forwards"])),
-        row("target tokens per user (prompt + tree)", lambda s: num(s["target_tokens_per_user"], 1)),
-        row("draft tokens per user (prompt + tree)", lambda s: num(s["draft_tokens_per_user"], 1)),
-        row("mean accepted steps per verification", lambda s: num(s["mean_accepted_steps"])),
-        row("KV tokens held per user", lambda s: num(s["kv_tokens_per_user"], 1)),
-        row("KV tokens per user, batch beam search", lambda s: num(s["kv_tokens_beam_batch_per_user"], 1)),
-        row("peak accelerator memory (GiB)", lambda s: num(s["peak_memory_gb"])),
-        row(
-            "accelerator-hours (allocated / busy)",
-            lambda s: f"{num(s['accelerator_hours']['allocated'], 6)} / {num(s['accelerator_hours']['busy'], 6)}",
-        ),
-        row("cost per million users, allocated (USD)", lambda s: num(s["cost_per_million_users"]["allocated"], 2)),
-        row("cost per million users, busy (USD)", lambda s: num(s["cost_per_million_users"]["busy"], 2)),
-    ]
-    return rows
+    """(metric, value per run) rows of the summary table: those of SUMMARY that apply to at least one of the runs."""
+    return [[name] + [cell(s) for s in runs] for name, cell, when in SUMMARY if applies(when, runs)]
 
 
 def audit_text(a: dict | None) -> str:
@@ -448,79 +548,94 @@ def comparison_text(run: dict, base: dict, outputs: dict) -> str:
 
 
 def build_blocks(runs: list[dict], outputs: dict | None, evaluations: list[dict | None]) -> list[tuple]:
-    title = "genrec-batch run report: " + " vs ".join(s["run_id"] for s in runs)
-    blocks = [
-        ("h1", title),
-        (
-            "p",
-            "; ".join(
-                f"`{s['uri']}` (run date {s['run_date']}, code {str(s['code_version'])[:12]}, models "
-                + ", ".join(f"{r} {h}" for r, h in s["models"].items())
-                + ")"
-                for s in runs
-            ),
-        ),
-    ]
-    header = ["metric"] + [_label(s) for s in runs]
-    blocks += [("h2", "Summary"), ("table", header, summary_rows(runs))]
-    blocks += [("p", catalog_text(s)) for s in runs if s["catalog"]]
-    blocks += [("p", auto_text(s)) for s in runs if s["auto"]]
+    """The report as blocks: ("h1" | "h2" | "p", text), ("img", figure name), ("table", header, rows). The title,
+    the summary, the comparison (two runs), a section per figure and the quality (evaluated runs), each only where it
+    applies to the runs (figures_for, summary_rows)."""
+    blocks = title_blocks(runs) + summary_blocks(runs)
     if outputs is not None:
         blocks += [("h2", "Comparison"), ("p", comparison_text(runs[0], runs[1], outputs))]
-    for name, (_, heading) in FIGURES.items():
-        blocks += [("h2", heading), ("img", name)]
-        if name == "throughput":
-            rows = [
-                [
-                    _label(s),
-                    str(i + 1),
-                    a["actor"],
-                    num(a["batches"]),
-                    num(a["users"]),
-                    num(a["users_per_s"]),
-                    pct(a.get("busy_fraction")),
-                ]
-                for s in runs
-                for i, a in enumerate(sorted(s["per_actor"], key=lambda a: a["actor"]))
-            ]
-            blocks.append(("table", ["run", "actor", "actor id", "batches", "users", "users/s", "busy"], rows))
-            rows = [
-                [_label(s), x["accelerator"], num(x["actors"]), pct(x["busy_fraction"])]
-                for s in runs
-                for x in s.get("per_accelerator", [])
-            ]
-            if rows:
-                blocks.append(("table", ["run", "accelerator", "actors", "busy (any of its actors decoding)"], rows))
-    evaluated = [(s, e) for s, e in zip(runs, evaluations) if e is not None]
-    if evaluated:
-        ks = sorted({k for _, e in evaluated for k in e["ks"]})
-        blocks += [
-            ("h2", "Quality (offline evaluation)"),
-            (
-                "p",
-                "; ".join(
-                    f"{_label(s)}: {num(e['users'])} users with target items, "
-                    f"{num(e['users_without_recommendations'])} of them without recommendations "
-                    f"(misses), k = {e['k']}" + (f", targets {e['targets']['meaning']}" if "targets" in e else "")
-                    for s, e in evaluated
-                )
-                + ". Users without targets are skipped (`python -m jobs.evaluate`)."
-                + "".join(
-                    f" Split `{p['split']}`: {p['convention']}."
-                    for p in {e["protocol"]["split"]: e["protocol"] for _, e in evaluated if "protocol" in e}.values()
-                ),
-            ),
-            (
-                "table",
-                ["metric"] + [_label(s) for s, _ in evaluated],
-                [
-                    [f"{m}@{k}"] + [num(e.get(f"{m.lower()}@{k}"), 4) for _, e in evaluated]
-                    for m in ("Recall", "NDCG")
-                    for k in ks
-                ],
-            ),
+    for name, (_, heading) in figures_for(runs).items():
+        blocks += [("h2", heading), ("img", name)] + (actor_tables(runs) if name == "throughput" else [])
+    return blocks + quality_blocks(runs, evaluations)
+
+
+def title_blocks(runs: list[dict]) -> list[tuple]:
+    """The title and where each run is: its URI, run date, code version and models."""
+    title = "genrec-batch run report: " + " vs ".join(s["run_id"] for s in runs)
+    sources = "; ".join(
+        f"`{s['uri']}` (run date {s['run_date']}, code {str(s['code_version'])[:12]}, models "
+        + ", ".join(f"{r} {h}" for r, h in s["models"].items())
+        + ")"
+        for s in runs
+    )
+    return [("h1", title), ("p", sources)]
+
+
+def summary_blocks(runs: list[dict]) -> list[tuple]:
+    """The summary table, then each run's catalog and (auto mode) what its actors chose."""
+    blocks = [("h2", "Summary"), ("table", ["metric"] + [_label(s) for s in runs], summary_rows(runs))]
+    blocks += [("p", catalog_text(s)) for s in runs if s["catalog"]]
+    return blocks + [("p", auto_text(s)) for s in runs if s["auto"]]
+
+
+def actor_tables(runs: list[dict]) -> list[tuple]:
+    """Per actor (batches, users, users/s, busy share) and, where recorded, per accelerator (how busy any of its
+    actors kept it)."""
+    actors = [
+        [
+            _label(s),
+            str(i + 1),
+            a["actor"],
+            num(a["batches"]),
+            num(a["users"]),
+            num(a["users_per_s"]),
+            pct(a.get("busy_fraction")),
         ]
+        for s in runs
+        for i, a in enumerate(sorted(s["per_actor"], key=lambda a: a["actor"]))
+    ]
+    blocks = [("table", ["run", "actor", "actor id", "batches", "users", "users/s", "busy"], actors)]
+    accelerators = [
+        [_label(s), x["accelerator"], num(x["actors"]), pct(x["busy_fraction"])]
+        for s in runs
+        for x in s.get("per_accelerator", [])
+    ]
+    if accelerators:
+        blocks.append(("table", ["run", "accelerator", "actors", "busy (any of its actors decoding)"], accelerators))
     return blocks
+
+
+def quality_blocks(runs: list[dict], evaluations: list[dict | None]) -> list[tuple]:
+    """The offline evaluation of the runs that have one (none: no section): who was scored and how, then Recall and
+    NDCG at every cut-off of any of them."""
+    evaluated = [(s, e) for s, e in zip(runs, evaluations) if e is not None]
+    if not evaluated:
+        return []
+    ks = sorted({k for _, e in evaluated for k in e["ks"]})
+    rows = [[f"{m}@{k}"] + [quality_cell(e, m, k) for _, e in evaluated] for m in ("Recall", "NDCG") for k in ks]
+    header = ["metric"] + [_label(s) for s, _ in evaluated]
+    return [("h2", "Quality (offline evaluation)"), ("p", quality_text(evaluated)), ("table", header, rows)]
+
+
+def quality_cell(e: dict, metric: str, k: int) -> str:
+    """A metric at cut-off k, or n/a above the run's own k: its lists hold k items, so Recall@20 of a k = 10 run
+    would only repeat Recall@10."""
+    if e.get("k") is not None and k > e["k"]:
+        return f"n/a (k = {e['k']})"
+    return num(e.get(f"{metric.lower()}@{k}"), 4)
+
+
+def quality_text(evaluated: list[tuple[dict, dict]]) -> str:
+    """Per run: users with targets, misses, k and the targets' protocol; then the splits' conventions."""
+    runs = "; ".join(
+        f"{_label(s)}: {num(e['users'])} users with target items, "
+        f"{num(e['users_without_recommendations'])} of them without recommendations "
+        f"(misses), k = {e['k']}" + (f", targets {e['targets']['meaning']}" if "targets" in e else "")
+        for s, e in evaluated
+    )
+    splits = {e["protocol"]["split"]: e["protocol"] for _, e in evaluated if "protocol" in e}
+    conventions = "".join(f" Split `{p['split']}`: {p['convention']}." for p in splits.values())
+    return runs + ". Users without targets are skipped (`python -m jobs.evaluate`)." + conventions
 
 
 def to_markdown(blocks, figure_dir: str = "figures") -> str:
@@ -534,13 +649,8 @@ def to_markdown(blocks, figure_dir: str = "figures") -> str:
             out.append(b[1])
         elif b[0] == "img":
             out.append(f"![{b[1]}]({figure_dir}/{b[1]}.png)")
-        elif b[0] == "table":
-            out.append(
-                "\n".join(
-                    ["| " + " | ".join(b[1]) + " |", "|" + "---|" * len(b[1])]
-                    + ["| " + " | ".join(r) + " |" for r in b[2]]
-                )
-            )
+        elif b[0] == "table":  # the first column names the row, the others hold values (as the HTML aligns them)
+            out.append(table(b[1], b[2], align=["left"] + ["right"] * (len(b[1]) - 1)))
     return "\n\n".join(out) + "\n"
 
 
@@ -586,7 +696,7 @@ def write_report(runs: list[Run], out: str, storage: Storage, gpu_hour_price: fl
     summaries = [summarize(r, gpu_hour_price) for r in runs]
     evaluations = [read_evaluation(r, storage) for r in runs]
     outputs = compare_outputs(runs[0], runs[1], storage) if len(runs) == 2 else None
-    figures = {name: fn(summaries) for name, (fn, _) in FIGURES.items()}
+    figures = {name: draw(summaries) for name, (draw, _) in figures_for(summaries).items()}
     blocks = build_blocks(summaries, outputs, evaluations)
     doc = {
         "runs": summaries,

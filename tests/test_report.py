@@ -19,7 +19,9 @@ import pytest
 
 from pipeline.config import Storage
 from pipeline.evaluate import evaluate
-from pipeline.report import report_run, screenshot_report
+from pipeline.report import FIGURES as REPORT_FIGURES
+from pipeline.report import build_blocks, figures_for, report_run, screenshot_report, summarize, to_markdown
+from pipeline.runs import load_run
 from tests.test_nightly import config, make_world
 
 LOCAL = Storage()
@@ -93,8 +95,10 @@ def test_report_numbers_equal_the_metrics(runs, mode):
     _, out = report_run(run, LOCAL, gpu_hour_price=PRICE)
     assert out == f"{run}/report"
     out = Path(out)
-    for name in FIGURES:
+    figures = [f for f in FIGURES if f != "accepted_steps" or mode != "beam"]  # beam search verifies no drafts
+    for name in figures:
         assert_png(out / "figures" / f"{name}.png")
+    assert (out / "figures" / "accepted_steps.png").is_file() == (mode != "beam")
     md, html = (out / "report.md").read_text(), (out / "report.html").read_text()
     want = independent_summary(run)
     assert want["users"] == 100
@@ -103,7 +107,6 @@ def test_report_numbers_equal_the_metrics(runs, mode):
         f"| users/s (decode wall time) | {num(want['users_per_s'])} |",
         f"| users/s per busy actor-second | {num(want['busy_users_per_s'])} |",
         f"| prefill (s, summed over batches) | {num(want['prefill'])} |",
-        f"| verify (s, summed over batches) | {num(want['verify'])} |",
         f"| target forwards | {num(want['target_forwards'])} |",
         f"| KV tokens held per user | {num(want['kv'], 1)} |",
         f"| KV tokens per user, batch beam search | {num(want['kv_beam'], 1)} |",
@@ -129,11 +132,14 @@ def test_report_numbers_equal_the_metrics(runs, mode):
     busy = covered.mean() * (grid[-1] - grid[0]) / wall
     row = re.search(rf"\| {re.escape(accelerator)} \| ([0-9,]+) \| (\d+)% \|", md)
     assert row and int(row[1]) == m.actor.nunique() and abs(int(row[2]) - 100 * busy) <= 1, (row, busy)
-    if mode == "beam":
-        assert "| mean accepted steps per verification | - |" in md and want["rounds"] == 0
+    if mode == "beam":  # no speculation: neither its rows nor its section
+        assert "mean accepted steps" not in md and "## Accepted steps" not in md and want["rounds"] == 0
+        assert "| verify (s" not in md and "| draft (s" not in md and want["verify"] == 0
     else:  # every user-round of speculation is in the histogram
         assert f"| mean accepted steps per verification | {num(want['accepted'])} |" in md and want["rounds"] >= 100
-    assert md.count("![") == len(FIGURES) and html.count('src="data:image/png;base64,') == len(FIGURES)
+        assert f"| verify (s, summed over batches) | {num(want['verify'])} |" in md
+    assert md.count("![") == len(figures) and html.count('src="data:image/png;base64,') == len(figures)
+    assert "| metric | " + mode in md and "\n|---|---:|\n" in md  # names left, values right (pipeline/markdown.py)
     assert "<table>" in html and "figures/" not in html  # self-contained: nothing to fetch
 
 
@@ -189,13 +195,60 @@ def test_evaluation_of_a_real_run_lands_in_the_report(runs, tmp_path):
     md = (Path(run) / "report" / "report.md").read_text()
     assert "## Quality (offline evaluation)" in md
     assert ev["protocol"]["source"] and f"Split `test`: {ev['protocol']['convention']}." in md
-    for k in (1, 5, 10, 20):
+    assert ev["k"] == 5
+    for k in (1, 5):
         assert f"| Recall@{k} | {ev[f'recall@{k}']:.4f} |" in md and f"| NDCG@{k} | {ev[f'ndcg@{k}']:.4f} |" in md
+    for k in (10, 20):  # the run returned 5 items per user: nothing was measured at 10 or 20
+        assert f"| Recall@{k} | n/a (k = 5) |" in md and f"| NDCG@{k} | n/a (k = 5) |" in md
     # side by side, each run with its own evaluation (strict speculation: the same items, the same quality)
     evaluate(runs["atspeed-strict"], LOCAL)
     report_run(runs["atspeed-strict"], LOCAL, run, str(tmp_path / "both"))
     md = (tmp_path / "both" / "report.md").read_text()
-    assert f"| Recall@10 | {ev['recall@10']:.4f} | {ev['recall@10']:.4f} |" in md
+    assert f"| Recall@5 | {ev['recall@5']:.4f} | {ev['recall@5']:.4f} |" in md
+
+
+def test_a_report_shows_only_what_applies_to_its_runs(runs):
+    """A beam-search run's report has no accepted-steps section or figure, no draft or speculation rows, and none
+    for exclusions, the auto decoder choice or accelerator memory (a CPU run without them); beside a speculative run,
+    what applies to that run comes back, with '-' or 0 for the beam run."""
+    beam, strict = (summarize(load_run(runs[m], LOCAL), PRICE) for m in ("beam", "atspeed-strict"))
+    alone = to_markdown(build_blocks([beam], None, [None]))
+    assert list(figures_for([beam])) == ["throughput", "time_split", "kv_memory", "cost"]
+    for absent in (
+        "## Accepted steps",
+        "accepted_steps.png",
+        "| draft forwards |",
+        "| draft tokens per user",
+        "| mean accepted steps",
+        "| draft (s",
+        "| verify (s",
+        "| exclusions",
+        "| decoder (batches)",
+        "| peak accelerator memory",
+        "## Comparison",
+        "## Quality",
+        "Auto mode",
+    ):
+        assert absent not in alone, absent
+    assert "| target forwards |" in alone and "## Time split" in alone and "## KV memory" in alone
+    both = to_markdown(build_blocks([strict, beam], None, [None, None]))
+    assert list(figures_for([strict, beam])) == list(REPORT_FIGURES) == list(FIGURES) and "## Accepted steps" in both
+    assert f"| mean accepted steps per verification | {num(strict['mean_accepted_steps'])} | - |" in both
+    assert f"| draft forwards | {num(strict['draft_forwards'])} | 0 |" in both and strict["draft_forwards"] > 0
+    assert f"| verify (s, summed over batches) | {num(strict['phase_s']['verify_s'])} | 0.000 |" in both
+
+
+def test_cut_offs_above_the_runs_k_are_not_applicable(runs):
+    """The quality table writes `n/a (k = 10)` for a cut-off above the evaluated run's k (its lists are k long, so
+    @20 would repeat @10), and the value where the cut-off is within k, run by run."""
+    s = summarize(load_run(runs["beam"], LOCAL), PRICE)
+    ev = {"ks": [1, 5, 10, 20], "users": 7, "users_without_recommendations": 0}
+    ten = {**ev, "k": 10, **{f"{m}@{k}": k / 100 + (m == "ndcg") / 1000 for m in ("recall", "ndcg") for k in ev["ks"]}}
+    twenty = {**ten, "k": 20}
+    md = to_markdown(build_blocks([s, s], None, [ten, twenty]))
+    assert "| Recall@10 | 0.1000 | 0.1000 |" in md and "| NDCG@10 | 0.1010 | 0.1010 |" in md
+    assert "| Recall@20 | n/a (k = 10) | 0.2000 |" in md and "| NDCG@20 | n/a (k = 10) | 0.2010 |" in md
+    assert "k = 10" in md.split("## Quality")[1].split("|")[0]  # the paragraph states each run's k too
 
 
 def hand_run(root, recs: dict[int, list[int]], k: int):
