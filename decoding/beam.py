@@ -173,6 +173,18 @@ def prefill(
     return cache, hidden[:, -1]
 
 
+def prompt_tree(attention_mask: torch.Tensor, prefix: Prefix | None = None) -> TokenTree:
+    """The token tree a decoder grows over its prefilled prompts [B, S] (left-padded, continuing `prefix`)."""
+    return TokenTree.from_prompt(attention_mask, len(prefix) if prefix is not None else 0)
+
+
+def rank_by_score(score: torch.Tensor, node: torch.Tensor, tokens: torch.Tensor):
+    """Sequences in draw order (sampling) -> ranked by score, descending, ties in draw order: score, node [B, K],
+    tokens [B, K, L]."""
+    order = torch.sort(score, dim=1, descending=True, stable=True).indices  # [B, K]
+    return score.gather(1, order), node.gather(1, order), tokens.gather(1, order[:, :, None].expand_as(tokens))
+
+
 def forward(
     model,
     tree: TokenTree,
@@ -355,7 +367,7 @@ def beam_search(
     meter.kv(b * cache.length)
     broken = kids.broken[:, 0]  # [B] users whose log-probs were NaN or infinite somewhere
 
-    tree = TokenTree.from_prompt(attention_mask, len(prefix) if prefix is not None else 0)
+    tree = prompt_tree(attention_mask, prefix)
     score = torch.zeros(b, 1, device=dev)  # [B, W], W = 1 beam (the prompt) at level 0
     leaf = torch.full((b, 1), -1, dtype=torch.int64, device=dev)  # tree node of each beam's last token
     tokens = torch.zeros(b, 1, 0, dtype=torch.int64, device=dev)  # [B, W, t]
@@ -383,12 +395,7 @@ def beam_search(
         leaf = tree.num_nodes - k + torch.arange(k, device=dev).expand(b, k)
 
     if do_sample:  # drawn in sampling order: rank them by score
-        order = torch.sort(score, dim=1, descending=True, stable=True).indices
-        score, node, tokens = (
-            score.gather(1, order),
-            node.gather(1, order),
-            tokens.gather(1, order[:, :, None].expand_as(tokens)),
-        )
+        score, node, tokens = rank_by_score(score, node, tokens)
     alive = node >= 0
     stats = meter.result(
         beam_batch_kv(b, k, s, depth),

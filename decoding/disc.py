@@ -25,11 +25,21 @@ proposal: proposals that share a node share its forward, and the tree is never r
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
-from decoding.beam import Prefix, Recommendations, check_prompts, forward, gumbel_like, head_of, prefill
+from decoding.beam import (
+    Prefix,
+    Recommendations,
+    check_prompts,
+    forward,
+    gumbel_like,
+    head_of,
+    prefill,
+    prompt_tree,
+)
+from decoding.cache import TreeCache
 from decoding.catalog import Catalog, Exclusions, count_at
 from decoding.stats import Meter, beam_batch_kv
 from decoding.tree import TokenTree
@@ -83,37 +93,6 @@ class Expanded:
         return Expanded(*(x[order] for x in both))
 
 
-def score_nodes(
-    model,
-    hidden: torch.Tensor,
-    catalog: Catalog,
-    node: torch.Tensor,
-    prefix: torch.Tensor,
-    key: torch.Tensor,
-    tree: torch.Tensor,
-    top_m: int | None,
-    temperature: float,
-) -> Expanded:
-    """hidden [R, H] of R trie nodes node [R] of one level t, prefix [R, t] their tokens -> their Expanded entries
-    (candidates: the children through the CSR index, or the model's top-M verified by PPV)."""
-    if top_m is None:
-        token, child, valid = catalog.children(node, catalog.max_children[prefix.shape[1]])
-        token = torch.where(valid, token, -1)
-        scores = head_of(model).score(hidden, token, temperature)
-    else:
-        scores = head_of(model).score(
-            hidden, torch.full((hidden.shape[0], 1), -1, device=hidden.device), temperature, top_m
-        )
-        token, scores.logits = scores.top_tokens, scores.top_logits
-        ok = catalog.verify(prefix, token)  # [R, M] PPV: binary search in the sorted rows
-        child = torch.where(
-            ok, catalog.child_node(node[:, None].expand_as(token).reshape(-1), token.reshape(-1)).view(token.shape), -1
-        )
-    lse_t = scores.lse if scores.lse_t is None else scores.lse_t
-    broken = ~torch.isfinite(scores.lse) | torch.isnan(scores.logits).any(1)
-    return Expanded(key, tree, token, child, scores.logits, scores.lse, lse_t, broken)
-
-
 def token_gumbel(seed: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     """Gumbel noise [...] float64 keyed by (seed, key) through the SplitMix64 finaliser: a token's noise depends on
     the draw, the user, the proposal, the level and the token id only, not on where it sits among the candidates (so
@@ -165,116 +144,182 @@ def open_children(
     return (child >= 0) & (catalog.leaf_count[child.clamp(min=0)] > taken)
 
 
-def expand_missing(
-    model,
-    tree: TokenTree,
-    cache,
-    catalog: Catalog,
-    stores: list[Expanded],
-    node: torch.Tensor,
-    parent_node: torch.Tensor,
-    prefix: torch.Tensor,
-    top_m: int | None,
-    temperature: float,
-    meter: Meter,
-) -> None:
-    """Runs the level-t trie nodes node [B, P] (-1 = dead; prefix [B, P, t] their tokens) that no proposal of their
-    user reached before through the model, each once however many proposals stand on it (under its parent's tree
-    node), and adds them to stores[t]."""
-    b, t, g = node.shape[0], prefix.shape[2], catalog.num_nodes
-    user = torch.arange(b, device=node.device)[:, None].expand_as(node)
-    key = user * g + node.clamp(min=0)
-    _, found = stores[t].find(key)
-    missing = (node >= 0) & ~found
-    if not missing.any():
-        return
-    new, first = torch.unique(key[missing], return_inverse=True)  # [M] sorted, distinct
-    one = torch.zeros_like(new).scatter_(0, first, missing.nonzero()[:, 1])  # [M] one proposal standing on each
-    who, what = new // g, new % g  # [M] user, node
-    count = torch.bincount(who, minlength=b)  # [B]
-    slot = torch.arange(new.numel(), device=new.device) - (torch.cumsum(count, 0) - count)[who]  # [M] within its user
-    q = int(count.max())
-    block_tok = torch.zeros(b, q, dtype=torch.int64, device=node.device)
-    block_par = torch.full((b, q), -1, dtype=torch.int64, device=node.device)
-    block_tok[who, slot] = catalog.edge_tok[what - 1]  # the token leading into the node
-    block_par[who, slot] = stores[t - 1].tree[stores[t - 1].find(who * g + parent_node[who, one])[0]]  # (-1: prompt)
-    base = tree.num_nodes
-    hidden = forward(model, tree, cache, block_tok, block_par, meter=meter)  # [B, Q, H]
-    stores[t] = stores[t].add(
-        score_nodes(model, hidden[who, slot], catalog, what, prefix[who, one], new, base + slot, top_m, temperature)
-    )
+@dataclass
+class Proposals:
+    """The proposals one `propose` decodes together, token by token [B, P]: the pass that launched each one's draw
+    (its epoch), the key of its Gumbel noise (with `seed` [1]: the user and the proposal), the trie node it stands on
+    (-1 = dead), its tokens [B, P, L] and trie path [B, P, L + 1] so far, log x (float64) and log p (temperature 1)."""
+
+    epoch: torch.Tensor
+    seed: torch.Tensor
+    key: torch.Tensor
+    node: torch.Tensor
+    tokens: torch.Tensor
+    paths: torch.Tensor
+    log_x: torch.Tensor
+    log_p: torch.Tensor
+
+    @staticmethod
+    def start(wanted: torch.Tensor, epoch: torch.Tensor, code_len: int, generator) -> Proposals:
+        """The proposal slots wanted [B, P] at the trie's root (the others dead) of draws launched in epoch [B, P]."""
+        (b, p), dev = wanted.shape, wanted.device
+        node = torch.where(wanted, 0, -1)
+        paths = torch.full((b, p, code_len + 1), -1, dtype=torch.int64, device=dev)
+        paths[:, :, 0] = node
+        user = torch.arange(b, device=dev)[:, None].expand(b, p)
+        seed = torch.randint(1 << 62, (1,), generator=generator, device=generator.device if generator else "cpu")
+        return Proposals(
+            epoch,
+            seed.to(dev),
+            (user * p + torch.arange(p, device=dev)) * code_len,  # [B, P] (user, proposal) key base
+            node,
+            torch.zeros(b, p, code_len, dtype=torch.int64, device=dev),
+            paths,
+            torch.zeros(b, p, dtype=torch.float64, device=dev),
+            torch.zeros(b, p, device=dev),
+        )
 
 
-@torch.no_grad()
-def propose(
-    model,
-    tree: TokenTree,
-    cache,
-    stores: list[Expanded],
-    catalog: Catalog,
-    wanted: torch.Tensor,
-    epoch: torch.Tensor,
-    epochs: int,
-    drawn: tuple[torch.Tensor, torch.Tensor],
-    top_m: int | None,
-    temperature: float,
-    generator,
-    meter: Meter,
-    exclude: Exclusions | None = None,
-):
-    """Constrained samples, token by token, for the proposal slots wanted [B, P] (the others stay dead) of draws
-    launched in epoch [B, P] (drawn: the items they exclude, `drawn_counts`, besides the users' own `exclude`),
-    reusing every trie node scored before (stores: one per level, extended in place). -> tokens [B, P, L], paths
-    [B, P, L + 1] (trie nodes, -1 = dead), log x [B, P], log p [B, P] (temperature 1), users whose log-probs were NaN
-    or infinite [B]."""
-    (b, proposals), dev = wanted.shape, wanted.device
-    code_len, g = catalog.code_len, catalog.num_nodes
-    node = torch.where(wanted, 0, -1)
-    tokens = torch.zeros(b, proposals, code_len, dtype=torch.int64, device=dev)
-    paths = torch.full((b, proposals, code_len + 1), -1, dtype=torch.int64, device=dev)
-    paths[:, :, 0] = node
-    log_x = torch.zeros(b, proposals, dtype=torch.float64, device=dev)
-    log_p = torch.zeros(b, proposals, device=dev)
-    broken = torch.zeros(b, dtype=torch.bool, device=dev)
-    user = torch.arange(b, device=dev)[:, None].expand(b, proposals)
-    seed = torch.randint(1 << 62, (1,), generator=generator, device=generator.device if generator else "cpu").to(dev)
-    who = (user * proposals + torch.arange(proposals, device=dev)) * code_len  # [B, P] (user, proposal) key base
-    for level in range(code_len):
-        if level and not (node >= 0).any():
-            break  # every proposal is dead (log x = -inf already)
-        if level:
-            expand_missing(
-                model,
-                tree,
-                cache,
-                catalog,
-                stores,
-                node,
-                paths[:, :, level - 1],
-                tokens[:, :, :level],
-                top_m,
-                temperature,
-                meter,
+@dataclass(eq=False)
+class Proposer:
+    """One batch's DISC state: the model, the catalog and the sampling settings (top_m: PPV over the model's top-M
+    tokens, else the exact CSR mask; temperature; generator; the users' own `exclude`), the meter; after `start`, the
+    prompt cache and token tree, the trie nodes scored so far (`stores`: one Expanded per level, extended in place)
+    and the counts DISC's statistics need [B]: users whose log-probs were NaN or infinite, proposals decoded, and
+    the sum and count of x over the live ones."""
+
+    model: object
+    catalog: Catalog
+    top_m: int | None
+    temperature: float
+    generator: torch.Generator | None
+    exclude: Exclusions | None
+    meter: Meter
+    cache: TreeCache = field(init=False)
+    tree: TokenTree = field(init=False)
+    stores: list[Expanded] = field(init=False)
+    broken: torch.Tensor = field(init=False)
+    decoded: torch.Tensor = field(init=False)
+    x_sum: torch.Tensor = field(init=False)
+    x_count: torch.Tensor = field(init=False)
+
+    def start(self, input_ids, attention_mask, prefix: Prefix | None, capacity: int) -> None:
+        """Prefills the prompts [B, S] (continuing `prefix`; room for `capacity` tree nodes) and scores every user's
+        trie root into stores[0]."""
+        b, dev, g = input_ids.shape[0], input_ids.device, self.catalog.num_nodes
+        with self.meter.phase("prefill"):
+            self.cache, hidden = prefill(
+                self.model, input_ids, attention_mask, self.meter, prefix=prefix, capacity=capacity
             )
-            meter.kv(b * cache.length)
-        store = stores[level]
+            root = torch.zeros(b, dtype=torch.int64, device=dev)
+            no_tree_node = torch.full((b,), -1, dtype=torch.int64, device=dev)
+            self.stores = [
+                self.score_nodes(hidden, root, root[:, None][:, :0], torch.arange(b, device=dev) * g, no_tree_node)
+            ]
+            self.stores += [Expanded.empty(dev) for _ in range(1, self.catalog.code_len)]
+        self.meter.kv(b * self.cache.length)
+        self.tree = prompt_tree(attention_mask, prefix)
+        self.broken = torch.zeros(b, dtype=torch.bool, device=dev) | self.stores[0].broken
+        self.decoded = torch.zeros(b, dtype=torch.int64, device=dev)
+        self.x_sum = torch.zeros(b, dtype=torch.float64, device=dev)
+        self.x_count = torch.zeros(b, dtype=torch.float64, device=dev)
+
+    def score_nodes(
+        self, hidden: torch.Tensor, node: torch.Tensor, prefix: torch.Tensor, key: torch.Tensor, tree: torch.Tensor
+    ) -> Expanded:
+        """hidden [R, H] of R trie nodes node [R] of one level t (tree nodes tree [R], keys user * G + node [R]),
+        prefix [R, t] their tokens -> their Expanded entries (candidates: the children through the CSR index, or the
+        model's top-M verified by PPV)."""
+        head = head_of(self.model)
+        if self.top_m is None:
+            token, child, valid = self.catalog.children(node, self.catalog.max_children[prefix.shape[1]])
+            token = torch.where(valid, token, -1)
+            scores = head.score(hidden, token, self.temperature)
+        else:
+            none = torch.full((hidden.shape[0], 1), -1, device=hidden.device)
+            scores = head.score(hidden, none, self.temperature, self.top_m)
+            token, scores.logits = scores.top_tokens, scores.top_logits
+            ok = self.catalog.verify(prefix, token)  # [R, M] PPV: binary search in the sorted rows
+            below = self.catalog.child_node(node[:, None].expand_as(token).reshape(-1), token.reshape(-1))
+            child = torch.where(ok, below.view(token.shape), -1)
+        lse_t = scores.lse if scores.lse_t is None else scores.lse_t
+        broken = ~torch.isfinite(scores.lse) | torch.isnan(scores.logits).any(1)
+        return Expanded(key, tree, token, child, scores.logits, scores.lse, lse_t, broken)
+
+    def expand_missing(self, node: torch.Tensor, parent_node: torch.Tensor, prefix: torch.Tensor) -> None:
+        """Runs the level-t trie nodes node [B, P] (-1 = dead; parent_node [B, P] their parents, prefix [B, P, t]
+        their tokens) that no proposal of their user reached before through the model, each once however many
+        proposals stand on it (under its parent's tree node), and adds them to stores[t]."""
+        b, t, g = node.shape[0], prefix.shape[2], self.catalog.num_nodes
+        user = torch.arange(b, device=node.device)[:, None].expand_as(node)
+        key = user * g + node.clamp(min=0)
+        _, found = self.stores[t].find(key)
+        missing = (node >= 0) & ~found
+        if not missing.any():
+            return
+        new, first = torch.unique(key[missing], return_inverse=True)  # [M] sorted, distinct
+        one = torch.zeros_like(new).scatter_(0, first, missing.nonzero()[:, 1])  # [M] one proposal standing on each
+        who, what = new // g, new % g  # [M] user, node
+        count = torch.bincount(who, minlength=b)  # [B]
+        slot = torch.arange(new.numel(), device=new.device) - (torch.cumsum(count, 0) - count)[who]  # [M] per user
+        q = int(count.max())
+        block_tok = torch.zeros(b, q, dtype=torch.int64, device=node.device)
+        block_par = torch.full((b, q), -1, dtype=torch.int64, device=node.device)
+        block_tok[who, slot] = self.catalog.edge_tok[what - 1]  # the token leading into the node
+        parents = self.stores[t - 1]
+        block_par[who, slot] = parents.tree[parents.find(who * g + parent_node[who, one])[0]]  # (-1: the prompt)
+        base = self.tree.num_nodes
+        hidden = forward(self.model, self.tree, self.cache, block_tok, block_par, meter=self.meter)  # [B, Q, H]
+        scored = self.score_nodes(hidden[who, slot], what, prefix[who, one], new, base + slot)
+        self.stores[t] = self.stores[t].add(scored)
+
+    @torch.no_grad()
+    def propose(self, wanted: torch.Tensor, epoch: torch.Tensor, epochs: int, drawn):
+        """Constrained samples, token by token, for the proposal slots wanted [B, P] (the others stay dead) of draws
+        launched in epoch [B, P] (drawn: the items they exclude, `drawn_counts`, besides the users' own `exclude`),
+        reusing every trie node scored before; counted into the statistics. -> tokens [B, P, L], paths [B, P, L + 1]
+        (trie nodes, -1 = dead), log x [B, P], log p [B, P] (temperature 1)."""
+        proposals = Proposals.start(wanted, epoch, self.catalog.code_len, self.generator)
+        for level in range(self.catalog.code_len):
+            if level and not (proposals.node >= 0).any():
+                break  # every proposal is dead (log x = -inf already)
+            if level:
+                self.expand_missing(proposals.node, proposals.paths[:, :, level - 1], proposals.tokens[:, :, :level])
+                self.meter.kv(wanted.shape[0] * self.cache.length)
+            self.next_token(proposals, level, epochs, drawn)
+        self.count(wanted, proposals.log_x)
+        return proposals.tokens, proposals.paths, proposals.log_x, proposals.log_p
+
+    def next_token(self, proposals: Proposals, level: int, epochs: int, drawn) -> None:
+        """Every live proposal draws its token at `level` from the model's tempered distribution renormalised over
+        its open children (Gumbel-max with `token_gumbel` noise) and moves to that child; log x gains the log of the
+        valid mass, log p the token's log-prob (temperature 1). A proposal with no open child dies (log x = -inf)."""
+        b, g = proposals.node.shape[0], self.catalog.num_nodes
+        node, store = proposals.node, self.stores[level]
+        user = torch.arange(b, device=node.device)[:, None].expand_as(node)
         at, _ = store.find(user * g + node.clamp(min=0))  # [B, P] each proposal's entry
         tok, logit = store.token[at], store.logit[at]  # [B, P, C]
-        broken |= (store.broken[at] & (node >= 0)).any(1)
+        self.broken |= (store.broken[at] & (node >= 0)).any(1)
         child = torch.where(node[:, :, None] >= 0, store.child[at], -1)  # [B, P, C]
-        valid = open_children(catalog, child, epoch, epochs, drawn, exclude)
-        cand = (logit.double() / temperature - store.lse_t[at][:, :, None].double()).masked_fill(~valid, NEG_INF)
+        valid = open_children(self.catalog, child, proposals.epoch, epochs, drawn, self.exclude)
+        cand = (logit.double() / self.temperature - store.lse_t[at][:, :, None].double()).masked_fill(~valid, NEG_INF)
         mass = cand.logsumexp(-1)  # log of the valid mass (tempered)
-        noise = token_gumbel(seed, ((who + level)[:, :, None] * catalog.vocab_size + tok.clamp(min=0)))
-        pick = (cand + noise).argmax(-1, keepdim=True)  # a sample from the valid set
+        key = (proposals.key + level)[:, :, None] * self.catalog.vocab_size + tok.clamp(min=0)
+        pick = (cand + token_gumbel(proposals.seed, key)).argmax(-1, keepdim=True)  # a sample from the valid set
         alive = torch.isfinite(mass) & (node >= 0)
-        log_x = torch.where(alive, log_x + mass, NEG_INF)
-        token = tok.gather(2, pick).squeeze(2)
-        tokens[:, :, level] = torch.where(alive, token, 0)
-        node = torch.where(alive, child.gather(2, pick).squeeze(2), -1)
-        paths[:, :, level + 1] = node
-        log_p = log_p + (logit.gather(2, pick).squeeze(2) - store.lse[at])  # temperature 1
-    return tokens, paths, log_x, log_p, broken
+        proposals.log_x = torch.where(alive, proposals.log_x + mass, NEG_INF)
+        proposals.tokens[:, :, level] = torch.where(alive, tok.gather(2, pick).squeeze(2), 0)
+        proposals.node = torch.where(alive, child.gather(2, pick).squeeze(2), -1)
+        proposals.paths[:, :, level + 1] = proposals.node
+        proposals.log_p = proposals.log_p + (logit.gather(2, pick).squeeze(2) - store.lse[at])  # temperature 1
+
+    def count(self, wanted: torch.Tensor, log_x: torch.Tensor) -> None:
+        """Adds the proposals wanted [B, P] of one `propose` (log x [B, P]) to the statistics: proposals decoded,
+        and x over the live ones (their mean estimates 1 - p_b)."""
+        self.decoded += wanted.sum(1)
+        live = wanted & torch.isfinite(log_x)
+        self.x_sum += torch.where(live, log_x.exp(), 0).sum(1)
+        self.x_count += live.sum(1)
 
 
 def sample_items(
@@ -307,115 +352,53 @@ def sample_items(
             f"top_m={top_m}, temperature={temperature}"
         )
     check_prompts(input_ids, attention_mask, catalog, model, prefix=prefix, exclude=exclude)
-    b, dev, code_len = input_ids.shape[0], input_ids.device, catalog.code_len
-    g = catalog.num_nodes
-    meter = Meter(dev)
-    with meter.phase("prefill"):
-        cache, hidden = prefill(model, input_ids, attention_mask, meter, prefix=prefix, capacity=2 * k * code_len)
-        root = torch.zeros(b, dtype=torch.int64, device=dev)
-        stores = [
-            score_nodes(
-                model,
-                hidden,
-                catalog,
-                root,
-                root[:, None][:, :0],
-                torch.arange(b, device=dev) * g,
-                torch.full((b,), -1, dtype=torch.int64, device=dev),
-                top_m,
-                temperature,
-            )
-        ]
-        stores += [Expanded.empty(dev) for _ in range(1, code_len)]
-    meter.kv(b * cache.length)
-    tree = TokenTree.from_prompt(attention_mask, len(prefix) if prefix is not None else 0)
-    run = Proposer(model, tree, cache, stores, catalog, top_m, temperature, generator, meter, exclude)
-    run.broken |= stores[0].broken
-    draws = Draws.empty(b, code_len, dev)
-    r = rounds if disc else 0
+    run = Proposer(model, catalog, top_m, temperature, generator, exclude, Meter(input_ids.device))
+    run.start(input_ids, attention_mask, prefix, capacity=2 * k * catalog.code_len)
+    draws = Draws.empty(input_ids.shape[0], catalog.code_len, input_ids.device)
     for epoch in itertools.count():
         draws.launch(draws.missing(k), epoch)
         if not draws.open.any():
             break
-        draws.run_pass(run, r, waves, epoch)
+        draws.run_pass(run, rounds if disc else 0, waves, epoch)
+    return recommendations(run, draws, k, input_ids.shape[1])
+
+
+def first_distinct(draws: Draws, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first k distinct items of each user's draws (in draw order), ranked by score -> (their draws [B, k],
+    live [B, k]: False where the user has fewer than k)."""
     leaf, score = draws.paths[:, :, -1], draws.score  # [B, D]
-    new = (leaf >= 0) & ~(
-        (leaf[:, :, None] == leaf[:, None, :])
-        & torch.ones(leaf.shape[1], leaf.shape[1], dtype=torch.bool, device=dev).tril(-1)
-    ).any(2)  # first occurrences
-    rank = new.long().cumsum(1)
-    keep = new & (rank <= k)  # [B, D] the first k distinct items in draw order
+    d = leaf.shape[1]
+    earlier = torch.ones(d, d, dtype=torch.bool, device=leaf.device).tril(-1)
+    new = (leaf >= 0) & ~((leaf[:, :, None] == leaf[:, None, :]) & earlier).any(2)  # first occurrences
+    keep = new & (new.long().cumsum(1) <= k)  # [B, D] the first k distinct items in draw order
     order = torch.sort(score.masked_fill(~keep, NEG_INF), dim=1, descending=True, stable=True).indices[:, :k]  # D >= k
-    live = keep.gather(1, order)  # [B, k]
-    pick = lambda x: x.gather(1, order.view(b, k, *([1] * (x.dim() - 2))).expand(b, k, *x.shape[2:]))  # noqa: E731
-    node = pick(leaf).masked_fill(~live, -1)
-    stats = meter.result(
-        beam_batch_kv(b, k, input_ids.shape[1], code_len),
+    return order, keep.gather(1, order)
+
+
+def recommendations(run: Proposer, draws: Draws, k: int, prompt_len: int) -> Recommendations:
+    """The first k distinct items of each user's draws, by score, with DISC's statistics."""
+    order, live = first_distinct(draws, k)  # [B, k]
+    b, g = order.shape[0], run.catalog.num_nodes
+
+    def pick(x: torch.Tensor) -> torch.Tensor:  # [B, D, ...] -> [B, k, ...]
+        return x.gather(1, order.view(b, k, *([1] * (x.dim() - 2))).expand(b, k, *x.shape[2:]))
+
+    stats = run.meter.result(
+        beam_batch_kv(b, k, prompt_len, run.catalog.code_len),
         proposals=pick(draws.used).masked_fill(~live, 0).sum(1),  # as the sequential algorithm draws
         proposals_decoded=run.decoded,  # [B] proposals actually decoded, every pass
         acceptance_rate=(pick(draws.accepted) & live).sum(1) / live.sum(1).clamp(min=1),
         invalid_mass=1 - run.x_sum / run.x_count.clamp(min=1),  # p_b = 1 - E_q[x]
         importance_weight=pick(draws.log_x).masked_fill(~live, NEG_INF).exp(),  # x(a), returned items
-        expanded_nodes=sum(torch.bincount(s.key // g, minlength=b) for s in stores),
+        expanded_nodes=sum(torch.bincount(s.key // g, minlength=b) for s in run.stores),
         non_finite=run.broken,
     )
     return Recommendations(
-        catalog.item_of_node(node),
+        run.catalog.item_of_node(pick(draws.paths[:, :, -1]).masked_fill(~live, -1)),
         pick(draws.tokens).masked_fill(~live[:, :, None], -1),
-        pick(score).masked_fill(~live, NEG_INF),
+        pick(draws.score).masked_fill(~live, NEG_INF),
         stats,
     )
-
-
-class Proposer:
-    """`propose` over one batch's prompt cache and trie-node stores, with the counts DISC's statistics need."""
-
-    def __init__(
-        self,
-        model,
-        tree,
-        cache,
-        stores: list[Expanded],
-        catalog: Catalog,
-        top_m,
-        temperature,
-        generator,
-        meter: Meter,
-        exclude: Exclusions | None = None,
-    ):
-        self.model, self.tree, self.cache, self.stores, self.catalog = model, tree, cache, stores, catalog
-        self.top_m, self.temperature, self.generator, self.meter = top_m, temperature, generator, meter
-        self.exclude = exclude
-        b, dev = tree.prompt_mask.shape[0], tree.prompt_mask.device
-        self.broken = torch.zeros(b, dtype=torch.bool, device=dev)
-        self.decoded = torch.zeros(b, dtype=torch.int64, device=dev)
-        self.x_sum = torch.zeros(b, dtype=torch.float64, device=dev)
-        self.x_count = torch.zeros(b, dtype=torch.float64, device=dev)
-
-    def __call__(self, wanted: torch.Tensor, epoch: torch.Tensor, epochs: int, drawn):
-        """Proposal slots wanted [B, P] -> (tokens [B, P, L], paths [B, P, L + 1], log x [B, P], log p [B, P])."""
-        tokens, paths, log_x, log_p, broken = propose(
-            self.model,
-            self.tree,
-            self.cache,
-            self.stores,
-            self.catalog,
-            wanted,
-            epoch,
-            epochs,
-            drawn,
-            self.top_m,
-            self.temperature,
-            self.generator,
-            self.meter,
-            self.exclude,
-        )
-        self.broken |= broken
-        self.decoded += wanted.sum(1)
-        live = wanted & torch.isfinite(log_x)
-        self.x_sum += torch.where(live, log_x.exp(), 0).sum(1)
-        self.x_count += live.sum(1)
-        return tokens, paths, log_x, log_p
 
 
 @dataclass
@@ -501,7 +484,7 @@ class Draws:
         slot = torch.searchsorted(end, pos, right=True).clamp(max=d - 1)  # [B, P] the draw of each proposal
         wanted = pos < end[:, -1:]
         drawn = drawn_counts(run.catalog, self, epoch + 1)
-        tokens, paths, log_x, log_p = run(wanted, self.epoch.gather(1, slot), epoch + 1, drawn)
+        tokens, paths, log_x, log_p = run.propose(wanted, self.epoch.gather(1, slot), epoch + 1, drawn)
         w = int(n.max())
         j = torch.arange(w, device=dev)  # [W] proposal index within its draw's pass
         index = ((end - n)[:, :, None] + j).clamp(max=max(width - 1, 0)).view(b, d * w)  # [B, D * W]

@@ -30,7 +30,8 @@ IS the proposal of the K draws, which is what makes one draw per drafted sequenc
 acceptance test would have to account for which K of them the draws pick. `draft_beams` is therefore K in relaxed
 mode, and any other value is refused rather than ignored.
 
-Read top to bottom: `speculative_beam_search` (the loop), `start`, `first_step`, `draft_steps`, `verify`, `accept`.
+Read top to bottom: `speculative_beam_search` (the loop), `start`, `first_step`, `draft_steps`, `verify`, `accept`
+(`target_step`, `defer_correction`).
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ from decoding.beam import (
     gumbel_like,
     pick,
     prefill,
+    prompt_tree,
+    rank_by_score,
     sample_beams,
 )
 from decoding.catalog import Catalog, Exclusions
@@ -245,6 +248,51 @@ class Drafted:
     step: Step
     parent_tree: torch.Tensor  # [A, N] draft tree node of each sequence's parent (-1: the prompt)
 
+    def under_draft(self, idx: torch.Tensor) -> tuple[Children, torch.Tensor]:
+        """The drafted sequences idx [A, K] -> their children under the draft [A, K, D] and draft tree nodes [A, K]."""
+        return self.kids.take(idx), self.tree.gather(1, idx)
+
+
+@dataclass
+class Verification:
+    """One round's drafts and their verification: the steps g [A] each user drafted, the drafted sets D_1 ..
+    D_max(g), and the target's verify forward over them: the children of every column of its block scored
+    [A, K + steps * N, D] (the K beams' columns, then N per drafted step), the block's first column being tree node
+    `first`."""
+
+    g: torch.Tensor
+    drafts: list[Drafted]
+    kids: Children
+    first: int
+
+    def under_target(self, j: int, idx: torch.Tensor) -> tuple[Children, torch.Tensor]:
+        """The drafted sequences idx [A, K] of D_j -> their children under the target [A, K, D] and target tree
+        nodes [A, K]."""
+        k, n = idx.shape[1], self.drafts[j - 1].node.shape[1]
+        column = k + (j - 1) * n + idx  # [A, K] block columns
+        return self.kids.take(column), self.first + column
+
+
+@dataclass
+class LastStep:
+    """The beams accepted onto their user's last drafted step, whose nodes the draft never ran (no draft scores, no
+    draft tree nodes): which users' beams stand there [A], and their tokens and the draft tree nodes of their parents
+    [A, K], which the draft's next forward carries."""
+
+    on: torch.Tensor
+    token: torch.Tensor
+    parent: torch.Tensor
+
+    @staticmethod
+    def none(a: int, k: int, device) -> LastStep:
+        zeros = torch.zeros(a, k, dtype=torch.int64, device=device)
+        return LastStep(torch.zeros(a, dtype=torch.bool, device=device), zeros, zeros)
+
+    def update(self, on: torch.Tensor, drafted: Drafted, idx: torch.Tensor) -> LastStep:
+        """Users on [A] accepted their last drafted step `drafted`, moving onto its sequences idx [A, K]."""
+        token = torch.where(on[:, None], drafted.token.gather(1, idx), self.token)
+        return LastStep(on, token, torch.where(on[:, None], drafted.parent_tree.gather(1, idx), self.parent))
+
 
 @torch.no_grad()
 def speculative_beam_search(
@@ -299,13 +347,13 @@ def speculative_beam_search(
         with meter.phase("draft"):
             drafts = draft_steps(drf, beams, g, n, extend, meter)
         with meter.phase("verify"):
-            kids_v, first = verify(tgt, beams, drafts, extend, meter)  # [A, K + steps * N, D]
-        broken[users] |= kids_v.broken.any(1)
+            verification = Verification(g, drafts, *verify(tgt, beams, drafts, extend, meter))
+        broken[users] |= verification.kids.broken.any(1)
         if relaxed:  # relaxed verification also weighs the draft's numbers
             for kids in [drf.kids] + [d.kids for d in drafts if d.kids is not None]:
                 broken[users] |= kids.broken.any(1)
         meter.kv(users.numel() * (tgt.cache.length + drf.cache.length))  # both caches are largest right here
-        accepted_now = accept(tgt, drf, beams, drafts, kids_v, first, g, extend)  # [A]
+        accepted_now = accept(tgt, drf, beams, verification, extend)  # [A]
         accepted[users] += accepted_now
         accepted_hist += torch.bincount(accepted_now, minlength=gamma + 1)
         drafted[users] += g
@@ -328,9 +376,7 @@ def speculative_beam_search(
             drf.compact(beams.score > NEG_INF)
 
     if relaxed:  # drawn in sampling order: rank by score, as the sampling-based beam search does
-        order = torch.sort(out.score, dim=1, descending=True, stable=True).indices
-        out.score, out.node = out.score.gather(1, order), out.node.gather(1, order)
-        out.tokens = out.tokens.gather(1, order[:, :, None].expand_as(out.tokens))
+        out.score, out.node, out.tokens = rank_by_score(out.score, out.node, out.tokens)
     stats = meter.result(
         beam_batch_kv(b, k, input_ids.shape[1], code_len),
         accepted_steps=accepted,
@@ -386,7 +432,7 @@ def start(
     kids = extend.score(model, hidden[:, None], root).take(root.expand(a, k))  # [A, K, D] (one row per beam)
     none = torch.full((a, k), -1, dtype=torch.int64, device=dev)
     no = torch.zeros(a, dtype=torch.bool, device=dev)
-    tree = TokenTree.from_prompt(attention_mask, len(prefix) if prefix is not None else 0)
+    tree = prompt_tree(attention_mask, prefix)
     return Side(model, role, tree, cache, none, kids, no, none.clone(), no.clone(), none.clone(), none.clone())
 
 
@@ -483,63 +529,61 @@ def covered(t_node: torch.Tensor, d_node: torch.Tensor) -> tuple[torch.Tensor, t
     return (hit.any(-1) | (t_node < 0)).all(-1), hit.int().argmax(-1)
 
 
-def accept(
-    tgt: Side,
-    drf: Side,
-    beams: Beams,
-    drafts: list[Drafted],
-    kids_v: Children,
-    first: int,
-    g: torch.Tensor,
-    extend: Extend,
-) -> torch.Tensor:
-    """Step by step j = 1 .. steps + 1: the target's own step T_j from the beams (strict: its exact top-K; relaxed:
-    K draws that accept the drafted sequences in order with probability min(1, P_i / Q_i)). A user whose step j is
-    verified (T_j covered by D_j; relaxed: all K draws accepted) moves its beams onto the drafted nodes, whose
-    target and draft scores this round already computed, and goes on to j + 1. At the first rejected step, or
-    after the last drafted one, its beams become T_j (the correction or the free bonus step), pending in both trees
-    until the next forward, and it stops; after the last drafted step, whose nodes the draft never ran, the draft
-    carries them too. -> accepted steps [A] this round."""
-    a, k = beams.score.shape
-    code_len = beams.tokens.shape[2]
+def accept(tgt: Side, drf: Side, beams: Beams, verification: Verification, extend: Extend) -> torch.Tensor:
+    """Step by step j = 1 .. steps + 1: the target's own step T_j from the beams (`target_step`). A user whose step
+    j is verified moves its beams onto the drafted nodes, whose target and draft scores this round already computed,
+    and goes on to j + 1. At the first rejected step, or after the last drafted one, its beams become T_j (the
+    correction or the free bonus step), pending in both trees until the next forward, and it stops; after the last
+    drafted step, whose nodes the draft never ran, the draft carries them too. -> accepted steps [A] this round."""
+    (a, k), g, drafts = beams.score.shape, verification.g, verification.drafts
     accepting = torch.ones(a, dtype=torch.bool, device=g.device)
-    accepted_now = torch.zeros(a, dtype=torch.int64, device=g.device)
-    on_last = torch.zeros(a, dtype=torch.bool, device=g.device)  # beams on the user's last drafted step's nodes
-    carry_token = carry_parent = torch.zeros(a, k, dtype=torch.int64, device=g.device)
+    accepted_steps = torch.zeros(a, dtype=torch.int64, device=g.device)
+    last = LastStep.none(a, k, g.device)
     for j in range(1, len(drafts) + 2):
-        take = accepting & (beams.depth < code_len)  # these users' beams advance to T_j
-        t = extend(tgt.kids, beams.score, k)  # T_j: fresh where nothing was drafted
-        ok = torch.zeros_like(take)
-        if j <= len(drafts):
-            d = drafts[j - 1]
-            drafted_here = take & (j <= g)
-            if extend.relaxed:  # the draws that accept the drafted sequences, in their order
-                cand, tok, child, width = candidates(tgt.kids, beams.score)
-                drawn, all_accepted = relaxed_draws(t.weight, d.step.weight, d.step.flat, extend.generator)
-                t = Step(*pick(cand, tok, child, width, drawn)).where(drafted_here, t)
-                ok = drafted_here & all_accepted
-                idx = torch.arange(k, device=g.device).expand(a, k)  # accepted = the drafted set, in its order
-            else:
-                all_drafted, idx = covered(t.node, d.node)
-                ok = drafted_here & all_drafted
-        stop = take & ~ok  # a correction or the bonus step: not in the trees yet
-        tgt.defer(stop, t.parent, t.node >= 0)
-        drf.defer(stop & ~on_last, t.parent, t.node >= 0)
-        if (stop & on_last).any():  # the draft never ran the beams' parents: they enter with the next forward too
-            drf.defer_carried(stop & on_last, t.parent, t.node >= 0, carry_token, carry_parent)
-        beams.advance(take, t)
-        if j <= len(drafts):
-            n = d.node.shape[1]
-            rows = k + (j - 1) * n + idx  # block columns of the matched drafted nodes
-            tgt.follow(ok, kids_v.take(rows), first + rows)
-            on_last = ok & (j == g)  # the user's last drafted step: no draft scores, no draft tree nodes there
-            if d.kids is not None:
-                drf.follow(ok & ~on_last, d.kids.take(idx), d.tree.gather(1, idx))
-            carry_token = torch.where(on_last[:, None], d.token.gather(1, idx), carry_token)
-            carry_parent = torch.where(on_last[:, None], d.parent_tree.gather(1, idx), carry_parent)
-        accepted_now += ok.long()
-        accepting = ok
-    return accepted_now
+        drafted = drafts[j - 1] if j <= len(drafts) else None
+        moving = accepting & (beams.depth < beams.tokens.shape[2])  # these users' beams advance to T_j
+        step, accepted, idx = target_step(extend, tgt, beams, drafted, moving & (j <= g))
+        defer_correction(tgt, drf, moving & ~accepted, step, last)
+        beams.advance(moving, step)
+        if drafted is not None:
+            tgt.follow(accepted, *verification.under_target(j, idx))
+            last = last.update(accepted & (j == g), drafted, idx)
+            if drafted.kids is not None:  # the draft ran D_j: every user's step but its last
+                drf.follow(accepted & ~last.on, *drafted.under_draft(idx))
+        accepted_steps += accepted.long()
+        accepting = accepted
+    return accepted_steps
+
+
+def target_step(
+    extend: Extend, tgt: Side, beams: Beams, drafted: Drafted | None, drafting: torch.Tensor
+) -> tuple[Step, torch.Tensor, torch.Tensor | None]:
+    """T_j, the target's own step from the beams (strict: its exact top-K; relaxed, for the users drafting [A]: K
+    draws that accept the drafted sequences D_j in order with probability min(1, P_i / Q_i)), and whether it
+    verifies D_j (strict: every sequence of T_j was drafted; relaxed: all K draws accepted).
+    -> (T_j [A, K], accepted [A], the drafted index of each sequence of T_j [A, K]; None past the last drafted step)."""
+    a, k = beams.score.shape
+    step = extend(tgt.kids, beams.score, k)  # T_j: fresh where nothing was drafted
+    if drafted is None:
+        return step, torch.zeros_like(drafting), None
+    if not extend.relaxed:
+        all_drafted, idx = covered(step.node, drafted.node)
+        return step, drafting & all_drafted, idx
+    cand, tok, child, width = candidates(tgt.kids, beams.score)
+    drawn, all_accepted = relaxed_draws(step.weight, drafted.step.weight, drafted.step.flat, extend.generator)
+    step = Step(*pick(cand, tok, child, width, drawn)).where(drafting, step)
+    return step, drafting & all_accepted, torch.arange(k, device=drawn.device).expand(a, k)  # D_j, in its order
+
+
+def defer_correction(tgt: Side, drf: Side, users: torch.Tensor, step: Step, last: LastStep) -> None:
+    """Users [A] take T_j (`step`: the correction at their first rejected step, or the bonus step after the last
+    drafted one), whose sequences are in neither tree yet: they enter both with the next forward, and the draft's
+    together with their parents when those are the last drafted step's nodes, which the draft never ran."""
+    alive = step.node >= 0
+    tgt.defer(users, step.parent, alive)
+    drf.defer(users & ~last.on, step.parent, alive)
+    if (users & last.on).any():
+        drf.defer_carried(users & last.on, step.parent, alive, last.token, last.parent)
 
 
 def pad_rows(kids: Children, rows: int) -> Children:
