@@ -469,22 +469,45 @@ class Draws:
 
     def run_pass(self, run: Proposer, r: int, waves: tuple[int, ...], epoch: int) -> None:
         """Decodes the next proposals of every open draw in one `propose` and decides the draws they settle."""
-        (b, d), dev = self.open.shape, self.open.device
-        if r == 0:  # constrained sampling: one proposal, kept
-            final = torch.ones_like(self.open)
-            turn = torch.ones_like(self.tried)
-        else:  # draws of the first pass go in waves, later ones (replacements) try everything at once
-            size = torch.tensor([*waves, r], device=dev)[self.passes.clamp(max=len(waves))]
-            final = (self.epoch > 0) | (self.passes >= len(waves)) | (self.tried + size >= r)
-            turn = torch.where(final, r - self.tried, size)  # proposals in turn this pass
+        final, turn = self.turns(r, waves)  # [B, D]
         n = torch.where(self.open, turn + torch.where(final, r, 0), 0)  # [B, D] proposals decoded this pass
+        tokens, paths, log_x, log_p = self.decode(run, n, epoch)  # [B, D, W, ...]
+        ok, first, pick = choose(log_x, turn, n, r, run.generator)  # [B, D]
+        done = self.open & (ok | final)
+        kept_x = kept(log_x, pick)
+        dead = done & ~torch.isfinite(kept_x)  # the kept proposal found no item left (x = 0)
+        self.paths = torch.where(done[:, :, None], kept(paths, pick).masked_fill(dead[:, :, None], -1), self.paths)
+        self.tokens = torch.where(done[:, :, None], kept(tokens, pick).masked_fill(dead[:, :, None], -1), self.tokens)
+        self.score = torch.where(done, kept(log_p, pick).masked_fill(dead, NEG_INF), self.score)
+        self.log_x = torch.where(done, kept_x, self.log_x)
+        self.used = torch.where(done, torch.where(ok, self.tried + first + 1, 2 * r).float(), self.used)
+        self.accepted = torch.where(done, ok, self.accepted)
+        self.decided_at = torch.where(done, epoch, self.decided_at)
+        self.tried = torch.where(self.open, self.tried + turn, self.tried)
+        self.passes = self.passes + self.open.long()
+        self.open = self.open & ~done
+
+    def turns(self, r: int, waves: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """This pass, per draw [B, D]: whether it is the draw's final pass (which also decodes the r fresh
+        proposals it would importance-resample among), and how many of its proposals in turn it tries."""
+        if r == 0:  # constrained sampling: one proposal, kept
+            return torch.ones_like(self.open), torch.ones_like(self.tried)
+        # draws of the first pass go in waves, later ones (replacements) try everything at once
+        size = torch.tensor([*waves, r], device=self.open.device)[self.passes.clamp(max=len(waves))]
+        final = (self.epoch > 0) | (self.passes >= len(waves)) | (self.tried + size >= r)
+        return final, torch.where(final, r - self.tried, size)
+
+    def decode(self, run: Proposer, n: torch.Tensor, epoch: int) -> list[torch.Tensor]:
+        """n [B, D] proposals of every draw, decoded side by side in one `propose` -> per draw: tokens
+        [B, D, W, L], paths [B, D, W, L + 1], log x and log p [B, D, W] (W = max n; beyond a draw's n: filler)."""
+        (b, d), dev = n.shape, n.device
         end = n.cumsum(1)  # [B, D]
         width = int(end[:, -1].max())
         pos = torch.arange(width, device=dev).expand(b, width).contiguous()
         slot = torch.searchsorted(end, pos, right=True).clamp(max=d - 1)  # [B, P] the draw of each proposal
         wanted = pos < end[:, -1:]
         drawn = drawn_counts(run.catalog, self, epoch + 1)
-        tokens, paths, log_x, log_p = run.propose(wanted, self.epoch.gather(1, slot), epoch + 1, drawn)
+        decoded = run.propose(wanted, self.epoch.gather(1, slot), epoch + 1, drawn)
         w = int(n.max())
         j = torch.arange(w, device=dev)  # [W] proposal index within its draw's pass
         index = ((end - n)[:, :, None] + j).clamp(max=max(width - 1, 0)).view(b, d * w)  # [B, D * W]
@@ -493,33 +516,31 @@ class Draws:
             at = index.view(b, d * w, *([1] * (x.dim() - 2))).expand(b, d * w, *x.shape[2:])
             return x.gather(1, at).view(b, d, w, *x.shape[2:])
 
-        tokens, paths, log_x, log_p = per_draw(tokens), per_draw(paths), per_draw(log_x), per_draw(log_p)
-        in_turn = j < turn[:, :, None]  # [B, D, W]
-        if r == 0:
-            accept = in_turn
-        else:
-            u = torch.rand(b, d, w, generator=run.generator, device=dev, dtype=torch.float64)
-            accept = in_turn & (u.log() < log_x)
-        ok, first = accept.any(2), accept.int().argmax(2)  # in order: the first accepted proposal
-        fresh = log_x.masked_fill(in_turn | (j >= n[:, :, None]), NEG_INF)  # [B, D, W] the r fresh ones
-        pick = torch.where(ok, first, (fresh + gumbel_like(fresh, run.generator)).argmax(2))  # else resample by x
-        done = self.open & (ok | final)
+        return [per_draw(x) for x in decoded]
 
-        def take(x: torch.Tensor) -> torch.Tensor:  # [B, D, W, ...] -> [B, D, ...] the picked proposal
-            return x.gather(2, pick.view(b, d, 1, *([1] * (x.dim() - 3))).expand(b, d, 1, *x.shape[3:])).squeeze(2)
 
-        kept_x = take(log_x)
-        dead = done & ~torch.isfinite(kept_x)  # the kept proposal found no item left (x = 0)
-        self.paths = torch.where(done[:, :, None], take(paths).masked_fill(dead[:, :, None], -1), self.paths)
-        self.tokens = torch.where(done[:, :, None], take(tokens).masked_fill(dead[:, :, None], -1), self.tokens)
-        self.score = torch.where(done, take(log_p).masked_fill(dead, NEG_INF), self.score)
-        self.log_x = torch.where(done, kept_x, self.log_x)
-        self.used = torch.where(done, torch.where(ok, self.tried + first + 1, 2 * r).float(), self.used)
-        self.accepted = torch.where(done, ok, self.accepted)
-        self.decided_at = torch.where(done, epoch, self.decided_at)
-        self.tried = torch.where(self.open, self.tried + turn, self.tried)
-        self.passes = self.passes + self.open.long()
-        self.open = self.open & ~done
+def choose(log_x: torch.Tensor, turn: torch.Tensor, n: torch.Tensor, r: int, generator):
+    """Each draw's kept proposal among the n [B, D] it decoded this pass (log x [B, D, W]): the first of the `turn`
+    [B, D] in turn that is accepted, with probability x (always, for constrained sampling: r = 0), else one of the
+    r fresh ones that follow them, resampled with weights x. -> (one was accepted, the first accepted, the kept
+    proposal) [B, D]."""
+    b, d, w = log_x.shape
+    j = torch.arange(w, device=log_x.device)  # [W]
+    in_turn = j < turn[:, :, None]  # [B, D, W]
+    if r == 0:
+        accept = in_turn
+    else:
+        u = torch.rand(b, d, w, generator=generator, device=log_x.device, dtype=torch.float64)
+        accept = in_turn & (u.log() < log_x)
+    ok, first = accept.any(2), accept.int().argmax(2)  # in order: the first accepted proposal
+    fresh = log_x.masked_fill(in_turn | (j >= n[:, :, None]), NEG_INF)  # [B, D, W] the r fresh ones
+    return ok, first, torch.where(ok, first, (fresh + gumbel_like(fresh, generator)).argmax(2))  # else resample by x
+
+
+def kept(x: torch.Tensor, pick: torch.Tensor) -> torch.Tensor:
+    """x [B, D, W, ...] of each draw's proposals this pass -> the picked one's, pick [B, D] -> [B, D, ...]."""
+    b, d = pick.shape
+    return x.gather(2, pick.view(b, d, 1, *([1] * (x.dim() - 3))).expand(b, d, 1, *x.shape[3:])).squeeze(2)
 
 
 def constrained_sample(
