@@ -27,6 +27,8 @@ from decoding.metrics import recall_ndcg
 from decoding.models import load_model
 from decoding.templates import PromptTemplate, write_template
 from operators.prompts import Renderer, catalog_probes, ragged_ranges
+from pipeline.config import Storage
+from pipeline.evaluate import split_protocol
 from pipeline.storage import sha256_file
 
 
@@ -83,20 +85,28 @@ def load_data(data_dir, tokenizer, template: PromptTemplate, eval_users: int, de
     """Reads a `prepare_data` folder, checks the catalog against the tokenizer (every code token named by the
     template must exist) and the template against the tokenizer, and builds the samples."""
     data_dir = Path(data_dir)
-    for name in ("items.parquet", "train.parquet", f"{split}.parquet"):
-        if not (data_dir / name).is_file():
-            raise ValueError(f"{data_dir / name} not found: run `python -m jobs.prepare_data --out {data_dir}`")
+    files = [data_dir / name for name in ("items.parquet", "train.parquet", f"{split}.parquet")]
+    for f in files:
+        if not f.is_file():
+            raise ValueError(f"{f} not found: run `python -m jobs.prepare_data --out {data_dir}`")
     try:  # a catalog/tokenizer mismatch fails here, before any training
         catalog = Catalog.from_parquet(
-            data_dir / "items.parquet", tokenizer, on_duplicate="first", device=device, code_token=template.code
+            files[0], tokenizer, on_duplicate="first", device=device, code_token=template.code
         )
     except ValueError as e:
         raise ValueError(f"catalog and tokenizer do not match: {e}") from None
-    item_tokens = catalog.item_tokens
-    renderer = Renderer.compile(template, tokenizer, catalog_probes(item_tokens))
-    history_len = renderer.max_items
+    renderer = Renderer.compile(template, tokenizer, catalog_probes(catalog.item_tokens))
+    values, end, start = training_samples(files[1], catalog.item_tokens, renderer.max_items)
+    histories, targets = load_eval_users(data_dir, split, eval_users)
+    fingerprint = sha256_files(files)
+    return Data(tokenizer, catalog, catalog.item_tokens, renderer, values, end, start, histories, targets, fingerprint)
 
-    train = pq.read_table(data_dir / "train.parquet", columns=["history"]).column("history").combine_chunks()
+
+def training_samples(train_file: Path, item_tokens: ItemTokens, history_len: int):
+    """Every prefix of every training history whose label and prompt items are all in the catalog -> (values [T]:
+    all training interactions, users concatenated; sample_end [N]: each sample's label position in values;
+    sample_start [N]: the first position of its user)."""
+    train = pq.read_table(train_file, columns=["history"]).column("history").combine_chunks()
     values = train.flatten().to_numpy().astype(np.int64)  # [T]
     offsets = train.offsets.to_numpy().astype(np.int64)  # [U + 1]
     lengths = np.diff(offsets)
@@ -109,23 +119,9 @@ def load_data(data_dir, tokenizer, template: PromptTemplate, eval_users: int, de
     unknown_before = np.concatenate([[0], np.cumsum(~known)])
     window = np.maximum(start, end - history_len)
     ok = known[end] & (unknown_before[end] - unknown_before[window] == 0) if len(end) else np.zeros(0, bool)
-    end, start = end[ok], start[ok]
-    if len(end) == 0:
-        raise ValueError(f"{data_dir / 'train.parquet'}: empty training set (no history with two known items)")
-
-    histories, targets = load_eval_users(data_dir, split, eval_users)
-    return Data(
-        tokenizer,
-        catalog,
-        item_tokens,
-        renderer,
-        values,
-        end,
-        start,
-        histories,
-        targets,
-        sha256_files([data_dir / "items.parquet", data_dir / "train.parquet", data_dir / f"{split}.parquet"]),
-    )
+    if not ok.any():
+        raise ValueError(f"{train_file}: empty training set (no history with two known items)")
+    return values, end[ok], start[ok]
 
 
 def load_eval_users(data_dir, split: str, limit: int | None) -> tuple[list, list]:
@@ -278,6 +274,27 @@ def _rmtree(path: Path) -> None:
     for f in path.iterdir():
         f.unlink()
     path.rmdir()
+
+
+def report_head(cfg, template: PromptTemplate, data: Data, subset: np.ndarray) -> dict:
+    """What a training report starts with: the config, the prompt template, the data it read, its samples."""
+    return {
+        "config": config_dict(cfg),
+        "template": template.to_dict(),
+        "data_fingerprint": data.fingerprint,
+        "samples": int(len(subset)),
+    }
+
+
+def parameters(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def write_final_report(out: Path, report: dict, data_dir) -> None:
+    """training.json with each split's protocol (how valid and test were split, from the folder's prepare.json)."""
+    data_dir = Path(data_dir)
+    report["protocol"] = {s: split_protocol(str(data_dir / f"{s}.parquet"), Storage()) for s in ("valid", "test")}
+    write_report(out, report)
 
 
 def write_report(out: Path, report: dict) -> None:

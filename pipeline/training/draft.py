@@ -22,22 +22,21 @@ from decoding.metrics import topk_coverage
 from decoding.models import build_model, load_model, load_tokenizer, pick_device
 from decoding.templates import TEMPLATE_FILE, PromptTemplate, get_template, read_template
 from decoding.tree import chain_forward
-from pipeline.config import Storage
-from pipeline.evaluate import split_protocol
 from pipeline.training.common import (
     Data,
     TrainConfig,
-    config_dict,
     fit,
     load_data,
     load_eval_users,
+    parameters,
     prompts,
+    report_head,
     sample_batch,
     seed_everything,
     subset_of,
-    write_report,
+    write_final_report,
 )
-from pipeline.training.teacher import teacher_data
+from pipeline.training.teacher import Teacher, teacher_data
 
 PRESETS = {
     "demo": dict(
@@ -138,15 +137,7 @@ def train_draft(cfg: DraftConfig) -> dict:
     rng = seed_everything(cfg.seed)
     if cfg.objective not in A.OBJECTIVES:  # before any model is loaded
         raise ValueError(f"unknown objective {cfg.objective!r}; choose from {', '.join(A.OBJECTIVES)}")
-    target = load_model(cfg.target, device=str(device), dtype="float32")
-    tokenizer = load_tokenizer(cfg.target)
-    draft = (
-        load_model(cfg.init, device=str(device), dtype="float32")
-        if cfg.init
-        else build_model(target.config.vocab_size, cfg.layers, cfg.hidden, cfg.heads, cfg.kv_heads, seed=cfg.seed).to(
-            device
-        )
-    )
+    target, tokenizer, draft = load_models(cfg, device)
     check_config(cfg, target, tokenizer, draft)
     template = draft_template(cfg)
     data = load_data(cfg.data, tokenizer, template, cfg.eval_users, device)
@@ -156,48 +147,7 @@ def train_draft(cfg: DraftConfig) -> dict:
         if cfg.objective == "sft"
         else teacher_data(cfg.target, target, data, subset, cfg.k, cfg.teacher_batch, device, cfg.teacher_cache)
     )
-    span_lo = teacher.span_lo if teacher is not None else None
-    width = teacher.top_logits.shape[-1] if teacher is not None else None
-
-    def step_loss(m, idx):
-        ids, mask, labels = sample_batch(data, idx, device)  # labels [B, L]
-        if cfg.objective in ("sft", "wordkd", "tvdkd"):
-            logits = chain_forward(m, ids, mask, labels[:, None])  # [B, 1, L, V]
-            rec = A.recommendation_loss(logits[:, 0], labels)
-            if cfg.objective == "sft":
-                return rec
-            gt = teacher.gt_logits[teacher.rows(idx)].to(device).float()  # [B, L, V]
-            kd = A.word_kd if cfg.objective == "wordkd" else A.tvd_kd
-            return A.mix(rec, kd(logits[:, 0], gt), cfg.alpha)
-        rows = teacher.rows(idx)
-        top = teacher.tokens[rows].to(device)  # [B, K, L], -1 rows: fewer than K items
-        weight = (top >= 0).all(-1, keepdim=True).expand_as(top).float()  # [B, K, L]
-        logits = chain_forward(m, ids, mask, torch.cat([labels[:, None], top.clamp(min=0)], 1))  # [B, 1+K, L, V]
-        rec = A.recommendation_loss(logits[:, 0], labels)
-        if cfg.objective == "seqkd":
-            return A.mix(rec, A.recommendation_loss(logits[:, 1:], top.clamp(min=0), weight), cfg.alpha)
-        draft_span = A.span_logits(logits[:, 1:], span_lo, width)  # [B, K, L, W]
-        target_span = teacher.top_logits[rows].to(device).float()
-        valid = A.span_valid(data.catalog, top, span_lo.to(device), width)
-        if cfg.objective == "atspeed-s":
-            align = A.atspeed_s(draft_span, target_span, valid, cfg.k, weight, cfg.beta)
-        else:
-            align = A.atspeed_r(draft_span, target_span, valid, cfg.k, weight)
-        return A.mix(rec, align, cfg.alpha)
-
     target_valid = beams_per_step(target, data, data.eval_histories, cfg.k, cfg.eval_batch, device)
-    report = {
-        "kind": "draft",
-        "objective": cfg.objective,
-        "config": config_dict(cfg),
-        "template": template.to_dict(),
-        "data_fingerprint": data.fingerprint,
-        "samples": int(len(subset)),
-        "device": str(device),
-        "parameters": sum(p.numel() for p in draft.parameters()),
-        "target_parameters": sum(p.numel() for p in target.parameters()),
-        "epochs": [],
-    }
 
     def validate(m):  # what strict verification needs, at every step
         cov = coverage(
@@ -205,27 +155,85 @@ def train_draft(cfg: DraftConfig) -> dict:
         )
         return {"coverage": cov}, float(np.mean(cov))
 
-    best_draft = fit(
-        draft,
-        tokenizer,
-        step_loss,
-        validate,
-        data,
-        subset,
-        cfg,
-        rng,
-        device,
-        Path(cfg.out),
-        report,
-        f"draft {cfg.objective}",
-    )
+    report = draft_report(cfg, template, data, subset, device, draft, target)
+    loss, out, name = DraftLoss(cfg, data, teacher, device), Path(cfg.out), f"draft {cfg.objective}"
+    best_draft = fit(draft, tokenizer, loss, validate, data, subset, cfg, rng, device, out, report, name)
     histories, _ = load_eval_users(cfg.data, "test", cfg.test_users)
     report["test_coverage"] = coverage(
         beams_per_step(target, data, histories, cfg.k, cfg.eval_batch, device),
         beams_per_step(best_draft, data, histories, cfg.draft_beams, cfg.eval_batch, device),
     )
     report["test_users"] = len(histories)
-    report["protocol"] = {s: split_protocol(str(Path(cfg.data) / f"{s}.parquet"), Storage()) for s in ("valid", "test")}
-    write_report(Path(cfg.out), report)
+    write_final_report(out, report, cfg.data)
     print(f"draft {cfg.objective} test coverage (users {len(histories)}): {report['test_coverage']}", file=sys.stderr)
     return report
+
+
+def load_models(cfg: DraftConfig, device: torch.device):
+    """-> (the target, its tokenizer, the draft: `init`'s model or a fresh one of cfg's size) on the device."""
+    target = load_model(cfg.target, device=str(device), dtype="float32")
+    tokenizer = load_tokenizer(cfg.target)
+    if cfg.init:
+        return target, tokenizer, load_model(cfg.init, device=str(device), dtype="float32")
+    draft = build_model(target.config.vocab_size, cfg.layers, cfg.hidden, cfg.heads, cfg.kv_heads, seed=cfg.seed)
+    return target, tokenizer, draft.to(device)
+
+
+def draft_report(cfg: DraftConfig, template: PromptTemplate, data: Data, subset, device, draft, target) -> dict:
+    """training.json as training starts (`fit` adds the epochs, `train_draft` the test coverage)."""
+    return {
+        "kind": "draft",
+        "objective": cfg.objective,
+        **report_head(cfg, template, data, subset),
+        "device": str(device),
+        "parameters": parameters(draft),
+        "target_parameters": parameters(target),
+        "epochs": [],
+    }
+
+
+@dataclass
+class DraftLoss:
+    """`fit`'s step_loss for a draft: the recommendation loss on the ground-truth item, mixed by cfg.alpha with the
+    objective's alignment term (`decoding/alignment.py`)."""
+
+    cfg: DraftConfig
+    data: Data
+    teacher: Teacher | None  # the target's top-K sequences and its logits along them (None: sft)
+    device: torch.device
+
+    def __call__(self, m, idx: np.ndarray) -> torch.Tensor:
+        ids, mask, labels = sample_batch(self.data, idx, self.device)  # labels [B, L]
+        if self.cfg.objective in ("sft", "wordkd", "tvdkd"):
+            return self.along_ground_truth(m, idx, ids, mask, labels)
+        return self.along_top_k(m, idx, ids, mask, labels)
+
+    def along_ground_truth(self, m, idx, ids, mask, labels) -> torch.Tensor:
+        """sft, and wordkd / tvdkd: token-level KL / TVD to the target along the ground-truth item."""
+        logits = chain_forward(m, ids, mask, labels[:, None])  # [B, 1, L, V]
+        rec = A.recommendation_loss(logits[:, 0], labels)
+        if self.cfg.objective == "sft":
+            return rec
+        gt = self.teacher.gt_logits[self.teacher.rows(idx)].to(self.device).float()  # [B, L, V]
+        kd = A.word_kd if self.cfg.objective == "wordkd" else A.tvd_kd
+        return A.mix(rec, kd(logits[:, 0], gt), self.cfg.alpha)
+
+    def along_top_k(self, m, idx, ids, mask, labels) -> torch.Tensor:
+        """seqkd, atspeed-s, atspeed-r: along the target's top-K sequences."""
+        cfg, teacher, device = self.cfg, self.teacher, self.device
+        rows = teacher.rows(idx)
+        top = teacher.tokens[rows].to(device)  # [B, K, L], -1 rows: fewer than K items
+        weight = (top >= 0).all(-1, keepdim=True).expand_as(top).float()  # [B, K, L]
+        logits = chain_forward(m, ids, mask, torch.cat([labels[:, None], top.clamp(min=0)], 1))  # [B, 1+K, L, V]
+        rec = A.recommendation_loss(logits[:, 0], labels)
+        if cfg.objective == "seqkd":
+            return A.mix(rec, A.recommendation_loss(logits[:, 1:], top.clamp(min=0), weight), cfg.alpha)
+        width = teacher.top_logits.shape[-1]
+        draft_span = A.span_logits(logits[:, 1:], teacher.span_lo, width)  # [B, K, L, W]
+        target_span = teacher.top_logits[rows].to(device).float()
+        valid = A.span_valid(self.data.catalog, top, teacher.span_lo.to(device), width)
+        if cfg.objective == "atspeed-s":
+            align = A.atspeed_s(draft_span, target_span, valid, cfg.k, weight, cfg.beta)
+        else:
+            align = A.atspeed_r(draft_span, target_span, valid, cfg.k, weight)
+        return A.mix(rec, align, cfg.alpha)

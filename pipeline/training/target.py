@@ -17,21 +17,20 @@ import pyarrow.parquet as pq
 from decoding.alignment import recommendation_loss
 from decoding.codes import semantic_id_matrix
 from decoding.models import add_code_tokens, build_model, load_model, load_tokenizer, pick_device
-from decoding.templates import get_template
+from decoding.templates import PromptTemplate, get_template
 from decoding.tree import chain_forward
-from pipeline.config import Storage
-from pipeline.evaluate import split_protocol
 from pipeline.training.common import (
     TrainConfig,
-    config_dict,
     evaluate_recommendations,
     fit,
     load_data,
     load_eval_users,
+    parameters,
+    report_head,
     sample_batch,
     seed_everything,
     subset_of,
-    write_report,
+    write_final_report,
 )
 
 PRESETS = {  # small: CPU demo within minutes; gpu-*: real runs on an accelerator
@@ -55,14 +54,7 @@ def train_target(cfg: TargetConfig) -> dict:
     rng = seed_everything(cfg.seed)
     data_dir, out = Path(cfg.data), Path(cfg.out)
     template = get_template(cfg.template or ("lcrec" if cfg.base_model else "codes")).with_max_items(cfg.history_len)
-    if cfg.base_model:  # LC-Rec: a pretrained causal LM gets the code tokens
-        model = load_model(cfg.base_model, device="cpu", dtype="float32")
-        tokenizer = load_tokenizer(cfg.base_model)
-        codes = semantic_id_matrix(pq.read_table(data_dir / "items.parquet"), str(data_dir / "items.parquet"))
-        add_code_tokens(model, tokenizer, codes.shape[1], int(codes.max()) + 1, template)
-    else:
-        tokenizer = load_tokenizer(data_dir / "tokenizer")
-        model = build_model(len(tokenizer), cfg.layers, cfg.hidden, cfg.heads, cfg.kv_heads, seed=cfg.seed)
+    model, tokenizer = target_model(cfg, template)
     data = load_data(data_dir, tokenizer, template, cfg.eval_users, device)
     model.to(device)
     subset = subset_of(len(data.sample_end), cfg.max_samples, rng)
@@ -72,27 +64,36 @@ def train_target(cfg: TargetConfig) -> dict:
         logits = chain_forward(m, ids, mask, labels[:, None])[:, 0]  # [B, L, V]
         return recommendation_loss(logits, labels)
 
-    report = {
-        "kind": "target",
-        "config": config_dict(cfg),
-        "template": template.to_dict(),
-        "data_fingerprint": data.fingerprint,
-        "samples": int(len(subset)),
-        "eval_users": len(data.eval_histories),
-        "device": str(device),
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "epochs": [],
-    }
-
     def validate(m):
         metrics = evaluate_recommendations(m, data, data.eval_histories, data.eval_targets, cfg.eval_batch, device)
         return metrics, metrics.get("ndcg@10", 0.0)
 
+    report = {
+        "kind": "target",
+        **report_head(cfg, template, data, subset),
+        "eval_users": len(data.eval_histories),
+        "device": str(device),
+        "parameters": parameters(model),
+        "epochs": [],
+    }
     best_model = fit(model, tokenizer, step_loss, validate, data, subset, cfg, rng, device, out, report, "target")
     # the kept checkpoint on the test split (the paper's protocol: users without targets are skipped)
     histories, targets = load_eval_users(data_dir, "test", cfg.test_users)
     report["test"] = evaluate_recommendations(best_model, data, histories, targets, cfg.eval_batch, device)
-    report["protocol"] = {s: split_protocol(str(data_dir / f"{s}.parquet"), Storage()) for s in ("valid", "test")}
-    write_report(out, report)
+    write_final_report(out, report, data_dir)
     print(f"target test (best epoch {report['best_epoch']}): {report['test']}", file=sys.stderr)
     return report
+
+
+def target_model(cfg: TargetConfig, template: PromptTemplate):
+    """-> (model, tokenizer): a Llama from scratch on the prepared folder's tokenizer, or (`base_model`, LC-Rec) a
+    pretrained causal LM with the catalog's code tokens added to its vocabulary; on the CPU."""
+    data_dir = Path(cfg.data)
+    if not cfg.base_model:
+        tokenizer = load_tokenizer(data_dir / "tokenizer")
+        return build_model(len(tokenizer), cfg.layers, cfg.hidden, cfg.heads, cfg.kv_heads, seed=cfg.seed), tokenizer
+    model = load_model(cfg.base_model, device="cpu", dtype="float32")
+    tokenizer = load_tokenizer(cfg.base_model)
+    codes = semantic_id_matrix(pq.read_table(data_dir / "items.parquet"), str(data_dir / "items.parquet"))
+    add_code_tokens(model, tokenizer, codes.shape[1], int(codes.max()) + 1, template)
+    return model, tokenizer
