@@ -1,9 +1,11 @@
-"""Argument types and flag groups shared by the command-line entry points (no logic beyond parsing)."""
+"""Argument types and flag groups shared by the command-line entry points, and the training jobs' shared main (no
+logic beyond parsing, calling the packages and exit codes)."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 
 def _integer(text: str, low: int) -> int:
@@ -64,6 +66,26 @@ def config_from_args(args: argparse.Namespace, cls, preset: dict):
     values = dict(preset)
     values.update({k: v for k, v in vars(args).items() if k in cls.__dataclass_fields__ and v is not None})
     return cls(**values)
+
+
+def training_config(p: argparse.ArgumentParser, argv, cls, presets: dict, skip: tuple):
+    """A training job's remaining flags, one per field of dataclass `cls` but those in `skip` (--seed and --warmup
+    may be 0), parsed -> cls: the --preset's values, then the flags given."""
+    dataclass_args(p, cls, skip=skip, zero_ok=("seed", "warmup"))
+    args = p.parse_args(argv)
+    return config_from_args(args, cls, presets.get(args.preset, {}))
+
+
+def train_main(cfg, train, summary) -> int:
+    """A training job's main: train(cfg) -> its report; a bad config or data (ValueError, raised before any
+    training) prints `error: ...` and exits 2, else prints summary(cfg, report) and exits 0."""
+    try:
+        report = train(cfg)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(summary(cfg, report))
+    return 0
 
 
 def storage_args(p: argparse.ArgumentParser) -> None:

@@ -20,7 +20,7 @@ import argparse
 import sys
 
 from decoding.alignment import OBJECTIVES
-from jobs.cli import config_from_args, dataclass_args
+from jobs.cli import train_main, training_config
 from pipeline.training.draft import PRESETS, DraftConfig, train_draft
 
 
@@ -35,25 +35,18 @@ def parse_args(argv=None) -> DraftConfig:
     p.add_argument("--preset", choices=sorted(PRESETS))
     p.add_argument("--init", help="start from this local draft model instead of a fresh one")
     p.add_argument("--teacher-cache", help="teacher data folder (default: <target>/teacher)")
-    dataclass_args(
-        p, DraftConfig, skip=("data", "target", "out", "objective", "init", "teacher_cache"), zero_ok=("seed", "warmup")
+    return training_config(
+        p, argv, DraftConfig, PRESETS, skip=("data", "target", "out", "objective", "init", "teacher_cache")
     )
-    args = p.parse_args(argv)
-    return config_from_args(args, DraftConfig, PRESETS.get(args.preset, {}))
 
 
 def main(argv=None) -> int:
-    cfg = parse_args(argv)
-    try:
-        report = train_draft(cfg)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(
-        f"draft {cfg.objective}: best epoch {report.get('best_epoch')}, test coverage {report['test_coverage']}"
-        f" -> {cfg.out}"
-    )
-    return 0
+    return train_main(parse_args(argv), train_draft, summary)
+
+
+def summary(cfg: DraftConfig, report: dict) -> str:
+    best, coverage = report.get("best_epoch"), report["test_coverage"]
+    return f"draft {cfg.objective}: best epoch {best}, test coverage {coverage} -> {cfg.out}"
 
 
 if __name__ == "__main__":

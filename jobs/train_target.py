@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jobs.cli import config_from_args, dataclass_args
+from jobs.cli import train_main, training_config
 from pipeline.training.target import PRESETS, TargetConfig, train_target
 
 
@@ -24,21 +24,16 @@ def parse_args(argv=None) -> TargetConfig:
     p.add_argument("--out", required=True, help="output model directory")
     p.add_argument("--preset", choices=sorted(PRESETS), help="size and schedule defaults; flags override")
     p.add_argument("--base-model", help="local HF causal LM to extend with the code tokens (LC-Rec recipe)")
-    dataclass_args(p, TargetConfig, skip=("data", "out", "base_model"), zero_ok=("seed", "warmup"))
-    args = p.parse_args(argv)
-    return config_from_args(args, TargetConfig, PRESETS.get(args.preset, {}))
+    return training_config(p, argv, TargetConfig, PRESETS, skip=("data", "out", "base_model"))
 
 
 def main(argv=None) -> int:
-    cfg = parse_args(argv)
-    try:
-        report = train_target(cfg)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return train_main(parse_args(argv), train_target, summary)
+
+
+def summary(cfg: TargetConfig, report: dict) -> str:
     best = next((e for e in report["epochs"] if e["epoch"] == report.get("best_epoch")), None)
-    print(f"best epoch {report.get('best_epoch')}: {best['valid'] if best else {}} -> {cfg.out}")
-    return 0
+    return f"best epoch {report.get('best_epoch')}: {best['valid'] if best else {}} -> {cfg.out}"
 
 
 if __name__ == "__main__":
