@@ -239,11 +239,6 @@ def read_lcrec(
     raw = {s: read_lcrec_split(source_dir / name) for s, name in LCREC_SPLITS.items()}
     ids = check_id_offset(raw, item_ids, id_offset, index_path.name)
     read = {s: apply_offset(r, item_ids, ids["offset"]) for s, r in raw.items()}
-    everyone = sorted_unique(
-        np.array([u + ids["offset"] for r in raw.values() for u in [*r.users, *r.without_items]], np.int64)
-    )  # [U]
-    splits = {s: Interactions.from_lists(users) for s, (users, _) in read.items()}
-    splits |= {s: splits[s].aligned(everyone) for s in ("valid", "test")}
     lines = {s: r[1] for s, r in read.items()}
     return Source(
         source_dir,
@@ -251,7 +246,7 @@ def read_lcrec(
         item_ids,
         sid,
         int(sid.max()) + 1,
-        splits,
+        lcrec_splits(raw, read, ids["offset"]),
         files=[index_path, *(source_dir / n for n in LCREC_SPLITS.values())],
         report={
             "index": index_path.name,
@@ -268,3 +263,12 @@ def read_lcrec(
             "id_offset": ids["offset"],
         },
     )
+
+
+def lcrec_splits(raw: dict[str, LcrecSplit], read: dict, offset: int) -> dict[str, Interactions]:
+    """The interaction files' users (`raw`; their items with `offset` applied and the unknown ones dropped: `read`)
+    -> train for the users with train lines, valid and test for every user of any file (their items, or none)."""
+    users = [u + offset for r in raw.values() for u in [*r.users, *r.without_items]]
+    everyone = sorted_unique(np.array(users, np.int64))  # [U]
+    splits = {s: Interactions.from_lists(items) for s, (items, _) in read.items()}
+    return splits | {s: splits[s].aligned(everyone) for s in ("valid", "test")}

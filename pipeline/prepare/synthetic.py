@@ -4,6 +4,7 @@ valid and one for test)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -169,34 +170,30 @@ def write_synthetic(
     popularity = _popularity(catalog.column("item_id").to_numpy(), BEAUTY_ZIPF_ALPHA, rng)
     lengths = []  # [chunk users] history lengths of every chunk, appended as it is written
     chunks = _leave_one_out(n_users, chunk_users, history_len, popularity, rng, lengths)
-    summary = SyntheticSummary(
-        str(out_dir),
-        n_users,
-        n_items,
-        levels,
-        codes,
-        history_len,
-        interactions=0,
-        row_groups=len(range(0, n_users, chunk_users)),
-    )
-
-    def report() -> dict:  # asked once every chunk is written
-        lens = np.concatenate(lengths)
-        summary.interactions, summary.history_length = int(lens.sum()) + n_users, length_summary(lens)
-        return {
-            "synthetic": True,
-            "splits": SYNTHETIC_SPLITS,
-            "seed": seed,
-            "chunk_users": chunk_users,
-            "zipf_alpha": BEAUTY_ZIPF_ALPHA,
-            "zipf_offset": BEAUTY_ZIPF_OFFSET,
-            "length_lognormal": {"mu": BEAUTY_LENGTH_MU, "sigma": BEAUTY_LENGTH_SIGMA, "min": MIN_HISTORY},
-            "semantic_id_collisions": [],
-            **asdict(summary),
-        }
-
+    row_groups = len(range(0, n_users, chunk_users))
+    summary = SyntheticSummary(str(out_dir), n_users, n_items, levels, codes, history_len, 0, row_groups)
+    report = functools.partial(
+        _synthetic_report, summary, lengths, seed, chunk_users
+    )  # asked once every chunk is written
     write_contract(out_dir, catalog, build_tokenizer(levels, codes), chunks, report)
     return summary
+
+
+def _synthetic_report(summary: SyntheticSummary, lengths: list, seed: int, chunk_users: int) -> dict:
+    """prepare.json of a synthetic set, once every chunk's history `lengths` are in (they complete `summary`)."""
+    lens = np.concatenate(lengths)
+    summary.interactions, summary.history_length = int(lens.sum()) + summary.users, length_summary(lens)
+    return {
+        "synthetic": True,
+        "splits": SYNTHETIC_SPLITS,
+        "seed": seed,
+        "chunk_users": chunk_users,
+        "zipf_alpha": BEAUTY_ZIPF_ALPHA,
+        "zipf_offset": BEAUTY_ZIPF_OFFSET,
+        "length_lognormal": {"mu": BEAUTY_LENGTH_MU, "sigma": BEAUTY_LENGTH_SIGMA, "min": MIN_HISTORY},
+        "semantic_id_collisions": [],
+        **asdict(summary),
+    }
 
 
 def _leave_one_out(
