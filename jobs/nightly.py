@@ -21,7 +21,7 @@ import sys
 from pipeline.config import load_config
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m jobs.nightly", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -29,7 +29,11 @@ def main(argv=None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. decoding.k=20")
     p.add_argument("--resume", metavar="RUN_ID|latest", help="continue a killed or failed run of the date")
     p.add_argument("--gc", action="store_true", help="delete superseded runs older than runs.grace_s, then exit")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = load_config(args.config, args.set)

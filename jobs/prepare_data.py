@@ -27,6 +27,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m jobs.prepare_data", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    source_flags(p)
+    p.add_argument("--out", type=Path, default=Path("data/beauty"), help="output folder, default %(default)s")
+    p.add_argument("--history-len", type=positive, default=20, help="items per prompt, default %(default)s")
+    synthetic_flags(p)
+    args = p.parse_args(argv)
+    check_args(p, args)
+    return args
+
+
+def source_flags(p: argparse.ArgumentParser) -> None:
+    """The source's format and folder, and the LC-Rec layout's index, id offset and code-token naming."""
     p.add_argument(
         "--format",
         choices=["beauty", "lcrec"],
@@ -52,8 +63,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--code-token", default="<{level}_{code}>", help="how the LC-Rec index names code tokens, default %(default)s"
     )
-    p.add_argument("--out", type=Path, default=Path("data/beauty"), help="output folder, default %(default)s")
-    p.add_argument("--history-len", type=positive, default=20, help="items per prompt, default %(default)s")
+
+
+def synthetic_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--synthetic", action="store_true", help="write a synthetic catalog and users instead")
     p.add_argument("--users", type=positive, help="synthetic users")
     p.add_argument("--items", type=positive, help="synthetic catalog items")
@@ -66,7 +78,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=1_000_000,
         help="synthetic users per parquet row group, default %(default)s",
     )
-    args = p.parse_args(argv)
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The flags that go together (p.error names what is missing or misplaced)."""
     if args.synthetic:
         if args.users is None or args.items is None:
             p.error("--synthetic needs --users and --items")
@@ -80,7 +95,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--format lcrec needs --source DIR")
     if args.format != "lcrec" and (args.index is not None or args.id_offset is not None):
         p.error("--index / --id-offset need --format lcrec")
-    return args
 
 
 def main(argv=None) -> int:
