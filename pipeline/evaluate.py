@@ -21,6 +21,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as pads
 
 from decoding.metrics import recall_ndcg_flat
+from pipeline import markdown
 from pipeline import storage as S
 from pipeline.config import Storage
 from pipeline.report import num
@@ -178,11 +179,7 @@ def to_markdown(ev: dict) -> str:
         "",
         *([f"Split `{ev['protocol']['split']}`: {ev['protocol']['convention']}.", ""] if "protocol" in ev else []),
         *([exclusions_line(ev), ""] if "exclusions" in ev else []),
-        "| metric | " + " | ".join(f"@{k}" for k in ks) + " |",
-        "|---|" + "---:|" * len(ks),
     ]
-    for m in ("recall", "ndcg"):
-        lines.append(
-            f"| {'Recall' if m == 'recall' else 'NDCG'} | " + " | ".join(num(ev[f"{m}@{k}"], 4) for k in ks) + " |"
-        )
-    return "\n".join(lines) + "\n"
+    rows = [[name, *(num(ev[f"{m}@{k}"], 4) for k in ks)] for m, name in (("recall", "Recall"), ("ndcg", "NDCG"))]
+    table = markdown.table(["metric", *(f"@{k}" for k in ks)], rows, align=["left"] + ["right"] * len(ks))
+    return "\n".join([*lines, table]) + "\n"
