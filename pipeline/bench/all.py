@@ -13,6 +13,7 @@ from pipeline.bench import decode, disc, speculative
 from pipeline.bench.common import hardware, progress, versions
 from pipeline.bench.inputs import require_models
 from pipeline.bench.params import AllParams, DecodeParams, DiscBiasParams, DiscParams, SpeculativeParams
+from pipeline.markdown import table
 
 SEED_USES = (
     "torch.manual_seed at the start of every section; every sampling torch.Generator (relaxed speculative, "
@@ -102,26 +103,12 @@ def bench_all(p: AllParams, command: str) -> tuple[dict, str]:
 
 
 def markdown_all(result: dict, sections_md: dict[str, str]) -> str:
-    h, v, a = result["hardware"], result["versions"], result["args"]
-    gpu = f"{h['gpu']} ({h['gpu_memory_gib']} GiB) x {h['gpus']}, CUDA {h['cuda']}" if "gpu" in h else "none"
     lines = [
         "# genrec-batch: the project's claims on Amazon Beauty",
         "",
         f"`{result['command']}`: {result['seconds'] / 60:.1f} min, started {result['started']}",
         "",
-        "| | |",
-        "|---|---|",
-        f"| hardware | {h['cpu']}, {h['cpu_cores']} cores ({h['cpu_cores_usable']} usable), {h['ram_gib']} GiB "
-        f"RAM; GPU: {gpu} |",
-        f"| run on | {h['device']}, dtype {a['dtype']} ({h['dtype']}), {h['torch_threads']} torch threads |",
-        f"| versions | python {v['python']}, torch {v['torch']}, transformers {v['transformers']}, "
-        f"ray {v['ray']}, pyarrow {v['pyarrow']}, numpy {v['numpy']}, tqdm {v['tqdm']} |",
-        f"| genrec-batch | {v['genrec-batch']}, commit {v['git_commit']} |",
-        f"| seeds | {result['seeds']['seed']}: {result['seeds']['where']} |",
-        f"| timing | {result['repeats']} interleaved repeats per method after a warm-up run of each (the order "
-        "rotated every repeat); medians with (min-max); ratios of medians with the range from the extremes; "
-        "'within noise' where two methods' ranges overlap; every repeat's seconds in all.json |",
-        f"| models | target {a['target']}; drafts {', '.join(a['drafts'])} |",
+        table(["", ""], setup_rows(result), "left"),
         "",
         "## verdicts",
         "",
@@ -131,3 +118,30 @@ def markdown_all(result: dict, sections_md: dict[str, str]) -> str:
         heading, rest = sections_md[name].split("\n", 1)
         lines += ["", heading, "", f"**verdict**: {s['verdict']}", rest]
     return "\n".join(lines)
+
+
+def setup_rows(result: dict) -> list[list[str]]:
+    """What the run ran on and how: hardware, device, versions, commit, seeds, the timing protocol, the models."""
+    h, v, a = result["hardware"], result["versions"], result["args"]
+    gpu = f"{h['gpu']} ({h['gpu_memory_gib']} GiB) x {h['gpus']}, CUDA {h['cuda']}" if "gpu" in h else "none"
+    return [
+        [
+            "hardware",
+            f"{h['cpu']}, {h['cpu_cores']} cores ({h['cpu_cores_usable']} usable), {h['ram_gib']} GiB RAM; GPU: {gpu}",
+        ],
+        ["run on", f"{h['device']}, dtype {a['dtype']} ({h['dtype']}), {h['torch_threads']} torch threads"],
+        [
+            "versions",
+            f"python {v['python']}, torch {v['torch']}, transformers {v['transformers']}, ray {v['ray']}, "
+            f"pyarrow {v['pyarrow']}, numpy {v['numpy']}, tqdm {v['tqdm']}",
+        ],
+        ["genrec-batch", f"{v['genrec-batch']}, commit {v['git_commit']}"],
+        ["seeds", f"{result['seeds']['seed']}: {result['seeds']['where']}"],
+        [
+            "timing",
+            f"{result['repeats']} interleaved repeats per method after a warm-up run of each (the order rotated "
+            "every repeat); medians with (min-max); ratios of medians with the range from the extremes; 'within "
+            "noise' where two methods' ranges overlap; every repeat's seconds in all.json",
+        ],
+        ["models", f"target {a['target']}; drafts {', '.join(a['drafts'])}"],
+    ]

@@ -16,6 +16,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -158,6 +159,18 @@ def compare(fast: str, slow: str, r: dict) -> str:
     return f"{slow} {fmt_ratio(inverse)} faster than {fast}"
 
 
+@contextmanager
+def torch_threads(n: int | None):
+    """torch's intra-op threads set to n in the block (None: left as they are), and put back after it."""
+    before = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -293,6 +306,11 @@ def environment(device: str | None, command: str) -> dict:
         "cpu_threads": torch.get_num_threads(),
         "command": command,
     }
+
+
+def aligned(left: int, right: int) -> list[str]:
+    """A table's alignments (pipeline/markdown.py::table): `left` columns of names, then `right` columns of numbers."""
+    return ["left"] * left + ["right"] * right
 
 
 def footer(env: dict) -> str:

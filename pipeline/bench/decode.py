@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,7 @@ from decoding.models import pick_device
 from decoding.reference import cpu_trie, generate_beam_search
 from pipeline.bench.common import (
     Timing,
+    aligned,
     compare,
     environment,
     fmt_ratio,
@@ -30,8 +32,9 @@ from pipeline.bench.common import (
     progress,
     ratio,
 )
-from pipeline.bench.inputs import bench_model, in_batches, load_beauty
+from pipeline.bench.inputs import bench_model, in_batches, load_beauty, ranked
 from pipeline.bench.params import DecodeParams
+from pipeline.markdown import table
 
 
 def run_decode(p: DecodeParams, command: str) -> tuple[dict, str]:
@@ -53,9 +56,8 @@ def bench_decode(p: DecodeParams, model, catalog: Catalog, ids: torch.Tensor, ma
     """transformers vs beam_search over the users [U, S] in batches of p.batch: `p.repeats` interleaved runs of
     both over the same batches; agreement of the last run's outputs."""
     trie = cpu_trie(catalog.to("cpu"))
-    k, n_users = p.k, ids.shape[0]
-    run_hf = lambda i, m: generate_beam_search(model, i, m, catalog, k, trie)  # noqa: E731
-    run_bs = lambda i, m: beam_search(model, i, m, catalog, k)  # noqa: E731
+    run_hf = lambda i, m: generate_beam_search(model, i, m, catalog, p.k, trie)  # noqa: E731
+    run_bs = lambda i, m: beam_search(model, i, m, catalog, p.k)  # noqa: E731
     run = interleaved(
         {
             "transformers": lambda: in_batches(run_hf, ids, mask, p.batch),
@@ -70,15 +72,11 @@ def bench_decode(p: DecodeParams, model, catalog: Catalog, ids: torch.Tensor, ma
         peak_memory=True,
         desc="decode: transformers vs beam_search",
     )
-    hf, bs = run.outputs["transformers"], run.outputs["beam_search"]
-    hf_items, hf_scores = torch.cat([o[0] for o in hf]), torch.cat([o[2] for o in hf])  # [U, k]
-    items, scores = torch.cat([r.item_ids for r in bs]), torch.cat([r.scores for r in bs])  # [U, k]
+    hf, bs, n_users = run.outputs["transformers"], run.outputs["beam_search"], ids.shape[0]
     rows = {
         "transformers": method_row(run.timings["transformers"], n_users, sum(o[3] for o in hf)),
         "beam_search": method_row(run.timings["beam_search"], n_users, sum(r.stats["kv_tokens"] for r in bs)),
     }
-    same_order = int((items == hf_items).all(1).sum())
-    same_set = int((items.sort(1).values == hf_items.sort(1).values).all(1).sum())
     return {
         "prompt_tokens_max": ids.shape[1],
         "prompt_tokens_mean": float(mask.sum(1).float().mean()),
@@ -87,30 +85,34 @@ def bench_decode(p: DecodeParams, model, catalog: Catalog, ids: torch.Tensor, ma
         "methods": rows,
         "speedup": ratio(run.timings["transformers"], run.timings["beam_search"]),
         "kv_ratio": rows["beam_search"]["kv_tokens"] / rows["transformers"]["kv_tokens"],
-        "agreement": {
-            "users": n_users,
-            "same_items_same_order": same_order / n_users,
-            "same_item_set": same_set / n_users,
-            "max_abs_score_diff": float((scores - hf_scores).abs().max()),
-        },
+        "agreement": agreement(*ranked(bs), *ranked(hf)),
+    }
+
+
+def agreement(items: torch.Tensor, scores: torch.Tensor, hf_items: torch.Tensor, hf_scores: torch.Tensor) -> dict:
+    """beam_search's items and scores [U, k] against transformers': the share of users with the same items in the
+    same order, with the same item set, and the largest score difference."""
+    n_users = items.shape[0]
+    same_order = int((items == hf_items).all(1).sum())
+    same_set = int((items.sort(1).values == hf_items.sort(1).values).all(1).sum())
+    return {
+        "users": n_users,
+        "same_items_same_order": same_order / n_users,
+        "same_item_set": same_set / n_users,
+        "max_abs_score_diff": float((scores - hf_scores).abs().max()),
     }
 
 
 def bench_engines(p: DecodeParams, model, catalog: Catalog, ids: torch.Tensor, mask: torch.Tensor) -> dict:
     """beam_search's eager and compiled engines over the users [U, S] in batches of p.batch, `p.repeats` interleaved
     runs. The compiled engine first compiles its bucket (p.batch users x the longest prompt: every batch snaps to
-    it, as in the nightly actor), timed as compile_s. Agreement of the last run: same items in the same order, the
-    largest score difference, and the users clear of a near-tie (eager tie_gap above twice that difference) whose
-    lists are identical."""
+    it, as in the nightly actor), timed as compile_s."""
     t0 = time.perf_counter()
     warm_up(model, catalog, min(p.batch, ids.shape[0]), ids.shape[1], p.k)
     compile_s, graphs = time.perf_counter() - t0, compile_totals(model)[1]
-    decode = {
-        engine: (lambda e: lambda i, m: beam_search(model, i, m, catalog, p.k, engine=e))(engine)
-        for engine in ("eager", "compiled")
-    }
+    decode = {e: partial(_beam_search, model, catalog, p.k, e) for e in ("eager", "compiled")}
     run = interleaved(
-        {e: (lambda f: lambda: in_batches(f, ids, mask, p.batch))(f) for e, f in decode.items()},
+        {e: partial(in_batches, f, ids, mask, p.batch) for e, f in decode.items()},
         p.repeats,
         ids.device,
         peak_memory=True,
@@ -119,10 +121,6 @@ def bench_engines(p: DecodeParams, model, catalog: Catalog, ids: torch.Tensor, m
     )
     eager, compiled = (Recommendations.concat(run.outputs[e]) for e in decode)
     n = ids.shape[0]
-    agree = topk_agreement(eager.item_ids, eager.scores, compiled.item_ids, compiled.scores)
-    diff = float(agree["score_diff"].max())
-    clear = eager.stats["tie_gap"].cpu() > 2 * diff
-    same = same_within_ties(eager.item_ids.cpu(), eager.scores.cpu(), compiled.item_ids.cpu(), 2 * diff)
     return {
         "users": n,
         "batch": p.batch,
@@ -136,14 +134,29 @@ def bench_engines(p: DecodeParams, model, catalog: Catalog, ids: torch.Tensor, m
             for e, r in (("eager", eager), ("compiled", compiled))
         },
         "speedup": ratio(run.timings["eager"], run.timings["compiled"]),
-        "agreement": {
-            "users": n,
-            "same_items_same_order": float(agree["identical"].float().mean()),
-            "max_abs_score_diff": diff,
-            "clear_users": int(clear.sum()),
-            "clear_users_identical": int((agree["identical"] & clear).sum()),
-            "same_within_ties": float(same.float().mean()),
-        },
+        "agreement": engines_agreement(eager, compiled),
+    }
+
+
+def _beam_search(model, catalog: Catalog, k: int, engine: str, ids: torch.Tensor, mask: torch.Tensor):
+    return beam_search(model, ids, mask, catalog, k, engine=engine)
+
+
+def engines_agreement(eager: Recommendations, compiled: Recommendations) -> dict:
+    """The compiled engine's lists against the eager one's: same items in the same order, the largest score
+    difference, and the users clear of a near-tie (eager tie_gap above twice that difference) whose lists are
+    identical."""
+    agree = topk_agreement(eager.item_ids, eager.scores, compiled.item_ids, compiled.scores)
+    diff = float(agree["score_diff"].max())
+    clear = eager.stats["tie_gap"].cpu() > 2 * diff
+    same = same_within_ties(eager.item_ids.cpu(), eager.scores.cpu(), compiled.item_ids.cpu(), 2 * diff)
+    return {
+        "users": eager.item_ids.shape[0],
+        "same_items_same_order": float(agree["identical"].float().mean()),
+        "max_abs_score_diff": diff,
+        "clear_users": int(clear.sum()),
+        "clear_users_identical": int((agree["identical"] & clear).sum()),
+        "same_within_ties": float(same.float().mean()),
     }
 
 
@@ -252,69 +265,80 @@ def trie_mask(trie: dict, prefix: torch.Tensor, vocab: int) -> torch.Tensor:
 def markdown_decode(result: dict) -> str:
     env, a, lines = result["environment"], result["args"], []
     if "decode" in result:
-        d = result["decode"]
-        lines += [
-            f"## decode: K={a['k']}, batch {a['batch']}, {d['agreement']['users']} Amazon Beauty users (prompt "
-            f"up to {d['prompt_tokens_max']} tokens), {env['device']}; median (min-max) of {d['repeats']} "
-            "interleaved repeats",
-            "",
-            "| method | users/s | peak memory (MB) | KV tokens / user |",
-            "|---|---:|---:|---:|",
-        ]
-        for name, r in d["methods"].items():
-            lines.append(
-                f"| {name} | {fmt_spread(r['users_per_s'])} | {r['peak_memory_mb']:.1f} | "
-                f"{r['kv_tokens_per_user']:.0f} |"
-            )
-        ag = d["agreement"]
-        lines += [
-            "",
-            f"speed-up (users/s of beam_search over transformers, ratio of medians, range): "
-            f"**{fmt_ratio(d['speedup'], 1)}**{' within noise' if d['speedup']['within_noise'] else ''}; KV "
-            f"held: {d['kv_ratio']:.3f}x; same items in the same order: {ag['same_items_same_order']:.1%}, same "
-            f"item set: {ag['same_item_set']:.1%}, max |score diff| {ag['max_abs_score_diff']:.2e}",
-            "",
-        ]
+        lines += markdown_transformers(result["decode"], a, env)
     if "engines" in result:
-        e, ag = result["engines"], result["engines"]["agreement"]
-        lines += [
-            f"## beam_search engines: eager vs compiled, K={a['k']}, {e['users']} users in batches of "
-            f"{e['batch']} (bucket {e['bucket'][0]} x {e['bucket'][1]}), {env['device']}; median (min-max) of "
-            f"{e['repeats']} interleaved repeats",
-            "",
-            "| engine | users/s | peak memory (MB) |",
-            "|---|---:|---:|",
-        ]
-        for name, r in e["methods"].items():
-            lines.append(f"| {name} | {fmt_spread(r['users_per_s'])} | {r['peak_memory_mb']:.1f} |")
-        lines += [
-            "",
-            f"compiled over eager (ratio of medians, range): **{fmt_ratio(e['speedup'])}**"
-            f"{' within noise' if e['speedup']['within_noise'] else ''}; compile {e['compile_s']:.1f} s "
-            f"({e['graphs_compiled']} graphs, before the timed runs); same items in the same order: "
-            f"{ag['same_items_same_order']:.1%} (up to near-tie swaps: {ag['same_within_ties']:.1%}); users "
-            f"clear of a near-tie: {ag['clear_users_identical']} of {ag['clear_users']} identical; max |score "
-            f"diff| {ag['max_abs_score_diff']:.2e}",
-            "",
-        ]
+        lines += markdown_engines(result["engines"], a, env)
     if result.get("index"):
-        i0 = result["index"][0]
-        lines += [
-            f"## catalog index: ms per decoding step ({i0['rows']} prefixes, PPV top-M = {i0['top_m']}), "
-            f"median (min-max) of {i0['repeats']} interleaved repeats",
-            "",
-            "| catalog | items | allowed_next (CSR) | verify (PPV) | CPU trie | trie build (s) |",
-            "|---|---:|---:|---:|---:|---:|",
-        ]
-        fmt = lambda x: "-" if x is None else fmt_spread(x, 3)  # noqa: E731
-        for r in result["index"]:
-            build = "-" if r["trie_build_s"] is None else f"{r['trie_build_s']:.1f}"
-            lines.append(
-                f"| {r['catalog']} | {r['items']:,} | {fmt(r['allowed_next_ms'])} | {fmt(r['verify_ms'])} | "
-                f"{fmt(r['cpu_trie_ms'])} | {build} |"
-            )
+        lines += markdown_index(result["index"])
     lines += ["", footer(env)]
     return "\n".join(lines)
+
+
+def markdown_transformers(d: dict, a: dict, env: dict) -> list[str]:
+    """transformers vs beam_search: users/s, peak memory and KV tokens per method; the speed-up and agreement."""
+    ag = d["agreement"]
+    rows = [
+        [name, fmt_spread(r["users_per_s"]), f"{r['peak_memory_mb']:.1f}", f"{r['kv_tokens_per_user']:.0f}"]
+        for name, r in d["methods"].items()
+    ]
+    return [
+        f"## decode: K={a['k']}, batch {a['batch']}, {ag['users']} Amazon Beauty users (prompt "
+        f"up to {d['prompt_tokens_max']} tokens), {env['device']}; median (min-max) of {d['repeats']} "
+        "interleaved repeats",
+        "",
+        table(["method", "users/s", "peak memory (MB)", "KV tokens / user"], rows, aligned(1, 3)),
+        "",
+        f"speed-up (users/s of beam_search over transformers, ratio of medians, range): "
+        f"**{fmt_ratio(d['speedup'], 1)}**{' within noise' if d['speedup']['within_noise'] else ''}; KV "
+        f"held: {d['kv_ratio']:.3f}x; same items in the same order: {ag['same_items_same_order']:.1%}, same "
+        f"item set: {ag['same_item_set']:.1%}, max |score diff| {ag['max_abs_score_diff']:.2e}",
+        "",
+    ]
+
+
+def markdown_engines(e: dict, a: dict, env: dict) -> list[str]:
+    """beam_search eager vs compiled: users/s and peak memory per engine; the speed-up, compile time, agreement."""
+    ag = e["agreement"]
+    rows = [[name, fmt_spread(r["users_per_s"]), f"{r['peak_memory_mb']:.1f}"] for name, r in e["methods"].items()]
+    return [
+        f"## beam_search engines: eager vs compiled, K={a['k']}, {e['users']} users in batches of "
+        f"{e['batch']} (bucket {e['bucket'][0]} x {e['bucket'][1]}), {env['device']}; median (min-max) of "
+        f"{e['repeats']} interleaved repeats",
+        "",
+        table(["engine", "users/s", "peak memory (MB)"], rows, aligned(1, 2)),
+        "",
+        f"compiled over eager (ratio of medians, range): **{fmt_ratio(e['speedup'])}**"
+        f"{' within noise' if e['speedup']['within_noise'] else ''}; compile {e['compile_s']:.1f} s "
+        f"({e['graphs_compiled']} graphs, before the timed runs); same items in the same order: "
+        f"{ag['same_items_same_order']:.1%} (up to near-tie swaps: {ag['same_within_ties']:.1%}); users "
+        f"clear of a near-tie: {ag['clear_users_identical']} of {ag['clear_users']} identical; max |score "
+        f"diff| {ag['max_abs_score_diff']:.2e}",
+        "",
+    ]
+
+
+def markdown_index(index: list[dict]) -> list[str]:
+    """The catalog index: ms per decoding step of CSR, PPV and the CPU trie per catalog, the trie's build time."""
+    i0 = index[0]
+    fmt = lambda x: "-" if x is None else fmt_spread(x, 3)  # noqa: E731
+    rows = [
+        [
+            r["catalog"],
+            f"{r['items']:,}",
+            fmt(r["allowed_next_ms"]),
+            fmt(r["verify_ms"]),
+            fmt(r["cpu_trie_ms"]),
+            "-" if r["trie_build_s"] is None else f"{r['trie_build_s']:.1f}",
+        ]
+        for r in index
+    ]
+    header = ["catalog", "items", "allowed_next (CSR)", "verify (PPV)", "CPU trie", "trie build (s)"]
+    return [
+        f"## catalog index: ms per decoding step ({i0['rows']} prefixes, PPV top-M = {i0['top_m']}), "
+        f"median (min-max) of {i0['repeats']} interleaved repeats",
+        "",
+        table(header, rows, aligned(1, 5)),
+    ]
 
 
 def verdict_decode(r: dict) -> str:

@@ -18,13 +18,15 @@ import numpy as np
 import torch
 
 from decoding.beam import beam_search
+from decoding.catalog import Catalog
 from decoding.disc import constrained_sample, disc_sample
 from decoding.metrics import distances, draw_stats, mean_over_users
 from decoding.models import load_model, pick_device
 from decoding.reference import catalog_logprob
-from pipeline.bench.common import environment, fmt_ratio, fmt_spread, footer, interleaved, progress, ratio, timed
-from pipeline.bench.inputs import bench_model, in_batches, load_beauty, require_models
+from pipeline.bench.common import Timing, aligned, environment, fmt_ratio, fmt_spread, footer, progress, ratio, timed
+from pipeline.bench.inputs import bench_model, in_batches, interleaved_in_batches, load_beauty, require_models
 from pipeline.bench.params import DiscBiasParams, DiscParams
+from pipeline.markdown import table
 
 
 def run_disc(p: DiscParams, command: str) -> tuple[dict, str]:
@@ -41,7 +43,34 @@ def bench_disc(p: DiscParams) -> dict:
     model_dir = Path(p.model) if p.model else None
     _, catalog, ids, mask = load_beauty(Path(p.data), p.users, p.history_len, device, model_dir)
     model = bench_model(p, catalog.vocab_size, device)
-    k, t, g = p.k, p.temperature, torch.Generator(device=device)
+    g = torch.Generator(device=device)
+    run = interleaved_in_batches(
+        disc_decoders(p, model, catalog, g), ids, mask, p.batch, p.repeats, g, p.seed, "disc: methods"
+    )
+    users, beam = ids.shape[0], run.timings["beam_search"]
+    rows = {
+        name: sampler_row(t, run.outputs[name], users, p.k, None if name == "beam_search" else beam)
+        for name, t in run.timings.items()
+    }
+    disc, base = run.timings[f"disc rounds={p.max_rounds} exact"], run.timings["constrained_sample"]
+    return {
+        "k": p.k,
+        "users": users,
+        "batch": p.batch,
+        "temperature": p.temperature,
+        "repeats": p.repeats,
+        "model": str(model_dir) if model_dir else "random",
+        "order": run.order,
+        "methods": rows,
+        "disc_vs_constrained": ratio(disc, base),
+        "disc_vs_beam_search": ratio(disc, beam),
+    }
+
+
+def disc_decoders(p: DiscParams, model, catalog: Catalog, g: torch.Generator) -> dict:
+    """name -> fn(ids, mask): beam_search, constrained sampling, and DISC at rounds 1..p.max_rounds with the exact
+    mask and with PPV top-M, the samplers drawing from `g`."""
+    k, t = p.k, p.temperature
     fns = {
         "beam_search": lambda i, m: beam_search(model, i, m, catalog, k),
         "constrained_sample": lambda i, m: constrained_sample(model, i, m, catalog, k, temperature=t, generator=g),
@@ -53,74 +82,59 @@ def bench_disc(p: DiscParams) -> dict:
                     model, i, m, catalog, k, rounds=r, top_m=tm, temperature=t, generator=g
                 )
             )
+    return fns
 
-    def seeded(fn, i, m):
-        g.manual_seed(p.seed)
-        return in_batches(fn, i, m, p.batch)
 
-    run = interleaved(
-        {n: lambda f=f: seeded(f, ids, mask) for n, f in fns.items()},
-        p.repeats,
-        device,
-        warmup={n: lambda f=f: seeded(f, ids[: p.batch], mask[: p.batch]) for n, f in fns.items()},
-        desc="disc: methods",
-    )
-    users, beam = ids.shape[0], run.timings["beam_search"]
-    rows = {}
-    for name, tm in run.timings.items():
-        recs = run.outputs[name]
-        row = {
-            "timing": tm.to_dict(),
-            "ms_per_user": tm.per(lambda s: 1e3 * s / users),
-            "users_per_s": tm.per(lambda s: users / s),
-        }
-        if name != "beam_search":
-            row["vs_beam_search"] = ratio(tm, beam)
-        if "proposals" in recs[0].stats:
-            cat = lambda key: torch.cat([r.stats[key] for r in recs]).double()  # noqa: E731 [U]
-            row.update(
-                proposals_per_item=float(cat("proposals").mean()) / k,
-                acceptance_rate=float(cat("acceptance_rate").mean()),
-                invalid_mass=float(cat("invalid_mass").mean()),
-            )
-        rows[name] = row
-    disc, base = run.timings[f"disc rounds={p.max_rounds} exact"], run.timings["constrained_sample"]
-    return {
-        "k": k,
-        "users": users,
-        "batch": p.batch,
-        "temperature": t,
-        "repeats": p.repeats,
-        "model": str(model_dir) if model_dir else "random",
-        "order": run.order,
-        "methods": rows,
-        "disc_vs_constrained": ratio(disc, base),
-        "disc_vs_beam_search": ratio(disc, beam),
+def sampler_row(t: Timing, recs: list, users: int, k: int, beam: Timing | None) -> dict:
+    """One method's timing, ms per user and users/s; its time over beam_search's (`beam`, None for beam_search
+    itself); a sampler's proposals per item, acceptance rate and estimated invalid mass."""
+    row = {
+        "timing": t.to_dict(),
+        "ms_per_user": t.per(lambda s: 1e3 * s / users),
+        "users_per_s": t.per(lambda s: users / s),
     }
+    if beam is not None:
+        row["vs_beam_search"] = ratio(t, beam)
+    if "proposals" in recs[0].stats:
+        cat = lambda key: torch.cat([r.stats[key] for r in recs]).double()  # noqa: E731 [U]
+        row.update(
+            proposals_per_item=float(cat("proposals").mean()) / k,
+            acceptance_rate=float(cat("acceptance_rate").mean()),
+            invalid_mass=float(cat("invalid_mass").mean()),
+        )
+    return row
 
 
 def markdown_disc(result: dict) -> str:
     d, env = result["disc"], result["environment"]
-    lines = [
-        f"## DISC vs constrained sampling vs beam search: k={d['k']}, {d['users']} Amazon Beauty users, batch "
-        f"{d['batch']}, temperature {d['temperature']}, model {d['model']} ({env['device']}); median (min-max) "
-        f"of {d['repeats']} interleaved repeats",
-        "",
-        "| method | ms / user | users/s | x beam_search time | proposals / item | acceptance | est. invalid mass p_b |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+    header = (
+        "method | ms / user | users/s | x beam_search time | proposals / item | acceptance | est. invalid mass p_b"
+    ).split(" | ")
+    rows = [
+        [
+            name,
+            fmt_spread(r["ms_per_user"], 1),
+            fmt_spread(r["users_per_s"], 1),
+            fmt_ratio(r["vs_beam_search"]) if "vs_beam_search" in r else "1",
+            *(
+                (f"{r['proposals_per_item']:.2f}", f"{r['acceptance_rate']:.3f}", f"{r['invalid_mass']:.3f}")
+                if "proposals_per_item" in r
+                else ("-", "-", "-")
+            ),
+        ]
+        for name, r in d["methods"].items()
     ]
-    for name, r in d["methods"].items():
-        extra = (
-            f"{r['proposals_per_item']:.2f} | {r['acceptance_rate']:.3f} | {r['invalid_mass']:.3f}"
-            if "proposals_per_item" in r
-            else "- | - | -"
-        )
-        times = fmt_ratio(r["vs_beam_search"]) if "vs_beam_search" in r else "1"
-        lines.append(
-            f"| {name} | {fmt_spread(r['ms_per_user'], 1)} | {fmt_spread(r['users_per_s'], 1)} | {times} | {extra} |"
-        )
-    lines += ["", footer(env)]
-    return "\n".join(lines)
+    return "\n".join(
+        [
+            f"## DISC vs constrained sampling vs beam search: k={d['k']}, {d['users']} Amazon Beauty users, batch "
+            f"{d['batch']}, temperature {d['temperature']}, model {d['model']} ({env['device']}); median (min-max) "
+            f"of {d['repeats']} interleaved repeats",
+            "",
+            table(header, rows, aligned(1, 6)),
+            "",
+            footer(env),
+        ]
+    )
 
 
 def verdict_disc(r: dict) -> str:
@@ -161,52 +175,17 @@ def bench_disc_bias(p: DiscBiasParams) -> dict:
     require_models(p.model)
     _, catalog, ids, mask = load_beauty(Path(p.data), p.users, p.history_len, device, Path(p.model))
     model = load_model(p.model, device=str(device), dtype=p.dtype)
-    t, g = p.temperature, torch.Generator(device=device)
-    samplers = {
-        "constrained_sample": lambda i, m: constrained_sample(model, i, m, catalog, 1, temperature=t, generator=g)
-    }
-    for rounds in p.rounds:
-        samplers[f"disc rounds={rounds}"] = lambda i, m, r=rounds: disc_sample(
-            model, i, m, catalog, 1, rounds=r, temperature=t, generator=g
-        )
-    users = []
-    for u in progress(range(ids.shape[0]), "disc bias: users"):
-        (log_p, log_x), t_exact, _ = timed(
-            lambda: catalog_logprob(model, ids[u : u + 1], mask[u : u + 1], catalog, t, p.chunk, valid_mass=True),
-            device,
-        )  # [N], [N]
-        p_s = (log_p - log_p.logsumexp(0)).exp()  # [N] P_S over the catalog rows
-        q, x = (log_p - log_x).exp(), log_x.exp()  # [N] constrained decoding's distribution, valid masses
-        row = {
-            "p_b": float(1 - log_p.exp().sum()),
-            "exact_scoring_s": t_exact,
-            "exact": {
-                "P_S": {"mean_x": float((p_s * x).sum())},
-                "constrained decoding Q": {**distances(p_s, q, catalog), "mean_x": float((q * x).sum())},
-            },
-            "methods": {},
-        }
-        g.manual_seed(p.seed)
-        drawn = torch.multinomial(p_s, p.draws, replacement=True, generator=g)  # [D] catalog rows
-        row["methods"]["exact sampler"] = draw_stats(p_s, x, drawn, catalog)
-        u_ids, u_mask = ids[u : u + 1].repeat(p.draws, 1), mask[u : u + 1].repeat(p.draws, 1)  # [D, S]
-        for name, fn in samplers.items():
-            g.manual_seed(p.seed)
-            recs, seconds, _ = timed(lambda: in_batches(fn, u_ids, u_mask, p.batch), device)
-            tokens = torch.cat([r.token_ids[:, 0] for r in recs])  # [D, L]
-            drawn = catalog.node_of(tokens) - catalog.level_start[catalog.code_len]  # [D] catalog rows
-            p_b = torch.cat([r.stats["invalid_mass"] for r in recs]).double().mean()  # 1 - E_q[x] over proposals
-            row["methods"][name] = {
-                **draw_stats(p_s, x, drawn, catalog),
-                "est_invalid_mass": float(p_b),
-                "seconds": seconds,
-            }
-        users.append(row)
+    g = torch.Generator(device=device)
+    samplers = bias_samplers(p, model, catalog, g)
+    users = [
+        user_bias(p, model, catalog, samplers, g, ids[u : u + 1], mask[u : u + 1])
+        for u in progress(range(ids.shape[0]), "disc bias: users")
+    ]
     return {
         "users": len(users),
         "draws": p.draws,
         "items": len(catalog),
-        "temperature": t,
+        "temperature": p.temperature,
         "model": str(p.model),
         "p_b": [u["p_b"] for u in users],
         "exact": {name: mean_over_users([u["exact"][name] for u in users]) for name in users[0]["exact"]},
@@ -215,42 +194,114 @@ def bench_disc_bias(p: DiscBiasParams) -> dict:
     }
 
 
+def bias_samplers(p: DiscBiasParams, model, catalog: Catalog, g: torch.Generator) -> dict:
+    """name -> fn(ids, mask) drawing one item per row from `g`: constrained sampling, and DISC at each of p.rounds."""
+    t = p.temperature
+    samplers = {
+        "constrained_sample": lambda i, m: constrained_sample(model, i, m, catalog, 1, temperature=t, generator=g)
+    }
+    for rounds in p.rounds:
+        samplers[f"disc rounds={rounds}"] = lambda i, m, r=rounds: disc_sample(
+            model, i, m, catalog, 1, rounds=r, temperature=t, generator=g
+        )
+    return samplers
+
+
+def user_bias(
+    p: DiscBiasParams,
+    model,
+    catalog: Catalog,
+    samplers: dict,
+    g: torch.Generator,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+) -> dict:
+    """One user's prompt [1, S]: P_S, Q and the valid masses x over the catalog, exactly; then p.draws draws of the
+    exact sampler and of every sampler (each from `g` re-seeded with p.seed), compared to P_S."""
+    (log_p, log_x), t_exact, _ = timed(
+        lambda: catalog_logprob(model, ids, mask, catalog, p.temperature, p.chunk, valid_mass=True), ids.device
+    )  # [N], [N]
+    p_s = (log_p - log_p.logsumexp(0)).exp()  # [N] P_S over the catalog rows
+    q, x = (log_p - log_x).exp(), log_x.exp()  # [N] constrained decoding's distribution, valid masses
+    row = {
+        "p_b": float(1 - log_p.exp().sum()),
+        "exact_scoring_s": t_exact,
+        "exact": {
+            "P_S": {"mean_x": float((p_s * x).sum())},
+            "constrained decoding Q": {**distances(p_s, q, catalog), "mean_x": float((q * x).sum())},
+        },
+        "methods": {},
+    }
+    g.manual_seed(p.seed)
+    drawn = torch.multinomial(p_s, p.draws, replacement=True, generator=g)  # [D] catalog rows
+    row["methods"]["exact sampler"] = draw_stats(p_s, x, drawn, catalog)
+    u_ids, u_mask = ids.repeat(p.draws, 1), mask.repeat(p.draws, 1)  # [D, S]
+    for name, fn in samplers.items():
+        g.manual_seed(p.seed)
+        row["methods"][name] = sampler_draws(fn, u_ids, u_mask, p.batch, p_s, x, catalog)
+    return row
+
+
+def sampler_draws(
+    fn, ids: torch.Tensor, mask: torch.Tensor, batch: int, p_s: torch.Tensor, x: torch.Tensor, catalog: Catalog
+) -> dict:
+    """A sampler's draws, one per row of the repeated prompt [D, S], against P_S [N] (x [N]: the valid masses): the
+    distances, its estimated invalid mass, its seconds."""
+    recs, seconds, _ = timed(lambda: in_batches(fn, ids, mask, batch), ids.device)
+    tokens = torch.cat([r.token_ids[:, 0] for r in recs])  # [D, L]
+    drawn = catalog.node_of(tokens) - catalog.level_start[catalog.code_len]  # [D] catalog rows
+    p_b = torch.cat([r.stats["invalid_mass"] for r in recs]).double().mean()  # 1 - E_q[x] over proposals
+    return {**draw_stats(p_s, x, drawn, catalog), "est_invalid_mass": float(p_b), "seconds": seconds}
+
+
 def markdown_disc_bias(result: dict) -> str:
     b, env = result["disc_bias"], result["environment"]
     p_b = ", ".join(f"{x:.3f}" for x in b["p_b"])
-    lines = [
-        f"## DISC bias: distance to the exact constrained distribution P_S, {b['users']} Amazon Beauty users x "
-        f"{b['draws']:,} draws (k=1), temperature {b['temperature']}, model {b['model']} ({env['device']})",
-        "",
-        f"P_S and constrained decoding's own distribution Q computed exactly over all {b['items']:,} catalog "
-        f"items per user; invalid mass p_b per user: {p_b}. Means over the users. The exact sampler draws "
-        "from P_S itself: its distances are the noise floor at this number of draws. x(a) = the valid mass "
-        "along item a's prefix; constrained decoding over-draws items with small x.",
-        "",
-        "| method | TV items | TV level a | KL(P_S ‖ ·) | mean x(a) of the draws | est. p_b | "
-        f"s / {b['draws']:,} draws |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-        f"| P_S, exact (DISC's target) | - | - | - | {b['exact']['P_S']['mean_x']:.4f} | - | - |",
-    ]
-    q = b["exact"]["constrained decoding Q"]
-    lines.append(
-        f"| constrained decoding, exact Q (no sampling) | {q['tv_items']:.3f} | {q['tv_level_a']:.3f} | "
-        f"{q['kl']:.3f} | {q['mean_x']:.4f} | - | - |"
+    header = (
+        f"method | TV items | TV level a | KL(P_S ‖ ·) | mean x(a) of the draws | est. p_b | s / {b['draws']:,} draws"
+    ).split(" | ")
+    return "\n".join(
+        [
+            f"## DISC bias: distance to the exact constrained distribution P_S, {b['users']} Amazon Beauty users x "
+            f"{b['draws']:,} draws (k=1), temperature {b['temperature']}, model {b['model']} ({env['device']})",
+            "",
+            f"P_S and constrained decoding's own distribution Q computed exactly over all {b['items']:,} catalog "
+            f"items per user; invalid mass p_b per user: {p_b}. Means over the users. The exact sampler draws "
+            "from P_S itself: its distances are the noise floor at this number of draws. x(a) = the valid mass "
+            "along item a's prefix; constrained decoding over-draws items with small x.",
+            "",
+            table(header, bias_rows(b), aligned(1, 6)),
+            "",
+            "KL of the draws: to the empirical distribution smoothed by +0.5 per item; ± one standard error.",
+            "",
+            footer(env),
+        ]
     )
-    for name, r in b["methods"].items():
-        extra = f"{r['est_invalid_mass']:.3f} | {r['seconds']:.1f}" if "seconds" in r else "- | -"
-        label = f"{name} (draws from P_S)" if name == "exact sampler" else name
-        lines.append(
-            f"| {label} | {r['tv_items']:.3f} | {r['tv_level_a']:.3f} | {r['kl']:.3f} | "
-            f"{r['mean_x']:.4f} ± {r['mean_x_se']:.4f} | {extra} |"
-        )
-    lines += [
-        "",
-        "KL of the draws: to the empirical distribution smoothed by +0.5 per item; ± one standard error.",
-        "",
-        footer(env),
+
+
+def bias_rows(b: dict) -> list[list]:
+    """P_S itself, constrained decoding's exact Q, then every sampler's draws (the exact sampler's from P_S)."""
+    q = b["exact"]["constrained decoding Q"]
+    rows = [
+        ["P_S, exact (DISC's target)", "-", "-", "-", f"{b['exact']['P_S']['mean_x']:.4f}", "-", "-"],
+        [
+            "constrained decoding, exact Q (no sampling)",
+            *(f"{q[key]:.3f}" for key in ("tv_items", "tv_level_a", "kl")),
+            f"{q['mean_x']:.4f}",
+            "-",
+            "-",
+        ],
     ]
-    return "\n".join(lines)
+    for name, r in b["methods"].items():
+        rows.append(
+            [
+                f"{name} (draws from P_S)" if name == "exact sampler" else name,
+                *(f"{r[key]:.3f}" for key in ("tv_items", "tv_level_a", "kl")),
+                f"{r['mean_x']:.4f} ± {r['mean_x_se']:.4f}",
+                *((f"{r['est_invalid_mass']:.3f}", f"{r['seconds']:.1f}") if "seconds" in r else ("-", "-")),
+            ]
+        )
+    return rows
 
 
 def verdict_disc_bias(r: dict) -> str:

@@ -8,6 +8,7 @@ exclusions as the ratio of medians with its range, against the issue's bounds (1
 from __future__ import annotations
 
 from dataclasses import asdict, fields
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -17,9 +18,10 @@ import torch
 from decoding.beam import beam_search
 from decoding.catalog import Catalog, Exclusions
 from decoding.models import pick_device
-from pipeline.bench.common import compare, environment, fmt_ratio, fmt_spread, footer, interleaved, ratio
-from pipeline.bench.inputs import bench_model, load_beauty
+from pipeline.bench.common import Interleaved, compare, environment, fmt_ratio, fmt_spread, footer, interleaved, ratio
+from pipeline.bench.inputs import bench_model, load_beauty, ranked
 from pipeline.bench.params import ExcludeParams
+from pipeline.markdown import table
 
 BOUNDS = {50: 1.1, 1000: 1.5}  # the issue's cost bounds: excluded items per user -> the most beam_search may cost
 
@@ -62,52 +64,59 @@ def bench_exclude(
     excluded items per user, interleaved; whether any user got an excluded item."""
     pairs = {n: exclusion_pairs(catalog, histories, n, p.seed) for n in p.counts}
 
-    def decode_batch(n: int | None, a: int):
-        """Users a .. a + B - 1 with n excluded items each (None: no exclusions)."""
-        i, m = ids[a : a + p.batch], mask[a : a + p.batch]
-        if n is None:
-            return beam_search(model, i, m, catalog, p.k)
-        user, item = pairs[n]
-        pick = (user >= a) & (user < a + i.shape[0])
-        return beam_search(
-            model, i, m, catalog, p.k, exclude=Exclusions.from_items(catalog, user[pick] - a, item[pick], i.shape[0])
-        )
+    def decode(n: int | None, a: int):  # users a .. a + B - 1 with n excluded items each (None: no exclusions)
+        return excluded_beam_search(model, catalog, p.k, ids[a : a + p.batch], mask[a : a + p.batch], pairs.get(n), a)
 
     names = {"none": None, **{f"exclude {n}": n for n in p.counts}}
     run = interleaved(
-        {name: lambda n=n: [decode_batch(n, a) for a in range(0, ids.shape[0], p.batch)] for name, n in names.items()},
+        {name: lambda n=n: [decode(n, a) for a in range(0, ids.shape[0], p.batch)] for name, n in names.items()},
         p.repeats,
         ids.device,
-        warmup={name: lambda n=n: decode_batch(n, 0) for name, n in names.items()},
+        warmup={name: partial(decode, n, 0) for name, n in names.items()},
         desc="exclude: beam_search with and without exclusions",
     )
-    users = ids.shape[0]
-    rows = {
-        name: {"excluded_per_user": n or 0, "timing": t.to_dict(), "users_per_s": t.per(lambda s: users / s)}
-        for (name, n), t in zip(names.items(), run.timings.values())
-    }
-    for name, n in names.items():
-        if n is None:
-            continue
-        items = torch.cat([r.item_ids for r in run.outputs[name]])  # [U, k]
-        user, item = pairs[n]
-        hit = (items[user] == item[:, None]).any(1)  # [M] an excluded item among its user's recommendations
-        rows[name].update(
-            cost=ratio(run.timings[name], run.timings["none"]),
-            bound=BOUNDS.get(n),
-            excluded_returned=int(hit.sum()),
-            full_lists=float((items >= 0).all(1).float().mean()),
-        )
     return {
-        "users": users,
+        "users": ids.shape[0],
         "batch": p.batch,
         "k": p.k,
         "repeats": p.repeats,
         "order": run.order,
-        "methods": rows,
+        "methods": {name: exclusion_row(run, name, n, ids.shape[0], pairs.get(n)) for name, n in names.items()},
         "prompt_tokens_max": ids.shape[1],
         "own_work": own_work(p, model, catalog, ids, mask, pairs),
     }
+
+
+def excluded_beam_search(
+    model, catalog: Catalog, k: int, ids: torch.Tensor, mask: torch.Tensor, pairs: tuple | None, a: int
+):
+    """beam_search on a batch [B, S] of users a .. a + B - 1, excluding their items among `pairs` (user [M], item id
+    [M] over all the users; None: no exclusions), with `Exclusions` built in the call, as the actor does."""
+    if pairs is None:
+        return beam_search(model, ids, mask, catalog, k)
+    user, item = pairs
+    pick = (user >= a) & (user < a + ids.shape[0])
+    exclude = Exclusions.from_items(catalog, user[pick] - a, item[pick], ids.shape[0])
+    return beam_search(model, ids, mask, catalog, k, exclude=exclude)
+
+
+def exclusion_row(run: Interleaved, name: str, n: int | None, users: int, pairs: tuple | None) -> dict:
+    """One count of excluded items per user: users/s; with exclusions, the cost over none, the bound, the excluded
+    items returned (over all `pairs`, user [M] and item id [M]) and the share of users with a full list."""
+    t = run.timings[name]
+    row = {"excluded_per_user": n or 0, "timing": t.to_dict(), "users_per_s": t.per(lambda s: users / s)}
+    if pairs is None:
+        return row
+    items = ranked(run.outputs[name])[0]  # [U, k]
+    user, item = pairs
+    hit = (items[user] == item[:, None]).any(1)  # [M] an excluded item among its user's recommendations
+    row.update(
+        cost=ratio(t, run.timings["none"]),
+        bound=BOUNDS.get(n),
+        excluded_returned=int(hit.sum()),
+        full_lists=float((items >= 0).all(1).float().mean()),
+    )
+    return row
 
 
 class Recording(Exclusions):
@@ -154,42 +163,55 @@ def own_work(p: ExcludeParams, model, catalog: Catalog, ids: torch.Tensor, mask:
 def markdown_exclude(result: dict) -> str:
     e, env, a = result["exclude"], result["environment"], result["args"]
     model = a["model"] or f"a random Llama {a['layers']} x {a['hidden']}"
+    header = (
+        "excluded items per user | users/s | cost over none (ratio of medians, range) | bound | excluded items returned"
+    ).split(" | ")
+    rows = [
+        [
+            f"{r['excluded_per_user']:,}",
+            fmt_spread(r["users_per_s"]),
+            fmt_ratio(r["cost"]) if "cost" in r else "1",
+            f"{r['bound']:.1f}x" if r.get("bound") else "-",
+            r.get("excluded_returned", "-"),
+        ]
+        for r in e["methods"].values()
+    ]
     lines = [
         f"## exclude: beam_search with per-user exclusions, K={e['k']}, batch {e['batch']}, {e['users']} Amazon "
         f"Beauty users (prompt up to {e['prompt_tokens_max']} tokens), {model}, {env['device']}; median (min-max) "
         f"of {e['repeats']} interleaved repeats",
         "",
-        "| excluded items per user | users/s | cost over none (ratio of medians, range) | bound | excluded items "
-        "returned |",
-        "|---:|---:|---:|---:|---:|",
-    ]
-    for r in e["methods"].values():
-        cost = fmt_ratio(r["cost"]) if "cost" in r else "1"
-        bound = f"{r['bound']:.1f}x" if r.get("bound") else "-"
-        lines.append(
-            f"| {r['excluded_per_user']:,} | {fmt_spread(r['users_per_s'])} | {cost} | {bound} | "
-            f"{r.get('excluded_returned', '-')} |"
-        )
-    w = e["own_work"]
-    d = {key: 1e3 * w["timings"]["decode"][f"{key}_s"] for key in ("median", "min", "max")}
-    lines += [
+        table(header, rows),
         "",
         verdict_exclude(result),
         "",
+    ]
+    return "\n".join(lines + own_work_lines(e["own_work"], e["repeats"]) + ["", footer(env)])
+
+
+def own_work_lines(w: dict, repeats: int) -> list[str]:
+    """The exclusions' own work on one batch: build and masks per count, and both over the decode."""
+    d = {key: 1e3 * w["timings"]["decode"][f"{key}_s"] for key in ("median", "min", "max")}
+    header = (
+        "excluded items per user | build | masks, every step | both / decode (medians) | both / decode (minima)"
+    ).split(" | ")
+    rows = [
+        [
+            f"{int(n):,}",
+            fmt_spread(r["build_ms"], 1),
+            fmt_spread(r["masks_ms"], 1),
+            f"{r['of_decode_median']:.1%}",
+            f"{r['of_decode_min']:.1%}",
+        ]
+        for n, r in w["parts"].items()
+    ]
+    return [
         f"The exclusions' own work on one batch of {w['users']} users, each part timed alone (ms, median "
-        f"(min-max) of {e['repeats']} interleaved repeats with the batch's decode without exclusions, "
+        f"(min-max) of {repeats} interleaved repeats with the batch's decode without exclusions, "
         f"{fmt_spread(d, 0)} ms):",
         "",
-        "| excluded items per user | build | masks, every step | both / decode (medians) | both / decode (minima) |",
-        "|---:|---:|---:|---:|---:|",
+        table(header, rows),
     ]
-    for n, r in w["parts"].items():
-        lines.append(
-            f"| {int(n):,} | {fmt_spread(r['build_ms'], 1)} | {fmt_spread(r['masks_ms'], 1)} | "
-            f"{r['of_decode_median']:.1%} | {r['of_decode_min']:.1%} |"
-        )
-    lines += ["", footer(env)]
-    return "\n".join(lines)
 
 
 def verdict_exclude(result: dict) -> str:

@@ -31,12 +31,14 @@ import copy
 import gc
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from decoding.beam import beam_search
+from decoding.beam import Recommendations, beam_search
+from decoding.catalog import Catalog
 from decoding.compiled import compile_totals
 from decoding.memory import decode_bytes_per_user, fit_batch, free_device_memory
 from decoding.metrics import same_within_ties, topk_agreement
@@ -45,7 +47,9 @@ from decoding.reference import cpu_trie, generate_beam_search
 from decoding.speculative import speculative_beam_search
 from pipeline.bench import disc, shapes, speculative
 from pipeline.bench.common import (
+    Interleaved,
     Timing,
+    aligned,
     environment,
     fmt_ratio,
     fmt_spread,
@@ -58,7 +62,9 @@ from pipeline.bench.common import (
     versions,
 )
 from pipeline.bench.decode import synthetic_token_catalog
+from pipeline.bench.inputs import in_batches, llama, random_prompts, ranked
 from pipeline.bench.params import GPU_SECTIONS, DiscParams, GpuParams, SpeculativeParams
+from pipeline.markdown import table
 
 TIE = {"float32": 1e-4, "bfloat16": 4e-2, "float16": 8e-3}  # two engines in one dtype (tests/test_engine.py SAME_DTYPE)
 TIE_EXACT = {"float32": 1e-4, "bfloat16": 0.2, "float16": 0.04}  # half against float32 (tests/test_engine.py BOUNDS)
@@ -74,6 +80,17 @@ QWEN3_1_7B = dict(
     max_position_embeddings=40960,
     rope_theta=1_000_000.0,
 )
+
+QWEN3_SMOKE = dict(  # the anchor at smoke sizes
+    hidden_size=64,
+    intermediate_size=192,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+)
+DTYPES = ("float32", "bfloat16", "float16")  # parity's
 
 
 @dataclass
@@ -96,6 +113,40 @@ class Cell:
 
 
 def run_gpu(p: GpuParams, command: str) -> tuple[dict, str]:
+    device = gpu_device(p)
+    t0, half = time.perf_counter(), torch.float32 if p.smoke else torch.bfloat16
+    result = {
+        "args": asdict(p),
+        "environment": environment(p.device, command),
+        "hardware": hardware(device, "auto"),
+        "versions": versions(),
+        "dtype": str(half).removeprefix("torch."),
+        "matmul": matmul_rate(device, half, 256 if p.smoke else 8192),
+    }
+    rate, md = result["matmul"]["flops_per_s"], {}
+    compiled = ("beam_search_compiled",) if "compiled" in p.engines else ()
+    if "parity" in p.sections:
+        result["parity"] = [freed(device, parity(p, dtype, device)) for dtype in DTYPES]
+    if "shapes" in p.sections:
+        result["shapes"] = [
+            freed(device, measure_cell(c, p, device, half, rate, ("beam_search", "transformers") + compiled))
+            for c in progress(shape_cells(p), "gpu: shapes", leave=True)
+        ]
+    if "anchor" in p.sections:
+        result["anchor"] = anchor(p, device, half, rate, ("beam_search",) + compiled)
+    if "disc" in p.sections:
+        section, md["disc"] = disc.run_disc(disc_params(p, result["dtype"]), command)
+        result["disc"] = section["disc"]
+    if "speculative" in p.sections and p.target and p.drafts:
+        section, md["speculative"] = speculative.run_speculative(speculative_params(p, result["dtype"]), command)
+        result["speculative"] = section["speculative"]
+    result["seconds"] = time.perf_counter() - t0
+    return result, markdown_gpu(result, md)
+
+
+def gpu_device(p: GpuParams) -> torch.device:
+    """The CUDA device to run on (the CPU with --smoke); FileNotFoundError, saying how to run it, without one;
+    ValueError on an unknown section."""
     device = pick_device(p.device)
     if device.type == "cuda" and not torch.cuda.is_available():  # --device cuda on a machine without one
         raise FileNotFoundError(
@@ -107,67 +158,40 @@ def run_gpu(p: GpuParams, command: str) -> tuple[dict, str]:
     unknown = sorted(set(p.sections) - set(GPU_SECTIONS))
     if unknown:
         raise ValueError(f"bench gpu: unknown sections {unknown}; choose from {list(GPU_SECTIONS)}")
-    t0, half = time.perf_counter(), torch.float32 if p.smoke else torch.bfloat16
-    result = {
-        "args": asdict(p),
-        "environment": environment(p.device, command),
-        "hardware": hardware(device, "auto"),
-        "versions": versions(),
-        "dtype": str(half).removeprefix("torch."),
-        "matmul": matmul_rate(device, half, 256 if p.smoke else 8192),
-    }
-    rate = result["matmul"]["flops_per_s"]
-    md = {}
-    if "parity" in p.sections:
-        result["parity"] = []
-        for dtype in ("float32", "bfloat16", "float16"):
-            result["parity"].append(parity(p, dtype, device))
-            free(device)  # the dtype's models died with parity's frame
-    compiled = ("beam_search_compiled",) if "compiled" in p.engines else ()
-    if "shapes" in p.sections:
-        result["shapes"] = [
-            run_cell(c, p, device, half, rate, ("beam_search", "transformers") + compiled)
-            for c in progress(shape_cells(p), "gpu: shapes", leave=True)
-        ]
-    if "anchor" in p.sections:
-        result["anchor"] = anchor(p, device, half, rate, ("beam_search",) + compiled)
-    if "disc" in p.sections:
-        section, md["disc"] = disc.run_disc(
-            DiscParams(
-                data=p.data,
-                device=p.device,
-                users=4 if p.smoke else 256,
-                batch=2 if p.smoke else 128,
-                max_rounds=4,
-                repeats=1 if p.smoke else p.repeats,
-                dtype=result["dtype"],
-                layers=p.layers,
-                hidden=p.hidden,
-                heads=p.heads,
-            ),
-            command,
-        )
-        result["disc"] = section["disc"]
-    if "speculative" in p.sections and p.target and p.drafts:
-        section, md["speculative"] = speculative.run_speculative(
-            SpeculativeParams(
-                data=p.data,
-                device=p.device,
-                target=p.target,
-                drafts=list(p.drafts),
-                ks=[1, 10] if p.smoke else [1, 5, 10, 20],
-                users=2 if p.smoke else 20,
-                batch=2 if p.smoke else 64,
-                throughput_users=4 if p.smoke else 256,
-                repeats=1 if p.smoke else p.repeats,
-                with_transformers=False,
-                dtype=result["dtype"],
-            ),
-            command,
-        )
-        result["speculative"] = section["speculative"]
-    result["seconds"] = time.perf_counter() - t0
-    return result, markdown_gpu(result, md)
+    return device
+
+
+def disc_params(p: GpuParams, dtype: str) -> DiscParams:
+    """The disc section on the gpu run's random Llama: 256 users in batches of 128 (4 in 2 with --smoke)."""
+    return DiscParams(
+        data=p.data,
+        device=p.device,
+        users=4 if p.smoke else 256,
+        batch=2 if p.smoke else 128,
+        max_rounds=4,
+        repeats=1 if p.smoke else p.repeats,
+        dtype=dtype,
+        layers=p.layers,
+        hidden=p.hidden,
+        heads=p.heads,
+    )
+
+
+def speculative_params(p: GpuParams, dtype: str) -> SpeculativeParams:
+    """The speculative section on --target and --drafts, K in 1 5 10 20, without transformers."""
+    return SpeculativeParams(
+        data=p.data,
+        device=p.device,
+        target=p.target,
+        drafts=list(p.drafts),
+        ks=[1, 10] if p.smoke else [1, 5, 10, 20],
+        users=2 if p.smoke else 20,
+        batch=2 if p.smoke else 64,
+        throughput_users=4 if p.smoke else 256,
+        repeats=1 if p.smoke else p.repeats,
+        with_transformers=False,
+        dtype=dtype,
+    )
 
 
 # ------------------------------------------------------------------ the roofline
@@ -204,14 +228,7 @@ def useful_flops(model, prompt: int, k: int, code_len: int) -> float:
 
 def shape_cells(p: GpuParams) -> list[Cell]:
     """The grid: vocabulary x prompt x K on a random Llama of layers x hidden."""
-    model = dict(
-        hidden_size=p.hidden,
-        intermediate_size=4 * p.hidden,
-        num_hidden_layers=p.layers,
-        num_attention_heads=p.heads,
-        num_key_value_heads=p.heads,
-        max_position_embeddings=2048,
-    )
+    model = dict(llama(p.hidden, p.layers, p.heads), max_position_embeddings=2048)
     grid = [(2048, 40, 5)] if p.smoke else [(v, s, k) for v in (32768, 152667) for s in (300, 1000) for k in (20, 50)]
     return [
         Cell(
@@ -231,24 +248,9 @@ def shape_cells(p: GpuParams) -> list[Cell]:
 def anchor(p: GpuParams, device: torch.device, dtype: torch.dtype, rate: float, methods: tuple) -> list[dict]:
     """SID-GR's shape at batch 8, batch 1 and the largest batch that fits (beam_search only: transformers fits one
     user at this shape and takes seconds for it)."""
-    if p.smoke:
-        model, vocab, k, prompt, items = (
-            dict(
-                hidden_size=64,
-                intermediate_size=192,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                head_dim=16,
-                max_position_embeddings=512,
-            ),
-            4096,
-            8,
-            40,
-            2000,
-        )
-    else:
-        model, vocab, k, prompt, items = QWEN3_1_7B, 151936, 256, 1000, 1_000_000
+    model, vocab, k, prompt, items = (
+        (QWEN3_SMOKE, 4096, 8, 40, 2000) if p.smoke else (QWEN3_1_7B, 151936, 256, 1000, 1_000_000)
+    )
     rows = []
     for batch in (8, 1, None):
         cell = Cell(
@@ -264,22 +266,14 @@ def anchor(p: GpuParams, device: torch.device, dtype: torch.dtype, rate: float, 
             batches={"beam_search": batch},
         )
         cell.users = 2 * (batch or 0) if p.smoke else {8: 32, 1: 8}.get(batch, 0)
-        rows.append(run_cell(cell, p, device, dtype, rate, methods))
+        rows.append(freed(device, measure_cell(cell, p, device, dtype, rate, methods)))
     return rows
 
 
-def run_cell(
-    cell: Cell,
-    p: GpuParams,
-    device: torch.device,
-    dtype: torch.dtype,
-    rate: float,
-    methods: tuple = ("beam_search", "transformers"),
-) -> dict:
-    """`measure_cell`, then everything it built freed (its model, catalog and outputs die with its frame)."""
-    row = measure_cell(cell, p, device, dtype, rate, methods)
+def freed(device: torch.device, value):
+    """`value`, once what its call built is collected (its models, catalog and outputs died with the call's frame)."""
     free(device)
-    return row
+    return value
 
 
 def measure_cell(
@@ -295,18 +289,25 @@ def measure_cell(
     flops = useful_flops(model, cell.prompt, cell.k, catalog.code_len)
     need = decode_bytes_per_user(model, cell.prompt, cell.k, catalog.code_len, dtype)
     best = fit_batch(need, free_device_memory(device) or 8 << 30, most=4 if p.smoke else 4096)
-    if not cell.users:  # the best batch: as many users as two such batches
-        cell.users = 2 * best
-    g = torch.Generator().manual_seed(p.seed + 1)
-    ids = torch.randint(4, cell.vocab - catalog.code_len * 256, (cell.users, cell.prompt), generator=g).to(device)
+    cell.users = cell.users or 2 * best  # the best batch: as many users as two such batches
+    ids = random_prompts(cell.users, cell.prompt, cell.vocab - catalog.code_len * 256, p.seed + 1, device)
     mask = torch.ones_like(ids)
-    trie = cpu_trie(catalog.to("cpu")) if "transformers" in methods else None
-    decoders = {
-        "beam_search": lambda i, m: beam_search(model, i, m, catalog, cell.k),
-        "beam_search_compiled": lambda i, m: beam_search(model, i, m, catalog, cell.k, engine="compiled"),
-        "transformers": lambda i, m: generate_beam_search(model, i, m, catalog, cell.k, trie),
-    }
-    row = {
+    row = cell_row(cell, model, catalog, flops, best)
+    row["methods"], runs = fit_methods(cell, p, cell_decoders(model, catalog, cell.k, methods), ids, mask, best)
+    if "beam_search_compiled" in runs:  # its warm-up batch compiled its bucket
+        seconds, graphs = compile_totals(model)
+        row["methods"]["beam_search_compiled"].update(compile_s=seconds, graphs_compiled=graphs)
+    if runs:
+        timed = interleaved(runs, 1 if p.smoke else p.repeats, device, warmup={m: lambda: None for m in runs})
+        for method, t in timed.timings.items():
+            row["methods"][method].update(method_timing(t, row["methods"][method], flops, rate))
+        row.update(comparisons(row, timed, cell.users))
+    return row
+
+
+def cell_row(cell: Cell, model, catalog: Catalog, flops: float, best: int) -> dict:
+    """What a cell is: its shape, model size, useful FLOPs per user, the largest batch that fits; methods to come."""
+    return {
         "cell": cell.name,
         "arch": cell.arch,
         "vocab": cell.vocab,
@@ -314,49 +315,39 @@ def measure_cell(
         "k": cell.k,
         "code_len": catalog.code_len,
         "items": len(catalog),
-        "dtype": str(dtype).removeprefix("torch."),
+        "dtype": str(model.dtype).removeprefix("torch."),
         "parameters": sum(x.numel() for x in model.parameters()),
         "useful_flops_per_user": flops,
         "fit_batch": best,
         "methods": {},
     }
-    runs = {}
-    for method in methods:
+
+
+def cell_decoders(model, catalog: Catalog, k: int, methods: tuple) -> dict:
+    """method -> fn(ids, mask) for each of `methods` (beam_search, beam_search_compiled, transformers)."""
+    trie = cpu_trie(catalog.to("cpu")) if "transformers" in methods else None
+    decoders = {
+        "beam_search": lambda i, m: beam_search(model, i, m, catalog, k),
+        "beam_search_compiled": lambda i, m: beam_search(model, i, m, catalog, k, engine="compiled"),
+        "transformers": lambda i, m: generate_beam_search(model, i, m, catalog, k, trie),
+    }
+    return {method: decoders[method] for method in methods}
+
+
+def fit_methods(cell: Cell, p: GpuParams, decoders: dict, ids: torch.Tensor, mask: torch.Tensor, best: int) -> tuple:
+    """Each method's batch: the cell's (beam_search's largest that fits, `best`, where None), at most its users,
+    halved until it runs -> (method -> its status, batch and users; method -> the call that decodes its users)."""
+    status, runs = {}, {}
+    for method, decode in decoders.items():
         users = min(cell.users, cell.reference_users or cell.users) if method == "transformers" else cell.users
         batch = min(cell.batches.get(method.removesuffix("_compiled")) or best, users)  # both engines alike
-        batch = fitting_batch(decoders[method], method, ids[:users], mask[:users], batch, p.simulate_oom)
+        batch = fitting_batch(decode, method, ids[:users], mask[:users], batch, p.simulate_oom)
         if batch is None:
-            row["methods"][method] = {"status": OOM}
+            status[method] = {"status": OOM}
             continue
-        row["methods"][method] = {"status": "ok", "batch": batch, "users": users}
-        if method == "beam_search_compiled":  # the warm-up batch compiled its bucket
-            seconds, graphs = compile_totals(model)
-            row["methods"][method].update(compile_s=seconds, graphs_compiled=graphs)
-        runs[method] = (lambda f, u, b: lambda: decode_all(f, ids[:u], mask[:u], b))(decoders[method], users, batch)
-    if runs:
-        timed = interleaved(runs, 1 if p.smoke else p.repeats, device, warmup={m: lambda: None for m in runs})
-        for method, t in timed.timings.items():
-            x = row["methods"][method]
-            ups, batches = t.per(lambda s, u=x["users"]: u / s), -(-x["users"] // x["batch"])
-            x.update(
-                seconds=t.to_dict(),
-                users_per_s=ups,
-                ms_per_batch=t.per(lambda s, n=batches: 1e3 * s / n),
-                flop_fraction=flops * ups["median"] / rate,
-            )
-        if {"beam_search", "transformers"} <= set(runs):
-            row["speedup"] = ratio(
-                per_user(timed.timings["transformers"], row, "transformers"),
-                per_user(timed.timings["beam_search"], row, "beam_search"),
-            )
-            row.update(agreement(timed.outputs, row["methods"]["transformers"]["users"]))
-        if {"beam_search", "beam_search_compiled"} <= set(runs):
-            row["compiled_speedup"] = ratio(
-                per_user(timed.timings["beam_search"], row, "beam_search"),
-                per_user(timed.timings["beam_search_compiled"], row, "beam_search_compiled"),
-            )
-            row["compiled_agreement"] = agreement(timed.outputs, cell.users, "beam_search_compiled", "beam_search")
-    return row
+        status[method] = {"status": "ok", "batch": batch, "users": users}
+        runs[method] = partial(in_batches, decode, ids[:users], mask[:users], batch)
+    return status, runs
 
 
 def fitting_batch(decode, method: str, ids, mask, batch: int, simulate_oom: list[str]) -> int | None:
@@ -374,8 +365,29 @@ def fitting_batch(decode, method: str, ids, mask, batch: int, simulate_oom: list
     return None
 
 
-def decode_all(decode, ids, mask, batch: int) -> list:
-    return [decode(ids[a : a + batch], mask[a : a + batch]) for a in range(0, ids.shape[0], batch)]
+def method_timing(t: Timing, x: dict, flops: float, rate: float) -> dict:
+    """A method's timed runs over its x["users"] users in batches of x["batch"]: seconds, users/s, ms per batch
+    (median, min, max) and the useful-FLOP fraction of the matmul `rate` at the median."""
+    ups, batches = t.per(lambda s: x["users"] / s), -(-x["users"] // x["batch"])
+    return {
+        "seconds": t.to_dict(),
+        "users_per_s": ups,
+        "ms_per_batch": t.per(lambda s: 1e3 * s / batches),
+        "flop_fraction": flops * ups["median"] / rate,
+    }
+
+
+def comparisons(row: dict, timed: Interleaved, users: int) -> dict:
+    """beam_search's speed-up over transformers and their agreement; the compiled engine's over the eager one and
+    theirs (per user: the methods may have decoded different numbers of users)."""
+    out, t = {}, {method: per_user(x, row, method) for method, x in timed.timings.items()}
+    if {"beam_search", "transformers"} <= set(t):
+        out["speedup"] = ratio(t["transformers"], t["beam_search"])
+        out.update(agreement(timed.outputs, row["methods"]["transformers"]["users"]))
+    if {"beam_search", "beam_search_compiled"} <= set(t):
+        out["compiled_speedup"] = ratio(t["beam_search"], t["beam_search_compiled"])
+        out["compiled_agreement"] = agreement(timed.outputs, users, "beam_search_compiled", "beam_search")
+    return out
 
 
 def per_user(t: Timing, row: dict, method: str) -> Timing:
@@ -388,13 +400,8 @@ def agreement(outputs: dict, users: int, ours: str = "beam_search", ref: str = "
     `users` users, which both decoded: same items in the same order, largest score gap."""
 
     def lists(name: str):  # -> item ids, scores [U, K]
-        out = outputs[name]
-        items, scores = (
-            ([r[0] for r in out], [r[2] for r in out])
-            if name == "transformers"
-            else ([r.item_ids for r in out], [r.scores for r in out])
-        )
-        return torch.cat(items)[:users].cpu(), torch.cat(scores)[:users].float().cpu()
+        items, scores = ranked(outputs[name])
+        return items[:users].cpu(), scores[:users].float().cpu()
 
     (ours, ours_s), (ref, ref_s) = lists(ours), lists(ref)
     finite = torch.isfinite(ours_s) & torch.isfinite(ref_s)
@@ -417,67 +424,51 @@ def parity(p: GpuParams, dtype: str, device: torch.device) -> dict:
     """beam_search vs transformers and strict speculative vs beam_search in `dtype`, random Llama target and draft."""
     vocab, prompt, users, k, batch = (2048, 24, 4, 5, 2) if p.smoke else (32768, 300, 128, 20, 32)
     catalog = shapes.catalog_after_text(str(Path(p.data) / "items.parquet"), vocab, device)
-    torch_dtype = getattr(torch, dtype)
-    target = tiny_model(
-        "llama",
-        vocab,
-        seed=p.seed,
-        hidden_size=p.hidden,
-        intermediate_size=4 * p.hidden,
-        num_hidden_layers=p.layers,
-        num_attention_heads=p.heads,
-        num_key_value_heads=p.heads,
-        max_position_embeddings=2048,
-        dtype=torch_dtype,
-    ).to(device)
-    draft = tiny_model(
-        "llama",
-        vocab,
-        seed=p.seed + 1,
-        hidden_size=p.hidden // 2,
-        intermediate_size=2 * p.hidden,
-        num_hidden_layers=1,
-        num_attention_heads=p.heads,
-        num_key_value_heads=p.heads,
-        max_position_embeddings=2048,
-        dtype=torch_dtype,
-    ).to(device)
-    g = torch.Generator().manual_seed(p.seed)
-    ids = torch.randint(4, vocab - catalog.code_len * 256, (users, prompt), generator=g).to(device)
+    target, draft = parity_models(p, vocab, getattr(torch, dtype), device)
+    ids = random_prompts(users, prompt, vocab - catalog.code_len * 256, p.seed, device)
     mask = torch.ones_like(ids)
     mask[1::2, : prompt // 4] = 0  # every other user left-padded
     trie = cpu_trie(catalog.to("cpu"))
     exact = copy.deepcopy(target).float() if dtype != "float32" else target  # the same weights, in float32
-    out = {"dtype": dtype, "users": users, "k": k, "vocab": vocab, "prompt": prompt}
     others = {
         "transformers": lambda i, m: generate_beam_search(exact, i, m, catalog, k, trie),
         "speculative": lambda i, m: speculative_beam_search(target, draft, i, m, catalog, k),
     }
     if "compiled" in p.engines:
         others["compiled"] = lambda i, m: beam_search(target, i, m, catalog, k, engine="compiled")
+    reference = partial(in_batches, lambda i, m: beam_search(target, i, m, catalog, k), ids, mask, batch)
+    out = {"dtype": dtype, "users": users, "k": k, "vocab": vocab, "prompt": prompt}
     for name, other in others.items():
         tie = TIE_EXACT[dtype] if name == "transformers" else TIE[dtype]
-        clear = same = identical = 0
-        worst = 0.0
-        for a in range(0, users, batch):
-            i, m = ids[a : a + batch], mask[a : a + batch]
-            ref = beam_search(target, i, m, catalog, k)
-            got = other(i, m)
-            items, scores = (got[0], got[2]) if name == "transformers" else (got.item_ids, got.scores)
-            ok = (ref.stats["tie_gap"] >= tie).cpu()
-            clear += int(ok.sum())
-            same += int((same_within_ties(ref.item_ids.cpu(), ref.scores.cpu(), items.cpu(), tie) & ok).sum())
-            agree = topk_agreement(ref.item_ids, ref.scores, items, scores)
-            identical += int(agree["identical"].sum())
-            worst = max(worst, float(agree["score_diff"].max()))
-        out[name] = {
-            "clear_users": clear,
-            "clear_users_identical": same,
-            "identical": identical,
-            "max_abs_score_diff": worst,
-            "tie": tie,
-        }
+        out[name] = parity_counts(Recommendations.concat(reference()), in_batches(other, ids, mask, batch), tie)
     return out
+
+
+def parity_models(p: GpuParams, vocab: int, dtype: torch.dtype, device: torch.device) -> tuple:
+    """A random Llama target of p.layers x p.hidden and a one-layer draft of half its width, in `dtype`."""
+    target = llama(p.hidden, p.layers, p.heads)
+    draft = llama(p.hidden // 2, 1, p.heads, mlp=2 * p.hidden)
+    return tuple(
+        tiny_model("llama", vocab, seed=seed, max_position_embeddings=2048, dtype=dtype, **shape).to(device)
+        for seed, shape in ((p.seed, target), (p.seed + 1, draft))
+    )
+
+
+def parity_counts(ref: Recommendations, outputs: list, tie: float) -> dict:
+    """Another decoder's outputs (over batches) against beam_search's `ref` in the same dtype: users with identical
+    lists, users clear of a near-tie (ref's tie_gap >= tie) and of them those with the same list up to exact ties,
+    the largest score difference of an item both lists hold."""
+    items, scores = ranked(outputs)  # [U, K]
+    clear = (ref.stats["tie_gap"] >= tie).cpu()  # [U]
+    same = same_within_ties(ref.item_ids.cpu(), ref.scores.cpu(), items.cpu(), tie) & clear  # [U]
+    agree = topk_agreement(ref.item_ids, ref.scores, items, scores)
+    return {
+        "clear_users": int(clear.sum()),
+        "clear_users_identical": int(same.sum()),
+        "identical": int(agree["identical"].sum()),
+        "max_abs_score_diff": float(agree["score_diff"].max()),
+        "tie": tie,
+    }
 
 
 # ------------------------------------------------------------------ the report
@@ -495,92 +486,128 @@ def markdown_gpu(result: dict, md: dict) -> str:
         f"{mm['n']}]): **{mm['flops_per_s'] / 1e12:.1f} TFLOP/s**; every cell's useful-FLOP fraction is of it.",
     ]
     if "parity" in result:
-        lines += [
-            "",
-            "## parity: float32 identical to transformers; half precision on users clear of a near-tie",
-            "",
-            "| dtype | against | users (every other left-padded) | identical lists | clear of a near-tie (TIE) | "
-            "of them identical | max score diff |",
-            "|---|---|---:|---:|---:|---:|---:|",
-        ]
-        for r in result["parity"]:
-            for name in [n for n in ("transformers", "speculative", "compiled") if n in r]:
-                x = r[name]
-                against = "transformers float32" if name == "transformers" else name
-                lines.append(
-                    f"| {r['dtype']} | beam_search vs {against} | {r['users']} | {x['identical']} | "
-                    f"{x['clear_users']} ({x['tie']:g}) | {x['clear_users_identical']} | "
-                    f"{x['max_abs_score_diff']:.2e} |"
-                )
+        lines += markdown_parity(result["parity"])
     if "shapes" in result:
-        lines += [
-            "",
-            f"## shapes: beam_search vs transformers beam search ({result['dtype']}, random Llama), users/s "
-            "median (min-max); batch: beam_search's largest that fits, transformers' halved until it fits",
-            "",
-            "| vocabulary | prompt | K | beam_search users/s (batch) | transformers users/s (batch) | speed-up "
-            "| useful-FLOP fraction beam_search / transformers | same items, same order |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|",
-        ]
-        for c in result["shapes"]:
-            ours, ref = c["methods"]["beam_search"], c["methods"].get("transformers", {"status": OOM})
-            lines.append(
-                f"| {c['vocab']:,} | {c['prompt']} | {c['k']} | {method_cell(ours)} | {method_cell(ref)} | "
-                f"{fmt_ratio(c['speedup'], 1) if 'speedup' in c else '-'} | {fraction(ours)} / "
-                f"{fraction(ref)} | "
-                + (
-                    f"{c['same_items_same_order']:.0%} (max score diff {c['max_abs_score_diff']:.1e})"
-                    if "same_items_same_order" in c
-                    else "-"
-                )
-                + " |"
-            )
+        lines += markdown_grid(result["shapes"], result["dtype"])
     if "anchor" in result:
-        a0 = result["anchor"][0]
-        lines += [
-            "",
-            f"## anchor: NVIDIA SID-GR's shape ({a0['arch']}, {a0['parameters'] / 1e9:.2f}B parameters, "
-            f"vocabulary {a0['vocab']:,}, context {a0['prompt']}, beam {a0['k']}, {a0['code_len']} code "
-            f"tokens, {a0['items']:,} items, {a0['dtype']})",
-            "",
-            "| engine | batch | ms per batch | NVIDIA recsys-examples (H100) | genrec-batch / NVIDIA rate | "
-            "users/s | useful-FLOP fraction |",
-            "|---|---:|---:|---:|---:|---:|---:|",
-        ]
-        for r in result["anchor"]:
-            for method, x in r["methods"].items():
-                engine = "compiled" if method == "beam_search_compiled" else "eager"
-                if x["status"] != "ok":
-                    lines.append(f"| {engine} | - | {OOM} | - | - | - | - |")
-                    continue
-                ref, ms = SID_GR_MS.get(x["batch"]), x["ms_per_batch"]
-                theirs = f"{ref} ms | {ref / ms['median']:.2f}x" if ref else "- | -"
-                lines.append(
-                    f"| {engine} | {x['batch']} | {fmt_spread(ms, 1)} | {theirs} | "
-                    f"{fmt_spread(x['users_per_s'], 1)} | {fraction(x)} |"
-                )
+        lines += markdown_anchor(result["anchor"])
     cells = [c for c in result.get("shapes", []) + result.get("anchor", []) if "compiled_speedup" in c]
     if cells:
-        lines += [
-            "",
-            f"## engines: beam_search eager vs compiled ({result['dtype']}), users/s median (min-max); "
-            "compile: seconds and graphs of the warm-up batch (before the timed runs)",
-            "",
-            "| cell | eager users/s (batch) | compiled users/s (batch) | compiled / eager | compile s (graphs) | "
-            "useful-FLOP fraction eager / compiled | same items, same order |",
-            "|---|---:|---:|---:|---:|---:|---:|",
-        ]
-        for c in cells:
-            eager, comp, ag = c["methods"]["beam_search"], c["methods"]["beam_search_compiled"], c["compiled_agreement"]
-            lines.append(
-                f"| {c['cell']} | {method_cell(eager)} | {method_cell(comp)} | "
-                f"{fmt_ratio(c['compiled_speedup'])} | {comp['compile_s']:.1f} ({comp['graphs_compiled']}) | "
-                f"{fraction(eager)} / {fraction(comp)} | {ag['same_items_same_order']:.0%} (max score diff "
-                f"{ag['max_abs_score_diff']:.1e}) |"
-            )
+        lines += markdown_engines(cells, result["dtype"])
     for text in md.values():
         lines += ["", text]
     return "\n".join(lines + ["", footer(result["environment"])])
+
+
+def markdown_parity(parity: list[dict]) -> list[str]:
+    """A row per dtype x decoder compared: identical lists, users clear of a near-tie and of them identical."""
+    header = (
+        "dtype | against | users (every other left-padded) | identical lists | clear of a near-tie (TIE) | "
+        "of them identical | max score diff"
+    ).split(" | ")
+    rows = [
+        [
+            r["dtype"],
+            f"beam_search vs {'transformers float32' if name == 'transformers' else name}",
+            r["users"],
+            r[name]["identical"],
+            f"{r[name]['clear_users']} ({r[name]['tie']:g})",
+            r[name]["clear_users_identical"],
+            f"{r[name]['max_abs_score_diff']:.2e}",
+        ]
+        for r in parity
+        for name in ("transformers", "speculative", "compiled")
+        if name in r
+    ]
+    title = "## parity: float32 identical to transformers; half precision on users clear of a near-tie"
+    return ["", title, "", table(header, rows, aligned(2, 5))]
+
+
+def markdown_grid(cells: list[dict], dtype: str) -> list[str]:
+    """The shapes grid: users/s (batch) of beam_search and transformers, the speed-up, FLOP fractions, agreement."""
+    header = (
+        "vocabulary | prompt | K | beam_search users/s (batch) | transformers users/s (batch) | speed-up | "
+        "useful-FLOP fraction beam_search / transformers | same items, same order"
+    ).split(" | ")
+    return [
+        "",
+        f"## shapes: beam_search vs transformers beam search ({dtype}, random Llama), users/s "
+        "median (min-max); batch: beam_search's largest that fits, transformers' halved until it fits",
+        "",
+        table(header, [grid_row(c) for c in cells]),
+    ]
+
+
+def grid_row(c: dict) -> list:
+    """One shape: each method's users/s (batch) or out of memory, the speed-up, FLOP fractions, agreement."""
+    ours, ref = c["methods"]["beam_search"], c["methods"].get("transformers", {"status": OOM})
+    return [
+        f"{c['vocab']:,}",
+        c["prompt"],
+        c["k"],
+        method_cell(ours),
+        method_cell(ref),
+        fmt_ratio(c["speedup"], 1) if "speedup" in c else "-",
+        f"{fraction(ours)} / {fraction(ref)}",
+        same_cell(c),
+    ]
+
+
+def markdown_anchor(anchor: list[dict]) -> list[str]:
+    """SID-GR's shape: ms per batch beside NVIDIA's at the same batch, users/s, FLOP fraction, per engine."""
+    a0 = anchor[0]
+    header = (
+        "engine | batch | ms per batch | NVIDIA recsys-examples (H100) | genrec-batch / NVIDIA rate | users/s | "
+        "useful-FLOP fraction"
+    ).split(" | ")
+    rows = [anchor_row(method, x) for r in anchor for method, x in r["methods"].items()]
+    return [
+        "",
+        f"## anchor: NVIDIA SID-GR's shape ({a0['arch']}, {a0['parameters'] / 1e9:.2f}B parameters, "
+        f"vocabulary {a0['vocab']:,}, context {a0['prompt']}, beam {a0['k']}, {a0['code_len']} code "
+        f"tokens, {a0['items']:,} items, {a0['dtype']})",
+        "",
+        table(header, rows, aligned(1, 6)),
+    ]
+
+
+def anchor_row(method: str, x: dict) -> list:
+    """One engine at one batch of the anchor; NVIDIA's figure where it published one for that batch."""
+    engine = "compiled" if method == "beam_search_compiled" else "eager"
+    if x["status"] != "ok":
+        return [engine, "-", OOM, "-", "-", "-", "-"]
+    ref, ms = SID_GR_MS.get(x["batch"]), x["ms_per_batch"]
+    theirs = [f"{ref} ms", f"{ref / ms['median']:.2f}x"] if ref else ["-", "-"]
+    return [engine, x["batch"], fmt_spread(ms, 1), *theirs, fmt_spread(x["users_per_s"], 1), fraction(x)]
+
+
+def markdown_engines(cells: list[dict], dtype: str) -> list[str]:
+    """beam_search's eager vs compiled engine in every cell that ran both."""
+    header = (
+        "cell | eager users/s (batch) | compiled users/s (batch) | compiled / eager | compile s (graphs) | "
+        "useful-FLOP fraction eager / compiled | same items, same order"
+    ).split(" | ")
+    return [
+        "",
+        f"## engines: beam_search eager vs compiled ({dtype}), users/s median (min-max); "
+        "compile: seconds and graphs of the warm-up batch (before the timed runs)",
+        "",
+        table(header, [engines_row(c) for c in cells], aligned(1, 6)),
+    ]
+
+
+def engines_row(c: dict) -> list:
+    """One cell's eager and compiled engines: users/s (batch), the speed-up, compile time, FLOP fractions, agreement."""
+    eager, comp = c["methods"]["beam_search"], c["methods"]["beam_search_compiled"]
+    return [
+        c["cell"],
+        method_cell(eager),
+        method_cell(comp),
+        fmt_ratio(c["compiled_speedup"]),
+        f"{comp['compile_s']:.1f} ({comp['graphs_compiled']})",
+        f"{fraction(eager)} / {fraction(comp)}",
+        same_cell(c["compiled_agreement"]),
+    ]
 
 
 def method_cell(x: dict) -> str:
@@ -589,3 +616,10 @@ def method_cell(x: dict) -> str:
 
 def fraction(x: dict) -> str:
     return f"{x['flop_fraction']:.1%}" if x.get("status") == "ok" else "-"
+
+
+def same_cell(ag: dict) -> str:
+    """'100% (max score diff 1.2e-06)': an agreement's share of identical lists and its largest score difference."""
+    if "same_items_same_order" not in ag:
+        return "-"
+    return f"{ag['same_items_same_order']:.0%} (max score diff {ag['max_abs_score_diff']:.1e})"

@@ -1,8 +1,10 @@
-"""What the benchmarks run on: Amazon Beauty prompts from a prepared data dir, the models, consecutive batches."""
+"""What the benchmarks run on: Amazon Beauty prompts from a prepared data dir, random prompts, the models, consecutive
+batches and what the decoders return over them."""
 
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -12,6 +14,7 @@ from decoding.catalog import Catalog
 from decoding.models import load_model, load_tokenizer, tiny_model
 from decoding.templates import PRESETS, TEMPLATE_FILE, read_template
 from operators.prompts import Renderer, catalog_probes
+from pipeline.bench.common import Interleaved, interleaved
 from pipeline.bench.params import ModelParams
 
 HOW_TO_TRAIN = (
@@ -53,17 +56,28 @@ def bench_model(p: ModelParams, vocab_size: int, device: torch.device):
     if p.model:
         return load_model(p.model, device=str(device), dtype=p.dtype, attn_implementation=p.attn)
     model = tiny_model(
-        "llama",
-        vocab_size,
-        seed=p.seed,
-        attn_implementation=p.attn,
-        hidden_size=p.hidden,
-        intermediate_size=4 * p.hidden,
-        num_hidden_layers=p.layers,
-        num_attention_heads=p.heads,
-        num_key_value_heads=p.heads,
+        "llama", vocab_size, seed=p.seed, attn_implementation=p.attn, **llama(p.hidden, p.layers, p.heads)
     )
     return model.to(device)
+
+
+def llama(hidden: int, layers: int, heads: int, mlp: int | None = None) -> dict:
+    """tiny_model's overrides for a random Llama of layers x hidden: `heads` attention heads and as many KV heads, an
+    MLP of `mlp` (4 x hidden by default)."""
+    return dict(
+        hidden_size=hidden,
+        intermediate_size=mlp or 4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+    )
+
+
+def random_prompts(users: int, length: int, high: int, seed: int, device) -> torch.Tensor:
+    """Random text prompts [users, length]: token ids in [4, high) (after the special tokens, before the code tokens
+    that end the vocabulary), drawn from a CPU generator seeded with `seed`."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(4, high, (users, length), generator=g).to(device)
 
 
 def require_models(target: str | None, drafts: list[str] | None = None) -> None:
@@ -93,6 +107,34 @@ def load_drafts(paths: list[str], device: torch.device) -> dict:
 def in_batches(fn, ids: torch.Tensor, mask: torch.Tensor, batch: int) -> list:
     """fn(ids, mask) over consecutive batches of the users [U, S] -> the outputs, one per batch."""
     return [fn(ids[a : a + batch], mask[a : a + batch]) for a in range(0, ids.shape[0], batch)]
+
+
+def interleaved_in_batches(
+    fns: dict, ids: torch.Tensor, mask: torch.Tensor, batch: int, repeats: int, g: torch.Generator, seed: int, desc: str
+) -> Interleaved:
+    """Every decoder fn(ids, mask) over all the users [U, S] in batches, `repeats` interleaved runs after a warm-up
+    on the first batch; the sampling generator `g` re-seeded with `seed` before every call, so that every run draws
+    the same (a sampler's outputs are the same in every repeat)."""
+
+    def seeded(fn, i, m):
+        g.manual_seed(seed)
+        return in_batches(fn, i, m, batch)
+
+    return interleaved(
+        {name: partial(seeded, fn, ids, mask) for name, fn in fns.items()},
+        repeats,
+        ids.device,
+        warmup={name: partial(seeded, fn, ids[:batch], mask[:batch]) for name, fn in fns.items()},
+        desc=desc,
+    )
+
+
+def ranked(outputs: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoder's outputs over consecutive batches (Recommendations, or generate_beam_search's (item ids, token ids,
+    scores, KV tokens) tuples) -> item ids [U, K], scores [U, K]."""
+    if isinstance(outputs[0], tuple):
+        return torch.cat([o[0] for o in outputs]), torch.cat([o[2] for o in outputs])
+    return torch.cat([r.item_ids for r in outputs]), torch.cat([r.scores for r in outputs])
 
 
 def parameters(model) -> int:

@@ -20,9 +20,10 @@ from decoding.beam import beam_search, head_of
 from decoding.metrics import topk_agreement
 from decoding.models import load_model, pick_device
 from decoding.reference import cpu_trie, generate_beam_search
-from pipeline.bench.common import environment, footer, hardware, progress, synchronize, versions
-from pipeline.bench.inputs import load_beauty, require_models
+from pipeline.bench.common import aligned, environment, footer, hardware, progress, synchronize, versions
+from pipeline.bench.inputs import load_beauty, ranked, require_models
 from pipeline.bench.params import PrecisionParams
+from pipeline.markdown import table
 
 HEADS = {"float32": ["float32"], "bfloat16": ["float32", "model"], "float16": ["float32", "model"]}
 
@@ -33,37 +34,14 @@ def run_precision(p: PrecisionParams, command: str) -> tuple[dict, str]:
     _, catalog, ids, mask = load_beauty(Path(p.data), p.users, p.history_len, device, Path(p.target))
     trie = cpu_trie(catalog.to("cpu"))
     t0 = time.perf_counter()
-    reference, f32 = {}, load_model(p.target, device=str(device), dtype="float32")
-    for k in p.ks:  # transformers float32 -> the reference lists; beam_search float32 -> each user's tie gap
-        outs = [
-            generate_beam_search(f32, ids[a : a + p.batch], mask[a : a + p.batch], catalog, k, trie)
-            for a in progress(range(0, len(ids), p.batch), f"precision: transformers float32 K={k}")
-        ]
-        gaps = [
-            beam_search(f32, ids[a : a + p.batch], mask[a : a + p.batch], catalog, k).stats["tie_gap"].cpu()
-            for a in range(0, len(ids), p.batch)
-        ]
-        reference[k] = (torch.cat([o[0].cpu() for o in outs]), torch.cat([o[2].cpu() for o in outs]), torch.cat(gaps))
-    del f32
+    reference = reference_lists(p, catalog, trie, ids, mask)
     rows = []
     for dtype in p.dtypes:
         model = load_model(p.target, device=str(device), dtype=dtype)
         for head in HEADS[dtype]:
             head_of(model).product = head if head == "model" else head_of(model).product
-            for k in p.ks:
-                rows.append(
-                    compare(
-                        model,
-                        ids,
-                        mask,
-                        catalog,
-                        k,
-                        p,
-                        reference[k],
-                        device,
-                        {"dtype": dtype, "head": "float32" if head != "model" else dtype},
-                    )
-                )
+            row = {"dtype": dtype, "head": "float32" if head != "model" else dtype}
+            rows += [compare(model, ids, mask, catalog, k, p, reference[k], device, row) for k in p.ks]
         del model
     result = {
         "args": vars(p),
@@ -75,6 +53,25 @@ def run_precision(p: PrecisionParams, command: str) -> tuple[dict, str]:
         "seconds": time.perf_counter() - t0,
     }
     return result, markdown(result)
+
+
+def reference_lists(p: PrecisionParams, catalog, trie: dict, ids: torch.Tensor, mask: torch.Tensor) -> dict:
+    """K -> the reference: transformers' float32 item ids and scores [U, K], and each user's tie gap [U] from
+    beam_search in float32."""
+    f32 = load_model(p.target, device=str(ids.device), dtype="float32")
+    reference = {}
+    for k in p.ks:
+        outs = [
+            generate_beam_search(f32, ids[a : a + p.batch], mask[a : a + p.batch], catalog, k, trie)
+            for a in progress(range(0, len(ids), p.batch), f"precision: transformers float32 K={k}")
+        ]
+        gaps = [
+            beam_search(f32, ids[a : a + p.batch], mask[a : a + p.batch], catalog, k).stats["tie_gap"].cpu()
+            for a in range(0, len(ids), p.batch)
+        ]
+        items, scores = ranked(outs)
+        reference[k] = (items.cpu(), scores.cpu(), torch.cat(gaps))
+    return reference
 
 
 def compare(model, ids, mask, catalog, k: int, p: PrecisionParams, ref, device, row: dict) -> dict:
@@ -110,6 +107,11 @@ def pct(a: int, b: int) -> str:
 
 def markdown(result: dict) -> str:
     p, h = result["args"], result["hardware"]
+    header = (
+        "engine dtype | head | K | identical top-K lists | of users clear of a near-tie | top-K set overlap | "
+        "max score diff | median float32 tie gap | ms/user"
+    ).split(" | ")
+    rows = [precision_cells(r) for r in result["rows"]]
     lines = [
         f"# What half precision costs in ranking: {Path(p['target']).name}, {result['users']} users "
         f"({h.get('gpu', h['device'])})",
@@ -119,17 +121,24 @@ def markdown(result: dict) -> str:
         "shipped head (half inputs, float32 products); head in the model's dtype: logits rounded as transformers "
         "rounds them. ms/user: one pass, indicative.",
         "",
-        "| engine dtype | head | K | identical top-K lists | of users clear of a near-tie | top-K set overlap | "
-        "max score diff | median float32 tie gap | ms/user |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        table(header, rows, aligned(2, 7)),
+        "",
+        f"{result['seconds'] / 60:.1f} min.",
+        footer(result["environment"]),
     ]
-    for r in result["rows"]:
-        gap = f"{r['median_tie_gap']:.3f}" if r["median_tie_gap"] is not None else "-"
-        lines.append(
-            f"| {r['dtype']} | {r['head']} | {r['k']} | {pct(r['identical'], r['users'])} | "
-            f"{pct(r['clear_identical'], r['clear_users'])} (of {r['clear_users']}) | "
-            f"{100 * r['topk_overlap']:.1f}% | {r['max_abs_score_diff']:.3g} | {gap} | "
-            f"{r['ms_per_user']:.2f} |"
-        )
-    lines += ["", f"{result['seconds'] / 60:.1f} min.", footer(result["environment"])]
     return "\n".join(lines) + "\n"
+
+
+def precision_cells(r: dict) -> list:
+    """One dtype x head x K against transformers in float32: a row of the table."""
+    return [
+        r["dtype"],
+        r["head"],
+        r["k"],
+        pct(r["identical"], r["users"]),
+        f"{pct(r['clear_identical'], r['clear_users'])} (of {r['clear_users']})",
+        f"{100 * r['topk_overlap']:.1f}%",
+        f"{r['max_abs_score_diff']:.3g}",
+        f"{r['median_tie_gap']:.3f}" if r["median_tie_gap"] is not None else "-",
+        f"{r['ms_per_user']:.2f}",
+    ]

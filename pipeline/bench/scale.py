@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-import torch
 
 from pipeline import runs
-from pipeline.bench.common import environment, fmt_ratio, fmt_spread, spread
+from pipeline.bench.common import environment, fmt_ratio, fmt_spread, spread, torch_threads
 from pipeline.bench.params import ScaleParams
 from pipeline.config import Storage
+from pipeline.markdown import table
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -82,6 +82,8 @@ def overrides(p: ScaleParams, root: Path) -> list[str]:
 
 
 def bench_size(p: ScaleParams, n: int) -> dict:
+    """One size: the recommender called directly, the nightly job in its own driver process, the recommender again;
+    the job's outputs read back through its manifest."""
     import ray
 
     root = world(p, n)
@@ -89,6 +91,23 @@ def bench_size(p: ScaleParams, n: int) -> dict:
     shutil.rmtree(root / "out", ignore_errors=True)
     cmd = [sys.executable, "-m", "jobs.nightly", *(x for o in overrides(p, root) for x in ("--set", o))]
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    stdout, wall, usage, samples = run_driver(cmd, env, f"nightly-scale {n} users")
+    manifest = json.loads(stdout[stdout.index("{") :])
+    direct += direct_users_per_s(p, root)
+    row = size_row(p, n, manifest, spread(direct))
+    return {
+        **row,
+        "wall_s": wall,
+        "driver_peak_rss_mib": usage.ru_maxrss / 1024,
+        "driver_peak_anon_mib": max((x["anon_mib"] for x in samples), default=0.0),
+        "object_store_peak_mib": max((x["object_store_mib"] for x in samples), default=0.0),
+        "samples": samples,
+    }
+
+
+def run_driver(cmd: list[str], env: dict, what: str) -> tuple:
+    """`cmd` in its own process from the repository root, its memory and the object store polled every second ->
+    (its stdout, wall seconds, its own rusage, the samples); RuntimeError with its stderr's tail when it fails."""
     samples: list[dict] = []
     done = threading.Event()
     t0 = time.perf_counter()
@@ -102,44 +121,40 @@ def bench_size(p: ScaleParams, n: int) -> dict:
         out.seek(0), err.seek(0)
         stdout, stderr = out.read(), err.read()
     if proc.returncode != 0:
-        raise RuntimeError(f"nightly-scale {n} users failed:\n{stderr[-3000:]}")
-    manifest = json.loads(stdout[stdout.index("{") :])
-    t = manifest["timings"]
+        raise RuntimeError(f"{what} failed:\n{stderr[-3000:]}")
+    return stdout, wall, usage, samples
+
+
+def size_row(p: ScaleParams, n: int, manifest: dict, direct: dict) -> dict:
+    """A job of n users from its manifest and the files it lists: every user exactly once, the phase seconds, users/s
+    per actor (all, and after the first shard) against the direct calls' users/s (`direct`: median, min, max)."""
+    t, ok = manifest["timings"], manifest["counts"]["users_ok"]
     run = Path(manifest["outputs"]["recommendations"]).parent
     recs = runs.read_table(str(run), "recommendations", Storage(), ["user_id"])  # the manifest's files
-    users = pc.count_distinct(recs["user_id"]).as_py()
     metrics = runs.read_table(str(run), "metrics", Storage(), ["users_ok", "wall_s", "actor"]).to_pandas()
-    exactly_once = users == n and recs.num_rows == n * p.k
-    ok = manifest["counts"]["users_ok"]
     job_per_actor = ok / t["decode_s"] / p.actors
     steady = (ok - min(p.batch, ok)) / (t["decode_s"] - t["first_shard_s"]) / p.actors  # after the first shard
-    direct += direct_users_per_s(p, root)
-    d = spread(direct)
     return {
         "users": n,
-        "exactly_once": exactly_once,
+        "exactly_once": pc.count_distinct(recs["user_id"]).as_py() == n and recs.num_rows == n * p.k,
         "recommendations": recs.num_rows,
-        "wall_s": wall,
         "decode_s": t["decode_s"],
         "duplicates_s": t["duplicates_s"],
         "first_shard_s": t["first_shard_s"],
         "job_users_per_s": ok / t["decode_s"],
         "job_users_per_s_per_actor": job_per_actor,
         "steady_users_per_s_per_actor": steady,
-        "direct_users_per_s": d,
-        "job_vs_direct": {
-            "median": job_per_actor / d["median"],
-            "low": job_per_actor / d["max"],
-            "high": job_per_actor / d["min"],
-        },
-        "steady_vs_direct": {"median": steady / d["median"], "low": steady / d["max"], "high": steady / d["min"]},
+        "direct_users_per_s": direct,
+        "job_vs_direct": over(job_per_actor, direct),
+        "steady_vs_direct": over(steady, direct),
         "actor_busy_users_per_s": float(metrics.users_ok.sum() / metrics.wall_s.sum()),
-        "driver_peak_rss_mib": usage.ru_maxrss / 1024,
-        "driver_peak_anon_mib": max((x["anon_mib"] for x in samples), default=0.0),
-        "object_store_peak_mib": max((x["object_store_mib"] for x in samples), default=0.0),
         "shards": len(metrics),
-        "samples": samples,
     }
+
+
+def over(x: float, s: dict) -> dict:
+    """x over a spread s (median, min, max) -> the ratio to the median, with the range x / max .. x / min."""
+    return {"median": x / s["median"], "low": x / s["max"], "high": x / s["min"]}
 
 
 def direct_users_per_s(p: ScaleParams, root: Path) -> list[float]:
@@ -153,9 +168,7 @@ def direct_users_per_s(p: ScaleParams, root: Path) -> list[float]:
     actor = Recommender(actor_spec(cfg, "direct", read_catalog(cfg), resolve_template(cfg, resolve_models(cfg))))
     table = pq.ParquetFile(root / "data" / "test.parquet").read_row_group(0, columns=["user_id", "history"])
     batches = [table.slice(a * p.batch, p.batch) for a in range(p.direct_batches + 1)]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         actor(batches[0])
         rates = []
         for _ in range(p.direct_repeats):
@@ -164,8 +177,6 @@ def direct_users_per_s(p: ScaleParams, root: Path) -> list[float]:
                 actor(b)
             rates.append(p.direct_batches * p.batch / (time.perf_counter() - t0))
         return rates
-    finally:
-        torch.set_num_threads(threads)
 
 
 def poll(pid: int, samples: list[dict], done: threading.Event) -> None:
@@ -194,27 +205,16 @@ def poll(pid: int, samples: list[dict], done: threading.Event) -> None:
 
 def markdown_scale(result: dict) -> str:
     a, env = result["args"], result["environment"]
+    header = (
+        "users | every user once | shards | decode s (duplicates s, first shard s) | "
+        "job users/s per actor (after the first shard) | direct users/s | job / direct (after the first shard) | "
+        "actor busy users/s | driver peak RSS (anonymous) | object store peak"
+    ).split(" | ")
     lines = [
         f"## nightly job at scale: synthetic users, tiny Llama (1 layer x 32), k {a['k']}, batch {a['batch']}, "
         f"{a['actors']} CPU actor(s), local Ray with {a['cpus']} CPUs",
         "",
-        "| users | every user once | shards | decode s (duplicates s, first shard s) | job users/s per actor "
-        "(after the first shard) | direct users/s | job / direct (after the first shard) | actor busy users/s | "
-        "driver peak RSS (anonymous) | object store peak |",
-        "|---:|:-:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in result["sizes"]:
-        lines.append(
-            f"| {r['users']:,} | {'yes' if r['exactly_once'] else '**NO**'} | {r['shards']:,} | "
-            f"{r['decode_s']:.1f} ({r['duplicates_s']:.1f}, {r['first_shard_s']:.1f}) | "
-            f"{r['job_users_per_s_per_actor']:.0f} ({r['steady_users_per_s_per_actor']:.0f}) | "
-            f"{fmt_spread(r['direct_users_per_s'], 0)} | {fmt_ratio(r['job_vs_direct'])} "
-            f"({fmt_ratio(r['steady_vs_direct'])}) | "
-            f"{r['actor_busy_users_per_s']:.0f} | {r['driver_peak_rss_mib']:.0f} MiB "
-            f"({r['driver_peak_anon_mib']:.0f}) | "
-            f"{r['object_store_peak_mib']:.0f} MiB |"
-        )
-    lines += [
+        table(header, [size_cells(r) for r in result["sizes"]], ["right", "center"] + ["right"] * 8),
         "",
         "decode s: the driver's time from the start of the execution to the last shard written (duplicate "
         "user ids pass, actor start and model load included); job users/s per actor: users / decode s / actors; "
@@ -228,3 +228,19 @@ def markdown_scale(result: dict) -> str:
         f"`{env['command']}`",
     ]
     return "\n".join(lines)
+
+
+def size_cells(r: dict) -> list[str]:
+    """One size's row of the table."""
+    return [
+        f"{r['users']:,}",
+        "yes" if r["exactly_once"] else "**NO**",
+        f"{r['shards']:,}",
+        f"{r['decode_s']:.1f} ({r['duplicates_s']:.1f}, {r['first_shard_s']:.1f})",
+        f"{r['job_users_per_s_per_actor']:.0f} ({r['steady_users_per_s_per_actor']:.0f})",
+        fmt_spread(r["direct_users_per_s"], 0),
+        f"{fmt_ratio(r['job_vs_direct'])} ({fmt_ratio(r['steady_vs_direct'])})",
+        f"{r['actor_busy_users_per_s']:.0f}",
+        f"{r['driver_peak_rss_mib']:.0f} MiB ({r['driver_peak_anon_mib']:.0f})",
+        f"{r['object_store_peak_mib']:.0f} MiB",
+    ]

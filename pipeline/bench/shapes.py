@@ -19,17 +19,38 @@ import resource
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
+import torch
 
-from pipeline.bench.common import Timing, environment, fmt_ratio, fmt_spread, footer, progress, ratio, run_order
+from decoding.beam import beam_search
+from decoding.catalog import Catalog
+from decoding.compiled import compile_totals
+from decoding.models import pick_device, pick_dtype, tiny_model
+from decoding.reference import cpu_trie, generate_beam_search
+from pipeline.bench.common import (
+    PeakMemory,
+    Timing,
+    environment,
+    fmt_ratio,
+    fmt_spread,
+    footer,
+    progress,
+    ratio,
+    run_order,
+    timed,
+)
+from pipeline.bench.inputs import in_batches, llama, random_prompts, ranked
 from pipeline.bench.params import ShapesParams
+from pipeline.markdown import table
 
 METHODS = ("beam_search", "beam_search_compiled", "transformers")
 CODE_TOKENS = 1024  # 4 levels x 256 codes: Beauty's semantic IDs
+WORKER_PARAMS = ("users", "batch", "layers", "hidden", "heads", "seed", "device", "dtype")  # what a worker is given
 
 
 def run_shapes(p: ShapesParams, command: str) -> tuple[dict, str]:
@@ -46,33 +67,9 @@ def bench_shapes(p: ShapesParams) -> dict:
         raise ValueError(f"bench shapes: unknown methods {unknown}; choose from {list(METHODS)}")
     methods = [m for m in METHODS if m in p.methods]
     cells = list(itertools.product(p.vocabs, p.prompts, p.ks))
-    rows = []
     bar = progress(desc="shapes: cells x methods x repeats", total=len(cells) * len(methods) * p.repeats, leave=True)
     with tempfile.TemporaryDirectory() as tmp:
-        for vocab, prompt, k in cells:
-            runs = {m: [] for m in methods}
-            for order in run_order(methods, p.repeats):
-                for method in order:
-                    bar.set_postfix_str(f"V={vocab} S={prompt} K={k} {method}")
-                    spec = dict(
-                        vocab=vocab,
-                        prompt=prompt,
-                        k=k,
-                        users=p.users,
-                        batch=p.batch,
-                        layers=p.layers,
-                        hidden=p.hidden,
-                        heads=p.heads,
-                        seed=p.seed,
-                        device=p.device,
-                        dtype=p.dtype,
-                        items=str(items),
-                        method=method,
-                        out=f"{tmp}/{method}.npz",
-                    )
-                    runs[method].append(worker_process(spec))
-                    bar.update()
-            rows.append(cell_row(vocab, prompt, k, p.users, runs, tmp))
+        rows = [bench_cell(p, cell, methods, str(items), tmp, bar) for cell in cells]
     bar.close()
     return {
         "model": {"layers": p.layers, "hidden": p.hidden, "heads": p.heads},
@@ -81,6 +78,20 @@ def bench_shapes(p: ShapesParams) -> dict:
         "repeats": p.repeats,
         "cells": rows,
     }
+
+
+def bench_cell(p: ShapesParams, cell: tuple, methods: list[str], items: str, tmp: str, bar) -> dict:
+    """One (vocabulary, prompt, K) cell: every method in a fresh process, p.repeats times, the order rotated."""
+    vocab, prompt, k = cell
+    runs = {m: [] for m in methods}
+    for order in run_order(methods, p.repeats):
+        for method in order:
+            bar.set_postfix_str(f"V={vocab} S={prompt} K={k} {method}")
+            spec = {key: getattr(p, key) for key in WORKER_PARAMS}
+            spec.update(vocab=vocab, prompt=prompt, k=k, items=items, method=method, out=f"{tmp}/{method}.npz")
+            runs[method].append(worker_process(spec))
+            bar.update()
+    return cell_row(vocab, prompt, k, p.users, runs, tmp)
 
 
 def worker_process(spec: dict) -> dict:
@@ -140,6 +151,15 @@ def markdown_shapes(result: dict) -> str:
     s, env = result["shapes"], result["environment"]
     m = s["model"]
     methods = list(s["cells"][0]["users_per_s"]) if s["cells"] else []
+    header = [
+        "vocabulary",
+        "prompt",
+        "K",
+        *(f"{x} users/s" for x in methods),
+        "speed-up",
+        f"working memory (MB) {' / '.join(methods)}",
+        f"same items, same order as {s['cells'][0]['reference'] if methods else '-'}",
+    ]
     lines = [
         f"## shapes: {' vs '.join(methods)}, {s['users']} users in batches of {s['batch']}, a random Llama "
         f"{m['layers']} x {m['hidden']} ({m['heads']} heads), Amazon Beauty's catalog after a text vocabulary; "
@@ -147,28 +167,29 @@ def markdown_shapes(result: dict) -> str:
         "memory = peak RSS after decoding minus peak after building the model; compile: the compiled engine's "
         "cold run, first repeat (later repeats load the inductor cache)",
         "",
-        "| vocabulary | prompt | K | " + " | ".join(f"{x} users/s" for x in methods) + " | speed-up | working "
-        f"memory (MB) {' / '.join(methods)} | same items, same order as "
-        f"{s['cells'][0]['reference'] if methods else '-'} |",
-        "|---:|---:|---:|" + "---:|" * (len(methods) + 3),
+        table(header, [shape_cells(c, methods) for c in s["cells"]]),
     ]
-    for c in s["cells"]:
-        u, w = c["users_per_s"], c["working_mb"]
-        speed = [f"beam_search / transformers {fmt_ratio(c['speedup'], 1)}"] if "speedup" in c else []
-        if "compiled_speedup" in c:
-            speed.append(f"compiled / eager {fmt_ratio(c['compiled_speedup'])} (compile {c['compile_s'][0]:.0f} s)")
-        agree = "; ".join(
-            f"{x}: {a['same_items_same_order']:.0%} (max score diff {a['max_abs_score_diff']:.1e})"
-            for x, a in c["agreement"].items()
-        )
-        lines.append(
-            f"| {c['vocab']:,} | {c['prompt']} | {c['k']} | "
-            + " | ".join(fmt_spread(u[x], 2) for x in methods)
-            + f" | {'; '.join(speed) or '-'} | "
-            + " / ".join(f"{w[x]['median']:.0f}" for x in methods)
-            + f" | {agree} |"
-        )
     return "\n".join(lines + ["", footer(env)])
+
+
+def shape_cells(c: dict, methods: list[str]) -> list[str]:
+    """One cell's row: users/s per method, the speed-ups, working memory per method, agreement with the reference."""
+    speed = [f"beam_search / transformers {fmt_ratio(c['speedup'], 1)}"] if "speedup" in c else []
+    if "compiled_speedup" in c:
+        speed.append(f"compiled / eager {fmt_ratio(c['compiled_speedup'])} (compile {c['compile_s'][0]:.0f} s)")
+    agree = "; ".join(
+        f"{x}: {a['same_items_same_order']:.0%} (max score diff {a['max_abs_score_diff']:.1e})"
+        for x, a in c["agreement"].items()
+    )
+    return [
+        f"{c['vocab']:,}",
+        c["prompt"],
+        c["k"],
+        *(fmt_spread(c["users_per_s"][x], 2) for x in methods),
+        "; ".join(speed) or "-",
+        " / ".join(f"{c['working_mb'][x]['median']:.0f}" for x in methods),
+        agree,
+    ]
 
 
 # ------------------------------------------------------------------ the worker (its own process)
@@ -178,13 +199,9 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def catalog_after_text(items: str, vocab: int, device):
+def catalog_after_text(items: str, vocab: int, device) -> Catalog:
     """A prepared catalog's semantic IDs (L levels x 256 codes) as the last L * 256 token ids of a `vocab`-token
     vocabulary, as an LLM's added code tokens sit after its text vocabulary."""
-    import pyarrow.parquet as pq
-
-    from decoding.catalog import Catalog
-
     table = pq.read_table(items, columns=["item_id", "semantic_id"])
     sid = np.asarray(table["semantic_id"].to_pylist(), dtype=np.int64)  # [N, L]
     tokens = vocab - sid.shape[1] * 256 + np.arange(sid.shape[1]) * 256 + sid
@@ -192,67 +209,49 @@ def catalog_after_text(items: str, vocab: int, device):
 
 
 def worker(spec: dict) -> dict:
-    import torch
-
-    from decoding.beam import beam_search
-    from decoding.compiled import compile_totals
-    from decoding.models import pick_device, pick_dtype, tiny_model
-    from decoding.reference import cpu_trie, generate_beam_search
-
+    """One method on one cell, in this (fresh) process: decodes every user once cold (its working memory), then
+    again warm (its seconds); writes the warm run's items and scores to spec["out"]."""
     device = pick_device(spec["device"])
     torch.manual_seed(spec["seed"])
-    vocab, prompt, k = spec["vocab"], spec["prompt"], spec["k"]
+    vocab, prompt = spec["vocab"], spec["prompt"]
     catalog = catalog_after_text(spec["items"], vocab, device)
     model = tiny_model(
         "llama",
         vocab,
         seed=spec["seed"],
-        hidden_size=spec["hidden"],
-        intermediate_size=4 * spec["hidden"],
-        num_hidden_layers=spec["layers"],
-        num_attention_heads=spec["heads"],
-        num_key_value_heads=spec["heads"],
         max_position_embeddings=max(2048, prompt + 8),
         dtype=pick_dtype(spec["dtype"], device),
+        **llama(spec["hidden"], spec["layers"], spec["heads"]),
     ).to(device)
-    g = torch.Generator().manual_seed(spec["seed"] + 1)
-    ids = torch.randint(4, vocab - CODE_TOKENS, (spec["users"], prompt), generator=g).to(device)
+    ids = random_prompts(spec["users"], prompt, vocab - CODE_TOKENS, spec["seed"] + 1, device)
     mask = torch.ones_like(ids)
-    if spec["method"].startswith("beam_search"):
-        engine = "compiled" if spec["method"] == "beam_search_compiled" else "eager"
-        decode = lambda i, m: beam_search(model, i, m, catalog, k, engine=engine)  # noqa: E731
-    else:
-        trie = cpu_trie(catalog.to("cpu"))
-        decode = lambda i, m: generate_beam_search(model, i, m, catalog, k, trie)  # noqa: E731
-
-    def run():
-        out = [
-            decode(ids[a : a + spec["batch"]], mask[a : a + spec["batch"]]) for a in range(0, len(ids), spec["batch"])
-        ]
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return out
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-    before = peak_rss_mb()
-    run()  # cold: the decode's working memory
-    working = (
-        (torch.cuda.max_memory_allocated(device) - base) / 2**20 if device.type == "cuda" else peak_rss_mb() - before
-    )
-    t0 = time.perf_counter()
-    out = run()  # warm: the time
-    seconds = time.perf_counter() - t0
-    if spec["method"].startswith("beam_search"):
-        items = torch.cat([r.item_ids for r in out]).cpu().numpy()
-        scores = torch.cat([r.scores for r in out]).float().cpu().numpy()
-    else:
-        items = torch.cat([r[0] for r in out]).cpu().numpy()
-        scores = torch.cat([r[2] for r in out]).float().cpu().numpy()
-    np.savez(spec["out"], items=items, scores=scores)
+    decode = partial(in_batches, worker_decoder(spec["method"], model, catalog, spec["k"]), ids, mask, spec["batch"])
+    working = working_memory(decode, device)  # cold
+    out, seconds, _ = timed(decode, device)  # warm: the time
+    items, scores = ranked(out)
+    np.savez(spec["out"], items=items.cpu().numpy(), scores=scores.float().cpu().numpy())
     return {"seconds": seconds, "working_mb": working, "compile_s": compile_totals(model)[0]}
+
+
+def worker_decoder(method: str, model, catalog: Catalog, k: int):
+    """The method as fn(ids, mask): beam_search's eager or compiled engine, or transformers over a CPU trie."""
+    if method.startswith("beam_search"):
+        engine = "compiled" if method == "beam_search_compiled" else "eager"
+        return lambda i, m: beam_search(model, i, m, catalog, k, engine=engine)
+    trie = cpu_trie(catalog.to("cpu"))
+    return lambda i, m: generate_beam_search(model, i, m, catalog, k, trie)
+
+
+def working_memory(fn, device: torch.device) -> float:
+    """MB that fn() needs above what the process held before it: on CUDA the allocator's peak above its start; on
+    the CPU the process's peak RSS after the call minus the one before (the model's, in a fresh process)."""
+    if device.type == "cuda":
+        with PeakMemory(device) as mem:
+            fn()
+        return mem.peak / 2**20
+    before = peak_rss_mb()
+    fn()
+    return peak_rss_mb() - before
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ at batch size 1 and at a throughput batch size. Per batch size and K, beam_searc
 from __future__ import annotations
 
 from dataclasses import asdict
+from itertools import chain
 from pathlib import Path
 
 import torch
@@ -17,9 +18,10 @@ from decoding.catalog import Catalog
 from decoding.models import load_model, pick_device
 from decoding.reference import cpu_trie, generate_beam_search
 from decoding.speculative import speculative_beam_search
-from pipeline.bench.common import environment, fmt_ratio, fmt_spread, footer, interleaved, progress, ratio
-from pipeline.bench.inputs import in_batches, load_beauty, load_drafts, parameters, require_models
+from pipeline.bench.common import Interleaved, aligned, environment, fmt_ratio, fmt_spread, footer, progress, ratio
+from pipeline.bench.inputs import interleaved_in_batches, load_beauty, load_drafts, parameters, ranked, require_models
 from pipeline.bench.params import SpeculativeParams
+from pipeline.markdown import table
 
 MODES = ("strict", "relaxed")
 
@@ -71,8 +73,23 @@ def bench_row(
     trie: dict | None,
 ) -> dict:
     """One K: beam_search, (transformers,) every draft x mode, interleaved over the same batches -> the row."""
-    device, users = ids.device, ids.shape[0]
-    g = torch.Generator(device=device)
+    g = torch.Generator(device=ids.device)
+    fns = row_decoders(p, target, drafts, catalog, k, trie, g)
+    run = interleaved_in_batches(fns, ids, mask, batch, p.repeats, g, p.seed, f"speculative: batch {batch}, K={k}")
+    row = beam_search_row(run, ids.shape[0])
+    if trie is not None:
+        t_hf, t_beam = run.timings["transformers"], run.timings["beam_search"]
+        row.update(transformers=t_hf.to_dict(), beam_search_vs_transformers=ratio(t_hf, t_beam))
+    ref_items = ranked(run.outputs["beam_search"])[0]  # [U, k]
+    row["drafts"] = {key: draft_cell(run, key, ref_items) for key in fns if "|" in key}
+    return row
+
+
+def row_decoders(
+    p: SpeculativeParams, target, drafts: dict, catalog: Catalog, k: int, trie: dict | None, g: torch.Generator
+) -> dict:
+    """name -> fn(ids, mask): beam_search, transformers (given a trie), and every draft x verification mode, named
+    "draft|mode", the relaxed ones drawing from `g`."""
     fns = {"beam_search": lambda i, m: beam_search(target, i, m, catalog, k)}
     if trie is not None:
         fns["transformers"] = lambda i, m: generate_beam_search(target, i, m, catalog, k, trie)
@@ -91,55 +108,44 @@ def bench_row(
                 temperature=p.temperature,
                 generator=g,
             )
+    return fns
 
-    def seeded(fn, i, m):  # every call draws the same: relaxed outputs are the same in every repeat
-        g.manual_seed(p.seed)
-        return in_batches(fn, i, m, batch)
 
-    run = interleaved(
-        {n: lambda f=f: seeded(f, ids, mask) for n, f in fns.items()},
-        p.repeats,
-        device,
-        warmup={n: lambda f=f: seeded(f, ids[:batch], mask[:batch]) for n, f in fns.items()},
-        desc=f"speculative: batch {batch}, K={k}",
-    )
+def beam_search_row(run: Interleaved, users: int) -> dict:
+    """A K's row as far as beam_search goes: its timing, users/s and target forwards, the run order; drafts to come."""
     t_beam, ref = run.timings["beam_search"], run.outputs["beam_search"]
-    ref_items = torch.cat([r.item_ids for r in ref])  # [U, k]
-    row = {
+    return {
         "beam_search": t_beam.to_dict(),
         "beam_search_users_per_s": t_beam.per(lambda s: users / s),
         "beam_search_target_forwards": sum(r.stats["target_forwards"] for r in ref),
         "order": run.order,
         "drafts": {},
     }
-    if trie is not None:
-        row.update(
-            transformers=run.timings["transformers"].to_dict(),
-            beam_search_vs_transformers=ratio(run.timings["transformers"], t_beam),
-        )
-    for key in fns:
-        if "|" not in key:
-            continue
-        t, recs = run.timings[key], run.outputs[key]
-        ws = ratio(t_beam, t)
-        accepted = torch.cat([r.stats["accepted_steps"] for r in recs]).float()  # [U]
-        rounds = torch.cat([r.stats["rounds"] for r in recs]).float().clamp(min=1)  # [U]
-        cell = {
-            "timing": t.to_dict(),
-            "ws": ws["median"],
-            "ws_range": [ws["low"], ws["high"]],
-            "within_noise": ws["within_noise"],
-            "as": float((accepted / rounds).mean()),
-            "target_forwards": sum(r.stats["target_forwards"] for r in recs),
-            "draft_forwards": sum(r.stats["draft_forwards"] for r in recs),
-        }
-        if trie is not None:
-            cell["ws_vs_transformers"] = ratio(run.timings["transformers"], t)["median"]
-        if key.endswith("|strict"):
-            same = (torch.cat([r.item_ids for r in recs]) == ref_items).all(1)  # [U]
-            cell["same_as_beam_search"] = float(same.float().mean())
-        row["drafts"][key] = cell
-    return row
+
+
+def draft_cell(run: Interleaved, key: str, ref_items: torch.Tensor) -> dict:
+    """One draft x mode: WS (beam_search's time over its own, ratio of medians with the range), AS (accepted steps
+    per target verification), forwards; WS over transformers when it ran; strict: the share of users whose items
+    are beam_search's `ref_items` [U, k]."""
+    t, recs = run.timings[key], run.outputs[key]
+    ws = ratio(run.timings["beam_search"], t)
+    accepted = torch.cat([r.stats["accepted_steps"] for r in recs]).float()  # [U]
+    rounds = torch.cat([r.stats["rounds"] for r in recs]).float().clamp(min=1)  # [U]
+    cell = {
+        "timing": t.to_dict(),
+        "ws": ws["median"],
+        "ws_range": [ws["low"], ws["high"]],
+        "within_noise": ws["within_noise"],
+        "as": float((accepted / rounds).mean()),
+        "target_forwards": sum(r.stats["target_forwards"] for r in recs),
+        "draft_forwards": sum(r.stats["draft_forwards"] for r in recs),
+    }
+    if "transformers" in run.timings:
+        cell["ws_vs_transformers"] = ratio(run.timings["transformers"], t)["median"]
+    if key.endswith("|strict"):
+        same = (ranked(recs)[0] == ref_items).all(1)  # [U]
+        cell["same_as_beam_search"] = float(same.float().mean())
+    return cell
 
 
 def markdown_speculative(result: dict) -> str:
@@ -149,49 +155,52 @@ def markdown_speculative(result: dict) -> str:
         f"parameters; WS@K = walltime speed-up over beam_search, ratio of medians (range) of {s['repeats']} "
         "interleaved repeats, ≈ where the ranges overlap; AS@K = accepted steps per target verification)"
     ]
-    for table in s["batches"]:
-        ks = list(table["k"])
-        first = table["k"][ks[0]]
+    for batch in s["batches"]:
         lines += [
             "",
-            f"### batch size {table['batch']}, {table['users']} Amazon Beauty users",
+            f"### batch size {batch['batch']}, {batch['users']} Amazon Beauty users",
             "",
-            "| draft | verification | " + " | ".join(f"WS@{k} | AS@{k}" for k in ks) + " |",
-            "|---|---|" + "---:|---:|" * len(ks),
+            table1(batch),
+            f"\nstrict results identical to beam_search for {strict_same([batch]):.0%} of users or more "
+            "(every draft, every K).",
         ]
-        for key in first["drafts"]:
-            name, mode = key.split("|")
-            cells = [table["k"][k]["drafts"][key] for k in ks]
-            lines.append(
-                f"| {name} | {mode} | "
-                + " | ".join(f"{'≈' if c['within_noise'] else ''}{fmt_ratio(_ws(c))} | {c['as']:.2f}" for c in cells)
-                + " |"
-            )
-        lines.append(
-            "| beam_search users/s | | "
-            + " | ".join(f"{fmt_spread(table['k'][k]['beam_search_users_per_s'], 1)} | " for k in ks)
-            + " |"
-        )
-        if "transformers" in first:
-            best = {k: max(table["k"][k]["drafts"].values(), key=lambda c: c["ws"]) for k in ks}
-            lines.append(
-                "| WS vs transformers (beam_search / best draft) | | "
-                + " | ".join(
-                    f"{table['k'][k]['beam_search_vs_transformers']['median']:.1f} / "
-                    f"{best[k]['ws_vs_transformers']:.1f} | "
-                    for k in ks
-                )
-                + " |"
-            )
-        strict_same = [
-            c["same_as_beam_search"] for k in ks for c in table["k"][k]["drafts"].values() if "same_as_beam_search" in c
-        ]
-        lines.append(
-            f"\nstrict results identical to beam_search for {min(strict_same):.0%} of users or more "
-            "(every draft, every K)."
-        )
     lines += ["", footer(env)]
     return "\n".join(lines)
+
+
+def table1(batch: dict) -> str:
+    """One batch size in the AtSpeed paper's Table 1 layout: a row per draft x verification with WS@K and AS@K per
+    K; beam_search's users/s, and (batch size 1) WS over transformers of beam_search and of the best draft."""
+    ks, rows = list(batch["k"]), list(batch["k"].values())
+    body = [[*key.split("|"), *chain(*(_ws_as(r["drafts"][key]) for r in rows))] for key in rows[0]["drafts"]]
+    body.append(["beam_search users/s", "", *chain(*((fmt_spread(r["beam_search_users_per_s"], 1), "") for r in rows))])
+    if "transformers" in rows[0]:
+        body.append(["WS vs transformers (beam_search / best draft)", "", *chain(*((_vs_hf(r), "") for r in rows))])
+    header = ["draft", "verification", *chain(*((f"WS@{k}", f"AS@{k}") for k in ks))]
+    return table(header, body, aligned(2, 2 * len(ks)))
+
+
+def _ws_as(cell: dict) -> tuple[str, str]:
+    """A draft x mode at one K -> its WS@K cell ('≈' when the range holds 1) and its AS@K cell."""
+    return f"{'≈' if cell['within_noise'] else ''}{fmt_ratio(_ws(cell))}", f"{cell['as']:.2f}"
+
+
+def _vs_hf(row: dict) -> str:
+    """'3.1 / 4.2': WS over transformers of beam_search and of the best draft at one K."""
+    best = max(row["drafts"].values(), key=lambda c: c["ws"])
+    return f"{row['beam_search_vs_transformers']['median']:.1f} / {best['ws_vs_transformers']:.1f}"
+
+
+def strict_same(batches: list[dict]) -> float:
+    """The smallest share of users for whom strict speculative returned beam_search's items, over every draft, K and
+    batch size of `batches`."""
+    return min(
+        c["same_as_beam_search"]
+        for t in batches
+        for row in t["k"].values()
+        for c in row["drafts"].values()
+        if "same_as_beam_search" in c
+    )
 
 
 def _ws(cell: dict) -> dict:
@@ -201,13 +210,6 @@ def _ws(cell: dict) -> dict:
 def verdict_speculative(r: dict) -> str:
     """Strict agreement, and per batch size the best WS@K by median ('within noise' if its range holds 1)."""
     s = r["speculative"]
-    strict = [
-        c["same_as_beam_search"]
-        for t in s["batches"]
-        for row in t["k"].values()
-        for c in row["drafts"].values()
-        if "same_as_beam_search" in c
-    ]
     best = []
     for t in s["batches"]:
         cell, k, key = max(
@@ -216,6 +218,6 @@ def verdict_speculative(r: dict) -> str:
         noise = ", within noise of beam_search" if cell["within_noise"] else ""
         best.append(f"batch {t['batch']} {fmt_ratio(_ws(cell))} ({key.replace('|', ' ')}, K={k}{noise})")
     return (
-        f"strict speculative identical to beam_search on {min(strict):.0%} of users (every draft, every K); "
-        f"best WS@K over beam_search by median: {', '.join(best)}"
+        f"strict speculative identical to beam_search on {strict_same(s['batches']):.0%} of users (every draft, "
+        f"every K); best WS@K over beam_search by median: {', '.join(best)}"
     )

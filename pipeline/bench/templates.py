@@ -19,8 +19,19 @@ from decoding.codes import semantic_id_matrix
 from decoding.models import build_model
 from decoding.templates import PRESETS, write_template
 from operators.prompts import Renderer, catalog_probes
-from pipeline.bench.common import compare, environment, fmt_ratio, fmt_spread, footer, interleaved, ratio
+from pipeline.bench.common import (
+    Timing,
+    aligned,
+    compare,
+    environment,
+    fmt_ratio,
+    fmt_spread,
+    footer,
+    interleaved,
+    ratio,
+)
 from pipeline.bench.params import TemplatesParams
+from pipeline.markdown import table
 from pipeline.prepare import build_text_tokenizer
 
 
@@ -84,10 +95,30 @@ def bench_jobs(p: TemplatesParams, tok, catalog: Catalog, items, test) -> dict:
     """The nightly job on the first p.users test users, once per template per repeat, interleaved; one model."""
     import ray
 
-    from pipeline.config import load_config
     from pipeline.nightly import run_nightly
 
-    root = Path(p.out) / "templates-bench"
+    configs = template_configs(p, tok, items, test, Path(p.out) / "templates-bench")
+    ray.init(num_cpus=p.cpus + 1, include_dashboard=False, ignore_reinit_error=True)
+    try:
+        run = interleaved(
+            {name: lambda c=c: run_nightly(c) for name, c in configs.items()}, p.repeats, desc="templates: nightly jobs"
+        )
+    finally:
+        ray.shutdown()
+    first, second = p.templates[0], p.templates[-1]
+    return {
+        "order": run.order,
+        "model": {"layers": p.layers, "hidden": p.hidden, "vocab": len(tok)},
+        "templates": {name: job_row(run.outputs[name], run.timings[name]) for name in p.templates},
+        "ratio": ratio(run.timings[second], run.timings[first]),
+    }
+
+
+def template_configs(p: TemplatesParams, tok, items, test, root: Path) -> dict:
+    """Under `root` (made anew): the users, the catalog and, per template, one random Llama (the same weights) saved
+    with the tokenizer and that template -> template name -> its nightly config (one actor of p.cpus CPUs)."""
+    from pipeline.config import load_config
+
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     pq.write_table(test.slice(0, p.users), root / "users.parquet")
@@ -112,73 +143,74 @@ def bench_jobs(p: TemplatesParams, tok, catalog: Catalog, items, test) -> dict:
                 f"compute.cpus_per_actor={p.cpus}",
             ],
         )
-    ray.init(num_cpus=p.cpus + 1, include_dashboard=False, ignore_reinit_error=True)
-    try:
-        run = interleaved(
-            {name: lambda c=c: run_nightly(c) for name, c in configs.items()}, p.repeats, desc="templates: nightly jobs"
-        )
-    finally:
-        ray.shutdown()
-    out = {}
-    for name in p.templates:
-        manifest = run.outputs[name]
-        users = manifest["counts"]["users_ok"]
-        metrics = pq.read_table(manifest["outputs"]["metrics"]).to_pandas()
-        out[name] = {
-            "users": users,
-            "job": run.timings[name].to_dict(),
-            "job_users_per_s": run.timings[name].per(lambda s: users / s),
-            "prompt_tokens_per_user": float(metrics.prompt_tokens.sum() / users),
-            "max_prompt_tokens": manifest["max_prompt_tokens"],
-            "decode_users_per_busy_s": float(users / metrics.wall_s.sum()),
-        }
-    first, second = p.templates[0], p.templates[-1]
+    return configs
+
+
+def job_row(manifest: dict, t: Timing) -> dict:
+    """One template's job: users, its timing and users/s, prompt tokens per user and the longest (from the last run's
+    manifest and shard metrics), users per busy actor-second."""
+    users = manifest["counts"]["users_ok"]
+    metrics = pq.read_table(manifest["outputs"]["metrics"]).to_pandas()
     return {
-        "order": run.order,
-        "model": {"layers": p.layers, "hidden": p.hidden, "vocab": len(tok)},
-        "templates": out,
-        "ratio": ratio(run.timings[second], run.timings[first]),
+        "users": users,
+        "job": t.to_dict(),
+        "job_users_per_s": t.per(lambda s: users / s),
+        "prompt_tokens_per_user": float(metrics.prompt_tokens.sum() / users),
+        "max_prompt_tokens": manifest["max_prompt_tokens"],
+        "decode_users_per_busy_s": float(users / metrics.wall_s.sum()),
     }
 
 
 def markdown_templates(result: dict) -> str:
     t, env = result["templates"], result["environment"]
     r, n = t["render"], t["nightly"]
+    header = (
+        "template | longest prompt (tokens) | mean prompt (tokens) | renderer | tokenizer on the text | "
+        "renderer speed-up | compile (s)"
+    ).split(" | ")
+    rows = [
+        [
+            name,
+            x["max_prompt_tokens"],
+            f"{x['prompt_tokens_mean']:.1f}",
+            fmt_spread(x["renderer_ms_per_1000"], 1),
+            fmt_spread(x["tokenizer_ms_per_1000"], 1),
+            fmt_ratio(x["speedup"]),
+            f"{x['compile_s']:.2f}",
+        ]
+        for name, x in r["templates"].items()
+    ]
     lines = [
         f"## prompt templates: rendering {r['users']:,} Amazon Beauty users (ms per 1,000 users), byte-level BPE "
         f"of {t['text_vocab']:,} tokens with the code tokens added, {env['device']}; median (min-max) of "
         f"{result['args']['repeats']} interleaved repeats",
         "",
-        "| template | longest prompt (tokens) | mean prompt (tokens) | renderer | tokenizer on the text | "
-        "renderer speed-up | compile (s) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        table(header, rows, aligned(1, 6)),
     ]
-    for name, x in r["templates"].items():
-        lines.append(
-            f"| {name} | {x['max_prompt_tokens']} | {x['prompt_tokens_mean']:.1f} | "
-            f"{fmt_spread(x['renderer_ms_per_1000'], 1)} | {fmt_spread(x['tokenizer_ms_per_1000'], 1)} | "
-            f"{fmt_ratio(x['speedup'])} | {x['compile_s']:.2f} |"
-        )
+    return "\n".join(lines + markdown_jobs(n) + ["", footer(env)])
+
+
+def markdown_jobs(n: dict) -> list[str]:
+    """The nightly job with each template: prompt tokens, users/s; the first template's users/s over the last's."""
     first, second = list(n["templates"])[0], list(n["templates"])[-1]
-    lines += [
+    header = ["template", "prompt tokens / user", "users/s (job)", "users/s per busy actor-second (last run)"]
+    rows = [
+        [
+            name,
+            f"{x['prompt_tokens_per_user']:.1f}",
+            fmt_spread(x["job_users_per_s"], 1),
+            f"{x['decode_users_per_busy_s']:.1f}",
+        ]
+        for name, x in n["templates"].items()
+    ]
+    return [
         "",
         f"## the nightly job with each template: {n['templates'][first]['users']:,} users, one CPU actor, "
         f"a random Llama {n['model']['layers']} x {n['model']['hidden']} over {n['model']['vocab']:,} tokens; "
         "median (min-max) of interleaved runs",
         "",
-        "| template | prompt tokens / user | users/s (job) | users/s per busy actor-second (last run) |",
-        "|---|---:|---:|---:|",
-    ]
-    for name, x in n["templates"].items():
-        lines.append(
-            f"| {name} | {x['prompt_tokens_per_user']:.1f} | {fmt_spread(x['job_users_per_s'], 1)} | "
-            f"{x['decode_users_per_busy_s']:.1f} |"
-        )
-    lines += [
+        table(header, rows, aligned(1, 3)),
         "",
         f"{first} over {second}, users/s of the job: **{fmt_ratio(n['ratio'])}** "
         f"({compare(first, second, n['ratio'])})",
-        "",
-        footer(env),
     ]
-    return "\n".join(lines)
