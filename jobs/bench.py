@@ -167,23 +167,24 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     cls = PARAMS[args.bench]
     params = cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
-    command = "python -m jobs.bench " + shlex.join(argv)
-    from pipeline.bench import (
-        common,
-        decode,
-        disc,
-        exclude,
-        gpu,
-        nightly,
-        precision,
-        scale,
-        shapes,
-        speculative,
-        templates,
-    )
+    try:
+        result, md = runner(args.bench)(params, "python -m jobs.bench " + shlex.join(argv))
+    except FileNotFoundError as e:  # missing data or models: the message says how to make them
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from pipeline.bench.common import write_result
+
+    write_result(Path(args.out), args.bench, result, md)
+    return 0
+
+
+def runner(name: str):
+    """The section's function (params, command) -> (result, Markdown), imported only now (the benchmarks load torch,
+    which parsing the flags does not need)."""
+    from pipeline.bench import decode, disc, exclude, gpu, nightly, precision, scale, shapes, speculative, templates
     from pipeline.bench.all import bench_all
 
-    run = {
+    return {
         "all": bench_all,
         "decode": decode.run_decode,
         "speculative": speculative.run_speculative,
@@ -196,14 +197,7 @@ def main(argv=None) -> int:
         "nightly-scale": scale.run_scale,
         "precision": precision.run_precision,
         "exclude": exclude.run_exclude,
-    }[args.bench]
-    try:
-        result, md = run(params, command)
-    except FileNotFoundError as e:  # missing data or models: the message says how to make them
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    common.write_result(Path(args.out), args.bench, result, md)
-    return 0
+    }[name]
 
 
 if __name__ == "__main__":
