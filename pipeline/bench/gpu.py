@@ -583,17 +583,16 @@ def anchor_row(method: str, x: dict) -> list:
 
 def markdown_engines(cells: list[dict], dtype: str) -> list[str]:
     """beam_search's eager vs compiled engine in every cell that ran both."""
+    rows = [engines_row(c) for c in cells]
     header = (
         "cell | eager users/s (batch) | compiled users/s (batch) | compiled / eager | compile s (graphs) | "
         "useful-FLOP fraction eager / compiled | same items, same order"
     ).split(" | ")
-    return [
-        "",
+    title = (
         f"## engines: beam_search eager vs compiled ({dtype}), users/s median (min-max); "
-        "compile: seconds and graphs of the warm-up batch (before the timed runs)",
-        "",
-        table(header, [engines_row(c) for c in cells], aligned(1, 6)),
-    ]
+        "compile: seconds and graphs of the warm-up batch (before the timed runs)"
+    )
+    return ["", title, "", table(header, rows, aligned(1, 6))]
 
 
 def engines_row(c: dict) -> list:
