@@ -24,7 +24,7 @@ from decoding.metrics import recall_ndcg_flat
 from pipeline import markdown
 from pipeline import storage as S
 from pipeline.config import Storage
-from pipeline.report import num
+from pipeline.report import num, quality_cell
 from pipeline.runs import Run, load_run, read_recommendations, report_dir
 
 KS = (1, 5, 10, 20)
@@ -180,6 +180,6 @@ def to_markdown(ev: dict) -> str:
         *([f"Split `{ev['protocol']['split']}`: {ev['protocol']['convention']}.", ""] if "protocol" in ev else []),
         *([exclusions_line(ev), ""] if "exclusions" in ev else []),
     ]
-    rows = [[name, *(num(ev[f"{m}@{k}"], 4) for k in ks)] for m, name in (("recall", "Recall"), ("ndcg", "NDCG"))]
+    rows = [[m, *(quality_cell(ev, m, k) for k in ks)] for m in ("Recall", "NDCG")]  # n/a above the run's k
     table = markdown.table(["metric", *(f"@{k}" for k in ks)], rows, align=["left"] + ["right"] * len(ks))
     return "\n".join([*lines, table]) + "\n"
