@@ -43,37 +43,25 @@ def tiny_beauty_model(path: Path, data: Path, hidden: int, seed: int) -> Path:
     return path
 
 
-def bench(*argv):
+TINY = dict(layers=1, hidden=32, heads=2)  # a random Llama of 1 layer x 32, 2 heads
+
+
+def bench(*argv, **flags):
+    """`python -m jobs.bench ARGV --FLAG VALUE ...` in a subprocess: each keyword a flag (underscores as dashes), a
+    list giving it several values, every value written with str()."""
+    for flag, value in flags.items():
+        argv += ("--" + flag.replace("_", "-"), *map(str, value if isinstance(value, list) else [value]))
     return subprocess.run([sys.executable, "-m", "jobs.bench", *argv], cwd=ROOT, capture_output=True, text=True)
+
+
+def bench_gpu_smoke(data: Path, out: Path, **flags):
+    """`bench gpu --device cpu --smoke` over the prepared data on the TINY random Llama -> OUT."""
+    return bench("gpu", "--smoke", device="cpu", data=data, out=out, **TINY, **flags)
 
 
 def test_bench_decode_small(data, tmp_path):
     out = tmp_path / "out"
-    run = bench(
-        "decode",
-        "--data",
-        str(data),
-        "--users",
-        "6",
-        "--batch",
-        "3",
-        "--k",
-        "5",
-        "--layers",
-        "1",
-        "--hidden",
-        "32",
-        "--heads",
-        "2",
-        "--index-items",
-        "3000",
-        "--repeats",
-        "2",
-        "--device",
-        "cpu",
-        "--out",
-        str(out),
-    )
+    run = bench("decode", data=data, users=6, batch=3, k=5, index_items=3000, repeats=2, device="cpu", out=out, **TINY)
     assert run.returncode == 0, run.stderr
     result = json.loads((out / "decode.json").read_text())
     decode = result["decode"]
@@ -128,27 +116,7 @@ def test_bench_bad_arguments(tmp_path):
 def test_bench_disc_small(data, tmp_path):
     out, model = tmp_path / "out", tiny_beauty_model(tmp_path / "model", data, 32, 0)
     run = bench(
-        "disc",
-        "--data",
-        str(data),
-        "--model",
-        str(model),
-        "--users",
-        "4",
-        "--batch",
-        "2",
-        "--k",
-        "3",
-        "--max-rounds",
-        "2",
-        "--top-m",
-        "20",
-        "--repeats",
-        "2",
-        "--device",
-        "cpu",
-        "--out",
-        str(out),
+        "disc", data=data, model=model, users=4, batch=2, k=3, max_rounds=2, top_m=20, repeats=2, device="cpu", out=out
     )
     assert run.returncode == 0, run.stderr
     disc = json.loads((out / "disc.json").read_text())["disc"]
@@ -172,26 +140,7 @@ def test_bench_disc_small(data, tmp_path):
 def test_bench_exclude_small(data, tmp_path):
     out, model = tmp_path / "out", tiny_beauty_model(tmp_path / "model", data, 32, 0)
     run = bench(
-        "exclude",
-        "--data",
-        str(data),
-        "--model",
-        str(model),
-        "--users",
-        "5",
-        "--batch",
-        "2",
-        "--k",
-        "4",
-        "--counts",
-        "3",
-        "60",
-        "--repeats",
-        "2",
-        "--device",
-        "cpu",
-        "--out",
-        str(out),
+        "exclude", data=data, model=model, users=5, batch=2, k=4, counts=[3, 60], repeats=2, device="cpu", out=out
     )
     assert run.returncode == 0, run.stderr
     ex = json.loads((out / "exclude.json").read_text())["exclude"]
@@ -212,42 +161,23 @@ def test_bench_all_small(data, tmp_path):
     drafts = [tiny_beauty_model(tmp_path / f"draft-{i}", data, 16, i + 1) for i in range(2)]
     run = bench(
         "all",
-        "--data",
-        str(data),
-        "--target",
-        str(target),
-        "--drafts",
-        *map(str, drafts),
-        "--users",
-        "4",
-        "--batch",
-        "2",
-        "--k",
-        "3",
-        "--index-items",
-        "2000",
-        "--repeats",
-        "2",
-        "--ks",
-        "1",
-        "3",
-        "--batch1-users",
-        "2",
-        "--disc-k",
-        "2",
-        "--rounds",
-        "1",
-        "2",
-        "--bias-users",
-        "2",
-        "--draws",
-        "64",
-        "--device",
-        "cpu",
-        "--seed",
-        "7",
-        "--out",
-        str(out),
+        data=data,
+        target=target,
+        drafts=drafts,
+        users=4,
+        batch=2,
+        k=3,
+        index_items=2000,
+        repeats=2,
+        ks=[1, 3],
+        batch1_users=2,
+        disc_k=2,
+        rounds=[1, 2],
+        bias_users=2,
+        draws=64,
+        device="cpu",
+        seed=7,
+        out=out,
     )
     assert run.returncode == 0, run.stderr
     result = json.loads((out / "all.json").read_text())
@@ -365,25 +295,7 @@ def test_disc_bias_distances():
 def test_bench_templates_small(data, tmp_path):
     """Rendering cost of every template (renderer vs tokenizer) and one nightly job per template, at tiny sizes."""
     out = tmp_path / "out"
-    run = bench(
-        "templates",
-        "--data",
-        str(data),
-        "--users",
-        "40",
-        "--repeats",
-        "1",
-        "--layers",
-        "1",
-        "--hidden",
-        "32",
-        "--heads",
-        "2",
-        "--batch",
-        "20",
-        "--out",
-        str(out),
-    )
+    run = bench("templates", data=data, users=40, repeats=1, batch=20, out=out, **TINY)
     assert run.returncode == 0, run.stderr[-3000:]
     t = json.loads((out / "templates.json").read_text())["templates"]
     render = t["render"]["templates"]
@@ -419,32 +331,8 @@ def test_bench_gpu_smoke_on_cpu(data, tmp_path):
     out = tmp_path / "out"
     target = tiny_beauty_model(tmp_path / "target", data, 32, 0)
     draft = tiny_beauty_model(tmp_path / "draft", data, 16, 1)
-    run = bench(
-        "gpu",
-        "--device",
-        "cpu",
-        "--smoke",
-        "--data",
-        str(data),
-        "--layers",
-        "1",
-        "--hidden",
-        "32",
-        "--heads",
-        "2",
-        "--target",
-        str(target),
-        "--drafts",
-        str(draft),
-        "--out",
-        str(out),
-        "--sections",
-        "parity",
-        "shapes",
-        "anchor",
-        "disc",
-        "speculative",
-    )
+    sections = ["parity", "shapes", "anchor", "disc", "speculative"]
+    run = bench_gpu_smoke(data, out, target=target, drafts=[draft], sections=sections)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads((out / "gpu.json").read_text())
     assert {"matmul", "parity", "shapes", "anchor", "disc", "speculative", "seconds", "hardware"} <= set(result)
@@ -494,26 +382,7 @@ def test_bench_gpu_records_out_of_memory(data, tmp_path):
     down to batch 1, then recorded as "out of memory" in the table; the report is still written, the other method
     timed."""
     out = tmp_path / "out"
-    run = bench(
-        "gpu",
-        "--device",
-        "cpu",
-        "--smoke",
-        "--data",
-        str(data),
-        "--layers",
-        "1",
-        "--hidden",
-        "32",
-        "--heads",
-        "2",
-        "--sections",
-        "shapes",
-        "--simulate-oom",
-        "transformers",
-        "--out",
-        str(out),
-    )
+    run = bench_gpu_smoke(data, out, sections="shapes", simulate_oom="transformers")
     assert run.returncode == 0, run.stderr[-3000:]
     [cell] = json.loads((out / "gpu.json").read_text())["shapes"]
     assert cell["methods"]["transformers"] == {"status": "out of memory"}
@@ -528,23 +397,14 @@ def test_bench_precision_small(data, tmp_path):
     out = tmp_path / "out"
     run = bench(
         "precision",
-        "--data",
-        str(data),
-        "--target",
-        str(model),
-        "--users",
-        "8",
-        "--batch",
-        "4",
-        "--ks",
-        "5",
-        "--dtypes",
-        "float32",
-        "bfloat16",
-        "--device",
-        "cpu",
-        "--out",
-        str(out),
+        data=data,
+        target=model,
+        users=8,
+        batch=4,
+        ks=5,
+        dtypes=["float32", "bfloat16"],
+        device="cpu",
+        out=out,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads((out / "precision.json").read_text())["rows"]
