@@ -37,47 +37,19 @@ ATTENTION = ("eager", "sdpa", "sdpa_gqa")
 # Tiny architectures for tests and CPU benchmarks: Llama with grouped-query attention, Qwen2 with
 # attention biases (and optional sliding-window layers), Mistral (sliding window), Qwen3 with q/k norms.
 # Sizes are set by `tiny_model(..., **overrides)`.
+TINY_BODY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
 TINY = {
-    "llama": dict(
-        model_type="llama",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    ),
-    "qwen2": dict(
-        model_type="qwen2",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        use_sliding_window=False,
-    ),
-    "mistral": dict(
-        model_type="mistral",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        sliding_window=None,
-    ),
-    "qwen3": dict(
-        model_type="qwen3",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        use_sliding_window=False,
-    ),
+    "llama": dict(model_type="llama", **TINY_BODY),
+    "qwen2": dict(model_type="qwen2", **TINY_BODY, use_sliding_window=False),
+    "mistral": dict(model_type="mistral", **TINY_BODY, sliding_window=None),
+    "qwen3": dict(model_type="qwen3", **TINY_BODY, head_dim=16, use_sliding_window=False),
 }
 
 

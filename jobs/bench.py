@@ -29,90 +29,21 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-from dataclasses import MISSING, fields
+from dataclasses import fields
 from pathlib import Path
 
 from jobs.cli import dataclass_args
 from pipeline.bench import params as P
+from pipeline.bench.sections import BENCHES, run_section
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "models" / "demo-target"
-PARAMS = {
-    "all": P.AllParams,
-    "decode": P.DecodeParams,
-    "speculative": P.SpeculativeParams,
-    "disc": P.DiscParams,
-    "disc-bias": P.DiscBiasParams,
-    "nightly": P.NightlyParams,
-    "templates": P.TemplatesParams,
-    "nightly-scale": P.ScaleParams,
-    "shapes": P.ShapesParams,
-    "gpu": P.GpuParams,
-    "precision": P.PrecisionParams,
-    "exclude": P.ExcludeParams,
-}
-HELP = {
-    "all": "every claim in one run (decode, speculative, disc, disc-bias) -> all.{md,json}",
-    "decode": "transformers beam search vs beam_search, and the catalog index",
-    "speculative": "AtSpeed Table 1: speculative vs beam_search, every draft, strict/relaxed",
-    "disc": "DISC (rounds 1..R, exact and PPV) vs constrained sampling vs beam_search",
-    "disc-bias": "DISC's bias: TV / KL of each sampler to the exact constrained P_S",
-    "nightly": "the nightly job on one actor vs direct calls on the same users",
-    "templates": "prompt templates: rendering cost, and the nightly job's users/s with each",
-    "nightly-scale": "the nightly job on synthetic users at scale: exactly once, driver RSS, object store peak",
-    "shapes": "beam_search vs transformers over vocabulary x prompt x K, users/s and working memory",
-    "gpu": "on CUDA: parity, shapes, the SID-GR anchor, roofline (+ disc, speculative); one report, one process",
-    "precision": "half precision's cost in ranking: each dtype's top-K against transformers float32",
-    "exclude": "per-user exclusions: beam_search with 0, 50 and 1,000 excluded items per user",
-}
 PATHS = {
     "data": str(ROOT / "data" / "beauty"),
     "target": str(DEMO),
     "out": str(ROOT / "bench-out"),
     "config": str(ROOT / "infra" / "configs" / "demo.yaml"),
 }
-FLAG_HELP = {
-    "data": "prepared data (python -m jobs.prepare_data)",
-    "device": "cpu or cuda (None: cuda if available)",
-    "repeats": "timed runs of each method, interleaved, after one warm-up run each (fewer than 5: smoke tests only)",
-    "model": "local model dir (None: a random Llama of --layers x --hidden)",
-    "drafts": "draft model dirs (default: models/demo-draft*)",
-    "index_items": "synthetic catalog sizes (index)",
-    "trie_max_items": "no CPU trie above this size",
-    "users": "users (speculative: at batch size 1; all: of decode, disc and the speculative throughput batch)",
-    "rounds": "DISC rounds (disc-bias; the disc timing runs 1..max)",
-    "chunk": "disc-bias: catalog items per forward when scoring P_S (lower it for large vocabularies)",
-    "draws": "items drawn per user and method (k=1 each)",
-    "cpus": "CPUs of the local Ray",
-    "out": "results folder (the nightly job writes under OUT/nightly-bench)",
-    "ks": "speculative K (Table 1 columns)",
-    "simulate_oom": "methods made to run out of memory at every batch (checks that the report records it)",
-    "dtypes": "engine dtypes to compare with transformers in float32",
-    "tie": "near-tie threshold on the float32 search's tie gap",
-    "counts": "excluded items per user (each against none)",
-    "engines": "beam_search engines (decoding/compiled.py): with compiled, eager vs compiled side by side",
-    "methods": "shapes: the methods compared (beam_search is the eager engine)",
-}
-CHOICES = {
-    "dtype": ["auto", "float32", "bfloat16", "float16"],
-    "dtypes": ["float32", "bfloat16", "float16"],
-    "attn": ["sdpa", "eager"],
-    "sections": P.SECTIONS,
-    "templates": ["codes", "lcrec"],
-    "simulate_oom": ["beam_search", "transformers"],
-    "engines": ["eager", "compiled"],
-    "methods": ["beam_search", "beam_search_compiled", "transformers"],
-}
-LISTS = ("sections", "templates", "simulate_oom", "dtypes", "engines", "methods")  # flags that take several values
-
-
-def defaults(cls) -> dict:
-    """The dataclass's field defaults, as a subparser's defaults."""
-    return {
-        f.name: f.default_factory() if f.default_factory is not MISSING else f.default
-        for f in fields(cls)
-        if f.default is not MISSING or f.default_factory is not MISSING
-    }
 
 
 def parser() -> argparse.ArgumentParser:
@@ -120,28 +51,29 @@ def parser() -> argparse.ArgumentParser:
         prog="python -m jobs.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = p.add_subparsers(dest="bench", required=True)
-    for name, cls in PARAMS.items():
+    for name, section in BENCHES.items():
+        cls = section.params
         s = sub.add_parser(
-            name, help=HELP[name], description=HELP[name], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+            name, help=section.help, description=section.help, formatter_class=argparse.ArgumentDefaultsHelpFormatter
         )
         names = {f.name for f in fields(cls)}
-        values = {**defaults(cls), **{k: v for k, v in PATHS.items() if k in names}}
-        special = {"dtype", "attn", "seed", "drafts", "overrides", *LISTS} & names
-        dataclass_args(s, cls, skip=special, zero_ok=("trie_max_items",), helps=FLAG_HELP, defaults=values)
-        for field_name in special & set(CHOICES):
-            choices = P.GPU_SECTIONS if (name, field_name) == ("gpu", "sections") else CHOICES[field_name]
+        values = {**P.field_defaults(cls), **{k: v for k, v in PATHS.items() if k in names}}
+        special = {"dtype", "attn", "seed", "drafts", "overrides", *P.LISTS} & names
+        dataclass_args(s, cls, skip=special, zero_ok=("trie_max_items",), helps=P.FLAG_HELP, defaults=values)
+        for field_name in [f.name for f in fields(cls) if f.name in special and f.name in P.CHOICES]:  # in order
+            choices = P.GPU_SECTIONS if (name, field_name) == ("gpu", "sections") else P.CHOICES[field_name]
             s.add_argument(
                 "--" + field_name.replace("_", "-"),
                 dest=field_name,
                 choices=choices,
                 default=values[field_name],
-                help=FLAG_HELP.get(field_name),
-                nargs="+" if field_name in LISTS else None,
+                help=P.FLAG_HELP.get(field_name),
+                nargs="+" if field_name in P.LISTS else None,
             )
         if "seed" in names:
             s.add_argument("--seed", type=int, default=values["seed"])
         if "drafts" in names:  # may be given empty: a clear error then
-            s.add_argument("--drafts", nargs="*", help=FLAG_HELP["drafts"])
+            s.add_argument("--drafts", nargs="*", help=P.FLAG_HELP["drafts"])
         if "overrides" in names:
             s.add_argument(
                 "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="as jobs.nightly"
@@ -165,10 +97,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
-    cls = PARAMS[args.bench]
+    cls = BENCHES[args.bench].params
     params = cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
     try:
-        result, md = runner(args.bench)(params, "python -m jobs.bench " + shlex.join(argv))
+        result, md = run_section(args.bench, params, "python -m jobs.bench " + shlex.join(argv))
     except FileNotFoundError as e:  # missing data or models: the message says how to make them
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -176,28 +108,6 @@ def main(argv=None) -> int:
 
     write_result(Path(args.out), args.bench, result, md)
     return 0
-
-
-def runner(name: str):
-    """The section's function (params, command) -> (result, Markdown), imported only now (the benchmarks load torch,
-    which parsing the flags does not need)."""
-    from pipeline.bench import decode, disc, exclude, gpu, nightly, precision, scale, shapes, speculative, templates
-    from pipeline.bench.all import bench_all
-
-    return {
-        "all": bench_all,
-        "decode": decode.run_decode,
-        "speculative": speculative.run_speculative,
-        "disc": disc.run_disc,
-        "disc-bias": disc.run_disc_bias,
-        "nightly": nightly.run_nightly_bench,
-        "templates": templates.run_templates,
-        "shapes": shapes.run_shapes,
-        "gpu": gpu.run_gpu,
-        "nightly-scale": scale.run_scale,
-        "precision": precision.run_precision,
-        "exclude": exclude.run_exclude,
-    }[name]
 
 
 if __name__ == "__main__":

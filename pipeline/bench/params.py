@@ -3,7 +3,7 @@ defaults from them before anything heavy is imported)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 
 REPEATS = 5  # timed repeats per method, interleaved, after one warm-up run of each
 SECTIONS = ("decode", "speculative", "disc", "disc-bias")  # what `bench all` runs, in this order
@@ -230,3 +230,48 @@ class PrecisionParams:
     ks: list[int] = field(default_factory=lambda: [10, 20])
     dtypes: list[str] = field(default_factory=lambda: ["float32", "bfloat16", "float16"])
     tie: float = 0.04  # a user is clear of a near-tie when its float32 search's tie gap is at least this
+
+
+# The command line's view of these fields (jobs/bench.py): help texts, choices, and the fields that take several values
+FLAG_HELP = {
+    "data": "prepared data (python -m jobs.prepare_data)",
+    "device": "cpu or cuda (None: cuda if available)",
+    "repeats": "timed runs of each method, interleaved, after one warm-up run each (fewer than 5: smoke tests only)",
+    "model": "local model dir (None: a random Llama of --layers x --hidden)",
+    "drafts": "draft model dirs (default: models/demo-draft*)",
+    "index_items": "synthetic catalog sizes (index)",
+    "trie_max_items": "no CPU trie above this size",
+    "users": "users (speculative: at batch size 1; all: of decode, disc and the speculative throughput batch)",
+    "rounds": "DISC rounds (disc-bias; the disc timing runs 1..max)",
+    "chunk": "disc-bias: catalog items per forward when scoring P_S (lower it for large vocabularies)",
+    "draws": "items drawn per user and method (k=1 each)",
+    "cpus": "CPUs of the local Ray",
+    "out": "results folder (the nightly job writes under OUT/nightly-bench)",
+    "ks": "speculative K (Table 1 columns)",
+    "simulate_oom": "methods made to run out of memory at every batch (checks that the report records it)",
+    "dtypes": "engine dtypes to compare with transformers in float32",
+    "tie": "near-tie threshold on the float32 search's tie gap",
+    "counts": "excluded items per user (each against none)",
+    "engines": "beam_search engines (decoding/compiled.py): with compiled, eager vs compiled side by side",
+    "methods": "shapes: the methods compared (beam_search is the eager engine)",
+}
+CHOICES = {
+    "dtype": ["auto", "float32", "bfloat16", "float16"],
+    "dtypes": ["float32", "bfloat16", "float16"],
+    "attn": ["sdpa", "eager"],
+    "sections": SECTIONS,
+    "templates": ["codes", "lcrec"],
+    "simulate_oom": ["beam_search", "transformers"],
+    "engines": ["eager", "compiled"],
+    "methods": ["beam_search", "beam_search_compiled", "transformers"],
+}
+LISTS = ("sections", "templates", "simulate_oom", "dtypes", "engines", "methods")  # flags that take several values
+
+
+def field_defaults(cls) -> dict:
+    """The dataclass's field defaults (a subparser's defaults)."""
+    return {
+        f.name: f.default_factory() if f.default_factory is not MISSING else f.default
+        for f in fields(cls)
+        if f.default is not MISSING or f.default_factory is not MISSING
+    }

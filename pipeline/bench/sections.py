@@ -1,0 +1,77 @@
+"""The benchmark sections `python -m jobs.bench NAME` runs: each one's parameters (params.py), a line of help and its
+function (params, command) -> (result, Markdown), imported only when the section runs (the benchmarks load torch,
+which reading the flags does not need)."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from pipeline.bench import params as P
+
+
+@dataclass(frozen=True)
+class Section:
+    params: type
+    help: str
+    run: str  # "module:function" in pipeline.bench
+
+
+BENCHES = {
+    "all": Section(
+        P.AllParams, "every claim in one run (decode, speculative, disc, disc-bias) -> all.{md,json}", "all:bench_all"
+    ),
+    "decode": Section(
+        P.DecodeParams, "transformers beam search vs beam_search, and the catalog index", "decode:run_decode"
+    ),
+    "speculative": Section(
+        P.SpeculativeParams,
+        "AtSpeed Table 1: speculative vs beam_search, every draft, strict/relaxed",
+        "speculative:run_speculative",
+    ),
+    "disc": Section(
+        P.DiscParams, "DISC (rounds 1..R, exact and PPV) vs constrained sampling vs beam_search", "disc:run_disc"
+    ),
+    "disc-bias": Section(
+        P.DiscBiasParams, "DISC's bias: TV / KL of each sampler to the exact constrained P_S", "disc:run_disc_bias"
+    ),
+    "nightly": Section(
+        P.NightlyParams, "the nightly job on one actor vs direct calls on the same users", "nightly:run_nightly_bench"
+    ),
+    "templates": Section(
+        P.TemplatesParams,
+        "prompt templates: rendering cost, and the nightly job's users/s with each",
+        "templates:run_templates",
+    ),
+    "nightly-scale": Section(
+        P.ScaleParams,
+        "the nightly job on synthetic users at scale: exactly once, driver RSS, object store peak",
+        "scale:run_scale",
+    ),
+    "shapes": Section(
+        P.ShapesParams,
+        "beam_search vs transformers over vocabulary x prompt x K, users/s and working memory",
+        "shapes:run_shapes",
+    ),
+    "gpu": Section(
+        P.GpuParams,
+        "on CUDA: parity, shapes, the SID-GR anchor, roofline (+ disc, speculative); one report, one process",
+        "gpu:run_gpu",
+    ),
+    "precision": Section(
+        P.PrecisionParams,
+        "half precision's cost in ranking: each dtype's top-K against transformers float32",
+        "precision:run_precision",
+    ),
+    "exclude": Section(
+        P.ExcludeParams,
+        "per-user exclusions: beam_search with 0, 50 and 1,000 excluded items per user",
+        "exclude:run_exclude",
+    ),
+}
+
+
+def run_section(name: str, params, command: str) -> tuple[dict, str]:
+    """Runs benchmark `name` with its parameters -> (result, Markdown); `command` is recorded in the result."""
+    module, function = BENCHES[name].run.split(":")
+    return getattr(importlib.import_module(f"pipeline.bench.{module}"), function)(params, command)
