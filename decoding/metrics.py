@@ -94,11 +94,15 @@ def mean_over_users(cells: list[dict]) -> dict:
     }
 
 
-def same_within_ties(items_a: torch.Tensor, scores_a: torch.Tensor, items_b: torch.Tensor, tie: float) -> torch.Tensor:
+def same_within_ties(
+    items_a: torch.Tensor, scores_a: torch.Tensor, items_b: torch.Tensor, tie: float | torch.Tensor
+) -> torch.Tensor:
     """Two engines' lists [B, K] -> bool [B]: the same items in the same order, up to swaps of items whose scores (by
-    scores_a, descending) are within `tie` of each other (near-ties that rounding may order either way)."""
+    scores_a, descending) are within `tie` (one bound, or one per user [B]) of each other (near-ties that rounding
+    may order either way)."""
     out = []
-    for a, b, s in zip(items_a.tolist(), items_b.tolist(), scores_a.tolist()):
+    ties = torch.as_tensor(tie, dtype=torch.float64).expand(items_a.shape[0]).tolist()
+    for a, b, s, tie in zip(items_a.tolist(), items_b.tolist(), scores_a.tolist(), ties):
         same, i = True, 0
         while i < len(a) and same:
             j = i + 1
