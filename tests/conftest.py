@@ -1,6 +1,11 @@
-"""Marks the numerics-sensitive test modules: those that compare floating-point results (engines against
-transformers, decoders against each other, exact laws against sampled frequencies). `make test` runs them once more
-under every other CPU kernel family this machine offers (tests/kernels.py)."""
+"""Marks the numerics-sensitive tests: those that compare floating-point results computed by torch kernels (engines
+against transformers, decoders against each other, exact laws against sampled frequencies). Whole modules are listed
+here; a test elsewhere that compares such results carries `@pytest.mark.numerics` itself (test_bench's scorer
+checks, the nightly actor's sliced decode). `make test-kernels` runs them once more under every other CPU kernel
+family and oneDNN ISA limit this machine offers (tests/kernels.py). Their tolerances come from the dtype's spacing,
+the magnitudes and counts involved (tests/helpers.float32_atol) or from errors measured in the same run, and tests
+that need clear cases draw more of them until they can decide (tests/test_engine.py), so that a verdict depends on
+the engine, never on the CPU."""
 
 import pytest
 

@@ -26,6 +26,7 @@ from pipeline import runs
 from pipeline import storage as S
 from pipeline.config import load_config
 from pipeline.prepare import write_synthetic
+from tests.helpers import float32_atol
 
 
 def make_world(root, n_users=100):
@@ -144,6 +145,7 @@ def test_nightly_outputs_equal_beam_search_exactly_once(world, ray_session, tmp_
     }
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("mode", ["beam", "atspeed-strict"])
 def test_an_actor_decodes_a_shard_in_slices_that_fit(world, mode, monkeypatch):
     """A shard decoded in slices (compute.decode_batch pinned to 3, then an out-of-memory above 2 users: the slice
@@ -159,7 +161,8 @@ def test_an_actor_decodes_a_shard_in_slices_that_fit(world, mode, monkeypatch):
     sliced = Recommender(replace(spec, decode_batch=3))
     got = sliced(users).to_pandas()
     recs = lambda t: t[t.kind == "rec"][["user_id", "rank", "item_id", "score"]].reset_index(drop=True)  # noqa: E731
-    pd.testing.assert_frame_equal(recs(got), recs(whole), check_exact=False, atol=1e-5, rtol=0)
+    atol = float32_atol(torch.tensor(recs(whole).score.to_numpy()))  # other batch shapes: other summation orders
+    pd.testing.assert_frame_equal(recs(got), recs(whole), check_exact=False, atol=atol, rtol=0)
     metric = lambda t: json.loads(t[t.kind == "metric"].metrics.iloc[0])  # noqa: E731
     assert metric(got)["decode_batch"] == 3 and metric(whole)["decode_batch"] == 11
     assert metric(got)["target_tokens"] == metric(whole)["target_tokens"]  # the same prompts, summed over slices
@@ -173,7 +176,7 @@ def test_an_actor_decodes_a_shard_in_slices_that_fit(world, mode, monkeypatch):
 
     monkeypatch.setattr(sliced, "_decode", at_most_two)
     got = sliced(users).to_pandas()
-    pd.testing.assert_frame_equal(recs(got), recs(whole), check_exact=False, atol=1e-5, rtol=0)
+    pd.testing.assert_frame_equal(recs(got), recs(whole), check_exact=False, atol=atol, rtol=0)
     assert metric(got)["decode_batch"] == 1 and sliced.oom_batch == 1  # 3 -> 1: halved below the limit
     assert metric(sliced(users).to_pandas())["decode_batch"] == 1  # later shards start from the smaller batch
 

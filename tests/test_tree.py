@@ -6,7 +6,7 @@ import torch
 from decoding.beam import beam_search, forward, head_of, prefill
 from decoding.models import tiny_model
 from decoding.tree import TokenTree
-from tests.helpers import left_padded_prompts, random_catalog
+from tests.helpers import WIDTH, float32_atol, left_padded_prompts, random_catalog
 
 V = 40
 
@@ -23,6 +23,12 @@ def unshared_logp(model, ids, mask, path):
     full = torch.cat([mask, torch.ones_like(path)], 1)
     pos = (full.cumsum(-1) - 1).clamp(min=0)
     return model(input_ids=seq, attention_mask=full, position_ids=pos).logits[:, -1].float().log_softmax(-1)
+
+
+def assert_logp(got, want):
+    """Next-token log-probabilities [B, V] by two kernels: within float32_atol (each logit sums WIDTH products, the
+    normaliser V exponentials)."""
+    torch.testing.assert_close(got, want, atol=float32_atol(got, want, terms=WIDTH + V), rtol=0)
 
 
 def test_mask_and_positions_of_a_small_tree():
@@ -55,14 +61,14 @@ def test_tree_logits_equal_unshared_sequences(arch, attn):
     tok2 = torch.randint(4, V, (3, 3), generator=g)
     lp2 = tree_forward(model, tree, cache, tok2, torch.tensor([[0, 2, 3]] * 3), block_depth=2)
     for j in range(3):
-        torch.testing.assert_close(lp1[:, j], unshared_logp(model, ids, mask, tok1[:, j : j + 1]), atol=1e-5, rtol=0)
+        assert_logp(lp1[:, j], unshared_logp(model, ids, mask, tok1[:, j : j + 1]))
     paths = [
         torch.stack([tok1[:, 0], tok2[:, 0]], 1),
         torch.stack([tok1[:, 2], tok2[:, 1]], 1),
         torch.stack([tok1[:, 0], tok2[:, 0], tok2[:, 2]], 1),
     ]
     for j, path in enumerate(paths):
-        torch.testing.assert_close(lp2[:, j], unshared_logp(model, ids, mask, path), atol=1e-5, rtol=0)
+        assert_logp(lp2[:, j], unshared_logp(model, ids, mask, path))
 
     # compaction: keep the path of node 5 only; the cache shrinks and the logits below it stay the same
     before = cache.get_seq_length()
@@ -70,9 +76,7 @@ def test_tree_logits_equal_unshared_sequences(arch, attn):
     assert new.tolist() == [[2]] * 3 and cache.get_seq_length() == before - 3 == ids.shape[1] + 3
     tok3 = torch.randint(4, V, (3, 1), generator=g)
     lp3 = tree_forward(model, tree, cache, tok3, new)
-    torch.testing.assert_close(
-        lp3[:, 0], unshared_logp(model, ids, mask, torch.cat([paths[2], tok3], 1)), atol=1e-5, rtol=0
-    )
+    assert_logp(lp3[:, 0], unshared_logp(model, ids, mask, torch.cat([paths[2], tok3], 1)))
 
 
 def test_compaction_pads_users_with_fewer_kept_nodes():
@@ -85,12 +89,7 @@ def test_compaction_pads_users_with_fewer_kept_nodes():
     new = tree.keep_paths(torch.tensor([[1, 3], [2, -1]]), cache)  # user 0 keeps 2 nodes, user 1 keeps 1
     assert new.tolist() == [[0, 1], [0, -1]] and tree.num_nodes == 2
     lp = tree_forward(model, tree, cache, tok[:, :1], new[:, :1])
-    torch.testing.assert_close(
-        lp[1, 0],
-        unshared_logp(model, ids[1:], mask[1:], torch.stack([tok[1, 2], tok[1, 0]])[None])[0],
-        atol=1e-5,
-        rtol=0,
-    )
+    assert_logp(lp[1, 0], unshared_logp(model, ids[1:], mask[1:], torch.stack([tok[1, 2], tok[1, 0]])[None])[0])
 
 
 def test_prompt_kv_is_held_once():
@@ -117,8 +116,6 @@ def test_chain_forward_equals_unshared_sequences(arch, attn):
     for c in range(2):
         for j in range(4):
             want = unshared_logp(model, ids, mask, chains[:, c, :j])
-            torch.testing.assert_close(logits[:, c, j], want, atol=1e-5, rtol=0)
+            assert_logp(logits[:, c, j], want)
     out = chain_forward(model, ids, mask, chains[:, :, :1])  # T = 1: only the prompt's prediction
-    torch.testing.assert_close(
-        out[:, 0, 0].float().log_softmax(-1), unshared_logp(model, ids, mask, chains[:, 0, :0]), atol=1e-5, rtol=0
-    )
+    assert_logp(out[:, 0, 0].float().log_softmax(-1), unshared_logp(model, ids, mask, chains[:, 0, :0]))
