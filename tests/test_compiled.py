@@ -184,12 +184,23 @@ def test_a_second_batch_of_the_bucket_compiles_nothing(models, catalog):
         assert explained.graph_break_count == 0 and explained.graph_count == 1
 
 
+GROUP, CLEAR, MAX_GROUPS = 32, 8, 4
+
+
 @pytest.fixture(scope="module")
 def trained(catalog):
-    """A Mistral trained to continue 32 users' prompts with their favourite items: a trained model's peaked scores
-    (and at K = 5 the shapes of the Mistral case above: its compiled code is reused from the inductor cache)."""
-    ids, mask = left_padded_prompts(32, LENGTHS, catalog.vocab_size, seed=7)
-    return trained_model("mistral", catalog, ids, mask, steps=200), ids, mask
+    """Groups of 32 users, each with a Mistral trained to continue their prompts with their favourite items (a
+    trained model's peaked scores; at K = 5 the shapes of the Mistral case above: its compiled code is reused from
+    the inductor cache), built when first asked for: the bfloat16 test draws groups until it has clear users."""
+    groups = {}
+
+    def group(g: int):
+        if g not in groups:
+            ids, mask = left_padded_prompts(GROUP, LENGTHS, catalog.vocab_size, seed=7 + g)
+            groups[g] = trained_model("mistral", catalog, ids, mask, steps=200, seed=g), ids, mask
+        return groups[g]
+
+    return group
 
 
 def in_batches(model, ids, mask, catalog, k, engine, batch=8) -> Recommendations:
@@ -201,15 +212,10 @@ def in_batches(model, ids, mask, catalog, k, engine, batch=8) -> Recommendations
     )
 
 
-def test_a_trained_model_in_float32_and_bfloat16(catalog, trained):
-    """32 users in batches of 8 (one bucket: two graphs per dtype, replayed by every batch). float32: the eager
-    engine's results (the rounding bound measured as above). bfloat16: the two engines round the body differently
-    (inductor keeps a fused kernel's intermediates in float32); their difference must stay within twice the largest
-    that bfloat16 costs the eager engine against float32 on the same weights (measured here), and a user whose
-    float32 search had no near-tie within its own two bfloat16 errors (each engine's largest score difference to
-    float32 on its items) gets the same list from both."""
-    model, ids, mask = trained
-    k = 5
+def bfloat16_clear_users(model, ids, mask, catalog, k) -> int:
+    """One group in float32 and bfloat16, both engines: float32 exact; in bfloat16 the compiled engine within twice
+    what bfloat16 costs the eager engine against float32; users clear of their own bfloat16 errors (each engine's
+    score difference to float32, floored at the group's upper quartile) get the same list from both. -> how many."""
     ref, rec = (in_batches(model, ids, mask, catalog, k, engine) for engine in ("eager", "compiled"))
     assert_same_as_eager(model, ids, mask, catalog, k, rec, ref)
     low = copy.deepcopy(model).to(torch.bfloat16)
@@ -220,9 +226,25 @@ def test_a_trained_model_in_float32_and_bfloat16(catalog, trained):
     assert 0 < e.max() and between.max() <= 2 * e.max(), (
         f"bfloat16: compiled vs eager {between.max():.3g}, eager vs float32 {e.max():.3g}"
     )
-    clear = ref.stats["tie_gap"] >= 2 * (e + e_compiled)  # [U] both bfloat16 lists are the float32 one
-    assert clear.sum() >= 8, f"only {int(clear.sum())} users clear of near-ties: the test says too little"
+    err = e + e_compiled  # [U]
+    clear = ref.stats["tie_gap"] >= 2 * err.clamp(min=float(err.quantile(0.75)))  # [U] both lists are float32's
     assert torch.equal(rec_low.item_ids[clear], ref_low.item_ids[clear])
+    return int(clear.sum())
+
+
+def test_a_trained_model_in_float32_and_bfloat16(catalog, trained):
+    """Users in batches of 8 (one bucket: two graphs per dtype, replayed by every batch). float32: the eager
+    engine's results (the rounding bound measured as above). bfloat16: the two engines round the body differently
+    (inductor keeps a fused kernel's intermediates in float32); their difference must stay within twice the largest
+    that bfloat16 costs the eager engine against float32 on the same weights (measured here), and a user whose
+    float32 search had no near-tie within its own two bfloat16 errors gets the same list from both. Groups of 32
+    users are drawn until CLEAR users are clear (at most MAX_GROUPS): the verdict never rests on too few."""
+    clear = 0
+    for g in range(MAX_GROUPS):
+        clear += bfloat16_clear_users(*trained(g), catalog, 5)
+        if clear >= CLEAR:
+            return
+    raise AssertionError(f"{clear} of {GROUP * MAX_GROUPS} users clear of bfloat16's rounding: it swamps the gaps")
 
 
 def test_other_models_and_sampling_run_eager_and_say_why(catalog):
