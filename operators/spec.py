@@ -19,15 +19,17 @@ MODES = ("beam", "atspeed-strict", "atspeed-relaxed", "disc", "auto")
 class Decoding:
     """How each user is decoded (the `decoding` section of the nightly config)."""
 
-    mode: str = "beam"  # one of MODES; auto: beam or atspeed-strict, whichever each actor measures faster
-    k: int = 10
+    mode: str = "beam"  # beam | atspeed-strict | atspeed-relaxed | disc | auto (MODES); auto: beam or atspeed-strict,
+    # whichever each actor measures faster
+    k: int = 10  # items recommended per user (the top-K)
     draft_beams: int | None = None  # N drafted sequences per step (strict: None = max(40, k); relaxed: always k)
     gamma: int | None = None  # None: the item length
     history_len: int | None = None  # items per prompt (None: the prompt template's max_items)
     temperature: float = 1.0  # atspeed-relaxed and disc
     rounds: int = 4  # disc
     top_m: int | None = None  # disc: None = exact mask, M = PPV over the top-M tokens
-    seed: int = 0
+    seed: int = 0  # the sampling modes' seed (atspeed-relaxed, disc), mixed with the users decoded together: a retried
+    # batch draws the same items
     auto_trials: int = 2  # auto: batches decoded with each of beam and atspeed-strict before choosing
     exclude: str = "none"  # none | history: never recommend an item of the user's whole history (every mode, exact)
     exclude_column: str = "exclude_items"  # optional input list<int64> column: more items per user to exclude (either

@@ -35,7 +35,7 @@ class Compute:
     # per-task cost (~10-20 ms) at the price of a coarser tail; 1 balances best across many actors
     num_actors: int | str = 1  # or auto: every GPU of the cluster (GPU actors), every CPU but a read task's (CPU)
     gpus_per_actor: float = 0.0  # 0: CPU actors
-    cpus_per_actor: float = 1.0
+    cpus_per_actor: float = 1.0  # Ray CPUs each actor holds
     threads_per_actor: int | None = None  # torch CPU threads in an actor (None: Ray's OMP_NUM_THREADS = CPUs)
     dtype: str = "auto"  # what the models decode in: float32 is exact (every top-K identical to transformers' float32
     # beam search; on CUDA without TF32); bfloat16 / float16 are fast (half the weight and cache bytes) and keep the
@@ -52,7 +52,7 @@ class Compute:
 @dataclass
 class Storage:
     endpoint: str | None = None  # S3-compatible endpoint override, e.g. http://127.0.0.1:8333
-    region: str = "us-east-1"
+    region: str = "us-east-1"  # the S3 region (signing; most S3-compatible servers accept any)
     retry_s: float = 180.0  # a call that fails transiently (refused, reset, timed out, 5xx, SlowDown) is tried again
     # with backoff for this long before the job gives up (pipeline/storage.py, exit 4)
 
