@@ -5,7 +5,7 @@ BIN      = $(VENV)/bin
 TORCH   ?= torch==2.13.0
 DATA    ?= data/beauty
 
-.PHONY: install browser demo models nightly bench bench-gpu report lint test test-kernels clean
+.PHONY: install browser demo models nightly bench bench-gpu report docs lint test test-kernels clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -56,6 +56,10 @@ models/demo-draft/config.json: $(DATA)/items.parquet
 	$(BIN)/python -m jobs.train_target --data $(DATA) --out models/demo-target --preset demo
 	$(BIN)/python -m jobs.train_draft --data $(DATA) --target models/demo-target --out models/demo-draft \
 		--objective atspeed-s --preset demo
+
+# The configuration reference, generated from the config's dataclasses (tests/test_docs.py fails when it is stale).
+docs: $(BIN)/.installed
+	$(BIN)/python -m pipeline.config_docs > docs/configuration.md
 
 # ruff (pyproject.toml [tool.ruff]) lints and checks the format first: a failure there stops the suite in seconds.
 test: $(BIN)/.installed browser lint
