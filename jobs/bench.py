@@ -107,6 +107,10 @@ def main(argv=None) -> int:
     from pipeline.bench.common import write_result
 
     write_result(Path(args.out), args.bench, result, md)
+    if getattr(params, "page", None):  # bench gpu --page DIR: the report kept as a dated page
+        from pipeline.bench.gpu import write_page
+
+        print(f"page: {write_page(Path(params.page), result, md)}", file=sys.stderr)
     return 0
 
 

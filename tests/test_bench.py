@@ -346,9 +346,14 @@ def test_bench_gpu_smoke_on_cpu(data, tmp_path):
     target = tiny_beauty_model(tmp_path / "target", data, 32, 0)
     draft = tiny_beauty_model(tmp_path / "draft", data, 16, 1)
     sections = ["parity", "shapes", "anchor", "disc", "speculative"]
-    run = bench_gpu_smoke(data, out, target=target, drafts=[draft], sections=sections)
+    run = bench_gpu_smoke(data, out, target=target, drafts=[draft], sections=sections, page=tmp_path / "pages")
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads((out / "gpu.json").read_text())
+    [page] = (tmp_path / "pages").glob("gpu-*.md")  # the report kept as a dated page, its provenance on top
+    text, ver = page.read_text(), result["versions"]
+    assert re.fullmatch(r"gpu-[a-z0-9-]+-\d{4}-\d{2}-\d{2}\.md", page.name) and text.startswith("# GPU benchmark: ")
+    assert ver["git_commit"] in text and ver["torch"] in text and "--page" in text
+    assert text.endswith((out / "gpu.md").read_text())
     assert {"matmul", "parity", "shapes", "anchor", "disc", "speculative", "seconds", "hardware"} <= set(result)
     rate = result["matmul"]["flops_per_s"]
     assert rate > 0

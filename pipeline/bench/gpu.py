@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -142,6 +143,26 @@ def run_gpu(p: GpuParams, command: str) -> tuple[dict, str]:
         result["speculative"] = section["speculative"]
     result["seconds"] = time.perf_counter() - t0
     return result, markdown_gpu(result, md)
+
+
+def write_page(folder: Path, result: dict, md: str) -> Path:
+    """The report as a page to keep (docs/benchmarks/gpu-<device>-<date>.md): when, where, which code and which
+    command measured every figure on it, then the report itself."""
+    env, hw, ver = result["environment"], result["hardware"], result["versions"]
+    device = hw.get("gpu") or env["device"]
+    date = time.strftime("%Y-%m-%d", time.gmtime())
+    slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
+    head = (
+        f"# GPU benchmark: {device}, {date}\n\n"
+        f"Measured on {date} (UTC) on {device} ({hw.get('gpu_memory_gib', '?')} GiB, CUDA {hw.get('cuda', 'none')}; "
+        f"host CPU {hw['cpu']}), torch {ver['torch']}, transformers {ver['transformers']}, commit "
+        f"`{ver['git_commit']}`, in {result['seconds'] / 60:.1f} minutes by\n\n```bash\n{env['command']}\n```\n\n"
+        "Random weights: the figures are speed and parity, not recommendation quality.\n\n"
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"gpu-{slug}-{date}.md"
+    path.write_text(head + md + "\n")
+    return path
 
 
 def gpu_device(p: GpuParams) -> torch.device:

@@ -187,6 +187,8 @@ class GpuParams:
     device: str | None = None
     seed: int = 0
     out: str = "bench-out"
+    page: str | None = None  # also keep the report as a dated page in this folder, gpu-<device>-<date>.md (make
+    # bench-gpu: docs/benchmarks), its provenance (date, device, versions, commit, command) on top
 
 
 @dataclass(kw_only=True)
@@ -254,6 +256,7 @@ FLAG_HELP = {
     "counts": "excluded items per user (each against none)",
     "engines": "beam_search engines (decoding/compiled.py): with compiled, eager vs compiled side by side",
     "methods": "shapes: the methods compared (beam_search is the eager engine)",
+    "page": "gpu: also keep the report as a dated page in this folder, gpu-<device>-<date>.md (docs/benchmarks)",
 }
 CHOICES = {
     "dtype": ["auto", "float32", "bfloat16", "float16"],
