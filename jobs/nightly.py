@@ -6,8 +6,10 @@ running) it starts a local Ray. Inputs, catalog and models are checked before Ra
 manifest on stdout on success; 2 with a message naming the bad file, field or model (nothing is published); 3 when
 another run holds the date's lease (nothing is written); 4 when the object store stayed unavailable for
 storage.retry_s (one `error:` line naming the store, the URI and the cause; the lease is released if the store lets
-it). A run that fails or is killed keeps what it committed: `--resume RUN_ID` (or `--resume latest`: the date's
-newest unfinished run, else a new one) decodes only the rest.
+it); 5 when no shard committed for runs.stall_exit_s (one `error:` line saying what the run waited for; the lease is
+released): resume it, perhaps with another compute.num_actors. A run that fails or is killed keeps what it
+committed: `--resume RUN_ID` (or `--resume latest`: the date's newest unfinished run, else a new one) decodes only
+the rest.
 `--gc` deletes the runs superseded more than runs.grace_s ago, then exits.
 """
 
@@ -41,7 +43,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from pipeline.lease import LeaseHeld, LeaseLost
-    from pipeline.nightly import collect_garbage, plan_run, run_nightly
+    from pipeline.nightly import Stalled, collect_garbage, plan_run, run_nightly
     from pipeline.storage import StoreUnavailable
 
     try:
@@ -62,6 +64,9 @@ def main(argv=None) -> int:
     except StoreUnavailable as e:
         print(f"error: {e}", file=sys.stderr)
         return 4
+    except Stalled as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 5
     print(
         json.dumps(
             {k: manifest[k] for k in ("run_id", "run_date", "status", "counts", "resume", "timings", "outputs")},

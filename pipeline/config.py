@@ -8,6 +8,7 @@ AWS_SECRET_ACCESS_KEY) or the cloud's default chain, and are never logged or wri
 from __future__ import annotations
 
 import datetime as dt
+import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -33,7 +34,9 @@ class Compute:
     # the models' shapes, K, L, the prompt length and free memory; halved on out-of-memory), on a CPU the whole shard
     batches_per_task: int = 4  # an actor-pool task decodes this many batches (each its own shard): amortises Ray's
     # per-task cost (~10-20 ms) at the price of a coarser tail; 1 balances best across many actors
-    num_actors: int | str = 1  # or auto: every GPU of the cluster (GPU actors), every CPU but a read task's (CPU)
+    num_actors: int | str = 1  # N actors; or a range min..max (e.g. 2..16): Ray Data's autoscaling pool, starting
+    # with what fits the cluster; or auto: follows the cluster (every GPU for GPU actors, every CPU for CPU actors, an
+    # actor more where a node joins). The read tasks reserve no CPU, so they never wait behind the actors
     gpus_per_actor: float = 0.0  # 0: CPU actors
     cpus_per_actor: float = 1.0  # Ray CPUs each actor holds
     threads_per_actor: int | None = None  # torch CPU threads in an actor (None: Ray's OMP_NUM_THREADS = CPUs)
@@ -62,6 +65,10 @@ class Runs:
     lease_s: float = 600.0  # S3: the date's lease, renewed every lease_s / 3; a killed run's lease expires after it
     grace_s: float = 7200.0  # superseded runs stay readable this long, then a later publish or --gc deletes them
     progress_s: float = 30.0  # the driver logs users done / total, users/s and an ETA this often
+    stall_s: float = 180.0  # no shard committed for this long: the driver logs what it waits for (the pool's actors
+    # not alive and their resource demands, the cluster's free resources), again every stall_s
+    stall_exit_s: float = 1800.0  # no shard committed for this long: the job stops, exit 5 (lease released); resume
+    # it, perhaps with another compute.num_actors
     duplicates_driver_mb: float = 1024.0  # the driver checks user ids for duplicates itself when the id column (with
     # positions and the hash table) takes at most this; above it, a Ray aggregation over the cluster
 
@@ -238,14 +245,20 @@ def _check_draft_beams(d: Decoding) -> None:
     )
 
 
+def _actor_range(value) -> bool:
+    """Whether compute.num_actors is a range `min..max` with 1 <= min <= max."""
+    m = re.fullmatch(r"(\d+)\.\.(\d+)", value) if isinstance(value, str) else None
+    return m is not None and 1 <= int(m[1]) <= int(m[2])
+
+
 def _check_compute(c: Compute, d: Decoding) -> None:
     """compute.* (batch_size is checked with the decoding integers): the actors, their resources, dtype, engine."""
     _need(c.decode_batch is None or c.decode_batch >= 1, "compute.decode_batch", "must be >= 1 or null", c.decode_batch)
     _need(c.batches_per_task >= 1, "compute.batches_per_task", "must be >= 1", c.batches_per_task)
     _need(
-        c.num_actors == "auto" or (isinstance(c.num_actors, int) and c.num_actors >= 1),
+        c.num_actors == "auto" or (isinstance(c.num_actors, int) and c.num_actors >= 1) or _actor_range(c.num_actors),
         "compute.num_actors",
-        "must be an integer >= 1 or auto",
+        "must be an integer >= 1, a range min..max (1 <= min <= max) or auto",
         c.num_actors,
     )
     _need(
@@ -283,6 +296,8 @@ def _check_runs(r: Runs) -> None:
     _need(r.lease_s >= 10, "runs.lease_s", "must be >= 10 seconds", r.lease_s)
     _need(r.grace_s >= 0, "runs.grace_s", "must be >= 0 seconds", r.grace_s)
     _need(r.progress_s > 0, "runs.progress_s", "must be > 0 seconds", r.progress_s)
+    _need(r.stall_s > 0, "runs.stall_s", "must be > 0 seconds", r.stall_s)
+    _need(r.stall_exit_s >= r.stall_s, "runs.stall_exit_s", f"must be >= runs.stall_s ({r.stall_s:g})", r.stall_exit_s)
     _need(
         r.duplicates_driver_mb >= 0,
         "runs.duplicates_driver_mb",

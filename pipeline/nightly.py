@@ -18,10 +18,12 @@ import functools
 import hashlib
 import json
 import logging
+import queue
 import subprocess
+import threading
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -33,12 +35,13 @@ from decoding.stats import timed
 from decoding.templates import TEMPLATE_FILE, PromptTemplate, get_template, read_template
 from operators.recommender import Inputs, prepare, table_schema
 from operators.spec import ActorSpec
-from pipeline import runs, shards, units
+from pipeline import cluster, runs, shards, units
 from pipeline import storage as S
-from pipeline.config import Compute, Config
+from pipeline.config import Compute, Config, Runs
 from pipeline.lease import Lease, LeaseLost
 
 log = logging.getLogger("genrec.nightly")
+NODE_POLL_S = 2.0  # how often the driver compares the alive nodes with the last look
 
 
 def read_catalog(cfg: Config) -> pa.Table:
@@ -367,10 +370,11 @@ class Attempt:
     work: list[dict]  # the units with positions no trusted shard covers (`units.todo`)
     total: int  # users in the input
     left: int  # users to decode
-    actors: int  # the recommender actor pool's size
+    pool: cluster.Pool  # the recommender actor pool
     duplicates: pa.Table | None = None  # user ids seen more than once [user_id, first] (None: none)
     checked_on: str = "driver"  # where they were looked for (`units.find_duplicates`)
     shards_decoded: int = 0
+    watch: cluster.Watch | None = None  # the nodes lost and joined while it decoded
 
 
 def execute(plan: Plan, run_id: str, resumed: bool, lease: Lease, latest: str | None) -> dict:
@@ -380,7 +384,7 @@ def execute(plan: Plan, run_id: str, resumed: bool, lease: Lease, latest: str | 
     with clock.phase("total"):
         with clock.phase("decode"):  # from the start, as the shards' commit times are
             attempt = start_attempt(plan, run_id, resumed, clock)
-            attempt.shards_decoded = decode_pending(plan, attempt, lease)
+            attempt.shards_decoded, attempt.watch = decode_pending(plan, attempt, lease)
         files, sums = tally_shards(plan, attempt, clock.started)
     manifest = manifest_of(plan, attempt, files, sums, timings(plan, clock, sums))
     publish_run(plan, attempt, manifest, lease, latest)
@@ -413,8 +417,8 @@ def start_attempt(plan: Plan, run_id: str, resumed: bool, clock: Clock) -> Attem
         done = shards.committed(run, cfg.storage, trusted)
     work = units.todo(plan.units, done)
     total, left = sum(u.rows for u in plan.units), sum(len(units.positions(u)) for u in work)
-    actors = num_actors(cfg.compute, ray.cluster_resources())
-    a = Attempt(run_id, run, resumed, attempt_id, trusted, work, total, left, actors)
+    pool = cluster.actor_pool(cfg.compute, ray.cluster_resources())
+    a = Attempt(run_id, run, resumed, attempt_id, trusted, work, total, left, pool)
     log_pending(plan, a)
     with clock.phase("duplicates"):
         a.duplicates, a.checked_on = find_duplicates(plan) if total else (None, "driver")
@@ -423,7 +427,7 @@ def start_attempt(plan: Plan, run_id: str, resumed: bool, clock: Clock) -> Attem
 
 def log_pending(plan: Plan, a: Attempt) -> None:
     log.info(
-        "run %s%s: %d users in %d row groups of %s; %d already committed in %d shards, %d to decode",
+        "run %s%s: %d users in %d row groups of %s; %d already committed in %d shards, %d to decode by %s",
         a.run_id,
         " (resumed)" if a.resumed else "",
         a.total,
@@ -432,6 +436,7 @@ def log_pending(plan: Plan, a: Attempt) -> None:
         a.total - a.left,
         len(a.trusted),
         a.left,
+        a.pool.describe(),
     )
 
 
@@ -445,11 +450,12 @@ def find_duplicates(plan: Plan) -> tuple[pa.Table | None, str]:
     )
 
 
-def decode_pending(plan: Plan, a: Attempt, lease: Lease) -> int:
-    """One streaming Ray Data execution over the attempt's pending units -> the shards it wrote (0: none pending)."""
+def decode_pending(plan: Plan, a: Attempt, lease: Lease) -> tuple[int, cluster.Watch | None]:
+    """One streaming Ray Data execution over the attempt's pending units -> (the shards it wrote, the watch of its
+    nodes); (0, None) if none is pending."""
     if not a.work:
-        return 0
-    return follow(recommend(read_pending(plan, a), plan, a), a.left, plan.cfg.runs.progress_s, lease)
+        return 0, None
+    return follow(recommend(read_pending(plan, a), plan, a), a.left, plan.cfg.runs, lease)
 
 
 def read_pending(plan: Plan, a: Attempt):
@@ -459,19 +465,19 @@ def read_pending(plan: Plan, a: Attempt):
 
     cfg = plan.cfg
     ds = ray.data.from_items(a.work)
-    # a task whose store calls still fail after storage.retry_s raises StoreUnavailable, itself (not wrapped), and
-    # Ray runs it again up to BATCH_RETRIES times (task and actor-task retries for that exception only) before
-    # the job gives up; an actor that dies is restarted and its task retried, as often
+    # Store errors: a call that still fails after storage.retry_s raises StoreUnavailable, itself (not wrapped). A read
+    # task's ends the job (exit 4); a shard's is an application error Ray retries on the same actor (retry_exceptions),
+    # BATCH_RETRIES times (ShardRecommender counts them). System failures (a lost node, a killed worker) are Ray
+    # Data's own retries, unbounded: a restarted actor reruns its unfinished batches, a lost read task runs again.
     ds.context.raise_original_map_exception = True
     ds.context.actor_task_retry_on_errors = [S.StoreUnavailable]
     columns = input_columns(cfg, plan.data.schema)
+    # Ray Data fuses these read tasks with `recommend`'s repartition (same resources: 1 CPU each, cluster.READ_CPUS),
+    # so every unit is read and cut into blocks by one task; the actor pool leaves that CPU free (cluster.fits)
     return ds.map_batches(
         read_units,
         batch_size=1,
         batch_format="pyarrow",
-        num_cpus=0.5,
-        max_retries=S.BATCH_RETRIES,
-        retry_exceptions=[S.StoreUnavailable],
         fn_kwargs={
             "fs": plan.fs,
             "columns": columns,
@@ -485,9 +491,8 @@ def read_pending(plan: Plan, a: Attempt):
 def recommend(ds, plan: Plan, a: Attempt):
     """Rows -> the ShardRecommender actor pool (each batch a shard it decodes, writes and commits) -> one summary row
     per shard."""
-    import ray
-
-    c = plan.cfg.compute
+    cfg = plan.cfg
+    c = cfg.compute
     # blocks of batches_per_task batches: every actor of the pool gets work, each task decodes (and commits) them
     # one batch at a time
     ds = ds.repartition(target_num_rows_per_block=c.batch_size * c.batches_per_task)
@@ -495,14 +500,14 @@ def recommend(ds, plan: Plan, a: Attempt):
         shards.ShardRecommender,
         batch_size=c.batch_size,
         batch_format="pyarrow",
-        fn_constructor_kwargs={
-            "spec": replace(plan.spec, run_id=a.run_id),
+        fn_constructor_kwargs={  # small, inline: the catalog is read by each actor (shards.CatalogRef)
+            "spec": replace(plan.spec, run_id=a.run_id, catalog=None),
+            "catalog": shards.CatalogRef(cfg.catalog, plan.identity["catalog"]),
             "run": a.run,
-            "storage": plan.cfg.storage,
+            "storage": cfg.storage,
             "attempt": a.id,
         },
-        compute=ray.data.ActorPoolStrategy(size=a.actors),
-        max_task_retries=S.BATCH_RETRIES,
+        compute=a.pool.strategy(),
         **actor_resources(c),
     )
 
@@ -542,7 +547,12 @@ def manifest_of(plan: Plan, a: Attempt, files: dict, sums: dict, timings: dict) 
         "run_date": cfg.run_date,
         "status": "succeeded",
         "config": cfg.to_dict(),
-        "actors": {"count": a.actors, **actor_resources(cfg.compute)},
+        "actors": {
+            "count": len(sums["compute_actors"]) or a.pool.initial,
+            "pool": asdict(a.pool),
+            **actor_resources(cfg.compute),
+        },
+        "cluster": a.watch.faults() if a.watch else {"nodes_lost": [], "nodes_joined": [], "tasks_retried": 0},
         "code_version": code_version(),
         "models": {role: {"uri": m["uri"], "sha256": m["sha256"]} for role, m in plan.models.items()},
         "template": renderer.template.to_dict(),
@@ -643,35 +653,71 @@ def exclusions_summary(cfg: Config, schema: pa.Schema, sums: dict) -> dict:
     }
 
 
-def num_actors(c: Compute, resources: dict) -> int:
-    """compute.num_actors, or for `auto` every accelerator of the cluster (`resources`: ray.cluster_resources()):
-    GPU actors as many as its GPUs hold (gpus_per_actor 0.25: four per GPU), CPU actors as many as its CPUs hold
-    after the 0.5 CPU a read task needs; at least one."""
-    if c.num_actors != "auto":
-        return int(c.num_actors)
-    if c.gpus_per_actor > 0:
-        return max(1, int(resources.get("GPU", 0) / c.gpus_per_actor + 1e-9))
-    return max(1, int((resources.get("CPU", 1) - 0.5) / c.cpus_per_actor + 1e-9))
-
-
 def actor_resources(c: Compute) -> dict:
     """What each recommender actor reserves: its CPUs and, for GPU actors, its share of a GPU (fractional: several
     actors of a small model share one GPU)."""
     return {"num_cpus": c.cpus_per_actor, "num_gpus": c.gpus_per_actor or None}
 
 
-def follow(ds, total: int, every_s: float, lease: Lease) -> int:
-    """Streams the execution: one summary row per written shard; logs users done / total, users/s and an ETA every
-    every_s seconds; stops if the lease is lost -> shards written."""
-    t0 = last = time.perf_counter()
+class Stalled(Exception):
+    """No shard committed for runs.stall_exit_s: the job stops (exit 5) and releases the lease; a resume, perhaps with
+    another compute.num_actors, decodes the rest."""
+
+
+def stream(ds) -> queue.Queue:
+    """The execution's summary rows, consumed by a thread of their own -> a queue of tables, then None (the end) or
+    the exception that ended it: the driver keeps watching while nothing commits."""
+    rows: queue.Queue = queue.Queue()
+
+    def pump() -> None:
+        try:
+            for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+                rows.put(batch)
+            rows.put(None)
+        except BaseException as e:  # handed to the driver's thread, which raises it
+            rows.put(e)
+
+    threading.Thread(target=pump, name="genrec-shards", daemon=True).start()
+    return rows
+
+
+def follow(ds, total: int, r: Runs, lease: Lease) -> tuple[int, cluster.Watch]:
+    """Streams the execution: one summary row per written shard. Logs users done / total, users/s and an ETA every
+    runs.progress_s; every node lost or joined and each loss's recovery (`cluster.Watch`); when no shard has committed
+    for runs.stall_s, what the run waits for, again every stall_s; raises Stalled past runs.stall_exit_s, LeaseLost if
+    the lease is lost -> (shards written, the watch)."""
+    rows, watch = stream(ds), cluster.Watch()
+    t0 = last = last_commit = last_said = last_poll = time.perf_counter()
     users = n = 0
-    for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
-        users += int(pc.sum(batch["users_in"]).as_py() or 0)
-        n += batch.num_rows
+    while True:
+        try:
+            batch = rows.get(timeout=1.0)
+        except queue.Empty:
+            batch = False
+        if isinstance(batch, BaseException):
+            raise batch
+        if batch is None:
+            break
+        now = time.perf_counter()
+        if batch is not False:
+            users += int(pc.sum(batch["users_in"]).as_py() or 0)
+            n += batch.num_rows
+            last_commit = now
+            watch.committed(any(batch["restarted"].to_pylist()), t0)
         if lease.lost:
             raise LeaseLost(lease.lost)
-        now = time.perf_counter()
-        if now - last >= every_s:
+        if now - last_poll >= NODE_POLL_S:
+            last_poll = now
+            watch.poll(t0)
+        if now - last_commit >= r.stall_exit_s:
+            raise Stalled(
+                f"no shard committed for {now - last_commit:.0f} s (runs.stall_exit_s = {r.stall_exit_s:g}), "
+                f"{users} of {total} users decoded: {cluster.waiting_for()}"
+            )
+        if now - last_commit >= r.stall_s and now - last_said >= r.stall_s:
+            last_said = now
+            log.warning("no shard committed for %.0f s; waiting for: %s", now - last_commit, cluster.waiting_for())
+        if now - last >= r.progress_s:
             last, rate = now, users / (now - t0)
             eta = (total - users) / rate if rate > 0 else float("inf")
             log.info(
@@ -683,7 +729,7 @@ def follow(ds, total: int, every_s: float, lease: Lease) -> int:
                 eta,
             )
     log.info("decoded %d users in %d shards, %.1f s", users, n, time.perf_counter() - t0)
-    return n
+    return n, watch
 
 
 def collect_garbage(cfg: Config) -> list[str]:

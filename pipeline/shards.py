@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pyarrow as pa
@@ -179,6 +179,7 @@ class Tally:
     compile_s: dict = field(default_factory=dict)  # actor -> its compile seconds
     graphs: int = 0
     last: dict = field(default_factory=dict)  # actor -> (its last batch with an auto state, that state)
+    actors: set = field(default_factory=set)  # the actors that committed shards since `since` (restarts included)
 
     def add(self, t: pa.Table) -> None:
         """One metrics file's rows (TALLIED columns)."""
@@ -199,7 +200,10 @@ class Tally:
         self.add_actors(t)
 
     def add_actors(self, t: pa.Table) -> None:
-        """Each actor's compile seconds and its last auto state."""
+        """The actors that committed since `since`, each one's compile seconds and its last auto state."""
+        self.actors |= {
+            r["actor"] for r in t.select(["actor", "committed_at"]).to_pylist() if r["committed_at"] >= self.since
+        }
         for r in t.select(["actor", "compile_s"]).filter(pc.is_valid(t["compile_s"])).to_pylist():
             self.compile_s[r["actor"]] = self.compile_s.get(r["actor"], 0.0) + r["compile_s"]
         for r in t.select(["actor", "batch", "auto"]).to_pylist():
@@ -219,6 +223,7 @@ class Tally:
             "exclusions": self.excluded,
             "compile_s": dict(sorted(self.compile_s.items())) if self.graphs else None,
             "graphs_compiled": self.graphs,
+            "compute_actors": sorted(self.actors),
         }
 
 
@@ -240,20 +245,57 @@ def precision_audit(dtypes: list[str], audit: dict, worst: list[float]) -> dict:
     }
 
 
+@dataclass(frozen=True)
+class CatalogRef:
+    """The catalog as an actor finds it: its URI and the content identity the driver read. The actor reads it itself,
+    so its constructor arguments stay small and travel inline, never through an object store that a lost node can
+    take with it (ray#53727: a restarted actor whose arguments are lost cannot start)."""
+
+    uri: str
+    content_id: str
+
+    def read(self, storage: Storage) -> pa.Table:
+        """The catalog, refused (ValueError) unless it is still the one the run started with."""
+        table = S.read_parquet(self.uri, storage)
+        fs, path = S.filesystem(self.uri, storage)
+        found = S.content_id(path, fs, storage)
+        if found != self.content_id:
+            raise ValueError(
+                f"catalog {self.uri} changed during the run (was {self.content_id}, now {found}): rerun the date"
+            )
+        return table
+
+
 class ShardRecommender:
     """The actor of the graph: each batch it gets is one shard (named by its first position). Duplicate rows go to
     rejects, the rest to the Recommender; the actor writes the shard itself (no output rows cross the object store)
     and returns one summary row for the driver's progress."""
 
-    def __init__(self, spec: ActorSpec, run: str, storage: Storage, attempt: str):
+    def __init__(self, spec: ActorSpec, catalog: CatalogRef, run: str, storage: Storage, attempt: str):
+        spec = replace(spec, catalog=catalog.read(storage))
         self.recommender, self.run, self.storage, self.attempt = Recommender(spec), run, storage, attempt
         self.written: dict[str, dict] = {}  # shard -> its summary row: the batches this actor committed
+        self.gave_up: dict[str, int] = {}  # shard -> its StoreUnavailable errors on this actor
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        pos = batch["pos"].to_numpy()
-        shard = f"s{int(pos.min()):012d}"
+        """One batch -> its shard committed -> its summary row. A StoreUnavailable is Ray's to retry (the actors'
+        retry_exceptions: Ray runs the task again on this actor) until this shard has had BATCH_RETRIES + 1 of them
+        here; then StoreGaveUp, which Ray does not retry. A lost actor's tasks are retried on its restart, without
+        limit: that is a system failure, which no application retry count spends."""
+        shard = f"s{int(pc.min(batch['pos']).as_py()):012d}"
         if shard in self.written:  # Ray retries a task whose later batch gave up on the store: this one is committed
             return pa.Table.from_pylist([self.written[shard]])
+        try:
+            return self.commit(shard, batch)
+        except S.StoreUnavailable as e:
+            self.gave_up[shard] = self.gave_up.get(shard, 0) + 1
+            if self.gave_up[shard] > S.BATCH_RETRIES:
+                raise S.StoreGaveUp(e.message) from None
+            raise
+
+    def commit(self, shard: str, batch: pa.Table) -> pa.Table:
+        """Decodes the batch, writes and commits its shard -> its summary row."""
+        pos = batch["pos"].to_numpy()
         dup = batch["duplicate"].to_numpy(zero_copy_only=False)
         out = self.recommender(batch.filter(pa.array(~dup)).drop_columns(["pos", "duplicate"]))
         kind = out["kind"]
@@ -287,7 +329,15 @@ class ShardRecommender:
         self.written[shard] = {
             key: metric[key] for key in ("users_in", "users_ok", "users_rejected", "recommendations")
         }
+        self.written[shard]["restarted"] = restarted()
         return pa.Table.from_pylist([self.written[shard]])
+
+
+def restarted() -> bool:
+    """Whether this actor is a restart (Ray brought it back after its process or node was lost)."""
+    import ray
+
+    return ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed
 
 
 def ranges_of(pos: np.ndarray) -> list[list[int]]:

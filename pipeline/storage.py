@@ -72,6 +72,19 @@ class StoreUnavailable(Exception):
         return self.message
 
 
+class StoreGaveUp(Exception):
+    """A shard's StoreUnavailable after Ray ran its batch again BATCH_RETRIES times: not in the actors'
+    retry_exceptions, so the job stops (exit 4, as for StoreUnavailable). Its own class, not a subclass: Ray retries
+    every instance of a class it is told to retry."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
 def transient(e: BaseException) -> bool:
     """Whether an error from the store may pass if the call is tried again (see the policy above)."""
     import botocore.exceptions as be
@@ -131,12 +144,15 @@ def retrying(call: Callable[[], T], storage: Storage, what: str, budget_s: float
 
 
 def unavailable(e: BaseException) -> StoreUnavailable | None:
-    """The StoreUnavailable behind an error, however wrapped (Ray's task errors keep it as `cause`), or None."""
+    """The StoreUnavailable behind an error, however wrapped (Ray's task errors keep it as `cause`; a StoreGaveUp
+    becomes its StoreUnavailable), or None."""
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         if isinstance(e, StoreUnavailable) and type(e) is StoreUnavailable:
             return e
+        if isinstance(e, StoreGaveUp) and type(e) is StoreGaveUp:
+            return StoreUnavailable(e.message)
         e = getattr(e, "cause", None) or e.__cause__ or e.__context__
     return None
 

@@ -1,6 +1,7 @@
-"""Throwaway servers for integration tests: an S3 store (SeaweedFS `weed mini`) and a Ray head node
-with token authentication. Both bind free ports, so tests may run beside each other and beside a
-developer's own Ray cluster; both are stopped, with every process they started, on exit.
+"""Throwaway servers for integration tests: an S3 store (SeaweedFS `weed mini`), a Ray head node with token
+authentication, and Ray worker nodes that join it (`ray_worker`: a node a test kills, or adds mid-run). All bind free
+ports, so tests may run beside each other and beside a developer's own Ray cluster; all are stopped, with every
+process they started, on exit.
 
     from tests.servers import ray_head, seaweedfs
 
@@ -675,4 +676,78 @@ def ray_head(
                 ignore_dangling_symlinks=True,
                 ignore=shutil.ignore_patterns("*.sock", "sockets"),
             )
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@dataclass
+class RayWorker:
+    """A worker node of a `ray_head` cluster: its own `ray start`, ports, temp dir and HOME (so its own model cache)."""
+
+    node_ip: str
+    temp_dir: Path
+    home: Path
+    session_id: int  # its raylet, agents and workers
+    num_cpus: int
+
+    def kill(self) -> None:
+        """The node is lost: SIGKILL to its raylet, agents and workers at once (as when a spot node is reclaimed)."""
+        _signal(_session_pids(self.session_id), signal.SIGKILL)
+
+
+def _alive_nodes(head: RayHead) -> int:
+    """Alive nodes of the cluster, asked of the head's job server (no ray.init in the test process)."""
+    request = urllib.request.Request(
+        f"{head.dashboard_url}/nodes?view=summary", headers={"Authorization": f"Bearer {head.token}"}
+    )
+    with urllib.request.urlopen(request, timeout=5) as r:
+        summary = json.loads(r.read())["data"]["summary"]
+    return sum(1 for node in summary if node["raylet"]["state"] == "ALIVE")
+
+
+@contextlib.contextmanager
+def ray_worker(head: RayHead, tmp_dir, num_cpus: int = 2, timeout: float = 90.0) -> Iterator[RayWorker]:
+    """A worker node joined to `head` (token auth), its ports free ones; stopped (SIGKILL, every process it started)
+    on exit, if not killed before. Ready when the head counts one more alive node."""
+    ray_bin = find_executable("ray")
+    tmp_dir = Path(tmp_dir).absolute()
+    home = tmp_dir / "home"
+    home.mkdir(parents=True, exist_ok=True)
+    temp_dir = Path(tempfile.mkdtemp(prefix="rayw", dir="/tmp"))
+    node_manager, object_manager, metrics, agent, agent_grpc, runtime_env = free_ports(6)
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
+    env.update({**head.env(), "HOME": str(home), "RAY_USAGE_STATS_ENABLED": "0"})
+    env["PATH"] = os.pathsep.join([str(Path(ray_bin).parent), env.get("PATH", "")])
+    before = _alive_nodes(head)
+    cmd = [
+        ray_bin,
+        "start",
+        f"--address={head.address}",
+        f"--num-cpus={num_cpus}",
+        f"--node-manager-port={node_manager}",
+        f"--object-manager-port={object_manager}",
+        f"--metrics-export-port={metrics}",
+        f"--dashboard-agent-listen-port={agent}",
+        f"--dashboard-agent-grpc-port={agent_grpc}",
+        f"--runtime-env-agent-port={runtime_env}",
+        "--object-store-memory=268435456",
+        f"--temp-dir={temp_dir}",
+        "--disable-usage-stats",
+    ]
+    log_path = tmp_dir / "ray-start.log"
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    worker = RayWorker("127.0.0.1", temp_dir, home, proc.pid, num_cpus)
+    try:
+        if proc.wait(timeout=timeout) != 0:
+            raise RuntimeError(f"`ray start --address` failed; {log_path}:\n{tail(log_path)}")
+        deadline = time.monotonic() + timeout
+        while _alive_nodes(head) <= before:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the worker node did not join after {timeout:.0f} s:\n{tail(log_path)}")
+            time.sleep(0.3)
+        yield worker
+    finally:
+        kill_session(worker.session_id, grace=0.0)
         shutil.rmtree(temp_dir, ignore_errors=True)

@@ -37,8 +37,19 @@ def test_file_plus_overrides(tmp_path):
         ("compute.gpus=1", "unknown field compute.gpus"),
         ("storage.secret_key=abc", "storage.secret_key looks like a credential"),
         ("decoding=3", "decoding must be a section"),
-        ("compute.num_actors=0", "compute.num_actors must be an integer >= 1 or auto, got 0"),
-        ("compute.num_actors=all", "compute.num_actors must be an integer >= 1 or auto, got 'all'"),
+        (
+            "compute.num_actors=0",
+            "compute.num_actors must be an integer >= 1, a range min..max (1 <= min <= max) or auto, got 0",
+        ),
+        (
+            "compute.num_actors=all",
+            "compute.num_actors must be an integer >= 1, a range min..max (1 <= min <= max) or auto, got 'all'",
+        ),
+        (
+            "compute.num_actors=4..2",
+            "compute.num_actors must be an integer >= 1, a range min..max (1 <= min <= max) or auto, got '4..2'",
+        ),
+        ("runs.stall_exit_s=10", "runs.stall_exit_s must be >= runs.stall_s (180), got 10"),
         ("compute.gpus_per_actor=1.5", "compute.gpus_per_actor must be >= 0, a fraction of one GPU"),
         ("compute.decode_batch=0", "compute.decode_batch must be >= 1 or null, got 0"),
         ("compute.audit_users=-1", "compute.audit_users must be an integer >= 0 (0: no audit) or null"),
@@ -51,23 +62,33 @@ def test_errors_name_the_field(override, message):
         load_config(None, BASE + [override])
 
 
-def test_actors_auto_and_fractional_gpus():
-    """compute.num_actors: auto fills the cluster: GPU actors by its GPUs (fractions of a GPU share one), CPU actors
-    by its CPUs less the half CPU a read task needs; the actors reserve what the config says."""
-    from pipeline.nightly import actor_resources, num_actors
+def test_actor_pools_fit_the_cluster():
+    """compute.num_actors: N is at most N, as many as fit; min..max an autoscaling pool starting with what fits the
+    cluster now; auto follows the cluster (no upper bound), starting with what fits: by its GPUs (fractions of a GPU
+    share one) and its CPUs less the read side's one; the actors reserve what the config says."""
+    from pipeline.cluster import Pool, actor_pool
+    from pipeline.nightly import actor_resources
 
     def compute(*sets):
         return load_config(None, BASE + list(sets)).compute
 
     gpu = {"CPU": 64.0, "GPU": 8.0}
-    assert num_actors(compute("compute.num_actors=auto", "compute.gpus_per_actor=1"), gpu) == 8
+    assert actor_pool(compute("compute.num_actors=auto", "compute.gpus_per_actor=1"), gpu) == Pool(1, None, 8)
     quarter = compute("compute.num_actors=auto", "compute.gpus_per_actor=0.25")
-    assert num_actors(quarter, gpu) == 32 and actor_resources(quarter) == {"num_cpus": 1.0, "num_gpus": 0.25}
-    assert num_actors(compute("compute.num_actors=auto", "compute.gpus_per_actor=2"), gpu) == 4
-    assert num_actors(compute("compute.num_actors=auto", "compute.gpus_per_actor=0.3"), {"GPU": 1.0}) == 3
-    assert num_actors(compute("compute.num_actors=auto", "compute.cpus_per_actor=2"), {"CPU": 8.0}) == 3
-    assert num_actors(compute("compute.num_actors=auto"), {"CPU": 1.0}) == 1  # at least one
-    assert num_actors(compute("compute.num_actors=5"), gpu) == 5  # a number is kept as given
+    assert actor_pool(quarter, gpu).initial == 32 and actor_resources(quarter) == {"num_cpus": 1.0, "num_gpus": 0.25}
+    assert actor_pool(compute("compute.num_actors=auto", "compute.gpus_per_actor=2"), gpu).initial == 4
+    assert (
+        actor_pool(compute("compute.num_actors=auto", "compute.gpus_per_actor=0.3"), {"CPU": 8, "GPU": 1}).initial == 3
+    )
+    few_cpus = compute("compute.num_actors=auto", "compute.gpus_per_actor=0.25")
+    assert actor_pool(few_cpus, {"CPU": 3.0, "GPU": 1.0}).initial == 2  # each actor holds a CPU too; one is the reads'
+    assert actor_pool(compute("compute.num_actors=auto", "compute.cpus_per_actor=2"), {"CPU": 8.0}).initial == 3
+    assert actor_pool(compute("compute.num_actors=auto"), {"CPU": 1.0}) == Pool(1, None, 1)  # at least one
+    assert actor_pool(compute("compute.num_actors=5"), gpu) == Pool(5, 5, 5)  # a number, where the cluster holds it
+    assert actor_pool(compute("compute.num_actors=5"), {"CPU": 3.0}) == Pool(2, 5, 2)  # else what fits, up to it
+    assert actor_pool(compute("compute.num_actors=2..16"), {"CPU": 6.0}) == Pool(2, 16, 5)  # what fits now
+    assert actor_pool(compute("compute.num_actors=2..16"), {"CPU": 2.0}) == Pool(1, 16, 1)  # the reads keep their CPU
+    assert actor_pool(compute("compute.num_actors=2..4"), {"CPU": 8.0}) == Pool(2, 4, 4)  # at most max
     assert actor_resources(compute()) == {"num_cpus": 1.0, "num_gpus": None}  # CPU actors reserve no GPU
 
 

@@ -111,7 +111,9 @@ def test_nightly_outputs_equal_beam_search_exactly_once(world, ray_session, tmp_
     cfg = config(world, tmp_path / "out", "compute.num_actors=auto")
     manifest = run_nightly(cfg)
     assert ray_session.exists()  # an actor was killed mid-run and the run still completed
-    assert manifest["actors"] == {"count": 1, "num_cpus": 1.0, "num_gpus": None}  # auto: 2 CPUs less a read task's
+    pool = {"min": 1, "max": None, "initial": 1}  # auto: 2 CPUs less the read side's one, and more where nodes join
+    assert manifest["actors"] == {"count": 1, "pool": pool, "num_cpus": 1.0, "num_gpus": None}
+    assert manifest["cluster"] == {"nodes_lost": [], "nodes_joined": [], "tasks_retried": 0}
     run, t = read_run(cfg)
     assert S.read_bytes(f"{run}/_SUCCESS", cfg.storage) is not None and manifest["status"] == "succeeded"
     recs = t["recommendations"].to_pandas().sort_values(["user_id", "rank"])

@@ -1,0 +1,184 @@
+"""What the driver sees of the Ray cluster while a run decodes: the recommender pool that fits it, the nodes that leave
+and join it, what a run waits for when no shard commits, and the actor tasks Ray retried.
+
+Node loss is Ray's to recover (Ray Data's actor pools restart a lost actor on another node, `max_restarts=-1`, and
+retry its in-flight tasks there, `max_task_retries=-1`); the driver only watches and says what happened.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+
+from pipeline.config import Compute
+
+log = logging.getLogger("genrec.nightly")
+
+READ_CPUS = 1.0  # what the read side needs: one read task (Ray's default 1 CPU), never taken by the actor pool
+POOL_CLASS = "MapWorker"  # Ray Data's actor-pool workers: _MapWorker, the class every pool actor runs
+
+
+@dataclass(frozen=True)
+class Pool:
+    """The recommender actor pool: Ray Data's ActorPoolStrategy(min_size, max_size, initial_size)."""
+
+    min: int
+    max: int | None  # None: as many as the cluster holds (auto)
+    initial: int
+
+    def strategy(self):
+        import ray
+
+        return ray.data.ActorPoolStrategy(min_size=self.min, max_size=self.max, initial_size=self.initial)
+
+    def describe(self) -> str:
+        if self.min == self.max:
+            return f"{self.min} actors"
+        return f"{self.min}..{self.max or 'the cluster'} actors, {self.initial} at start"
+
+
+def fits(c: Compute, resources: dict) -> int:
+    """Actors the cluster (`resources`: ray.cluster_resources()) holds beside one read task (READ_CPUS): GPU actors by
+    its GPUs (0.25 a GPU: four per GPU), every actor by its CPUs; at least one."""
+    n = int((resources.get("CPU", 0) - READ_CPUS) / c.cpus_per_actor + 1e-9)
+    if c.gpus_per_actor > 0:
+        n = min(n, int(resources.get("GPU", 0) / c.gpus_per_actor + 1e-9))
+    return max(1, n)
+
+
+def actor_pool(c: Compute, resources: dict) -> Pool:
+    """compute.num_actors -> the pool. N: at most N, starting with (and keeping at least) what fits now, so a resume on
+    a smaller cluster runs on what it has; `min..max`: Ray Data's autoscaling pool, starting with what fits now, at most
+    max (min holds where the cluster holds it: actors that took the read side's CPU would wait forever for rows); auto:
+    one that follows the cluster (what fits now, then more where a node joins)."""
+    now = fits(c, resources)
+    if c.num_actors == "auto":
+        return Pool(1, None, now)
+    if isinstance(c.num_actors, str):
+        lo, hi = (int(x) for x in c.num_actors.split(".."))
+        return Pool(min(lo, now), hi, min(now, hi))
+    return Pool(min(now, c.num_actors), c.num_actors, min(now, c.num_actors))
+
+
+def alive_nodes() -> dict[str, dict]:
+    """node id -> {"ip", "resources"} of the cluster's alive nodes."""
+    import ray
+
+    return {
+        n["NodeID"]: {"ip": n["NodeManagerAddress"], "resources": n["Resources"]} for n in ray.nodes() if n["Alive"]
+    }
+
+
+def pool_actors(**filters) -> list:
+    """The pool's actors in Ray's state API (filters: column=value); [] if the state API cannot answer."""
+    from ray.util.state import list_actors
+
+    try:
+        found = list_actors(
+            filters=[(k, "=", v) for k, v in filters.items()], detail=True, raise_on_missing_output=False
+        )
+    except Exception as e:  # the dashboard is optional: the run goes on without these details
+        log.debug("Ray's state API did not answer: %s", e)
+        return []
+    return [a for a in found if POOL_CLASS in a.class_name]
+
+
+def waiting_for() -> str:
+    """What a run that commits nothing waits for: the pool's actors not alive (state and resource demands) and the
+    cluster's free and total resources."""
+    import ray
+
+    waiting = [a for a in pool_actors() if a.state in ("PENDING_CREATION", "RESTARTING", "DEPENDENCIES_UNREADY")]
+    actors = "; ".join(f"{a.actor_id[:8]} {a.state} needs {short(a.required_resources or {})}" for a in waiting)
+    return (
+        f"{len(waiting)} pool actors not alive{': ' + actors if actors else ''}; "
+        f"free {short(ray.available_resources())} of {short(ray.cluster_resources())}; "
+        f"{len(alive_nodes())} nodes alive"
+    )
+
+
+def short(resources: dict) -> str:
+    """{CPU: 2.0, GPU: 1.0, memory: ..., node:...} -> "CPU 2, GPU 1" (Ray's own bookkeeping resources left out)."""
+    keep = {
+        k: v for k, v in resources.items() if not re.match(r"(node:|memory|object_store_memory|accelerator_type)", k)
+    }
+    return ", ".join(f"{k} {v:g}" for k, v in sorted(keep.items())) or "nothing"
+
+
+def retried_tasks() -> int | None:
+    """Actor tasks of the pool that Ray ran again (attempt > 0: their actor was lost, or a store error), in this job;
+    None if the state API cannot answer."""
+    import ray
+    from ray.util.state import list_tasks
+
+    try:
+        tasks = list_tasks(
+            filters=[("job_id", "=", ray.get_runtime_context().get_job_id()), ("type", "=", "ACTOR_TASK")],
+            limit=100_000,
+            raise_on_missing_output=False,
+        )
+    except Exception as e:
+        log.debug("Ray's state API did not answer: %s", e)
+        return None
+    return len({t.task_id for t in tasks if t.attempt_number > 0 and POOL_CLASS in t.name})
+
+
+@dataclass
+class Watch:
+    """The nodes of the cluster while a run decodes: each loss (when it was seen, the pool actors on the node, when a
+    restarted actor next committed a shard) and each join, logged as they happen."""
+
+    nodes: dict = field(default_factory=alive_nodes)
+    lost: list = field(default_factory=list)  # [{"node", "ip", "seen_at", "actors", "recovered_s"}]
+    joined: list = field(default_factory=list)  # [{"node", "ip", "seen_at"}]
+
+    def poll(self, t0: float) -> None:
+        """Compares the alive nodes with the last poll; logs every loss and join."""
+        now_nodes, now = alive_nodes(), time.perf_counter() - t0
+        for node in self.nodes.keys() - now_nodes.keys():
+            actors = [a for a in pool_actors(node_id=node)]
+            self.lost.append(
+                {"node": node, "ip": self.nodes[node]["ip"], "seen_at_s": round(now, 1), "actors": len(actors)}
+            )
+            log.warning(
+                "node %s (%s) lost %.0f s into the decode, with %d pool actors: Ray restarts them where the cluster "
+                "has room and runs their unfinished batches again",
+                node[:12],
+                self.nodes[node]["ip"],
+                now,
+                len(actors),
+            )
+        for node in now_nodes.keys() - self.nodes.keys():
+            self.joined.append({"node": node, "ip": now_nodes[node]["ip"], "seen_at_s": round(now, 1)})
+            log.info(
+                "node %s (%s) joined %.0f s into the decode, with %s",
+                node[:12],
+                now_nodes[node]["ip"],
+                now,
+                short(now_nodes[node]["resources"]),
+            )
+        self.nodes = now_nodes
+
+    def committed(self, restarted: bool, t0: float) -> None:
+        """A shard committed; the first one from a restarted actor after a loss ends that loss's recovery."""
+        if not restarted:
+            return
+        for loss in self.lost:
+            if "recovered_s" not in loss:
+                loss["recovered_s"] = round(time.perf_counter() - t0 - loss["seen_at_s"], 1)
+                log.warning(
+                    "recovered from the loss of node %s: a restarted actor committed a shard %.1f s after the loss "
+                    "was seen",
+                    loss["node"][:12],
+                    loss["recovered_s"],
+                )
+
+    def faults(self) -> dict:
+        """The manifest's `cluster`: nodes lost and joined, and the actor tasks Ray ran again."""
+        return {
+            "nodes_lost": self.lost,
+            "nodes_joined": self.joined,
+            "tasks_retried": retried_tasks() if self.lost else 0,
+        }
