@@ -34,8 +34,6 @@ class Pool:
         return ray.data.ActorPoolStrategy(min_size=self.min, max_size=self.max, initial_size=self.initial)
 
     def describe(self) -> str:
-        if self.min == self.max:
-            return f"{self.min} actors"
         return f"{self.min}..{self.max or 'the cluster'} actors, {self.initial} at start"
 
 
@@ -49,17 +47,18 @@ def fits(c: Compute, resources: dict) -> int:
 
 
 def actor_pool(c: Compute, resources: dict) -> Pool:
-    """compute.num_actors -> the pool. N: at most N, starting with (and keeping at least) what fits now, so a resume on
-    a smaller cluster runs on what it has; `min..max`: Ray Data's autoscaling pool, starting with what fits now, at most
-    max (min holds where the cluster holds it: actors that took the read side's CPU would wait forever for rows); auto:
-    one that follows the cluster (what fits now, then more where a node joins)."""
+    """compute.num_actors -> the pool, always one Ray Data can shrink to a single actor where it must: when actors that
+    Ray restarted after a node loss take the CPUs the read side needs, the idle ones are released and the reads run.
+    N: up to N, starting with what fits now (a resume on a smaller cluster runs on what it has); `min..max`: starting
+    with what fits now, at least min where the cluster holds it beside the reads; auto: what fits now, then more
+    wherever a node joins."""
     now = fits(c, resources)
     if c.num_actors == "auto":
         return Pool(1, None, now)
     if isinstance(c.num_actors, str):
         lo, hi = (int(x) for x in c.num_actors.split(".."))
         return Pool(min(lo, now), hi, min(now, hi))
-    return Pool(min(now, c.num_actors), c.num_actors, min(now, c.num_actors))
+    return Pool(1, c.num_actors, min(now, c.num_actors))
 
 
 def alive_nodes() -> dict[str, dict]:
@@ -116,7 +115,7 @@ def retried_tasks() -> int | None:
     try:
         tasks = list_tasks(
             filters=[("job_id", "=", ray.get_runtime_context().get_job_id()), ("type", "=", "ACTOR_TASK")],
-            limit=100_000,
+            limit=10_000,  # the state API's most
             raise_on_missing_output=False,
         )
     except Exception as e:

@@ -34,9 +34,9 @@ class Compute:
     # the models' shapes, K, L, the prompt length and free memory; halved on out-of-memory), on a CPU the whole shard
     batches_per_task: int = 4  # an actor-pool task decodes this many batches (each its own shard): amortises Ray's
     # per-task cost (~10-20 ms) at the price of a coarser tail; 1 balances best across many actors
-    num_actors: int | str = 1  # N actors; or a range min..max (e.g. 2..16): Ray Data's autoscaling pool, starting
-    # with what fits the cluster; or auto: follows the cluster (every GPU for GPU actors, every CPU for CPU actors, an
-    # actor more where a node joins). The read tasks reserve no CPU, so they never wait behind the actors
+    num_actors: int | str = 1  # up to N actors, starting with what fits the cluster; or a range min..max (e.g.
+    # 2..16); or auto: follows the cluster, an actor more where a node joins. Ray Data's autoscaling pool; what fits is
+    # every GPU (by gpus_per_actor) and every CPU but one, the read side's (docs/nightly.md, nodes that come and go)
     gpus_per_actor: float = 0.0  # 0: CPU actors
     cpus_per_actor: float = 1.0  # Ray CPUs each actor holds
     threads_per_actor: int | None = None  # torch CPU threads in an actor (None: Ray's OMP_NUM_THREADS = CPUs)

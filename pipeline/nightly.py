@@ -41,6 +41,7 @@ from pipeline.config import Compute, Config, Runs
 from pipeline.lease import Lease, LeaseLost
 
 log = logging.getLogger("genrec.nightly")
+RESUME_FREE_COMPUTE = ("num_actors", "cpus_per_actor", "threads_per_actor", "batches_per_task")  # not in the rows
 NODE_POLL_S = 2.0  # how often the driver compares the alive nodes with the last look
 
 
@@ -223,10 +224,13 @@ class Plan:
 
 def resume_config(config: dict) -> dict:
     """The part of a config (`Config.to_dict()`) that the decoded rows depend on: all but how the job runs (`runs`,
-    `storage.retry_s`: a run that gave up on the store resumes with a larger budget)."""
+    `storage.retry_s`: a run that gave up on the store resumes with a larger budget; the pool's size and CPUs,
+    RESUME_FREE_COMPUTE: a run that stalled resumes on the cluster it has)."""
     out = {k: v for k, v in config.items() if k != "runs"}
     if isinstance(out.get("storage"), dict):
         out["storage"] = {k: v for k, v in out["storage"].items() if k != "retry_s"}
+    if isinstance(out.get("compute"), dict):
+        out["compute"] = {k: v for k, v in out["compute"].items() if k not in RESUME_FREE_COMPUTE}
     return json.loads(json.dumps(out, default=str))
 
 

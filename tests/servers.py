@@ -683,7 +683,6 @@ def ray_head(
 class RayWorker:
     """A worker node of a `ray_head` cluster: its own `ray start`, ports, temp dir and HOME (so its own model cache)."""
 
-    node_ip: str
     temp_dir: Path
     home: Path
     session_id: int  # its raylet, agents and workers
@@ -694,20 +693,20 @@ class RayWorker:
         _signal(_session_pids(self.session_id), signal.SIGKILL)
 
 
-def _alive_nodes(head: RayHead) -> int:
-    """Alive nodes of the cluster, asked of the head's job server (no ray.init in the test process)."""
+def _alive_nodes(head: RayHead) -> dict[int, str]:
+    """The cluster's alive nodes, node manager port -> node id, asked of the head's dashboard (no ray.init here)."""
     request = urllib.request.Request(
         f"{head.dashboard_url}/nodes?view=summary", headers={"Authorization": f"Bearer {head.token}"}
     )
     with urllib.request.urlopen(request, timeout=5) as r:
         summary = json.loads(r.read())["data"]["summary"]
-    return sum(1 for node in summary if node["raylet"]["state"] == "ALIVE")
+    return {n["raylet"]["nodeManagerPort"]: n["raylet"]["nodeId"] for n in summary if n["raylet"]["state"] == "ALIVE"}
 
 
 @contextlib.contextmanager
 def ray_worker(head: RayHead, tmp_dir, num_cpus: int = 2, timeout: float = 90.0) -> Iterator[RayWorker]:
     """A worker node joined to `head` (token auth), its ports free ones; stopped (SIGKILL, every process it started)
-    on exit, if not killed before. Ready when the head counts one more alive node."""
+    on exit, if not killed before. Ready when the head counts it alive."""
     ray_bin = find_executable("ray")
     tmp_dir = Path(tmp_dir).absolute()
     home = tmp_dir / "home"
@@ -717,7 +716,6 @@ def ray_worker(head: RayHead, tmp_dir, num_cpus: int = 2, timeout: float = 90.0)
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
     env.update({**head.env(), "HOME": str(home), "RAY_USAGE_STATS_ENABLED": "0"})
     env["PATH"] = os.pathsep.join([str(Path(ray_bin).parent), env.get("PATH", "")])
-    before = _alive_nodes(head)
     cmd = [
         ray_bin,
         "start",
@@ -738,12 +736,12 @@ def ray_worker(head: RayHead, tmp_dir, num_cpus: int = 2, timeout: float = 90.0)
         proc = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
-    worker = RayWorker("127.0.0.1", temp_dir, home, proc.pid, num_cpus)
+    worker = RayWorker(temp_dir, home, proc.pid, num_cpus)
     try:
         if proc.wait(timeout=timeout) != 0:
             raise RuntimeError(f"`ray start --address` failed; {log_path}:\n{tail(log_path)}")
         deadline = time.monotonic() + timeout
-        while _alive_nodes(head) <= before:
+        while node_manager not in _alive_nodes(head):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the worker node did not join after {timeout:.0f} s:\n{tail(log_path)}")
             time.sleep(0.3)

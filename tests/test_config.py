@@ -63,9 +63,10 @@ def test_errors_name_the_field(override, message):
 
 
 def test_actor_pools_fit_the_cluster():
-    """compute.num_actors: N is at most N, as many as fit; min..max an autoscaling pool starting with what fits the
-    cluster now; auto follows the cluster (no upper bound), starting with what fits: by its GPUs (fractions of a GPU
-    share one) and its CPUs less the read side's one; the actors reserve what the config says."""
+    """compute.num_actors: N is up to N, as many as fit (Ray Data may shrink it to 1); min..max an autoscaling pool
+    starting with what fits the cluster now; auto follows the cluster (no upper bound), starting with what fits: by
+    its GPUs (fractions of a GPU share one) and its CPUs less the read side's one; the actors reserve what the config
+    says."""
     from pipeline.cluster import Pool, actor_pool
     from pipeline.nightly import actor_resources
 
@@ -84,8 +85,8 @@ def test_actor_pools_fit_the_cluster():
     assert actor_pool(few_cpus, {"CPU": 3.0, "GPU": 1.0}).initial == 2  # each actor holds a CPU too; one is the reads'
     assert actor_pool(compute("compute.num_actors=auto", "compute.cpus_per_actor=2"), {"CPU": 8.0}).initial == 3
     assert actor_pool(compute("compute.num_actors=auto"), {"CPU": 1.0}) == Pool(1, None, 1)  # at least one
-    assert actor_pool(compute("compute.num_actors=5"), gpu) == Pool(5, 5, 5)  # a number, where the cluster holds it
-    assert actor_pool(compute("compute.num_actors=5"), {"CPU": 3.0}) == Pool(2, 5, 2)  # else what fits, up to it
+    assert actor_pool(compute("compute.num_actors=5"), gpu) == Pool(1, 5, 5)  # a number, where the cluster holds it
+    assert actor_pool(compute("compute.num_actors=5"), {"CPU": 3.0}) == Pool(1, 5, 2)  # else what fits, up to it
     assert actor_pool(compute("compute.num_actors=2..16"), {"CPU": 6.0}) == Pool(2, 16, 5)  # what fits now
     assert actor_pool(compute("compute.num_actors=2..16"), {"CPU": 2.0}) == Pool(1, 16, 1)  # the reads keep their CPU
     assert actor_pool(compute("compute.num_actors=2..4"), {"CPU": 8.0}) == Pool(2, 4, 4)  # at most max

@@ -1,0 +1,137 @@
+"""The docs a user reads are checked like code: every relative link resolves (file and heading), every command shown
+in a code block names a real subcommand and only flags its parser has, the configuration reference is what the
+config's dataclasses generate, the README stays a front page, and `genrec-batch` lists and runs the jobs."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jobs.main import COMMANDS
+from jobs.main import main as genrec_batch
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.M | re.S)
+MODULES = {module: name for name, (module, _) in COMMANDS.items()}
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lowercase, markup and punctuation dropped, spaces to '-'."""
+    text = re.sub(r"[`*_]|<[^>]+>", lambda m: "_" if m.group() == "_" else "", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    text = FENCE.sub("", page.read_text())
+    return {slug(h) for h in re.findall(r"^#{1,6} (.+)$", text, re.M)}
+
+
+def links(page: Path) -> list[str]:
+    text = FENCE.sub("", page.read_text())
+    return [a or b for a, b in LINK.findall(text)]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_relative_link_resolves(page):
+    broken = []
+    for target in links(page):
+        if re.match(r"[a-z]+:", target):  # http(s):, mailto: ...
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if not dest.exists():
+            broken.append(f"{target}: no file {dest.relative_to(ROOT) if dest.is_relative_to(ROOT) else dest}")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            broken.append(f"{target}: no heading #{anchor} in {dest.name}")
+    assert not broken, f"{page.name}: " + "; ".join(broken)
+
+
+def commands(page: Path):
+    """(line, subcommand, [section], flags) of every genrec-batch / python -m jobs.X command in the page's code
+    blocks (continuation lines joined, comments dropped)."""
+    for block in FENCE.findall(page.read_text()):
+        for line in block.replace("\\\n", " ").splitlines():
+            try:
+                words = shlex.split(line, comments=True)
+            except ValueError:
+                continue
+            for i, w in enumerate(words):
+                if w == "genrec-batch" and i + 1 < len(words) and not words[i + 1].startswith("-"):
+                    yield line, words[i + 1], words[i + 2 :]
+                elif w == "-m" and i + 1 < len(words) and words[i + 1].startswith("jobs."):
+                    yield line, MODULES.get(words[i + 1], words[i + 1]), words[i + 2 :]
+
+
+def help_text(argv: list[str]) -> str:
+    """What `genrec-batch ARGV --help` prints (in this process: the jobs' own parsers)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        genrec_batch([*argv, "--help"])
+    return out.getvalue()
+
+
+def test_every_command_shown_parses():
+    helps, wrong = {}, []
+    for page in PAGES:
+        for line, name, rest in commands(page):
+            if name not in COMMANDS:
+                wrong.append(f"{page.name}: unknown subcommand {name!r} in `{line.strip()}`")
+                continue
+            argv = [name] + rest[:1] if name == "bench" and rest and not rest[0].startswith("-") else [name]
+            key = " ".join(argv)
+            helps[key] = helps.get(key) or help_text(argv)
+            for flag in {w.strip("[]").split("=")[0] for w in rest if w.strip("[").startswith("--")}:
+                if not re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", helps[key]):
+                    wrong.append(f"{page.name}: `{key}` has no flag {flag} (`{line.strip()}`)")
+    assert helps, "no command found in any page"
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_configuration_reference_is_current():
+    from pipeline.config_docs import reference
+
+    assert (ROOT / "docs" / "configuration.md").read_text() == reference(), (
+        "docs/configuration.md is stale: run `make docs`"
+    )
+
+
+def test_the_readme_is_a_front_page():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 300, f"README.md has {len(lines)} lines: move the detail into docs/"
+
+
+def test_genrec_batch_lists_its_subcommands_and_versions(capsys):
+    assert genrec_batch(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(re.search(rf"^  {name} +\S", out, re.M) for name in COMMANDS)
+    assert genrec_batch(["--version"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("genrec-batch ") and all(f"  {name} " in out for name in ("torch", "transformers", "ray"))
+    assert genrec_batch(["nope"]) == 2 and "unknown subcommand 'nope'" in capsys.readouterr().err
+    for name, (module, _) in COMMANDS.items():  # every subcommand is its job's own parser
+        assert help_text([name]) == run_help(importlib.import_module(module))
+
+
+def run_help(module) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        module.main(["--help"])
+    return out.getvalue()
+
+
+def test_the_installed_command_runs():
+    """The console script pyproject.toml installs: the same as `python -m jobs.main`."""
+    script = Path(sys.executable).with_name("genrec-batch")
+    argv = [str(script)] if script.exists() else [sys.executable, "-m", "jobs.main"]
+    done = subprocess.run([*argv, "--version"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("genrec-batch "), done.stderr
