@@ -17,8 +17,12 @@ import re
 import signal
 import time
 
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import pytest
 
+from pipeline import runs
 from pipeline import storage as S
 from pipeline.config import Storage
 from tests.servers import _session_pids, ray_head, ray_worker, seaweedfs
@@ -27,6 +31,13 @@ from tests.test_store_faults import Driver, committed, published_once, wait_comm
 
 USERS, K, BATCH = 400, 5, 8  # as test_store_faults (its helpers check every user once): 50 shards
 DATE = "2026-11-21"
+# the GCS declares a silent node dead after 5 missed checks 2 s apart (Ray's defaults: 3 s apart, each with a 10 s
+# timeout), so the lost node costs the suite less waiting; the path is the same
+HEALTH_CHECK = {
+    "RAY_health_check_period_ms": "2000",
+    "RAY_health_check_timeout_ms": "2000",
+    "RAY_health_check_failure_threshold": "5",
+}
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +47,7 @@ def cluster(tmp_path_factory):
     world = make_world(root / "world", n_users=USERS)
     saved = dict(os.environ)
     try:
-        with seaweedfs(root / "s3") as s3, ray_head(root / "ray", num_cpus=0, env=s3.env()) as head:
+        with seaweedfs(root / "s3") as s3, ray_head(root / "ray", num_cpus=0, env={**s3.env(), **HEALTH_CHECK}) as head:
             os.environ.update({**s3.env(), **head.env()})  # the workers' environment; this process reads the outputs
             client = s3.client()
             for name in ("test.parquet", "items.parquet"):
@@ -165,27 +176,36 @@ def test_a_resume_on_a_shrunken_cluster_says_what_it_waits_for_then_publishes(cl
 
 
 def test_a_node_that_joins_mid_run_gets_an_actor(cluster):
-    """compute.num_actors=auto on one 2-CPU node: one actor (the other CPU is the reads'). A second node joins once 3
-    shards are committed: the pool grows onto it, an actor there commits shards, the job publishes every user once and
-    the manifest lists the join."""
+    """compute.num_actors=auto on one 2-CPU node: one actor (the other CPU is the reads'). A second node joins as the
+    run starts (8x the users, so the run outlasts the join): the pool grows onto it, an actor there decodes, the job
+    publishes every user once and the manifest lists the join."""
     world, s3, head, root = cluster
-    out = "joined"
+    out, copies = "joined", 8
+    users = pq.read_table(world / "data" / "test.parquet")
+    big = pa.concat_tables([users.set_column(0, "user_id", pc.add(users["user_id"], i * 10**6)) for i in range(copies)])
+    pq.write_table(big, root / "big.parquet", row_group_size=USERS)
+    s3.client().upload_file(str(root / "big.parquet"), s3.bucket, "data/big.parquet")
+    big_input = f"input={s3.uri('data', 'big.parquet')}"
     with ray_worker(head, root / "j1"):
         start = time.monotonic()
-        driver = Driver(head, s3, settings(world, s3, out, "compute.num_actors=auto"))
-        wait_committed(s3, out, 3, driver)
+        driver = Driver(head, s3, settings(world, s3, out, "compute.num_actors=auto", big_input))
+        driver.wait_for("to decode by 1..the cluster actors, 1 at start")
         with ray_worker(head, root / "j2") as j2:
             joined = time.monotonic()
-            wait_until(lambda: on(j2, pool_pids(head)), driver, "actor on the new node")
-            placed = time.monotonic()
-            at = committed(s3, out)
+            wait_until(lambda: on(j2, pool_pids(head)), driver, "an actor on the new node")
+            placed, at = time.monotonic(), committed(s3, out)
             rc, _, log = driver.finish()
     assert rc == 0, log[-4000:]
-    _, manifest = published_once(world, s3, out)
+    storage = Storage(endpoint=s3.endpoint)
+    run = runs.latest_run(s3.uri(out), DATE, storage)
+    recs = runs.read_table(run, "recommendations", storage).to_pandas()
+    assert len(recs) == copies * USERS * K and recs.user_id.nunique() == copies * USERS  # every user once
+    manifest = json.loads(S.read_bytes(S.join(run, "manifest.json"), storage))
     assert len(manifest["cluster"]["nodes_joined"]) == 1, manifest["cluster"]
     assert manifest["actors"]["count"] >= 2 and manifest["actors"]["pool"] == {"min": 1, "max": None, "initial": 1}
-    assert at < USERS // BATCH  # the new node's actor came while there was work left
+    assert at < copies * USERS // BATCH  # the new node's actor came while there was work left
     print(
-        f"\nnode join: an actor on the new node {placed - joined:.1f} s after it joined ({at} of {USERS // BATCH} "
-        f"shards committed by then); {manifest['actors']['count']} actors; total {time.monotonic() - start:.1f} s"
+        f"\nnode join: an actor on the new node {placed - joined:.1f} s after it joined ({at} of "
+        f"{copies * USERS // BATCH} shards committed by then); {manifest['actors']['count']} actors decoded; total "
+        f"{time.monotonic() - start:.1f} s"
     )
