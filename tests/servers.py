@@ -687,6 +687,7 @@ class RayWorker:
     home: Path
     session_id: int  # its raylet, agents and workers
     num_cpus: int
+    node_id: str = ""  # Ray's id of the node, once it joined
 
     def kill(self) -> None:
         """The node is lost: SIGKILL to its raylet, agents and workers at once (as when a spot node is reclaimed)."""
@@ -741,10 +742,11 @@ def ray_worker(head: RayHead, tmp_dir, num_cpus: int = 2, timeout: float = 90.0)
         if proc.wait(timeout=timeout) != 0:
             raise RuntimeError(f"`ray start --address` failed; {log_path}:\n{tail(log_path)}")
         deadline = time.monotonic() + timeout
-        while node_manager not in _alive_nodes(head):
+        while (node_id := _alive_nodes(head).get(node_manager)) is None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the worker node did not join after {timeout:.0f} s:\n{tail(log_path)}")
             time.sleep(0.3)
+        worker.node_id = node_id
         yield worker
     finally:
         kill_session(worker.session_id, grace=0.0)

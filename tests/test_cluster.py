@@ -25,7 +25,7 @@ import pytest
 from pipeline import runs
 from pipeline import storage as S
 from pipeline.config import Storage
-from tests.servers import _session_pids, ray_head, ray_worker, seaweedfs
+from tests.servers import ray_head, ray_worker, seaweedfs
 from tests.test_nightly import make_world
 from tests.test_store_faults import Driver, committed, published_once, wait_committed
 
@@ -78,17 +78,17 @@ def settings(world, s3, out: str, *extra) -> list[str]:
     ]
 
 
-def pool_pids(head) -> list[int]:
-    """The pids of the pool's alive actors, from the head's state API."""
+def pool_nodes(head) -> list[str]:
+    """The node of each of the pool's alive actors, from the head's state API."""
     from ray.util.state import list_actors
 
     actors = list_actors(address=head.dashboard_url, filters=[("state", "=", "ALIVE")], detail=True)
-    return [a.pid for a in actors if "MapWorker" in a.class_name]
+    return [a.node_id for a in actors if "MapWorker" in a.class_name]
 
 
-def on(worker, pids) -> int:
-    """How many of these pids are processes of the worker node."""
-    return len(set(pids) & set(_session_pids(worker.session_id)))
+def on(worker, nodes: list[str]) -> int:
+    """How many of the pool's actors are on the worker node."""
+    return nodes.count(worker.node_id)
 
 
 def wait_until(check, driver: Driver, what: str, timeout: float = 180):
@@ -110,8 +110,8 @@ def test_a_lost_node_costs_a_retry_not_the_run(cluster):
         start = time.monotonic()
         driver = Driver(head, s3, settings(world, s3, out, "compute.num_actors=2"))
         wait_committed(s3, out, 6, driver)
-        pids = wait_until(lambda: pool_pids(head), driver, "alive actor")
-        victim = max((w1, w2), key=lambda w: on(w, pids))
+        nodes = wait_until(lambda: pool_nodes(head), driver, "alive actor")
+        victim = max((w1, w2), key=lambda w: on(w, nodes))
         before = committed(s3, out)
         victim.kill()
         killed = time.monotonic()
@@ -176,9 +176,9 @@ def test_a_resume_on_a_shrunken_cluster_says_what_it_waits_for_then_publishes(cl
 
 
 def test_a_node_that_joins_mid_run_gets_an_actor(cluster):
-    """compute.num_actors=auto on one 2-CPU node: one actor (the other CPU is the reads'). A second node joins as the
-    run starts (8x the users, so the run outlasts the join): the pool grows onto it, an actor there decodes, the job
-    publishes every user once and the manifest lists the join."""
+    """compute.num_actors=auto with 2-CPU actors on one 3-CPU node: one actor (the third CPU is the reads'; no second
+    actor fits there). A 2-CPU node joins as the run starts (8x the users, so the run outlasts the join): the pool
+    grows onto it, an actor there decodes, the job publishes every user once and the manifest lists the join."""
     world, s3, head, root = cluster
     out, copies = "joined", 8
     users = pq.read_table(world / "data" / "test.parquet")
@@ -186,13 +186,15 @@ def test_a_node_that_joins_mid_run_gets_an_actor(cluster):
     pq.write_table(big, root / "big.parquet", row_group_size=USERS)
     s3.client().upload_file(str(root / "big.parquet"), s3.bucket, "data/big.parquet")
     big_input = f"input={s3.uri('data', 'big.parquet')}"
-    with ray_worker(head, root / "j1"):
+    with ray_worker(head, root / "j1", num_cpus=3):
         start = time.monotonic()
-        driver = Driver(head, s3, settings(world, s3, out, "compute.num_actors=auto", big_input))
+        driver = Driver(
+            head, s3, settings(world, s3, out, "compute.num_actors=auto", "compute.cpus_per_actor=2", big_input)
+        )
         driver.wait_for("to decode by 1..the cluster actors, 1 at start")
         with ray_worker(head, root / "j2") as j2:
             joined = time.monotonic()
-            wait_until(lambda: on(j2, pool_pids(head)), driver, "an actor on the new node")
+            wait_until(lambda: on(j2, pool_nodes(head)), driver, "an actor on the new node")
             placed, at = time.monotonic(), committed(s3, out)
             rc, _, log = driver.finish()
     assert rc == 0, log[-4000:]
