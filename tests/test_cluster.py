@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import time
+import urllib.request
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -79,11 +80,14 @@ def settings(world, s3, out: str, *extra) -> list[str]:
 
 
 def pool_nodes(head) -> list[str]:
-    """The node of each of the pool's alive actors, from the head's state API."""
-    from ray.util.state import list_actors
-
-    actors = list_actors(address=head.dashboard_url, filters=[("state", "=", "ALIVE")], detail=True)
-    return [a.node_id for a in actors if "MapWorker" in a.class_name]
+    """The node of each of the pool's alive actors, from the head's state API over HTTP with this head's token (the
+    state SDK would send the token this process cached for an earlier local Ray)."""
+    request = urllib.request.Request(
+        f"{head.dashboard_url}/api/v0/actors?limit=10000&detail=1", headers={"Authorization": f"Bearer {head.token}"}
+    )
+    with urllib.request.urlopen(request, timeout=10) as r:
+        actors = json.loads(r.read())["data"]["result"]["result"]
+    return [a["node_id"] for a in actors if a["state"] == "ALIVE" and "MapWorker" in a["class_name"]]
 
 
 def on(worker, nodes: list[str]) -> int:
