@@ -47,7 +47,7 @@ def fits(c: Compute, resources: dict) -> int:
 
 
 def actor_pool(c: Compute, resources: dict) -> Pool:
-    """compute.num_actors -> the pool, always one Ray Data can shrink to a single actor where it must: when actors that
+    """compute.num_actors -> the pool; N and auto can shrink to a single actor where they must: when actors that
     Ray restarted after a node loss take the CPUs the read side needs, the idle ones are released and the reads run.
     N: up to N, starting with what fits now (a resume on a smaller cluster runs on what it has); `min..max`: starting
     with what fits now, at least min where the cluster holds it beside the reads; auto: what fits now, then more
