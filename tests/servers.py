@@ -706,8 +706,8 @@ def _alive_nodes(head: RayHead) -> dict[int, str]:
 
 @contextlib.contextmanager
 def ray_worker(head: RayHead, tmp_dir, num_cpus: int = 2, timeout: float = 90.0) -> Iterator[RayWorker]:
-    """A worker node joined to `head` (token auth), its ports free ones; stopped (SIGKILL, every process it started)
-    on exit, if not killed before. Ready when the head counts it alive."""
+    """A worker node joined to `head` (token auth), its ports free ones. Ready when the head counts it alive; on exit
+    stopped (SIGTERM, then SIGKILL: every process it started) and waited for until the head no longer counts it."""
     ray_bin = find_executable("ray")
     tmp_dir = Path(tmp_dir).absolute()
     home = tmp_dir / "home"
@@ -749,5 +749,16 @@ def ray_worker(head: RayHead, tmp_dir, num_cpus: int = 2, timeout: float = 90.0)
         worker.node_id = node_id
         yield worker
     finally:
-        kill_session(worker.session_id, grace=0.0)
+        kill_session(worker.session_id)  # SIGTERM first: the raylet leaves the cluster at once
+        _wait_node_gone(head, worker.node_id, timeout)
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _wait_node_gone(head: RayHead, node_id: str, timeout: float) -> None:
+    """Until the head no longer counts the node alive, so the next test sees the cluster as it is."""
+    deadline = time.monotonic() + timeout
+    while node_id and time.monotonic() < deadline:
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            if node_id not in _alive_nodes(head).values():
+                return
+        time.sleep(0.3)
