@@ -137,7 +137,7 @@ class Watch:
         """Compares the alive nodes with the last poll; logs every loss and join."""
         now_nodes, now = alive_nodes(), time.perf_counter() - t0
         for node in self.nodes.keys() - now_nodes.keys():
-            actors = [a for a in pool_actors(node_id=node)]
+            actors = pool_actors(node_id=node)
             self.lost.append(
                 {"node": node, "ip": self.nodes[node]["ip"], "seen_at_s": round(now, 1), "actors": len(actors)}
             )

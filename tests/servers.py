@@ -584,6 +584,15 @@ def _wait_ray_ready(head: RayHead, agent_port: int, timeout: float) -> None:
     )
 
 
+def ray_start(cmd: list[str], env: Mapping[str, str], log_path: Path) -> subprocess.Popen:
+    """`ray start ...` in a new session, its output appended to log_path: every Ray process of the node stays in that
+    session, so exactly these can be stopped (`ray stop` would stop every Ray cluster on the machine)."""
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+
+
 @contextlib.contextmanager
 def ray_head(
     tmp_dir,
@@ -639,12 +648,7 @@ def ray_head(
         "--disable-usage-stats",
     ]
     log_path = tmp_dir / "ray-start.log"
-    with open(log_path, "ab") as log:
-        # A new session: every Ray process of this head stays in it, so exactly these can be stopped
-        # (`ray stop` would stop every Ray cluster on the machine).
-        proc = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=head_env, start_new_session=True
-        )
+    proc = ray_start(cmd, head_env, log_path)
     head = RayHead(
         address=f"127.0.0.1:{gcs}",
         dashboard_url=f"http://127.0.0.1:{dashboard}",
@@ -733,10 +737,7 @@ def ray_worker(head: RayHead, tmp_dir, num_cpus: int = 2, timeout: float = 90.0)
         "--disable-usage-stats",
     ]
     log_path = tmp_dir / "ray-start.log"
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+    proc = ray_start(cmd, env, log_path)
     worker = RayWorker(temp_dir, home, proc.pid, num_cpus)
     try:
         if proc.wait(timeout=timeout) != 0:
