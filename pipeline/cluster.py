@@ -8,6 +8,7 @@ retry its in-flight tasks there, `max_task_retries=-1`); the driver only watches
 from __future__ import annotations
 
 import logging
+import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -17,6 +18,8 @@ from pipeline.config import Compute
 log = logging.getLogger("genrec.nightly")
 
 READ_CPUS = 1.0  # what the read side needs: one read task (Ray's default 1 CPU), never taken by the actor pool
+RESERVATION_RATIO = 0.0  # Ray Data's op_resource_reservation_ratio: only each operator's minimum is reserved
+REQUEST_EXPIRE_S = 60  # a dead driver's share of the cluster lapses after this (Ray Data's default: 180 s)
 POOL_CLASS = "MapWorker"  # Ray Data's actor-pool workers: _MapWorker, the class every pool actor runs
 
 
@@ -35,6 +38,20 @@ class Pool:
 
     def describe(self) -> str:
         return f"{self.min}..{self.max or 'the cluster'} actors, {self.initial} at start"
+
+
+def share(ctx) -> None:
+    """How the run shares the cluster (Ray Data's DataContext `ctx`, before the execution starts):
+    - between its operators, each is reserved only its minimum (one read task; the pool's `min` actors) and the rest
+      is shared: with Ray's default (half the cluster split evenly over the operators) the pool's share of a node that
+      joins mid-run falls short of one actor while the reads still run, and it grows only once they are done;
+    - between executions, Ray Data's AutoscalingCoordinator splits the cluster among the drivers whose resource
+      requests are live; a driver renews its request every 10 s, and the request of one that died (SIGKILL, a lost
+      head pod) holds its share until it expires: REQUEST_EXPIRE_S, not 180 s, so a `--resume latest` right after a
+      crash can grow its pool within about a minute (the setting is read when Ray Data starts an execution; an
+      operator's own RAY_DATA_AUTOSCALING_REQUEST_EXPIRE_TIME_S wins)."""
+    ctx.op_resource_reservation_ratio = RESERVATION_RATIO
+    os.environ.setdefault("RAY_DATA_AUTOSCALING_REQUEST_EXPIRE_TIME_S", str(REQUEST_EXPIRE_S))
 
 
 def fits(c: Compute, resources: dict) -> int:

@@ -475,6 +475,7 @@ def read_pending(plan: Plan, a: Attempt):
     # Data's own retries, unbounded: a restarted actor reruns its unfinished batches, a lost read task runs again.
     ds.context.raise_original_map_exception = True
     ds.context.actor_task_retry_on_errors = [S.StoreUnavailable]
+    cluster.share(ds.context)
     columns = input_columns(cfg, plan.data.schema)
     # Ray Data fuses these read tasks with `recommend`'s repartition (same resources: 1 CPU each, cluster.READ_CPUS),
     # so every unit is read and cut into blocks by one task; the actor pool leaves that CPU free (cluster.fits)

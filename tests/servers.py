@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import secrets
 import shutil
 import signal
@@ -60,21 +61,32 @@ def find_executable(name: str) -> str:
     return found
 
 
-def free_ports(n: int, avoid: range = RAY_WORKER_PORTS) -> list[int]:
-    """n distinct TCP ports free on all interfaces right now (outside `avoid`)."""
-    socks: list[socket.socket] = []
+def ephemeral_ports() -> range:
+    """The kernel's range for the local ports of outgoing connections (Linux: /proc; else IANA's 49152-65535)."""
     try:
-        while len(socks) < n:
-            s = socket.socket()
-            s.bind(("", 0))
-            if s.getsockname()[1] in avoid:
-                s.close()
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return range(int(lo), int(hi) + 1)
+    except OSError:
+        return range(49152, 65536)
+
+
+def free_ports(n: int, avoid: range = RAY_WORKER_PORTS) -> list[int]:
+    """n distinct TCP ports free on all interfaces right now, outside `avoid` and outside the ephemeral range: a port
+    the kernel hands out itself (bind to 0) may be taken by any outgoing connection's local end before the server
+    binds it, as a Ray head's dashboard port once was; a port below the range is only ever taken by another listener."""
+    ephemeral = ephemeral_ports()
+    candidates = [p for p in range(avoid.stop, ephemeral.start) if p not in avoid] or list(range(20000, 32768))
+    found: list[int] = []
+    for port in random.sample(candidates, len(candidates)):
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
                 continue
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+        found.append(port)
+        if len(found) == n:
+            return found
+    raise RuntimeError(f"fewer than {n} free ports in {candidates[0]}..{candidates[-1]}")
 
 
 def tail(path: Path, lines: int = 40) -> str:
