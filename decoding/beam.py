@@ -304,6 +304,27 @@ def sample_beams(kids: Children, score: torch.Tensor, k: int, temperature: float
     return (*pick(cand, tok, child, d, flat), weight, flat)
 
 
+def answer_scores(model, tree: TokenTree, cache: TreeCache, last, parent, score, answer, meter: Meter | None = None):
+    """The k beams (score [B, k], -inf = dead) fed their last code tokens last [B, k] (under tree nodes parent [B, k],
+    -1 = the prompt), then the forced answer tokens [T] one by one -> (score [B, k] plus each answer token's log-prob
+    (log_softmax over the full vocabulary, float32), broken [B]: non-finite log-probs). T forwards of k tree tokens
+    per user."""
+    b, k = last.shape
+    alive = score > NEG_INF
+    broken = torch.zeros(b, dtype=torch.bool, device=last.device)
+    fed = last
+    for t in answer:
+        hidden = forward(model, tree, cache, fed, parent, meter=meter)  # [B, k, H]
+        asked = torch.where(alive, t, -1).reshape(b * k, 1)  # [B k, 1]
+        scored = head_of(model).score(hidden.reshape(b * k, -1), asked)
+        logp = scored.logp.view(b, k)
+        broken |= (alive & ~torch.isfinite(logp)).any(1)
+        score = torch.where(alive, score + logp, NEG_INF)
+        parent = tree.num_nodes - k + torch.arange(k, device=last.device).expand(b, k)  # the nodes just added
+        fed = t.expand(b, k)
+    return score, broken
+
+
 @torch.no_grad()
 def beam_search(
     model,
@@ -318,6 +339,7 @@ def beam_search(
     prefix: Prefix | None = None,
     exclude: Exclusions | None = None,
     engine: str = "eager",
+    answer: torch.Tensor | None = None,
 ) -> Recommendations:
     """input_ids, attention_mask [B, S] left-padded (continuing `prefix` when given) -> the top-k catalog items per
     user (per user over the catalog minus its `exclude`d items, when given: a user with fewer than k left gets what is
@@ -330,7 +352,11 @@ def beam_search(
     by which a kept beam beat the best dropped candidate at any step (inf when none was dropped; a user whose margin
     is below another engine's rounding error may legitimately get a different list from it).
     engine="compiled": the same search on fixed shapes per bucket, two compiled graphs (decoding/compiled.py); what
-    it does not cover runs eager, saying why in stats["engine_note"]."""
+    it does not cover runs eager, saying why in stats["engine_note"].
+    answer [T]: tokens the model writes after an item's codes (a template's answer suffix and EOS), forced and
+    scored: the k beams of the last code step are extended by them, their log-probs added, and ranked again, as
+    `model.generate` does when the constraint allows codes, then these tokens (MiniOneRec's evaluate.py: "\n" and EOS,
+    length_penalty 0). tie_gap then also covers the final ranking's adjacent scores."""
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     if do_sample and not temperature > 0:
@@ -343,6 +369,12 @@ def beam_search(
         raise ValueError(f"steps must be in [1, {catalog.code_len}], got {steps}")
     if engine not in ("eager", "compiled"):
         raise ValueError(f"engine must be eager or compiled, got {engine!r}")
+    answer = None if answer is None or not len(answer) else torch.as_tensor(answer, dtype=torch.int64, device=dev)
+    if answer is not None and (do_sample or depth != catalog.code_len):
+        raise ValueError("answer tokens are scored after whole items of a beam search (no steps, no sampling)")
+    note = {}
+    if answer is not None and engine == "compiled":
+        engine, note = "eager", {"engine_note": "answer tokens after the codes: the eager engine scores them"}
     if engine == "compiled":  # fixed shapes per bucket, two compiled graphs (decoding/compiled.py)
         from decoding.compiled import compiled_beam_search
 
@@ -361,7 +393,10 @@ def beam_search(
         )
     meter = Meter(dev)
     with meter.phase("prefill"):
-        cache, hidden = prefill(model, input_ids, attention_mask, meter, prefix=prefix, capacity=k * (depth - 1))
+        extra = 0 if answer is None else len(answer)
+        cache, hidden = prefill(
+            model, input_ids, attention_mask, meter, prefix=prefix, capacity=k * (depth - 1 + extra)
+        )
         root = torch.zeros(b, 1, dtype=torch.int64, device=dev)
         kids = children(model, hidden[:, None], catalog, root, catalog.max_children[0], exclude)  # [B, 1, D]
     meter.kv(b * cache.length)
@@ -394,6 +429,13 @@ def beam_search(
         meter.kv(b * cache.length)  # each prompt once plus the tree tokens
         leaf = tree.num_nodes - k + torch.arange(k, device=dev).expand(b, k)
 
+    if answer is not None:
+        parent = torch.where(alive, leaf.gather(1, beam.clamp(min=0)), -1)  # [B, k] (-1: the prompt, or dead)
+        score, broken_answer = answer_scores(model, tree, cache, token, parent, score, answer, meter)
+        broken |= broken_answer
+        score, node, tokens = rank_by_score(score, node, tokens)
+        gap = torch.cat([score[:, :-1] - score[:, 1:], torch.full_like(score[:, :1], float("inf"))], 1)  # [B, k]
+        tie_gap = torch.minimum(tie_gap, torch.where(torch.isnan(gap), float("inf"), gap).amin(1))  # final ranking
     if do_sample:  # drawn in sampling order: rank them by score
         score, node, tokens = rank_by_score(score, node, tokens)
     alive = node >= 0
@@ -404,6 +446,7 @@ def beam_search(
         tree_tokens=tree.num_nodes,
         non_finite=broken,
         tie_gap=tie_gap,
+        **note,
     )
     return Recommendations(
         item_ids=catalog.item_of_node(node) if depth == catalog.code_len else torch.full_like(node, -1),

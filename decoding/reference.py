@@ -27,12 +27,39 @@ def cpu_trie(catalog: Catalog, exclude=()) -> dict:
     return {p: sorted(v) for p, v in trie.items()}
 
 
+def with_answer(trie: dict, answer: list[int]) -> dict:
+    """A catalog trie whose items continue with the forced `answer` tokens (a template's answer suffix and EOS): the
+    constraint MiniOneRec's evaluate.py builds from "### Response:\n" + codes + "\n" and EOS."""
+    depth = max(map(len, trie)) + 1  # L: prefixes of 0 .. L - 1 tokens are keys
+    leaves = {p + (t,) for p, ts in trie.items() if len(p) == depth - 1 for t in ts}
+    out = dict(trie)
+    for leaf in leaves:
+        for j, t in enumerate(answer):
+            out[leaf + tuple(answer[:j])] = [t]
+    return out
+
+
 @torch.no_grad()
-def generate_beam_search(model, input_ids, attention_mask, catalog: Catalog, k: int, trie: dict | list | None = None):
+def generate_beam_search(
+    model,
+    input_ids,
+    attention_mask,
+    catalog: Catalog,
+    k: int,
+    trie: dict | list | None = None,
+    answer: list[int] | None = None,
+    eos_token_id: int = 2,
+    pad_token_id: int = 0,
+):
     """`model.generate(num_beams=k, num_return_sequences=k, max_new_tokens=L, length_penalty=0.0,
     prefix_allowed_tokens_fn=<CPU trie>)` -> (item ids [B, k], token ids [B, k, L], scores [B, k], kv tokens held).
-    trie: one for every user, or a list of one per user (per-user exclusions: `cpu_trie(catalog, exclude)`)."""
+    trie: one for every user, or a list of one per user (per-user exclusions: `cpu_trie(catalog, exclude)`).
+    answer: forced tokens after the codes (ending with eos_token_id when the template adds EOS), generated and
+    scored: max_new_tokens = L + len(answer)."""
     tries = trie if isinstance(trie, list) else [cpu_trie(catalog) if trie is None else trie] * input_ids.shape[0]
+    answer = list(answer or [])
+    if answer:
+        tries = [with_answer(t, answer) for t in tries]
     s, code_len = input_ids.shape[1], catalog.code_len
 
     def allowed(batch_id, sent):
@@ -45,14 +72,14 @@ def generate_beam_search(model, input_ids, attention_mask, catalog: Catalog, k: 
         attention_mask=attention_mask,
         num_beams=k,
         num_return_sequences=k,
-        max_new_tokens=code_len,
+        max_new_tokens=code_len + len(answer),
         min_new_tokens=code_len,
         do_sample=False,
         prefix_allowed_tokens_fn=allowed,
         return_dict_in_generate=True,
         output_scores=k > 1,
-        pad_token_id=0,
-        eos_token_id=2,
+        pad_token_id=pad_token_id,
+        eos_token_id=eos_token_id,
         bos_token_id=1,
         top_k=None,
         top_p=None,
@@ -60,12 +87,12 @@ def generate_beam_search(model, input_ids, attention_mask, catalog: Catalog, k: 
         **beam_args,
     )
     b = input_ids.shape[0]
-    tokens = out.sequences[:, s:].reshape(b, k, code_len)
+    tokens = out.sequences[:, s : s + code_len].reshape(b, k, code_len)
     items = catalog.lookup(tokens.reshape(-1, code_len)).view(b, k)
     cache = out.past_key_values
     kv_tokens = cache.layers[0].keys.shape[0] * cache.get_seq_length()
     if k == 1:  # generate() runs greedy search, which returns no sequence scores: score the sequences
-        scores = sequence_logprob(model, out.sequences, attention_mask, code_len).view(b, 1)
+        scores = sequence_logprob(model, out.sequences, attention_mask, code_len + len(answer)).view(b, 1)
     else:
         scores = out.sequences_scores.view(b, k).float()
     return items, tokens, scores, kv_tokens

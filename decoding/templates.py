@@ -8,10 +8,19 @@ A prompt for a history of n items (the last `max_items`, oldest first, numbered 
 where item(i) is `item` with `{index}` -> i and `{codes}` -> the item's L code tokens written back to back
 (`<a_47><b_103><c_234><d_99>`, named by `code_token`: `{level}` is the level letter a, b, ..., `{level_index}` its
 number 0, 1, ..., `{code}` the code). With `bos` the token ids start with the tokenizer's BOS token, as a tokenizer
-that adds it itself (Llama's) does: the ids are `[bos] + tokenizer(text, add_special_tokens=False)`.
+that adds it itself (Llama's) does: the ids are `[bos] + tokenizer(text, add_special_tokens=False)` (`bos: "auto"`:
+where the tokenizer has one, as MiniOneRec's data.py does; Qwen's has none). An `instruction` is text tokenized on its
+own before that: the ids are `[bos] + tokenizer(instruction) + tokenizer(text)`, the two parts never merged across
+their boundary (MiniOneRec's EvalSidDataset tokenizes its Alpaca instruction and the user input separately).
 
-Presets: `codes` (the project's own format: `<bos>` + the code tokens of the last 20 items, nothing else) and `lcrec`
-(the LC-Rec / AtSpeed instruction prompt). The file `genrec_template.json` in a model directory holds one.
+What the model writes after an item's codes: `answer_suffix` (text, e.g. "\n") and then EOS (`answer_eos`). Their
+tokens are forced, one continuation per item, and their log-probabilities count in the item's score (MiniOneRec's
+evaluate.py generates codes + "\n" + EOS with length_penalty 0, so its ranking includes them); empty and false, an
+item's score is its codes' alone.
+
+Presets: `codes` (the project's own format: `<bos>` + the code tokens of the last 20 items, nothing else), `lcrec`
+(the LC-Rec / AtSpeed instruction prompt) and `minionerec` (MiniOneRec's evaluation prompt and ranking). The file
+`genrec_template.json` in a model directory holds one.
 """
 
 from __future__ import annotations
@@ -31,10 +40,19 @@ class PromptTemplate:
     separator: str = ""  # between two items
     suffix: str = ""  # text after the history
     max_items: int = 20  # the last max_items items of a history are written
-    bos: bool = True  # the prompt's ids start with the tokenizer's BOS token
+    bos: bool | str = True  # the prompt's ids start with the tokenizer's BOS token ("auto": where it has one)
     code_token: str = "<{level}_{code}>"  # the name of the token of (level, code)
+    instruction: str = ""  # text before the prefix, tokenized on its own (after BOS)
+    answer_suffix: str = ""  # text the model writes after an item's codes: forced, scored
+    answer_eos: bool = False  # then EOS: forced, scored
 
     def __post_init__(self):
+        if self.bos not in (True, False, "auto"):
+            raise ValueError(f'prompt template {self.name!r}: bos must be true, false or "auto", got {self.bos!r}')
+        if not isinstance(self.answer_eos, bool):
+            raise ValueError(
+                f"prompt template {self.name!r}: answer_eos must be true or false, got {self.answer_eos!r}"
+            )
         if self.item.count("{codes}") != 1:
             raise ValueError(
                 f"prompt template {self.name!r}: `item` must contain {{codes}} exactly once, got {self.item!r}"
@@ -71,7 +89,16 @@ class PromptTemplate:
             self.item.format(index=i + 1, codes="".join(self.code(j, c) for j, c in enumerate(codes)))
             for i, codes in enumerate(items)
         ]
-        return self.prefix + self.separator.join(written) + self.suffix
+        return self.instruction + self.prefix + self.separator.join(written) + self.suffix
+
+    def uses_bos(self, tokenizer) -> bool:
+        """Do this template's prompts start with the tokenizer's BOS token?"""
+        return self.bos is True or (self.bos == "auto" and tokenizer.bos_token_id is not None)
+
+    @property
+    def scores_answer(self) -> bool:
+        """Does an item's score include forced tokens after its codes (answer_suffix, answer_eos)?"""
+        return bool(self.answer_suffix) or self.answer_eos
 
     def with_max_items(self, max_items: int | None) -> PromptTemplate:
         return self if max_items is None else replace(self, max_items=max_items)
@@ -97,16 +124,37 @@ LCREC_PREFIX = (
 LCREC_SUFFIX = (
     " in chronological order. Can you predict the next possible item that the user may expect?\n\n### Response:"
 )
+# MiniOneRec (github AkaliKong/MiniOneRec) data.py EvalSidDataset and evaluate.py, as published
+MINIONEREC_INSTRUCTION = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. Write a "
+    "response that appropriately completes the request. \n\n### Instruction:\nCan you predict the next possible item "
+    "that the user may expect?\n\n"
+)
+MINIONEREC_PREFIX = (
+    "### User Input: \nCan you predict the next possible item the user may expect, given the following chronological "
+    "interaction history: "
+)
 PRESETS = {
     "codes": PromptTemplate(name="codes"),
     "lcrec": PromptTemplate(
         name="lcrec", prefix=LCREC_PREFIX, item="{index}. {codes}", separator=", ", suffix=LCREC_SUFFIX
     ),
+    "minionerec": PromptTemplate(
+        name="minionerec",
+        instruction=MINIONEREC_INSTRUCTION,
+        prefix=MINIONEREC_PREFIX,
+        separator=", ",
+        suffix="\n\n### Response:\n",
+        max_items=50,  # their CSVs' histories are written whole (the data's own cap, 10 in the published releases)
+        bos="auto",
+        answer_suffix="\n",
+        answer_eos=True,
+    ),
 }
 
 
 def get_template(spec: str | PromptTemplate) -> PromptTemplate:
-    """A preset name (`codes`, `lcrec`), a path to a template JSON file, or a template."""
+    """A preset name (`codes`, `lcrec`, `minionerec`), a path to a template JSON file, or a template."""
     if isinstance(spec, PromptTemplate):
         return spec
     if spec in PRESETS:

@@ -3,6 +3,8 @@
 AtSpeed layout: an index JSON mapping item ids to code tokens, e.g. `beauty.LCRec-1e-3lr.json`, and
 `sequential_{train,valid,test}.txt`, one line per user `user item item ...`; the AtSpeed authors' text files count
 from 1 where their index counts from 0: `--id-offset -1`),
+`python -m jobs.prepare_data --format minionerec --source DIR --out DIR [--category NAME]` (MiniOneRec's layout, its
+repository or data/Amazon: index/, info/, train|valid|test/ CSVs; every CSV row a unit keyed `<user_id>#<row>`),
 or `python -m jobs.prepare_data --synthetic --users N --items M [--levels 4 --codes 256 --seed 0] --out DIR`.
 
 Prints the summary as JSON. The logic lives in pipeline/prepare/ (a module per source; contract.py writes the
@@ -18,7 +20,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from jobs.cli import positive
-from pipeline.prepare import prepare_beauty, prepare_lcrec, write_synthetic
+from pipeline.prepare import prepare_beauty, prepare_lcrec, prepare_minionerec, write_synthetic
 
 DEFAULT_SOURCE = Path(__file__).resolve().parents[1].parent / "shared" / "datasets" / "amazon-beauty"
 
@@ -40,10 +42,12 @@ def source_flags(p: argparse.ArgumentParser) -> None:
     """The source's format and folder, and the LC-Rec layout's index, id offset and code-token naming."""
     p.add_argument(
         "--format",
-        choices=["beauty", "lcrec"],
+        choices=["beauty", "lcrec", "minionerec"],
         default="beauty",
-        help="beauty: items/train/valid/test.parquet; lcrec: *.index.json + sequential_*.txt",
+        help="beauty: items/train/valid/test.parquet; lcrec: *.index.json + sequential_*.txt; minionerec: "
+        "index/<Category>.index.json + info/ + train|valid|test/<Category>_*.csv",
     )
+    p.add_argument("--category", default=None, help="minionerec: the category, e.g. Office_Products (default: the one)")
     p.add_argument(
         "--source", type=Path, default=None, help=f"the source folder (default for --format beauty: {DEFAULT_SOURCE})"
     )
@@ -91,8 +95,10 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error(f"--items {args.items} > codes**levels = {args.codes**args.levels}")
     elif args.users is not None or args.items is not None:
         p.error("--users / --items need --synthetic")
-    if args.format == "lcrec" and args.source is None:
-        p.error("--format lcrec needs --source DIR")
+    if args.format in ("lcrec", "minionerec") and args.source is None:
+        p.error(f"--format {args.format} needs --source DIR")
+    if args.format != "minionerec" and args.category is not None:
+        p.error("--category needs --format minionerec")
     if args.format != "lcrec" and (args.index is not None or args.id_offset is not None):
         p.error("--index / --id-offset need --format lcrec")
 
@@ -120,6 +126,8 @@ def main(argv=None) -> int:
                 index=args.index,
                 id_offset=args.id_offset,
             )
+        elif args.format == "minionerec":
+            summary = prepare_minionerec(args.source, args.out, args.category, code_token=args.code_token)
         else:
             summary = prepare_beauty(args.source or DEFAULT_SOURCE, args.out, history_len=args.history_len)
     except ValueError as e:  # a bad input file: name it, no traceback

@@ -104,6 +104,7 @@ class Renderer:
     skeleton: np.ndarray  # [M + 1, T] int64: row n = the n-item prompt's ids, -1 where codes go, then pad_id
     length: np.ndarray  # [M + 1] int64: tokens of the n-item prompt (BOS included)
     item_start: np.ndarray  # [M + 1, M] int64: column of item q's first code token in the n-item prompt
+    answer: np.ndarray  # [T] int64: the forced tokens after an item's codes, scored (answer_ids; empty: none)
 
     @property
     def max_items(self) -> int:
@@ -133,7 +134,7 @@ class Renderer:
         pad_id = _pad_id(template, tokenizer)
         names = np.asarray(tokenizer.convert_ids_to_tokens(probes.ravel().tolist()), dtype=object).reshape(probes.shape)
         rows = [_skeleton(template, tokenizer, probes, names, n) for n in range(1, template.max_items + 1)]
-        return cls(template, probes.shape[1], pad_id, *_stack(rows, pad_id))
+        return cls(template, probes.shape[1], pad_id, *_stack(rows, pad_id), answer_ids(template, tokenizer, probes))
 
     def render(self, histories, items: ItemTokens, skip: int = 0) -> Prompts:
         """Histories [B] (item ids, oldest first; validated: non-empty, every item used in the catalog, see
@@ -173,10 +174,10 @@ def catalog_probes(items: ItemTokens, count: int = 3) -> np.ndarray:
 def _pad_id(template: PromptTemplate, tokenizer) -> int:
     """The token that left-pads prompts (pad, else eos); refused when the tokenizer lacks it, or lacks the BOS token
     the template starts prompts with."""
-    if template.bos and tokenizer.bos_token_id is None:
+    if template.bos is True and tokenizer.bos_token_id is None:
         raise ValueError(
             f"prompt template {template.name!r} starts prompts with BOS (bos: true), but the tokenizer "
-            "has no BOS token: set bos to false in the template"
+            'has no BOS token: set bos to false (or "auto": where the tokenizer has one) in the template'
         )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad_id is None:
@@ -189,8 +190,36 @@ def _prompt_ids(template: PromptTemplate, tokenizer, names: np.ndarray) -> np.nd
     template asks for it, then the tokenizer's ids of the text)."""
     items = (template.item.format(index=q + 1, codes="".join(codes)) for q, codes in enumerate(names))
     text = template.prefix + template.separator.join(items) + template.suffix
-    bos = [tokenizer.bos_token_id] if template.bos else []
-    return np.asarray(bos + tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
+    bos = [tokenizer.bos_token_id] if template.uses_bos(tokenizer) else []
+    instruction = tokenizer(template.instruction, add_special_tokens=False)["input_ids"] if template.instruction else []
+    return np.asarray(bos + instruction + tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
+
+
+def answer_ids(template: PromptTemplate, tokenizer, probes: np.ndarray) -> np.ndarray:
+    """The forced tokens after an item's codes [T]: the tokenizer's ids of `answer_suffix` written after the codes (as
+    MiniOneRec's evaluate.py tokenizes "### Response:\n" + codes + "\n"), then EOS with answer_eos; refused unless
+    every probe item (probes [P, L]) gets the same ones."""
+    if not template.scores_answer:
+        return np.zeros(0, np.int64)
+    if template.answer_eos and tokenizer.eos_token_id is None:
+        raise ValueError(f"prompt template {template.name!r}: answer_eos, but the tokenizer has no EOS token")
+    found = set()
+    for row in probes:
+        names = tokenizer.convert_ids_to_tokens(row.tolist())
+        ids = tokenizer("".join(names) + template.answer_suffix, add_special_tokens=False)["input_ids"]
+        if ids[: len(row)] != row.tolist():
+            raise ValueError(
+                f"prompt template {template.name!r}: the answer suffix {template.answer_suffix!r} merges with the "
+                "code tokens before it"
+            )
+        found.add(tuple(ids[len(row) :]))
+    if len(found) != 1:
+        raise ValueError(
+            f"prompt template {template.name!r}: the answer suffix {template.answer_suffix!r} tokenizes differently "
+            f"after different items: {sorted(found)}"
+        )
+    eos = [tokenizer.eos_token_id] if template.answer_eos else []
+    return np.asarray([*found.pop(), *eos], dtype=np.int64)
 
 
 def _skeleton(template: PromptTemplate, tokenizer, probes: np.ndarray, names: np.ndarray, n: int):

@@ -194,6 +194,12 @@ def prepare(spec: ActorSpec, device: torch.device | str = "cpu") -> Inputs:
     renderer = Renderer.compile(
         spec.template.with_max_items(spec.decoding.history_len), tokenizer, catalog_probes(catalog.item_tokens)
     )
+    if len(renderer.answer) and spec.decoding.mode != "beam":
+        raise ValueError(
+            f"prompt template {renderer.template.name!r} scores the tokens after an item's codes (answer_suffix "
+            f"{renderer.template.answer_suffix!r}, answer_eos {renderer.template.answer_eos}), which beam search does: "
+            f"set decoding.mode to beam (it is {spec.decoding.mode})"
+        )
     vocab = {}
     for role, path in (("target", target), ("draft", draft)):
         if path is not None:
@@ -256,6 +262,8 @@ class Recommender:
         self.float32: dict = {}  # the audit's float32 models, loaded on first use, freed when the audit is done
         ids = self.renderer.prefix_ids  # the template's fixed text: prefilled once per model, kept
         self.prefix = Prefix(ids) if len(ids) else None
+        answer = self.renderer.answer  # the template's forced, scored tokens after an item's codes
+        self.answer = torch.from_numpy(answer).to(self.device) if len(answer) else None
         self.auto = AutoMode(spec.decoding.auto_trials) if spec.decoding.mode == "auto" else None
         self.actor = _actor_id()
         self.host = socket.gethostname()
@@ -407,7 +415,7 @@ class Recommender:
         d, shared = self.spec.decoding, {"prefix": self.prefix, "exclude": exclude}
         if mode == "beam":  # the audit's float32 reference runs eager, the reference engine
             engine = self.spec.engine if target is self.target else "eager"
-            return beam_search(target, ids, mask, self.catalog, d.k, engine=engine, **shared)
+            return beam_search(target, ids, mask, self.catalog, d.k, engine=engine, answer=self.answer, **shared)
         seed = (d.seed * 1_000_003 + zlib.crc32(str(users.to_pylist()).encode())) % (2**63)
         shared.update(temperature=d.temperature, generator=torch.Generator(device=self.device).manual_seed(seed))
         if mode == "disc":

@@ -1,5 +1,6 @@
-"""Data preparation: the code-token tokenizer, Amazon Beauty and the LC-Rec layout in the project's contracts, and
-synthetic catalogs / histories for scale tests. One module per source (beauty, lcrec, synthetic); the splits (splits);
+"""Data preparation: the code-token tokenizer, Amazon Beauty, the LC-Rec layout and MiniOneRec's in the project's
+contracts, and synthetic catalogs / histories for scale tests. One module per source (beauty, lcrec, minionerec,
+synthetic: MiniOneRec's rows are their own units, string keys, see minionerec.py); the splits (splits);
 the tokenizer and the written contract (contract).
 
 Outputs (ARCHITECTURE.md section 3), in `out_dir`:
@@ -18,6 +19,7 @@ import killed part-way never leaves a folder that looks done.
 from pipeline.prepare.beauty import prepare_beauty
 from pipeline.prepare.contract import PrepareSummary, build_text_tokenizer, build_tokenizer, prepared, write_contract
 from pipeline.prepare.lcrec import find_lcrec_index, prepare_lcrec
+from pipeline.prepare.minionerec import prepare_minionerec
 from pipeline.prepare.splits import SPLIT_CONVENTION, Interactions, split_tables
 from pipeline.prepare.synthetic import (
     SYNTHETIC_SPLITS,
@@ -38,6 +40,7 @@ __all__ = [
     "find_lcrec_index",
     "prepare_beauty",
     "prepare_lcrec",
+    "prepare_minionerec",
     "prepared",
     "split_tables",
     "synthetic_catalog",

@@ -110,31 +110,55 @@ INSTRUCTION_TEXT = [
 ]
 
 
-def build_text_tokenizer(levels: int, codes: int, vocab_size: int = 600, code_tokens: bool = True):
+# Qwen2's pre-tokenizer split (its tokenizer.json): ":\n" stays one piece, as "### Response:\n" -> 3 tokens
+QWEN_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def build_text_tokenizer(levels: int, codes: int, vocab_size: int = 600, code_tokens: bool = True, style="llama"):
     """A tokenizer of the kind LLM recommenders have, for tests and benchmarks of prompt templates without a hub: a
-    byte-level BPE trained here in seconds (the `tokenizers` library) on instruction-style text with numbered lists,
-    that adds <s> itself like Llama's; with code_tokens, the code tokens `<a_0>` .. added as tokens of their own
-    (tokenizer.add_tokens, the LC-Rec recipe). Ids: <pad> 0, <s> 1, </s> 2."""
+    byte-level BPE trained here in seconds (the `tokenizers` library) on instruction-style text with numbered lists;
+    with code_tokens, the code tokens `<a_0>` .. added as tokens of their own (tokenizer.add_tokens, the LC-Rec
+    recipe). style "llama": it adds <s> itself like Llama's (ids <pad> 0, <s> 1, </s> 2); "qwen": Qwen2's split, no
+    BOS token, EOS `<|endoftext|>` (id 0) that also pads, as MiniOneRec's Qwen models have."""
     from tokenizers import processors, trainers
 
+    from decoding.templates import MINIONEREC_INSTRUCTION, MINIONEREC_PREFIX
+
+    if style not in ("llama", "qwen"):
+        raise ValueError(f"style must be llama or qwen, got {style!r}")
     corpus = INSTRUCTION_TEXT * 20 + [", ".join(f"{i}. item" for i in range(1, n + 1)) for n in range(1, 60)]
+    specials = ["<pad>", "<s>", "</s>"]
     raw = Tokenizer(models.BPE())
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if style == "qwen":
+        corpus += [MINIONEREC_INSTRUCTION + MINIONEREC_PREFIX + "\n\n### Response:\n"] * 20
+        specials = ["<|endoftext|>"]
+        raw.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     raw.decoder = decoders.ByteLevel()
     raw.train_from_iterator(
         corpus,
         trainers.BpeTrainer(
-            vocab_size=vocab_size,
-            special_tokens=["<pad>", "<s>", "</s>"],
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
         ),
     )
-    raw.post_processor = processors.TemplateProcessing(
-        single="<s> $A", special_tokens=[("<s>", raw.token_to_id("<s>"))]
-    )
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=raw, bos_token="<s>", eos_token="</s>", pad_token="<pad>", padding_side="left"
-    )
+    if style == "qwen":
+        tok = PreTrainedTokenizerFast(
+            tokenizer_object=raw, eos_token="<|endoftext|>", pad_token="<|endoftext|>", padding_side="left"
+        )
+    else:
+        raw.post_processor = processors.TemplateProcessing(
+            single="<s> $A", special_tokens=[("<s>", raw.token_to_id("<s>"))]
+        )
+        tok = PreTrainedTokenizerFast(
+            tokenizer_object=raw, bos_token="<s>", eos_token="</s>", pad_token="<pad>", padding_side="left"
+        )
     if code_tokens:
         tok.add_tokens([code_token(j, c) for j in range(levels) for c in range(codes)])
     return tok
@@ -219,12 +243,14 @@ class PrepareSummary:
     dropped_interactions: dict[str, int]  # item ids not in the catalog, per split
     levels: int
     codes: int
-    history_len: int
+    history_len: int | None  # None: histories as the source wrote them (MiniOneRec)
     malformed_lines: dict[str, int] = field(default_factory=dict)  # LC-Rec files: lines left out, per split
     index_problems: int = 0  # LC-Rec index entries left out
     users_without_items: dict[str, int] = field(default_factory=dict)  # LC-Rec files: users listed alone, per split
     index: str | None = None  # LC-Rec: the index file read
     id_offset: int = 0  # LC-Rec: added to every user and item id of the interaction files
+    category: str | None = None  # MiniOneRec: the category read
+    rows: dict[str, int | None] = field(default_factory=dict)  # MiniOneRec: CSV rows per split (None: no file)
 
 
 @dataclass
@@ -232,7 +258,7 @@ class Source:
     """A source as read and checked, before anything is written."""
 
     folder: Path
-    format: str  # "beauty" | "lcrec"
+    format: str  # "beauty" | "lcrec" (MiniOneRec's rows are their own units: minionerec.py writes them)
     item_ids: np.ndarray  # [N] int64
     semantic_ids: np.ndarray  # [N, L]
     codes: int

@@ -1,0 +1,266 @@
+"""MiniOneRec's published layout (github AkaliKong/MiniOneRec, `data/Amazon/`) -> the project's contracts.
+
+    index/<Category>.index.json                 item id (from 0) -> its code tokens, {"0": ["<a_236>", "<b_231>", ...]}
+    info/<Category>_5_2016-10-2018-11.txt       semantic id \\t title \\t item id, a line per item
+    {train,valid,test}/<Category>_*.csv         user_id (a string, `A6948`), history_item_title, item_title,
+                                                history_item_id, history_item_sid (Python-literal lists), item_id,
+                                                item_sid: one row per evaluated interaction
+
+Every CSV row is a unit of its own, as their evaluate.py scores it: a user with several test interactions has several
+rows, none of them a duplicate. Its key, the `user_id` of the written tables, is the CSV's user id and the row's
+number in its file (from 0, their result JSON's order): `A6948#17`; the CSV's own id stays beside it as
+`source_user_id`. `history` is `history_item_id` as written (the prompt template's max_items takes the last ones),
+`target_items` is `[item_id]`; train rows are written as one sequence, history then target. `history_item_sid` and
+`item_sid` are checked against the index, the info file's semantic ids too: every difference is counted and the first
+REPORTED listed, with its row. The published snapshot keeps the train CSVs outside git: a missing split is reported
+(its table written empty), never fatal for the others.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from pipeline.prepare.contract import (
+    PrepareSummary,
+    build_tokenizer,
+    catalog_report,
+    items_table,
+    write_contract,
+)
+from pipeline.prepare.lcrec import REPORTED, read_lcrec_index
+from pipeline.prepare.splits import SPLITS, length_summary
+from pipeline.storage import sha256_file
+
+COLUMNS = ("user_id", "history_item_id", "history_item_sid", "item_id", "item_sid")
+KEY = "<CSV user_id>#<the row's number in its CSV, from 0>"
+CONVENTION = {
+    "unit": "every CSV row (one evaluated interaction), keyed user_id = " + KEY,
+    "source_user_id": "the CSV's user_id, as written",
+    "history": "history_item_id, as written (the prompt template's max_items takes the last ones)",
+    "target_items": "[item_id]",
+    "train": "history_item_id + [item_id], one sequence per row (each prefix a training sample)",
+}
+
+
+@dataclass
+class Layout:
+    """Where one category's files are."""
+
+    root: Path
+    category: str
+    index: Path
+    info: Path | None
+    csv: dict[str, Path | None]  # split -> file (None: missing)
+
+
+def find_layout(source: Path, category: str | None = None) -> Layout:
+    """`source`: the repository, its `data/Amazon`, or a folder holding index/, info/ and the split folders the same
+    way; `category` (e.g. Office_Products), else the one category the index folder holds."""
+    source = Path(source)
+    root = next((r for r in (source, source / "data" / "Amazon") if (r / "index").is_dir()), None)
+    if root is None:
+        raise ValueError(f"{source}: no index/ folder here or in data/Amazon/ (MiniOneRec's layout)")
+    found = sorted(p.name.removesuffix(".index.json") for p in (root / "index").glob("*.index.json"))
+    if category is None:
+        if len(found) != 1:
+            raise ValueError(f"{root / 'index'}: categories {found}; name one with --category")
+        category = found[0]
+    index = root / "index" / f"{category}.index.json"
+    if not index.is_file():
+        raise ValueError(f"{index}: file not found (categories here: {found})")
+    return Layout(
+        root,
+        category,
+        index,
+        _one(root / "info", category, ".txt"),
+        {s: _one(root / s, category, ".csv") for s in SPLITS},
+    )
+
+
+def _one(folder: Path, category: str, suffix: str) -> Path | None:
+    """The file `<category>_*<suffix>` (or `<category><suffix>`) in `folder`; None when there is none."""
+    files = sorted({*folder.glob(f"{category}_*{suffix}"), *folder.glob(f"{category}{suffix}")})
+    if len(files) > 1:
+        raise ValueError(f"{folder}: {len(files)} files for {category}: {[f.name for f in files]}")
+    return files[0] if files else None
+
+
+def read_info(path: Path | None, sid_of: dict[int, str]) -> dict:
+    """The info file's `semantic id \\t title \\t item id` lines against the index: lines, and the items whose
+    semantic id differs or that the index lacks (counted; the first REPORTED listed)."""
+    if path is None:
+        return {"file": None}
+    differ, n, lines = [], 0, 0
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        fields = line.split("\t")
+        if not line.strip():
+            continue
+        lines += 1
+        item = int(fields[-1]) if fields[-1].strip().isdigit() else None
+        if item is None or sid_of.get(item) != fields[0].strip():
+            n += 1
+            if len(differ) < REPORTED:
+                differ.append(
+                    {"line": number, "item": fields[-1].strip(), "info": fields[0].strip(), "index": sid_of.get(item)}
+                )
+    return {"file": path.name, "lines": lines, "differ_from_index": n, "differences": differ}
+
+
+def _literal_lists(column: pd.Series, name: str, path: Path) -> list:
+    try:
+        return [ast.literal_eval(v) if isinstance(v, str) else [] for v in column]
+    except (ValueError, SyntaxError) as e:
+        raise ValueError(f"{path}: column {name} holds a value that is not a Python-literal list ({e})") from None
+
+
+def read_split(path: Path, sid_of: dict[int, str]) -> tuple[pa.Table, dict]:
+    """One CSV -> its rows as a table (user_id = KEY, source_user_id, history, target_items) and the checks: item
+    ids the index lacks and semantic ids that differ from the index's, counted, the first REPORTED listed by row."""
+    try:
+        frame = pd.read_csv(path, dtype={"user_id": str}, keep_default_na=False)
+    except (pd.errors.ParserError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not a readable CSV ({e})") from None
+    missing = [c for c in COLUMNS if c not in frame.columns]
+    if missing:
+        raise ValueError(f"{path}: missing columns {missing} (has {list(frame.columns)})")
+    history = _literal_lists(frame["history_item_id"], "history_item_id", path)
+    history_sid = _literal_lists(frame["history_item_sid"], "history_item_sid", path)
+    target = frame["item_id"].astype(np.int64).tolist()
+    unknown, differ = [], []
+    counts = {"unknown_items": 0, "sid_differs": 0, "history_lengths_differ": 0}
+    for row, (items, sids, item, sid) in enumerate(zip(history, history_sid, target, frame["item_sid"])):
+        if len(items) != len(sids):
+            counts["history_lengths_differ"] += 1
+        for i, s in zip([*items, item], [*sids, sid]):
+            if i not in sid_of:
+                counts["unknown_items"] += 1
+                if len(unknown) < REPORTED:
+                    unknown.append({"row": row, "item": i})
+            elif sid_of[i] != str(s).strip():
+                counts["sid_differs"] += 1
+                if len(differ) < REPORTED:
+                    differ.append({"row": row, "item": i, "csv": str(s).strip(), "index": sid_of[i]})
+    users = frame["user_id"].astype(str)
+    table = pa.table(
+        {
+            "user_id": pa.array([f"{u}#{r}" for r, u in enumerate(users)], pa.string()),
+            "source_user_id": pa.array(users.tolist(), pa.string()),
+            "history": pa.array(history, pa.list_(pa.int64())),
+            "target_items": pa.array([[t] for t in target], pa.list_(pa.int64())),
+        }
+    )
+    report = {
+        "file": path.name,
+        "rows": table.num_rows,
+        "users": int(users.nunique()),
+        **counts,
+        "unknown": unknown,
+        "sid_differences": differ,
+        "history_length": length_summary([len(h) for h in history]),
+    }
+    return table, report
+
+
+def absent(path: Path | None, category: str, folder: Path) -> str | None:
+    """Why a split's CSV is not there to read (no file, an empty one, a Git LFS pointer: the published snapshot keeps
+    the train CSVs outside git), or None."""
+    if path is None:
+        return f"no {category}_*.csv in {folder}"
+    with open(path, "rb") as f:
+        head = f.read(64)
+    if not head:
+        return f"{path.name} is empty"
+    if head.startswith(b"version https://git-lfs"):
+        return f"{path.name} is a Git LFS pointer, not the file: fetch it with git lfs pull"
+    return None
+
+
+def empty_split() -> pa.Table:
+    return pa.table(
+        {
+            "user_id": pa.array([], pa.string()),
+            "source_user_id": pa.array([], pa.string()),
+            "history": pa.array([], pa.list_(pa.int64())),
+            "target_items": pa.array([], pa.list_(pa.int64())),
+        }
+    )
+
+
+def prepare_minionerec(
+    source_dir, out_dir, category: str | None = None, code_token: str = "<{level}_{code}>"
+) -> PrepareSummary:
+    """MiniOneRec's layout (`find_layout`) -> the project's contracts in `out_dir`: items from the index, every CSV
+    row of every split present as its own unit (see the module's docstring), the checks and what was read in
+    prepare.json."""
+    layout = find_layout(Path(source_dir), category)
+    item_ids, sid, index_problems = read_lcrec_index(layout.index, code_token)
+    order = np.argsort(item_ids)
+    item_ids, sid = item_ids[order], sid[order]
+    names = [chr(97 + j) for j in range(sid.shape[1])]
+    sid_of = {
+        int(i): "".join(code_token.format(level=names[j], level_index=j, code=int(c)) for j, c in enumerate(r))
+        for i, r in zip(item_ids, sid)
+    }
+    tables, splits = {}, {}
+    for s, path in layout.csv.items():
+        why = absent(path, layout.category, layout.root / s)
+        if why:
+            tables[s], splits[s] = empty_split(), {"file": path and path.name, "missing": why}
+        else:
+            tables[s], splits[s] = read_split(path, sid_of)
+    train = tables["train"]
+    tables["train"] = pa.table(
+        {
+            "user_id": train["user_id"],
+            "source_user_id": train["source_user_id"],
+            "history": pa.array(
+                [h + t for h, t in zip(train["history"].to_pylist(), train["target_items"].to_pylist())],
+                pa.list_(pa.int64()),
+            ),
+        }
+    )
+    codes = int(sid.max()) + 1
+    tokenizer = build_tokenizer(sid.shape[1], codes)
+    read = [
+        layout.index,
+        *([layout.info] if layout.info else []),
+        *(p for s, p in layout.csv.items() if "rows" in splits[s]),
+    ]
+    report = {
+        "source": str(layout.root.resolve()),
+        "format": "minionerec",
+        "category": layout.category,
+        "splits": CONVENTION,
+        "history_len": None,
+        **catalog_report(item_ids, sid, codes),
+        "index": layout.index.name,
+        "index_problems": {"count": len(index_problems), "entries": index_problems[:REPORTED]},
+        "info": read_info(layout.info, sid_of),
+        "rows": splits,
+        "users": {s: tables[s].num_rows for s in SPLITS},
+        "interactions": {s: int(sum(map(len, tables[s]["history"].to_pylist()))) for s in SPLITS},
+        "sha256": {p.name: sha256_file(p) for p in read},
+    }
+    write_contract(out_dir, items_table(item_ids, sid, codes), tokenizer, [tables], lambda: report)
+    return PrepareSummary(
+        out_dir=str(Path(out_dir)),
+        items=report["items"],
+        distinct_semantic_ids=report["distinct_semantic_ids"],
+        colliding_semantic_ids=len(report["semantic_id_collisions"]),
+        users=report["users"]["test"],
+        interactions=report["interactions"],
+        dropped_interactions={s: 0 for s in SPLITS},  # rows are kept as written: the nightly rejects unknown items
+        levels=report["levels"],
+        codes=codes,
+        history_len=None,
+        index_problems=len(index_problems),
+        index=str(layout.index),
+        rows={s: r.get("rows") for s, r in splits.items()},
+        category=layout.category,
+    )

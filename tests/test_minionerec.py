@@ -1,0 +1,284 @@
+"""A MiniOneRec model as trained (github AkaliKong/MiniOneRec; nothing of theirs is fetched or copied here): their
+layout, written by this test -> `prepare_data --format minionerec`; their evaluation prompt (EvalSidDataset, its
+instruction and user input tokenized apart) token for token on locally built tokenizers; their ranking (evaluate.py:
+codes, then "\\n" and EOS generated and scored, length_penalty 0) equal to `transformers` generate under that
+constraint; string keys kept through the nightly, rejects, evaluation and report."""
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from decoding.beam import Prefix, beam_search
+from decoding.catalog import Catalog
+from decoding.models import tiny_model
+from decoding.reference import generate_beam_search
+from decoding.templates import PRESETS, write_template
+from jobs.prepare_data import main as prepare_data
+from operators.prompts import Renderer, catalog_probes
+from pipeline.config import Storage, load_config
+from pipeline.prepare import build_text_tokenizer
+from tests.helpers import float32_atol
+
+LEVELS, CODES, ITEMS, K = 3, 16, 120, 5
+CATEGORY = "Office_Products"
+# their data.py, EvalSidDataset.pre and generate_prompt, as published (written out here, not imported)
+THEIR_INSTRUCTION = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. Write a "
+    "response that appropriately completes the request. \n\n### Instruction:\nCan you predict the next possible item "
+    "that the user may expect?\n\n"
+)
+THEIR_INPUT = (
+    "### User Input: \nCan you predict the next possible item the user may expect, given the following chronological "
+    "interaction history: {history}\n\n### Response:\n"
+)
+
+
+def their_encode(tok, text: str, bos: bool) -> list[int]:
+    """data.py's Tokenizer.encode: tokenizer.encode(text), leading BOS and trailing EOS stripped, BOS added when asked
+    and the tokenizer has one."""
+    t = tok.encode(text)
+    while t and t[0] == tok.bos_token_id:
+        t = t[1:]
+    while t and t[-1] == tok.eos_token_id:
+        t = t[:-1]
+    return ([tok.bos_token_id] if bos and tok.bos_token_id is not None else []) + t
+
+
+def their_prompt(tok, history_sids: list[str]) -> list[int]:
+    """EvalSidDataset's test-time input_ids: the instruction (with BOS), then the user input, tokenized apart."""
+    return their_encode(tok, THEIR_INSTRUCTION, True) + their_encode(
+        tok, THEIR_INPUT.format(history=", ".join(history_sids)), False
+    )
+
+
+def sid_text(codes) -> str:
+    return "".join(f"<{chr(97 + j)}_{c}>" for j, c in enumerate(codes))
+
+
+def write_layout(root: Path, seed: int = 0) -> dict:
+    """Their data/Amazon layout for one category: index, info, valid and test CSVs (string user ids, several rows a
+    user, Python-literal lists), the train CSV a Git LFS pointer as in the published snapshot. Test row 3's first
+    history item carries a semantic id the index does not give it; test row 5's history holds an item the index
+    lacks. -> {"sids": [N, L], "test": frame, "valid": frame}."""
+    rng = np.random.default_rng(seed)
+    sids = np.unique(rng.integers(0, CODES, (3 * ITEMS, LEVELS)), axis=0)[rng.permutation(ITEMS)]  # [N, L] distinct
+    for d in ("index", "info", "train", "valid", "test"):
+        (root / d).mkdir(parents=True)
+    index = {str(i): [f"<{chr(97 + j)}_{c}>" for j, c in enumerate(s)] for i, s in enumerate(sids)}
+    (root / "index" / f"{CATEGORY}.index.json").write_text(json.dumps(index))
+    info = "".join(f"{sid_text(s)}\tItem {i}, a title\t{i}\n" for i, s in enumerate(sids))
+    (root / "info" / f"{CATEGORY}_5_2016-10-2018-11.txt").write_text(info)
+    (root / "train" / f"{CATEGORY}_5_2016-10-2018-11.csv").write_text(
+        "version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 1\n"
+    )
+    frames = {}
+    for split, users in (("valid", 40), ("test", 60)):
+        rows = []
+        for u in range(users):
+            seq = rng.integers(0, ITEMS, rng.integers(3, 12)).tolist()
+            for cut in range(max(1, len(seq) - rng.integers(1, 4)), len(seq)):  # 1-3 rows a user
+                history, item = seq[:cut], seq[cut]
+                rows.append(
+                    {
+                        "user_id": f"A{u * 7 + 1000}",
+                        "history_item_title": str([f"Item {i}, a title" for i in history]),
+                        "item_title": f"Item {item}, a title",
+                        "history_item_id": str(history),
+                        "item_id": item,
+                        "history_item_sid": str([sid_text(sids[i]) for i in history]),
+                        "item_sid": sid_text(sids[item]),
+                    }
+                )
+        frames[split] = pd.DataFrame(rows)
+    test = frames["test"]
+    first = eval(test.at[3, "history_item_id"])[0]
+    wrong = sids[first] + np.eye(LEVELS, dtype=sids.dtype)[0]  # its first code off by one
+    test.at[3, "history_item_sid"] = str([sid_text(wrong), *eval(test.at[3, "history_item_sid"])[1:]])
+    test.at[5, "history_item_id"] = str([*eval(test.at[5, "history_item_id"]), 9999])
+    test.at[5, "history_item_sid"] = str([*eval(test.at[5, "history_item_sid"]), "<a_1><b_1><c_1>"])
+    for split, frame in frames.items():
+        frame.to_csv(root / split / f"{CATEGORY}_5_2016-10-2018-11.csv", index=False)
+    return {"sids": sids, **frames}
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    root = tmp_path_factory.mktemp("minionerec")
+    layout = write_layout(root / "repo" / "data" / "Amazon")
+    rc = prepare_data(["--format", "minionerec", "--source", str(root / "repo"), "--out", str(root / "data")])
+    assert rc == 0
+    return root, layout
+
+
+def test_every_csv_row_is_a_unit_keyed_by_its_user_and_row(imported):
+    root, layout = imported
+    report = json.loads((root / "data" / "prepare.json").read_text())
+    assert report["format"] == "minionerec" and report["category"] == CATEGORY and report["items"] == ITEMS
+    for split in ("valid", "test"):
+        frame, table = layout[split], pq.read_table(root / "data" / f"{split}.parquet")
+        assert table.num_rows == len(frame) == report["rows"][split]["rows"]  # no row dropped as a duplicate user
+        assert table.schema.field("user_id").type == pa.string()
+        assert table["user_id"].to_pylist() == [f"{u}#{r}" for r, u in enumerate(frame.user_id)]
+        assert table["source_user_id"].to_pylist() == frame.user_id.tolist()
+        assert table["history"].to_pylist() == [eval(h) for h in frame.history_item_id]
+        assert table["target_items"].to_pylist() == [[i] for i in frame.item_id]
+        assert report["rows"][split]["users"] == frame.user_id.nunique() < len(frame)
+    test = report["rows"]["test"]
+    assert test["sid_differs"] == 1 and test["sid_differences"][0]["row"] == 3
+    assert test["unknown_items"] == 1 and test["unknown"] == [{"row": 5, "item": 9999}]
+    assert report["rows"]["valid"]["sid_differs"] == report["rows"]["valid"]["unknown_items"] == 0
+    assert "Git LFS pointer" in report["rows"]["train"]["missing"] and report["users"]["train"] == 0
+    assert report["info"]["lines"] == ITEMS and report["info"]["differ_from_index"] == 0
+    assert set(report["sha256"]) == {
+        f"{CATEGORY}.index.json",
+        *(f"{CATEGORY}_5_2016-10-2018-11.{e}" for e in "txt csv".split()),
+    }
+
+
+@pytest.mark.parametrize("style", ["qwen", "llama"])
+def test_the_prompt_is_their_eval_prompt_token_for_token(imported, style):
+    """Qwen-style (no BOS; ":\\n" one piece) and Llama-style (adds <s>) tokenizers: the rendered ids equal
+    EvalSidDataset's two-part tokenization for every test row; the forced answer tokens are what their evaluate.py's
+    constraint puts after the codes (the tokens of "### Response:\\n" + codes + "\\n" after the codes, then EOS)."""
+    root, layout = imported
+    tok = build_text_tokenizer(LEVELS, CODES, 800, style=style)
+    items = pq.read_table(root / "data" / "items.parquet")
+    cat = Catalog.from_table(items, tok)
+    renderer = Renderer.compile(PRESETS["minionerec"], tok, catalog_probes(cat.item_tokens))
+    frame = layout["test"].drop(index=[3, 5])  # rows whose sids or items the index does not back
+    prompts = renderer.render(pa.array([eval(h) for h in frame.history_item_id]), cat.item_tokens)
+    for row, sids in enumerate(frame.history_item_sid):
+        ids = prompts.input_ids[row][prompts.attention_mask[row].bool()].tolist()
+        assert ids == their_prompt(tok, eval(sids)), row
+    # the two parts are tokenized apart: with an instruction that ends in "### Res" and a prefix that starts with
+    # "ponse", the whole text would make " Response" one token; the renderer keeps them apart, as EvalSidDataset does
+    minionerec = PRESETS["minionerec"]
+    glued = replace(minionerec, instruction=THEIR_INSTRUCTION + "### Res", prefix="ponse:\n" + minionerec.prefix)
+    row = Renderer.compile(glued, tok, catalog_probes(cat.item_tokens)).render(
+        pa.array([eval(frame.history_item_id.iloc[0])]), cat.item_tokens
+    )
+    user_input = "ponse:\n" + THEIR_INPUT.format(history=", ".join(eval(frame.history_item_sid.iloc[0])))
+    apart = their_encode(tok, glued.instruction, True) + their_encode(tok, user_input, False)
+    assert row.input_ids[0].tolist() == apart != their_encode(tok, glued.instruction + user_input, True)
+    for codes in layout["sids"][:10]:  # their prefixID: "### Response:\n" + codes + "\n", its tokens after the codes
+        hashed = tok("### Response:\n" + sid_text(codes) + "\n", add_special_tokens=False).input_ids
+        after = hashed[hashed.index(tok.convert_tokens_to_ids(f"<c_{codes[-1]}>")) + 1 :]
+        assert renderer.answer.tolist() == [*after, tok.eos_token_id] and len(after) >= 1
+
+
+def prompts_of(tok, items: pa.Table, layout, rows: range):
+    cat = Catalog.from_table(items, tok)
+    renderer = Renderer.compile(PRESETS["minionerec"], tok, catalog_probes(cat.item_tokens))
+    frame = layout["valid"].iloc[list(rows)]
+    prefix = Prefix(renderer.prefix_ids)
+    histories = pa.array([eval(h) for h in frame.history_item_id])
+    return (
+        cat,
+        renderer,
+        renderer.render(histories, cat.item_tokens),
+        prefix,
+        renderer.render(histories, cat.item_tokens, len(prefix)),
+    )
+
+
+def test_their_ranking_includes_the_answer_tokens_and_equals_generate(imported):
+    """A tiny Qwen2 in float32: beam_search with the template's answer tokens returns what `model.generate` returns
+    when the constraint allows codes, then "\\n", then EOS (their evaluate.py's search, length_penalty 0): the same
+    lists for every user clear of a float32 near-tie (tie_gap above twice the scores' float32 bound), the same scores
+    within that bound. Users are drawn 16 at a time until 8 are clear (at most 4 groups); the answer tokens change
+    some user's list (else the test would not tell the two rankings apart); without them, beam search stays what it
+    was; the compiled engine hands the answer to the eager one, saying so."""
+    root, layout = imported
+    tok = build_text_tokenizer(LEVELS, CODES, 800, style="qwen")
+    items = pq.read_table(root / "data" / "items.parquet")
+    model = tiny_model("qwen2", len(tok), seed=1)
+    clear = changed = 0
+    for group in range(4):
+        cat, renderer, full, prefix, rest = prompts_of(tok, items, layout, range(16 * group, 16 * group + 16))
+        answer = torch.from_numpy(renderer.answer)
+        ours = beam_search(model, rest.input_ids, rest.attention_mask, cat, K, prefix=prefix, answer=answer)
+        want_items, _, want_scores, _ = generate_beam_search(
+            model,
+            full.input_ids,
+            full.attention_mask,
+            cat,
+            K,
+            answer=renderer.answer.tolist(),
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
+        atol = float32_atol(want_scores)
+        torch.testing.assert_close(ours.scores, want_scores, atol=atol, rtol=0)
+        ok = ours.stats["tie_gap"] > 2 * atol  # [16]
+        assert torch.equal(ours.item_ids[ok], want_items[ok])
+        clear += int(ok.sum())
+        plain = beam_search(model, rest.input_ids, rest.attention_mask, cat, K, prefix=prefix)
+        changed += int((plain.item_ids != ours.item_ids).any(1).sum())
+        if clear >= 8:
+            break
+    assert clear >= 8, f"{clear} users clear of a float32 near-tie in {16 * (group + 1)}"
+    assert changed >= 1
+    compiled = beam_search(
+        model, rest.input_ids, rest.attention_mask, cat, K, prefix=prefix, answer=answer, engine="compiled"
+    )
+    assert "eager" in compiled.stats["engine_note"] and torch.equal(compiled.item_ids, ours.item_ids)
+
+
+@pytest.fixture(scope="module")
+def nightly(imported):
+    """The imported test rows decoded by the nightly job with a MiniOneRec-style model directory (a tiny Qwen2, the
+    Qwen-style tokenizer with the code tokens, the minionerec template)."""
+    import ray
+
+    from pipeline.nightly import run_nightly
+
+    root, layout = imported
+    tok = build_text_tokenizer(LEVELS, CODES, 800, style="qwen")
+    target = root / "target"
+    tiny_model("qwen2", len(tok), seed=1).save_pretrained(target)
+    tok.save_pretrained(target)
+    write_template(target, PRESETS["minionerec"])
+    cfg = load_config(
+        None,
+        [
+            f"input={root / 'data' / 'test.parquet'}",
+            f"catalog={root / 'data' / 'items.parquet'}",
+            f"output={root / 'out'}",
+            f"models.target={target}",
+            f"decoding.k={K}",
+            "compute.batch_size=32",
+            "run_date=2026-11-25",
+        ],
+    )
+    ray.init(num_cpus=2, include_dashboard=False)
+    try:
+        manifest = run_nightly(cfg)
+    finally:
+        ray.shutdown()
+    return root, layout, cfg, manifest
+
+
+def test_string_keys_through_the_nightly_rejects_evaluation_and_report(nightly):
+    from pipeline.evaluate import evaluate
+    from pipeline.report import report_run
+
+    root, layout, cfg, manifest = nightly
+    run = Path(manifest["outputs"]["recommendations"]).parent
+    recs = pq.read_table(run / "recommendations")
+    rejects = pq.read_table(run / "rejects")
+    assert recs.schema.field("user_id").type == rejects.schema.field("user_id").type == pa.string()
+    keys = [f"{u}#{r}" for r, u in enumerate(layout["test"].user_id)]
+    assert rejects["user_id"].to_pylist() == [keys[5]] and rejects["reason"].to_pylist() == ["unknown_item"]
+    assert sorted(set(recs["user_id"].to_pylist())) == sorted(set(keys) - {keys[5]})
+    assert recs.num_rows == K * (len(keys) - 1)  # every row its own unit, several per CSV user
+    result = evaluate(cfg.output, Storage())
+    assert result["users"] == len(keys) and result["users_without_recommendations"] == 1  # the rejected row
+    _, out = report_run(cfg.output, Storage())
+    assert (Path(out) / "report.md").is_file()
