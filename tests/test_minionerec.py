@@ -5,6 +5,7 @@ codes, then "\\n" and EOS generated and scored, length_penalty 0) equal to `tran
 constraint; string keys kept through the nightly, rejects, evaluation and report."""
 
 import json
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -282,3 +283,80 @@ def test_string_keys_through_the_nightly_rejects_evaluation_and_report(nightly):
     assert result["users"] == len(keys) and result["users_without_recommendations"] == 1  # the rejected row
     _, out = report_run(cfg.output, Storage())
     assert (Path(out) / "report.md").is_file()
+
+
+# A stand-in for their evaluate.py with its interface (main's arguments, the module-level AutoModelForCausalLM /
+# AutoTokenizer it loads with, the JSON it writes), written by this test: `transformers` generate under their
+# constraint (codes, "\n", EOS; length_penalty 0) on EvalSidDataset's prompt. The real one is theirs, never fetched
+# here; `python -m jobs.bench minionerec --peer` runs it the same way.
+PEER_EVALUATE = """
+import json
+
+import pandas as pd
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+device = "cpu"
+INSTRUCTION = {instruction!r}
+USER_INPUT = {user_input!r}
+
+
+def encode(tok, text, bos):
+    t = tok.encode(text)
+    while t and t[0] == tok.bos_token_id:
+        t = t[1:]
+    return ([tok.bos_token_id] if bos and tok.bos_token_id is not None else []) + t
+
+
+def main(base_model, info_file, category, test_data_path, result_json_data, batch_size=4, num_beams=50,
+         length_penalty=0.0, max_new_tokens=256):
+    model = AutoModelForCausalLM.from_pretrained(base_model, torch_dtype=torch.bfloat16, device_map="auto")
+    tok = AutoTokenizer.from_pretrained(base_model)
+    allowed = {{}}
+    for line in open(info_file):
+        ids = tok(line.split("\\t")[0].strip() + "\\n", add_special_tokens=False).input_ids + [tok.eos_token_id]
+        for i in range(len(ids)):
+            allowed.setdefault(tuple(ids[:i]), set()).add(ids[i])
+    rows = pd.read_csv(test_data_path)
+    prompts = [encode(tok, INSTRUCTION, True) + encode(tok, USER_INPUT.format(history=", ".join(eval(h))), False)
+               for h in rows.history_item_sid]
+    out = []
+    for a in range(0, len(prompts), batch_size):
+        batch = prompts[a : a + batch_size]
+        width = max(map(len, batch))
+        ids = torch.tensor([[tok.eos_token_id] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        fn = lambda b, sent: sorted(allowed.get(tuple(sent[width:].tolist()), [tok.eos_token_id]))
+        gen = model.generate(ids, attention_mask=mask, num_beams=num_beams, num_return_sequences=num_beams,
+                             length_penalty=length_penalty, max_new_tokens=max_new_tokens, do_sample=False,
+                             prefix_allowed_tokens_fn=fn, pad_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
+        texts = tok.batch_decode(gen[:, width:], skip_special_tokens=True)
+        out += [[t.strip() for t in texts[i : i + num_beams]] for i in range(0, len(texts), num_beams)]
+    json.dump([{{"predict": p}} for p in out], open(result_json_data, "w"))
+"""
+
+
+def test_the_peer_run_imports_their_evaluate_from_a_path_and_compares(imported, tmp_path):
+    """`bench minionerec` on a peer folder in their layout whose evaluate.py has their interface: it imports it from
+    the path, redirects its model loading (their bfloat16 -> float32, local files), runs both, and finds every list
+    identical by semantic ID, none invalid, the same items' scores within float32 noise."""
+    from pipeline.bench.minionerec import run_minionerec
+    from pipeline.bench.params import MiniOneRecParams
+
+    root, layout = imported
+    peer = tmp_path / "peer"
+    shutil.copytree(root / "repo", peer)
+    (peer / "evaluate.py").write_text(PEER_EVALUATE.format(instruction=THEIR_INSTRUCTION, user_input=THEIR_INPUT))
+    (peer / "data.py").write_text("")
+    (peer / "LogitProcessor.py").write_text("")
+    csv = peer / "data" / "Amazon" / "test" / f"{CATEGORY}_5_2016-10-2018-11.csv"
+    pd.read_csv(csv, dtype={"user_id": str}).drop(index=[3, 5]).to_csv(csv, index=False)  # rows the index backs
+    params = MiniOneRecParams(
+        peer=str(peer), category=CATEGORY, users=12, beams=K, batch=8, repeats=1, out=str(tmp_path)
+    )
+    result, md = run_minionerec(params, "test")
+    a = result["agreement"]
+    assert a["users"] == 12 and a["identical"] == 12 and a["invalid_theirs"] == a["invalid_ours"] == 0
+    # a score sums L + 2 log-probs over a vocabulary of about 500 tokens: |score| < 50
+    assert a["max_abs_score_diff_same_item"] <= float32_atol(torch.tensor([50.0]))
+    assert set(result["users_per_s"]) == {"theirs", "ours_theirs", "ours"} and "their evaluate.py" in md

@@ -234,6 +234,28 @@ class PrecisionParams:
     tie: float = 0.04  # a user is clear of a near-tie when its float32 search's tie gap is at least this
 
 
+@dataclass(kw_only=True)
+class MiniOneRecParams:
+    """`bench minionerec`: MiniOneRec's own evaluation (their evaluate.py, imported at run time from `peer`, a copy of
+    github AkaliKong/MiniOneRec with its requirements installed) beside beam_search with the minionerec template, on
+    the same model and the first `users` rows of their `category`'s test CSV: at their settings (batch 4, 50 beams)
+    and at `batch`. `model`: a model dir trained there (None: a random tiny Qwen2 over a Qwen-style tokenizer with the
+    category's code tokens, for speed, not quality)."""
+
+    peer: str
+    category: str = "Office_Products"
+    model: str | None = None
+    users: int = 64
+    their_batch: int = 4
+    beams: int = 50
+    batch: int = 64
+    dtype: str = "float32"
+    device: str | None = None
+    seed: int = 0
+    repeats: int = 3
+    out: str = "bench-out"  # the imported data, the rows compared, their results and the random model go under it
+
+
 # The command line's view of these fields (jobs/bench.py): help texts, choices, and the fields that take several values
 FLAG_HELP = {
     "data": "prepared data (python -m jobs.prepare_data)",
@@ -256,6 +278,10 @@ FLAG_HELP = {
     "counts": "excluded items per user (each against none)",
     "engines": "beam_search engines (decoding/compiled.py): with compiled, eager vs compiled side by side",
     "methods": "shapes: the methods compared (beam_search is the eager engine)",
+    "peer": "minionerec: a copy of github AkaliKong/MiniOneRec (its evaluate.py is imported from there)",
+    "category": "minionerec: the category of the peer's data/Amazon to compare on",
+    "their_batch": "minionerec: users per generate call in their evaluate.py (theirs: 4)",
+    "beams": "minionerec: beams, and items returned per user (theirs: 50)",
     "page": "gpu: also keep the report as a dated page in this folder, gpu-<device>-<date>.md (docs/benchmarks)",
 }
 CHOICES = {

@@ -63,6 +63,11 @@ BENCHES = {
         "half precision's cost in ranking: each dtype's top-K against transformers float32",
         "precision:run_precision",
     ),
+    "minionerec": Section(
+        P.MiniOneRecParams,
+        "a peer run: MiniOneRec's evaluate.py (imported from --peer) vs beam_search, same model and users",
+        "minionerec:run_minionerec",
+    ),
     "exclude": Section(
         P.ExcludeParams,
         "per-user exclusions: beam_search with 0, 50 and 1,000 excluded items per user",
