@@ -39,6 +39,7 @@ from operators.spec import ActorSpec
 from operators.validate import reject_schema, validate
 
 FAIL_AFTER_ENV = "GENREC_TEST_FAIL_AFTER"  # tests only: "N:/path/marker" exits the actor once, after N batches
+SKEW_ENV = "GENREC_TEST_ENGINE_SKEW"  # tests only: "1" makes the compiled engine's trial lists differ from eager's
 SAMPLING = ("atspeed-relaxed", "disc")  # modes whose items are draws (seeded by the users decoded together)
 NON_FINITE = (
     "the model's log-probabilities were NaN or infinite while decoding this user (e.g. a float16 "
@@ -245,6 +246,94 @@ class AutoMode:
         }
 
 
+def engine_parity(eager: Recommendations, compiled: Recommendations, noise: float, terms: int, eps: float) -> dict:
+    """The compiled engine's lists and scores against the eager engine's on the same users -> the evidence: users,
+    those clear of a near-tie (eager tie gap above twice the bound), how many of those got the same list, the largest
+    score difference, the bound and whether parity holds (every clear user the same list, every score within twice
+    the bound, the same users decoded). The bound: the larger of `noise` (the eager engine's own score difference
+    between two batch sizes, measured in the run) and terms x eps x the largest |score| (a sum of `terms` products
+    in the model's dtype, Higham 3.1)."""
+    s_e, s_c = eager.scores.float().cpu(), compiled.scores.float().cpu()  # [U, k]
+    finite = torch.isfinite(s_e)
+    magnitude = float(s_e[finite].abs().max()) if finite.any() else 1.0
+    bound = max(noise, terms * eps * magnitude)
+    both = finite & torch.isfinite(s_c)
+    max_diff = float((s_e - s_c).abs()[both].max()) if both.any() else 0.0
+    clear = eager.stats["tie_gap"].float().cpu() > 2 * bound  # [U]
+    same = (eager.item_ids.cpu() == compiled.item_ids.cpu()).all(1)  # [U]
+    holds = bool(same[clear].all()) and max_diff <= 2 * bound and torch.equal(finite, torch.isfinite(s_c))
+    return {
+        "users": int(same.numel()),
+        "clear": int(clear.sum()),
+        "identical_clear": int(same[clear].sum()),
+        "identical": int(same.sum()),
+        "max_score_diff": max_diff,
+        "bound": 2 * bound,
+        "noise_batch_sizes": noise,
+        "holds": holds,
+    }
+
+
+class AutoEngine:
+    """compute.engine = auto: the actor's first `trials` beam batches are decoded by both engines in turn (eager
+    first, then compiled first, ...), the eager lists published; the compiled engine's bucket is compiled at its first
+    trial (timed). The choice, once the trials are done: compiled if parity held on every trial batch
+    (engine_parity) and its best trial decoded faster per user than eager's best; else eager. The compile counts
+    only where the run is too short to earn it back: an actor whose expected eager decode (its users x eager's time
+    per user, after the first trial) is below `short_run_s` (compute.engine_short_run_s: what a cold compile may
+    cost) stays eager without compiling."""
+
+    def __init__(self, trials: int, users_hint: int | None, device: str, short_run_s: float):
+        self.trials, self.users_hint, self.device, self.short_run_s = trials, users_hint, device, short_run_s
+        self.per_user: dict[str, list[float]] = {"eager": [], "compiled": []}  # decode seconds per user, each trial
+        self.parity: list[dict] = []
+        self.compile_s = 0.0
+        self.noise: float | None = None
+        self.choice: str | None = None
+        self.reason = ""
+
+    def order(self) -> tuple[str, str]:
+        return ("eager", "compiled") if len(self.parity) % 2 == 0 else ("compiled", "eager")
+
+    def too_short(self, eager_per_user: float) -> bool:
+        """After the first eager trial: can this actor's share of the run earn a compile back? If not, eager."""
+        expected = (self.users_hint or 0) * eager_per_user
+        if self.users_hint is not None and expected < self.short_run_s:
+            self.choice = "eager"
+            self.reason = (
+                f"too short to earn a compile back: {self.users_hint} users x {eager_per_user * 1e3:.1f} ms "
+                f"= {expected:.0f} s of eager decode < compute.engine_short_run_s {self.short_run_s:g} s"
+            )
+            self.per_user["eager"].append(eager_per_user)
+        return self.choice is not None
+
+    def record(self, eager_per_user: float, compiled_per_user: float, parity: dict) -> None:
+        self.per_user["eager"].append(eager_per_user)
+        self.per_user["compiled"].append(compiled_per_user)
+        self.parity.append(parity)
+        if len(self.parity) < self.trials:
+            return
+        failed = [i for i, p in enumerate(self.parity) if not p["holds"]]
+        e, c = min(self.per_user["eager"]), min(self.per_user["compiled"])
+        if failed:
+            self.choice, self.reason = "eager", f"no parity on trial batch {failed[0]}: {self.parity[failed[0]]}"
+        elif c < e:
+            self.choice, self.reason = "compiled", f"parity held; {e / c:.2f}x eager's users/s"
+        else:
+            self.choice, self.reason = "eager", f"parity held, but compiled ran at {e / c:.2f}x eager's users/s"
+
+    def state(self) -> dict:
+        return {
+            "choice": self.choice,
+            "reason": self.reason,
+            "trial_users_per_s": {m: 1 / min(v) if v else None for m, v in self.per_user.items()},
+            "trial_batches": len(self.parity),
+            "compile_s": self.compile_s,
+            "parity": self.parity,
+            "device": self.device,
+        }
+
+
 class Recommender:
     def __init__(self, spec: ActorSpec):
         self.spec = spec
@@ -265,6 +354,15 @@ class Recommender:
         answer = self.renderer.answer  # the template's forced, scored tokens after an item's codes
         self.answer = torch.from_numpy(answer).to(self.device) if len(answer) else None
         self.auto = AutoMode(spec.decoding.auto_trials) if spec.decoding.mode == "auto" else None
+        device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        self.engine_auto = (
+            AutoEngine(spec.engine_trials, spec.users_per_actor, device_name, spec.engine_short_run_s)
+            if spec.engine == "auto" and spec.decoding.mode in ("beam", "auto")
+            else None
+        )
+        self.engine = "eager" if spec.engine == "auto" else spec.engine  # the engine of the lists published now
+        self.warm = False  # the compiled engine's bucket compiled
+        self.batch_engine = self.engine  # the engine whose lists the last batch published
         self.actor = _actor_id()
         self.host = socket.gethostname()
         self.accelerator = f"{self.host}/{_device_id(self.device)}"  # actors that share a GPU share this
@@ -273,6 +371,7 @@ class Recommender:
         self.compiled = (0.0, 0)  # compile seconds and graphs reported in metric rows so far
         if spec.engine == "compiled" and spec.decoding.mode in ("beam", "auto"):
             self._warm_up()
+            self.warm = True
         self.ready_at = time.time()  # ready to decode: process started, modules imported, models loaded, compiled
 
     @property
@@ -319,7 +418,14 @@ class Recommender:
             torch.cuda.reset_peak_memory_stats()
         ids, mask = prompts.input_ids.to(self.device), prompts.attention_mask.to(self.device)
         first = self._first_batch(mode, ids, self.target, self.draft, self.oom_batch)
-        rec, self.decode_batch = self._decode_slices(mode, ids, mask, users, self.target, self.draft, first, exclude)
+        self.batch_engine = self.engine if mode == "beam" else "eager"  # the engine of the lists this batch publishes
+        if mode == "beam" and self.engine_auto and self.engine_auto.choice is None:
+            rec, self.decode_batch = self._engine_trial(ids, mask, users, first, exclude)
+            self.batch_engine = "eager"
+        else:
+            rec, self.decode_batch = self._decode_slices(
+                mode, ids, mask, users, self.target, self.draft, first, exclude
+            )
         self.oom_batch = self.decode_batch if self.decode_batch < first else self.oom_batch  # kept for later shards
         if self.auto:
             self.auto.record(mode, sum(rec.stats[key] for key in PHASES), len(users))
@@ -329,6 +435,52 @@ class Recommender:
         items = rec.item_ids.cpu().numpy()  # [U, k]
         items[broken] = -1
         return Decoded(mode, items, rec.scores.float().cpu().numpy(), broken, rec.stats, audit)
+
+    def _engine_trial(self, ids, mask, users, first: int, exclude: Exclusions | None):
+        """compute.engine auto, a trial batch: the users decoded by both engines in turn (AutoEngine), the compiled
+        one's bucket compiled at its first trial; parity checked (engine_parity) -> the eager engine's (the
+        reference's) result and decode batch."""
+        a, runs = self.engine_auto, {}
+        for engine in a.order():
+            self.engine = engine
+            if engine == "compiled" and not self.warm:  # compiled here, timed: what the compiled engine costs
+                t0 = time.perf_counter()
+                self._warm_up()
+                self.warm, a.compile_s = True, a.compile_s + time.perf_counter() - t0
+            t0 = time.perf_counter()
+            rec, batch = self._decode_slices("beam", ids, mask, users, self.target, None, first, exclude)
+            a.compile_s += rec.stats.get("compile_s", 0.0)
+            runs[engine] = (rec, batch, (time.perf_counter() - t0 - rec.stats.get("compile_s", 0.0)) / len(users))
+            if engine == "eager" and not a.parity and a.too_short(runs["eager"][2]):
+                break
+        self.engine = "eager"
+        eager, batch, eager_per_user = runs["eager"]
+        if "compiled" in runs:
+            compiled = runs["compiled"][0]
+            if os.environ.get(SKEW_ENV):  # tests only: an engine that differs
+                compiled = Recommendations(
+                    compiled.item_ids.roll(1, 1), compiled.token_ids, compiled.scores, compiled.stats
+                )
+            if a.noise is None:
+                a.noise = self._batch_noise(ids, mask, users, eager, exclude)
+            terms = self.target.config.hidden_size
+            parity = engine_parity(eager, compiled, a.noise, terms, torch.finfo(self.target.dtype).eps)
+            a.record(eager_per_user, runs["compiled"][2], parity)
+        if a.choice == "compiled":
+            self.engine = "compiled"
+        return eager, batch
+
+    def _batch_noise(self, ids, mask, users, eager: Recommendations, exclude: Exclusions | None) -> float:
+        """The eager engine's own score difference between two batch sizes: the first half of the users decoded alone
+        against the same users in the whole batch (0 for one user)."""
+        h = ids.shape[0] // 2
+        if h == 0:
+            return 0.0
+        part = exclude.select(torch.arange(h, device=ids.device)) if exclude is not None else None
+        half = self._decode("beam", self.target, None, ids[:h], mask[:h], users.slice(0, h), part)
+        s_full, s_half = eager.scores[:h].float().cpu(), half.scores.float().cpu()
+        both = torch.isfinite(s_full) & torch.isfinite(s_half)
+        return float((s_full - s_half).abs()[both].max()) if both.any() else 0.0
 
     def _first_batch(self, mode: str, ids, target, draft, oom_batch: int | None = None) -> int:
         """Users per decode for the prompts ids [U, S]: compute.decode_batch if pinned, else on CUDA the largest that
@@ -368,7 +520,7 @@ class Recommender:
         warm-up's too)."""
         seconds, graphs = compile_totals(self.target)
         (s0, g0), self.compiled = self.compiled, (seconds, graphs)
-        return {"engine": self.spec.engine, "compile_s": seconds - s0, "graphs_compiled": graphs - g0}
+        return {"engine": self.batch_engine, "compile_s": seconds - s0, "graphs_compiled": graphs - g0}
 
     def _fitting_batch(self, mode: str, prompt_len: int, target, draft) -> int | None:
         """On CUDA: the most users whose decode fits in the free memory; elsewhere None (no limit)."""
@@ -414,7 +566,7 @@ class Recommender:
         generator seeded by the users, so that a retried batch draws the same items."""
         d, shared = self.spec.decoding, {"prefix": self.prefix, "exclude": exclude}
         if mode == "beam":  # the audit's float32 reference runs eager, the reference engine
-            engine = self.spec.engine if target is self.target else "eager"
+            engine = self.engine if target is self.target else "eager"
             return beam_search(target, ids, mask, self.catalog, d.k, engine=engine, answer=self.answer, **shared)
         seed = (d.seed * 1_000_003 + zlib.crc32(str(users.to_pylist()).encode())) % (2**63)
         shared.update(temperature=d.temperature, generator=torch.Generator(device=self.device).manual_seed(seed))
@@ -488,11 +640,19 @@ class Recommender:
             "users_per_s": ok / wall if wall > 0 else None,
             "users_non_finite": int(decoded.broken.sum()),
             "decoder": decoded.mode,
-            "auto": self.auto.state() if self.auto else None,
+            "auto": self._auto_state(),
             "dtype": self.dtype,
             **decoded.audit,
             **self._compiled_since(),
         }
+
+    def _auto_state(self) -> dict | None:
+        """The actor's auto choices so far: decoding.mode auto's (choice, trial users/s, trial batches) and, under
+        "engine", compute.engine auto's (AutoEngine.state)."""
+        state = self.auto.state() if self.auto else {}
+        if self.engine_auto:
+            state["engine"] = self.engine_auto.state()
+        return state or None
 
     def _ids(self) -> dict:
         """Who decoded the batch: the run, the shard (actor:batch), the actor, its host, accelerator and device."""

@@ -58,6 +58,9 @@ class ActorSpec:
     dtype: str = "auto"
     audit_users: int = 0  # half precision: the actor's first users re-decoded in float32 (the precision audit)
     threads: int | None = None  # torch CPU threads (None: Ray's OMP_NUM_THREADS)
-    engine: str = "eager"  # beam search's engine: eager or compiled (decoding/compiled.py)
+    engine: str = "eager"  # beam search's engine: eager, compiled (decoding/compiled.py) or auto (AutoEngine)
+    engine_trials: int = 2  # auto: trial batches decoded by both engines before the actor chooses
+    engine_short_run_s: float = 60.0  # auto: an actor with less eager decode ahead than this stays eager
+    users_per_actor: int | None = None  # auto: the users this actor may expect (the run's pending / its actors)
     compile_cache: str | None = None  # compiled: the node's compile cache directory (None: inductor's default)
     warm_users: int = 1  # compiled: users per decode the actor compiles its bucket for at start

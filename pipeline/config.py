@@ -23,7 +23,9 @@ SECRET_WORDS = ("secret", "password", "token", "access_key", "credential")
 class Models:
     target: str = ""  # local directory or s3:// prefix
     draft: str | None = None  # needed by the atspeed modes
-    template: str | None = None  # prompt template: a preset (codes, lcrec, minionerec) or a local JSON file; None: the target's
+    template: str | None = (
+        None  # prompt template: a preset (codes, lcrec, minionerec) or a local JSON file; None: the target's
+    )
     cache_dir: str = "~/.cache/genrec-batch/models"  # where s3:// models are copied, once per node
 
 
@@ -47,7 +49,13 @@ class Compute:
     audit_users: int | None = None  # half precision: users each actor re-decodes in float32 per run, to measure the
     # ranking agreement (manifest precision_audit); None: one batch's worth (batch_size); 0: no audit
     engine: str = "eager"  # eager (the reference) | compiled: beam search on fixed shapes, each actor compiling its
-    # bucket at start (decoding/compiled.py; decoding.mode beam, and auto's beam trials; the other modes run eager)
+    # bucket at start (decoding/compiled.py; decoding.mode beam, and auto's beam trials; the other modes run eager) |
+    # auto: each actor decodes its first engine_trials beam batches with both engines, publishes the eager lists, and
+    # keeps the compiled engine only if it agreed (every user clear of a near-tie, the same list; scores within the
+    # bound) and was faster; an actor whose share of the run cannot earn a compile back stays eager
+    engine_trials: int = 2  # auto: trial batches per actor, each decoded by both engines
+    engine_short_run_s: float = 60.0  # auto: what a cold compile may cost an actor (21-63 s measured on CPUs); an
+    # actor whose expected eager decode (its share of the users x eager's time per user) is shorter stays eager
     compile_cache: str = "~/.cache/genrec-batch/compile"  # the compiled engine's cache on each node (inductor's
     # TORCHINDUCTOR_CACHE_DIR): kept across actor restarts and runs, so a restarted actor compiles in seconds
 
@@ -271,9 +279,15 @@ def _check_compute(c: Compute, d: Decoding) -> None:
     threads = c.threads_per_actor
     _need(threads is None or threads >= 1, "compute.threads_per_actor", "must be >= 1 or null", threads)
     _check_precision(c)
-    _need(c.engine in ("eager", "compiled"), "compute.engine", "must be eager or compiled", c.engine)
+    _need(c.engine in ("eager", "compiled", "auto"), "compute.engine", "must be eager, compiled or auto", c.engine)
     _need(
-        c.engine == "eager" or d.mode in ("beam", "auto"),
+        isinstance(c.engine_trials, int) and c.engine_trials >= 1,
+        "compute.engine_trials",
+        "must be >= 1",
+        c.engine_trials,
+    )
+    _need(
+        c.engine != "compiled" or d.mode in ("beam", "auto"),
         "compute.engine",
         f"compiled runs decoding.mode beam (and auto's beam trials); {d.mode} runs eager: set compute.engine=eager",
         c.engine,

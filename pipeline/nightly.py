@@ -155,6 +155,8 @@ def actor_spec(cfg: Config, run_id: str, catalog: pa.Table, template: PromptTemp
         decode_batch=cfg.compute.decode_batch,
         threads=cfg.compute.threads_per_actor,
         engine=cfg.compute.engine,
+        engine_trials=cfg.compute.engine_trials,
+        engine_short_run_s=cfg.compute.engine_short_run_s,
         compile_cache=cfg.compute.compile_cache,
         warm_users=cfg.compute.decode_batch or cfg.compute.batch_size,
     )
@@ -506,7 +508,7 @@ def recommend(ds, plan: Plan, a: Attempt):
         batch_size=c.batch_size,
         batch_format="pyarrow",
         fn_constructor_kwargs={  # small, inline: the catalog is read by each actor (shards.CatalogRef)
-            "spec": replace(plan.spec, run_id=a.run_id, catalog=None),
+            "spec": replace(plan.spec, run_id=a.run_id, catalog=None, users_per_actor=-(-a.left // a.pool.initial)),
             "catalog": shards.CatalogRef(cfg.catalog, plan.identity["catalog"]),
             "run": a.run,
             "storage": cfg.storage,

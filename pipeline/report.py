@@ -507,14 +507,26 @@ def exclusions_text(e: dict) -> str:
 
 
 def auto_text(s: dict) -> str:
-    """decoding.mode = auto: what each actor chose and the trial timings behind it."""
-    parts = [
-        f"{actor[-8:]}: **{a['choice'] or 'undecided'}** (trials, users/s: "
-        + ", ".join(f"{d} {num(v, 1)}" for d, v in a["trial_users_per_s"].items() if v is not None)
-        + ")"
-        for actor, a in sorted(s["auto"].items())
-    ]
-    return f"Auto mode of {_label(s)}, per actor: " + "; ".join(parts) + "."
+    """decoding.mode = auto and compute.engine = auto: what each actor chose and the trials behind it (users/s; for
+    the engine, the compile seconds, the parity evidence and the device)."""
+
+    def trials(a: dict) -> str:
+        return ", ".join(f"{d} {num(v, 1)}" for d, v in a["trial_users_per_s"].items() if v is not None)
+
+    parts = []
+    for actor, a in sorted(s["auto"].items()):
+        said = [f"mode **{a['choice'] or 'undecided'}** (trials, users/s: {trials(a)})"] if "choice" in a else []
+        if a.get("engine"):
+            e = a["engine"]
+            ok = sum(p["identical_clear"] for p in e["parity"])
+            clear = sum(p["clear"] for p in e["parity"])
+            said.append(
+                f"engine **{e['choice'] or 'undecided'}** on {e['device']} (trials, users/s: {trials(e)}; compile "
+                f"{num(e['compile_s'], 1)} s; parity: {ok} of {clear} users clear of a near-tie identical; "
+                f"{e['reason']})"
+            )
+        parts.append(f"{actor[-8:]}: " + ", ".join(said))
+    return f"Auto choices of {_label(s)}, per actor: " + "; ".join(parts) + "."
 
 
 def catalog_text(s: dict) -> str:

@@ -14,10 +14,14 @@ never had its k-th and (k+1)-th candidates within 2 x that bound (stats["tie_gap
 """
 
 import copy
+import json
 import tempfile
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
+import pandas as pd
 import pytest
 import torch
 
@@ -300,8 +304,25 @@ def test_a_compiled_nightly_publishes_what_eager_does(tmp_path_factory):
             )
             for engine in ("eager", "compiled")
         }
+        auto_cfg = config(
+            world,
+            world / "auto",
+            "compute.engine=auto",
+            f"compute.compile_cache={COMPILE_CACHE}",
+            "compute.engine_short_run_s=0",
+            "compute.engine_trials=1",
+        )
+        auto = run_nightly(auto_cfg)
     finally:
         ray.shutdown()
+    # compute.engine auto: the actor's choice, its trials and parity in the manifest and the report
+    from pipeline.report import report_run
+
+    ((actor, state),) = auto["auto"].items()
+    assert state["engine"]["choice"] in ("eager", "compiled") and state["engine"]["parity"][0]["holds"]
+    assert auto["engine"]["name"] == "auto"
+    _, page = report_run(str(world / "auto"), auto_cfg.storage)
+    assert f"engine **{state['engine']['choice']}** on cpu" in (Path(page) / "report.md").read_text()
     out = {engine: read_run(config(world, world / engine))[1] for engine in runs}
     recs = {e: t["recommendations"].to_pandas().sort_values(["user_id", "rank"]) for e, t in out.items()}
     assert recs["eager"][["user_id", "rank"]].values.tolist() == recs["compiled"][["user_id", "rank"]].values.tolist()
@@ -328,7 +349,7 @@ def test_config_names_a_bad_engine():
 
     base = ["input=in.parquet", "catalog=items.parquet", "output=out", "models.target=m"]
     assert load_config(None, base).compute.engine == "eager"
-    with pytest.raises(ValueError, match="config: compute.engine must be eager or compiled, got 'fast'"):
+    with pytest.raises(ValueError, match="config: compute.engine must be eager, compiled or auto, got 'fast'"):
         load_config(None, [*base, "compute.engine=fast"])
     with pytest.raises(ValueError, match="compute.engine compiled runs decoding.mode beam .* disc runs eager"):
         load_config(None, [*base, "compute.engine=compiled", "decoding.mode=disc"])
@@ -352,3 +373,89 @@ def test_bench_decode_puts_the_engines_side_by_side(models, catalog):
 
     md = markdown_decode({"engines": e, "args": {"k": 5}, "environment": environment("cpu", "bench decode")})
     assert "## beam_search engines: eager vs compiled" in md and "compiled over eager" in md
+
+
+@pytest.fixture(scope="module")
+def auto_world(tmp_path_factory):
+    from tests.test_nightly import make_world
+
+    return make_world(tmp_path_factory.mktemp("engine-auto"), n_users=48)
+
+
+def engine_auto_actor(world, *extra):
+    """A nightly actor (the Recommender, called in-process) of compute.engine auto over `world`."""
+    from operators.recommender import Recommender
+    from pipeline.nightly import plan_run
+    from tests.test_nightly import config
+
+    settings = ["compute.engine=auto", f"compute.compile_cache={COMPILE_CACHE}", *extra]
+    return Recommender(plan_run(config(world, world / "unused", *settings)).spec)
+
+
+def shard_outputs(actor, users, batch: int = 16):
+    """The actor's output on consecutive shards of `batch` users -> [(recommendations frame, metric row)]."""
+
+    out = []
+    for a in range(0, users.num_rows, batch):
+        t = actor(users.slice(a, batch)).to_pandas()
+        out.append(
+            (
+                t[t.kind == "rec"][["user_id", "rank", "item_id", "score"]],
+                json.loads(t[t.kind == "metric"].metrics.iloc[0]),
+            )
+        )
+    return out
+
+
+@pytest.mark.parametrize("skew", [False, True])
+def test_engine_auto_publishes_eager_lists_and_keeps_compiled_only_with_parity(auto_world, skew, monkeypatch):
+    """compute.engine auto on 3 shards of 16 users, 2 trials: the trial shards publish exactly the eager engine's
+    lists and scores (a plain eager actor's, bit for bit), decoded by both engines; the actor's state records the
+    trial users/s of each, the compile seconds, the parity evidence and the device. With an engine made to differ (the
+    test hook rolls the compiled engine's lists), parity fails, the choice is eager and says why; without, parity
+    holds on both trials and the choice is the faster engine, which decodes the third shard (its lists the eager
+    ones for every user clear of a near-tie)."""
+    import pyarrow.parquet as pq
+
+    from operators.recommender import SKEW_ENV, Recommender
+
+    if skew:
+        monkeypatch.setenv(SKEW_ENV, "1")
+    users = pq.read_table(auto_world / "data" / "test.parquet", columns=["user_id", "history"])
+    actor = engine_auto_actor(auto_world, "compute.engine_short_run_s=0")
+    eager = Recommender(replace(actor.spec, engine="eager"))
+    got, want = shard_outputs(actor, users), shard_outputs(eager, users)
+    for (recs, metric), (ref, _) in zip(got[:2], want[:2]):  # the trials publish the eager lists, bit for bit
+        pd.testing.assert_frame_equal(recs.reset_index(drop=True), ref.reset_index(drop=True))
+        assert metric["engine"] == "eager"
+    state = got[-1][1]["auto"]["engine"]
+    assert state["trial_batches"] == 2 and len(state["parity"]) == 2 and state["device"] == "cpu"
+    assert state["compile_s"] > 0 and all(v > 0 for v in state["trial_users_per_s"].values())
+    assert all(p["users"] == 16 and p["bound"] > 0 for p in state["parity"])
+    if skew:
+        assert state["choice"] == "eager" and state["reason"].startswith("no parity on trial batch 0")
+        assert not any(p["holds"] for p in state["parity"])
+        assert all(p["identical_clear"] < p["clear"] for p in state["parity"])
+        assert got[2][1]["engine"] == "eager"
+        return
+    assert all(p["holds"] and p["clear"] >= 8 for p in state["parity"]), state["parity"]
+    fast = max(state["trial_users_per_s"], key=state["trial_users_per_s"].get)
+    assert state["choice"] == fast and got[2][1]["engine"] == fast
+    recs, ref = got[2][0], want[2][0]
+    bound = max(p["bound"] for p in state["parity"])
+    np.testing.assert_allclose(recs.score.to_numpy(), ref.score.to_numpy(), atol=bound, rtol=0)
+
+
+def test_engine_auto_stays_eager_where_a_compile_cannot_pay_off(auto_world):
+    """An actor whose share of the run (compute.engine auto's users_per_actor) decodes in less eager time than
+    compute.engine_short_run_s stays eager after its first trial batch, compiling nothing, and says why."""
+    import pyarrow.parquet as pq
+
+    users = pq.read_table(auto_world / "data" / "test.parquet", columns=["user_id", "history"])
+    actor = engine_auto_actor(auto_world)  # the default 60 s: 48 users of a tiny model decode in far less
+    actor.engine_auto.users_hint = 48
+    out = shard_outputs(actor, users)
+    state = out[-1][1]["auto"]["engine"]
+    assert state["choice"] == "eager" and state["reason"].startswith("too short to earn a compile back: 48 users")
+    assert state["compile_s"] == 0 and state["trial_batches"] == 0 and not actor.warm
+    assert sum(m["graphs_compiled"] for _, m in out) == 0 and {m["engine"] for _, m in out} == {"eager"}

@@ -472,7 +472,7 @@ def test_auto_mode_times_both_decoders_then_keeps_the_faster(world, ray_session,
     from pipeline.report import report_run
 
     _, out = report_run(str(tmp_path / "out"), cfg.storage)
-    assert "Auto mode of auto" in (Path(out) / "report.md").read_text()
+    assert "Auto choices of auto" in (Path(out) / "report.md").read_text()
 
 
 # ---------------------------------------------------------------- fenced runs
