@@ -575,6 +575,32 @@ def use_compile_cache(base: str) -> str:
     return folder
 
 
+def device_tag(device: torch.device) -> str:
+    """The hardware a compile is for: `cpu-<kernel family>` or `cuda-<device name>-sm<capability>`."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        name = "".join(c if c.isalnum() else "-" for c in torch.cuda.get_device_name(device))
+        return f"cuda-{name}-sm{major}{minor}"
+    return f"cpu-{torch.backends.cpu.get_cpu_capability().lower()}"
+
+
+def compile_key(model, model_sha256: str, users: int, prompt: int, k: int, levels: int, prefix_len: int = 0) -> str:
+    """Where a bucket's compiled graphs are kept in object storage: torch version, device and capability, the model's
+    weights (sha256) and dtype, and the bucket (decoding a batch of `users` prompts of `prompt` tokens after a prefix
+    of `prefix_len`, k beams, `levels` codes)."""
+    b = Bucket.of(users, prompt, k, levels)
+    dtype = str(model.dtype).removeprefix("torch.")
+    return (
+        f"torch-{torch.__version__}/{device_tag(model.device)}/model-{model_sha256[:16]}-{dtype}/"
+        f"b{b.users}-p{b.prompt}-x{prefix_len}-k{b.k}-l{b.depth}"
+    )
+
+
+def cold_compiles() -> int:
+    """Graphs inductor has built from scratch in this process (its FX-graph cache's misses; a hit loads one)."""
+    return int(counters["inductor"]["fxgraph_cache_miss"])
+
+
 def note_eager(reason: str) -> str:
     warnings.warn(f"engine='compiled' runs eager here: {reason}", stacklevel=3)
     return reason

@@ -27,7 +27,7 @@ import torch
 
 from decoding.beam import Prefix, Recommendations, beam_search
 from decoding.catalog import Catalog, Exclusions
-from decoding.compiled import compile_totals, use_compile_cache, warm_up
+from decoding.compiled import cold_compiles, compile_key, compile_totals, use_compile_cache, warm_up
 from decoding.disc import disc_sample
 from decoding.memory import decode_bytes_per_user, fit_batch, free_device_memory
 from decoding.metrics import topk_agreement
@@ -362,6 +362,7 @@ class Recommender:
         )
         self.engine = "eager" if spec.engine == "auto" else spec.engine  # the engine of the lists published now
         self.warm = False  # the compiled engine's bucket compiled
+        self.compile_cache: dict | None = None  # what the warm-up found in and gave to the compile store
         self.batch_engine = self.engine  # the engine whose lists the last batch published
         self.actor = _actor_id()
         self.host = socket.gethostname()
@@ -380,15 +381,27 @@ class Recommender:
         return len(self.prefix) if self.prefix is not None else 0
 
     def _warm_up(self) -> None:
-        """compute.engine compiled: the node's compile cache, then the actor's bucket compiled (a dummy batch of its
-        decode batch x the longest prompt); every decode of a shard snaps to it."""
-        if self.spec.compile_cache:
-            use_compile_cache(self.spec.compile_cache)
+        """The compiled engine's start: the node's compile cache (with a compile store: a folder of the bucket's key,
+        first filled from the store, its archive verified), then the actor's bucket compiled (a dummy batch of its
+        decode batch x the longest prompt; every decode of a shard snaps to it); after a cold compile the cache is
+        uploaded to the store. What happened goes into the actor's first metric row (`compile_cache`)."""
         prompt = self.renderer.max_len - self.prefix_len
         users = min(
             self.spec.warm_users, self._fitting_batch("beam", prompt, self.target, None) or self.spec.warm_users
         )
-        warm_up(self.target, self.catalog, users, prompt, self.spec.decoding.k, self.prefix)
+        k, store = self.spec.decoding.k, self.spec.compile_store
+        key = compile_key(
+            self.target, self.spec.target_sha256, users, prompt, k, self.catalog.code_len, self.prefix_len
+        )
+        folder = None
+        if self.spec.compile_cache:
+            folder = use_compile_cache(os.path.join(self.spec.compile_cache, key) if store else self.spec.compile_cache)
+        fetched = store.fetch(key, folder) if store and folder else None
+        cold = cold_compiles()
+        warm_up(self.target, self.catalog, users, prompt, k, self.prefix)
+        cold = cold_compiles() - cold
+        uploaded = store.publish(key, folder) if store and folder and cold else None
+        self.compile_cache = {"key": key, "graphs_cold": cold, "fetched": fetched, "uploaded": uploaded}
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         """A histories batch -> its output rows: its users' recommendations and rejects, and one metric row."""
@@ -520,7 +533,14 @@ class Recommender:
         warm-up's too)."""
         seconds, graphs = compile_totals(self.target)
         (s0, g0), self.compiled = self.compiled, (seconds, graphs)
-        return {"engine": self.batch_engine, "compile_s": seconds - s0, "graphs_compiled": graphs - g0}
+        cache, self.compile_cache = self.compile_cache, None  # reported once, in the row after the warm-up
+        return {
+            "engine": self.batch_engine,
+            "compile_s": seconds - s0,
+            "graphs_compiled": graphs - g0,
+            "graphs_cold": cache["graphs_cold"] if cache else None,
+            "compile_cache": json.dumps(cache) if cache else None,
+        }
 
     def _fitting_batch(self, mode: str, prompt_len: int, target, draft) -> int | None:
         """On CUDA: the most users whose decode fits in the free memory; elsewhere None (no limit)."""

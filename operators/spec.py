@@ -63,4 +63,6 @@ class ActorSpec:
     engine_short_run_s: float = 60.0  # auto: an actor with less eager decode ahead than this stays eager
     users_per_actor: int | None = None  # auto: the users this actor may expect (the run's pending / its actors)
     compile_cache: str | None = None  # compiled: the node's compile cache directory (None: inductor's default)
+    compile_store: object | None = None  # compiled: the cache in object storage (pipeline.models.CompileStore)
+    target_sha256: str = ""  # the target's weights (its compile cache's key)
     warm_users: int = 1  # compiled: users per decode the actor compiles its bucket for at start

@@ -58,6 +58,9 @@ class Compute:
     # actor whose expected eager decode (its share of the users x eager's time per user) is shorter stays eager
     compile_cache: str = "~/.cache/genrec-batch/compile"  # the compiled engine's cache on each node (inductor's
     # TORCHINDUCTOR_CACHE_DIR): kept across actor restarts and runs, so a restarted actor compiles in seconds
+    compile_store: str = "auto"  # the compiled engine's cache shared through object storage, beside the models: an
+    # actor fetches its bucket's cache (checksums verified) and starts warm, and uploads it after a cold compile;
+    # auto: `<models.target>.compile-cache` when the target is on s3://, else none; none; or a URI / shared folder
 
 
 @dataclass

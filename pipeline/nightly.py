@@ -39,6 +39,7 @@ from pipeline import cluster, runs, shards, units
 from pipeline import storage as S
 from pipeline.config import Compute, Config, Runs
 from pipeline.lease import Lease, LeaseLost
+from pipeline.models import compile_store
 
 log = logging.getLogger("genrec.nightly")
 RESUME_FREE_COMPUTE = ("num_actors", "cpus_per_actor", "threads_per_actor", "batches_per_task")  # not in the rows
@@ -158,6 +159,7 @@ def actor_spec(cfg: Config, run_id: str, catalog: pa.Table, template: PromptTemp
         engine_trials=cfg.compute.engine_trials,
         engine_short_run_s=cfg.compute.engine_short_run_s,
         compile_cache=cfg.compute.compile_cache,
+        compile_store=compile_store(cfg),
         warm_users=cfg.compute.decode_batch or cfg.compute.batch_size,
     )
 
@@ -508,7 +510,13 @@ def recommend(ds, plan: Plan, a: Attempt):
         batch_size=c.batch_size,
         batch_format="pyarrow",
         fn_constructor_kwargs={  # small, inline: the catalog is read by each actor (shards.CatalogRef)
-            "spec": replace(plan.spec, run_id=a.run_id, catalog=None, users_per_actor=-(-a.left // a.pool.initial)),
+            "spec": replace(
+                plan.spec,
+                run_id=a.run_id,
+                catalog=None,
+                users_per_actor=-(-a.left // a.pool.initial),
+                target_sha256=plan.identity["models"]["target"],
+            ),
             "catalog": shards.CatalogRef(cfg.catalog, plan.identity["catalog"]),
             "run": a.run,
             "storage": cfg.storage,
@@ -571,7 +579,12 @@ def manifest_of(plan: Plan, a: Attempt, files: dict, sums: dict, timings: dict) 
         "resume": resume_info(a),
         "duplicates": {"users": 0 if a.duplicates is None else a.duplicates.num_rows, "checked_on": a.checked_on},
         "precision_audit": sums["precision_audit"],
-        "engine": {"name": cfg.compute.engine, "graphs_compiled": sums["graphs_compiled"]},
+        "engine": {
+            "name": cfg.compute.engine,
+            "graphs_compiled": sums["graphs_compiled"],
+            "graphs_cold": sums["graphs_cold"],
+            "compile_store": plan.spec.compile_store.root if plan.spec.compile_store else None,
+        },
         "exclusions": exclusions_summary(cfg, plan.data.schema, sums["exclusions"]),
         "timings": timings,
         "outputs": {name: runs.table_dir(a.run, name) for name in runs.TABLES},

@@ -77,6 +77,8 @@ METRIC_SCHEMA = pa.schema(
         ("engine", pa.string()),
         ("compile_s", pa.float64()),
         ("graphs_compiled", _INT),
+        ("graphs_cold", _INT),  # compiled from scratch at the warm-up (not loaded from a compile cache)
+        ("compile_cache", pa.string()),  # the warm-up's compile store: key, fetched, uploaded (JSON)
         ("ranges", pa.list_(pa.list_(_INT))),
         ("exclude_users", _INT),
         ("excluded_items", _INT),
@@ -141,7 +143,13 @@ def attempt_shards(run: str, storage: Storage, trusted: list[str], attempt: str)
 SUMS = ("users_in", "users_ok", "users_rejected", "users_non_finite", "recommendations")
 TIMES = ("actor_ready_at", "committed_at")  # epoch seconds
 TALLIED = [*SUMS, "actor", "batch", "auto", "decode_batch", *TIMES, "dtype", *AUDIT, "audit_max_abs_score_diff"]
-TALLIED += [*EXCLUDED, "excluded_max", "compile_s", "graphs_compiled"]  # the metrics columns `tally` reads
+TALLIED += [
+    *EXCLUDED,
+    "excluded_max",
+    "compile_s",
+    "graphs_compiled",
+    "graphs_cold",
+]  # the metrics columns `tally` reads
 
 
 def tally(run: str, storage: Storage, stems: list[str], since: float = 0.0) -> dict:
@@ -178,6 +186,7 @@ class Tally:
     sizes: list = field(default_factory=list)  # every file's smallest and largest decode_batch
     compile_s: dict = field(default_factory=dict)  # actor -> its compile seconds
     graphs: int = 0
+    cold: int = 0  # graphs compiled from scratch at warm-ups
     last: dict = field(default_factory=dict)  # actor -> (its last batch with an auto state, that state)
     actors: set = field(default_factory=set)  # the actors that committed shards since `since` (restarts included)
 
@@ -197,6 +206,7 @@ class Tally:
         self.dtypes |= {v for v in t["dtype"].to_pylist() if v}
         self.sizes += [v.as_py() for v in pc.min_max(t["decode_batch"]).values() if v.as_py() is not None]
         self.graphs += _sum(t["graphs_compiled"])
+        self.cold += _sum(t["graphs_cold"])
         self.add_actors(t)
 
     def add_actors(self, t: pa.Table) -> None:
@@ -223,6 +233,7 @@ class Tally:
             "exclusions": self.excluded,
             "compile_s": dict(sorted(self.compile_s.items())) if self.graphs else None,
             "graphs_compiled": self.graphs,
+            "graphs_cold": self.cold,
             "compute_actors": sorted(self.actors),
         }
 

@@ -222,7 +222,8 @@ def write_bytes(uri: str, data: bytes, storage: Storage) -> None:
     fs, path = filesystem(uri, storage)
 
     def put():
-        with fs.open_output_stream(path) as out:  # allow_delayed_open: one PutObject at close
+        # one PutObject at close (allow_delayed_open); the bytes as given (pyarrow would gzip a name ending .gz)
+        with fs.open_output_stream(path, compression=None) as out:
             out.write(data)
 
     retrying(put, storage, f"PUT {uri}")
