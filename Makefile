@@ -41,10 +41,12 @@ bench: models
 # On a CUDA machine, in one process and one report (bench-out/gpu.{md,json}), kept as a dated page to commit
 # (docs/benchmarks/gpu-<device>-<date>.md), about 10 minutes on an H100: the matmul rate, float32 / half-precision
 # parity, the shapes grid and NVIDIA SID-GR's shape with the eager and compiled engines side by side, each cell's
-# useful-FLOP fraction and compile seconds; refused (exit 2) without CUDA. DISC and speculative (demo models): add
+# useful-FLOP fraction and compile seconds, the nightly's actor with compute.engine auto and its choice; refused
+# (exit 2) without CUDA. DISC and speculative (demo models): add
 # `--sections ... disc speculative`.
 bench-gpu: $(DATA)/items.parquet
-	$(BIN)/python -m jobs.bench gpu --data $(DATA) --engines eager compiled --page docs/benchmarks
+	$(BIN)/python -m jobs.bench gpu --data $(DATA) --engines eager compiled --sections parity shapes anchor auto \
+		--page docs/benchmarks
 
 # Offline evaluation and the cost/throughput report of the newest demo run (out/nightly), with a screenshot.
 report: browser

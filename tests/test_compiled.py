@@ -531,3 +531,26 @@ def test_a_corrupted_partial_or_foreign_compile_cache_is_ignored_with_a_warning(
             assert got["found"] and not got["used"] and why in got["note"], got
             assert not (tmp_path / f"case{i}").exists()
             assert any("compile cache" in r.message and "ignored" in r.message for r in caplog.records)
+
+
+def test_bench_gpu_auto_section_runs_the_nightly_actor_with_engine_auto(auto_world, tmp_path):
+    """`bench gpu --sections auto` at smoke sizes on the CPU (on a GPU `make bench-gpu` runs it on the device): the
+    nightly's actor with compute.engine auto decodes 48 users in shards of 16, trials both engines on the first two,
+    chooses with parity evidence, and the report says what it chose and why."""
+    from pipeline.bench.gpu import run_gpu
+    from pipeline.bench.params import GpuParams
+
+    params = GpuParams(
+        data=str(auto_world / "data"),
+        sections=["auto"],
+        smoke=True,
+        device="cpu",
+        target=str(auto_world / "target"),
+        out=str(tmp_path),
+    )
+    result, md = run_gpu(params, "test")
+    a = result["auto"]
+    assert a["users"] == 48 and a["state"]["trial_batches"] == 2 and a["state"]["device"] == "cpu"
+    assert a["state"]["choice"] in ("eager", "compiled") and all(p["holds"] for p in a["state"]["parity"])
+    assert a["users_per_s_after"]["median"] > 0  # the third shard, decoded by the choice
+    assert f"choice: **{a['state']['choice']}** on cpu" in md

@@ -14,6 +14,10 @@ shapes       beam_search vs transformers at vocabulary 32k / 152k x prompt 300 /
 anchor       NVIDIA recsys-examples SID-GR's published shape (Qwen3-1.7B, context 1000, beam 256, 3 code tokens): ms per
              batch of 8 and per user at batch 1 beside NVIDIA's 93.2 ms and 17.6 ms (H100), and users/s at the
              largest batch that fits
+auto         the nightly's actor with compute.engine auto on the device (the Recommender the nightly's Ray actors
+             run, called in this process) over 4,096 test users of --data in batches of 256, K 10: a random model
+             of the demo architecture (or --target): its choice, each engine's trial users/s, the compile seconds,
+             the parity evidence, then users/s with the engine it kept
 disc, speculative (with --sections): DISC rounds 1..4 against constrained sampling and beam_search; the AtSpeed
              Table 1 layout with --target and --drafts
 --engines eager compiled: the shapes and the anchor run beam_search's compiled engine (decoding/compiled.py: CUDA
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import json
 import re
 import time
 from dataclasses import asdict, dataclass, field
@@ -135,6 +140,8 @@ def run_gpu(p: GpuParams, command: str) -> tuple[dict, str]:
         ]
     if "anchor" in p.sections:
         result["anchor"] = anchor(p, device, half, rate, ("beam_search",) + compiled)
+    if "auto" in p.sections:
+        result["auto"] = freed(device, engine_auto(p, device))
     if "disc" in p.sections:
         section, md["disc"] = disc.run_disc(disc_params(p, result["dtype"]), command)
         result["disc"] = section["disc"]
@@ -180,6 +187,97 @@ def gpu_device(p: GpuParams) -> torch.device:
     if unknown:
         raise ValueError(f"bench gpu: unknown sections {unknown}; choose from {list(GPU_SECTIONS)}")
     return device
+
+
+def engine_auto(p: GpuParams, device: torch.device) -> dict:
+    """The auto section: the nightly's actor (operators.recommender.Recommender, compute.engine auto, the trials'
+    short-run rule off) decoding the first test users of p.data shard by shard on `device` -> its engine state, the
+    users/s of the shards after its choice, and the seconds of the whole."""
+    import shutil
+    import tempfile
+
+    import pyarrow.parquet as pq
+
+    from decoding.models import build_model, load_tokenizer
+    from decoding.templates import PRESETS, write_template
+    from operators.recommender import Recommender
+    from pipeline.config import load_config
+    from pipeline.nightly import plan_run
+
+    data, (n, batch) = Path(p.data), ((48, 16) if p.smoke else (4096, 256))
+    users = pq.read_table(data / "test.parquet", columns=["user_id", "history"])
+    users = users.filter(pa_lengths(users) > 0).slice(0, n)
+    with tempfile.TemporaryDirectory() as tmp:
+        target = p.target
+        if target is None:  # the demo target's architecture, random weights, the data's code-token tokenizer
+            target = str(Path(tmp) / "target")
+            tok = load_tokenizer(data / "tokenizer")
+            build_model(len(tok), 2, 128, 4, 2, seed=p.seed).save_pretrained(target)
+            for f in (data / "tokenizer").iterdir():
+                shutil.copy(f, Path(target) / f.name)
+            write_template(target, PRESETS["codes"])
+        settings = [
+            f"input={data / 'test.parquet'}",
+            f"catalog={data / 'items.parquet'}",
+            f"output={tmp}/out",
+            f"models.target={target}",
+            "models.draft=null",
+            "decoding.k=10",
+            f"compute.batch_size={batch}",
+            "compute.engine=auto",
+            "compute.engine_short_run_s=0",
+            f"compute.gpus_per_actor={1 if device.type == 'cuda' else 0}",
+            f"compute.compile_cache={tmp}/compile",
+        ]
+        actor = Recommender(plan_run(load_config(None, settings)).spec)
+        t0, after = time.perf_counter(), []
+        for a in range(0, users.num_rows, batch):
+            t = actor(users.slice(a, batch)).to_pandas()
+            metric = json.loads(t[t.kind == "metric"].metrics.iloc[0])
+            if actor.engine_auto.choice and metric["engine"] == actor.engine_auto.choice:
+                after.append(metric["users_ok"] / metric["wall_s"])
+        seconds = time.perf_counter() - t0
+    return {
+        "users": users.num_rows,
+        "batch": batch,
+        "dtype": actor.dtype,
+        "seconds": seconds,
+        "state": actor.engine_auto.state(),
+        "users_per_s_after": spread_or_none(after),
+    }
+
+
+def pa_lengths(table):
+    import pyarrow.compute as pc
+
+    return pc.fill_null(pc.list_value_length(table["history"]), 0).to_numpy()
+
+
+def spread_or_none(values: list[float]) -> dict | None:
+    return {"median": float(np.median(values)), "min": min(values), "max": max(values)} if values else None
+
+
+def markdown_auto(a: dict) -> list[str]:
+    """The auto section: the actor's choice and the evidence behind it."""
+    s = a["state"]
+    trials = ", ".join(f"{m} {v:.1f}" for m, v in s["trial_users_per_s"].items() if v)
+    ok = sum(x["identical_clear"] for x in s["parity"])
+    clear = sum(x["clear"] for x in s["parity"])
+    after = a["users_per_s_after"]
+    return [
+        "",
+        f"## The nightly's actor with `compute.engine: auto` ({a['users']} users, batches of {a['batch']}, "
+        f"{a['dtype']})",
+        "",
+        f"- choice: **{s['choice']}** on {s['device']}: {s['reason']}",
+        f"- trials ({s['trial_batches']} batches, users/s): {trials}; compile {s['compile_s']:.1f} s",
+        f"- parity: {ok} of {clear} users clear of a near-tie identical; largest score difference "
+        f"{max((x['max_score_diff'] for x in s['parity']), default=0):.2e} (bound "
+        f"{max((x['bound'] for x in s['parity']), default=0):.2e})",
+        f"- after the choice: {fmt_spread(after, 1)} users/s per shard; {a['seconds']:.1f} s in all"
+        if after
+        else f"- {a['seconds']:.1f} s in all",
+    ]
 
 
 def disc_params(p: GpuParams, dtype: str) -> DiscParams:
@@ -515,6 +613,8 @@ def markdown_gpu(result: dict, md: dict) -> str:
     cells = [c for c in result.get("shapes", []) + result.get("anchor", []) if "compiled_speedup" in c]
     if cells:
         lines += markdown_engines(cells, result["dtype"])
+    if "auto" in result:
+        lines += markdown_auto(result["auto"])
     for text in md.values():
         lines += ["", text]
     return "\n".join(lines + ["", footer(result["environment"])])

@@ -103,7 +103,7 @@ def random_model(path: Path, items: pa.Table, seed: int) -> Path:
     """A random tiny Qwen2 over a Qwen-style tokenizer with the catalog's code tokens (speed, not quality); the path
     does not say llama (their evaluate.py strips a BOS for paths that do)."""
     if not (path / "config.json").is_file():
-        codes = pc_max(items) + 1
+        codes = max_code(items) + 1
         levels = len(items["semantic_id"][0].as_py())
         tok = build_text_tokenizer(levels, codes, 2000, style="qwen")
         tiny_model("qwen2", len(tok), seed=seed).save_pretrained(path)
@@ -111,7 +111,8 @@ def random_model(path: Path, items: pa.Table, seed: int) -> Path:
     return path
 
 
-def pc_max(items: pa.Table) -> int:
+def max_code(items: pa.Table) -> int:
+    """The largest code of the catalog's semantic IDs."""
     return int(np.max(np.concatenate(items["semantic_id"].to_numpy(zero_copy_only=False))))
 
 

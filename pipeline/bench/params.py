@@ -7,8 +7,8 @@ from dataclasses import MISSING, dataclass, field, fields
 
 REPEATS = 5  # timed repeats per method, interleaved, after one warm-up run of each
 SECTIONS = ("decode", "speculative", "disc", "disc-bias")  # what `bench all` runs, in this order
-GPU_SECTIONS = ("parity", "shapes", "anchor", "disc", "speculative")  # what `bench gpu` can run
-GPU_DEFAULT = ["parity", "shapes", "anchor"]  # at most about 10 minutes on an H100
+GPU_SECTIONS = ("parity", "shapes", "anchor", "auto", "disc", "speculative")  # what `bench gpu` can run
+GPU_DEFAULT = ["parity", "shapes", "anchor"]  # at most about 10 minutes on an H100 (make bench-gpu adds auto)
 
 
 @dataclass(kw_only=True)

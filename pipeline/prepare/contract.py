@@ -287,6 +287,11 @@ def write_source(source: Source, out_dir, history_len: int) -> PrepareSummary:
     }
     items = items_table(source.item_ids, source.semantic_ids, source.codes)
     write_contract(out_dir, items, tokenizer, [tables], lambda: report)
+    return summarize(out_dir, report, source.codes, history_len, **source.summary)
+
+
+def summarize(out_dir, report: dict, codes: int, history_len: int | None, **source) -> PrepareSummary:
+    """prepare.json's counts (`report`) -> the summary the import prints; `source`: the source's own fields."""
     return PrepareSummary(
         out_dir=str(Path(out_dir)),
         items=report["items"],
@@ -295,7 +300,7 @@ def write_source(source: Source, out_dir, history_len: int) -> PrepareSummary:
         users=report["users"]["test"],
         interactions=report["interactions"],
         levels=report["levels"],
-        codes=source.codes,
+        codes=codes,
         history_len=history_len,
-        **source.summary,
+        **source,
     )

@@ -31,6 +31,7 @@ from pipeline.prepare.contract import (
     build_tokenizer,
     catalog_report,
     items_table,
+    summarize,
     write_contract,
 )
 from pipeline.prepare.lcrec import REPORTED, read_lcrec_index
@@ -248,17 +249,12 @@ def prepare_minionerec(
         "sha256": {p.name: sha256_file(p) for p in read},
     }
     write_contract(out_dir, items_table(item_ids, sid, codes), tokenizer, [tables], lambda: report)
-    return PrepareSummary(
-        out_dir=str(Path(out_dir)),
-        items=report["items"],
-        distinct_semantic_ids=report["distinct_semantic_ids"],
-        colliding_semantic_ids=len(report["semantic_id_collisions"]),
-        users=report["users"]["test"],
-        interactions=report["interactions"],
+    return summarize(
+        out_dir,
+        report,
+        codes,
+        None,
         dropped_interactions={s: 0 for s in SPLITS},  # rows are kept as written: the nightly rejects unknown items
-        levels=report["levels"],
-        codes=codes,
-        history_len=None,
         index_problems=len(index_problems),
         index=str(layout.index),
         rows={s: r.get("rows") for s, r in splits.items()},
