@@ -204,7 +204,7 @@ def engine_auto(p: GpuParams, device: torch.device) -> dict:
     from pipeline.config import load_config
     from pipeline.nightly import plan_run
 
-    data, (n, batch) = Path(p.data), ((48, 16) if p.smoke else (4096, 256))
+    data, (n, batch, k) = Path(p.data), ((48, 16, 5) if p.smoke else (4096, 256, 10))
     users = pq.read_table(data / "test.parquet", columns=["user_id", "history"])
     users = users.filter(pa_lengths(users) > 0).slice(0, n)
     with tempfile.TemporaryDirectory() as tmp:
@@ -222,7 +222,7 @@ def engine_auto(p: GpuParams, device: torch.device) -> dict:
             f"output={tmp}/out",
             f"models.target={target}",
             "models.draft=null",
-            "decoding.k=10",
+            f"decoding.k={k}",
             f"compute.batch_size={batch}",
             "compute.engine=auto",
             "compute.engine_short_run_s=0",
