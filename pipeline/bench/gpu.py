@@ -64,6 +64,7 @@ from pipeline.bench.common import (
     interleaved,
     progress,
     ratio,
+    spread,
     synchronize,
     versions,
 )
@@ -243,7 +244,7 @@ def engine_auto(p: GpuParams, device: torch.device) -> dict:
         "dtype": actor.dtype,
         "seconds": seconds,
         "state": actor.engine_auto.state(),
-        "users_per_s_after": spread_or_none(after),
+        "users_per_s_after": spread(after) if after else None,
     }
 
 
@@ -251,10 +252,6 @@ def pa_lengths(table):
     import pyarrow.compute as pc
 
     return pc.fill_null(pc.list_value_length(table["history"]), 0).to_numpy()
-
-
-def spread_or_none(values: list[float]) -> dict | None:
-    return {"median": float(np.median(values)), "min": min(values), "max": max(values)} if values else None
 
 
 def markdown_auto(a: dict) -> list[str]:
