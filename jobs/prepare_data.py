@@ -20,9 +20,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 from jobs.cli import positive
-from pipeline.prepare import prepare_beauty, prepare_lcrec, prepare_minionerec, write_synthetic
+from pipeline.prepare import BEAUTY_SOURCE, prepare_beauty, prepare_lcrec, prepare_minionerec, write_synthetic
 
-DEFAULT_SOURCE = Path(__file__).resolve().parents[1].parent / "shared" / "datasets" / "amazon-beauty"
+DEFAULT_SOURCE = BEAUTY_SOURCE
 
 
 def parse_args(argv=None) -> argparse.Namespace:

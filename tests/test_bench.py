@@ -16,12 +16,13 @@ from decoding.disc import constrained_sample
 from decoding.metrics import distances, draw_stats
 from decoding.models import build_model, tiny_model
 from decoding.reference import catalog_logprob, sequence_logprob
+from pipeline.prepare import BEAUTY_SOURCE
 from tests.helpers import EPS32, WIDTH, float32_atol, left_padded_prompts, random_catalog
 
 EPS64 = torch.finfo(torch.float64).eps
 
 ROOT = Path(__file__).resolve().parents[1]
-BEAUTY = ROOT.parent / "shared" / "datasets" / "amazon-beauty"
+BEAUTY = BEAUTY_SOURCE
 
 
 @pytest.fixture(scope="module")

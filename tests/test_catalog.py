@@ -1,16 +1,15 @@
 """Catalog index: CSR allowed_next, PPV verify and lookup against brute force; bad input."""
 
-from pathlib import Path
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from decoding.catalog import Catalog
+from pipeline.prepare import BEAUTY_SOURCE
 from tests.helpers import random_catalog
 
-BEAUTY = Path(__file__).resolve().parents[1].parent / "shared" / "datasets" / "amazon-beauty"
+BEAUTY = BEAUTY_SOURCE
 
 
 def brute_allowed(rows: list[tuple], prefix: tuple, vocab: int) -> list[bool]:

@@ -1,5 +1,5 @@
 """infra/ without a cluster: every manifest (and every document embedded in one) against the schemas in
-../shared/schemas (KubeRay's CRDs, Kubernetes 1.33 strict, Ray 2.60's cluster launcher and runtime_env), the
+tests/schemas (KubeRay's CRDs, Kubernetes 1.33 strict, Ray 2.60's cluster launcher and runtime_env), the
 versions pinned in pyproject.toml everywhere, the RayJob's fixed name per run date and short TTL, the launcher's
 AlreadyExists handling, and the head node's right to pass the worker role."""
 
@@ -19,13 +19,12 @@ import yaml
 from jsonschema.validators import validator_for
 
 ROOT = Path(__file__).resolve().parents[1]
-SCHEMAS = ROOT.parent / "shared" / "schemas"
+SCHEMAS = ROOT / "tests" / "schemas"
 INFRA = ROOT / "infra"
 MANIFESTS = sorted((INFRA / "kuberay").glob("*.yaml"))
 LAUNCHER = INFRA / "cluster" / "aws-gpu.yaml"
 RUNTIME_ENV = INFRA / "runtime_env.yaml"
 
-needs_schemas = pytest.mark.skipif(not (SCHEMAS / "manifest.json").is_file(), reason=f"{SCHEMAS} not present")
 
 # KubeRay kinds -> the CRD schemas each document is checked against (both KubeRay versions where both serve it).
 KUBERAY = {
@@ -104,7 +103,6 @@ def kuberay_docs() -> dict[str, list[dict]]:
 # --- every document against its schemas --------------------------------------------------------------------------
 
 
-@needs_schemas
 def test_every_kuberay_document_validates_against_every_schema_it_falls_under():
     docs = kuberay_docs()
     assert {"rayjob-nightly.yaml", "raycronjob-nightly.yaml", "cronjob-nightly.yaml"} <= set(docs)
@@ -118,7 +116,6 @@ def test_every_kuberay_document_validates_against_every_schema_it_falls_under():
     assert ("raycronjob-nightly.yaml", "kuberay-v1.7.0-raycluster-v1.json", None) in checked  # nested twice
 
 
-@needs_schemas
 def test_cluster_launcher_and_runtime_env_validate():
     assert errors(yaml.safe_load(LAUNCHER.read_text()), "ray-2.60.0-cluster-launcher.json") == []
     assert errors(yaml.safe_load(RUNTIME_ENV.read_text()), "ray-2.60.0-runtime-env.json") == []
@@ -161,7 +158,6 @@ BREAKS = [  # (file, path into its first document, value): an unknown field or a
 ]
 
 
-@needs_schemas
 @pytest.mark.parametrize("file,path,value", BREAKS, ids=[f"{f}:{p[-1]}" for f, p, _ in BREAKS])
 def test_an_unknown_field_or_a_wrong_type_fails_validation(file, path, value):
     docs = kuberay_docs()
@@ -174,7 +170,6 @@ def test_an_unknown_field_or_a_wrong_type_fails_validation(file, path, value):
     assert found and all(str(path[-1]) in e or repr(value) in e for e in found), found
 
 
-@needs_schemas
 @pytest.mark.parametrize(
     "file,schema_name,key,value",
     [

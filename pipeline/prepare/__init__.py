@@ -16,7 +16,7 @@ removing the one an earlier import left; a folder is prepared when its items.par
 import killed part-way never leaves a folder that looks done.
 """
 
-from pipeline.prepare.beauty import prepare_beauty
+from pipeline.prepare.beauty import BEAUTY_SOURCE, prepare_beauty
 from pipeline.prepare.contract import PrepareSummary, build_text_tokenizer, build_tokenizer, prepared, write_contract
 from pipeline.prepare.lcrec import find_lcrec_index, prepare_lcrec
 from pipeline.prepare.minionerec import prepare_minionerec
@@ -30,6 +30,7 @@ from pipeline.prepare.synthetic import (
 )
 
 __all__ = [
+    "BEAUTY_SOURCE",
     "SPLIT_CONVENTION",
     "SYNTHETIC_SPLITS",
     "Interactions",

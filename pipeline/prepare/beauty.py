@@ -1,5 +1,5 @@
-"""Amazon Beauty's release layout (items/train/valid/test.parquet, /work/shared/datasets/amazon-beauty/README.md) ->
-the project's contracts."""
+"""Amazon Beauty's release layout (items/train/valid/test.parquet, amazon-beauty/README.md beside this file) -> the
+project's contracts. BEAUTY_SOURCE is the copy this package carries (package data: nothing writes into it)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from pipeline.prepare.contract import PrepareSummary, Source, code_tokens_array,
 from pipeline.prepare.splits import SPLITS, Interactions, sorted_unique
 
 BEAUTY_FILES = ("items.parquet", "train.parquet", "valid.parquet", "test.parquet")
+BEAUTY_SOURCE = Path(__file__).resolve().parent / "amazon-beauty"
 
 
 def prepare_beauty(source_dir, out_dir, history_len: int = 20, codes: int | None = None) -> PrepareSummary:

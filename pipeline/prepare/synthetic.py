@@ -17,7 +17,7 @@ from pipeline.prepare.contract import build_tokenizer, items_table, write_contra
 from pipeline.prepare.splits import Interactions, length_summary, list_array, sorted_unique, split_tables
 
 # History lengths of synthetic users: n = 5 + floor(Y), Y ~ LogNormal(mu, sigma).
-# Fitted once on /work/shared/datasets/amazon-beauty/train.parquet (19,383 users; train
+# Fitted once on pipeline/prepare/amazon-beauty/train.parquet (19,383 users; train
 # lengths min 2, median 5, mean 6.31, p99 31, max 165). 5-core data has >= 5 interactions
 # per user, so the fit uses the 11,356 users with n >= 5 (median 6, mean 8.50, p90 14,
 # p99 39, max 165): mu, sigma = mean, std of log(n - 4.5) (n - 4.5 is the midpoint of
