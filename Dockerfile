@@ -3,9 +3,9 @@
 #   docker build -t ghcr.io/example/genrec-batch:0.1.0-ray2.60.0 .
 #   docker push ghcr.io/example/genrec-batch:0.1.0-ray2.60.0
 #
-# Tag: <project version>-ray<Ray version> (pyproject.toml). The Ray, torch and transformers versions are pinned in
-# pyproject.toml; this file and the manifests must agree with it (tests/test_infra.py checks that). The base has
-# exactly the pinned Ray, so `pip install .` keeps it and the head and workers all run one Ray version.
+# Tag: <project version>-ray<Ray version>. Every version is constraints.txt's (pyproject.toml declares ranges); this
+# file and the manifests must agree with it (tests/test_infra.py checks that). The base has exactly the pinned Ray,
+# so `pip install .` keeps it and the head and workers all run one Ray version.
 # No models, data or secrets: models and data are read from s3:// at run time (infra/configs/), credentials come
 # from the pods' environment (a Kubernetes Secret or the node's IAM role). .dockerignore keeps the rest out.
 FROM rayproject/ray:2.60.0-py311-gpu
@@ -18,9 +18,10 @@ WORKDIR /app
 
 # torch first, in its own layer (the largest one, cached across code changes). The default PyPI wheel for Linux
 # x86_64 is the CUDA build and brings its own CUDA runtime libraries; the GPU nodes only need the NVIDIA driver.
-RUN pip install --no-cache-dir "torch==2.13.0"
+COPY --chown=ray:users constraints.txt /app/constraints.txt
+RUN pip install --no-cache-dir -c constraints.txt torch
 
 # Then the project (non-editable). /app keeps the sources and infra/configs, so `python -m jobs.nightly --config
 # infra/configs/production.example.yaml` works from WORKDIR, as the RayJob entrypoint runs it.
 COPY --chown=ray:users . /app
-RUN pip install --no-cache-dir . && python -m jobs.nightly --help > /dev/null
+RUN pip install --no-cache-dir -c constraints.txt . && python -m jobs.nightly --help > /dev/null

@@ -37,6 +37,7 @@ from pathlib import Path
 from jobs.cli import dataclass_args
 from pipeline.bench import params as P
 from pipeline.bench.sections import BENCHES, run_section
+from pipeline.config import DEMO_CONFIG
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "models" / "demo-target"
@@ -44,7 +45,7 @@ PATHS = {
     "data": str(ROOT / "data" / "beauty"),
     "target": str(DEMO),
     "out": str(ROOT / "bench-out"),
-    "config": str(ROOT / "infra" / "configs" / "demo.yaml"),
+    "config": str(DEMO_CONFIG),
 }
 
 

@@ -2,8 +2,8 @@
 
 Each subcommand is the job's own parser and main, the same as `python -m jobs.MODULE [flags]` (which keeps working:
 Ray job entrypoints and the manifests use it). `genrec-batch --help` lists them; `genrec-batch SUBCOMMAND --help`
-shows the job's flags; `genrec-batch --version` prints this package's version and the torch, transformers and Ray it
-pins (pyproject.toml) beside the ones installed.
+shows the job's flags; `genrec-batch --version` prints this package's version and the torch, transformers and Ray
+ranges it supports (pyproject.toml; constraints.txt pins the tested ones) beside the ones installed.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ COMMANDS = {
     "report": ("jobs.report", "the cost and throughput report of a published run (Markdown, HTML, figures)"),
     "bench": ("jobs.bench", "benchmarks: decode, speculative, DISC, shapes, precision, GPU, ..."),
 }
-PINNED = ("torch", "transformers", "ray")
+CORE = ("torch", "transformers", "ray")
 
 
 def usage() -> str:
@@ -39,19 +39,20 @@ def usage() -> str:
 
 
 def versions() -> str:
-    """This package's version, then each pinned dependency: pinned (installed)."""
+    """This package's version, then each core dependency: its supported range (installed)."""
     try:
         version, requires = md.version("genrec-batch"), md.requires("genrec-batch") or []
     except md.PackageNotFoundError:
         return "genrec-batch: not installed (pip install -e .)"
-    pins = dict(m.groups() for r in requires if (m := re.match(r"([\w.-]+)(?:\[[^]]*\])?==([^;\s]+)", r)))
+    ranges = dict(m.groups() for r in requires if (m := re.match(r"([\w.-]+)(?:\[[^]]*\])?\s*([<>=!~][^;]*)", r)))
     lines = [f"genrec-batch {version}"]
-    for name in PINNED:
+    for name in CORE:
         try:
             installed = md.version(name)
         except md.PackageNotFoundError:
             installed = "not installed"
-        lines.append(f"  {name} {pins.get(name, 'unpinned')} (installed: {installed})")
+        spec = ",".join(sorted(ranges.get(name, "any").strip().split(","), key=lambda s: s[0] != ">"))  # lower end first
+        lines.append(f"  {name} {spec} (installed: {installed})")
     return "\n".join(lines)
 
 

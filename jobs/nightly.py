@@ -20,14 +20,19 @@ import json
 import logging
 import sys
 
-from pipeline.config import load_config
+from pipeline.config import DEMO_CONFIG, demo_missing, load_config
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m jobs.nightly", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--config", help="YAML config (infra/configs/demo.yaml is the embedded default)")
+    p.add_argument(
+        "--config",
+        default=None,
+        help="YAML config file (default: the embedded demo config, which reads data/beauty and models/demo-* "
+        "under the working directory: `make demo` makes them)",
+    )
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. decoding.k=20")
     p.add_argument("--resume", metavar="RUN_ID|latest", help="continue a killed or failed run of the date")
     p.add_argument("--gc", action="store_true", help="delete superseded runs older than runs.grace_s, then exit")
@@ -38,9 +43,12 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        cfg = load_config(args.config, args.set)
+        cfg = load_config(args.config or str(DEMO_CONFIG), args.set)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.config is None and (missing := demo_missing(cfg)):
+        print(f"error: {missing}", file=sys.stderr)
         return 2
     from pipeline.lease import LeaseHeld, LeaseLost
     from pipeline.nightly import Stalled, collect_garbage, plan_run, run_nightly

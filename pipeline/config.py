@@ -17,6 +17,14 @@ import yaml
 from operators.spec import MODES, Decoding
 
 SECRET_WORDS = ("secret", "password", "token", "access_key", "credential")
+DEMO_CONFIG = Path(__file__).resolve().parent / "configs" / "demo.yaml"  # the embedded default (package data)
+DEMO_STEPS = {  # what the demo config reads -> the command that makes it (from any folder, as `make demo` does)
+    "input": "genrec-batch prepare --out data/beauty",
+    "catalog": "genrec-batch prepare --out data/beauty",
+    "target": "genrec-batch train-target --data data/beauty --out models/demo-target --preset demo",
+    "draft": "genrec-batch train-draft --data data/beauty --target models/demo-target --out models/demo-draft "
+    "--objective atspeed-s --preset demo",
+}
 
 
 @dataclass
@@ -132,6 +140,16 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
         cfg.run_date = dt.datetime.now(dt.UTC).date().isoformat()
     validate(cfg)
     return cfg
+
+
+def demo_missing(cfg: Config) -> str | None:
+    """The first local file or folder the demo config reads that is missing, with the command that makes it; None
+    when all are there. One line, for a user who ran `genrec-batch nightly` with no --config."""
+    paths = {"input": cfg.input, "catalog": cfg.catalog, "target": cfg.models.target, "draft": cfg.models.draft}
+    for name, path in paths.items():
+        if path and "://" not in path and not Path(path).exists():
+            return f"the demo config reads {name} {path}, which is missing: run `{DEMO_STEPS[name]}` (or `make demo`)"
+    return None
 
 
 def _build(cls, raw: dict, prefix: str):

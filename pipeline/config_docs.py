@@ -27,8 +27,9 @@ INTRO = """\
 The nightly job reads one YAML file (`genrec-batch nightly --config FILE`) and `--set a.b=value` overrides (values
 parsed as YAML), and validates every field before anything runs: a wrong one fails with exit 2 and a message naming
 it (`config: decoding.k must be an integer >= 1, got 0`). Credentials never come from the file; a key that looks like
-one is refused. `infra/configs/demo.yaml` is the demo's config, `infra/configs/production.example.yaml` a GPU
-cluster's. How the job uses these fields: [the operator's manual](nightly.md).
+one is refused. `pipeline/configs/demo.yaml` is the demo's config (the default),
+`infra/configs/production.example.yaml` a GPU cluster's. How the job uses these fields: [the operator's
+manual](nightly.md).
 
 This page is generated from `pipeline/config.py` and `operators/spec.py` (`make docs`); `tests/test_docs.py` fails
 when it is stale.

@@ -111,10 +111,12 @@ def test_bad_files(tmp_path):
 
 
 def test_every_shipped_config_is_valid():
-    """infra/configs/*.yaml load and validate as shipped (the shared-GPU example: fractional GPUs, num_actors auto)."""
+    """infra/configs/*.yaml and the embedded demo config load and validate as shipped (the shared-GPU example:
+    fractional GPUs, num_actors auto)."""
     from pathlib import Path
 
-    configs = sorted((Path(__file__).resolve().parents[1] / "infra" / "configs").glob("*.yaml"))
+    root = Path(__file__).resolve().parents[1]
+    configs = sorted([*(root / "infra" / "configs").glob("*.yaml"), root / "pipeline" / "configs" / "demo.yaml"])
     assert {p.name for p in configs} >= {"demo.yaml", "production.example.yaml", "shared-gpu.example.yaml"}
     for path in configs:
         cfg = load_config(str(path), ["run_date=2026-01-02"])

@@ -1,7 +1,7 @@
 """infra/ without a cluster: every manifest (and every document embedded in one) against the schemas in
-tests/schemas (KubeRay's CRDs, Kubernetes 1.33 strict, Ray 2.60's cluster launcher and runtime_env), the
-versions pinned in pyproject.toml everywhere, the RayJob's fixed name per run date and short TTL, the launcher's
-AlreadyExists handling, and the head node's right to pass the worker role."""
+tests/schemas (KubeRay's CRDs, Kubernetes 1.33 strict, Ray 2.60's cluster launcher and runtime_env), the versions
+pinned in constraints.txt everywhere (inside pyproject.toml's ranges), the RayJob's fixed name per run date and
+short TTL, the launcher's AlreadyExists handling, and the head node's right to pass the worker role."""
 
 from __future__ import annotations
 
@@ -11,12 +11,15 @@ import json
 import re
 import subprocess
 import sys
+import tomllib
 from functools import cache
 from pathlib import Path
 
 import pytest
 import yaml
 from jsonschema.validators import validator_for
+from packaging.requirements import Requirement
+from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMAS = ROOT / "tests" / "schemas"
@@ -185,19 +188,37 @@ def test_launcher_and_runtime_env_schemas_catch_mistakes(file, schema_name, key,
     assert errors(doc, schema_name)
 
 
-# --- versions: pyproject.toml is the single source ---------------------------------------------------------------
+# --- versions: pyproject.toml declares ranges, constraints.txt pins the tested versions -----------------------------
 
 
 def pinned() -> dict[str, str]:
-    """The exact pins of pyproject.toml's dependencies (name -> version), its version and its Python."""
-    text = (ROOT / "pyproject.toml").read_text()
-    pins = dict(re.findall(r'"([A-Za-z0-9_.-]+)(?:\[[^\]]*\])?==([0-9][^"]*)"', text))
-    pins["project"] = re.search(r'(?m)^version = "([^"]+)"', text).group(1)
-    pins["python"] = re.search(r'(?m)^requires-python = ">=(3\.\d+)"', text).group(1)
+    """constraints.txt's exact pins (name -> version), the project's version and its Python (pyproject.toml)."""
+    text = (ROOT / "constraints.txt").read_text()
+    pins = {name(k): v for k, v in re.findall(r"(?m)^([A-Za-z0-9_.-]+)==([0-9][^\s#]*)", text)}
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pins["project"] = project["version"]
+    pins["python"] = re.fullmatch(r">=(3\.\d+)", project["requires-python"])[1]
     return pins
 
 
-def test_versions_everywhere_agree_with_pyproject():
+def name(package: str) -> str:
+    return re.split(r"[\[<>=!~; ]", package, maxsplit=1)[0].lower().replace("_", "-")
+
+
+def test_pyproject_declares_ranges_and_every_pin_lies_in_them():
+    """A library declares ranges (no == on torch, transformers, ray); the pins are tested versions inside them, and
+    every dependency of pyproject.toml (extras included) is pinned."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    requires = [*project["dependencies"], *(r for extra in project["optional-dependencies"].values() for r in extra)]
+    pins = pinned()
+    assert not [r for r in requires if "==" in r], "pyproject.toml pins exactly: exact pins go in constraints.txt"
+    outside = [r for r in requires if Version(pins[name(r)]) not in Requirement(r).specifier]
+    assert outside == [], f"constraints.txt pins outside pyproject.toml's ranges: {outside}"
+    lower = {name(r): Requirement(r).specifier for r in project["dependencies"] if name(r) in ("torch", "transformers")}
+    assert Version("2.11") in lower["torch"] and Version("5.17") in lower["transformers"]  # the GPU image's
+
+
+def test_versions_everywhere_agree_with_the_constraints():
     v = pinned()
     assert {"torch", "transformers", "ray"} <= set(v), v
     image = f"{v['project']}-ray{v['ray']}"
@@ -209,13 +230,16 @@ def test_versions_everywhere_agree_with_pyproject():
         r"/genrec-batch:([\w.-]+)": lambda m: (m[1], image),
         r"\bpython(3\.\d+) -m venv": lambda m: (m[1], py),
     }
-    must_have = {  # the places that pin: each must carry at least these
-        "Dockerfile": [f'"torch=={v["torch"]}"', f"FROM rayproject/ray:{v['ray']}-py{py.replace('.', '')}-gpu"],
-        "Makefile": [f"TORCH   ?= torch=={v['torch']}"],
+    must_have = {  # the places that install or name versions: each must carry at least these
+        "Dockerfile": [
+            "-c constraints.txt torch",
+            "-c constraints.txt .",
+            f"FROM rayproject/ray:{v['ray']}-py{py.replace('.', '')}-gpu",
+        ],
+        "Makefile": ["-c constraints.txt", "$(PIP) torch", '$(PIP) -e ".[dev,report]"'],
         "infra/cluster/aws-gpu.yaml": [
-            f'"torch=={v["torch"]}"',
-            f'"ray[data,default]=={v["ray"]}"',
-            f'"transformers=={v["transformers"]}"',
+            "-c ~/genrec-batch/constraints.txt torch",
+            "-c ~/genrec-batch/constraints.txt -e ~/genrec-batch",
             f"python{py} -m venv",
         ],
         "infra/kuberay/rayjob-nightly.yaml": [f'rayVersion: "{v["ray"]}"', f"/genrec-batch:{image}"],
@@ -227,6 +251,7 @@ def test_versions_everywhere_agree_with_pyproject():
             ROOT / "Makefile",
             ROOT / "README.md",
             ROOT / ".ci" / "run",
+            *(ROOT / "docs").glob("*.md"),
             *(p for p in INFRA.rglob("*") if p.is_file()),
         }
     )
@@ -237,7 +262,7 @@ def test_versions_everywhere_agree_with_pyproject():
             for m in re.finditer(pattern, text):
                 found, want = expect(m)
                 if found != want:
-                    wrong.append(f"{path.relative_to(ROOT)}: {m[0]!r}, pyproject.toml says {want}")
+                    wrong.append(f"{path.relative_to(ROOT)}: {m[0]!r}, constraints.txt says {want}")
     assert wrong == []
     missing = [f"{f}: {s!r}" for f, items in must_have.items() for s in items if s not in (ROOT / f).read_text()]
     assert missing == []
@@ -248,12 +273,13 @@ def test_versions_everywhere_agree_with_pyproject():
 def test_dockerfile_installs_pinned_torch_then_the_project_and_bakes_in_nothing():
     lines = [ln.strip() for ln in (ROOT / "Dockerfile").read_text().splitlines() if ln.strip()[:1] not in ("", "#")]
     assert lines[0].startswith("FROM rayproject/ray:") and "WORKDIR /app" in lines
-    torch = next(i for i, ln in enumerate(lines) if re.match(r'RUN pip install .*"torch==', ln))
-    project = next(i for i, ln in enumerate(lines) if re.match(r"RUN pip install (--no-cache-dir )?\.( |$)", ln))
+    torch = next(i for i, ln in enumerate(lines) if re.match(r"RUN pip install .*-c constraints.txt torch$", ln))
+    project = next(i for i, ln in enumerate(lines) if re.match(r"RUN pip install .*-c constraints.txt \.( |$)", ln))
     assert torch < project
     assert not [ln for ln in lines if ln.split()[0] in ("ENV", "ARG") and re.search("KEY|SECRET|TOKEN", ln)]
     ignored = set((ROOT / ".dockerignore").read_text().split())
     assert {".git", ".venv", "data/", "models/", "out/", "bench-out/", ".pytest_cache", ".hypothesis"} <= ignored
+    assert "constraints.txt" not in ignored
 
 
 # --- one run per date ---------------------------------------------------------------------------------------------

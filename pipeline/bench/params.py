@@ -56,7 +56,7 @@ class DecodeParams(ModelParams):
 @dataclass(kw_only=True)
 class ExcludeParams(ModelParams):
     """`bench exclude`: beam_search without exclusions and with each of `counts` excluded items per user; by default
-    the demo's shape (infra/configs/demo.yaml: k = 10, batches of 256 users; the demo target when trained)."""
+    the demo's shape (pipeline/configs/demo.yaml: k = 10, batches of 256 users; the demo target when trained)."""
 
     users: int = 512
     batch: int = 256
