@@ -51,7 +51,7 @@ def versions() -> str:
             installed = md.version(name)
         except md.PackageNotFoundError:
             installed = "not installed"
-        spec = ",".join(sorted(ranges.get(name, "any").strip().split(","), key=lambda s: s[0] != ">"))  # lower end first
+        spec = ",".join(sorted(ranges.get(name, "any").strip().split(","), key=lambda s: s[0] != ">"))  # lower first
         lines.append(f"  {name} {spec} (installed: {installed})")
     return "\n".join(lines)
 

@@ -30,7 +30,14 @@ def main(argv=None) -> int:
     p.add_argument("--compare", help="a second run, side by side (the baseline of the speed-up)")
     p.add_argument("--gpu-hour-price", type=non_negative_float, default=2.5, help="USD per accelerator-hour")
     p.add_argument("--out", help="output folder or s3:// prefix (default: inside the run)")
-    p.add_argument("--screenshot", help="also render the HTML in headless Chromium to this PNG")
+    p.add_argument(
+        "--screenshot",
+        nargs="?",
+        const="report.png",
+        metavar="PNG",
+        help="also render the HTML in headless Chromium to this PNG (default file: %(const)s); $CHROMIUM or "
+        "chromium on PATH",
+    )
     storage_args(p)
     args = p.parse_args(argv)
     storage = Storage(endpoint=args.endpoint, region=args.region)

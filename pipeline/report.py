@@ -22,6 +22,7 @@ import html
 import io
 import json
 import math
+import os
 import shutil
 import subprocess
 import tempfile
@@ -756,11 +757,12 @@ def screenshot_report(out: str, png: Path, storage: Storage) -> Path:
 
 
 def chromium() -> str:
-    for name in ("chromium", "chromium-browser", "google-chrome"):
-        path = shutil.which(name)
+    """The browser to render with: $CHROMIUM, else the first of Chromium's or Chrome's names on PATH."""
+    for name in (os.environ.get("CHROMIUM"), "chromium", "chromium-browser", "google-chrome", "chrome"):
+        path = name and shutil.which(name)
         if path:
             return path
-    raise FileNotFoundError("no chromium on PATH: `make browser` installs Debian's chromium")
+    raise FileNotFoundError("no chromium on PATH (set CHROMIUM=/path/to/chrome, or `make browser`: Debian's chromium)")
 
 
 def screenshot(html_file: Path, png_file: Path, width: int = 1200, height: int = 4000) -> Path:

@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 
 from decoding.codes import code_token, code_token_ids
 from pipeline.prepare import (
+    BEAUTY_SOURCE,
     Interactions,
     build_tokenizer,
     prepare_beauty,
@@ -28,8 +29,7 @@ from pipeline.prepare import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-BEAUTY = Path(__file__).resolve().parents[1].parent / "shared" / "datasets" / "amazon-beauty"
-needs_beauty = pytest.mark.skipif(not (BEAUTY / "items.parquet").is_file(), reason=f"{BEAUTY} not present")
+BEAUTY = BEAUTY_SOURCE
 
 
 def _lists(table: pa.Table, column: str) -> list:
@@ -101,7 +101,6 @@ def _source_lists(split: str, catalog: set) -> dict:
     return {u: [i for i in items if i in catalog] for u, items in zip(_lists(t, "user_id"), _lists(t, "items"))}
 
 
-@needs_beauty
 def test_beauty_counts_and_collisions(beauty):
     summary, out = beauty
     assert (summary.items, summary.users, summary.levels, summary.codes) == (12_035, 19_383, 4, 256)
@@ -133,7 +132,6 @@ def test_beauty_counts_and_collisions(beauty):
     assert set(report["sha256"]) == {"items.parquet", "train.parquet", "valid.parquet", "test.parquet"}
 
 
-@needs_beauty
 def test_beauty_histories_and_targets(beauty):
     _, out = beauty
     catalog = set(pq.read_table(BEAUTY / "items.parquet").column("item_id").to_pylist())
@@ -153,7 +151,6 @@ def test_beauty_histories_and_targets(beauty):
     assert _lists(out_train, "history") == [train[u] for u in _lists(out_train, "user_id")]
 
 
-@needs_beauty
 def test_beauty_items_and_tokenizer(beauty):
     _, out = beauty
     src = pq.read_table(BEAUTY / "items.parquet")
@@ -202,7 +199,6 @@ def test_prepare_bad_inputs_name_file_and_column(tmp_path):
         prepare_beauty(src, tmp_path / "out")
 
 
-@needs_beauty
 def test_beauty_missing_column(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
@@ -550,7 +546,6 @@ def test_lcrec_index_choice_and_unknown_items_after_offset(tmp_path):
     assert json.loads((tmp_path / "out3" / "prepare.json").read_text())["ids"]["unknown_examples"] == [30, 500]
 
 
-@needs_beauty
 def test_lcrec_layout_of_the_release_imports_as_the_parquet_release(beauty, tmp_path):
     """The release in the authors' text layout (an index from 0, interaction files counting users and items from 1,
     every user on every valid / test line) imports with --id-offset -1 to the same four tables and counts as the

@@ -67,7 +67,7 @@ ARGS=(--head --port "$PORT" --dashboard-host 127.0.0.1 --dashboard-port "$DASHBO
 [[ -n "${GENREC_RAY_OBJECT_STORE_MB:-}" ]] && ARGS+=(--object-store-memory "$((GENREC_RAY_OBJECT_STORE_MB * 1024 * 1024))")
 
 # Ray processes inherit this directory as their cwd: a job submitted without --working-dir runs in the checkout,
-# so relative paths in a config (infra/configs/demo.yaml: data/, models/, out/) resolve against it.
+# so relative paths in a config (the demo config: data/, models/, out/) resolve against it.
 cd "$ROOT"
 # setsid: every Ray process of this head (workers included) stays in one session whose id is saved,
 # so stop-ray.sh stops exactly this head (`ray stop` would stop every Ray cluster on the machine).

@@ -1,0 +1,129 @@
+"""The repository stands alone: no tracked file names a path outside it, the data the demo uses and the schemas the
+infra tests use are tracked, it carries a licence, and it builds a wheel that runs from anywhere with its configs and
+data as package data."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.prepare import BEAUTY_SOURCE
+
+ROOT = Path(__file__).resolve().parents[1]
+# Ways a file names a place outside the repository: the folder beside the checkout, an absolute workspace path, a
+# path built by walking above the repository root.
+OUTSIDE = re.compile(r"\.\./shared\b|/work/|\.parent\s*/\s*[\"']shared[\"']|parents\[\d\]\.parent\b")
+RELATIVE = re.compile(r"(?<![\w.])((?:\.\./)+[\w.-][\w./-]*)")
+
+
+def tracked() -> list[Path]:
+    """The files a clone has: tracked ones and new ones not ignored (what the next commit would carry)."""
+    out = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    return [ROOT / line for line in out.stdout.splitlines() if (ROOT / line).is_file()]
+
+
+def text_of(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except UnicodeDecodeError:
+        return None  # parquet, png
+
+
+def escapes(path: Path, target: str) -> bool:
+    """A relative path escapes when it leaves the repository from the file's folder and from the root alike."""
+    return all(not (base / target).resolve().is_relative_to(ROOT) for base in (path.parent, ROOT))
+
+
+def test_no_tracked_file_names_a_path_outside_the_repository():
+    wrong = []
+    for path in tracked():
+        text = text_of(path)
+        if text is None or path == Path(__file__):
+            continue
+        for n, line in enumerate(text.splitlines(), 1):
+            hits = [m[0] for m in OUTSIDE.finditer(line)]
+            hits += [t for t in RELATIVE.findall(line) if escapes(path, t)]
+            wrong += [f"{path.relative_to(ROOT)}:{n}: {hit}" for hit in hits]
+    assert wrong == [], "\n".join(wrong)
+
+
+def test_the_check_catches_each_way_out(tmp_path):
+    """The pattern above is not vacuous: each way out it names is found, a link inside the repository is not."""
+    for line in ('BEAUTY = ROOT.parent / "shared" / "x"', "see ../shared/ARCHITECTURE.md", "/work/shared/x"):
+        assert OUTSIDE.search(line), line
+    docs = ROOT / "docs" / "page.md"
+    assert escapes(docs, "../../elsewhere/x.md") and not escapes(docs, "../README.md")
+
+
+def test_the_demo_data_and_the_schemas_are_tracked():
+    files = {p.relative_to(ROOT).as_posix() for p in tracked()}
+    beauty = BEAUTY_SOURCE.relative_to(ROOT).as_posix()
+    assert {f"{beauty}/{name}" for name in ("README.md", "items.parquet", "train.parquet", "test.parquet")} <= files
+    readme = (BEAUTY_SOURCE / "README.md").read_text()
+    assert all(word in readme for word in ("Provenance", "0-based", "Terms of use"))
+    assert pq.read_metadata(BEAUTY_SOURCE / "items.parquet").num_rows == 12035
+    assert {"tests/schemas/manifest.json", "tests/schemas/k8s-v1.33.0-strict.json"} <= files
+    assert (ROOT / "LICENSE").read_text().startswith("\n                                 Apache License")
+    assert (ROOT / "docs" / "architecture.md").is_file()
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    """A wheel built from a copy of the tracked tree, installed without dependencies into a folder of its own."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"
+    for path in tracked():
+        dest = src / path.relative_to(ROOT)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, dest)
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    built = subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp / "dist"), str(src)])
+    assert built.returncode == 0
+    (wheel,) = (tmp / "dist").glob("genrec_batch-*.whl")
+    done = subprocess.run([*pip, "install", "--no-deps", "--target", str(tmp / "site"), str(wheel)])
+    assert done.returncode == 0
+    return tmp / "site"
+
+
+def from_wheel(site: Path, cwd: Path, *argv: str) -> subprocess.CompletedProcess:
+    """The wheel's console script, run from a folder outside the checkout, the wheel first on the path."""
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    return subprocess.run(
+        [str(site / "bin" / "genrec-batch"), *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_the_wheel_runs_from_another_folder(installed, tmp_path):
+    version = from_wheel(installed, tmp_path, "--version")
+    assert version.returncode == 0 and version.stdout.startswith("genrec-batch 0."), version.stderr
+    assert re.search(r"(?m)^  torch >=2\.11", version.stdout)
+    usage = from_wheel(installed, tmp_path, "--help")
+    assert usage.returncode == 0 and "nightly" in usage.stdout
+    where = subprocess.run(
+        [sys.executable, "-c", "import jobs, pipeline.config as c; print(jobs.__file__, c.DEMO_CONFIG.is_file())"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(installed)},
+        capture_output=True,
+        text=True,
+    )
+    assert where.stdout.split() == [str(installed / "jobs" / "__init__.py"), "True"], where.stderr
+    # The default config is package data; with nothing prepared it names the command that prepares the data.
+    night = from_wheel(installed, tmp_path, "nightly")
+    assert night.returncode == 2 and "genrec-batch prepare --out data/beauty" in night.stderr, night.stderr
+    assert len(night.stderr.strip().splitlines()) == 1
+    # That command works from the wheel: Amazon Beauty is package data.
+    prepared = from_wheel(installed, tmp_path, "prepare", "--out", "data/beauty")
+    assert prepared.returncode == 0, prepared.stderr
+    assert pq.read_metadata(tmp_path / "data" / "beauty" / "test.parquet").num_rows > 0
+    night = from_wheel(installed, tmp_path, "nightly")
+    assert night.returncode == 2 and "genrec-batch train-target" in night.stderr, night.stderr
