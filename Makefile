@@ -5,7 +5,8 @@ BIN      = $(VENV)/bin
 DATA    ?= data/beauty
 # Where torch comes from: empty is the default index (PyPI's Linux x86-64 wheel is the CUDA build, several GB); a
 # PyTorch index picks the build, e.g. TORCH_INDEX=https://download.pytorch.org/whl/cpu (CPU, ~200 MB) or
-# https://download.pytorch.org/whl/cu130 (CUDA 13.0). The version is constraints.txt's either way.
+# https://download.pytorch.org/whl/cu130 (CUDA 13.0): torch alone comes from there (--no-deps), its dependencies
+# from the default index with the project's. The version is constraints.txt's either way.
 TORCH_INDEX ?=
 PIP      = $(BIN)/pip install -q -c constraints.txt
 
@@ -14,7 +15,7 @@ PIP      = $(BIN)/pip install -q -c constraints.txt
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(PIP) torch $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)")
+	$(PIP) torch $(if $(TORCH_INDEX),--no-deps --index-url "$(TORCH_INDEX)")
 	$(PIP) -e ".[dev,report]"
 	touch $@
 
@@ -94,7 +95,7 @@ test-oldest:
 	$(PY) -m venv $(OLDEST)
 	$(OLDEST)/bin/pip install -q --upgrade pip
 	$(PY) -m tests.oldest constraints > $(OLDEST)/constraints.txt
-	$(OLDEST)/bin/pip install -q -c $(OLDEST)/constraints.txt torch $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)")
+	$(OLDEST)/bin/pip install -q -c $(OLDEST)/constraints.txt torch $(if $(TORCH_INDEX),--no-deps --index-url "$(TORCH_INDEX)")
 	$(OLDEST)/bin/pip install -q -c $(OLDEST)/constraints.txt -e ".[dev]" $$($(PY) -m tests.oldest requirements)
 	$(OLDEST)/bin/python -c "import transformers; print('== numerics-sensitive tests under transformers', transformers.__version__)"
 	$(OLDEST)/bin/python -m pytest -q -m numerics

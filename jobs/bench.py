@@ -39,7 +39,7 @@ from pipeline.bench import params as P
 from pipeline.bench.sections import BENCHES, run_section
 from pipeline.config import DEMO_CONFIG
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path()  # the working directory, as `make demo` lays it out (data/, models/, bench-out/)
 DEMO = ROOT / "models" / "demo-target"
 PATHS = {
     "data": str(ROOT / "data" / "beauty"),

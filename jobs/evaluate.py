@@ -17,8 +17,8 @@ from jobs.cli import positive, storage_args
 from pipeline.config import Storage
 
 
-def main(argv=None) -> int:
-    from pipeline.evaluate import KS, TARGETS, evaluate, to_markdown
+def parse_args(argv=None) -> argparse.Namespace:
+    from pipeline.evaluate import KS, TARGETS
 
     p = argparse.ArgumentParser(
         prog="python -m jobs.evaluate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -34,7 +34,13 @@ def main(argv=None) -> int:
         help="; ".join(f"{name}: targets {meaning}" for name, meaning in TARGETS.items()),
     )
     storage_args(p)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    from pipeline.evaluate import evaluate, to_markdown
+
+    args = parse_args(argv)
     try:
         result = evaluate(
             args.run,

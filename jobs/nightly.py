@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.config is None and (missing := demo_missing(cfg)):
+    if args.config is None and not args.gc and (missing := demo_missing(cfg)):
         print(f"error: {missing}", file=sys.stderr)
         return 2
     from pipeline.lease import LeaseHeld, LeaseLost

@@ -101,6 +101,9 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--category needs --format minionerec")
     if args.format != "lcrec" and (args.index is not None or args.id_offset is not None):
         p.error("--index / --id-offset need --format lcrec")
+    source = args.source or (None if args.synthetic or args.format != "beauty" else DEFAULT_SOURCE)
+    if source is not None and args.out.resolve().is_relative_to(source.resolve()):
+        p.error(f"--out {args.out} is inside the source folder {source}: write the prepared copy elsewhere")
 
 
 def main(argv=None) -> int:

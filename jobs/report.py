@@ -20,9 +20,7 @@ from pipeline import storage as S
 from pipeline.config import Storage
 
 
-def main(argv=None) -> int:
-    from pipeline.report import report_run, screenshot_report
-
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m jobs.report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -39,7 +37,13 @@ def main(argv=None) -> int:
         "chromium on PATH",
     )
     storage_args(p)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    from pipeline.report import report_run, screenshot_report
+
+    args = parse_args(argv)
     storage = Storage(endpoint=args.endpoint, region=args.region)
     try:
         doc, out = report_run(args.run, storage, args.compare, args.out, args.gpu_hour_price)

@@ -16,9 +16,7 @@ from decoding.templates import PRESETS
 from jobs.cli import positive
 
 
-def main(argv=None) -> int:
-    from pipeline.models import attach_template
-
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m jobs.template", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -28,7 +26,13 @@ def main(argv=None) -> int:
     source.add_argument("--file", help="a template JSON file of your own")
     p.add_argument("--catalog", required=True, help="items.parquet the model recommends from (checked)")
     p.add_argument("--max-items", type=positive, help="history items per prompt (default: the template's)")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    from pipeline.models import attach_template
+
+    args = parse_args(argv)
     try:
         summary = attach_template(args.model, args.preset or args.file, args.catalog, args.max_items)
     except (FileNotFoundError, ValueError) as e:

@@ -143,11 +143,15 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
 
 
 def demo_missing(cfg: Config) -> str | None:
-    """The first local file or folder the demo config reads that is missing, with the command that makes it; None
-    when all are there. One line, for a user who ran `genrec-batch nightly` with no --config."""
-    paths = {"input": cfg.input, "catalog": cfg.catalog, "target": cfg.models.target, "draft": cfg.models.draft}
-    for name, path in paths.items():
-        if path and "://" not in path and not Path(path).exists():
+    """The first local file or folder of the demo config's own that this run reads and that is missing, with the
+    command that makes it; None when all are there. One line, for a user who ran `genrec-batch nightly` with no
+    --config. A path changed with --set is left to the run's own checks (they name it)."""
+    demo = _build(Config, yaml.safe_load(DEMO_CONFIG.read_text()), "")
+    reads = {"input": True, "catalog": True, "target": True, "draft": cfg.decoding.uses_draft}
+    for name, read in reads.items():
+        path = getattr(cfg.models if name in ("target", "draft") else cfg, name)
+        own = path == getattr(demo.models if name in ("target", "draft") else demo, name)
+        if read and path and own and not Path(path).expanduser().exists():
             return f"the demo config reads {name} {path}, which is missing: run `{DEMO_STEPS[name]}` (or `make demo`)"
     return None
 

@@ -7,7 +7,26 @@ the magnitudes and counts involved (tests/helpers.float32_atol) or from errors m
 that need clear cases draw more of them until they can decide (tests/test_engine.py), so that a verdict depends on
 the engine, never on the CPU."""
 
+import os
+import sys
+from pathlib import Path
+
 import pytest
+
+# The repository stands alone: a folder beside the checkout (CI lays a `shared/` there) is never read by a test or
+# the code it runs in this process. The hook sees every open and directory listing; tests/test_repository.py scans
+# the tracked files for the same in code that runs elsewhere.
+BESIDE = str(Path(__file__).resolve().parents[1].parent / "shared")  # guard: never read
+
+
+def _never_beside(event: str, args: tuple) -> None:
+    if event in ("open", "os.listdir", "os.scandir") and args and isinstance(args[0], str | bytes | os.PathLike):
+        path = os.path.abspath(os.fsdecode(args[0]))
+        if path == BESIDE or path.startswith(BESIDE + os.sep):
+            raise PermissionError(f"{path}: tests never read outside the repository")
+
+
+sys.addaudithook(_never_beside)
 
 NUMERICS = {
     "test_alignment",

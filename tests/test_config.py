@@ -123,3 +123,22 @@ def test_every_shipped_config_is_valid():
         assert cfg.models.target and cfg.compute.num_actors in ("auto", 1)
     shared = load_config(str(configs[[p.name for p in configs].index("shared-gpu.example.yaml")]))
     assert (shared.compute.gpus_per_actor, shared.compute.num_actors) == (0.25, "auto")
+
+
+def test_the_demo_config_names_the_command_that_makes_what_it_misses(tmp_path, monkeypatch):
+    """`genrec-batch nightly` with no --config: the first of the demo's own paths this run reads that is missing,
+    with its command; a draft only where the mode uses one; a path changed with --set is left to the run's checks."""
+    from pipeline.config import DEMO_CONFIG, demo_missing
+
+    monkeypatch.chdir(tmp_path)
+    demo = lambda *sets: demo_missing(load_config(str(DEMO_CONFIG), list(sets)))  # noqa: E731
+    assert "genrec-batch prepare --out data/beauty" in demo()
+    (tmp_path / "data" / "beauty").mkdir(parents=True)
+    for name in ("test.parquet", "items.parquet"):
+        (tmp_path / "data" / "beauty" / name).write_bytes(b"")
+    assert "genrec-batch train-target" in demo()
+    (tmp_path / "models" / "demo-target").mkdir(parents=True)
+    assert demo() is None  # beam search reads no draft
+    assert "genrec-batch train-draft" in demo("decoding.mode=atspeed-strict")
+    assert demo("decoding.mode=atspeed-strict", "models.draft=elsewhere/draft") is None
+    assert demo("input=data/office/test.parquet", "models.target=~/nowhere") is None

@@ -343,8 +343,10 @@ def test_bad_runs_and_inputs_fail_clearly(runs, tmp_path):
 
 
 def job(name: str, *argv, path: str | None = None):
-    """`python -m jobs.NAME ...` in a subprocess, as an operator runs it."""
+    """`python -m jobs.NAME ...` in a subprocess, as an operator runs it; `path` replaces PATH (and hides $CHROMIUM)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), **({"PATH": path} if path is not None else {})}
+    if path is not None:
+        env.pop("CHROMIUM", None)
     return subprocess.run(
         [sys.executable, "-m", f"jobs.{name}", *argv], cwd=ROOT, env=env, capture_output=True, text=True
     )

@@ -3,7 +3,7 @@ contracts, and synthetic catalogs / histories for scale tests. One module per so
 synthetic: MiniOneRec's rows are their own units, string keys, see minionerec.py); the splits (splits);
 the tokenizer and the written contract (contract).
 
-Outputs (ARCHITECTURE.md section 3), in `out_dir`:
+Outputs (docs/architecture.md, "Data contracts"), in `out_dir`:
     items.parquet      item_id int64, semantic_id list<int32> [L], code_tokens list<string> [L]
     train.parquet      user_id int64, history list<int64> (all train items, chronological)
     valid.parquet      user_id, history (last history_len train items), target_items (valid items)
