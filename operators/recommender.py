@@ -12,8 +12,10 @@ pure functions of plain arrays: `recommendation_table`, `non_finite_rejects`, `b
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
+import logging
 import os
 import socket
 import time
@@ -27,10 +29,19 @@ import torch
 
 from decoding.beam import Prefix, Recommendations, beam_search
 from decoding.catalog import Catalog, Exclusions
-from decoding.compiled import cold_compiles, compile_key, compile_totals, use_compile_cache, warm_up
+from decoding.compiled import (
+    Bucket,
+    Engine,
+    cold_compiles,
+    compile_key,
+    compile_totals,
+    unsupported,
+    use_compile_cache,
+    warm_up,
+)
 from decoding.disc import disc_sample
 from decoding.memory import decode_bytes_per_user, fit_batch, free_device_memory
-from decoding.metrics import topk_agreement
+from decoding.metrics import same_within_ties, topk_agreement
 from decoding.models import check_window, load_config, load_model, load_tokenizer
 from decoding.speculative import speculative_beam_search
 from decoding.stats import BASE_KEYS, PHASES
@@ -40,6 +51,15 @@ from operators.validate import reject_schema, validate
 
 FAIL_AFTER_ENV = "GENREC_TEST_FAIL_AFTER"  # tests only: "N:/path/marker" exits the actor once, after N batches
 SKEW_ENV = "GENREC_TEST_ENGINE_SKEW"  # tests only: "1" makes the compiled engine's trial lists differ from eager's
+COMPILED_EXTRAS = {  # the compiled engine's extra stats, set on an eager fallback too (so that slices concatenate)
+    "engine": "eager",
+    "engine_note": "",
+    "bucket_users": 0,
+    "bucket_prompt": 0,
+    "compile_s": 0.0,
+    "graphs_compiled": 0,
+}
+log = logging.getLogger("genrec.actor")
 SAMPLING = ("atspeed-relaxed", "disc")  # modes whose items are draws (seeded by the users decoded together)
 NON_FINITE = (
     "the model's log-probabilities were NaN or infinite while decoding this user (e.g. a float16 "
@@ -246,90 +266,139 @@ class AutoMode:
         }
 
 
-def engine_parity(eager: Recommendations, compiled: Recommendations, noise: float, terms: int, eps: float) -> dict:
-    """The compiled engine's lists and scores against the eager engine's on the same users -> the evidence: users,
-    those clear of a near-tie (eager tie gap above twice the bound), how many of those got the same list, the largest
-    score difference, the bound and whether parity holds (every clear user the same list, every score within twice
-    the bound, the same users decoded). The bound: the larger of `noise` (the eager engine's own score difference
-    between two batch sizes, measured in the run) and terms x eps x the largest |score| (a sum of `terms` products
-    in the model's dtype, Higham 3.1)."""
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def reference_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype whose eager decode measures what `dtype` costs: float32 for half precision, float64 for float32."""
+    return torch.float64 if dtype == torch.float32 else torch.float32
+
+
+def dtype_noise(eager: Recommendations, reference: Recommendations) -> float:
+    """What the run's dtype costs the eager engine on these users: the largest |score difference| of an item both the
+    eager lists [U, k] and the reference dtype's lists hold (0 if none)."""
+    diff = topk_agreement(reference.item_ids, reference.scores, eager.item_ids, eager.scores)["score_diff"]  # [U]
+    return float(diff.max()) if diff.numel() else 0.0
+
+
+def engine_parity(eager: Recommendations, compiled: Recommendations, noise: float) -> dict:
+    """The compiled engine's lists and scores against the eager engine's on the same trial users [U, k] -> the
+    evidence. Both engines round the same exact scores in one dtype, each about as much as that dtype costs the eager
+    engine (`noise`, measured against the next wider dtype on these users), so their scores may differ by the bound
+    2 x noise (floored at the float32 spacing of the scores, what they are returned in). A user is clear of a
+    near-tie when its eager tie gap exceeds twice the bound; a clear user must get the same list up to swaps of items
+    whose eager scores are within twice the bound. Parity holds when every clear user does, every score is within the
+    bound and the same scores are finite."""
     s_e, s_c = eager.scores.float().cpu(), compiled.scores.float().cpu()  # [U, k]
     finite = torch.isfinite(s_e)
     magnitude = float(s_e[finite].abs().max()) if finite.any() else 1.0
-    bound = max(noise, terms * eps * magnitude)
+    bound = max(2 * noise, EPS32 * magnitude)
     both = finite & torch.isfinite(s_c)
     max_diff = float((s_e - s_c).abs()[both].max()) if both.any() else 0.0
     clear = eager.stats["tie_gap"].float().cpu() > 2 * bound  # [U]
-    same = (eager.item_ids.cpu() == compiled.item_ids.cpu()).all(1)  # [U]
-    holds = bool(same[clear].all()) and max_diff <= 2 * bound and torch.equal(finite, torch.isfinite(s_c))
+    same = same_within_ties(eager.item_ids.cpu(), s_e, compiled.item_ids.cpu(), 2 * bound)  # [U]
+    holds = bool(same[clear].all()) and max_diff <= bound and torch.equal(finite, torch.isfinite(s_c))
     return {
         "users": int(same.numel()),
         "clear": int(clear.sum()),
         "identical_clear": int(same[clear].sum()),
-        "identical": int(same.sum()),
+        "identical": int((eager.item_ids.cpu() == compiled.item_ids.cpu()).all(1).sum()),
         "max_score_diff": max_diff,
-        "bound": 2 * bound,
-        "noise_batch_sizes": noise,
+        "noise": noise,
+        "bound": bound,
         "holds": holds,
     }
 
 
 class AutoEngine:
-    """compute.engine = auto: the actor's first `trials` beam batches are decoded by both engines in turn (eager
-    first, then compiled first, ...), the eager lists published; the compiled engine's bucket is compiled at its first
-    trial (timed). The choice, once the trials are done: compiled if parity held on every trial batch
-    (engine_parity) and its best trial decoded faster per user than eager's best; else eager. The compile counts
-    only where the run is too short to earn it back: an actor whose expected eager decode (its users x eager's time
-    per user, after the first trial) is below `short_run_s` (compute.engine_short_run_s: what a cold compile may
-    cost) stays eager without compiling."""
+    """compute.engine = auto: one decision per run. Unless the run has one recorded (`adopt`), the actor decodes trial
+    groups (one decode batch of trial users each) with both engines in turn (eager first, then compiled first, ...)
+    and, in the reference dtype, measures what the run's dtype costs (`dtype_noise`); after each group the pooled
+    evidence (`engine_parity`) decides: no parity -> eager; at least `min_groups` groups and `need` users clear of a
+    near-tie -> compiled if its best group decoded faster per user than eager's best, else eager; `max_groups` groups
+    (or no trial users left) without enough clear users -> eager, inconclusive. A run too short to earn a compile
+    back (users_hint x eager's time per user < short_run_s, after the first group) stays eager without compiling;
+    so does one whose compile fails."""
 
-    def __init__(self, trials: int, users_hint: int | None, device: str, short_run_s: float):
-        self.trials, self.users_hint, self.device, self.short_run_s = trials, users_hint, device, short_run_s
-        self.per_user: dict[str, list[float]] = {"eager": [], "compiled": []}  # decode seconds per user, each trial
-        self.parity: list[dict] = []
+    def __init__(self, spec: ActorSpec, device: str):
+        self.min_groups, self.max_groups, self.need = spec.engine_trials, spec.engine_trial_max, spec.engine_clear_users
+        self.users_hint, self.short_run_s, self.device = spec.users_per_actor, spec.engine_short_run_s, device
+        self.per_user: dict[str, list[float]] = {"eager": [], "compiled": []}  # decode seconds per user, each group
+        self.groups: list[tuple[Recommendations, Recommendations, float]] = []  # (eager, compiled, noise) per group
+        self.parity: dict | None = None  # the pooled evidence so far
+        self.checked: set[tuple[int, int]] = set()  # the compiled engine's buckets (users, prompt) the trials ran in
         self.compile_s = 0.0
-        self.noise: float | None = None
         self.choice: str | None = None
         self.reason = ""
+        self.decided_by: str | None = None  # the actor whose trials decided the run
 
     def order(self) -> tuple[str, str]:
-        return ("eager", "compiled") if len(self.parity) % 2 == 0 else ("compiled", "eager")
+        return ("eager", "compiled") if len(self.groups) % 2 == 0 else ("compiled", "eager")
+
+    def decide(self, choice: str, reason: str) -> None:
+        self.choice, self.reason = choice, reason
 
     def too_short(self, eager_per_user: float) -> bool:
-        """After the first eager trial: can this actor's share of the run earn a compile back? If not, eager."""
+        """After the first eager group: can this actor's share of the run earn a compile back? If not, eager."""
         expected = (self.users_hint or 0) * eager_per_user
         if self.users_hint is not None and expected < self.short_run_s:
-            self.choice = "eager"
-            self.reason = (
-                f"too short to earn a compile back: {self.users_hint} users x {eager_per_user * 1e3:.1f} ms "
-                f"= {expected:.0f} s of eager decode < compute.engine_short_run_s {self.short_run_s:g} s"
-            )
             self.per_user["eager"].append(eager_per_user)
+            self.decide(
+                "eager",
+                f"too short to earn a compile back: {self.users_hint} users x {eager_per_user * 1e3:.1f} ms "
+                f"= {expected:.0f} s of eager decode < compute.engine_short_run_s {self.short_run_s:g} s",
+            )
         return self.choice is not None
 
-    def record(self, eager_per_user: float, compiled_per_user: float, parity: dict) -> None:
-        self.per_user["eager"].append(eager_per_user)
-        self.per_user["compiled"].append(compiled_per_user)
-        self.parity.append(parity)
-        if len(self.parity) < self.trials:
-            return
-        failed = [i for i, p in enumerate(self.parity) if not p["holds"]]
-        e, c = min(self.per_user["eager"]), min(self.per_user["compiled"])
-        if failed:
-            self.choice, self.reason = "eager", f"no parity on trial batch {failed[0]}: {self.parity[failed[0]]}"
-        elif c < e:
-            self.choice, self.reason = "compiled", f"parity held; {e / c:.2f}x eager's users/s"
-        else:
-            self.choice, self.reason = "eager", f"parity held, but compiled ran at {e / c:.2f}x eager's users/s"
+    def record(self, eager: Recommendations, compiled: Recommendations, noise: float, seconds: tuple) -> None:
+        """One trial group's results (eager's and compiled's per-user seconds) -> the pooled evidence; decides when it
+        can."""
+        self.per_user["eager"].append(seconds[0])
+        self.per_user["compiled"].append(seconds[1])
+        self.groups.append((eager, compiled, noise))
+        e, c = (Recommendations.concat([g[i] for g in self.groups]) for i in (0, 1))
+        p = self.parity = engine_parity(e, c, max(g[2] for g in self.groups))
+        fast_e, fast_c = min(self.per_user["eager"]), min(self.per_user["compiled"])
+        if not p["holds"]:
+            self.decide("eager", f"no parity on the trial users: {p}")
+        elif len(self.groups) >= self.min_groups and p["clear"] >= self.need:
+            faster = fast_c < fast_e
+            self.decide(
+                "compiled" if faster else "eager",
+                f"parity held on {p['clear']} users clear of a near-tie; compiled ran at {fast_e / fast_c:.2f}x "
+                f"eager's users/s" + ("" if faster else ", not faster"),
+            )
+        elif len(self.groups) >= self.max_groups:
+            self.inconclusive()
+
+    def inconclusive(self) -> None:
+        clear, users = (self.parity["clear"], self.parity["users"]) if self.parity else (0, 0)
+        self.decide(
+            "eager",
+            f"inconclusive: {clear} of {users} trial users clear of a near-tie, compute.engine_clear_users "
+            f"{self.need} needed",
+        )
+
+    def decision(self, actor: str) -> dict:
+        """What the run records (pipeline.runs.EngineRecord) and every actor adopts."""
+        return {**self.state(), "decided_by": actor, "at": time.time()}
+
+    def adopt(self, record: dict) -> None:
+        """The run's recorded decision, made by this actor's trials or another's."""
+        self.choice, self.reason, self.decided_by = record["choice"], record["reason"], record["decided_by"]
+        self.checked = {tuple(b) for b in record["checked"]}
+        self.parity = (record["parity"] or [None])[0]
 
     def state(self) -> dict:
         return {
             "choice": self.choice,
             "reason": self.reason,
+            "decided_by": self.decided_by,
             "trial_users_per_s": {m: 1 / min(v) if v else None for m, v in self.per_user.items()},
-            "trial_batches": len(self.parity),
+            "trial_batches": len(self.groups),
             "compile_s": self.compile_s,
-            "parity": self.parity,
+            "parity": [self.parity] if self.parity else [],
+            "checked": sorted(self.checked),
             "device": self.device,
         }
 
@@ -356,12 +425,13 @@ class Recommender:
         self.auto = AutoMode(spec.decoding.auto_trials) if spec.decoding.mode == "auto" else None
         device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         self.engine_auto = (
-            AutoEngine(spec.engine_trials, spec.users_per_actor, device_name, spec.engine_short_run_s)
-            if spec.engine == "auto" and spec.decoding.mode in ("beam", "auto")
-            else None
+            AutoEngine(spec, device_name) if spec.engine == "auto" and spec.decoding.mode in ("beam", "auto") else None
         )
         self.engine = "eager" if spec.engine == "auto" else spec.engine  # the engine of the lists published now
-        self.warm = False  # the compiled engine's bucket compiled
+        self.warm = False  # the compiled engine's bucket compiled (or its compile failed)
+        self.trialing = False  # compute.engine auto's trials are running: the compiled engine checks its buckets
+        self.compile_errors: dict[tuple[int, int], str] = {}  # bucket (users, prompt) -> why it did not compile
+        self.reported_errors = 0  # compile errors reported in metric rows so far
         self.compile_cache: dict | None = None  # what the warm-up found in and gave to the compile store
         self.batch_engine = self.engine  # the engine whose lists the last batch published
         self.actor = _actor_id()
@@ -372,7 +442,6 @@ class Recommender:
         self.compiled = (0.0, 0)  # compile seconds and graphs reported in metric rows so far
         if spec.engine == "compiled" and spec.decoding.mode in ("beam", "auto"):
             self._warm_up()
-            self.warm = True
         self.ready_at = time.time()  # ready to decode: process started, modules imported, models loaded, compiled
 
     @property
@@ -380,15 +449,19 @@ class Recommender:
         """Tokens of the template's fixed prefix: prefilled once per model, left out of every rendered prompt."""
         return len(self.prefix) if self.prefix is not None else 0
 
+    def _warm_shape(self) -> tuple[int, int]:
+        """The users and prompt tokens the actor compiles its bucket for: its decode batch x the longest prompt."""
+        prompt = self.renderer.max_len - self.prefix_len
+        fits = self._fitting_batch("beam", prompt, self.target, None)
+        return min(self.spec.warm_users, fits or self.spec.warm_users), prompt
+
     def _warm_up(self) -> None:
         """The compiled engine's start: the node's compile cache (with a compile store: a folder of the bucket's key,
-        first filled from the store, its archive verified), then the actor's bucket compiled (a dummy batch of its
-        decode batch x the longest prompt; every decode of a shard snaps to it); after a cold compile the cache is
-        uploaded to the store. What happened goes into the actor's first metric row (`compile_cache`)."""
-        prompt = self.renderer.max_len - self.prefix_len
-        users = min(
-            self.spec.warm_users, self._fitting_batch("beam", prompt, self.target, None) or self.spec.warm_users
-        )
+        first filled from the store if absent, its archive's signature verified), then the actor's bucket compiled (a
+        dummy batch of `_warm_shape`; every decode of a shard snaps to it); after a cold compile the cache is uploaded
+        (signed) to the store. A compile error is recorded for the bucket, which then decodes eager. What happened
+        goes into the actor's first metric row (`compile_cache`)."""
+        users, prompt = self._warm_shape()
         k, store = self.spec.decoding.k, self.spec.compile_store
         key = compile_key(
             self.target, self.spec.target_sha256, users, prompt, k, self.catalog.code_len, self.prefix_len
@@ -398,10 +471,25 @@ class Recommender:
             folder = use_compile_cache(os.path.join(self.spec.compile_cache, key) if store else self.spec.compile_cache)
         fetched = store.fetch(key, folder) if store and folder else None
         cold = cold_compiles()
-        warm_up(self.target, self.catalog, users, prompt, k, self.prefix)
+        self.warm = True
+        try:
+            warm_up(self.target, self.catalog, users, prompt, k, self.prefix)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 -- an image without a C++ compiler, an inductor bug: this bucket runs eager
+            bucket = Bucket.of(users, prompt, k, self.catalog.code_len)
+            self._compile_failed((bucket.users, bucket.prompt), e)
         cold = cold_compiles() - cold
-        uploaded = store.publish(key, folder) if store and folder and cold else None
+        ok = not self.compile_errors
+        uploaded = store.publish(key, folder) if store and folder and cold and ok else None
         self.compile_cache = {"key": key, "graphs_cold": cold, "fetched": fetched, "uploaded": uploaded}
+
+    def _compile_failed(self, bucket: tuple[int, int], error: Exception) -> str:
+        """Records a compile error for the bucket (users, prompt), which decodes eager on this actor -> the note."""
+        msg = f"{type(error).__name__}: {error}"[:500]
+        self.compile_errors[bucket] = msg
+        log.warning("the compiled engine's bucket %s failed to compile; it decodes eager: %s", bucket, msg)
+        return f"compile failed: {msg}"
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         """A histories batch -> its output rows: its users' recommendations and rejects, and one metric row."""
@@ -431,14 +519,10 @@ class Recommender:
             torch.cuda.reset_peak_memory_stats()
         ids, mask = prompts.input_ids.to(self.device), prompts.attention_mask.to(self.device)
         first = self._first_batch(mode, ids, self.target, self.draft, self.oom_batch)
-        self.batch_engine = self.engine if mode == "beam" else "eager"  # the engine of the lists this batch publishes
         if mode == "beam" and self.engine_auto and self.engine_auto.choice is None:
-            rec, self.decode_batch = self._engine_trial(ids, mask, users, first, exclude)
-            self.batch_engine = "eager"
-        else:
-            rec, self.decode_batch = self._decode_slices(
-                mode, ids, mask, users, self.target, self.draft, first, exclude
-            )
+            self._choose_engine(ids, mask)
+        rec, self.decode_batch = self._decode_slices(mode, ids, mask, users, self.target, self.draft, first, exclude)
+        self.batch_engine = rec.stats.get("engine", "eager") if mode == "beam" else "eager"  # any slice eager: eager
         self.oom_batch = self.decode_batch if self.decode_batch < first else self.oom_batch  # kept for later shards
         if self.auto:
             self.auto.record(mode, sum(rec.stats[key] for key in PHASES), len(users))
@@ -449,51 +533,93 @@ class Recommender:
         items[broken] = -1
         return Decoded(mode, items, rec.scores.float().cpu().numpy(), broken, rec.stats, audit)
 
-    def _engine_trial(self, ids, mask, users, first: int, exclude: Exclusions | None):
-        """compute.engine auto, a trial batch: the users decoded by both engines in turn (AutoEngine), the compiled
-        one's bucket compiled at its first trial; parity checked (engine_parity) -> the eager engine's (the
-        reference's) result and decode batch."""
-        a, runs = self.engine_auto, {}
-        for engine in a.order():
-            self.engine = engine
-            if engine == "compiled" and not self.warm:  # compiled here, timed: what the compiled engine costs
-                t0 = time.perf_counter()
-                self._warm_up()
-                self.warm, a.compile_s = True, a.compile_s + time.perf_counter() - t0
-            t0 = time.perf_counter()
-            rec, batch = self._decode_slices("beam", ids, mask, users, self.target, None, first, exclude)
-            a.compile_s += rec.stats.get("compile_s", 0.0)
-            runs[engine] = (rec, batch, (time.perf_counter() - t0 - rec.stats.get("compile_s", 0.0)) / len(users))
-            if engine == "eager" and not a.parity and a.too_short(runs["eager"][2]):
-                break
-        self.engine = "eager"
-        eager, batch, eager_per_user = runs["eager"]
-        if "compiled" in runs:
-            compiled = runs["compiled"][0]
-            if os.environ.get(SKEW_ENV):  # tests only: an engine that differs
-                compiled = Recommendations(
-                    compiled.item_ids.roll(1, 1), compiled.token_ids, compiled.scores, compiled.stats
-                )
-            if a.noise is None:
-                a.noise = self._batch_noise(ids, mask, users, eager, exclude)
-            terms = self.target.config.hidden_size
-            parity = engine_parity(eager, compiled, a.noise, terms, torch.finfo(self.target.dtype).eps)
-            a.record(eager_per_user, runs["compiled"][2], parity)
-        if a.choice == "compiled":
-            self.engine = "compiled"
-        return eager, batch
+    def _choose_engine(self, ids, mask) -> None:
+        """compute.engine auto, at the actor's first beam batch: the run's recorded decision, else this actor's trials
+        (`_engine_trials` on the spec's trial users, else on this batch's prompts ids [U, S]) recorded as the run's
+        unless another actor recorded one first (then that one); the compiled engine's bucket compiled if chosen."""
+        a, record = self.engine_auto, self.spec.engine_record
+        recorded = record.read() if record is not None else None
+        if recorded is None:
+            self._engine_trials(self._trial_groups(ids, mask))
+            mine = a.decision(self.actor)
+            recorded = record.claim(mine) if record is not None else mine
+        a.adopt(recorded)
+        self.engine = a.choice
+        if a.choice == "compiled" and not self.warm:
+            self._warm_up()
 
-    def _batch_noise(self, ids, mask, users, eager: Recommendations, exclude: Exclusions | None) -> float:
-        """The eager engine's own score difference between two batch sizes: the first half of the users decoded alone
-        against the same users in the whole batch (0 for one user)."""
-        h = ids.shape[0] // 2
-        if h == 0:
-            return 0.0
-        part = exclude.select(torch.arange(h, device=ids.device)) if exclude is not None else None
-        half = self._decode("beam", self.target, None, ids[:h], mask[:h], users.slice(0, h), part)
-        s_full, s_half = eager.scores[:h].float().cpu(), half.scores.float().cpu()
-        both = torch.isfinite(s_full) & torch.isfinite(s_half)
-        return float((s_full - s_half).abs()[both].max()) if both.any() else 0.0
+    def _trial_groups(self, ids, mask) -> list[tuple]:
+        """The trial users' prompts in groups of one decode batch (spec.warm_users): the spec's trial users (the
+        input's first, the same for every actor and attempt) when given, else this batch's prompts ids [U, S]."""
+        t = self.spec.trial_users
+        if t is not None:
+            good, _ = validate(t, self.catalog.item_tokens, self.renderer.max_items, self.spec.decoding.exclude_column)
+            if good.num_rows:
+                p = self.renderer.render(good.column("history"), self.catalog.item_tokens, self.prefix_len)
+                ids, mask = p.input_ids.to(self.device), p.attention_mask.to(self.device)
+        n = max(self.spec.warm_users, 1)
+        return [(ids[i : i + n], mask[i : i + n]) for i in range(0, ids.shape[0], n)]
+
+    def _engine_trials(self, groups: list[tuple]) -> None:
+        """Decodes trial groups with both engines in turn, and in the reference dtype (what the run's dtype costs),
+        until AutoEngine decides or the groups run out (inconclusive: eager)."""
+        a, ref = self.engine_auto, None
+        self.trialing = True
+        try:
+            for ids, mask in groups[: a.max_groups]:
+                runs = {}
+                for engine in a.order():
+                    if engine == "compiled" and not self._trial_warm_up():
+                        return
+                    runs[engine] = self._trial_decode(engine, ids, mask)
+                    if engine == "eager" and not a.groups and a.too_short(runs["eager"][1]):
+                        return
+                note = runs["compiled"][0].stats.get("engine_note")
+                if runs["compiled"][0].stats.get("engine") != "compiled":
+                    a.decide("eager", f"the compiled engine did not run: {note}")
+                    return
+                ref = ref or load_model(self.paths["target"], str(self.device), reference_dtype(self.target.dtype))
+                reference, _ = self._decode_slices("beam", ids, mask, pa.nulls(len(ids)), ref, None, len(ids))
+                noise = dtype_noise(runs["eager"][0], reference)
+                a.record(runs["eager"][0], runs["compiled"][0], noise, (runs["eager"][1], runs["compiled"][1]))
+                if a.choice:
+                    return
+            a.inconclusive()
+        except torch.OutOfMemoryError as e:
+            a.decide("eager", f"the engine trials ran out of memory: {e}"[:300])
+        finally:
+            self.engine, self.trialing = "eager", False
+            del ref
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def _trial_warm_up(self) -> bool:
+        """The compiled engine's bucket compiled for the trials (timed: what the compiled engine costs) -> whether it
+        compiled (if not, the choice is eager, with the error)."""
+        if not self.warm:
+            t0 = time.perf_counter()
+            self._warm_up()
+            self.engine_auto.compile_s += time.perf_counter() - t0
+        if self.compile_errors:
+            self.engine_auto.decide("eager", "compile failed: " + "; ".join(self.compile_errors.values()))
+            return False
+        return True
+
+    def _trial_decode(self, engine: str, ids, mask) -> tuple[Recommendations, float]:
+        """A trial group's prompts [U, S] decoded by `engine` -> (its lists, decode seconds per user); the compiled
+        engine's bucket counts as checked."""
+        self.engine = engine
+        first = self._first_batch("beam", ids, self.target, None, self.oom_batch)
+        t0 = time.perf_counter()
+        rec, _ = self._decode_slices("beam", ids, mask, pa.nulls(len(ids)), self.target, None, first)
+        compile_s = rec.stats.get("compile_s", 0.0)
+        self.engine_auto.compile_s += compile_s
+        seconds = (time.perf_counter() - t0 - compile_s) / len(ids)
+        if engine == "compiled" and rec.stats.get("engine") == "compiled":
+            self.engine_auto.checked.add((int(rec.stats["bucket_users"]), int(rec.stats["bucket_prompt"])))
+        if engine == "compiled" and os.environ.get(SKEW_ENV):  # tests only: an engine that differs
+            rec = Recommendations(rec.item_ids.roll(1, 1), rec.token_ids, rec.scores, rec.stats)
+        return rec, seconds
 
     def _first_batch(self, mode: str, ids, target, draft, oom_batch: int | None = None) -> int:
         """Users per decode for the prompts ids [U, S]: compute.decode_batch if pinned, else on CUDA the largest that
@@ -534,7 +660,10 @@ class Recommender:
         seconds, graphs = compile_totals(self.target)
         (s0, g0), self.compiled = self.compiled, (seconds, graphs)
         cache, self.compile_cache = self.compile_cache, None  # reported once, in the row after the warm-up
+        errors = list(self.compile_errors.items())[self.reported_errors :]  # each reported once
+        self.reported_errors = len(self.compile_errors)
         return {
+            "compile_errors": json.dumps({f"{u}x{p}": why for (u, p), why in errors}) if errors else None,
             "engine": self.batch_engine,
             "compile_s": seconds - s0,
             "graphs_compiled": graphs - g0,
@@ -585,15 +714,50 @@ class Recommender:
         """One decode of the users ids [U, S] by `mode`'s decoder -> Recommendations. Sampling modes draw from a
         generator seeded by the users, so that a retried batch draws the same items."""
         d, shared = self.spec.decoding, {"prefix": self.prefix, "exclude": exclude}
-        if mode == "beam":  # the audit's float32 reference runs eager, the reference engine
-            engine = self.engine if target is self.target else "eager"
-            return beam_search(target, ids, mask, self.catalog, d.k, engine=engine, answer=self.answer, **shared)
+        if mode == "beam" and target is self.target and self.engine == "compiled":
+            return self._compiled_beam(ids, mask, shared)
+        if mode == "beam":  # the eager engine: the reference, and the audit's and trials' reference dtypes
+            return beam_search(target, ids, mask, self.catalog, d.k, engine="eager", answer=self.answer, **shared)
         seed = (d.seed * 1_000_003 + zlib.crc32(str(users.to_pylist()).encode())) % (2**63)
         shared.update(temperature=d.temperature, generator=torch.Generator(device=self.device).manual_seed(seed))
         if mode == "disc":
             return disc_sample(target, ids, mask, self.catalog, d.k, rounds=d.rounds, top_m=d.top_m, **shared)
         drafting = {"draft_beams": d.draft_beams, "gamma": d.gamma, "verification": mode.removeprefix("atspeed-")}
         return speculative_beam_search(target, draft, ids, mask, self.catalog, d.k, **drafting, **shared)
+
+    def _compiled_beam(self, ids, mask, shared: dict) -> Recommendations:
+        """Beam search of the prompts ids [U, S] by the compiled engine where it may run: in a bucket that compiled
+        without error and, under compute.engine auto, one the trials checked; else eager (stats: engine, the reason
+        in engine_note). Every result carries the compiled engine's extra stats, so that slices concatenate."""
+        d = self.spec.decoding
+        run = functools.partial(beam_search, self.target, ids, mask, self.catalog, d.k, answer=self.answer, **shared)
+        bucket = self._bucket(ids)
+        why = f"compile failed: {self.compile_errors[bucket]}" if bucket in self.compile_errors else None
+        a = self.engine_auto
+        if why is None and bucket and a and not self.trialing and bucket not in a.checked:
+            why = f"the engine trials did not check bucket {bucket} (users, prompt): it decodes eager"
+        rec = None
+        if why is None:
+            try:
+                rec = run(engine="compiled")
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as e:  # noqa: BLE001 -- a compile error: this bucket decodes eager on this actor
+                why = self._compile_failed(bucket, e)
+        if rec is None:
+            rec = run(engine="eager")
+            rec.stats.update(engine="eager", engine_note=why)
+        for key, value in COMPILED_EXTRAS.items():
+            rec.stats.setdefault(key, value)
+        return rec
+
+    def _bucket(self, ids) -> tuple[int, int] | None:
+        """The compiled engine's bucket (users, prompt) for the prompts ids [U, S]: the warm one it snaps to, else its
+        own; None for a model the compiled engine does not run (it decodes eager, saying why)."""
+        if unsupported(self.target):
+            return None
+        b = Engine.of(self.target).bucket_for(ids.shape[0], ids.shape[1], self.spec.decoding.k, self.catalog.code_len)
+        return b.users, b.prompt
 
     def _audit(
         self, mode: str, ids, mask, users, rec: Recommendations, pick: np.ndarray, exclude: Exclusions | None = None
@@ -660,6 +824,7 @@ class Recommender:
             "users_per_s": ok / wall if wall > 0 else None,
             "users_non_finite": int(decoded.broken.sum()),
             "decoder": decoded.mode,
+            "engine_note": decoded.stats.get("engine_note") or None,
             "auto": self._auto_state(),
             "dtype": self.dtype,
             **decoded.audit,

@@ -59,9 +59,13 @@ class ActorSpec:
     audit_users: int = 0  # half precision: the actor's first users re-decoded in float32 (the precision audit)
     threads: int | None = None  # torch CPU threads (None: Ray's OMP_NUM_THREADS)
     engine: str = "eager"  # beam search's engine: eager, compiled (decoding/compiled.py) or auto (AutoEngine)
-    engine_trials: int = 2  # auto: trial batches decoded by both engines before the actor chooses
-    engine_short_run_s: float = 60.0  # auto: an actor with less eager decode ahead than this stays eager
+    engine_trials: int = 2  # auto: the fewest trial groups (one decode batch of users each) decoded by both engines
+    engine_trial_max: int = 8  # auto: the most trial groups before an undecided trial stays eager
+    engine_clear_users: int = 32  # auto: trial users clear of a near-tie a decision needs
+    engine_short_run_s: float = 60.0  # auto: a run with less eager decode per actor ahead than this stays eager
     users_per_actor: int | None = None  # auto: the users this actor may expect (the run's pending / its actors)
+    trial_users: pa.Table | None = None  # auto: user_id, history of the trial users (None: the first beam batch's)
+    engine_record: object | None = None  # auto: where the run's one decision is recorded (pipeline.runs.EngineRecord)
     compile_cache: str | None = None  # compiled: the node's compile cache directory (None: inductor's default)
     compile_store: object | None = None  # compiled: the cache in object storage (pipeline.models.CompileStore)
     target_sha256: str = ""  # the target's weights (its compile cache's key)

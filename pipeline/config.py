@@ -58,17 +58,22 @@ class Compute:
     # ranking agreement (manifest precision_audit); None: one batch's worth (batch_size); 0: no audit
     engine: str = "eager"  # eager (the reference) | compiled: beam search on fixed shapes, each actor compiling its
     # bucket at start (decoding/compiled.py; decoding.mode beam, and auto's beam trials; the other modes run eager) |
-    # auto: each actor decodes its first engine_trials beam batches with both engines, publishes the eager lists, and
-    # keeps the compiled engine only if it agreed (every user clear of a near-tie, the same list; scores within the
-    # bound) and was faster; an actor whose share of the run cannot earn a compile back stays eager
-    engine_trials: int = 2  # auto: trial batches per actor, each decoded by both engines
-    engine_short_run_s: float = 60.0  # auto: what a cold compile may cost an actor (21-63 s measured on CPUs); an
-    # actor whose expected eager decode (its share of the users x eager's time per user) is shorter stays eager
+    # auto: the run's first actor decodes trial users (the input's first) with both engines, and the run keeps the
+    # compiled engine only if it agreed (every user clear of a near-tie, the same list; scores within twice what the
+    # dtype costs the eager engine against the next wider dtype, measured) on enough clear users and was faster; the
+    # decision is recorded in the run (_ENGINE.json) and every actor, restart and resume uses it
+    engine_trials: int = 2  # auto: the fewest trial groups (each one decode batch of users) decoded by both engines
+    engine_trial_max: int = 8  # auto: the most trial groups; still too few clear users after them: eager
+    engine_clear_users: int = 32  # auto: trial users clear of a near-tie needed for a decision (an engine wrong for a
+    # share f of users passes unseen with probability (1 - f)^N)
+    engine_short_run_s: float = 60.0  # auto: what a cold compile may cost an actor (21-63 s measured on CPUs); a run
+    # whose expected eager decode per actor (its share of the users x eager's time per user) is shorter stays eager
     compile_cache: str = "~/.cache/genrec-batch/compile"  # the compiled engine's cache on each node (inductor's
     # TORCHINDUCTOR_CACHE_DIR): kept across actor restarts and runs, so a restarted actor compiles in seconds
-    compile_store: str = "auto"  # the compiled engine's cache shared through object storage, beside the models: an
-    # actor fetches its bucket's cache (checksums verified) and starts warm, and uploads it after a cold compile;
-    # auto: `<models.target>.compile-cache` when the target is on s3://, else none; none; or a URI / shared folder
+    compile_store: str = "none"  # the compiled engine's cache shared through object storage: none (the default);
+    # a URI / shared folder; auto: `<models.target>.compile-cache` when the target is on s3://. Archives are signed
+    # (HMAC-SHA256, the key in GENREC_COMPILE_STORE_KEY or the file GENREC_COMPILE_STORE_KEY_FILE names): an actor
+    # loads only archives signed with its key, and whoever holds the key runs code in every actor (docs/engine.md)
 
 
 @dataclass
@@ -310,6 +315,18 @@ def _check_compute(c: Compute, d: Decoding) -> None:
         "compute.engine_trials",
         "must be >= 1",
         c.engine_trials,
+    )
+    _need(
+        isinstance(c.engine_trial_max, int) and c.engine_trial_max >= c.engine_trials,
+        "compute.engine_trial_max",
+        f"must be an integer >= compute.engine_trials ({c.engine_trials})",
+        c.engine_trial_max,
+    )
+    _need(
+        isinstance(c.engine_clear_users, int) and c.engine_clear_users >= 1,
+        "compute.engine_clear_users",
+        "must be >= 1",
+        c.engine_clear_users,
     )
     _need(
         c.engine != "compiled" or d.mode in ("beam", "auto"),

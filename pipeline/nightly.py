@@ -158,6 +158,8 @@ def actor_spec(cfg: Config, run_id: str, catalog: pa.Table, template: PromptTemp
         engine=cfg.compute.engine,
         engine_trials=cfg.compute.engine_trials,
         engine_short_run_s=cfg.compute.engine_short_run_s,
+        engine_trial_max=cfg.compute.engine_trial_max,
+        engine_clear_users=cfg.compute.engine_clear_users,
         compile_cache=cfg.compute.compile_cache,
         compile_store=compile_store(cfg),
         warm_users=cfg.compute.decode_batch or cfg.compute.batch_size,
@@ -516,6 +518,7 @@ def recommend(ds, plan: Plan, a: Attempt):
                 catalog=None,
                 users_per_actor=-(-a.left // a.pool.initial),
                 target_sha256=plan.identity["models"]["target"],
+                **engine_auto_inputs(plan, a),
             ),
             "catalog": shards.CatalogRef(cfg.catalog, plan.identity["catalog"]),
             "run": a.run,
@@ -525,6 +528,19 @@ def recommend(ds, plan: Plan, a: Attempt):
         compute=a.pool.strategy(),
         **actor_resources(c),
     )
+
+
+def engine_auto_inputs(plan: Plan, a: Attempt) -> dict:
+    """compute.engine auto: where the run's one decision is recorded (runs.EngineRecord) and the trial users, the
+    input's first engine_trial_max decode batches (the same for every actor, restart and resume); {} otherwise."""
+    c = plan.cfg.compute
+    if c.engine != "auto":
+        return {}
+    n = c.engine_trial_max * plan.spec.warm_users
+    trial = S.retrying(
+        lambda: plan.data.head(n, columns=["user_id", "history"]), plan.cfg.storage, f"read {plan.cfg.input}"
+    )
+    return {"engine_record": runs.EngineRecord(a.run, plan.cfg.storage), "trial_users": trial}
 
 
 def tally_shards(plan: Plan, a: Attempt, since: float) -> tuple[dict, dict]:
@@ -584,6 +600,7 @@ def manifest_of(plan: Plan, a: Attempt, files: dict, sums: dict, timings: dict) 
             "graphs_compiled": sums["graphs_compiled"],
             "graphs_cold": sums["graphs_cold"],
             "compile_store": plan.spec.compile_store.root if plan.spec.compile_store else None,
+            "decision": runs.EngineRecord(a.run, cfg.storage).read() if cfg.compute.engine == "auto" else None,
         },
         "exclusions": exclusions_summary(cfg, plan.data.schema, sums["exclusions"]),
         "timings": timings,

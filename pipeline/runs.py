@@ -13,6 +13,8 @@
                                                                  input, catalog and models, written when it starts
     <run>/_ATTEMPTS/<n>-<attempt>.json                           each driver execution and the shards it trusts
     <run>/_SUPERSEDED                                            {"by", "at"}: another run of the date was published
+    <run>/_ENGINE.json                                           compute.engine auto's one decision for the run
+                                                                 (`EngineRecord`: created once, first writer wins)
 
 A reader resolves _LATEST, then trusts the run only if it has _SUCCESS. A run publishes (holding the date's lease) by
 replacing _LATEST (on S3 compare-and-swap), then marks the date's other runs superseded; they stay readable for a
@@ -25,10 +27,12 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import pandas as pd
 import pyarrow as pa
@@ -80,6 +84,42 @@ def start(run: str, state: dict, storage: Storage) -> None:
 def state_of(run: str, storage: Storage) -> dict | None:
     raw = S.read_bytes(S.join(run, "_RUN.json"), storage)
     return json.loads(raw) if raw is not None else None
+
+
+@dataclass(frozen=True)
+class EngineRecord:
+    """compute.engine auto's decision for one run, `<run>/_ENGINE.json`: created once (S3: If-None-Match; locally a
+    hard link of a written file, which fails if the name exists), so of actors racing to record one the first writer
+    wins and the others read it; every actor, restart and resume of the run then uses that one."""
+
+    run: str  # the run folder
+    storage: Storage
+
+    @property
+    def uri(self) -> str:
+        return S.join(self.run, "_ENGINE.json")
+
+    def read(self) -> dict | None:
+        raw = S.read_bytes(self.uri, self.storage)
+        return json.loads(raw) if raw is not None else None
+
+    def claim(self, decision: dict) -> dict:
+        """Records `decision` unless the run has one -> the run's decision (this one, or the one recorded first)."""
+        body = json.dumps(decision, default=str).encode()
+        if S.is_s3(self.uri):
+            S.put_if(self.uri, body, self.storage, None)
+        else:
+            path = Path(self.uri).expanduser()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.time_ns()}.tmp")
+            tmp.write_bytes(body)
+            try:
+                os.link(tmp, path)  # whole or absent, and never over another's
+            except FileExistsError:
+                pass
+            finally:
+                tmp.unlink()
+        return self.read()
 
 
 def unfinished(output: str, run_date: str, storage: Storage) -> list[str]:
