@@ -469,7 +469,7 @@ class Recommender:
         folder = None
         if self.spec.compile_cache:
             folder = use_compile_cache(os.path.join(self.spec.compile_cache, key) if store else self.spec.compile_cache)
-        fetched = store.fetch(key, folder) if store and folder else None
+        fetched = store.fetch(key, folder, self.device) if store and folder else None
         cold = cold_compiles()
         self.warm = True
         try:
@@ -481,7 +481,7 @@ class Recommender:
             self._compile_failed((bucket.users, bucket.prompt), e)
         cold = cold_compiles() - cold
         ok = not self.compile_errors
-        uploaded = store.publish(key, folder) if store and folder and cold and ok else None
+        uploaded = store.publish(key, folder, self.device) if store and folder and cold and ok else None
         self.compile_cache = {"key": key, "graphs_cold": cold, "fetched": fetched, "uploaded": uploaded}
 
     def _compile_failed(self, bucket: tuple[int, int], error: Exception) -> str:

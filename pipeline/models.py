@@ -3,11 +3,19 @@ what travels with the models: the compiled engine's cache in object storage (`Co
 
 from __future__ import annotations
 
+import errno
+import functools
 import hashlib
+import hmac
 import io
 import json
 import logging
+import os
+import platform
+import shutil
+import subprocess
 import tarfile
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,59 +52,90 @@ def attach_template(model_dir, template: str | PromptTemplate, catalog, max_item
 # ---------------------------------------------------------------- the compiled engine's cache, beside the models
 
 
+KEY_ENV = "GENREC_COMPILE_STORE_KEY"  # the store's signing key itself
+KEY_FILE_ENV = "GENREC_COMPILE_STORE_KEY_FILE"  # or the file that holds it (a mounted secret)
+CACHE_META = "cache.json"
+META_FIELDS = ("archive", "sha256", "bytes", "key", "torch", "target")  # what a signature covers, with the archive
+
+
 @dataclass(frozen=True)
 class CompileStore:
-    """The compiled engine's cache in object storage (or a shared folder), beside the models: under `root`, one
-    folder per `decoding.compiled.compile_key` (torch version, device and capability, the model's sha256 and dtype,
-    the bucket) holding `cache-<sha256>.tar.gz` (inductor's cache folder after a compile) and `cache.json` (written
-    last: the archive's name, sha256 and size, the torch version and device it was built with). Every failure reads as
-    "no cache" (a cold compile, with a warning), never as an error: a missing or partial upload, a checksum that does
-    not match, a foreign cache. Several actors uploading one key at once is safe: each archive is named by its
+    """The compiled engine's cache in object storage (or a shared folder): under `root`, one folder per
+    `decoding.compiled.compile_key` (torch version, device, the model's sha256 and dtype, the bucket) and `target`
+    (the CPU model and flags or the GPU's capability, and the compilers' versions) holding `cache-<sha256>.tar.gz`
+    (inductor's cache folder after a compile) and `cache.json` (written last: the archive's name, sha256 and size,
+    the key, torch and target, and an HMAC-SHA256 signature of all of it with the archive's bytes).
+
+    Loading inductor's cache runs its code (it unpickles graphs, imports wrapper modules, loads shared objects), so an
+    archive is unpacked only if its signature verifies under the key in GENREC_COMPILE_STORE_KEY (or the file
+    GENREC_COMPILE_STORE_KEY_FILE names): write access to the store is not enough to run code in an actor. Without a
+    key nothing is fetched or uploaded. Every refusal or failure reads as "no cache" (a cold compile, with a warning),
+    never as an error. An archive is unpacked into a fresh folder beside the node's folder and renamed into place, so
+    no process ever sees a half-written folder or has a file it loaded rewritten; a node folder that exists is used
+    as it is, not fetched again. Several actors uploading one key at once is safe: each archive is named by its
     content and written before the `cache.json` that points at it, which is one whole object (last writer wins)."""
 
     root: str
     storage: Storage
 
-    def fetch(self, key: str, folder: str) -> dict:
-        """Downloads, verifies and unpacks the cache of `key` into `folder` -> what happened {"found", "used", "note",
-        "bytes", "seconds"}."""
+    def fetch(self, key: str, folder: str, device: torch.device | str = "cpu") -> dict:
+        """The node's folder of `key` (the node's own copy if it has one, else the store's archive, verified and
+        unpacked into place) -> what happened {"found", "used", "note", "bytes", "seconds"}."""
         t0 = time.perf_counter()
         out = {"found": False, "used": False, "note": "", "bytes": 0}
+        if Path(folder).is_dir():
+            out.update(used=True, note="the node's copy, not fetched again")
+            return {**out, "seconds": time.perf_counter() - t0}
         try:
-            raw = S.read_bytes(S.join(self.root, key, CACHE_META), self.storage)
-            if raw is None:
-                out["note"] = "no cache for this key"
-            else:
-                out["found"] = True
-                meta = json.loads(raw)
-                why = foreign(meta, key)
-                data = None if why else S.read_bytes(S.join(self.root, key, meta["archive"]), self.storage)
-                if why is None and data is None:
-                    why = f"{meta['archive']} is missing (a partial upload)"
-                if why is None and (len(data) != meta["bytes"] or hashlib.sha256(data).hexdigest() != meta["sha256"]):
-                    why = f"{meta['archive']} does not match its checksum"
-                if why is None:
-                    unpack(data, Path(folder))
-                    out.update(used=True, bytes=len(data), note="verified and unpacked")
-                else:
-                    out["note"] = why
+            self._fetch(key, Path(folder), compile_target(device), out)
         except Exception as e:  # noqa: BLE001 -- a cache that cannot be read is a cold compile, never a failure
             out["note"] = f"unreadable ({type(e).__name__}: {e})"[:300]
         if out["found"] and not out["used"]:
             log.warning("compile cache %s ignored: %s; compiling cold", S.join(self.root, key), out["note"])
         return {**out, "seconds": time.perf_counter() - t0}
 
-    def publish(self, key: str, folder: str) -> dict:
-        """Uploads `folder` (inductor's cache after a successful compile) as the cache of `key` -> {"uploaded",
-        "bytes", "seconds", "note"}; a failure is logged and reported, not raised."""
+    def _fetch(self, key: str, folder: Path, target: dict, out: dict) -> None:
+        where = S.join(self.root, key, target["tag"])
+        raw = S.read_bytes(S.join(where, CACHE_META), self.storage)
+        if raw is None:
+            out["note"] = "no cache for this key"
+            return
+        out["found"] = True
+        meta = json.loads(raw)
+        secret = signing_key()
+        why = foreign(meta, key, target) or (None if secret else f"no signing key ({KEY_ENV}): nothing is loaded")
+        data = None if why else S.read_bytes(S.join(where, meta["archive"]), self.storage)
+        if why is None and data is None:
+            why = f"{meta['archive']} is missing (a partial upload)"
+        if why is None and (len(data) != meta["bytes"] or hashlib.sha256(data).hexdigest() != meta["sha256"]):
+            why = f"{meta['archive']} does not match its checksum"
+        if why is None and not hmac.compare_digest(str(meta.get("signature", "")), signature(secret, meta, data)):
+            why = f"{meta['archive']} is not signed with this store's key: never unpacked"
+        if why is None:
+            placed = unpack_into_place(data, folder)
+            note = "verified and unpacked" if placed else "verified; another actor of the node placed it first"
+            out.update(used=True, bytes=len(data), note=note)
+        else:
+            out["note"] = why
+
+    def publish(self, key: str, folder: str, device: torch.device | str = "cpu") -> dict:
+        """Uploads `folder` (inductor's cache after a successful compile), signed, as the cache of `key` on this
+        target -> {"uploaded", "bytes", "seconds", "note"}; a failure is logged and reported, not raised."""
         t0 = time.perf_counter()
+        secret = signing_key()
         try:
+            if secret is None:
+                raise ValueError(f"no signing key ({KEY_ENV} or {KEY_FILE_ENV}): nothing is uploaded")
+            target = compile_target(device)
+            where = S.join(self.root, key, target["tag"])
             data = pack(Path(folder))
             sha = hashlib.sha256(data).hexdigest()
             archive = f"cache-{sha[:32]}.tar.gz"
-            S.write_bytes(S.join(self.root, key, archive), data, self.storage)
+            S.write_bytes(S.join(where, archive), data, self.storage)
             meta = {"archive": archive, "sha256": sha, "bytes": len(data), "key": key, "torch": torch.__version__}
-            S.write_bytes(S.join(self.root, key, CACHE_META), json.dumps(meta).encode(), self.storage)
+            meta = {**meta, "target": target}
+            meta["signature"] = signature(secret, meta, data)
+            S.write_bytes(S.join(where, CACHE_META), json.dumps(meta).encode(), self.storage)
             out = {"uploaded": True, "bytes": len(data), "note": ""}
         except Exception as e:  # noqa: BLE001 -- the run goes on without a shared cache
             log.warning("compile cache %s not uploaded: %s", S.join(self.root, key), e)
@@ -104,18 +143,77 @@ class CompileStore:
         return {**out, "seconds": time.perf_counter() - t0}
 
 
-CACHE_META = "cache.json"
+def signing_key() -> bytes | None:
+    """The compile store's HMAC key: GENREC_COMPILE_STORE_KEY, else the file GENREC_COMPILE_STORE_KEY_FILE names (its
+    bytes, surrounding whitespace stripped); None when neither is set or the key is empty."""
+    secret = os.environ.get(KEY_ENV, "").encode()
+    if not secret and os.environ.get(KEY_FILE_ENV):
+        secret = Path(os.environ[KEY_FILE_ENV]).read_bytes().strip()
+    return secret or None
 
 
-def foreign(meta: dict, key: str) -> str | None:
-    """Why a cache.json does not describe a cache of `key` built by this torch (None: it does)."""
-    if not isinstance(meta, dict) or not {"archive", "sha256", "bytes", "key", "torch"} <= set(meta):
+def signature(secret: bytes, meta: dict, data: bytes) -> str:
+    """HMAC-SHA256 over the archive's description (META_FIELDS, canonical JSON) and its bytes: an archive signed for
+    one key, torch or target verifies under no other."""
+    described = json.dumps({f: meta.get(f) for f in META_FIELDS}, sort_keys=True, separators=(",", ":")).encode()
+    return hmac.new(secret, described + b"\n" + data, hashlib.sha256).hexdigest()
+
+
+def foreign(meta: dict, key: str, target: dict) -> str | None:
+    """Why a cache.json does not describe a cache of `key` built by this torch for this target (None: it does)."""
+    if not isinstance(meta, dict) or not set(META_FIELDS) <= set(meta):
         return "cache.json is not a cache description"
-    if meta["key"] != key or meta["torch"] != torch.__version__:
-        return f"a foreign cache (built for {meta['key']} with torch {meta['torch']})"
-    if "/" in meta["archive"] or not meta["archive"].startswith("cache-"):
+    if meta["key"] != key or meta["torch"] != torch.__version__ or meta["target"] != target:
+        return f"a foreign cache (built for {meta['key']} with torch {meta['torch']} on {meta['target']})"
+    if not isinstance(meta["archive"], str) or "/" in meta["archive"] or not meta["archive"].startswith("cache-"):
         return f"cache.json names an archive outside its folder: {meta['archive']!r}"
     return None
+
+
+@functools.cache
+def compile_target(device: torch.device | str = "cpu") -> dict:
+    """What inductor compiled for, beyond compile_key's kernel family: the GPU's name and compute capability, or the
+    CPU's model and a hash of its flags (inductor builds CPU code for the build machine's own instruction set), and
+    the compilers (torch, triton, the C++ compiler's version line); `tag` names it all in a store path."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        hardware = {"gpu": torch.cuda.get_device_name(device), "capability": f"sm{major}{minor}"}
+    else:
+        info = cpuinfo()
+        flags = " ".join(sorted(info.get("flags", info.get("Features", "")).split()))
+        model = info.get("model name") or info.get("CPU part") or platform.processor() or platform.machine()
+        hardware = {"cpu": model, "flags_sha256": hashlib.sha256(flags.encode()).hexdigest()[:16]}
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    target = {**hardware, "torch": torch.__version__, "triton": triton_version, "cxx": cxx_version()}
+    tag = hashlib.sha256(json.dumps(target, sort_keys=True).encode()).hexdigest()[:16]
+    return {**target, "tag": f"target-{tag}"}
+
+
+def cpuinfo() -> dict:
+    """The first processor's fields of /proc/cpuinfo ({} where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    first = text.split("\n\n", 1)[0]
+    return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first.splitlines()) if k.strip()}
+
+
+def cxx_version() -> str | None:
+    """The first line of `<C++ compiler> --version`, the compiler inductor builds CPU code with (None: none)."""
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    try:
+        out = subprocess.run([get_cpp_compiler(), "--version"], capture_output=True, text=True, timeout=30)
+        return out.stdout.splitlines()[0].strip() if out.returncode == 0 and out.stdout else None
+    except (OSError, subprocess.SubprocessError, RuntimeError):
+        return None
 
 
 def pack(folder: Path) -> bytes:
@@ -129,19 +227,50 @@ def pack(folder: Path) -> bytes:
     return buf.getvalue()
 
 
-def unpack(data: bytes, folder: Path) -> None:
-    """A verified archive -> its regular files under `folder` (tarfile's "data" filter: nothing outside the folder,
-    no links or devices)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
-        tar.extractall(folder, filter="data")
+def regular_members(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo:
+    """No absolute path and no `..` (refused, where tarfile's "data" filter would strip a leading slash), then that
+    filter (nothing outside the folder, no device), and no link at all."""
+    if member.name.startswith("/") or os.path.isabs(member.name):
+        raise tarfile.AbsolutePathError(member)
+    if ".." in Path(member.name).parts:
+        raise tarfile.OutsideDestinationError(member, os.path.join(dest, member.name))
+    member = tarfile.data_filter(member, dest)
+    if not (member.isfile() or member.isdir()):
+        raise tarfile.SpecialFileError(member)
+    return member
+
+
+def unpack_into_place(data: bytes, folder: Path) -> bool:
+    """A verified archive -> its regular files in a fresh folder beside `folder`, renamed into place -> whether it was
+    placed (False: another process placed the folder first; that one is kept as it is, nothing written into it)."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    fresh = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".unpacking", dir=folder.parent))
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+            tar.extractall(fresh, filter=regular_members)
+        os.rename(fresh, folder)  # atomic; fails if the folder exists and is not empty
+        return True
+    except OSError as e:
+        if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            return False
+        raise
+    finally:
+        shutil.rmtree(fresh, ignore_errors=True)
 
 
 def compile_store(cfg) -> CompileStore | None:
-    """compute.compile_store: "auto" -> beside the target model when it is on object storage
-    (`<models.target>.compile-cache`), else none; "none" -> none; a URI or folder -> there."""
+    """compute.compile_store: "none" (the default) -> none; "auto" -> beside the target model when it is on object
+    storage (`<models.target>.compile-cache`), else none; a URI or folder -> there. Without a signing key the store
+    is named but nothing is loaded from it or uploaded (a warning says so)."""
     where = cfg.compute.compile_store
     if where == "none" or (where == "auto" and not S.is_s3(cfg.models.target)):
         return None
     root = cfg.models.target.rstrip("/") + ".compile-cache" if where == "auto" else where
+    if signing_key() is None:
+        log.warning(
+            "compute.compile_store %s: no signing key (%s or %s), so nothing is loaded from it or uploaded to it",
+            root,
+            KEY_ENV,
+            KEY_FILE_ENV,
+        )
     return CompileStore(root, cfg.storage)

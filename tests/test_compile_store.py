@@ -2,21 +2,32 @@
 record of compute.engine auto, on SeaweedFS and a local Ray. Not numerics-sensitive (what is compared here is files,
 counts and records; the engines' parity is tests/test_compiled.py's), so `make test-kernels` does not repeat it."""
 
+import hashlib
+import io
 import json
 import logging
+import mmap
+import pickle
+import tarfile
 from pathlib import Path
 
 import pytest
+import torch
 
+from pipeline.models import KEY_ENV, KEY_FILE_ENV
 from tests.servers import seaweedfs
 from tests.test_compiled import COMPILE_CACHE
 
+SECRET = "a-test-signing-key-of-the-store"
+
 
 def test_a_store_warm_starts_the_next_nightly_actor_and_auto_records_its_choice(tmp_path_factory):
-    """compute.engine=compiled with the compile store on SeaweedFS: the first run's actor (an empty node cache)
-    compiles its bucket cold at start and uploads the cache; the second run's actor (a new process, another empty
-    node cache) fetches it, verifies it and starts warm: 0 graphs compiled from scratch, the same recommendations.
-    Then compute.engine auto: the actor's choice, trials and parity in the manifest and the report."""
+    """compute.engine=compiled with the compile store on SeaweedFS: the first run's actor (an empty node cache) finds
+    at its key an archive planted by a store writer without the signing key (code that runs when inductor loads it),
+    never unpacks it (the code never runs), compiles its bucket cold at start and uploads the cache, signed; the
+    second run's actor (a new process, another empty node cache) fetches it, verifies it and starts warm: 0 graphs
+    compiled from scratch, the same recommendations. Then compute.engine auto: the run's one decision, its trials
+    and parity in the manifest and the report."""
     import pyarrow.parquet as pq
     import ray
 
@@ -26,10 +37,14 @@ def test_a_store_warm_starts_the_next_nightly_actor_and_auto_records_its_choice(
 
     root = tmp_path_factory.mktemp("compile-store")
     world = make_world(root, n_users=40)  # shards of 16, 16 and 8 users
+    marker = root / "planted-code-ran"
     with seaweedfs(root / "s3") as s3, pytest.MonkeyPatch.context() as env:
         for name, value in s3.env().items():  # the actors' credentials (the raylet passes its environment on)
             env.setenv(name, value)
+        env.setenv(KEY_ENV, SECRET)  # the actors' signing key
         store = [f"compute.compile_store={s3.uri('compile-cache')}", f"storage.endpoint={s3.endpoint}"]
+        # whoever can write to the store, without the key, plants code at the key the cold run's actor will fetch
+        planted = plant(world, config(world, world / "cold", "compute.engine=compiled", *store), marker, b"not-the-key")
         ray.init(num_cpus=2, include_dashboard=False)
         try:
             runs = {}
@@ -49,7 +64,9 @@ def test_a_store_warm_starts_the_next_nightly_actor_and_auto_records_its_choice(
             ray.shutdown()
     out = {run: read_run(config(world, world / run))[1] for run in ("cold", "warm")}
     cache = [json.loads(out[run]["metrics"].to_pandas().compile_cache.dropna().iloc[0]) for run in ("cold", "warm")]
-    assert cache[0]["fetched"]["note"] == "no cache for this key" and cache[0]["uploaded"]["uploaded"]
+    assert cache[0]["key"] == planted and cache[0]["fetched"]["found"] and not cache[0]["fetched"]["used"]
+    assert "is not signed with this store's key" in cache[0]["fetched"]["note"] and not marker.exists()
+    assert cache[0]["uploaded"]["uploaded"]  # compiled cold, and replaced the planted cache with a signed one
     assert cache[0]["graphs_cold"] == 2 and runs["cold"]["engine"]["graphs_cold"] == 2
     assert cache[1]["fetched"]["used"] and cache[1]["key"] == cache[0]["key"] and cache[1]["uploaded"] is None
     assert cache[1]["graphs_cold"] == 0 and runs["warm"]["engine"]["graphs_cold"] == 0  # started warm
@@ -78,7 +95,7 @@ def test_a_corrupted_partial_or_foreign_compile_cache_is_ignored_with_a_warning(
     unpacked: the actor compiles cold, never fails."""
     from pipeline import storage as S
     from pipeline.config import Storage
-    from pipeline.models import CompileStore
+    from pipeline.models import CompileStore, compile_target
 
     made = tmp_path / "made"
     (made / "fxgraph" / "ab").mkdir(parents=True)
@@ -89,14 +106,16 @@ def test_a_corrupted_partial_or_foreign_compile_cache_is_ignored_with_a_warning(
     with seaweedfs(tmp_path / "s3") as s3, pytest.MonkeyPatch.context() as env:
         for name, value in s3.env().items():
             env.setenv(name, value)
+        env.setenv(KEY_ENV, SECRET)
         store = CompileStore(s3.uri("cc"), Storage(endpoint=s3.endpoint))
+        where = S.join(store.root, key, compile_target("cpu")["tag"])
         assert store.fetch(key, str(tmp_path / "none"))["note"] == "no cache for this key"
         assert store.publish(key, str(made))["uploaded"]
         got = store.fetch(key, str(tmp_path / "fetched"))
         assert got["used"] and (tmp_path / "fetched" / "fxgraph" / "ab" / "entry").read_bytes() == b"compiled graph"
         assert not (tmp_path / "fetched" / "locks").exists()  # lock files stay on their node
-        meta = json.loads(S.read_bytes(S.join(store.root, key, "cache.json"), store.storage))
-        archive = S.join(store.root, key, meta["archive"])
+        meta = json.loads(S.read_bytes(S.join(where, "cache.json"), store.storage))
+        archive = S.join(where, meta["archive"])
         good = S.read_bytes(archive, store.storage)
         cases = {
             "does not match its checksum": lambda: S.write_bytes(archive, good[:-7] + b"garbage", store.storage),
@@ -104,15 +123,15 @@ def test_a_corrupted_partial_or_foreign_compile_cache_is_ignored_with_a_warning(
                 Bucket=s3.bucket, Key=archive.split(f"{s3.bucket}/", 1)[1]
             ),
             "a foreign cache": lambda: S.write_bytes(
-                S.join(store.root, key, "cache.json"), json.dumps({**meta, "key": "other"}).encode(), store.storage
+                S.join(where, "cache.json"), json.dumps({**meta, "key": "other"}).encode(), store.storage
             ),
             "is not a cache description": lambda: S.write_bytes(
-                S.join(store.root, key, "cache.json"), b'{"x": 1}', store.storage
+                S.join(where, "cache.json"), b'{"x": 1}', store.storage
             ),
         }
         for i, (why, damage) in enumerate(cases.items()):
             S.write_bytes(archive, good, store.storage)
-            S.write_bytes(S.join(store.root, key, "cache.json"), json.dumps(meta).encode(), store.storage)
+            S.write_bytes(S.join(where, "cache.json"), json.dumps(meta).encode(), store.storage)
             damage()
             caplog.clear()
             with caplog.at_level(logging.WARNING, logger="genrec.nightly"):
@@ -120,3 +139,179 @@ def test_a_corrupted_partial_or_foreign_compile_cache_is_ignored_with_a_warning(
             assert got["found"] and not got["used"] and why in got["note"], got
             assert not (tmp_path / f"case{i}").exists()
             assert any("compile cache" in r.message and "ignored" in r.message for r in caplog.records)
+
+
+# ---------------------------------------------------------------- a store that runs no one else's code
+
+ENTRY = "fxgraph/pl/fplanted/entry"  # where inductor's FX-graph cache keeps a graph it unpickles on load
+WRAPPER = "pl/cplanted.py"  # a wrapper module inductor imports on load
+
+
+class Plant:
+    """Unpickled, it runs code: it writes its marker file."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').write('ran')",)
+
+
+def planted_archive(marker) -> bytes:
+    """An inductor cache archive whose loading runs code: a pickled FX-graph entry and a wrapper module, each writing
+    `marker` when unpickled or imported."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for name, data in ((ENTRY, pickle.dumps(Plant(marker))), (WRAPPER, Plant(marker).__reduce__()[1][0].encode())):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def write_archive(store, key: str, data: bytes, secret: bytes | None, signed_key: str | None = None) -> None:
+    """Writes `data` and its cache.json at `key` as a store writer would: signed with `secret` (None: unsigned) for
+    `signed_key` (default `key`; another: a valid archive replayed under this key)."""
+    from pipeline import storage as S
+    from pipeline.models import compile_target, signature
+
+    target = compile_target("cpu")
+    sha = hashlib.sha256(data).hexdigest()
+    meta = {"archive": f"cache-{sha[:32]}.tar.gz", "sha256": sha, "bytes": len(data), "torch": torch.__version__}
+    meta.update(key=signed_key or key, target=target)
+    if secret is not None:
+        meta["signature"] = signature(secret, meta, data)
+    meta["key"] = key
+    where = S.join(store.root, key, target["tag"])
+    S.write_bytes(S.join(where, meta["archive"]), data, store.storage)
+    S.write_bytes(S.join(where, "cache.json"), json.dumps(meta).encode(), store.storage)
+
+
+def plant(world, cfg, marker, secret: bytes | None) -> str:
+    """Plants `planted_archive(marker)` at the key the compiled actor of `cfg` fetches -> the key."""
+    from dataclasses import replace
+
+    from decoding.compiled import compile_key
+    from operators.recommender import Recommender
+    from pipeline.models import compile_store
+    from pipeline.nightly import plan_run
+
+    plan = plan_run(cfg)
+    spec = replace(plan.spec, engine="eager", target_sha256=plan.identity["models"]["target"])
+    r = Recommender(spec)
+    users, prompt = r._warm_shape()
+    key = compile_key(r.target, spec.target_sha256, users, prompt, cfg.decoding.k, r.catalog.code_len, r.prefix_len)
+    write_archive(compile_store(cfg), key, planted_archive(marker), secret)
+    return key
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    with seaweedfs(tmp_path_factory.mktemp("s3")) as server, pytest.MonkeyPatch.context() as env:
+        for name, value in server.env().items():
+            env.setenv(name, value)
+        yield server
+
+
+KEY = "torch-x/cpu-avx2/model-0123-float32/b16-p24-x0-k5-l3"
+
+
+def test_a_planted_archive_never_runs_its_code(s3, tmp_path, caplog, monkeypatch):
+    """An archive whose loading runs code (checked first: unpickling its graph entry writes the marker) is never
+    unpacked unless signed with the actor's key for this very key, torch and target: unsigned, signed with another
+    key, a valid archive of another key replayed under this one, or any archive where the actor holds no key, each
+    is refused with a warning, its folder never created, the marker never written. Signed with the key (from the
+    variable or from the file it names) it is unpacked whole."""
+    from pipeline.config import Storage
+    from pipeline.models import CompileStore
+
+    control = tmp_path / "control"
+    with tarfile.open(fileobj=io.BytesIO(planted_archive(control)), mode="r:gz") as tar:
+        pickle.loads(tar.extractfile(ENTRY).read())  # what inductor's cache does with a graph entry
+    assert control.read_text() == "ran"  # the plant is live
+    marker = tmp_path / "ran"
+    data = planted_archive(marker)
+    store = CompileStore(s3.uri("planted"), Storage(endpoint=s3.endpoint))
+    monkeypatch.setenv(KEY_ENV, SECRET)
+    cases = {
+        "unsigned": (None, None, "is not signed with this store's key"),
+        "signed with another key": (b"another-key", None, "is not signed with this store's key"),
+        "replayed from another key": (SECRET.encode(), "torch-x/cpu-avx2/other", "is not signed with this store's key"),
+        "no key in the actor": (SECRET.encode(), None, "no signing key"),
+    }
+    for i, (case, (secret, signed_key, why)) in enumerate(cases.items()):
+        write_archive(store, KEY, data, secret, signed_key)
+        if case == "no key in the actor":
+            monkeypatch.delenv(KEY_ENV)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="genrec.nightly"):
+            got = store.fetch(KEY, str(tmp_path / f"node{i}"))
+        assert got["found"] and not got["used"] and why in got["note"], (case, got)
+        assert not (tmp_path / f"node{i}").exists() and not marker.exists(), case
+        assert any("compile cache" in r.message and "ignored" in r.message for r in caplog.records), case
+    (tmp_path / "key").write_text(SECRET + "\n")
+    monkeypatch.setenv(KEY_FILE_ENV, str(tmp_path / "key"))
+    got = store.fetch(KEY, str(tmp_path / "signed"))
+    assert got["used"] and (tmp_path / "signed" / ENTRY).is_file() and not marker.exists()
+
+
+def test_a_second_actor_never_rewrites_a_folder_the_first_loaded(s3, tmp_path, monkeypatch):
+    """Two actors of one node fetch one key: the first unpacks into a fresh folder and renames it into place, the
+    second uses that folder as it is (not fetched again); a sibling that lost the race to place it writes nothing
+    into it. Every file the first actor loaded keeps its inode, bytes and mtime, and no half-unpacked folder stays."""
+    from pipeline.config import Storage
+    from pipeline.models import CompileStore, unpack_into_place
+
+    monkeypatch.setenv(KEY_ENV, SECRET)
+    made = tmp_path / "made"
+    (made / "ab").mkdir(parents=True)
+    (made / "ab" / "graph.so").write_bytes(b"\x7fELF" + bytes(range(256)) * 64)
+    (made / "ab" / "wrapper.py").write_text("x = 1\n")
+    store = CompileStore(s3.uri("siblings"), Storage(endpoint=s3.endpoint))
+    assert store.publish(KEY, str(made))["uploaded"]
+    node = tmp_path / "node" / "torch-x-avx2"
+    assert store.fetch(KEY, str(node))["note"] == "verified and unpacked"
+
+    def seen():
+        return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns, p.read_bytes()) for p in node.rglob("*") if p.is_file()}
+
+    before = seen()
+    with open(node / "ab" / "graph.so", "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as loaded:
+        second = store.fetch(KEY, str(node))
+        assert second["used"] and second["note"] == "the node's copy, not fetched again" and second["bytes"] == 0
+        archive = pack_of(made)
+        assert unpack_into_place(archive, node) is False  # a sibling that lost the race to place it
+        assert loaded[:4] == b"\x7fELF" and loaded[4:260] == bytes(range(256))
+    assert seen() == before and sorted(p.name for p in node.parent.iterdir()) == [node.name]
+
+
+def pack_of(folder) -> bytes:
+    from pipeline.models import pack
+
+    return pack(folder)
+
+
+@pytest.mark.parametrize("member", ["symlink", "hardlink", "absolute", "parent", "device"])
+def test_a_signed_archive_with_links_or_paths_outside_is_not_unpacked(s3, tmp_path, member, monkeypatch):
+    """Even signed, an archive member that is a link, a device, an absolute path or climbs out with `..` stops the
+    unpacking: nothing is placed and nothing is written outside the folder."""
+    from pipeline.config import Storage
+    from pipeline.models import CompileStore
+
+    monkeypatch.setenv(KEY_ENV, SECRET)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        info = tarfile.TarInfo({"absolute": str(tmp_path / "abs"), "parent": "../escape"}.get(member, "entry"))
+        if member in ("symlink", "hardlink"):
+            info.type, info.linkname = (tarfile.SYMTYPE if member == "symlink" else tarfile.LNKTYPE), "other"
+        elif member == "device":
+            info.type, info.devmajor, info.devminor = tarfile.CHRTYPE, 1, 3
+        tar.addfile(tarfile.TarInfo("other"), io.BytesIO(b""))
+        tar.addfile(info, io.BytesIO(b"") if info.isfile() else None)
+    store = CompileStore(s3.uri(f"unsafe-{member}"), Storage(endpoint=s3.endpoint))
+    write_archive(store, KEY, buf.getvalue(), SECRET.encode())
+    node = tmp_path / "node" / "cache"
+    got = store.fetch(KEY, str(node))
+    assert got["found"] and not got["used"] and got["note"].startswith("unreadable"), got
+    assert not node.exists() and list(node.parent.iterdir()) == []
+    assert not (tmp_path / "abs").exists() and not (tmp_path / "node" / "escape").exists()

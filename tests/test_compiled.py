@@ -14,14 +14,10 @@ never had its k-th and (k+1)-th candidates within 2 x that bound (stats["tie_gap
 """
 
 import copy
-import json
 import tempfile
 import warnings
-from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
-import pandas as pd
 import pytest
 import torch
 
@@ -367,88 +363,9 @@ def auto_world(tmp_path_factory):
     return make_world(tmp_path_factory.mktemp("engine-auto"), n_users=48)
 
 
-def engine_auto_actor(world, *extra):
-    """A nightly actor (the Recommender, called in-process) of compute.engine auto over `world`."""
-    from operators.recommender import Recommender
-    from pipeline.nightly import plan_run
-    from tests.test_nightly import config
-
-    settings = ["compute.engine=auto", f"compute.compile_cache={COMPILE_CACHE}", *extra]
-    return Recommender(plan_run(config(world, world / "unused", *settings)).spec)
-
-
-def shard_outputs(actor, users, batch: int = 16):
-    """The actor's output on consecutive shards of `batch` users -> [(recommendations frame, metric row)]."""
-
-    out = []
-    for a in range(0, users.num_rows, batch):
-        t = actor(users.slice(a, batch)).to_pandas()
-        out.append(
-            (
-                t[t.kind == "rec"][["user_id", "rank", "item_id", "score"]],
-                json.loads(t[t.kind == "metric"].metrics.iloc[0]),
-            )
-        )
-    return out
-
-
-@pytest.mark.parametrize("skew", [False, True])
-def test_engine_auto_publishes_eager_lists_and_keeps_compiled_only_with_parity(auto_world, skew, monkeypatch):
-    """compute.engine auto on 3 shards of 16 users, 2 trials: the trial shards publish exactly the eager engine's
-    lists and scores (a plain eager actor's, bit for bit), decoded by both engines; the actor's state records the
-    trial users/s of each, the compile seconds, the parity evidence and the device. With an engine made to differ (the
-    test hook rolls the compiled engine's lists), parity fails, the choice is eager and says why; without, parity
-    holds on both trials and the choice is the faster engine, which decodes the third shard (its lists the eager
-    ones for every user clear of a near-tie)."""
-    import pyarrow.parquet as pq
-
-    from operators.recommender import SKEW_ENV, Recommender
-
-    if skew:
-        monkeypatch.setenv(SKEW_ENV, "1")
-    users = pq.read_table(auto_world / "data" / "test.parquet", columns=["user_id", "history"])
-    actor = engine_auto_actor(auto_world, "compute.engine_short_run_s=0")
-    eager = Recommender(replace(actor.spec, engine="eager"))
-    got, want = shard_outputs(actor, users), shard_outputs(eager, users)
-    for (recs, metric), (ref, _) in zip(got[:2], want[:2]):  # the trials publish the eager lists, bit for bit
-        pd.testing.assert_frame_equal(recs.reset_index(drop=True), ref.reset_index(drop=True))
-        assert metric["engine"] == "eager"
-    state = got[-1][1]["auto"]["engine"]
-    assert state["trial_batches"] == 2 and len(state["parity"]) == 2 and state["device"] == "cpu"
-    assert state["compile_s"] > 0 and all(v > 0 for v in state["trial_users_per_s"].values())
-    assert all(p["users"] == 16 and p["bound"] > 0 for p in state["parity"])
-    if skew:
-        assert state["choice"] == "eager" and state["reason"].startswith("no parity on trial batch 0")
-        assert not any(p["holds"] for p in state["parity"])
-        assert all(p["identical_clear"] < p["clear"] for p in state["parity"])
-        assert got[2][1]["engine"] == "eager"
-        return
-    assert all(p["holds"] and p["clear"] >= 8 for p in state["parity"]), state["parity"]
-    fast = max(state["trial_users_per_s"], key=state["trial_users_per_s"].get)
-    assert state["choice"] == fast and got[2][1]["engine"] == fast
-    recs, ref = got[2][0], want[2][0]
-    bound = max(p["bound"] for p in state["parity"])
-    np.testing.assert_allclose(recs.score.to_numpy(), ref.score.to_numpy(), atol=bound, rtol=0)
-
-
-def test_engine_auto_stays_eager_where_a_compile_cannot_pay_off(auto_world):
-    """An actor whose share of the run (compute.engine auto's users_per_actor) decodes in less eager time than
-    compute.engine_short_run_s stays eager after its first trial batch, compiling nothing, and says why."""
-    import pyarrow.parquet as pq
-
-    users = pq.read_table(auto_world / "data" / "test.parquet", columns=["user_id", "history"])
-    actor = engine_auto_actor(auto_world)  # the default 60 s: 48 users of a tiny model decode in far less
-    actor.engine_auto.users_hint = 48
-    out = shard_outputs(actor, users)
-    state = out[-1][1]["auto"]["engine"]
-    assert state["choice"] == "eager" and state["reason"].startswith("too short to earn a compile back: 48 users")
-    assert state["compile_s"] == 0 and state["trial_batches"] == 0 and not actor.warm
-    assert sum(m["graphs_compiled"] for _, m in out) == 0 and {m["engine"] for _, m in out} == {"eager"}
-
-
 def test_bench_gpu_auto_section_runs_the_nightly_actor_with_engine_auto(auto_world, tmp_path):
     """`bench gpu --sections auto` at smoke sizes on the CPU (on a GPU `make bench-gpu` runs it on the device): the
-    nightly's actor with compute.engine auto decodes 48 users in shards of 16, trials both engines on the first two,
+    nightly's actor with compute.engine auto decodes 48 users in shards of 16, trials both engines on them first,
     chooses with parity evidence, and the report says what it chose and why."""
     from pipeline.bench.gpu import run_gpu
     from pipeline.bench.params import GpuParams
@@ -463,7 +380,7 @@ def test_bench_gpu_auto_section_runs_the_nightly_actor_with_engine_auto(auto_wor
     )
     result, md = run_gpu(params, "test")
     a = result["auto"]
-    assert a["users"] == 48 and a["state"]["trial_batches"] == 2 and a["state"]["device"] == "cpu"
+    assert a["users"] == 48 and a["state"]["trial_batches"] >= 2 and a["state"]["device"] == "cpu"
     assert a["state"]["choice"] in ("eager", "compiled") and all(p["holds"] for p in a["state"]["parity"])
     assert a["users_per_s_after"]["median"] > 0  # the third shard, decoded by the choice
     assert f"choice: **{a['state']['choice']}** on cpu" in md

@@ -36,7 +36,7 @@ import gc
 import json
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -230,7 +230,7 @@ def engine_auto(p: GpuParams, device: torch.device) -> dict:
             f"compute.gpus_per_actor={1 if device.type == 'cuda' else 0}",
             f"compute.compile_cache={tmp}/compile",
         ]
-        actor = Recommender(plan_run(load_config(None, settings)).spec)
+        actor = Recommender(replace(plan_run(load_config(None, settings)).spec, trial_users=users))
         t0, after = time.perf_counter(), []
         for a in range(0, users.num_rows, batch):
             t = actor(users.slice(a, batch)).to_pandas()
