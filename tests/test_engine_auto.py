@@ -195,22 +195,22 @@ def test_a_bucket_the_trials_did_not_check_decodes_eager(world, users, tmp_path)
     assert metric["engine"] == "compiled" and metric["engine_note"] is None
 
 
-def test_a_compile_error_falls_back_to_eager(world, users, tmp_path, monkeypatch):
+def test_a_compile_error_falls_back_to_eager(world, users, tmp_path):
     """No C++ compiler (inductor's cpp.cxx names a missing one; an empty compile cache, so it must compile): under
     auto the trials record the error and the run stays eager; under compute.engine compiled the actor starts, records
     the error for its bucket and decodes it eager, never failing the run."""
     import torch._inductor.config as inductor
 
-    monkeypatch.setattr(inductor.cpp, "cxx", ("/nonexistent/c++",))
-    # an empty cache and graphs no other test compiles (K 4): inductor's in-process caches hold none of them
-    cache, k = f"compute.compile_cache={tmp_path / 'empty-cache'}", "decoding.k=4"
-    a = actor(world, users, tmp_path / "run", cache, k)
-    ((recs, metric),) = shards(a, users, n=1)
-    state = metric["auto"]["engine"]
-    assert state["choice"] == "eager" and state["reason"].startswith("compile failed: "), state
-    assert "/nonexistent/c++" in state["reason"] or "nonexistent" in state["reason"], state["reason"]
-    assert metric["compile_errors"] and metric["engine"] == "eager" and len(recs) == 16 * 4
-    b = actor(world, users, tmp_path / "run2", "compute.engine=compiled", cache, k)
-    ((recs, metric),) = shards(b, users, n=1)
-    assert metric["engine"] == "eager" and metric["engine_note"].startswith("compile failed: ")
-    assert json.loads(metric["compile_errors"]) and len(recs) == 16 * 4
+    with inductor.patch({"cpp.cxx": ("/nonexistent/c++",)}):
+        # an empty cache and graphs no other test compiles (K 4): inductor's in-process caches hold none of them
+        cache, k = f"compute.compile_cache={tmp_path / 'empty-cache'}", "decoding.k=4"
+        a = actor(world, users, tmp_path / "run", cache, k)
+        ((recs, metric),) = shards(a, users, n=1)
+        state = metric["auto"]["engine"]
+        assert state["choice"] == "eager" and state["reason"].startswith("compile failed: "), state
+        assert "/nonexistent/c++" in state["reason"], state["reason"]
+        assert metric["compile_errors"] and metric["engine"] == "eager" and len(recs) == 16 * 4
+        b = actor(world, users, tmp_path / "run2", "compute.engine=compiled", cache, k)
+        ((recs, metric),) = shards(b, users, n=1)
+        assert metric["engine"] == "eager" and metric["engine_note"].startswith("compile failed: ")
+        assert json.loads(metric["compile_errors"]) and len(recs) == 16 * 4
