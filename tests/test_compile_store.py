@@ -84,6 +84,9 @@ def test_a_store_warm_starts_the_next_nightly_actor_and_auto_records_its_choice(
     ((actor, state),) = auto["auto"].items()
     assert state["engine"]["choice"] in ("eager", "compiled") and state["engine"]["parity"][0]["holds"]
     assert auto["engine"]["name"] == "auto"
+    decision = auto["engine"]["decision"]  # the run's one decision (_ENGINE.json), taken on the input's first users
+    assert decision["choice"] == state["engine"]["choice"] and decision["decided_by"] == actor
+    assert state["engine"]["trial_batches"] >= 1 and decision["parity"][0]["users"] >= 16
     _, page = report_run(str(world / "auto"), auto_cfg.storage)
     assert f"engine **{state['engine']['choice']}** on cpu" in (Path(page) / "report.md").read_text()
 
