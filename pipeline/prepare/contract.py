@@ -1,8 +1,8 @@
 """The written contract of a data folder (docs/architecture.md, "Data contracts"): the code-token tokenizer, the
-catalog's columns, prepare.json's catalog counts, and `write_contract`, the one writer every source goes through: the tables, the
-tokenizer and prepare.json first, `items.parquet` last, through a temporary name and a rename. A folder is prepared
-when its `items.parquet` exists (`prepared`; the Makefile's `$(DATA)/items.parquet` target and every reader check that
-file), so an import killed part-way leaves a folder that a rerun imports again."""
+catalog's columns, prepare.json's catalog counts, and `write_contract`, the one writer every source goes through:
+the tables, the tokenizer and prepare.json first, `items.parquet` last, through a temporary name and a rename. A
+folder is prepared when its `items.parquet` exists (`prepared`; the Makefile's `$(DATA)/items.parquet` target and
+every reader check that file), so an import killed part-way leaves a folder that a rerun imports again."""
 
 from __future__ import annotations
 
