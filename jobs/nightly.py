@@ -30,7 +30,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--config",
         default=None,
-        help="YAML config file (default: the embedded demo config, which reads data/beauty and models/demo-* "
+        help="YAML config file, a path or an s3:// URI (default: the embedded demo config, which reads data/beauty and models/demo-* "
         "under the working directory: `make demo` makes them)",
     )
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. decoding.k=20")
@@ -42,17 +42,21 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from pipeline.storage import StoreUnavailable
+
     try:
-        cfg = load_config(args.config or str(DEMO_CONFIG), args.set)
+        cfg = load_config(args.config or str(DEMO_CONFIG), args.set)  # a path or an s3:// URI
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except StoreUnavailable as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 4
     if args.config is None and not args.gc and (missing := demo_missing(cfg)):
         print(f"error: {missing}", file=sys.stderr)
         return 2
     from pipeline.lease import LeaseHeld, LeaseLost
     from pipeline.nightly import Stalled, collect_garbage, plan_run, run_nightly
-    from pipeline.storage import StoreUnavailable
 
     try:
         if args.gc:

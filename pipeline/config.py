@@ -8,6 +8,7 @@ AWS_SECRET_ACCESS_KEY) or the cloud's default chain, and are never logged or wri
 from __future__ import annotations
 
 import datetime as dt
+import os
 import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -120,11 +121,8 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
     """YAML file (optional) + `a.b=value` overrides (values parsed as YAML) -> a validated Config."""
     raw: dict = {}
     if path:
-        p = Path(path)
-        if not p.is_file():
-            raise ValueError(f"config file {path} not found")
         try:
-            raw = yaml.safe_load(p.read_text()) or {}
+            raw = yaml.safe_load(read_text(path, overrides or [])) or {}
         except yaml.YAMLError as e:
             raise ValueError(f"config file {path} is not valid YAML: {e}") from None
         if not isinstance(raw, dict):
@@ -145,6 +143,36 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
         cfg.run_date = dt.datetime.now(dt.UTC).date().isoformat()
     validate(cfg)
     return cfg
+
+
+def env_storage() -> Storage:
+    """The object store as the environment names it: AWS_ENDPOINT_URL (none: AWS S3) and AWS_REGION."""
+    return Storage(
+        endpoint=os.environ.get("AWS_ENDPOINT_URL") or None, region=os.environ.get("AWS_REGION", "us-east-1")
+    )
+
+
+def read_text(path: str, overrides: list[str]) -> str:
+    """A config file's text: a local path, or an s3:// URI read with the credentials, AWS_ENDPOINT_URL and AWS_REGION
+    of the environment (or storage.endpoint / storage.region given with --set) -> its text."""
+    if not path.startswith("s3://"):
+        if not Path(path).is_file():
+            raise ValueError(f"config file {path} not found")
+        return Path(path).read_text()
+    from pipeline import storage as S  # storage imports this module
+
+    given = dict(item.split("=", 1) for item in overrides if item.startswith("storage.") and "=" in item)
+    env = env_storage()
+    storage = Storage(given.get("storage.endpoint") or env.endpoint, given.get("storage.region") or env.region)
+    try:
+        data = S.read_bytes(path, storage)
+    except S.StoreUnavailable:
+        raise  # the store is down (the job's exit 4), not the file wrong
+    except Exception as e:  # noqa: BLE001 -- credentials refused, no such bucket: the config's error (exit 2)
+        raise ValueError(f"config file {path} could not be read from {S.store_name(storage)}: {e}") from None
+    if data is None:
+        raise ValueError(f"config file {path} not found")
+    return data.decode()
 
 
 def demo_missing(cfg: Config) -> str | None:

@@ -20,12 +20,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
 from decoding.catalog import Catalog
 from decoding.models import load_config, load_tokenizer
-from decoding.templates import PromptTemplate, get_template, write_template
+from decoding.templates import TEMPLATE_FILE, PromptTemplate, get_template, read_template, write_template
 from operators.prompts import Renderer, catalog_probes
 from pipeline import storage as S
 from pipeline.config import Storage
@@ -37,16 +38,75 @@ def attach_template(model_dir, template: str | PromptTemplate, catalog, max_item
     """Writes `template` (a preset, a JSON file or a template) into a local model directory after checking it against
     the model and a catalog (items.parquet): a causal LM, every code token the catalog needs in its tokenizer, the
     template compiling against the tokenizer -> a summary (the template, its longest prompt in tokens)."""
-    model_dir = Path(model_dir)
-    load_config(model_dir)
     template = get_template(template).with_max_items(max_items)
-    tokenizer = load_tokenizer(model_dir)
-    cat = Catalog.from_table(
-        pq.read_table(catalog), tokenizer, on_duplicate="first", source=str(catalog), code_token=template.code
-    )
-    renderer = Renderer.compile(template, tokenizer, catalog_probes(cat.item_tokens))
+    renderer = check_renders(model_dir, template, pq.read_table(catalog), str(catalog))
     path = write_template(model_dir, template)
     return {"file": str(path), "template": template.to_dict(), "max_prompt_tokens": renderer.max_len}
+
+
+def check_renders(model_dir, template: PromptTemplate, catalog: pa.Table, source: str) -> Renderer:
+    """A model directory's config, tokenizer and `template` checked against a catalog: a causal LM, every code token
+    the catalog's items need in the tokenizer, prompts of the catalog's items rendered with the code tokens kept apart
+    from the text -> the compiled Renderer."""
+    load_config(model_dir)
+    tokenizer = load_tokenizer(model_dir)
+    cat = Catalog.from_table(catalog, tokenizer, on_duplicate="first", source=source, code_token=template.code)
+    return Renderer.compile(template, tokenizer, catalog_probes(cat.item_tokens))
+
+
+# ---------------------------------------------------------------- uploading a model to object storage
+
+PICKLED = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")  # weights (or state) that load by unpickling: code
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def missing_parts(model_dir: Path) -> list[str]:
+    """What a model folder lacks to be uploaded (nothing read but the file names) -> one line per missing part,
+    [] when complete: config.json, safetensors weights, a tokenizer, the prompt template; no pickled file."""
+    names = {p.name for p in S.model_files(model_dir)}
+    missing = [] if "config.json" in names else ["config.json (the model's configuration)"]
+    if not any(n.endswith(".safetensors") for n in names):
+        missing.append("*.safetensors weights (save with save_pretrained: safetensors is its default)")
+    if not names & set(TOKENIZER_FILES):
+        missing.append(f"a tokenizer ({' or '.join(TOKENIZER_FILES)}: tokenizer.save_pretrained into the folder)")
+    if TEMPLATE_FILE not in names:
+        missing.append(
+            f"{TEMPLATE_FILE}, the prompt template (`genrec-batch template --model {model_dir} --preset codes "
+            "--catalog items.parquet` writes it, checked)"
+        )
+    pickled = sorted(n for n in names if n.endswith(PICKLED))
+    if pickled:
+        missing.append(
+            f"no pickled file, but it has {pickled}: pickles run code when loaded; keep only the safetensors weights"
+        )
+    return missing
+
+
+def check_upload(model_dir, catalog: pa.Table, source: str) -> dict:
+    """A model folder checked for `upload_model` -> a summary; ValueError naming every missing part (`missing_parts`)
+    or what the model, tokenizer and template fail (`check_renders` against the catalog)."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise ValueError(f"{model_dir}: not a folder")
+    missing = missing_parts(path)
+    if missing:
+        raise ValueError(f"{model_dir} cannot be uploaded; it needs:\n  - " + "\n  - ".join(missing))
+    template = read_template(path)
+    renderer = check_renders(path, template, catalog, source)
+    return {"template": template.name, "max_prompt_tokens": renderer.max_len}
+
+
+def upload_model(model_dir, uri: str, catalog: str, storage: Storage) -> dict:
+    """Checks a local model folder (`check_upload`, against the catalog the nightly reads: a path or an s3:// URI)
+    and only then uploads it to the s3:// prefix `uri` with its sha256sums.json, read back and verified
+    (`S.upload_model_dir`) -> a summary: the files and their sha256, the template, the longest prompt in tokens."""
+    if not S.is_s3(uri):
+        raise ValueError(f"{uri}: not an s3:// URI (a local folder is used where it is, with no upload)")
+    for where in (uri, catalog):
+        S.check_access(where, storage)  # credentials refused: PermissionError naming the URI, nothing written
+    summary = check_upload(model_dir, S.read_parquet(catalog, storage), catalog)
+    files = S.upload_model_dir(str(model_dir), uri, storage)
+    return {"uri": uri, **summary, "files": files}
 
 
 # ---------------------------------------------------------------- the compiled engine's cache, beside the models

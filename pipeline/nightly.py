@@ -254,7 +254,8 @@ def content_identity(cfg: Config, data: pads.Dataset, fs, plan_units: list, mode
 
 
 def plan_run(cfg: Config) -> Plan:
-    """Every check that needs no Ray: credentials, input, catalog, models, template, the actor's own checks. A missing
+    """Every check that needs no Ray: credentials, input, catalog, models, template, the actor's own checks, the output
+    store's conditional writes (`S.check_conditional_writes`). A missing
     input, catalog or model raises FileNotFoundError naming it ("... not found")."""
     for uri in (cfg.output, cfg.input, cfg.catalog):
         S.check_access(uri, cfg.storage)
@@ -266,6 +267,7 @@ def plan_run(cfg: Config) -> Plan:
     plan_units, clock = units.plan_units(data), Clock()
     with clock.phase("input_identity"):
         identity = content_identity(cfg, data, fs, plan_units, models)
+    S.check_conditional_writes(cfg.output, cfg.storage)  # what the lease and _LATEST rest on, before the lease
     return Plan(cfg, data, fs, plan_units, catalog, models, spec, inputs, identity, clock.seconds["input_identity_s"])
 
 

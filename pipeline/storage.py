@@ -16,6 +16,7 @@ import random
 import re
 import shutil
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -95,7 +96,12 @@ def transient(e: BaseException) -> bool:
         return True
     if isinstance(e, be.ClientError):
         status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
-        return status >= 500 or status == 429 or e.response.get("Error", {}).get("Code") in TRANSIENT_CODES
+        # 501 Not Implemented is the store's final word (a feature it lacks), not a passing fault
+        return (
+            (status >= 500 and status != 501)
+            or status == 429
+            or e.response.get("Error", {}).get("Code") in TRANSIENT_CODES
+        )
     return isinstance(e, OSError) and _ARROW_TRANSIENT.search(str(e)) is not None  # pyarrow: "AWS Error ..."
 
 
@@ -389,6 +395,90 @@ def check_access(uri: str, storage: Storage) -> None:
         ) from None
 
 
+# ------------------------------------------------------------------ what the store must honour
+
+STORE_CHECK = "_STORE_CHECK"  # the scratch object's name under the output (with a random suffix), deleted after
+
+
+def check_conditional_writes(output: str, storage: Storage) -> None:
+    """Verifies that the output store honours what the run-date lease and _LATEST rest on, on a scratch object under
+    `output` (deleted after): on S3 conditional create (`If-None-Match: *`: a second create of a key fails) and
+    conditional replace (`If-Match: ETag`: a replace of the current version succeeds, of a replaced one fails);
+    locally, where the lease is an exclusive flock, that the folder's filesystem grants one such lock at a time.
+    A store that does not -> ValueError naming the capability it lacks."""
+    name = f"{STORE_CHECK}-{uuid.uuid4().hex[:12]}"
+    if not is_s3(output):
+        return _check_flock(Path(output).expanduser(), name)
+    uri = join(output, name)
+    try:
+        gaps = _conditional_gaps(uri, storage)
+    finally:
+        delete_files(output, [name], storage)
+    if gaps:
+        raise ValueError(
+            f"output store {store_name(storage)} lacks what the run-date lease and _LATEST rest on (checked on "
+            f"{uri}): {'; '.join(gaps)}. Without it two runs of a date could both publish: use a store that honours "
+            "conditional writes (S3 does, as does SeaweedFS)"
+        )
+
+
+CREATE, REPLACE = "conditional create (If-None-Match: *)", "conditional replace (If-Match: ETag)"
+
+
+def _conditional_gaps(uri: str, storage: Storage) -> list[str]:
+    """Conditional puts of four distinct bodies on a fresh key -> the capabilities the store failed, with what it
+    did ([] when it honoured both)."""
+    gaps = []
+    if _put(uri, b"1", storage, None) is None:
+        return [f"{CREATE}: it refused to create a new object"]
+    if _put(uri, b"2", storage, None) is not None:
+        gaps.append(f"{CREATE}: a second create of one key succeeded")
+    current = read_versioned(uri, storage)[1]
+    if _put(uri, b"3", storage, current) is None:
+        gaps.append(f"{REPLACE}: it refused to replace the current version")
+    elif _put(uri, b"4", storage, current) is not None:
+        gaps.append(f"{REPLACE}: a replace of a version already replaced succeeded")
+    return gaps
+
+
+def _put(uri: str, data: bytes, storage: Storage, etag: str | None) -> str | None:
+    """`put_if`, a store's refusal of the condition itself (400 InvalidArgument, 501 NotImplemented) read as a
+    failed condition."""
+    import botocore.exceptions
+
+    try:
+        return put_if(uri, data, storage, etag)
+    except botocore.exceptions.ClientError as e:
+        if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") not in (400, 501):
+            raise
+        log.warning("store %s: conditional PUT %s answered %s", store_name(storage), uri, e)
+        return None
+
+
+def _check_flock(folder: Path, name: str) -> None:
+    """Two descriptors of one scratch file: the second exclusive flock must be refused while the first holds."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    first = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    second = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(first, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(second, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return  # the second lock was refused: the lease's lock excludes
+    except OSError as e:
+        raise ValueError(f"output folder {folder}: its filesystem has no exclusive locks (flock: {e})") from None
+    else:
+        raise ValueError(
+            f"output folder {folder}: its filesystem granted two exclusive locks (flock) on one file at once; the "
+            "run-date lease rests on them. Write to a local disk or to an s3:// output"
+        )
+    finally:
+        os.close(first)
+        os.close(second)
+        path.unlink(missing_ok=True)
+
+
 # ------------------------------------------------------------------ model directories
 
 
@@ -412,10 +502,27 @@ def fingerprint(model_dir) -> str:
     return h.hexdigest()
 
 
-def upload_model_dir(local: str, uri: str, storage: Storage) -> None:
-    """Copies a model directory to s3:// with a sha256sums.json that `local_model_dir` verifies."""
-    files = sorted(p for p in Path(local).iterdir() if p.is_file())
+MODEL_SUMS = "sha256sums.json"  # beside an s3:// model's files: their sha256, written last (`upload_model_dir`)
+
+
+def model_files(local) -> list[Path]:
+    """The files of a model directory that travel with it: its regular top-level files but hidden ones."""
+    return sorted(p for p in Path(local).iterdir() if p.is_file() and not p.name.startswith("."))
+
+
+def upload_model_dir(local: str, uri: str, storage: Storage) -> dict:
+    """Copies a model directory's files (`model_files`) to an s3:// prefix, then its sha256sums.json (last: a prefix
+    without it is no model to `local_model_dir`), then reads every object back and checks it against its sha256
+    -> {file name: sha256}. A prefix that already holds another model is refused before anything is written (nodes
+    cache a model by its URI: a new version goes to a new prefix); the same model again is uploaded again."""
+    files = model_files(local)
     sums = {p.name: sha256_file(p) for p in files}
+    held = read_bytes(join(uri, MODEL_SUMS), storage)
+    if held is not None and json.loads(held) != sums:
+        raise ValueError(
+            f"{uri} already holds another model (its {MODEL_SUMS} differs); nodes keep a model by its URI, so "
+            "upload a new version to a new prefix"
+        )
     bucket, key = split_s3(uri)
     client = s3_client(storage)
     for p in files:
@@ -424,7 +531,33 @@ def upload_model_dir(local: str, uri: str, storage: Storage) -> None:
             storage,
             f"PUT {join(uri, p.name)}",
         )
-    write_bytes(join(uri, "sha256sums.json"), json.dumps(sums).encode(), storage)
+    write_bytes(join(uri, MODEL_SUMS), json.dumps(sums, indent=1).encode(), storage)
+    verify_model_upload(uri, sums, storage)
+    return sums
+
+
+def verify_model_upload(uri: str, sums: dict, storage: Storage) -> None:
+    """Reads an uploaded model back: its sha256sums.json must be `sums` and every file must hash to its sum."""
+    raw = read_bytes(join(uri, MODEL_SUMS), storage)
+    if raw is None or json.loads(raw) != sums:
+        raise ValueError(f"{join(uri, MODEL_SUMS)}: read back {'nothing' if raw is None else 'other sums'}")
+    for name, digest in sums.items():
+        got = sha256_object(join(uri, name), storage)
+        if got != digest:
+            raise ValueError(f"{join(uri, name)}: read back with sha256 {got}, uploaded {digest}")
+
+
+def sha256_object(uri: str, storage: Storage) -> str:
+    """The sha256 of an S3 object's bytes, streamed (read again whole while the store fails transiently)."""
+    bucket, key = split_s3(uri)
+
+    def get():
+        h = hashlib.sha256()
+        for chunk in s3_client(storage).get_object(Bucket=bucket, Key=key)["Body"].iter_chunks(1 << 20):
+            h.update(chunk)
+        return h.hexdigest()
+
+    return retrying(get, storage, f"GET {uri}")
 
 
 def local_model_dir(uri: str, cache_dir: str, storage: Storage) -> Path:
@@ -443,10 +576,11 @@ def local_model_dir(uri: str, cache_dir: str, storage: Storage) -> Path:
             return target
         bucket, key = split_s3(uri)
         client = s3_client(storage)
-        raw = read_bytes(join(uri, "sha256sums.json"), storage)
+        raw = read_bytes(join(uri, MODEL_SUMS), storage)
         if raw is None:
             raise FileNotFoundError(
-                f"model {uri}: no sha256sums.json (upload it with pipeline.storage.upload_model_dir)"
+                f"model {uri}: no {MODEL_SUMS}, so its files cannot be verified; upload the model folder with "
+                f"`genrec-batch upload-model LOCAL_DIR {uri} --catalog items.parquet`, which checks it and writes it"
             )
         sums = json.loads(raw)
         for name, digest in sums.items():

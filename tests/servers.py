@@ -403,6 +403,7 @@ class StoreProxy:
     def __init__(self, upstream: str):
         self.upstream = ("127.0.0.1", int(upstream.rsplit(":", 1)[1]))
         self.fault = None  # (method, target) -> a FAULTS name or None
+        self.rewrite = None  # (head, body) -> (head, body): every request rewritten before it is forwarded
         self.requests: list[tuple[str, str]] = []
         self.lock = threading.Lock()
         self.listener = socket.create_server(("127.0.0.1", 0))
@@ -458,6 +459,9 @@ class StoreProxy:
                             pass
                     _reset(client)
                     break
+                if self.rewrite:
+                    server.sendall(b"".join(self.rewrite(head, b"".join(reader.body(head)))))
+                    continue
                 server.sendall(head)
                 for chunk in reader.body(head):
                     server.sendall(chunk)
@@ -533,6 +537,39 @@ def _reset(sock: socket.socket) -> None:
     with contextlib.suppress(OSError):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         sock.close()
+
+
+def ignoring_conditions(server: S3Server):
+    """A StoreProxy `rewrite` that makes the store behind it one that ignores conditional writes: it drops the
+    If-None-Match and If-Match headers of every request and signs it again (SigV4 signs them) with the server's
+    credentials, the payload's hash as the client sent it."""
+    from botocore.auth import S3SigV4Auth
+    from botocore.awsrequest import AWSRequest
+    from botocore.credentials import Credentials
+
+    dropped = ("if-none-match", "if-match", "authorization", "x-amz-date")
+
+    class Resign(S3SigV4Auth):
+        def __init__(self, payload_hash: str):
+            super().__init__(Credentials(server.access_key, server.secret_key), "s3", server.region)
+            self.payload_hash = payload_hash
+
+        def payload(self, request):
+            return self.payload_hash
+
+    def rewrite(head: bytes, body: bytes) -> tuple[bytes, bytes]:
+        request_line, *lines = head.decode("latin-1").rstrip("\r\n").split("\r\n")
+        fields = [(k.strip(), v.strip()) for k, _, v in (line.partition(":") for line in lines)]
+        if not any(k.lower() in ("if-none-match", "if-match") for k, _ in fields):
+            return head, body
+        method, target, _ = request_line.split(" ", 2)
+        kept = {k: v for k, v in fields if k.lower() not in dropped}
+        request = AWSRequest(method=method, url=server.endpoint + target, headers=kept, data=body)
+        Resign(kept.get("x-amz-content-sha256") or kept["X-Amz-Content-SHA256"]).add_auth(request)
+        out = request_line + "\r\n" + "".join(f"{k}: {v}\r\n" for k, v in request.headers.items()) + "\r\n"
+        return out.encode("latin-1"), body
+
+    return rewrite
 
 
 @contextlib.contextmanager

@@ -1,0 +1,39 @@
+"""Show a published run: `genrec-batch show RUN [--json]`.
+
+RUN is an output root (its newest date's published run), `<output>/run_date=D` (that date's) or a run folder; local
+or s3:// (credentials from the environment). Prints the run's summary (date, id, status, mode, models, counts, time)
+and every file of its tables as the manifest lists them: what readers read (docs/output.md). `--json` prints the
+manifest instead. Exit 0; 2 when there is no published run there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from jobs.cli import storage_args
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m jobs.show", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("run", metavar="RUN", help="output root, run_date= folder or run folder (path or s3:// URI)")
+    p.add_argument("--json", action="store_true", help="print the run's manifest (JSON) instead of the summary")
+    storage_args(p)
+    args = p.parse_args(argv)
+    from pipeline.config import Storage
+    from pipeline.output import describe, open_run
+
+    try:
+        run = open_run(args.run, Storage(args.endpoint, args.region))
+    except (FileNotFoundError, ValueError, PermissionError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(run.manifest, indent=2) if args.json else describe(run))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
