@@ -30,8 +30,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--config",
         default=None,
-        help="YAML config file, a path or an s3:// URI (default: the embedded demo config, which reads data/beauty and models/demo-* "
-        "under the working directory: `make demo` makes them)",
+        help="YAML config file: a path or an s3:// URI (default: the embedded demo config, which reads data/beauty "
+        "and models/demo-* under the working directory: `make demo` makes them)",
     )
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. decoding.k=20")
     p.add_argument("--resume", metavar="RUN_ID|latest", help="continue a killed or failed run of the date")

@@ -3,18 +3,25 @@ and outputs all on s3://; wrong credentials fail clearly and leak no secret; `ra
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
+import torch
 
+from decoding.templates import TEMPLATE_FILE, PromptTemplate, write_template
+from jobs import nightly, show, upload_model
 from pipeline import runs
 from pipeline import storage as S
-from pipeline.config import load_config
-from tests.servers import ray_head, seaweedfs
+from pipeline.config import Storage, load_config
+from pipeline.output import open_run
+from tests.servers import ignoring_conditions, ray_head, seaweedfs, store_proxy
 from tests.test_nightly import direct_beam_search, make_world
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -325,3 +332,158 @@ def test_overlapping_runs_on_s3_publish_once(cluster, tmp_path):
     fs, path = S.filesystem(published, storage)
     assert pq.read_table(f"{path}/recommendations", filesystem=fs).num_rows == 100 * 5
     assert S.list_children(date, storage) == [published.rsplit("/", 1)[1]]  # the refused run wrote nothing
+
+
+# ------------------------------------------------------------------ from a laptop to a cluster: upload, check, read
+
+
+def keys(s3, prefix: str) -> list[str]:
+    """The bucket's keys under a prefix."""
+    got = s3.client().list_objects_v2(Bucket=s3.bucket, Prefix=prefix.rstrip("/") + "/")
+    return [o["Key"] for o in got.get("Contents", [])]
+
+
+def upload(world, s3, local, uri) -> int:
+    """`genrec-batch upload-model LOCAL URI --catalog items.parquet`, in this process."""
+    return upload_model.main(
+        [str(local), uri, "--catalog", str(world / "data" / "items.parquet"), "--endpoint", s3.endpoint]
+    )
+
+
+def test_upload_model_then_a_nightly_from_an_s3_config_publishes_and_reads_back(cluster, tmp_path, capsys):
+    """The path of a new deployment: the model uploaded with the command, the config read from s3://, the nightly
+    publishes from them; `show`, the reader API and the example read the manifest's files, never a stale shard."""
+    world, s3, head, root = cluster
+    storage = Storage(s3.endpoint)
+    local, uri, output = tmp_path / "model", s3.uri("models", "uploaded"), s3.uri("deployed")
+    shutil.copytree(world / "target", local)
+    assert upload(world, s3, local, uri) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["files"] == {p.name: S.sha256_file(p) for p in local.iterdir()} and summary["template"] == "codes"
+    assert json.loads(S.read_bytes(S.join(uri, "sha256sums.json"), storage)) == summary["files"]
+    assert sorted(keys(s3, "models/uploaded")) == sorted(
+        f"models/uploaded/{n}" for n in [*summary["files"], "sha256sums.json"]
+    )
+
+    config = write_config(tmp_path / "nightly.yaml", s3_config(s3, root, f"models.target={uri}", f"output={output}"))
+    S.write_bytes(s3.uri("configs", "nightly.yaml"), config.read_bytes(), storage)
+    with pytest.raises(ValueError, match="not found"):
+        load_config(s3.uri("configs", "missing.yaml"), [f"storage.endpoint={s3.endpoint}"])
+    env = {**os.environ, **head.env(), "RAY_ADDRESS": head.address, "AWS_ENDPOINT_URL": s3.endpoint}
+    run = subprocess.run(
+        [sys.executable, "-m", "jobs.nightly", "--config", s3.uri("configs", "nightly.yaml")],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+
+    published = open_run(output, storage)
+    assert published.manifest["models"]["target"] == {"uri": uri, "sha256": S.fingerprint(local)}
+    users = pq.read_table(world / "data" / "test.parquet").column("user_id").to_pylist()
+    shards = [S.read_parquet(f, storage) for f in published.files("recommendations")]
+    # a stale shard in the run's folder (a fenced driver's, for users the input does not have): a listing reads it
+    stale = shards[0].set_column(0, "user_id", pc.add(shards[0]["user_id"], 10**6))
+    S.write_parquet(stale, S.join(runs.table_dir(published.uri, "recommendations"), "0-stale.parquet"), storage)
+    fs, path = S.filesystem(published.uri, storage)
+    assert pq.read_table(f"{path}/recommendations", filesystem=fs).num_rows == 5 * len(users) + stale.num_rows
+
+    recs = open_run(output, storage).table("recommendations")
+    manifest_users = pa.concat_tables(shards)["user_id"].to_pylist()
+    assert sorted(recs["user_id"].to_pylist()) == sorted(manifest_users) and sorted(set(manifest_users)) == sorted(
+        users
+    )
+    assert recs.num_rows == 5 * len(users) and open_run(output, storage).table("metrics")["users_ok"].to_pylist()
+
+    assert show.main([output, "--endpoint", s3.endpoint]) == 0
+    shown = capsys.readouterr().out
+    assert published.run_id in shown and "0-stale" not in shown
+    assert all(f in shown for name in runs.TABLES for f in published.files(name))
+    example = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "read_output.py"), output],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert example.returncode == 0, example.stderr[-3000:]
+    assert f"users {len(users)}, recommendations {5 * len(users)}" in example.stdout
+
+    assert upload(world, s3, local, uri) == 0  # the same model again: uploaded again, verified
+    assert upload(world, s3, world / "draft", uri) == 2  # another model under the URI nodes cached this one by
+    assert "already holds another model" in capsys.readouterr().err
+    assert json.loads(S.read_bytes(S.join(uri, "sha256sums.json"), storage)) == summary["files"]
+
+
+def without(name):
+    return lambda local: (local / name).unlink()
+
+
+def tokenizer_removed(local):
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (local / name).unlink(missing_ok=True)
+
+
+REFUSED = {
+    "no template": (without(TEMPLATE_FILE), "genrec-batch template --model"),
+    "pickled weights": (
+        lambda local: torch.save({"w": torch.zeros(1)}, local / "pytorch_model.bin"),
+        "pytorch_model.bin",
+    ),
+    "no tokenizer": (tokenizer_removed, "a tokenizer"),
+    "no safetensors": (without("model.safetensors"), "*.safetensors weights"),
+    "a template that does not render": (
+        lambda local: write_template(local, PromptTemplate(code_token="<{level}-{code}>")),
+        "<a-",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_an_incomplete_model_folder_is_refused_before_any_upload(cluster, tmp_path, capsys, case):
+    world, s3, _, _ = cluster
+    spoil, named = REFUSED[case]
+    local = tmp_path / "model"
+    shutil.copytree(world / "target", local)
+    spoil(local)
+    prefix = f"models/refused-{case.replace(' ', '-')}"
+    assert upload(world, s3, local, s3.uri(prefix)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and named in err, err
+    assert keys(s3, prefix) == []  # nothing written
+
+
+def test_a_model_copied_without_its_checksums_names_upload_model(cluster, tmp_path):
+    """A folder copied with `aws s3 sync` has no sha256sums.json: the nightly's model loading names the command."""
+    world, s3, _, _ = cluster
+    fs = s3.filesystem()
+    for f in (world / "target").iterdir():
+        with fs.open_output_stream(f"{s3.bucket}/models/synced/{f.name}") as out:
+            out.write(f.read_bytes())
+    with pytest.raises(FileNotFoundError, match=r"no sha256sums\.json.*genrec-batch upload-model"):
+        S.local_model_dir(s3.uri("models", "synced"), str(tmp_path / "cache"), Storage(s3.endpoint))
+
+
+def test_a_store_that_ignores_conditional_writes_is_refused_before_the_lease(cluster, tmp_path, capsys):
+    """Behind a proxy that strips If-None-Match / If-Match (and signs the requests again), SeaweedFS acts as a store
+    that ignores conditional writes: the nightly exits 2 naming both capabilities, before its lease; the real store
+    passes the same check (and the nightly on it publishes: above), as does a local output; no scratch object stays."""
+    world, s3, _, root = cluster
+    output = s3.uri("ignoring")
+    with store_proxy(s3) as proxy:
+        proxy.rewrite = ignoring_conditions(s3)
+        extra = (f"output={output}", f"storage.endpoint={proxy.endpoint}")
+        config = write_config(tmp_path / "nightly.yaml", s3_config(s3, root, *extra))
+        assert nightly.main(["--config", str(config)]) == 2
+        requests = list(proxy.requests)
+    err = capsys.readouterr().err
+    assert "conditional create (If-None-Match: *): a second create of one key succeeded" in err, err
+    assert "conditional replace (If-Match: ETag): a replace of a version already replaced succeeded" in err
+    assert any("_STORE_CHECK" in target for _, target in requests)
+    assert not any("_LEASE" in target for _, target in requests) and keys(s3, "ignoring") == []
+    S.check_conditional_writes(output, Storage(s3.endpoint))
+    S.check_conditional_writes(str(tmp_path / "local"), Storage())
+    assert keys(s3, "ignoring") == [] and list((tmp_path / "local").iterdir()) == []
