@@ -24,10 +24,12 @@ def main(output: str) -> None:
     print(top3.head(6).to_string(index=False))
 
     # DuckDB: SQL over the same pyarrow datasets, scanned where they lie (local files or S3)
-    recommendations, rejects = run.dataset("recommendations"), run.dataset("rejects")
-    ((users, rows),) = duckdb.sql("SELECT count(DISTINCT user_id), count(*) FROM recommendations").fetchall()
+    db = duckdb.connect()
+    for name in ("recommendations", "rejects"):
+        db.register(name, run.dataset(name))
+    ((users, rows),) = db.sql("SELECT count(DISTINCT user_id), count(*) FROM recommendations").fetchall()
     print(f"users {users}, recommendations {rows}")
-    for reason, n in duckdb.sql("SELECT reason, count(*) FROM rejects GROUP BY reason ORDER BY reason").fetchall():
+    for reason, n in db.sql("SELECT reason, count(*) FROM rejects GROUP BY reason ORDER BY reason").fetchall():
         print(f"rejected {n}: {reason}")
 
 

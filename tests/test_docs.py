@@ -175,3 +175,44 @@ def test_the_installed_command_runs():
     argv = [str(script)] if script.exists() else [sys.executable, "-m", "jobs.main"]
     done = subprocess.run([*argv, "--version"], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0 and done.stdout.startswith("genrec-batch "), done.stderr
+
+
+def doc_section(text: str, heading: str) -> str:
+    """A page's text under `### heading`, up to the next heading."""
+    return re.split(r"\n##+ ", text.split(f"\n### {heading}\n", 1)[1], maxsplit=1)[0]
+
+
+def first_table(section: str) -> dict[str, str]:
+    """The first Markdown table of a section -> {first cell (a `name`): second cell}."""
+    rows = re.search(r"(?m)^\|.*(?:\n\|.*)*", section).group(0)
+    return dict(re.findall(r"^\| `(\w+)` \| ([^|]+?) \|", rows, re.M))
+
+
+ARROW_FLOATS = {"float": "float32", "double": "float64"}  # pyarrow's names -> the docs' (numpy's)
+
+
+def test_the_output_reference_documents_every_column_and_reject_reason():
+    """docs/output.md lists every column of every published table, in the schema's order and with its type, and every
+    reject reason."""
+    import pyarrow as pa
+
+    from operators import validate
+    from operators.recommender import table_schema
+    from pipeline.shards import DUPLICATE, METRIC_SCHEMA
+
+    text = (ROOT / "docs" / "output.md").read_text()
+    tables = {
+        "recommendations": table_schema("rec", pa.int64()),
+        "rejects": table_schema("reject", pa.int64()),
+        "metrics": METRIC_SCHEMA,
+    }
+    for name, schema in tables.items():
+        documented = first_table(doc_section(text, name))
+        assert list(documented) == schema.names, name
+        for field in schema:
+            arrow = re.sub(r"\b(float|double)\b", lambda m: ARROW_FLOATS[m[1]], str(field.type).replace("item: ", ""))
+            want = "int64 or string" if field.name == "user_id" else arrow
+            assert documented[field.name].replace("\\", "") == want, (name, field.name)
+    rejects = doc_section(text, "rejects")
+    reasons = re.findall(r"^    (\w+) +\S", validate.__doc__, re.M) + [DUPLICATE[0], "non_finite_logits"]
+    assert reasons[0] == "missing_user_id" and all(f"| `{r}` |" in rejects for r in reasons)

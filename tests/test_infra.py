@@ -298,6 +298,22 @@ def test_rayjob_name_is_fixed_per_run_date_and_its_cluster_goes_away_in_minutes(
         assert "generateName" not in yaml.safe_dump_all(yaml_docs(path)), path
 
 
+def test_the_nightly_reads_its_config_from_a_configmap_mounted_where_the_driver_runs():
+    """The entrypoint's --config is a file of the ConfigMap genrec-nightly-config, mounted read-only on the head pod
+    (a RayJob's driver runs there), and every manifest that creates the RayJob says how to make the ConfigMap."""
+    (rayjob,) = yaml_docs(INFRA / "kuberay" / "rayjob-nightly.yaml")
+    config = re.search(r"--config (\S+)", rayjob["spec"]["entrypoint"]).group(1)
+    folder, name = config.rsplit("/", 1)
+    head = rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    (mount,) = [m for c in head["containers"] for m in c.get("volumeMounts", []) if m["mountPath"] == folder]
+    (volume,) = [v for v in head["volumes"] if v["name"] == mount["name"]]
+    assert mount.get("readOnly") is True and volume["configMap"]["name"] == "genrec-nightly-config"
+    assert "infra/configs" not in rayjob["spec"]["entrypoint"]  # the image keeps only the examples
+    made = f"kubectl create configmap genrec-nightly-config --from-file={name}="
+    for path in MANIFESTS:
+        assert made in path.read_text(), path
+
+
 def test_raycronjob_runs_the_rayjob_spec_with_the_date_from_the_driver():
     (rayjob,) = yaml_docs(INFRA / "kuberay" / "rayjob-nightly.yaml")
     (cron,) = yaml_docs(INFRA / "kuberay" / "raycronjob-nightly.yaml")
