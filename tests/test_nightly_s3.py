@@ -370,8 +370,6 @@ def test_upload_model_then_a_nightly_from_an_s3_config_publishes_and_reads_back(
     with pytest.raises(ValueError, match="not found"):
         load_config(s3.uri("configs", "missing.yaml"), [f"storage.endpoint={s3.endpoint}"])
     env = {**os.environ, **head.env(), "RAY_ADDRESS": head.address, "AWS_ENDPOINT_URL": s3.endpoint}
-    T0 = time.time()
-    print("T before nightly", flush=True)
     run = subprocess.run(
         [sys.executable, "-m", "jobs.nightly", "--config", s3.uri("configs", "nightly.yaml")],
         env=env,
@@ -382,8 +380,6 @@ def test_upload_model_then_a_nightly_from_an_s3_config_publishes_and_reads_back(
     )
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
 
-    print("T nightly", time.time() - T0, flush=True)
-    T0 = time.time()
     published = open_run(output, storage)
     assert published.manifest["models"]["target"] == {"uri": uri, "sha256": S.fingerprint(local)}
     users = pq.read_table(world / "data" / "test.parquet").column("user_id").to_pylist()
@@ -405,8 +401,6 @@ def test_upload_model_then_a_nightly_from_an_s3_config_publishes_and_reads_back(
     shown = capsys.readouterr().out
     assert published.run_id in shown and "0-stale" not in shown
     assert all(f in shown for name in runs.TABLES for f in published.files(name))
-    print("T reads+show", time.time() - T0, flush=True)
-    T0 = time.time()
     example = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "read_output.py"), output],
         env=env,
@@ -418,8 +412,6 @@ def test_upload_model_then_a_nightly_from_an_s3_config_publishes_and_reads_back(
     assert example.returncode == 0, example.stderr[-3000:]
     assert f"users {len(users)}, recommendations {5 * len(users)}" in example.stdout
 
-    print("T example", time.time() - T0, flush=True)
-    T0 = time.time()
     assert upload(world, s3, local, uri) == 0  # the same model again: uploaded again, verified
     assert upload(world, s3, world / "draft", uri) == 2  # another model under the URI nodes cached this one by
     assert "already holds another model" in capsys.readouterr().err
