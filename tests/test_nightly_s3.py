@@ -365,7 +365,15 @@ def test_upload_model_then_a_nightly_from_an_s3_config_publishes_and_reads_back(
         f"models/uploaded/{n}" for n in [*summary["files"], "sha256sums.json"]
     )
 
-    config = write_config(tmp_path / "nightly.yaml", s3_config(s3, root, f"models.target={uri}", f"output={output}"))
+    few = pq.read_table(world / "data" / "test.parquet").slice(0, 30)  # a few dozen users
+    S.write_parquet(few, s3.uri("data", "few.parquet"), storage)
+    items = (
+        f"models.target={uri}",
+        f"output={output}",
+        f"input={s3.uri('data', 'few.parquet')}",
+        "compute.batch_size=8",
+    )
+    config = write_config(tmp_path / "nightly.yaml", s3_config(s3, root, *items))
     S.write_bytes(s3.uri("configs", "nightly.yaml"), config.read_bytes(), storage)
     with pytest.raises(ValueError, match="not found"):
         load_config(s3.uri("configs", "missing.yaml"), [f"storage.endpoint={s3.endpoint}"])
@@ -382,7 +390,7 @@ def test_upload_model_then_a_nightly_from_an_s3_config_publishes_and_reads_back(
 
     published = open_run(output, storage)
     assert published.manifest["models"]["target"] == {"uri": uri, "sha256": S.fingerprint(local)}
-    users = pq.read_table(world / "data" / "test.parquet").column("user_id").to_pylist()
+    users = few.column("user_id").to_pylist()
     shards = [S.read_parquet(f, storage) for f in published.files("recommendations")]
     # a stale shard in the run's folder (a fenced driver's, for users the input does not have): a listing reads it
     stale = shards[0].set_column(0, "user_id", pc.add(shards[0]["user_id"], 10**6))
@@ -390,6 +398,7 @@ def test_upload_model_then_a_nightly_from_an_s3_config_publishes_and_reads_back(
     fs, path = S.filesystem(published.uri, storage)
     assert pq.read_table(f"{path}/recommendations", filesystem=fs).num_rows == 5 * len(users) + stale.num_rows
 
+    assert len(shards) == 4  # 30 users in shards of 8
     recs = open_run(output, storage).table("recommendations")
     manifest_users = pa.concat_tables(shards)["user_id"].to_pylist()
     assert sorted(recs["user_id"].to_pylist()) == sorted(manifest_users) and sorted(set(manifest_users)) == sorted(
@@ -467,10 +476,11 @@ def test_a_model_copied_without_its_checksums_names_upload_model(cluster, tmp_pa
         S.local_model_dir(s3.uri("models", "synced"), str(tmp_path / "cache"), Storage(s3.endpoint))
 
 
-def test_a_store_that_ignores_conditional_writes_is_refused_before_the_lease(cluster, tmp_path, capsys):
+def test_a_store_that_ignores_conditional_writes_is_refused_before_the_lease(cluster, tmp_path, capsys, monkeypatch):
     """Behind a proxy that strips If-None-Match / If-Match (and signs the requests again), SeaweedFS acts as a store
     that ignores conditional writes: the nightly exits 2 naming both capabilities, before its lease; the real store
-    passes the same check (and the nightly on it publishes: above), as does a local output; no scratch object stays."""
+    passes the same check (and the nightly on it publishes: above), as does a local output, unless its filesystem's
+    locks do not exclude; no scratch object stays."""
     world, s3, _, root = cluster
     output = s3.uri("ignoring")
     with store_proxy(s3) as proxy:
@@ -487,3 +497,6 @@ def test_a_store_that_ignores_conditional_writes_is_refused_before_the_lease(clu
     S.check_conditional_writes(output, Storage(s3.endpoint))
     S.check_conditional_writes(str(tmp_path / "local"), Storage())
     assert keys(s3, "ignoring") == [] and list((tmp_path / "local").iterdir()) == []
+    monkeypatch.setattr(S.fcntl, "flock", lambda fd, op: None)  # a filesystem whose locks do not exclude
+    with pytest.raises(ValueError, match="granted two exclusive locks"):
+        S.check_conditional_writes(str(tmp_path / "shared"), Storage())
