@@ -15,14 +15,18 @@ import sys
 from jobs.cli import storage_args
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m jobs.show", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("run", metavar="RUN", help="output root, run_date= folder or run folder (path or s3:// URI)")
     p.add_argument("--json", action="store_true", help="print the run's manifest (JSON) instead of the summary")
     storage_args(p)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     from pipeline.config import Storage
     from pipeline.output import describe, open_run
 

@@ -18,7 +18,7 @@ import sys
 from jobs.cli import storage_args
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m jobs.upload_model", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -30,7 +30,11 @@ def main(argv=None) -> int:
         "--catalog", required=True, help="items.parquet the nightly reads (path or s3:// URI): the template's check"
     )
     storage_args(p)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     from pipeline.config import Storage
     from pipeline.models import upload_model
     from pipeline.storage import StoreUnavailable
