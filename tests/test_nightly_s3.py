@@ -499,4 +499,4 @@ def test_a_store_that_ignores_conditional_writes_is_refused_before_the_lease(clu
     assert keys(s3, "ignoring") == [] and list((tmp_path / "local").iterdir()) == []
     monkeypatch.setattr(S.fcntl, "flock", lambda fd, op: None)  # a filesystem whose locks do not exclude
     with pytest.raises(ValueError, match="granted two exclusive locks"):
-        S.check_conditional_writes(str(tmp_path / "shared"), Storage())
+        S.check_conditional_writes(str(tmp_path / "nolocks"), Storage())
