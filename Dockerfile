@@ -21,7 +21,8 @@ WORKDIR /app
 COPY --chown=ray:users constraints.txt /app/constraints.txt
 RUN pip install --no-cache-dir -c constraints.txt torch
 
-# Then the project (non-editable). /app keeps the sources and infra/configs, so `python -m jobs.nightly --config
-# infra/configs/production.example.yaml` works from WORKDIR, as the RayJob entrypoint runs it.
+# Then the project (non-editable). /app keeps the sources and the example configs (infra/configs/); the nightly's own
+# config is not baked in: the RayJob reads it from a ConfigMap mounted at /etc/genrec (or from s3://), so changing it
+# needs no rebuild (docs/nightly.md, "Where the config lives").
 COPY --chown=ray:users . /app
 RUN pip install --no-cache-dir -c constraints.txt . && python -m jobs.nightly --help > /dev/null
