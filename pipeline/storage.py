@@ -404,11 +404,14 @@ def check_conditional_writes(output: str, storage: Storage) -> None:
     """Verifies that the output store honours what the run-date lease and _LATEST rest on, on a scratch object under
     `output` (deleted after): on S3 conditional create (`If-None-Match: *`: a second create of a key fails) and
     conditional replace (`If-Match: ETag`: a replace of the current version succeeds, of a replaced one fails);
-    locally, where the lease is an exclusive flock, that the folder's filesystem grants one such lock at a time.
+    locally, where the lease is an exclusive flock and a create-if-absent a hard link, that the folder's filesystem
+    grants one such lock at a time and refuses a link over an existing name.
     A store that does not -> ValueError naming the capability it lacks."""
     name = f"{STORE_CHECK}-{uuid.uuid4().hex[:12]}"
     if not is_s3(output):
-        return _check_flock(Path(output).expanduser(), name)
+        Path(output).expanduser().mkdir(parents=True, exist_ok=True)
+        _check_flock(Path(output).expanduser(), name)
+        return _check_link(Path(output).expanduser(), name)
     uri = join(output, name)
     try:
         gaps = _conditional_gaps(uri, storage)
@@ -457,7 +460,6 @@ def _put(uri: str, data: bytes, storage: Storage, etag: str | None) -> str | Non
 
 def _check_flock(folder: Path, name: str) -> None:
     """Two descriptors of one scratch file: the second exclusive flock must be refused while the first holds."""
-    folder.mkdir(parents=True, exist_ok=True)
     path = folder / name
     first = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     second = os.open(path, os.O_RDWR)
@@ -477,6 +479,23 @@ def _check_flock(folder: Path, name: str) -> None:
         os.close(first)
         os.close(second)
         path.unlink(missing_ok=True)
+
+
+def _check_link(folder: Path, name: str) -> None:
+    """A hard link onto a name that exists must fail: how a local create-if-absent is done (`runs.EngineRecord`)."""
+    path, link = folder / name, folder / f"{name}.link"
+    path.write_bytes(b"")
+    try:
+        os.link(path, link)
+        os.link(path, link)
+    except FileExistsError:
+        return  # refused: a create-if-absent excludes
+    except OSError as e:
+        raise ValueError(f"output folder {folder}: its filesystem has no hard links ({e})") from None
+    finally:
+        path.unlink(missing_ok=True)
+        link.unlink(missing_ok=True)
+    raise ValueError(f"output folder {folder}: its filesystem let a hard link replace an existing name")
 
 
 # ------------------------------------------------------------------ model directories

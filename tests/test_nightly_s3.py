@@ -479,8 +479,8 @@ def test_a_model_copied_without_its_checksums_names_upload_model(cluster, tmp_pa
 def test_a_store_that_ignores_conditional_writes_is_refused_before_the_lease(cluster, tmp_path, capsys, monkeypatch):
     """Behind a proxy that strips If-None-Match / If-Match (and signs the requests again), SeaweedFS acts as a store
     that ignores conditional writes: the nightly exits 2 naming both capabilities, before its lease; the real store
-    passes the same check (and the nightly on it publishes: above), as does a local output, unless its filesystem's
-    locks do not exclude; no scratch object stays."""
+    passes the same check (and the nightly on it publishes: above), as does a local output, unless its filesystem has
+    no hard links or its locks do not exclude; no scratch object stays."""
     world, s3, _, root = cluster
     output = s3.uri("ignoring")
     with store_proxy(s3) as proxy:
@@ -497,6 +497,14 @@ def test_a_store_that_ignores_conditional_writes_is_refused_before_the_lease(clu
     S.check_conditional_writes(output, Storage(s3.endpoint))
     S.check_conditional_writes(str(tmp_path / "local"), Storage())
     assert keys(s3, "ignoring") == [] and list((tmp_path / "local").iterdir()) == []
+
+    def no_links(src, dst):
+        raise PermissionError(1, "Operation not permitted")
+
+    with monkeypatch.context() as m:
+        m.setattr(S.os, "link", no_links)
+        with pytest.raises(ValueError, match="has no hard links"):  # a filesystem without them (the local create)
+            S.check_conditional_writes(str(tmp_path / "nolinks"), Storage())
     monkeypatch.setattr(S.fcntl, "flock", lambda fd, op: None)  # a filesystem whose locks do not exclude
     with pytest.raises(ValueError, match="granted two exclusive locks"):
         S.check_conditional_writes(str(tmp_path / "nolocks"), Storage())
