@@ -411,7 +411,7 @@ def test_upload_model_then_a_nightly_from_an_s3_config_publishes_and_reads_back(
     assert published.run_id in shown and "0-stale" not in shown
     assert all(f in shown for name in runs.TABLES for f in published.files(name))
     example = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "read_output.py"), output],
+        [sys.executable, str(ROOT / "docs" / "examples" / "read_output.py"), output],
         env=env,
         cwd=tmp_path,
         capture_output=True,

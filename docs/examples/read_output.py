@@ -1,6 +1,6 @@
 """Read the newest published run of a nightly's output with pandas and with DuckDB:
 
-    python examples/read_output.py OUTPUT      # OUTPUT: the config's `output`, a path or an s3:// URI
+    python docs/examples/read_output.py OUTPUT      # OUTPUT: the config's `output`, a path or an s3:// URI
 
 `open_run` resolves the output to its newest published run and builds each table from the files its manifest lists
 (never a listing of the run's folders); s3:// uses the credentials, AWS_ENDPOINT_URL and AWS_REGION of the
