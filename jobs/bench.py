@@ -60,7 +60,8 @@ def parser() -> argparse.ArgumentParser:
             name, help=section.help, description=section.help, formatter_class=argparse.ArgumentDefaultsHelpFormatter
         )
         names = {f.name for f in fields(cls)}
-        values = {**P.field_defaults(cls), **{k: v for k, v in PATHS.items() if k in names}}
+        paths = {k: v for k, v in PATHS.items() if k in names and (name, k) != ("gpu", "target")}  # gpu: random
+        values = {**P.field_defaults(cls), **paths}
         special = {"dtype", "attn", "seed", "drafts", "overrides", *P.LISTS} & names
         dataclass_args(s, cls, skip=special, zero_ok=("trie_max_items",), helps=P.FLAG_HELP, defaults=values)
         for field_name in [f.name for f in fields(cls) if f.name in special and f.name in P.CHOICES]:  # in order
@@ -107,6 +108,9 @@ def main(argv=None) -> int:
     except FileNotFoundError as e:  # missing data or models: the message says how to make them
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if getattr(params, "plan", False):  # bench gpu --plan: expected seconds, nothing measured or written
+        print(md)
+        return 0
     from pipeline.bench.common import write_result
 
     write_result(Path(args.out), args.bench, result, md)

@@ -27,6 +27,7 @@ import torch
 from tqdm import tqdm
 
 from decoding.models import pick_device, pick_dtype
+from pipeline.bench.budget import write_atomic
 
 # ------------------------------------------------------------------ the harness
 
@@ -319,9 +320,9 @@ def footer(env: dict) -> str:
     )
 
 
-def write_result(out: Path, name: str, result: dict, md: str) -> None:
-    """OUT/NAME.json and OUT/NAME.md, and the Markdown on stdout."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(result, indent=2, default=str))
-    (out / f"{name}.md").write_text(md + "\n")
-    print(md)
+def write_result(out: Path, name: str, result: dict, md: str, echo: bool = True) -> None:
+    """OUT/NAME.json and OUT/NAME.md, each replaced whole, and (echo) the Markdown on stdout."""
+    write_atomic(out / f"{name}.json", json.dumps(result, indent=2, default=str))
+    write_atomic(out / f"{name}.md", md + "\n")
+    if echo:
+        print(md)

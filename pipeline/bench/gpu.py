@@ -1,39 +1,42 @@
-"""gpu: the engine's checks and benchmarks on one CUDA device, in one process and one report (at most about 10 minutes
-on an H100 for the default sections; `--device cpu --smoke` runs every section at smoke sizes, which the tests check).
+"""gpu: the engine's checks and benchmarks on one CUDA device, in one process and one report, as a list of cells run
+in order of value under a time budget (pipeline/bench/budget.py: `--budget-s`, the report rewritten after every
+cell). `infra/gpu/bench.sh` is the one command for a GPU machine; `--device cpu --smoke` runs every cell at smoke
+sizes (the compiled engine's code there with torch.compile's stance "force_eager": its compile is the GPU's to time).
 
-matmul       the device's dense matrix-product rate in the benchmark dtype, measured first: every cell's useful-FLOP
-             fraction is of this rate
-parity       float32: beam_search against transformers beam search must give every user the same list (up to exact
-             float32 ties); bfloat16 and float16: the same against transformers in float32 on the same weights (the
-             exact ranking) and strict speculative decoding (and, with --engines compiled, the compiled engine)
-             against beam_search in that dtype, for every user clear of a near-tie at the k-th place
-             (stats["tie_gap"] >= TIE), with the largest score difference of the items both lists hold
-shapes       beam_search vs transformers at vocabulary 32k / 152k x prompt 300 / 1000 x K 20 / 50, a random Llama,
-             bfloat16; beam_search at the largest batch that fits (decoding/memory.py), transformers at --batch halved
-             until it fits; a method that does not fit at batch 1 is recorded as "out of memory"
-anchor       NVIDIA recsys-examples SID-GR's published shape (Qwen3-1.7B, context 1000, beam 256, 3 code tokens): ms per
-             batch of 8 and per user at batch 1 beside NVIDIA's 93.2 ms and 17.6 ms (H100), and users/s at the
-             largest batch that fits
-auto         the nightly's actor with compute.engine auto on the device (the Recommender the nightly's Ray actors
-             run, called in this process) over 4,096 test users of --data in batches of 256, K 10: a random model
-             of the demo architecture (or --target): its choice, each engine's trial users/s, the compile seconds,
-             the parity evidence, then users/s with the engine it kept
-disc, speculative (with --sections): DISC rounds 1..4 against constrained sampling and beam_search; the AtSpeed
-             Table 1 layout with --target and --drafts
---engines eager compiled: the shapes and the anchor run beam_search's compiled engine (decoding/compiled.py: CUDA
-             graphs for the tree step) beside the eager one: users/s, FLOP fractions, its compile seconds and graphs
-             (compiled during the warm-up batch, before the timed runs), and its agreement with the eager engine
+1 matmul     the device's dense matrix-product rate in the benchmark dtype: every cell's useful-FLOP fraction is of it
+2 anchor     NVIDIA recsys-examples SID-GR's published shape (Qwen3-1.7B, context 1000, beam 256, 3 code tokens) at
+             batch 8, the eager engine then (--engines compiled) the compiled one beside it, ms per batch beside
+             NVIDIA's 93.2 ms (H100); 3 the same at batch 1 (NVIDIA: 17.6 ms)
+4 qwen       Qwen2.5-0.5B's shape (vocabulary 151,936, prompt 300, K 20, Beauty's catalog after the text vocabulary)
+             at the largest batch that fits, both engines
+5 auto       the nightly's actor with compute.engine auto on the device (the Recommender the nightly's Ray actors run,
+             called in this process; no Ray) over 4,096 test users in batches of 256, K 10: its choice, each engine's
+             trial users/s, the compile seconds, the parity evidence, then users/s with the engine it kept
+6 parity     float32: beam_search against transformers beam search must give every user the same list (up to exact
+             float32 ties); bfloat16 and float16: the same against transformers in float32 on the same weights and
+             strict speculative decoding (and the compiled engine) against beam_search in that dtype, for every
+             user clear of a near-tie at the k-th place (stats["tie_gap"] >= TIE)
+7 shapes     beam_search vs transformers at vocabulary 32k / 152k x prompt 300 / 1000 x K 20 / 50 (a random Llama,
+             bfloat16): beam_search at the largest batch that fits (decoding/memory.py), transformers at --batch
+             halved until it fits; a method that does not fit at batch 1 is recorded as "out of memory"
+8 anchor     SID-GR's shape at the largest batch that fits, both engines (users/s)
+  disc, speculative (with --sections): DISC rounds 1..4; the AtSpeed Table 1 layout with --target and --drafts
 
-Models are built once per cell and freed before the next. Useful FLOPs per user (the roofline): 2 x the body's
-parameters x (prompt + K(L-1)) tokens, plus 2 x hidden x vocabulary x (1 + K(L-1)) head rows (exact scores need each
-row's full normaliser); attention's own products are not counted.
+A compiled cell times both engines on the eager cell's model, interleaved (its compile in the warm-up batch, before
+the timed runs); it runs only when its expected seconds (its compile estimated from the last compile of this run,
+scaled by the layers, else from COLD_COMPILE_S; plus its eager cell's seconds) fit in what is left of the budget.
+
+Useful FLOPs per user (the roofline): 2 x the body's parameters x (prompt + K(L-1)) tokens, plus 2 x hidden x vocabulary
+x (1 + K(L-1)) head rows (exact scores need each row's full normaliser); attention's own products are not counted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import json
+import os
 import re
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -52,6 +55,7 @@ from decoding.models import pick_device, tiny_model
 from decoding.reference import cpu_trie, generate_beam_search
 from decoding.speculative import speculative_beam_search
 from pipeline.bench import disc, shapes, speculative
+from pipeline.bench.budget import Cell, run_cells, write_atomic
 from pipeline.bench.common import (
     Interleaved,
     Timing,
@@ -62,11 +66,11 @@ from pipeline.bench.common import (
     footer,
     hardware,
     interleaved,
-    progress,
     ratio,
     spread,
     synchronize,
     versions,
+    write_result,
 )
 from pipeline.bench.decode import synthetic_token_catalog
 from pipeline.bench.inputs import in_batches, llama, random_prompts, ranked
@@ -87,8 +91,16 @@ QWEN3_1_7B = dict(
     max_position_embeddings=40960,
     rope_theta=1_000_000.0,
 )
-
-QWEN3_SMOKE = dict(  # the anchor at smoke sizes
+QWEN2_5_0_5B = dict(
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    max_position_embeddings=32768,
+    rope_theta=1_000_000.0,
+)
+SMOKE_MODEL = dict(  # the anchor and the Qwen2.5 cell at smoke sizes
     hidden_size=64,
     intermediate_size=192,
     num_hidden_layers=2,
@@ -98,13 +110,16 @@ QWEN3_SMOKE = dict(  # the anchor at smoke sizes
     max_position_embeddings=512,
 )
 DTYPES = ("float32", "bfloat16", "float16")  # parity's
+# A cold compile of one bucket's two graphs (random Qwen3, hidden 128, prompt 40, K 8, batch 8, a fresh inductor
+# cache) on a 2-core CPU, by layers: what a compiled cell is expected to cost before this run has compiled anything
+COLD_COMPILE_S = ((2, 22.7), (8, 41.3), (28, 220.9))
 
 
 @dataclass
-class Cell:
-    """One shape: a random `arch` model of `model` (tiny_model overrides) over `vocab` tokens, `users` prompts of
-    `prompt` tokens, top-`k` over a catalog of `code_len`-token semantic IDs (Beauty's 4-level catalog after the text
-    vocabulary, or `items` random ones of 256 codes per level)."""
+class Shape:
+    """One decoding shape: a random `arch` model of `model` (tiny_model overrides) over `vocab` tokens, `users`
+    prompts of `prompt` tokens (0: two of beam_search's largest batches), top-`k` over a catalog of `code_len`-token
+    semantic IDs (Beauty's 4-level catalog after the text vocabulary, or `items` random ones of 256 codes per level)."""
 
     name: str
     vocab: int
@@ -118,39 +133,154 @@ class Cell:
     batches: dict = field(default_factory=dict)  # method -> batch (None: beam_search's largest that fits)
     reference_users: int | None = None  # users given to transformers (its users/s is per user all the same)
 
+    @property
+    def layers(self) -> int:
+        return self.model["num_hidden_layers"]
+
+
+@dataclass
+class Bench:
+    """What the cells of one run share: the parameters, device, dtype and data, the matmul rate once measured, the
+    compiles measured so far ((layers, seconds) each), and the model kept for the cells of one shape."""
+
+    p: GpuParams
+    device: torch.device
+    dtype: torch.dtype
+    data: Path
+    rate: float | None = None
+    compiles: list = field(default_factory=list)
+    kept: tuple | None = None  # (shape key, model, catalog)
+    eager_s: dict = field(default_factory=dict)  # shape name -> seconds of its eager cell
+
+    def model_for(self, shape: Shape) -> tuple:
+        """The shape's random model and catalog on the device: the kept ones when the last shape had the same
+        model and catalog (the compiled cell after its eager cell), else built (the kept ones freed first)."""
+        key = (shape.arch, shape.vocab, tuple(sorted(shape.model.items())), shape.items, shape.code_len)
+        if self.kept and self.kept[0] == key:
+            return self.kept[1:]
+        self.release()
+        with torch.device(self.device):  # initialised where it runs
+            model = tiny_model(shape.arch, shape.vocab, seed=self.p.seed, dtype=self.dtype, **shape.model)
+        model = model.to(self.device)
+        if shape.items:
+            catalog = synthetic_token_catalog(shape.items, shape.code_len, 256, self.p.seed, self.device, shape.vocab)
+        else:
+            catalog = shapes.catalog_after_text(str(self.data / "items.parquet"), shape.vocab, self.device)
+        self.kept = (key, model, catalog)
+        return model, catalog
+
+    def release(self) -> None:
+        self.kept = None
+        free(self.device)
+
 
 def run_gpu(p: GpuParams, command: str) -> tuple[dict, str]:
+    """Every cell of `p` in order under p.budget_s, the report (p.out/gpu.{json,md}, and the dated page in p.page)
+    rewritten after each -> (result, Markdown)."""
+    if p.plan:
+        from pipeline.bench.gpu_plan import plan_result
+
+        return plan_result(p, command)
     device = gpu_device(p)
-    t0, half = time.perf_counter(), torch.float32 if p.smoke else torch.bfloat16
+    b = Bench(p, device, torch.float32 if p.smoke else torch.bfloat16, prepared(Path(p.data)))
     result = {
         "args": asdict(p),
         "environment": environment(p.device, command),
         "hardware": hardware(device, "auto"),
         "versions": versions(),
-        "dtype": str(half).removeprefix("torch."),
-        "matmul": matmul_rate(device, half, 256 if p.smoke else 8192),
+        "dtype": str(b.dtype).removeprefix("torch."),
+        "budget_s": p.budget_s,
     }
-    rate, md = result["matmul"]["flops_per_s"], {}
-    compiled = ("beam_search_compiled",) if "compiled" in p.engines else ()
-    if "parity" in p.sections:
-        result["parity"] = [freed(device, parity(p, dtype, device)) for dtype in DTYPES]
-    if "shapes" in p.sections:
-        result["shapes"] = [
-            freed(device, measure_cell(c, p, device, half, rate, ("beam_search", "transformers") + compiled))
-            for c in progress(shape_cells(p), "gpu: shapes", leave=True)
-        ]
-    if "anchor" in p.sections:
-        result["anchor"] = anchor(p, device, half, rate, ("beam_search",) + compiled)
-    if "auto" in p.sections:
-        result["auto"] = freed(device, engine_auto(p, device))
-    if "disc" in p.sections:
-        section, md["disc"] = disc.run_disc(disc_params(p, result["dtype"]), command)
-        result["disc"] = section["disc"]
-    if "speculative" in p.sections and p.target and p.drafts:
-        section, md["speculative"] = speculative.run_speculative(speculative_params(p, result["dtype"]), command)
-        result["speculative"] = section["speculative"]
-    result["seconds"] = time.perf_counter() - t0
-    return result, markdown_gpu(result, md)
+    t0 = time.perf_counter()
+
+    def write(rows: list[dict]) -> None:
+        result.update(cells=rows, seconds=time.perf_counter() - t0)
+        md = markdown_gpu(result)
+        write_result(Path(p.out), "gpu", result, md, echo=False)
+        if p.page:
+            write_page(Path(p.page), result, md)
+
+    with smoke_stance(p, device):
+        run_cells(gpu_cells(b, command), p.budget_s, write, after=partial(free, device))
+    return result, markdown_gpu(result)
+
+
+def gpu_cells(b: Bench, command: str) -> list[Cell]:
+    """The run's cells in order of value (the module's docstring), those of p.sections."""
+    p, sections = b.p, set(b.p.sections)
+    cells = [Cell("matmul", "matmul", partial(matmul_cell, b))]
+    if "anchor" in sections:
+        cells += engine_cells(b, sid_gr(p, 8), "anchor") + engine_cells(b, sid_gr(p, 1), "anchor")
+    if "qwen" in sections:
+        cells += engine_cells(b, qwen(p), "qwen")
+    if "auto" in sections:
+        cells.append(Cell("engine auto", "auto", partial(engine_auto, b), partial(compile_estimate, b, 2)))
+    if "parity" in sections:
+        cost = partial(compile_estimate, b, p.layers) if "compiled" in p.engines else None
+        cells += [Cell(f"parity {d}", "parity", partial(parity, b, d), cost) for d in DTYPES]
+    if "shapes" in sections:
+        cells += [Cell(s.name, "shapes", partial(measure, b, s, ("beam_search", "transformers"))) for s in grid(p)]
+    if "anchor" in sections:
+        cells += engine_cells(b, sid_gr(p, None), "anchor")
+    if "disc" in sections:
+        cells.append(Cell("disc", "disc", partial(disc_cell, b, command)))
+    if "speculative" in sections and p.target and p.drafts:
+        cells.append(Cell("speculative", "speculative", partial(speculative_cell, b, command)))
+    return cells
+
+
+def engine_cells(b: Bench, shape: Shape, kind: str) -> list[Cell]:
+    """The eager engine on `shape`; then, with --engines compiled, both engines on the same model, interleaved."""
+    eager = Cell(f"{shape.name}, eager", kind, partial(measure, b, shape, ("beam_search",)))
+    if "compiled" not in b.p.engines:
+        return [eager]
+    both = ("beam_search", "beam_search_compiled")
+    return [
+        eager,
+        Cell(f"{shape.name}, compiled", kind, partial(measure, b, shape, both), partial(compiled_cost, b, shape)),
+    ]
+
+
+def compiled_cost(b: Bench, shape: Shape) -> float:
+    """A compiled cell's expected seconds: its compile, and its eager cell's seconds (both engines are timed again)."""
+    return compile_estimate(b, shape.layers) + b.eager_s.get(shape.name, 0.0)
+
+
+def compile_estimate(b: Bench, layers: int) -> float:
+    """Expected seconds of one bucket's cold compile at `layers`: the last compile of this run scaled by
+    COLD_COMPILE_S's growth with layers, else COLD_COMPILE_S itself."""
+    if not b.compiles:
+        return prior_compile_s(layers)
+    measured_layers, seconds = b.compiles[-1]
+    return seconds * prior_compile_s(layers) / prior_compile_s(measured_layers)
+
+
+def prior_compile_s(layers: int) -> float:
+    """COLD_COMPILE_S at `layers`, interpolated (and extended linearly past its last point)."""
+    xs, ys = zip(*COLD_COMPILE_S)
+    if layers <= xs[-1]:
+        return float(np.interp(layers, xs, ys))
+    return ys[-1] + (layers - xs[-1]) * (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+
+
+@contextlib.contextmanager
+def smoke_stance(p: GpuParams, device: torch.device):
+    """--smoke on a CPU: torch.compile's stance "force_eager" in the block (the compiled engine's code runs, nothing
+    compiles: a cold compile costs tens of seconds per bucket on a CPU); elsewhere nothing changes."""
+    if not (p.smoke and device.type == "cpu"):
+        yield
+        return
+    with torch.compiler.set_stance("force_eager"):
+        yield
+
+
+def prepared(data: Path) -> Path:
+    """`data` when it holds a prepared catalog; else Amazon Beauty as the package ships it, prepared there."""
+    if not (data / "items.parquet").is_file():
+        from pipeline.prepare import BEAUTY_SOURCE, prepare_beauty
+
+        prepare_beauty(BEAUTY_SOURCE, data)
+    return data
 
 
 def write_page(folder: Path, result: dict, md: str) -> Path:
@@ -167,9 +297,8 @@ def write_page(folder: Path, result: dict, md: str) -> Path:
         f"`{ver['git_commit']}`, in {result['seconds'] / 60:.1f} minutes by\n\n```bash\n{env['command']}\n```\n\n"
         "Random weights: the figures are speed and parity, not recommendation quality.\n\n"
     )
-    folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"gpu-{slug}-{date}.md"
-    path.write_text(head + md + "\n")
+    write_atomic(path, head + md + "\n")
     return path
 
 
@@ -190,127 +319,55 @@ def gpu_device(p: GpuParams) -> torch.device:
     return device
 
 
-def engine_auto(p: GpuParams, device: torch.device) -> dict:
-    """The auto section: the nightly's actor (operators.recommender.Recommender, compute.engine auto, the trials'
-    short-run rule off) decoding the first test users of p.data shard by shard on `device` -> its engine state, the
-    users/s of the shards after its choice, and the seconds of the whole."""
-    import shutil
-    import tempfile
-
-    import pyarrow.parquet as pq
-
-    from decoding.models import build_model, load_tokenizer
-    from decoding.templates import PRESETS, write_template
-    from operators.recommender import Recommender
-    from pipeline.config import load_config
-    from pipeline.nightly import plan_run
-
-    data, (n, batch, k) = Path(p.data), ((48, 16, 5) if p.smoke else (4096, 256, 10))
-    users = pq.read_table(data / "test.parquet", columns=["user_id", "history"])
-    users = users.filter(pa_lengths(users) > 0).slice(0, n)
-    with tempfile.TemporaryDirectory() as tmp:
-        target = p.target
-        if target is None:  # the demo target's architecture, random weights, the data's code-token tokenizer
-            target = str(Path(tmp) / "target")
-            tok = load_tokenizer(data / "tokenizer")
-            build_model(len(tok), 2, 128, 4, 2, seed=p.seed).save_pretrained(target)
-            for f in (data / "tokenizer").iterdir():
-                shutil.copy(f, Path(target) / f.name)
-            write_template(target, PRESETS["codes"])
-        settings = [
-            f"input={data / 'test.parquet'}",
-            f"catalog={data / 'items.parquet'}",
-            f"output={tmp}/out",
-            f"models.target={target}",
-            "models.draft=null",
-            f"decoding.k={k}",
-            f"compute.batch_size={batch}",
-            "compute.engine=auto",
-            "compute.engine_short_run_s=0",
-            f"compute.gpus_per_actor={1 if device.type == 'cuda' else 0}",
-            f"compute.compile_cache={tmp}/compile",
-        ]
-        actor = Recommender(replace(plan_run(load_config(None, settings)).spec, trial_users=users))
-        t0, after = time.perf_counter(), []
-        for a in range(0, users.num_rows, batch):
-            t = actor(users.slice(a, batch)).to_pandas()
-            metric = json.loads(t[t.kind == "metric"].metrics.iloc[0])
-            if actor.engine_auto.choice and metric["engine"] == actor.engine_auto.choice:
-                after.append(metric["users_ok"] / metric["wall_s"])
-        seconds = time.perf_counter() - t0
-    return {
-        "users": users.num_rows,
-        "batch": batch,
-        "dtype": actor.dtype,
-        "seconds": seconds,
-        "state": actor.engine_auto.state(),
-        "users_per_s_after": spread(after) if after else None,
-    }
+# ------------------------------------------------------------------ the shapes
 
 
-def pa_lengths(table):
-    import pyarrow.compute as pc
+def sid_gr(p: GpuParams, batch: int | None) -> Shape:
+    """SID-GR's shape (Qwen3-1.7B, vocabulary 151,936, context 1000, beam 256, 3 code tokens, 1M random items) at
+    `batch` (None: the largest that fits, over two such batches)."""
+    model, vocab, k, prompt, items = (
+        (SMOKE_MODEL, 4096, 8, 40, 2000) if p.smoke else (QWEN3_1_7B, 151936, 256, 1000, 1_000_000)
+    )
+    users = 0 if batch is None else 2 * batch if p.smoke else {8: 32, 1: 8}[batch]
+    name = f"SID-GR batch {batch or 'largest'}"
+    return Shape(name, vocab, prompt, k, users, model, "qwen3", 3, items, batches={"beam_search": batch})
 
-    return pc.fill_null(pc.list_value_length(table["history"]), 0).to_numpy()
+
+def qwen(p: GpuParams) -> Shape:
+    """Qwen2.5-0.5B's shape: vocabulary 151,936, prompt 300, K 20, Beauty's catalog after the text vocabulary, at
+    the largest batch that fits."""
+    if p.smoke:
+        return Shape("Qwen2.5-0.5B", 4096, 40, 5, 0, SMOKE_MODEL, "qwen2")
+    return Shape("Qwen2.5-0.5B", 151936, 300, 20, 0, QWEN2_5_0_5B, "qwen2")
 
 
-def markdown_auto(a: dict) -> list[str]:
-    """The auto section: the actor's choice and the evidence behind it."""
-    s = a["state"]
-    trials = ", ".join(f"{m} {v:.1f}" for m, v in s["trial_users_per_s"].items() if v)
-    ok = sum(x["identical_clear"] for x in s["parity"])
-    clear = sum(x["clear"] for x in s["parity"])
-    after = a["users_per_s_after"]
+def grid(p: GpuParams) -> list[Shape]:
+    """The shapes grid: vocabulary x prompt x K on a random Llama of layers x hidden."""
+    model = dict(llama(p.hidden, p.layers, p.heads), max_position_embeddings=2048)
+    cells = [(2048, 40, 5)] if p.smoke else [(v, s, k) for v in (32768, 152667) for s in (300, 1000) for k in (20, 50)]
     return [
-        "",
-        f"## The nightly's actor with `compute.engine: auto` ({a['users']} users, batches of {a['batch']}, "
-        f"{a['dtype']})",
-        "",
-        f"- choice: **{s['choice']}** on {s['device']}: {s['reason']}",
-        f"- trials ({s['trial_batches']} batches, users/s): {trials}; compile {s['compile_s']:.1f} s",
-        f"- parity: {ok} of {clear} users clear of a near-tie identical; largest score difference "
-        f"{max((x['max_score_diff'] for x in s['parity']), default=0):.2e} (bound "
-        f"{max((x['bound'] for x in s['parity']), default=0):.2e})",
-        f"- after the choice: {fmt_spread(after, 1)} users/s per shard; {a['seconds']:.1f} s in all"
-        if after
-        else f"- {a['seconds']:.1f} s in all",
+        Shape(
+            f"V={v} S={s} K={k}",
+            v,
+            s,
+            k,
+            4 if p.smoke else 64,
+            model,
+            batches={"beam_search": 2 if p.smoke else None, "transformers": 2 if p.smoke else p.batch},
+            reference_users=None if p.smoke else 16,
+        )
+        for v, s, k in cells
     ]
 
 
-def disc_params(p: GpuParams, dtype: str) -> DiscParams:
-    """The disc section on the gpu run's random Llama: 256 users in batches of 128 (4 in 2 with --smoke)."""
-    return DiscParams(
-        data=p.data,
-        device=p.device,
-        users=4 if p.smoke else 256,
-        batch=2 if p.smoke else 128,
-        max_rounds=4,
-        repeats=1 if p.smoke else p.repeats,
-        dtype=dtype,
-        layers=p.layers,
-        hidden=p.hidden,
-        heads=p.heads,
-    )
+# ------------------------------------------------------------------ the cells
 
 
-def speculative_params(p: GpuParams, dtype: str) -> SpeculativeParams:
-    """The speculative section on --target and --drafts, K in 1 5 10 20, without transformers."""
-    return SpeculativeParams(
-        data=p.data,
-        device=p.device,
-        target=p.target,
-        drafts=list(p.drafts),
-        ks=[1, 10] if p.smoke else [1, 5, 10, 20],
-        users=2 if p.smoke else 20,
-        batch=2 if p.smoke else 64,
-        throughput_users=4 if p.smoke else 256,
-        repeats=1 if p.smoke else p.repeats,
-        with_transformers=False,
-        dtype=dtype,
-    )
-
-
-# ------------------------------------------------------------------ the roofline
+def matmul_cell(b: Bench) -> dict:
+    """The device's matmul rate (every later cell's FLOP fractions are of it)."""
+    out = matmul_rate(b.device, b.dtype, 256 if b.p.smoke else 8192)
+    b.rate = out["flops_per_s"]
+    return out
 
 
 def matmul_rate(device: torch.device, dtype: torch.dtype, n: int, repeats: int = 20) -> dict:
@@ -339,96 +396,44 @@ def useful_flops(model, prompt: int, k: int, code_len: int) -> float:
     return 2.0 * body * (prompt + tree) + 2.0 * hidden * vocab * (1 + tree)
 
 
-# ------------------------------------------------------------------ one cell: build, fit, time, free
-
-
-def shape_cells(p: GpuParams) -> list[Cell]:
-    """The grid: vocabulary x prompt x K on a random Llama of layers x hidden."""
-    model = dict(llama(p.hidden, p.layers, p.heads), max_position_embeddings=2048)
-    grid = [(2048, 40, 5)] if p.smoke else [(v, s, k) for v in (32768, 152667) for s in (300, 1000) for k in (20, 50)]
-    return [
-        Cell(
-            f"V={v} S={s} K={k}",
-            v,
-            s,
-            k,
-            4 if p.smoke else 64,
-            model,
-            batches={"beam_search": 2 if p.smoke else None, "transformers": 2 if p.smoke else p.batch},
-            reference_users=None if p.smoke else 16,
-        )
-        for v, s, k in grid
-    ]
-
-
-def anchor(p: GpuParams, device: torch.device, dtype: torch.dtype, rate: float, methods: tuple) -> list[dict]:
-    """SID-GR's shape at batch 8, batch 1 and the largest batch that fits (beam_search only: transformers fits one
-    user at this shape and takes seconds for it)."""
-    model, vocab, k, prompt, items = (
-        (QWEN3_SMOKE, 4096, 8, 40, 2000) if p.smoke else (QWEN3_1_7B, 151936, 256, 1000, 1_000_000)
-    )
-    rows = []
-    for batch in (8, 1, None):
-        cell = Cell(
-            f"SID-GR batch {batch or 'best'}",
-            vocab,
-            prompt,
-            k,
-            0,
-            model,
-            arch="qwen3",
-            code_len=3,
-            items=items,
-            batches={"beam_search": batch},
-        )
-        cell.users = 2 * (batch or 0) if p.smoke else {8: 32, 1: 8}.get(batch, 0)
-        rows.append(freed(device, measure_cell(cell, p, device, dtype, rate, methods)))
-    return rows
-
-
-def freed(device: torch.device, value):
-    """`value`, once what its call built is collected (its models, catalog and outputs died with the call's frame)."""
-    free(device)
-    return value
-
-
-def measure_cell(
-    cell: Cell, p: GpuParams, device: torch.device, dtype: torch.dtype, rate: float, methods: tuple
-) -> dict:
-    """Builds the cell's model and catalog, finds each method's batch (halving on out-of-memory), times the methods
-    that fit interleaved (p.repeats rounds, 1 with --smoke) -> the cell's row."""
-    model = tiny_model(cell.arch, cell.vocab, seed=p.seed, dtype=dtype, **cell.model).to(device)
-    if cell.items:
-        catalog = synthetic_token_catalog(cell.items, cell.code_len, 256, p.seed, device, vocab=cell.vocab)
-    else:
-        catalog = shapes.catalog_after_text(str(Path(p.data) / "items.parquet"), cell.vocab, device)
-    flops = useful_flops(model, cell.prompt, cell.k, catalog.code_len)
-    need = decode_bytes_per_user(model, cell.prompt, cell.k, catalog.code_len, dtype)
-    best = fit_batch(need, free_device_memory(device) or 8 << 30, most=4 if p.smoke else 4096)
-    cell.users = cell.users or 2 * best  # the best batch: as many users as two such batches
-    ids = random_prompts(cell.users, cell.prompt, cell.vocab - catalog.code_len * 256, p.seed + 1, device)
+def measure(b: Bench, shape: Shape, methods: tuple) -> dict:
+    """The shape's model and catalog (kept from its last cell, or built), each method's batch (halving on out of
+    memory), the methods that fit timed interleaved (p.repeats rounds, 1 with --smoke) -> the cell's row."""
+    t0, p = time.perf_counter(), b.p
+    model, catalog = b.model_for(shape)
+    flops = useful_flops(model, shape.prompt, shape.k, catalog.code_len)
+    need = decode_bytes_per_user(model, shape.prompt, shape.k, catalog.code_len, b.dtype)
+    best = fit_batch(need, free_device_memory(b.device) or 8 << 30, most=4 if p.smoke else 4096)
+    users = shape.users or 2 * best
+    ids = random_prompts(users, shape.prompt, shape.vocab - catalog.code_len * 256, p.seed + 1, b.device)
     mask = torch.ones_like(ids)
-    row = cell_row(cell, model, catalog, flops, best)
-    row["methods"], runs = fit_methods(cell, p, cell_decoders(model, catalog, cell.k, methods), ids, mask, best)
+    row = shape_row(shape, model, catalog, flops, best)
+    before = compile_totals(model)
+    decoders = cell_decoders(model, catalog, shape.k, methods)
+    row["methods"], runs = fit_methods(shape, users, p, decoders, ids, mask, best)
     if "beam_search_compiled" in runs:  # its warm-up batch compiled its bucket
-        seconds, graphs = compile_totals(model)
+        seconds, graphs = (a - z for a, z in zip(compile_totals(model), before))
         row["methods"]["beam_search_compiled"].update(compile_s=seconds, graphs_compiled=graphs)
+        b.compiles.append((shape.layers, seconds))
     if runs:
-        timed = interleaved(runs, 1 if p.smoke else p.repeats, device, warmup={m: lambda: None for m in runs})
+        timed = interleaved(runs, 1 if p.smoke else p.repeats, b.device, warmup={m: lambda: None for m in runs})
         for method, t in timed.timings.items():
-            row["methods"][method].update(method_timing(t, row["methods"][method], flops, rate))
-        row.update(comparisons(row, timed, cell.users))
+            row["methods"][method].update(method_timing(t, row["methods"][method], flops, b.rate))
+        row.update(comparisons(row, timed, users))
+    if methods == ("beam_search",):
+        b.eager_s[shape.name] = time.perf_counter() - t0
     return row
 
 
-def cell_row(cell: Cell, model, catalog: Catalog, flops: float, best: int) -> dict:
+def shape_row(shape: Shape, model, catalog: Catalog, flops: float, best: int) -> dict:
     """What a cell is: its shape, model size, useful FLOPs per user, the largest batch that fits; methods to come."""
     return {
-        "cell": cell.name,
-        "arch": cell.arch,
-        "vocab": cell.vocab,
-        "prompt": cell.prompt,
-        "k": cell.k,
+        "shape": shape.name,
+        "arch": shape.arch,
+        "layers": shape.layers,
+        "vocab": shape.vocab,
+        "prompt": shape.prompt,
+        "k": shape.k,
         "code_len": catalog.code_len,
         "items": len(catalog),
         "dtype": str(model.dtype).removeprefix("torch."),
@@ -450,19 +455,19 @@ def cell_decoders(model, catalog: Catalog, k: int, methods: tuple) -> dict:
     return {method: decoders[method] for method in methods}
 
 
-def fit_methods(cell: Cell, p: GpuParams, decoders: dict, ids: torch.Tensor, mask: torch.Tensor, best: int) -> tuple:
-    """Each method's batch: the cell's (beam_search's largest that fits, `best`, where None), at most its users,
+def fit_methods(shape: Shape, users: int, p: GpuParams, decoders: dict, ids, mask, best: int) -> tuple:
+    """Each method's batch: the shape's (beam_search's largest that fits, `best`, where None), at most its users,
     halved until it runs -> (method -> its status, batch and users; method -> the call that decodes its users)."""
     status, runs = {}, {}
     for method, decode in decoders.items():
-        users = min(cell.users, cell.reference_users or cell.users) if method == "transformers" else cell.users
-        batch = min(cell.batches.get(method.removesuffix("_compiled")) or best, users)  # both engines alike
-        batch = fitting_batch(decode, method, ids[:users], mask[:users], batch, p.simulate_oom)
+        n = min(users, shape.reference_users or users) if method == "transformers" else users
+        batch = min(shape.batches.get(method.removesuffix("_compiled")) or best, n)  # both engines alike
+        batch = fitting_batch(decode, method, ids[:n], mask[:n], batch, p.simulate_oom)
         if batch is None:
             status[method] = {"status": OOM}
             continue
-        status[method] = {"status": "ok", "batch": batch, "users": users}
-        runs[method] = partial(in_batches, decode, ids[:users], mask[:users], batch)
+        status[method] = {"status": "ok", "batch": batch, "users": n}
+        runs[method] = partial(in_batches, decode, ids[:n], mask[:n], batch)
     return status, runs
 
 
@@ -481,15 +486,15 @@ def fitting_batch(decode, method: str, ids, mask, batch: int, simulate_oom: list
     return None
 
 
-def method_timing(t: Timing, x: dict, flops: float, rate: float) -> dict:
+def method_timing(t: Timing, x: dict, flops: float, rate: float | None) -> dict:
     """A method's timed runs over its x["users"] users in batches of x["batch"]: seconds, users/s, ms per batch
-    (median, min, max) and the useful-FLOP fraction of the matmul `rate` at the median."""
+    (median, min, max) and the useful-FLOP fraction of the matmul `rate` at the median (None without a rate)."""
     ups, batches = t.per(lambda s: x["users"] / s), -(-x["users"] // x["batch"])
     return {
         "seconds": t.to_dict(),
         "users_per_s": ups,
         "ms_per_batch": t.per(lambda s: 1e3 * s / batches),
-        "flop_fraction": flops * ups["median"] / rate,
+        "flop_fraction": flops * ups["median"] / rate if rate else None,
     }
 
 
@@ -533,13 +538,99 @@ def free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-# ------------------------------------------------------------------ parity
+# ------------------------------------------------------------------ the nightly's actor, engine auto
 
 
-def parity(p: GpuParams, dtype: str, device: torch.device) -> dict:
+def engine_auto(b: Bench) -> dict:
+    """The nightly's actor (operators.recommender.Recommender, compute.engine auto, the trials' short-run rule off)
+    decoding the first test users of the data shard by shard on the device, in this process (no Ray) -> its engine
+    state, the users/s of the shards after its choice, and the seconds of the whole."""
+    import tempfile
+
+    import pyarrow.parquet as pq
+
+    from operators.recommender import Recommender
+    from pipeline.config import load_config
+    from pipeline.nightly import plan_run
+
+    b.release()
+    n, batch, k = (48, 16, 5) if b.p.smoke else (4096, 256, 10)
+    users = pq.read_table(b.data / "test.parquet", columns=["user_id", "history"])
+    users = users.filter(pa_lengths(users) > 0).slice(0, n)
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")  # the actor points it at its compile cache
+    with tempfile.TemporaryDirectory() as tmp:
+        settings = auto_settings(b, tmp, k, batch)
+        actor = Recommender(replace(plan_run(load_config(None, settings)).spec, trial_users=users))
+        t0, after = time.perf_counter(), []
+        for a in range(0, users.num_rows, batch):
+            t = actor(users.slice(a, batch)).to_pandas()
+            metric = json.loads(t[t.kind == "metric"].metrics.iloc[0])
+            if actor.engine_auto.choice and metric["engine"] == actor.engine_auto.choice:
+                after.append(metric["users_ok"] / metric["wall_s"])
+        seconds = time.perf_counter() - t0
+    if cache is None:
+        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    else:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+    state = actor.engine_auto.state()
+    if state["compile_s"]:
+        b.compiles.append((2, state["compile_s"]))
+    return {
+        "users": users.num_rows,
+        "batch": batch,
+        "dtype": actor.dtype,
+        "seconds": seconds,
+        "state": state,
+        "users_per_s_after": spread(after) if after else None,
+    }
+
+
+def auto_settings(b: Bench, tmp: str, k: int, batch: int) -> list[str]:
+    """The nightly config's settings for the auto cell: the data's test users and catalog, --target or the demo
+    target's architecture with random weights (the data's code-token tokenizer), engine auto, the device."""
+    import shutil
+
+    from decoding.models import build_model, load_tokenizer
+    from decoding.templates import PRESETS, write_template
+
+    target = b.p.target
+    if target is None:
+        target = str(Path(tmp) / "target")
+        tok = load_tokenizer(b.data / "tokenizer")
+        build_model(len(tok), 2, 128, 4, 2, seed=b.p.seed).save_pretrained(target)
+        for f in (b.data / "tokenizer").iterdir():
+            shutil.copy(f, Path(target) / f.name)
+        write_template(target, PRESETS["codes"])
+    return [
+        f"input={b.data / 'test.parquet'}",
+        f"catalog={b.data / 'items.parquet'}",
+        f"output={tmp}/out",
+        f"models.target={target}",
+        "models.draft=null",
+        f"decoding.k={k}",
+        f"compute.batch_size={batch}",
+        "compute.engine=auto",
+        "compute.engine_short_run_s=0",
+        f"compute.gpus_per_actor={1 if b.device.type == 'cuda' else 0}",
+        f"compute.compile_cache={tmp}/compile",
+    ]
+
+
+def pa_lengths(table):
+    import pyarrow.compute as pc
+
+    return pc.fill_null(pc.list_value_length(table["history"]), 0).to_numpy()
+
+
+# ------------------------------------------------------------------ parity, DISC, speculative
+
+
+def parity(b: Bench, dtype: str) -> dict:
     """beam_search vs transformers and strict speculative vs beam_search in `dtype`, random Llama target and draft."""
-    vocab, prompt, users, k, batch = (2048, 24, 4, 5, 2) if p.smoke else (32768, 300, 128, 20, 32)
-    catalog = shapes.catalog_after_text(str(Path(p.data) / "items.parquet"), vocab, device)
+    p, device = b.p, b.device
+    b.release()
+    vocab, prompt, users, k, batch = (2048, 16, 2, 5, 2) if p.smoke else (32768, 300, 128, 20, 32)
+    catalog = shapes.catalog_after_text(str(b.data / "items.parquet"), vocab, device)
     target, draft = parity_models(p, vocab, getattr(torch, dtype), device)
     ids = random_prompts(users, prompt, vocab - catalog.code_len * 256, p.seed, device)
     mask = torch.ones_like(ids)
@@ -557,6 +648,8 @@ def parity(p: GpuParams, dtype: str, device: torch.device) -> dict:
     for name, other in others.items():
         tie = TIE_EXACT[dtype] if name == "transformers" else TIE[dtype]
         out[name] = parity_counts(Recommendations.concat(reference()), in_batches(other, ids, mask, batch), tie)
+    if "compiled" in others:
+        b.compiles.append((p.layers, compile_totals(target)[0]))
     return out
 
 
@@ -587,34 +680,117 @@ def parity_counts(ref: Recommendations, outputs: list, tie: float) -> dict:
     }
 
 
+def disc_cell(b: Bench, command: str) -> dict:
+    """DISC rounds 1..4 against constrained sampling and beam_search on the run's random Llama: 256 users in batches
+    of 128 (4 in 2 with --smoke) -> its section and Markdown."""
+    b.release()
+    p = b.p
+    params = DiscParams(
+        data=str(b.data),
+        device=p.device,
+        users=4 if p.smoke else 256,
+        batch=2 if p.smoke else 128,
+        max_rounds=4,
+        repeats=1 if p.smoke else p.repeats,
+        dtype=str(b.dtype).removeprefix("torch."),
+        layers=p.layers,
+        hidden=p.hidden,
+        heads=p.heads,
+    )
+    section, md = disc.run_disc(params, command)
+    return {"disc": section["disc"], "markdown": md}
+
+
+def speculative_cell(b: Bench, command: str) -> dict:
+    """The AtSpeed Table 1 layout on --target and --drafts, K in 1 5 10 20, without transformers."""
+    b.release()
+    p = b.p
+    params = SpeculativeParams(
+        data=str(b.data),
+        device=p.device,
+        target=p.target,
+        drafts=list(p.drafts),
+        ks=[1, 10] if p.smoke else [1, 5, 10, 20],
+        users=2 if p.smoke else 20,
+        batch=2 if p.smoke else 64,
+        throughput_users=4 if p.smoke else 256,
+        repeats=1 if p.smoke else p.repeats,
+        with_transformers=False,
+        dtype=str(b.dtype).removeprefix("torch."),
+    )
+    section, md = speculative.run_speculative(params, command)
+    return {"speculative": section["speculative"], "markdown": md}
+
+
 # ------------------------------------------------------------------ the report
 
 
-def markdown_gpu(result: dict, md: dict) -> str:
-    h, mm = result["hardware"], result["matmul"]
+def ok_rows(result: dict, kind: str) -> list[dict]:
+    """The rows of `kind` cells that ran to the end."""
+    return [r for r in result.get("cells", []) if r["kind"] == kind and r["status"] == "ok"]
+
+
+def markdown_gpu(result: dict) -> str:
+    h, rows = result["hardware"], result.get("cells", [])
     lines = [
         f"# genrec-batch on {h.get('gpu', h['device'])}: parity and benchmarks",
         "",
-        f"{result['seconds'] / 60:.1f} min; torch {result['versions']['torch']}, transformers "
-        f"{result['versions']['transformers']}, commit {result['versions']['git_commit']}",
+        f"{result.get('seconds', 0) / 60:.1f} min of a {result['budget_s']:.0f} s budget; torch "
+        f"{result['versions']['torch']}, transformers {result['versions']['transformers']}, commit "
+        f"{result['versions']['git_commit']}",
         "",
-        f"Matrix-product rate measured in this run ({mm['dtype']}, [{mm['n']}, {mm['n']}] x [{mm['n']}, "
-        f"{mm['n']}]): **{mm['flops_per_s'] / 1e12:.1f} TFLOP/s**; every cell's useful-FLOP fraction is of it.",
+        table(["cell", "status", "seconds"], [status_row(r) for r in rows], aligned(2, 1)),
     ]
-    if "parity" in result:
-        lines += markdown_parity(result["parity"])
-    if "shapes" in result:
-        lines += markdown_grid(result["shapes"], result["dtype"])
-    if "anchor" in result:
-        lines += markdown_anchor(result["anchor"])
-    cells = [c for c in result.get("shapes", []) + result.get("anchor", []) if "compiled_speedup" in c]
-    if cells:
-        lines += markdown_engines(cells, result["dtype"])
-    if "auto" in result:
-        lines += markdown_auto(result["auto"])
-    for text in md.values():
-        lines += ["", text]
+    for mm in ok_rows(result, "matmul"):
+        lines += [
+            "",
+            f"Matrix-product rate measured in this run ({mm['dtype']}, [{mm['n']}, {mm['n']}] x [{mm['n']}, "
+            f"{mm['n']}]): **{mm['flops_per_s'] / 1e12:.1f} TFLOP/s**; every cell's useful-FLOP fraction is of it.",
+        ]
+    if ok_rows(result, "anchor"):
+        lines += markdown_anchor(ok_rows(result, "anchor"))
+    if ok_rows(result, "qwen"):
+        lines += markdown_qwen(ok_rows(result, "qwen"))
+    both = [r for r in ok_rows(result, "anchor") + ok_rows(result, "qwen") if "compiled_speedup" in r]
+    if both:
+        lines += markdown_engines(both, result["dtype"])
+    for a in ok_rows(result, "auto"):
+        lines += markdown_auto(a)
+    if ok_rows(result, "parity"):
+        lines += markdown_parity(ok_rows(result, "parity"))
+    if ok_rows(result, "shapes"):
+        lines += markdown_grid(ok_rows(result, "shapes"), result["dtype"])
+    lines += [f"\n{r['markdown']}" for r in ok_rows(result, "disc") + ok_rows(result, "speculative")]
     return "\n".join(lines + ["", footer(result["environment"])])
+
+
+def status_row(r: dict) -> list:
+    """A cell, its status (an error with its message), and its seconds."""
+    status = f"error: {r['error']}" if r["status"] == "error" else r["status"]
+    return [r["cell"], status[:300].replace("\n", " "), f"{r['seconds']:.1f}" if "seconds" in r else "-"]
+
+
+def markdown_auto(a: dict) -> list[str]:
+    """The auto cell: the actor's choice and the evidence behind it."""
+    s = a["state"]
+    trials = ", ".join(f"{m} {v:.1f}" for m, v in s["trial_users_per_s"].items() if v)
+    ok = sum(x["identical_clear"] for x in s["parity"])
+    clear = sum(x["clear"] for x in s["parity"])
+    after = a["users_per_s_after"]
+    return [
+        "",
+        f"## The nightly's actor with `compute.engine: auto` ({a['users']} users, batches of {a['batch']}, "
+        f"{a['dtype']})",
+        "",
+        f"- choice: **{s['choice']}** on {s['device']}: {s['reason']}",
+        f"- trials ({s['trial_batches']} batches, users/s): {trials}; compile {s['compile_s']:.1f} s",
+        f"- parity: {ok} of {clear} users clear of a near-tie identical; largest score difference "
+        f"{max((x['max_score_diff'] for x in s['parity']), default=0):.2e} (bound "
+        f"{max((x['bound'] for x in s['parity']), default=0):.2e})",
+        f"- after the choice: {fmt_spread(after, 1)} users/s per shard; {a['seconds']:.1f} s in all"
+        if after
+        else f"- {a['seconds']:.1f} s in all",
+    ]
 
 
 def markdown_parity(parity: list[dict]) -> list[str]:
@@ -671,32 +847,59 @@ def grid_row(c: dict) -> list:
     ]
 
 
-def markdown_anchor(anchor: list[dict]) -> list[str]:
-    """SID-GR's shape: ms per batch beside NVIDIA's at the same batch, users/s, FLOP fraction, per engine."""
-    a0 = anchor[0]
-    header = (
-        "engine | batch | ms per batch | NVIDIA recsys-examples (H100) | genrec-batch / NVIDIA rate | users/s | "
-        "useful-FLOP fraction"
-    ).split(" | ")
-    rows = [anchor_row(method, x) for r in anchor for method, x in r["methods"].items()]
+ENGINE_HEADER = "cell | engine | batch | ms per batch | users/s | useful-FLOP fraction".split(" | ")
+
+
+def markdown_anchor(rows: list[dict]) -> list[str]:
+    """SID-GR's shape: ms per batch beside NVIDIA's at the same batch, users/s, FLOP fraction, per cell and engine."""
+    a0 = rows[0]
+    header = ENGINE_HEADER[:4] + ["NVIDIA recsys-examples (H100)", "genrec-batch / NVIDIA rate"] + ENGINE_HEADER[4:]
+    body = []
+    for r in rows:
+        for method, x in r["methods"].items():
+            line = engine_row(r, method, x)
+            ref = SID_GR_MS.get(x.get("batch"))
+            theirs = (
+                [f"{ref} ms", f"{ref / x['ms_per_batch']['median']:.2f}x"] if ref and "ms_per_batch" in x else ["-"] * 2
+            )
+            body.append(line[:4] + theirs + line[4:])
     return [
         "",
         f"## anchor: NVIDIA SID-GR's shape ({a0['arch']}, {a0['parameters'] / 1e9:.2f}B parameters, "
         f"vocabulary {a0['vocab']:,}, context {a0['prompt']}, beam {a0['k']}, {a0['code_len']} code "
         f"tokens, {a0['items']:,} items, {a0['dtype']})",
         "",
-        table(header, rows, aligned(1, 6)),
+        table(header, body, aligned(2, 6)),
     ]
 
 
-def anchor_row(method: str, x: dict) -> list:
-    """One engine at one batch of the anchor; NVIDIA's figure where it published one for that batch."""
+def markdown_qwen(rows: list[dict]) -> list[str]:
+    """Qwen2.5-0.5B's shape: ms per batch, users/s and FLOP fraction per engine, at the largest batch that fits."""
+    r0 = rows[0]
+    body = [engine_row(r, method, x) for r in rows for method, x in r["methods"].items()]
+    return [
+        "",
+        f"## Qwen2.5-0.5B's shape ({r0['arch']}, {r0['parameters'] / 1e9:.2f}B parameters, vocabulary "
+        f"{r0['vocab']:,}, prompt {r0['prompt']}, K {r0['k']}, Beauty's {r0['items']:,} items, {r0['dtype']}; "
+        f"largest batch that fits: {r0['fit_batch']})",
+        "",
+        table(ENGINE_HEADER, body, aligned(2, 4)),
+    ]
+
+
+def engine_row(r: dict, method: str, x: dict) -> list:
+    """One engine in one cell: batch, ms per batch, users/s, FLOP fraction (out of memory where it did not fit)."""
     engine = "compiled" if method == "beam_search_compiled" else "eager"
     if x["status"] != "ok":
-        return [engine, "-", OOM, "-", "-", "-", "-"]
-    ref, ms = SID_GR_MS.get(x["batch"]), x["ms_per_batch"]
-    theirs = [f"{ref} ms", f"{ref / ms['median']:.2f}x"] if ref else ["-", "-"]
-    return [engine, x["batch"], fmt_spread(ms, 1), *theirs, fmt_spread(x["users_per_s"], 1), fraction(x)]
+        return [r["cell"], engine, "-", OOM, "-", "-"]
+    return [
+        r["cell"],
+        engine,
+        x["batch"],
+        fmt_spread(x["ms_per_batch"], 1),
+        fmt_spread(x["users_per_s"], 1),
+        fraction(x),
+    ]
 
 
 def markdown_engines(cells: list[dict], dtype: str) -> list[str]:
@@ -732,7 +935,7 @@ def method_cell(x: dict) -> str:
 
 
 def fraction(x: dict) -> str:
-    return f"{x['flop_fraction']:.1%}" if x.get("status") == "ok" else "-"
+    return f"{x['flop_fraction']:.1%}" if x.get("status") == "ok" and x.get("flop_fraction") is not None else "-"
 
 
 def same_cell(ag: dict) -> str:

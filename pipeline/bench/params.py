@@ -7,8 +7,9 @@ from dataclasses import MISSING, dataclass, field, fields
 
 REPEATS = 5  # timed repeats per method, interleaved, after one warm-up run of each
 SECTIONS = ("decode", "speculative", "disc", "disc-bias")  # what `bench all` runs, in this order
-GPU_SECTIONS = ("parity", "shapes", "anchor", "auto", "disc", "speculative")  # what `bench gpu` can run
-GPU_DEFAULT = ["parity", "shapes", "anchor"]  # at most about 10 minutes on an H100 (make bench-gpu adds auto)
+GPU_SECTIONS = ("anchor", "qwen", "auto", "parity", "shapes", "disc", "speculative")  # what `bench gpu` can run
+GPU_DEFAULT = ["anchor", "qwen", "auto", "parity", "shapes"]  # in order of value, as far as --budget-s reaches
+GPU_BUDGET_S = 480.0  # infra/gpu/bench.sh's default: a 10-minute device call, with time to start and copy back
 
 
 @dataclass(kw_only=True)
@@ -169,8 +170,9 @@ class ShapesParams:
 
 @dataclass(kw_only=True)
 class GpuParams:
-    """`bench gpu`: parity, the shapes grid and the SID-GR anchor on CUDA (DISC, and speculative with --target /
-    --drafts, when named in --sections), in one process."""
+    """`bench gpu`: the matmul rate, the SID-GR anchor, the Qwen2.5-0.5B shape, engine auto, parity and the shapes
+    grid on CUDA (DISC, and speculative with --target / --drafts, when named in --sections), in one process, cell by
+    cell within --budget-s (pipeline/bench/gpu.py)."""
 
     data: str
     sections: list[str] = field(default_factory=lambda: list(GPU_DEFAULT))
@@ -183,6 +185,8 @@ class GpuParams:
     hidden: int = 1024
     heads: int = 16
     smoke: bool = False  # smoke sizes (runs on a CPU too)
+    budget_s: float = GPU_BUDGET_S  # seconds for the cells (compiles included); a cell not reached says so
+    plan: bool = False  # print each cell's expected seconds on an H100 instead of running (no GPU needed)
     engines: list[str] = field(default_factory=lambda: ["eager"])  # beam_search engines (eager, compiled)
     device: str | None = None
     seed: int = 0
@@ -283,6 +287,8 @@ FLAG_HELP = {
     "their_batch": "minionerec: users per generate call in their evaluate.py (theirs: 4)",
     "beams": "minionerec: beams, and items returned per user (theirs: 50)",
     "page": "gpu: also keep the report as a dated page in this folder, gpu-<device>-<date>.md (docs/benchmarks)",
+    "budget_s": "gpu: seconds for the cells, compiles included (the report is rewritten after every cell)",
+    "plan": "gpu: each cell's expected seconds on an H100 (FLOPs and the matmul rate), without running anything",
 }
 CHOICES = {
     "dtype": ["auto", "float32", "bfloat16", "float16"],
