@@ -44,14 +44,13 @@ nightly: $(DATA)/items.parquet
 bench: models
 	$(BIN)/python -m jobs.bench all --data $(DATA)
 
-# On a CUDA machine, in one process and one report (bench-out/gpu.{md,json}), kept as a dated page to commit
-# (docs/benchmarks/gpu-<device>-<date>.md), about 10 minutes on an H100: the matmul rate, float32 / half-precision
-# parity, the shapes grid and NVIDIA SID-GR's shape with the eager and compiled engines side by side, each cell's
-# useful-FLOP fraction and compile seconds, the nightly's actor with compute.engine auto and its choice; refused
-# (exit 2) without CUDA. DISC and speculative (demo models): add
-# `--sections ... disc speculative`.
-bench-gpu: $(DATA)/items.parquet
-	$(BIN)/python -m jobs.bench gpu --data $(DATA) --engines eager compiled --sections parity shapes anchor auto \
+# On a CUDA machine: infra/gpu/bench.sh (the GPU machine's one command; docs/benchmarks.md, "The GPU call") with the
+# checkout's python (.venv's where there is one, else python3): the matmul rate, SID-GR's shape and Qwen2.5-0.5B's with
+# both engines, engine auto, parity and the shapes grid, cell by cell within 480 s -> bench-out/gpu.{md,json}, kept as
+# docs/benchmarks/gpu-<device>-<date>.md to commit; refused without CUDA (`bash infra/gpu/bench.sh --smoke` runs on a
+# CPU). DISC and speculative (demo models): `... --sections anchor qwen auto parity shapes disc speculative`.
+bench-gpu:
+	PYTHON=$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bash infra/gpu/bench.sh --out bench-out \
 		--page docs/benchmarks
 
 # Offline evaluation and the cost/throughput report of the newest demo run (out/nightly), with a screenshot.

@@ -379,7 +379,7 @@ def test_bench_gpu_auto_section_runs_the_nightly_actor_with_engine_auto(auto_wor
         out=str(tmp_path),
     )
     result, md = run_gpu(params, "test")
-    a = result["auto"]
+    [a] = [r for r in result["cells"] if r["kind"] == "auto"]
     assert a["users"] == 48 and a["state"]["trial_batches"] >= 2 and a["state"]["device"] == "cpu"
     assert a["state"]["choice"] in ("eager", "compiled") and all(p["holds"] for p in a["state"]["parity"])
     assert a["users_per_s_after"]["median"] > 0  # the third shard, decoded by the choice

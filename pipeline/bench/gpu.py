@@ -557,8 +557,7 @@ def engine_auto(b: Bench) -> dict:
     n, batch, k = (48, 16, 5) if b.p.smoke else (4096, 256, 10)
     users = pq.read_table(b.data / "test.parquet", columns=["user_id", "history"])
     users = users.filter(pa_lengths(users) > 0).slice(0, n)
-    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")  # the actor points it at its compile cache
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, kept_env("TORCHINDUCTOR_CACHE_DIR"):  # the actor points it at its cache
         settings = auto_settings(b, tmp, k, batch)
         actor = Recommender(replace(plan_run(load_config(None, settings)).spec, trial_users=users))
         t0, after = time.perf_counter(), []
@@ -568,10 +567,6 @@ def engine_auto(b: Bench) -> dict:
             if actor.engine_auto.choice and metric["engine"] == actor.engine_auto.choice:
                 after.append(metric["users_ok"] / metric["wall_s"])
         seconds = time.perf_counter() - t0
-    if cache is None:
-        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-    else:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
     state = actor.engine_auto.state()
     if state["compile_s"]:
         b.compiles.append((2, state["compile_s"]))
@@ -583,6 +578,19 @@ def engine_auto(b: Bench) -> dict:
         "state": state,
         "users_per_s_after": spread(after) if after else None,
     }
+
+
+@contextlib.contextmanager
+def kept_env(name: str):
+    """The environment variable `name` as it was before the block, after it."""
+    before = os.environ.get(name)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def auto_settings(b: Bench, tmp: str, k: int, batch: int) -> list[str]:
