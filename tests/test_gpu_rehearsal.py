@@ -219,3 +219,35 @@ def test_run_cells_keeps_to_the_budget_records_errors_and_writes_after_every_cel
     assert rows[3]["expected_s"] == 5
     assert len(writes) == 1 + 2 * 4 + 1  # the start; before and after each of the 4 run; the skip
     assert writes[1][0] == RUNNING and writes[2][:2] == ["ok", NOT_REACHED]  # c0's row as soon as it is known
+
+
+def test_a_machine_without_a_module_is_told_which_in_one_line(machine, tmp_path):
+    """A `python3` that sees no third-party package (-I -S): bench.sh names the missing modules in one line and exits
+    3, before writing anything."""
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    (bare / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" -I -S "$@"\n')
+    (bare / "python3").chmod(0o755)
+    out = tmp_path / "out"
+    run = rehearse({**machine, "bin": bare}, out, "--smoke", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _, stderr = run.communicate()
+    assert run.returncode == 3
+    [line] = stderr.splitlines()
+    assert line.startswith("bench.sh: python3 lacks torch transformers numpy pyarrow pandas yaml tqdm"), line
+    assert not out.exists()
+
+
+def test_the_plan_has_a_row_for_every_cell_of_a_run():
+    """`bench gpu --plan` and a run list the same cells in the same order (one list of shapes behind both)."""
+    import torch
+
+    from pipeline.bench import gpu, gpu_plan
+    from pipeline.bench.params import GpuParams
+
+    p = GpuParams(data="unused", engines=["eager", "compiled"])
+    run = gpu.gpu_cells(gpu.Bench(p, torch.device("cpu"), torch.bfloat16, Path("unused")), "test")
+    planned = gpu_plan.plan_cells(p)
+    assert [(c.name, c.kind) for c in run] == [(name, kind) for name, kind, _, _ in planned]
+    assert all(run_s > 0 for *_, run_s in planned[1:])  # every decode cell costs something
+    compiles = {name: compile_s for name, _, compile_s, _ in planned}
+    assert compiles["SID-GR batch 8, compiled"] == gpu.COLD_COMPILE_S[-1][1] and compiles["SID-GR batch 8, eager"] == 0
