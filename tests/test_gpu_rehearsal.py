@@ -156,7 +156,8 @@ def test_smoke_rehearsal_writes_every_cell_after_each_and_needs_only_the_copy(ma
     text = "\n".join(f.read_text() for f in out.iterdir())
     for outside in {str(ROOT), str(Path.cwd())} - {str(machine["repo"])}:
         assert outside not in text, outside
-    assert not (machine["repo"].parent / "shared").exists() and not (machine["repo"] / ".venv").exists()
+    beside = {p.name for p in machine["repo"].parent.iterdir()}  # the stand-in machine's own folders, no shared/
+    assert beside == set(machine) and not (machine["repo"] / ".venv").exists()
     assert f"{len(rows)} cells: {len(rows)} ok" in stdout
 
 
