@@ -66,9 +66,11 @@ models/demo-draft/config.json: $(DATA)/items.parquet
 	$(BIN)/python -m jobs.train_draft --data $(DATA) --target models/demo-target --out models/demo-draft \
 		--objective atspeed-s --preset demo
 
-# The configuration reference, generated from the config's dataclasses (tests/test_docs.py fails when it is stale).
+# The configuration reference, generated from the config's dataclasses, and the GPU sizing table, from
+# decoding/memory.py's estimates (tests/test_docs.py fails when either is stale).
 docs: $(BIN)/.installed
 	$(BIN)/python -m pipeline.config_docs > docs/configuration.md
+	$(BIN)/python -m decoding.sizing > docs/sizing.md
 
 # ruff (pyproject.toml [tool.ruff]) lints and checks the format first: a failure there stops the suite in seconds.
 test: $(BIN)/.installed lint

@@ -381,6 +381,16 @@ class Exclusions:
             out.insert(0, (key, count))
         return out
 
+    def to(self, device) -> Exclusions:
+        """The same exclusions on `device`."""
+        return replace(
+            self,
+            leaves=self.leaves.to(device),
+            closed=[c.to(device) for c in self.closed],
+            rows=self.rows.to(device),
+            parent=self.parent.to(device),
+        )
+
     def select(self, rows: torch.Tensor) -> Exclusions:
         """The rows [A'] of the current rows (a slice of the batch, or the users still decoding)."""
         return replace(self, rows=self.rows[rows])

@@ -2,10 +2,14 @@
 
 `fit_batch(...)`: the users per decode that fit in the free memory of a device, from the models' shapes (every layer's
 keys and values for the prompt and the tree tokens, the widest transients of a forward), K, L, the prompt length and a
-headroom. An estimate: the nightly actor halves its batch on out-of-memory all the same.
+headroom. An estimate: the nightly actor halves its batch on out-of-memory all the same. `parameter_count(config)`:
+a model's weights; `audit_placement(...)`: whether the precision audit's float32 copies fit the device, the host or
+neither (decoding/sizing.py builds docs/sizing.md's table from them).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -57,8 +61,60 @@ def fit_batch(
     """The largest batch (at least 1, at most `most`) of users of `per_user` bytes that fits in `free_bytes` after a
     `headroom` fraction is kept back and the head's vocabulary buffers (`head_bytes`: two float32 buffers of the CUDA
     budget, decoding/head.py) are set aside."""
-    usable = free_bytes * (1 - headroom) - head_bytes
-    return int(max(1, min(most, usable // max(per_user, 1))))
+    return int(max(1, min(most, usable_bytes(free_bytes, head_bytes, headroom) // max(per_user, 1))))
+
+
+def usable_bytes(free_bytes: int, head_bytes: int = 8 << 26, headroom: float = 0.2) -> float:
+    """What a decode may use of `free_bytes`: a `headroom` fraction kept back, the head's buffers set aside."""
+    return free_bytes * (1 - headroom) - head_bytes
+
+
+def parameter_count(config) -> int:
+    """The weights of a Llama-, Mistral-, Qwen2- or Qwen3-like decoder from its config: embeddings (and an untied LM
+    head), per layer the q/k/v/o projections (q/k/v biases: Qwen2's, or `attention_bias`), the gated MLP and its
+    RMSNorms, and the final norm."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    bias = getattr(config, "attention_bias", config.model_type == "qwen2")
+    q, kv = heads * head_dim, kv_heads * head_dim
+    attention = hidden * (q + 2 * kv) + q * hidden + (q + 2 * kv) * bias
+    norms = 2 * hidden + (2 * head_dim if config.model_type == "qwen3" else 0)  # Qwen3: q and k RMSNorms too
+    layer = attention + 3 * hidden * inter + norms
+    embed = config.vocab_size * hidden * (1 if config.tie_word_embeddings else 2)
+    return embed + config.num_hidden_layers * layer + hidden
+
+
+def audit_placement(
+    weights: int, per_user: int, beside: int, device_free: int | None, host_free: int
+) -> tuple[str | None, str]:
+    """Where the precision audit's float32 copies go -> ("device" | "cpu" | None, why). "device" when their
+    `weights`, one audited user's float32 decode (`per_user`) and `beside` (the run's own decode batch, which shares
+    the device with them while the audit lasts) fit the device's usable memory (`device_free`; None: the actor has no
+    GPU); else "cpu" when the weights and one user's decode fit the host's available memory; else None: skipped."""
+    need, gib = weights + per_user, 1 << 30
+    if device_free is not None and need + beside <= usable_bytes(device_free):
+        return "device", ""
+    if need <= usable_bytes(host_free, head_bytes=0):
+        return "cpu", ""
+    where = "" if device_free is None else f"the device has {device_free / gib:.1f} GiB free, "
+    return None, (
+        f"the float32 copies need {need / gib:.1f} GiB (+ {beside / gib:.1f} GiB of the run's decode batch on a "
+        f"device): {where}the host {host_free / gib:.1f} GiB available"
+    )
+
+
+def host_free_memory() -> int:
+    """Bytes the host can still give (MemAvailable of /proc/meminfo; elsewhere the free physical pages)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def free_device_memory(device: torch.device) -> int | None:

@@ -40,7 +40,7 @@ from decoding.compiled import (
     warm_up,
 )
 from decoding.disc import disc_sample
-from decoding.memory import decode_bytes_per_user, fit_batch, free_device_memory
+from decoding.memory import audit_placement, decode_bytes_per_user, fit_batch, free_device_memory, host_free_memory
 from decoding.metrics import same_within_ties, topk_agreement
 from decoding.models import check_window, load_config, load_model, load_tokenizer
 from decoding.speculative import speculative_beam_search
@@ -418,6 +418,8 @@ class Recommender:
         # the precision audit: this many of the actor's first users re-decoded in float32 (half precision only)
         self.audit_left = spec.audit_users if self.target.dtype != torch.float32 else 0
         self.float32: dict = {}  # the audit's float32 models, loaded on first use, freed when the audit is done
+        self.on_cpu: tuple | None = None  # (catalog, answer) on the CPU, for float32 copies that did not fit the GPU
+        self.audit_where = "cpu"  # where the float32 copies went: gpu (beside the run) or cpu
         ids = self.renderer.prefix_ids  # the template's fixed text: prefilled once per model, kept
         self.prefix = Prefix(ids) if len(ids) else None
         answer = self.renderer.answer  # the template's forced, scored tokens after an item's codes
@@ -673,7 +675,7 @@ class Recommender:
 
     def _fitting_batch(self, mode: str, prompt_len: int, target, draft) -> int | None:
         """On CUDA: the most users whose decode fits in the free memory; elsewhere None (no limit)."""
-        free = free_device_memory(self.device)
+        free = free_device_memory(target.device)
         if free is None:
             return None
         d = self.spec.decoding
@@ -714,16 +716,17 @@ class Recommender:
         """One decode of the users ids [U, S] by `mode`'s decoder -> Recommendations. Sampling modes draw from a
         generator seeded by the users, so that a retried batch draws the same items."""
         d, shared = self.spec.decoding, {"prefix": self.prefix, "exclude": exclude}
+        catalog, answer = (self.catalog, self.answer) if target.device.type == self.device.type else self.on_cpu
         if mode == "beam" and target is self.target and self.engine == "compiled":
             return self._compiled_beam(ids, mask, shared)
         if mode == "beam":  # the eager engine: the reference, and the audit's and trials' reference dtypes
-            return beam_search(target, ids, mask, self.catalog, d.k, engine="eager", answer=self.answer, **shared)
+            return beam_search(target, ids, mask, catalog, d.k, engine="eager", answer=answer, **shared)
         seed = (d.seed * 1_000_003 + zlib.crc32(str(users.to_pylist()).encode())) % (2**63)
-        shared.update(temperature=d.temperature, generator=torch.Generator(device=self.device).manual_seed(seed))
+        shared.update(temperature=d.temperature, generator=torch.Generator(device=target.device).manual_seed(seed))
         if mode == "disc":
-            return disc_sample(target, ids, mask, self.catalog, d.k, rounds=d.rounds, top_m=d.top_m, **shared)
+            return disc_sample(target, ids, mask, catalog, d.k, rounds=d.rounds, top_m=d.top_m, **shared)
         drafting = {"draft_beams": d.draft_beams, "gamma": d.gamma, "verification": mode.removeprefix("atspeed-")}
-        return speculative_beam_search(target, draft, ids, mask, self.catalog, d.k, **drafting, **shared)
+        return speculative_beam_search(target, draft, ids, mask, catalog, d.k, **drafting, **shared)
 
     def _compiled_beam(self, ids, mask, shared: dict) -> Recommendations:
         """Beam search of the prompts ids [U, S] by the compiled engine where it may run: in a bucket that compiled
@@ -764,15 +767,23 @@ class Recommender:
     ) -> dict:
         """The precision audit: the users at `pick` (rows of this batch, decoded in half precision into `rec`)
         re-decoded by the float32 models with the same mode -> their agreement (metrics keys audit_*). A sampling
-        mode decodes them again in half precision too, so that both draws share one seed."""
+        mode decodes them again in half precision too, so that both draws share one seed. The float32 copies go where
+        they fit (_float32_models); where nothing fits, the audit is skipped and says why (audit_skipped)."""
         t0 = time.perf_counter()
         sel = torch.as_tensor(pick, device=self.device)
         ids, mask, users = ids[sel], mask[sel], users.take(pa.array(pick))
         exclude = exclude.select(sel) if exclude is not None else None
         first = int(mask.any(0).nonzero()[0])  # left padding no audited user needs
         ids, mask = ids[:, first:], mask[:, first:]
-        f32 = self._float32_models(mode)
-        ref, _ = self._decode_slices(mode, ids, mask, users, *f32, self._first_batch(mode, ids, *f32), exclude)
+        f32, skipped = self._float32_models(mode, ids.shape[1])
+        if skipped:
+            self.audit_left = 0
+            return {"audit_skipped": skipped}
+        on = f32[0].device  # the float32 copies' device: the actor's, or the CPU
+        moved = exclude.to(on) if exclude is not None else None
+        ref, _ = self._decode_slices(
+            mode, ids.to(on), mask.to(on), users, *f32, self._first_batch(mode, ids, *f32), moved
+        )
         if mode in SAMPLING:  # the same draws' seed: the audited users decoded together in half precision too
             rec, _ = self._decode_slices(
                 mode,
@@ -785,7 +796,7 @@ class Recommender:
                 exclude,
             )
             sel = slice(None)
-        agree = topk_agreement(ref.item_ids, ref.scores, rec.item_ids[sel], rec.scores[sel])
+        agree = topk_agreement(*(t.cpu() for t in (ref.item_ids, ref.scores, rec.item_ids[sel], rec.scores[sel])))
         self.audit_left -= len(pick)
         if not self.audit_left:  # done for this run: the float32 copies leave the device
             self.float32.clear()
@@ -798,15 +809,42 @@ class Recommender:
             "audit_topk_overlap_sum": float(agree["overlap"].sum()),
             "audit_max_abs_score_diff": float(agree["score_diff"].max()),
             "audit_s": time.perf_counter() - t0,
+            "audit_device": self.audit_where,
         }
 
-    def _float32_models(self, mode: str) -> tuple:
-        """The audit's (target, draft) in float32, loaded from the same directories on first use."""
+    def _float32_models(self, mode: str, prompt_len: int) -> tuple[tuple, str]:
+        """The audit's (target, draft) in float32, loaded from the same directories on first use, on the device when
+        they fit beside the run's models and decode batch, else on the CPU (audit_placement) -> (them, "") or
+        ((), why the audit is skipped)."""
         roles = ("target", "draft") if mode.startswith("atspeed") else ("target",)
-        for role in roles:
-            if role not in self.float32:
-                self.float32[role] = load_model(self.paths[role], device=str(self.device), dtype="float32")
-        return self.float32["target"], self.float32.get("draft")
+        if any(role not in self.float32 for role in roles):
+            where, why = self._audit_placement(mode, prompt_len, roles)
+            if where == "cpu" and self.device.type != "cpu" and mode in SAMPLING:
+                where, why = None, f"{mode} draws differ between devices: its audit needs the float32 copies on the GPU"
+            if where is None:
+                return (), why
+            self.audit_where = "gpu" if where == "device" else "cpu"
+            device = "cpu" if where == "cpu" else str(self.device)  # "device" on a CPU actor: a simulated budget
+            if device != str(self.device) and self.on_cpu is None:
+                self.on_cpu = (self.catalog.to("cpu"), self.answer.cpu() if self.answer is not None else None)
+            for role in roles:
+                self.float32[role] = load_model(self.paths[role], device=device, dtype="float32")
+        return (self.float32["target"], self.float32.get("draft")), ""
+
+    def _audit_placement(self, mode: str, prompt_len: int, roles: tuple) -> tuple[str | None, str]:
+        """audit_placement for this actor: the float32 weights of `roles`' models, one user's float32 decode, the
+        run's decode batch, the device's free memory and the host's available memory (_audit_budget)."""
+        d, models = self.spec.decoding, [getattr(self, role) for role in roles]
+        weights = sum(p.numel() for m in models for p in m.parameters()) * 4
+        args = (prompt_len + self.prefix_len, d.k, self.catalog.code_len)
+        drafting = (mode, self.draft, d.draft_beams, d.gamma)
+        per_user = decode_bytes_per_user(self.target, *args, torch.float32, *drafting)
+        beside = self.decode_batch * decode_bytes_per_user(self.target, *args, self.target.dtype, *drafting)
+        return audit_placement(weights, per_user, beside, *self._audit_budget())
+
+    def _audit_budget(self) -> tuple[int | None, int]:
+        """(the device's free bytes, None without a GPU; the host's available bytes)."""
+        return free_device_memory(self.device), host_free_memory()
 
     def _metric_row(self, counts: dict, wall: float, decoded: Decoded) -> dict:
         """One row per batch: ids, counts (batch_counts), the decoder's stats (decoder_metrics), the actor's state

@@ -486,12 +486,14 @@ def audit_text(a: dict | None) -> str:
     """The manifest's precision_audit in one cell: the dtype and what the float32 re-decode found."""
     if not a:
         return "-"
+    skipped = f"; skipped: {'; '.join(a['skipped'])}" if a.get("skipped") else ""
     if not a.get("users"):
-        return f"{a['dtype']}: {a.get('note', 'no audit')}"
+        return f"{a['dtype']}: {a.get('note', 'no audit')}{skipped}"
     return (
         f"{a['dtype']}: {a['identical_lists']} of {a['users']} users' top-K identical to float32 "
         f"({a['identical_lists'] / a['users']:.0%}), top-K overlap {a['topk_overlap']:.1%}, largest score "
         f"difference {a['max_abs_score_diff']:.3g}, audit {num(a['seconds'])} s"
+        f"{' on ' + ', '.join(a['device']) if a.get('device') else ''}{skipped}"
     )
 
 

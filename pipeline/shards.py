@@ -74,6 +74,8 @@ METRIC_SCHEMA = pa.schema(
         ("audit_topk_overlap_sum", pa.float64()),
         ("audit_max_abs_score_diff", pa.float64()),
         ("audit_s", pa.float64()),
+        ("audit_device", pa.string()),  # where the audit's float32 copies ran: gpu (the actor's, beside the run) or cpu
+        ("audit_skipped", pa.string()),  # why an actor skipped its audit (its float32 copies fit neither)
         ("engine", pa.string()),
         ("compile_s", pa.float64()),
         ("graphs_compiled", _INT),
@@ -143,6 +145,7 @@ def attempt_shards(run: str, storage: Storage, trusted: list[str], attempt: str)
 SUMS = ("users_in", "users_ok", "users_rejected", "users_non_finite", "recommendations")
 TIMES = ("actor_ready_at", "committed_at")  # epoch seconds
 TALLIED = [*SUMS, "actor", "batch", "auto", "decode_batch", *TIMES, "dtype", *AUDIT, "audit_max_abs_score_diff"]
+TALLIED += ["audit_device", "audit_skipped"]
 TALLIED += [
     *EXCLUDED,
     "excluded_max",
@@ -181,6 +184,7 @@ class Tally:
     times: dict = field(default_factory=lambda: {key: [] for key in TIMES})  # seconds since `since`
     audit: dict = field(default_factory=lambda: dict.fromkeys(AUDIT, 0))
     worst: list = field(default_factory=list)  # audit_max_abs_score_diff of every audited batch
+    audit_notes: dict = field(default_factory=lambda: {"audit_device": set(), "audit_skipped": set()})
     dtypes: set = field(default_factory=set)
     excluded: dict = field(default_factory=lambda: {**dict.fromkeys(EXCLUDED, 0), "excluded_max": 0})
     sizes: list = field(default_factory=list)  # every file's smallest and largest decode_batch
@@ -203,6 +207,8 @@ class Tally:
             self.excluded[key] += _sum(t[key])
         self.excluded["excluded_max"] = max(self.excluded["excluded_max"], pc.max(t["excluded_max"]).as_py() or 0)
         self.worst += [v for v in t["audit_max_abs_score_diff"].to_pylist() if v is not None]
+        for key, seen in self.audit_notes.items():
+            seen |= {v for v in t[key].to_pylist() if v}
         self.dtypes |= {v for v in t["dtype"].to_pylist() if v}
         self.sizes += [v.as_py() for v in pc.min_max(t["decode_batch"]).values() if v.as_py() is not None]
         self.graphs += _sum(t["graphs_compiled"])
@@ -229,7 +235,7 @@ class Tally:
             "actor_ready_s": min(self.times["actor_ready_at"], default=None),
             "first_commit_s": min(self.times["committed_at"], default=None),
             "auto": {actor: state for actor, (_, state) in sorted(self.last.items())} or None,
-            "precision_audit": precision_audit(sorted(self.dtypes), self.audit, self.worst),
+            "precision_audit": precision_audit(sorted(self.dtypes), self.audit, self.worst, self.audit_notes),
             "exclusions": self.excluded,
             "compile_s": dict(sorted(self.compile_s.items())) if self.graphs else None,
             "graphs_compiled": self.graphs,
@@ -238,10 +244,17 @@ class Tally:
         }
 
 
-def precision_audit(dtypes: list[str], audit: dict, worst: list[float]) -> dict:
+def precision_audit(dtypes: list[str], audit: dict, worst: list[float], notes: dict | None = None) -> dict:
     """The manifest's `precision_audit`: users re-decoded in float32, how many got identical top-K lists, the mean
-    top-K set overlap, the largest score difference, the seconds it cost; in float32 a note that there is nothing
-    to audit."""
+    top-K set overlap, the largest score difference, the seconds it cost, where the float32 copies ran (`device`:
+    gpu, cpu) and why actors skipped it (`skipped`: their float32 copies fit neither the GPU nor the host); in
+    float32 a note that there is nothing to audit."""
+    notes = notes or {}
+    placed = {
+        name: sorted(notes[key])
+        for name, key in (("device", "audit_device"), ("skipped", "audit_skipped"))
+        if notes.get(key)
+    }
     out = {"dtype": ", ".join(dtypes) or None, "users": int(audit["audit_users"])}
     if dtypes and set(dtypes) <= {"float32"}:
         return {**out, "note": "float32 is exact (top-K identical to transformers); nothing to audit"}
@@ -252,7 +265,8 @@ def precision_audit(dtypes: list[str], audit: dict, worst: list[float]) -> dict:
         "topk_overlap": audit["audit_topk_overlap_sum"] / n if n else None,
         "max_abs_score_diff": max(worst, default=None),
         "seconds": float(audit["audit_s"]),
-        **({} if n else {"note": "half precision without an audit (compute.audit_users = 0)"}),
+        **placed,
+        **({} if n or placed else {"note": "half precision without an audit (compute.audit_users = 0)"}),
     }
 
 

@@ -4,6 +4,7 @@ shared prompt prefix, grouped-query attention without repeated keys."""
 
 import contextlib
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -426,6 +427,31 @@ def test_grouped_query_attention_without_repeated_keys_is_exact(setup, tmp_path)
 
 
 # ---------------------------------------------------------------- memory
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_parameter_count_is_the_models_own(arch, tied):
+    """parameter_count(config) equals the number of parameters transformers builds for the config, exactly."""
+    from transformers import AutoModelForCausalLM
+
+    from decoding.memory import parameter_count
+    from decoding.models import tiny_config
+
+    config = tiny_config(arch, 50)
+    config.tie_word_embeddings = tied
+    model = AutoModelForCausalLM.from_config(config)
+    assert parameter_count(model.config) == sum(p.numel() for p in model.parameters())
+
+
+def test_the_sizing_page_is_current_and_its_qwen2_shapes_are_the_published_sizes():
+    """docs/sizing.md is decoding.sizing's page; its Qwen2 shapes count the parameters of the published models
+    (Qwen2.5-0.5B: 494,032,768; 1.5B: 1,543,714,304; 7B: 7,615,616,512)."""
+    from decoding.sizing import page, sizing_rows
+
+    counts = {r["model"]: r["params"] for r in sizing_rows()}
+    assert counts == {"0.5B": 494_032_768, "1.5B": 1_543_714_304, "7B": 7_615_616_512}
+    assert (Path(__file__).parents[1] / "docs" / "sizing.md").read_text() == page()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

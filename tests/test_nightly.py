@@ -222,6 +222,76 @@ def test_a_half_precision_actor_audits_its_first_users_in_float32(world, mode):
         assert any(seen)  # random weights in bfloat16: some lists differ, and the audit says so
 
 
+@pytest.mark.parametrize("budget", ["device", "cpu", "neither"])
+def test_the_audit_goes_where_its_float32_copies_fit(world, monkeypatch, budget):
+    """A simulated budget (the device's free bytes, the host's available bytes): with room on the device the float32
+    copies go there; with a device too small for them beside the run's decode batch they go to the CPU and audit
+    the same users with the same lists as on the device; with the host too small as well the audit is skipped, its
+    reason (both budgets, in GiB) in the metric row, and no float32 copy is ever loaded."""
+    from operators.recommender import Recommender
+    from pipeline.nightly import plan_run
+
+    users = pq.read_table(world / "data" / "test.parquet", columns=["user_id", "history"])
+    spec = plan_run(config(world, world / "unused", "compute.dtype=bfloat16", "compute.audit_users=20")).spec
+    gib = 1 << 30
+    budgets = {"device": (64 * gib, 64 * gib), "cpu": (0, 64 * gib), "neither": (0, 0)}
+    monkeypatch.setattr(Recommender, "_audit_budget", lambda self: budgets[budget])
+    loads = []
+    real_load = Recommender._float32_models
+
+    def counted(self, *args):
+        out = real_load(self, *args)
+        loads.append(dict(self.float32))
+        return out
+
+    monkeypatch.setattr(Recommender, "_float32_models", counted)
+    half = Recommender(spec)
+    metric = lambda t: json.loads(t.filter(pc.equal(t["kind"], "metric"))["metrics"][0].as_py())  # noqa: E731
+    m = metric(half(users.slice(0, 11)))
+    if budget == "neither":
+        assert "audit_users" not in m and half.audit_left == 0 and not loads[0] and not half.float32
+        assert m["audit_skipped"].startswith("the float32 copies need ")
+        assert m["audit_skipped"].endswith(": the device has 0.0 GiB free, the host 0.0 GiB available")
+        assert "audit_users" not in metric(half(users.slice(11, 11)))  # skipped for the rest of the run
+        return
+    assert m["audit_users"] == 11 and m["audit_device"] == {"device": "gpu", "cpu": "cpu"}[budget]
+    assert "audit_skipped" not in m and set(loads[0]) == {"target"}
+    reference = Recommender(spec)  # room on the device: the lists the CPU placement must reproduce
+    monkeypatch.setattr(Recommender, "_audit_budget", lambda self: budgets["device"])
+    r = metric(reference(users.slice(0, 11)))
+    for key in ("audit_users", "audit_identical_lists", "audit_topk_overlap_sum", "audit_max_abs_score_diff"):
+        assert m[key] == r[key]
+
+
+def test_audit_placement_and_its_manifest_entry():
+    """audit_placement's boundaries, exact: the device when weights + one float32 user + the run's decode batch fit
+    80% of the device's free bytes less the head's buffers; else the CPU when weights + one user fit 80% of the host;
+    else skipped, with the reason. The manifest lists where the audits ran and why any was skipped; the report says
+    so."""
+    from decoding.memory import audit_placement, usable_bytes
+    from pipeline.report import audit_text
+    from pipeline.shards import precision_audit
+
+    weights, per_user, beside, host = 10 << 30, 1 << 20, 2 << 30, 32 << 30
+    device = int((weights + per_user + beside + (8 << 26)) / 0.8) + 1  # just enough on the device
+    assert usable_bytes(device) >= weights + per_user + beside > usable_bytes(device - 2)
+    assert audit_placement(weights, per_user, beside, device, host) == ("device", "")
+    assert audit_placement(weights, per_user, beside, device - 2, host) == ("cpu", "")
+    assert audit_placement(weights, per_user, beside, None, host) == ("cpu", "")  # no GPU: the host
+    small = int((weights + per_user) / 0.8) - 2  # the host just too small
+    where, why = audit_placement(weights, per_user, beside, device - 2, small)
+    assert where is None and "need 10.0 GiB (+ 2.0 GiB" in why and "the host 12.5 GiB available" in why
+    audit = {"audit_users": 0, "audit_identical_lists": 0, "audit_topk_overlap_sum": 0.0, "audit_s": 0.0}
+    a = precision_audit(["bfloat16"], audit, [], {"audit_device": set(), "audit_skipped": {why}})
+    assert a == {"dtype": "bfloat16", "users": 0, "identical_lists": 0, "topk_overlap": None,
+                 "max_abs_score_diff": None, "seconds": 0.0, "skipped": [why]}  # fmt: skip
+    assert audit_text(a) == f"bfloat16: no audit; skipped: {why}"
+    ran = {**audit, "audit_users": 4, "audit_identical_lists": 3, "audit_topk_overlap_sum": 3.5, "audit_s": 2.0}
+    a = precision_audit(["bfloat16"], ran, [0.01], {"audit_device": {"cpu", "gpu"}, "audit_skipped": set()})
+    assert a["device"] == ["cpu", "gpu"] and "skipped" not in a and "note" not in a
+    assert audit_text(a).endswith("audit 2.000 s on cpu, gpu")
+
+
 def test_a_bfloat16_run_publishes_its_precision_audit(world, ray_session, tmp_path):
     """`--set compute.dtype=bfloat16` on a CPU: the manifest's precision_audit sums the actors' audits (one batch's
     worth per actor by default), and the report shows it beside the dtype."""
