@@ -56,7 +56,8 @@ class Compute:
     # logits in float32 (decoding/head.py), but the body's rounding reorders near-ties: their ranking agreement is
     # measured by the precision audit; auto: bfloat16 on a GPU that has it, else float32
     audit_users: int | None = None  # half precision: users each actor re-decodes in float32 per run, to measure the
-    # ranking agreement (manifest precision_audit); None: one batch's worth (batch_size); 0: no audit
+    # ranking agreement (manifest precision_audit); None: one batch's worth (batch_size); 0: no audit. The float32
+    # copies go on the GPU when they fit beside the run, else on the CPU, else the audit is skipped (docs/sizing.md)
     engine: str = "eager"  # eager (the reference) | compiled: beam search on fixed shapes, each actor compiling its
     # bucket at start (decoding/compiled.py; decoding.mode beam, and auto's beam trials; the other modes run eager) |
     # auto: the run's first actor decodes trial users (the input's first) with both engines, and the run keeps the

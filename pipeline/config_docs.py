@@ -24,6 +24,9 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "infra" / "configs" / "productio
 INTRO = """\
 # Configuration reference
 
+> **On a GPU:** the `compute` fields place the work on GPUs. What fits a GPU: [sizing.md](sizing.md); what has run
+> on one, with its figures: [benchmarks.md](benchmarks.md).
+
 The nightly job reads one YAML file (`genrec-batch nightly --config FILE`) and `--set a.b=value` overrides (values
 parsed as YAML), and validates every field before anything runs: a wrong one fails with exit 2 and a message naming
 it (`config: decoding.k must be an integer >= 1, got 0`). Credentials never come from the file; a key that looks like

@@ -216,3 +216,59 @@ def test_the_output_reference_documents_every_column_and_reject_reason():
     rejects = doc_section(text, "rejects")
     reasons = re.findall(r"^    (\w+) +\S", validate.__doc__, re.M) + [DUPLICATE[0], "non_finite_logits"]
     assert reasons[0] == "missing_user_id" and all(f"| `{r}` |" in rejects for r in reasons)
+
+
+HISTORY = [  # phrases that tell the project's history, not the product: a reader cannot act on them
+    r"\bissues?\b(?! tracker)",
+    r"\bsessions?\b",
+    r"\bthis (?:machine|CPU|VM|box|laptop|host)\b",
+    r"\bthis \d+-core\b",
+    r"\b(?:was|were) lent\b",
+    r"\bthe last stop\b",
+    r"\bno GPU was\b",
+    r"\b(?:an|the) earlier (?:session|one)\b",
+    r"\bthe (?:lead|reviewer|engineer)s?\b",
+    r"\bwe (?:added|fixed|changed|removed|asked|tried)\b",
+    r"\bas (?:asked|requested)\b",
+]
+
+
+def test_the_pages_tell_no_history():
+    """README.md and docs/ speak to users: no issues, sessions, "this machine" and the like (figures name their
+    machine in benchmarks.md's provenance table instead). Fenced code is checked too."""
+    found = [
+        f"{page.relative_to(ROOT)}:{n}: {m.group()!r}"
+        for page in PAGES
+        for n, line in enumerate(page.read_text().splitlines(), 1)
+        for pattern in HISTORY
+        if (m := re.search(pattern, line, re.I))
+    ]
+    assert not found, "internal history in the pages:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize(
+    "text, flagged",
+    [
+        ("the issue that asked for this", True),
+        ("On this 2-core CPU the ratio", True),
+        ("measured on this machine", True),
+        ("no GPU was lent to the sessions", True),
+        ("a Ray session", True),
+        ("the machine that runs the driver", False),
+        ("a 2-core AMD EPYC development VM", False),
+        ("the issuer of the token", False),
+        ("report it on the issue tracker", False),
+    ],
+)
+def test_the_history_patterns_catch_history_and_spare_plain_words(text, flagged):
+    assert any(re.search(p, text, re.I) for p in HISTORY) == flagged
+
+
+def test_every_docs_page_says_what_ran_on_a_gpu():
+    """Each page of docs/ opens with the same box: what has run on a GPU, what has not, where the figures are."""
+    missing = [
+        page.name
+        for page in PAGES[1:]
+        if not any(line.startswith("> **On a GPU:** ") for line in page.read_text().splitlines()[:8])
+    ]
+    assert not missing, f"pages without the '> **On a GPU:**' box in their first lines: {missing}"

@@ -400,3 +400,23 @@ def test_head_instance_profile_may_pass_the_worker_role():
     assert pass_role["Condition"]["StringEquals"]["iam:PassedToService"] == "ec2.amazonaws.com"
     ec2 = {a for s in allowed for a in ([s["Action"]] if isinstance(s["Action"], str) else s["Action"])}
     assert {"ec2:RunInstances", "ec2:TerminateInstances", "ec2:DescribeInstances", "ec2:CreateTags"} <= ec2
+
+
+def test_the_cluster_launchers_config_fits_its_gpus():
+    """The config the cluster launcher submits (infra/cluster/aws-gpu.yaml's comment and infra/README) is sized for its
+    workers' GPUs (g5.xlarge: one 24 GB A10G): in docs/sizing.md's estimate its target decodes a whole shard
+    (compute.batch_size) per decode, with the precision audit's float32 copies on the GPU."""
+    from decoding.sizing import sizing_rows
+    from pipeline.config import load_config
+
+    launcher = LAUNCHER.read_text()
+    named = set(re.findall(r"--config (infra/configs/\S+)", launcher))
+    named |= set(
+        re.findall(r"--config (infra/configs/\S+)", (INFRA / "README.md").read_text().split("aws-gpu.yaml")[-1])
+    )
+    assert named == {"infra/configs/g5.example.yaml"} and "InstanceType: g5.xlarge" in launcher
+    cfg = load_config(str(ROOT / "infra" / "configs" / "g5.example.yaml"))
+    size = re.search(r"target-([\d.]+)b/?$", cfg.models.target)[1] + "B"
+    (row,) = [r for r in sizing_rows() if (r["model"], r["dtype"], r["gpu_gb"]) == (size, cfg.compute.dtype, 24)]
+    assert row["batch"] >= cfg.compute.batch_size and row["audit"] == "GPU"
+    assert cfg.compute.cpus_per_actor < 4  # a g5.xlarge has 4 vCPUs: one left for the data tasks
