@@ -153,6 +153,23 @@ def test_no_exclusions_and_slices_are_exact(catalog):
         beam_search(model, ids[:2], mask[:2], catalog, 5, exclude=ex)
 
 
+def test_exclusions_move_to_another_device_whole(catalog):
+    """Exclusions.to (the precision audit's float32 copies on the CPU of a GPU actor): every tensor moves (the meta
+    device shows a field left behind), the rest is kept, and the copy excludes what the original does."""
+    model = tiny_model("qwen2", catalog.vocab_size, seed=3)
+    ids, mask = left_padded_prompts(8, LENGTHS, catalog.vocab_size, seed=5)
+    lists = exclusion_lists(catalog, beam_search(model, ids, mask, catalog, 5).item_ids, 5)
+    ex = Exclusions.from_items(catalog, *as_pairs(lists), 8).select(torch.arange(2, 8))
+    moved = ex.to("meta")
+    assert {t.device.type for t in [moved.leaves, *moved.closed, moved.rows, moved.parent]} == {"meta"}
+    assert (moved.nodes, moved.level_start) == (ex.nodes, ex.level_start)
+    copy, rows = ex.to("cpu"), torch.arange(2, 8)
+    n = int(mask[rows].sum(1).max())
+    a = beam_search(model, ids[rows, -n:], mask[rows, -n:], catalog, 5, exclude=ex)
+    b = beam_search(model, ids[rows, -n:], mask[rows, -n:], catalog, 5, exclude=copy)
+    assert torch.equal(a.item_ids, b.item_ids) and torch.equal(a.scores, b.scores)
+
+
 # ------------------------------------------------------------------ speculative decoding
 
 
