@@ -20,6 +20,7 @@ import torch
 
 from decoding.cache import TreeCache
 from decoding.catalog import Catalog, Exclusions
+from decoding.draws import Generator, gumbel, stream
 from decoding.head import Head
 from decoding.models import check_window
 from decoding.stats import PHASES, Meter, beam_batch_kv
@@ -289,12 +290,12 @@ def expand_beams(kids: Children, score: torch.Tensor, k: int):
     return pick(cand, tok, child, d, topk_stable(cand, k)[1])
 
 
-def gumbel_like(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    u = torch.rand(x.shape, generator=generator, device=x.device, dtype=torch.float64).clamp(1e-300, 1.0)
-    return -torch.log(-torch.log(u))
+def gumbel_like(x: torch.Tensor, generator: Generator) -> torch.Tensor:
+    """Gumbel noise shaped like x [B, ...] float64: torch's generator, or per-user draws (decoding/draws.py)."""
+    return gumbel(x.shape, generator, x.device)
 
 
-def sample_beams(kids: Children, score: torch.Tensor, k: int, temperature: float, generator: torch.Generator | None):
+def sample_beams(kids: Children, score: torch.Tensor, k: int, temperature: float, generator: Generator):
     """Sampling-based beam step: k (beam, token) pairs drawn WITHOUT replacement with probability proportional to
     exp((score + log p(token)) / temperature) over the valid children (Gumbel top-k), in draw order.
     -> score, parent beam, token, node [B, k], the candidates' log-weights [B, W*D], the drawn flat indices [B, k]."""
@@ -409,7 +410,7 @@ def beam_search(
     tie_gap = torch.full((b,), float("inf"), device=dev)  # [B] closest call between the k-th and (k+1)-th candidate
     for level in range(depth):
         if do_sample:
-            score, beam, token, node, _, _ = sample_beams(kids, score, k, temperature, generator)
+            score, beam, token, node, _, _ = sample_beams(kids, score, k, temperature, stream(generator, level))
         else:
             cand, tok, child, d = candidates(kids, score)
             values, flat = topk_stable(cand, k + 1)  # [B, k + 1]

@@ -34,17 +34,19 @@ from decoding.beam import (
     Recommendations,
     check_prompts,
     forward,
-    gumbel_like,
     head_of,
     prefill,
     prompt_tree,
 )
 from decoding.cache import TreeCache
 from decoding.catalog import Catalog, Exclusions, count_at
+from decoding.draws import GOLDEN, Generator, UserDraws, gumbel, mix, stream, uniform, unit
 from decoding.stats import Meter, beam_batch_kv
 from decoding.tree import TokenTree
 
 NEG_INF = float("-inf")
+PROPOSE, ACCEPT, RESAMPLE = 0, 1, 2  # the call sites of a pass's per-user draws (decoding/draws.py)
+DRAW_STRIDE = 1 << 20  # per-user draws: element index of proposal j of a user's draw s = s * DRAW_STRIDE + j
 
 
 @dataclass
@@ -97,12 +99,7 @@ def token_gumbel(seed: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     """Gumbel noise [...] float64 keyed by (seed, key) through the SplitMix64 finaliser: a token's noise depends on
     the draw, the user, the proposal, the level and the token id only, not on where it sits among the candidates (so
     PPV with a top-M covering the vocabulary draws exactly what the exact mask draws), with no [B, P, V] tensor."""
-    x = (key + seed) * -7046029254386353131  # 0x9E3779B97F4A7C15, wrapping int64 arithmetic
-    x = (x ^ ((x >> 30) & ((1 << 34) - 1))) * -4658895280553007687  # 0xBF58476D1CE4E5B9
-    x = (x ^ ((x >> 27) & ((1 << 37) - 1))) * -7723592293110705685  # 0x94D049BB133111EB
-    x = x ^ ((x >> 31) & ((1 << 33) - 1))
-    u = (((x >> 11) & ((1 << 53) - 1)).double() + 0.5) / 2.0**53  # (0, 1)
-    return -torch.log(-torch.log(u))
+    return -torch.log(-torch.log(unit(mix((key + seed) * GOLDEN))))
 
 
 def drawn_counts(catalog: Catalog, draws: Draws, epochs: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,8 +144,9 @@ def open_children(
 @dataclass
 class Proposals:
     """The proposals one `propose` decodes together, token by token [B, P]: the pass that launched each one's draw
-    (its epoch), the key of its Gumbel noise (with `seed` [1]: the user and the proposal), the trie node it stands on
-    (-1 = dead), its tokens [B, P, L] and trie path [B, P, L + 1] so far, log x (float64) and log p (temperature 1)."""
+    (its epoch), the key of its Gumbel noise (with `seed` [1], or [B, 1, 1] per user: the user and the proposal),
+    the trie node it stands on (-1 = dead), its tokens [B, P, L] and trie path [B, P, L + 1] so far, log x (float64)
+    and log p (temperature 1)."""
 
     epoch: torch.Tensor
     seed: torch.Tensor
@@ -160,18 +158,23 @@ class Proposals:
     log_p: torch.Tensor
 
     @staticmethod
-    def start(wanted: torch.Tensor, epoch: torch.Tensor, code_len: int, generator) -> Proposals:
-        """The proposal slots wanted [B, P] at the trie's root (the others dead) of draws launched in epoch [B, P]."""
+    def start(wanted: torch.Tensor, epoch: torch.Tensor, code_len: int, generator: Generator, now: int) -> Proposals:
+        """The proposal slots wanted [B, P] at the trie's root (the others dead) of draws launched in epoch [B, P],
+        decoded in pass `now` (per-user draws: each user's seed for this pass, proposals keyed by their slot)."""
         (b, p), dev = wanted.shape, wanted.device
         node = torch.where(wanted, 0, -1)
         paths = torch.full((b, p, code_len + 1), -1, dtype=torch.int64, device=dev)
         paths[:, :, 0] = node
-        user = torch.arange(b, device=dev)[:, None].expand(b, p)
-        seed = torch.randint(1 << 62, (1,), generator=generator, device=generator.device if generator else "cpu")
+        slot = torch.arange(p, device=dev)[None, :].expand(b, p)  # a user's proposals are packed in draw order
+        if isinstance(generator, UserDraws):
+            seed, user = generator.at(PROPOSE, now).keys()[:, None, None], torch.zeros_like(slot)
+        else:
+            seed = torch.randint(1 << 62, (1,), generator=generator, device=generator.device if generator else "cpu")
+            user = torch.arange(b, device=dev)[:, None].expand(b, p)
         return Proposals(
             epoch,
             seed.to(dev),
-            (user * p + torch.arange(p, device=dev)) * code_len,  # [B, P] (user, proposal) key base
+            (user * p + slot) * code_len,  # [B, P] (user, proposal) key base
             node,
             torch.zeros(b, p, code_len, dtype=torch.int64, device=dev),
             paths,
@@ -192,7 +195,7 @@ class Proposer:
     catalog: Catalog
     top_m: int | None
     temperature: float
-    generator: torch.Generator | None
+    generator: Generator  # torch's, or per-user draws (rows: the batch's users)
     exclude: Exclusions | None
     meter: Meter
     cache: TreeCache = field(init=False)
@@ -279,7 +282,7 @@ class Proposer:
         launched in epoch [B, P] (drawn: the items they exclude, `drawn_counts`, besides the users' own `exclude`),
         reusing every trie node scored before; counted into the statistics. -> tokens [B, P, L], paths [B, P, L + 1]
         (trie nodes, -1 = dead), log x [B, P], log p [B, P] (temperature 1)."""
-        proposals = Proposals.start(wanted, epoch, self.catalog.code_len, self.generator)
+        proposals = Proposals.start(wanted, epoch, self.catalog.code_len, self.generator, epochs - 1)
         for level in range(self.catalog.code_len):
             if level and not (proposals.node >= 0).any():
                 break  # every proposal is dead (log x = -inf already)
@@ -419,6 +422,7 @@ class Draws:
     log_x: torch.Tensor
     used: torch.Tensor
     accepted: torch.Tensor
+    serial: torch.Tensor  # [B, D] the draw's place among its user's draws (-1: a filler column), for per-user draws
 
     @staticmethod
     def empty(b: int, code_len: int, device) -> Draws:
@@ -439,6 +443,7 @@ class Draws:
             full((b, d), NEG_INF, torch.float64),
             full((b, d), 0, torch.float32),
             full((b, d), False, torch.bool),
+            full((b, d), -1, torch.int64),
         )
 
     def missing(self, k: int) -> torch.Tensor:
@@ -464,6 +469,8 @@ class Draws:
         new = Draws.blank(b, m, code_len, need.device)
         new.open = torch.arange(m, device=need.device)[None, :] < need[:, None]
         new.epoch.fill_(epoch)
+        launched = (self.serial >= 0).sum(1, keepdim=True)  # [B, 1]
+        new.serial = torch.where(new.open, launched + torch.arange(m, device=need.device), -1)
         for f in fields(Draws):
             setattr(self, f.name, torch.cat([getattr(self, f.name), getattr(new, f.name)], 1))
 
@@ -472,7 +479,7 @@ class Draws:
         final, turn = self.turns(r, waves)  # [B, D]
         n = torch.where(self.open, turn + torch.where(final, r, 0), 0)  # [B, D] proposals decoded this pass
         tokens, paths, log_x, log_p = self.decode(run, n, epoch)  # [B, D, W, ...]
-        ok, first, pick = choose(log_x, turn, n, r, run.generator)  # [B, D]
+        ok, first, pick = choose(log_x, turn, n, r, run.generator, self.serial, epoch)  # [B, D]
         done = self.open & (ok | final)
         kept_x = kept(log_x, pick)
         dead = done & ~torch.isfinite(kept_x)  # the kept proposal found no item left (x = 0)
@@ -519,22 +526,24 @@ class Draws:
         return [per_draw(x) for x in decoded]
 
 
-def choose(log_x: torch.Tensor, turn: torch.Tensor, n: torch.Tensor, r: int, generator):
+def choose(log_x: torch.Tensor, turn: torch.Tensor, n: torch.Tensor, r: int, generator: Generator, serial, now: int):
     """Each draw's kept proposal among the n [B, D] it decoded this pass (log x [B, D, W]): the first of the `turn`
     [B, D] in turn that is accepted, with probability x (always, for constrained sampling: r = 0), else one of the
     r fresh ones that follow them, resampled with weights x. -> (one was accepted, the first accepted, the kept
-    proposal) [B, D]."""
-    b, d, w = log_x.shape
-    j = torch.arange(w, device=log_x.device)  # [W]
+    proposal) [B, D]. Per-user draws key each proposal by pass `now`, its draw's serial [B, D] and its place j."""
+    (b, d, w), dev = log_x.shape, log_x.device
+    j = torch.arange(w, device=dev)  # [W]
+    index = serial.clamp(min=0)[:, :, None] * DRAW_STRIDE + j  # [B, D, W] per-user draws' element keys
     in_turn = j < turn[:, :, None]  # [B, D, W]
     if r == 0:
         accept = in_turn
     else:
-        u = torch.rand(b, d, w, generator=generator, device=log_x.device, dtype=torch.float64)
+        u = uniform((b, d, w), stream(generator, ACCEPT, now), dev, index)
         accept = in_turn & (u.log() < log_x)
     ok, first = accept.any(2), accept.int().argmax(2)  # in order: the first accepted proposal
     fresh = log_x.masked_fill(in_turn | (j >= n[:, :, None]), NEG_INF)  # [B, D, W] the r fresh ones
-    return ok, first, torch.where(ok, first, (fresh + gumbel_like(fresh, generator)).argmax(2))  # else resample by x
+    noise = gumbel((b, d, w), stream(generator, RESAMPLE, now), dev, index)
+    return ok, first, torch.where(ok, first, (fresh + noise).argmax(2))  # else resample by x
 
 
 def kept(x: torch.Tensor, pick: torch.Tensor) -> torch.Tensor:
@@ -551,7 +560,7 @@ def constrained_sample(
     k: int = 1,
     top_m: int | None = None,
     temperature: float = 1.0,
-    generator: torch.Generator | None = None,
+    generator: Generator = None,
     prefix: Prefix | None = None,
     exclude: Exclusions | None = None,
 ) -> Recommendations:
@@ -571,7 +580,7 @@ def disc_sample(
     rounds: int = 4,
     top_m: int | None = None,
     temperature: float = 1.0,
-    generator: torch.Generator | None = None,
+    generator: Generator = None,
     prefix: Prefix | None = None,
     exclude: Exclusions | None = None,
 ) -> Recommendations:

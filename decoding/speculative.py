@@ -36,6 +36,7 @@ Read top to bottom: `speculative_beam_search` (the loop), `start`, `first_step`,
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +58,7 @@ from decoding.beam import (
     sample_beams,
 )
 from decoding.catalog import Catalog, Exclusions
+from decoding.draws import Generator, select, stream, uniform
 from decoding.stats import Meter, beam_batch_kv
 from decoding.tree import TokenTree
 
@@ -190,13 +192,18 @@ class Extend:
     catalog: Catalog
     relaxed: bool
     temperature: float
-    generator: torch.Generator | None
+    generator: Generator  # relaxed: torch's, or per-user draws (rows: the active users, selected with them)
     exclude: Exclusions | None = None
+    round: int = 0  # the round being decoded: with `site`, names a call's per-user draws
 
-    def __call__(self, kids: Children, score: torch.Tensor, count: int) -> Step:
+    def __call__(self, kids: Children, score: torch.Tensor, count: int, site: tuple[int, ...] = ()) -> Step:
         if self.relaxed:
-            return Step(*sample_beams(kids, score, count, self.temperature, self.generator))
+            return Step(*sample_beams(kids, score, count, self.temperature, self.draws(*site)))
         return Step(*expand_beams(kids, score, count))
+
+    def draws(self, *site: int) -> Generator:
+        """The random numbers of one call site of this round (per-user draws: tagged by round and site)."""
+        return stream(self.generator, self.round, *site)
 
     def score(self, model, hidden: torch.Tensor, node: torch.Tensor) -> Children:
         """The children of tree nodes at catalog nodes node [A, Q] (any levels) from their hidden states."""
@@ -306,14 +313,15 @@ def speculative_beam_search(
     gamma: int | None = None,
     verification: str = "strict",
     temperature: float = 1.0,
-    generator: torch.Generator | None = None,
+    generator: Generator = None,
     prefix: Prefix | None = None,
     exclude: Exclusions | None = None,
 ) -> Recommendations:
     """input_ids, attention_mask [B, S] left-padded (continuing `prefix` when given; per-user exclusions `exclude`
     as in beam_search) -> exactly `beam_search(target, ...)`'s top-k items per user (strict; draft_beams N defaults
     to max(40, k)), or a draw of `beam_search(target, do_sample=True, ...)` (relaxed: the draft proposes the K
-    sequences that the K draws verify, so draft_beams is K).
+    sequences that the K draws verify, so draft_beams is K). `generator`: torch's, or per-user draws
+    (decoding/draws.py: a user's draws are then the same in any batch).
     stats: the base keys (decoding/stats.py) plus accepted_steps [B], drafted_steps [B], rounds [B] and
     accepted_hist [gamma + 1]: (user, round) pairs by the number of drafted steps the round accepted."""
     code_len = catalog.code_len
@@ -342,7 +350,10 @@ def speculative_beam_search(
     accepted_hist = torch.zeros(gamma + 1, dtype=torch.int64, device=dev)
     if code_len == 1:  # done after the free step
         users = users[:0]
-    while users.numel():
+    for r in itertools.count():
+        if not users.numel():
+            break
+        extend.round = r  # every active user's r-th round
         g = (code_len - 1 - beams.depth).clamp(max=gamma)  # [A] steps drafted (sorted: descending)
         with meter.phase("draft"):
             drafts = draft_steps(drf, beams, g, n, extend, meter)
@@ -369,6 +380,7 @@ def speculative_beam_search(
         if order.numel() != done.numel() or not torch.equal(order, torch.arange(done.numel(), device=dev)):
             users, beams = users[order], beams.select(order)
             extend.exclude = extend.exclude.select(order) if extend.exclude is not None else None
+            extend.generator = select(extend.generator, order)
             tgt.select(order)
             drf.select(order)
         if users.numel():  # pruned branches leave both caches
@@ -440,7 +452,7 @@ def first_step(extend: Extend, tgt: Side, k: int, code_len: int) -> Beams:
     """Step 1 from the prefill's log-probs at the prompt: the K beams at depth 1."""
     b, dev = tgt.leaf.shape[0], tgt.leaf.device
     root = torch.zeros(b, 1, dtype=torch.int64, device=dev)
-    step = extend(tgt.kids.take(root), root.float(), k)  # [B, K]
+    step = extend(tgt.kids.take(root), root.float(), k, (0,))  # [B, K]
     tokens = torch.full((b, k, code_len), -1, dtype=torch.int64, device=dev)
     tokens[:, :, 0] = torch.where(step.node >= 0, step.token, -1)
     return Beams(tokens, step.score, step.node, torch.ones(b, dtype=torch.int64, device=dev))
@@ -466,7 +478,7 @@ def draft_steps(drf: Side, beams: Beams, g: torch.Tensor, n: int, extend: Extend
     drafts = []
     score, node, kids, tree = beams.score, beams.node, drf.kids, drf.leaf  # D_0: the beams
     for i in range(1, steps + 1):
-        step = extend(kids, score, n)  # [A, N]
+        step = extend(kids, score, n, (1, i))  # [A, N]
         live = (step.node >= 0) & (i <= g)[:, None]
         parent_tree = torch.where(live, tree.gather(1, step.parent.clamp(min=0)), -1)
         score, node = torch.where(live, step.score, NEG_INF), torch.where(live, step.node, -1)
@@ -542,7 +554,7 @@ def accept(tgt: Side, drf: Side, beams: Beams, verification: Verification, exten
     for j in range(1, len(drafts) + 2):
         drafted = drafts[j - 1] if j <= len(drafts) else None
         moving = accepting & (beams.depth < beams.tokens.shape[2])  # these users' beams advance to T_j
-        step, accepted, idx = target_step(extend, tgt, beams, drafted, moving & (j <= g))
+        step, accepted, idx = target_step(extend, tgt, beams, drafted, moving & (j <= g), j)
         defer_correction(tgt, drf, moving & ~accepted, step, last)
         beams.advance(moving, step)
         if drafted is not None:
@@ -556,21 +568,21 @@ def accept(tgt: Side, drf: Side, beams: Beams, verification: Verification, exten
 
 
 def target_step(
-    extend: Extend, tgt: Side, beams: Beams, drafted: Drafted | None, drafting: torch.Tensor
+    extend: Extend, tgt: Side, beams: Beams, drafted: Drafted | None, drafting: torch.Tensor, j: int
 ) -> tuple[Step, torch.Tensor, torch.Tensor | None]:
     """T_j, the target's own step from the beams (strict: its exact top-K; relaxed, for the users drafting [A]: K
     draws that accept the drafted sequences D_j in order with probability min(1, P_i / Q_i)), and whether it
     verifies D_j (strict: every sequence of T_j was drafted; relaxed: all K draws accepted).
     -> (T_j [A, K], accepted [A], the drafted index of each sequence of T_j [A, K]; None past the last drafted step)."""
     a, k = beams.score.shape
-    step = extend(tgt.kids, beams.score, k)  # T_j: fresh where nothing was drafted
+    step = extend(tgt.kids, beams.score, k, (2, j))  # T_j: fresh where nothing was drafted
     if drafted is None:
         return step, torch.zeros_like(drafting), None
     if not extend.relaxed:
         all_drafted, idx = covered(step.node, drafted.node)
         return step, drafting & all_drafted, idx
     cand, tok, child, width = candidates(tgt.kids, beams.score)
-    drawn, all_accepted = relaxed_draws(step.weight, drafted.step.weight, drafted.step.flat, extend.generator)
+    drawn, all_accepted = relaxed_draws(step.weight, drafted.step.weight, drafted.step.flat, extend.draws(3, j))
     step = Step(*pick(cand, tok, child, width, drawn)).where(drafting, step)
     return step, drafting & all_accepted, torch.arange(k, device=drawn.device).expand(a, k)  # D_j, in its order
 
@@ -595,7 +607,7 @@ def pad_rows(kids: Children, rows: int) -> Children:
     return Children(pad(kids.token, 0), pad(kids.node, -1), pad(kids.logp, NEG_INF), pad(kids.broken, False))
 
 
-def relaxed_draws(p_weight: torch.Tensor, q_weight: torch.Tensor, proposals: torch.Tensor, generator):
+def relaxed_draws(p_weight: torch.Tensor, q_weight: torch.Tensor, proposals: torch.Tensor, generator: Generator):
     """Relaxed sampling verification of one step, exact in distribution.
     p_weight, q_weight [A, C]: the target's and the draft's log-weights over the same candidates (-inf = none);
     proposals [A, k]: the draft's draws, without replacement from Q, in draw order. Draw i accepts proposal i with
@@ -613,7 +625,7 @@ def relaxed_draws(p_weight: torch.Tensor, q_weight: torch.Tensor, proposals: tor
     rest_p = (1 - (p_d.cumsum(1) - p_d)).clamp(min=1e-300)  # mass left before draw i
     rest_q = (1 - (q_d.cumsum(1) - q_d)).clamp(min=1e-300)
     ratio = (p_d / rest_p) / (q_d / rest_q).clamp(min=1e-300)
-    u = torch.rand(a, k, generator=generator, device=p_weight.device, dtype=torch.float64)
+    u = uniform((a, k), stream(generator, 0), p_weight.device)
     accept = (u < ratio) | ~live
     r = accept.long().cumprod(1).sum(1)  # [A] accepted draws before the first rejection (k: all)
     m = torch.arange(k, device=p_weight.device)
@@ -625,9 +637,9 @@ def relaxed_draws(p_weight: torch.Tensor, q_weight: torch.Tensor, proposals: tor
     log_res = torch.where(residual > 0, residual.log(), float("-inf"))
     fallback = torch.where(taken, float("-inf"), lp)  # only if rounding left no residual mass
     log_res = torch.where(torch.isfinite(log_res).any(1, keepdim=True), log_res, fallback)
-    x = (log_res + gumbel_like(log_res, generator)).argmax(1)  # [A] the resampled draw
+    x = (log_res + gumbel_like(log_res, stream(generator, 1))).argmax(1)  # [A] the resampled draw
     later = torch.where(taken | (torch.arange(c, device=p_weight.device) == x[:, None]), float("-inf"), lp)
-    rest = torch.topk(later + gumbel_like(later, generator), k, dim=1)  # the remaining draws, from P
+    rest = torch.topk(later + gumbel_like(later, stream(generator, 2)), k, dim=1)  # the remaining draws, from P
     rest_idx = torch.where(torch.isfinite(rest.values), rest.indices, c)
     drawn = torch.where(
         m < r[:, None],

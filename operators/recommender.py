@@ -19,12 +19,12 @@ import logging
 import os
 import socket
 import time
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 
 from decoding.beam import Prefix, Recommendations, beam_search
@@ -40,6 +40,7 @@ from decoding.compiled import (
     warm_up,
 )
 from decoding.disc import disc_sample
+from decoding.draws import UserDraws, user_seeds
 from decoding.memory import audit_placement, decode_bytes_per_user, fit_batch, free_device_memory, host_free_memory
 from decoding.metrics import same_within_ties, topk_agreement
 from decoding.models import check_window, load_config, load_model, load_tokenizer
@@ -60,7 +61,7 @@ COMPILED_EXTRAS = {  # the compiled engine's extra stats, set on an eager fallba
     "graphs_compiled": 0,
 }
 log = logging.getLogger("genrec.actor")
-SAMPLING = ("atspeed-relaxed", "disc")  # modes whose items are draws (seeded by the users decoded together)
+SAMPLING = ("atspeed-relaxed", "disc")  # modes whose items are draws (per user: decoding/draws.py)
 NON_FINITE = (
     "the model's log-probabilities were NaN or infinite while decoding this user (e.g. a float16 "
     "overflow); its items would not be the model's"
@@ -110,6 +111,37 @@ class Decoded:
         """A batch without a valid row: nothing decoded."""
         none = np.zeros((0, k), np.int64), np.zeros((0, k), np.float32), np.zeros(0, bool)
         return cls(mode, *none, dict.fromkeys(BASE_KEYS, 0), {})
+
+    def unsort(self, order: np.ndarray) -> Decoded:
+        """Rows decoded in `order` [U] (row i is input row order[i]) -> the rows in input order."""
+        back = np.argsort(order)
+        return Decoded(self.mode, self.items[back], self.scores[back], self.broken[back], self.stats, self.audit)
+
+
+def length_order(mask: torch.Tensor, users) -> np.ndarray:
+    """Prompts' attention mask [U, S] and user ids [U] -> the rows by prompt length, then user id [U]: the same
+    decode order for any permutation of the same users."""
+    key = pa.table({"length": pa.array(mask.sum(1).cpu().numpy()), "user": users})
+    return pc.sort_indices(key, sort_keys=[("length", "ascending"), ("user", "ascending")]).to_numpy()
+
+
+def trim_padding(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompts ids, mask [U, S] -> without the leading columns that no user of them needs [U, S']."""
+    used = mask.any(0).nonzero()
+    first = int(used[0]) if len(used) else 0
+    return ids[:, first:], mask[:, first:]
+
+
+def padding_metrics(stats: dict) -> dict:
+    """A decode's prompt positions (the prefills' users x columns over every slice, the shared prefix left out),
+    those that were left padding, their fraction, and the KV tokens of left padding held at the peak."""
+    positions, padding = int(stats.get("prompt_positions", 0)), int(stats.get("prompt_padding", 0))
+    return {
+        "prompt_positions": positions,
+        "prompt_padding": padding,
+        "prompt_padding_fraction": padding / positions if positions else None,
+        "kv_padding_tokens": int(stats.get("kv_padding_tokens", 0)),
+    }
 
 
 def recommendation_table(users: pa.Array, items: np.ndarray, scores: np.ndarray, mode: str) -> pa.Table:
@@ -513,10 +545,22 @@ class Recommender:
 
     def _decode_batch(self, prompts: Prompts, users, exclude: Exclusions | None) -> Decoded:
         """The validated users' prompts [U, S] decoded by this batch's decoder (auto: the one whose turn it is), in
-        slices that fit, the first users audited while the audit lasts -> Decoded (empty when no row was valid)."""
+        slices that fit, ordered by prompt length (compute.order_by_length; the result in input order), the first
+        users audited while the audit lasts -> Decoded (empty when no row was valid)."""
         mode = self.auto.next() if self.auto else self.spec.decoding.mode
         if not len(users):
             return Decoded.empty(mode, self.spec.decoding.k)
+        if not self.spec.order_by_length:
+            return self._decode_rows(mode, prompts, users, exclude, np.arange(len(users)))
+        order = length_order(prompts.attention_mask, users)  # [U]
+        rows = torch.from_numpy(order)
+        prompts = Prompts(prompts.input_ids[rows], prompts.attention_mask[rows])
+        exclude = exclude.select(rows.to(self.device)) if exclude is not None else None
+        return self._decode_rows(mode, prompts, users.take(pa.array(order)), exclude, order).unsort(order)
+
+    def _decode_rows(self, mode: str, prompts: Prompts, users, exclude: Exclusions | None, order) -> Decoded:
+        """`_decode_batch` of the users in decode order (row i: input row order[i]); the audit takes the first in
+        input order."""
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         ids, mask = prompts.input_ids.to(self.device), prompts.attention_mask.to(self.device)
@@ -529,7 +573,8 @@ class Recommender:
         if self.auto:
             self.auto.record(mode, sum(rec.stats[key] for key in PHASES), len(users))
         broken = rec.stats["non_finite"].cpu().numpy()  # [U] NaN / inf log-probs: rejected, never a short list
-        pick = np.nonzero(~broken)[0][: self.audit_left]  # the first decoded users, while the audit lasts
+        ok = np.nonzero(~broken)[0]
+        pick = ok[np.argsort(order[ok], kind="stable")][: self.audit_left]  # the first users, while the audit lasts
         audit = self._audit(mode, ids, mask, users, rec, pick, exclude) if len(pick) else {}
         items = rec.item_ids.cpu().numpy()  # [U, k]
         items[broken] = -1
@@ -635,18 +680,17 @@ class Recommender:
         self, mode: str, ids, mask, users, target, draft, batch: int, exclude: Exclusions | None = None
     ) -> tuple[Recommendations, int]:
         """The users [U, S] in consecutive slices of `batch` users, a slice that runs out of memory halved and retried
-        (the slices already decoded stay) -> (one Recommendations, the batch it ended at). Sampling modes seed each
-        slice by its users."""
-        parts, a = [], 0
+        (the slices already decoded stay), each without the left padding none of its users needs -> (one
+        Recommendations, the batch it ended at); its stats count the prompt positions, padding and padding's KV
+        tokens (`padding_metrics`). Sampling modes draw per user: a slice draws what the whole batch would."""
+        parts, a, widths = [], 0, []
         while a < ids.shape[0]:
             rows = torch.arange(a, min(a + batch, ids.shape[0]), device=ids.device)
             part = exclude.select(rows) if exclude is not None else None  # the slice's users' exclusions
+            slice_ids, slice_mask = trim_padding(ids[a : a + batch], mask[a : a + batch])
             try:
-                parts.append(
-                    self._decode(
-                        mode, target, draft, ids[a : a + batch], mask[a : a + batch], users.slice(a, batch), part
-                    )
-                )
+                parts.append(self._decode(mode, target, draft, slice_ids, slice_mask, users.slice(a, batch), part))
+                widths.append((len(rows), slice_mask.shape[1], int(slice_mask.sum())))
                 a += batch
             except torch.OutOfMemoryError:
                 if batch == 1:
@@ -654,7 +698,14 @@ class Recommender:
                 batch //= 2
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
-        return Recommendations.concat(parts), batch
+        rec = Recommendations.concat(parts)
+        holding = 2 if draft is not None and mode.startswith("atspeed") else 1  # models whose caches hold the prompts
+        rec.stats.update(
+            prompt_positions=sum(n * s for n, s, _ in widths),
+            prompt_padding=sum(n * s - t for n, s, t in widths),
+            kv_padding_tokens=max(holding * (n * s - t) for n, s, t in widths),
+        )
+        return rec, batch
 
     def _compiled_since(self) -> dict:
         """The engine, and the seconds and graphs the actor compiled since its last metric row (its first row: the
@@ -713,16 +764,17 @@ class Recommender:
         return exclude, {**counts, "excluded_items": int(per_user.sum()), "excluded_max": int(per_user.max())}
 
     def _decode(self, mode: str, target, draft, ids, mask, users, exclude: Exclusions | None = None):
-        """One decode of the users ids [U, S] by `mode`'s decoder -> Recommendations. Sampling modes draw from a
-        generator seeded by the users, so that a retried batch draws the same items."""
+        """One decode of the users ids [U, S] by `mode`'s decoder -> Recommendations. Sampling modes draw per user
+        (decoding/draws.py), seeded by decoding.seed and the user's id: a user draws the same items in any batch
+        (reordered, a halved slice, a retried or resumed shard)."""
         d, shared = self.spec.decoding, {"prefix": self.prefix, "exclude": exclude}
         catalog, answer = (self.catalog, self.answer) if target.device.type == self.device.type else self.on_cpu
         if mode == "beam" and target is self.target and self.engine == "compiled":
             return self._compiled_beam(ids, mask, shared)
         if mode == "beam":  # the eager engine: the reference, and the audit's and trials' reference dtypes
             return beam_search(target, ids, mask, catalog, d.k, engine="eager", answer=answer, **shared)
-        seed = (d.seed * 1_000_003 + zlib.crc32(str(users.to_pylist()).encode())) % (2**63)
-        shared.update(temperature=d.temperature, generator=torch.Generator(device=target.device).manual_seed(seed))
+        draws = UserDraws(user_seeds(d.seed, users.to_pylist(), ids.device))
+        shared.update(temperature=d.temperature, generator=draws)
         if mode == "disc":
             return disc_sample(target, ids, mask, catalog, d.k, rounds=d.rounds, top_m=d.top_m, **shared)
         drafting = {"draft_beams": d.draft_beams, "gamma": d.gamma, "verification": mode.removeprefix("atspeed-")}
@@ -767,8 +819,8 @@ class Recommender:
     ) -> dict:
         """The precision audit: the users at `pick` (rows of this batch, decoded in half precision into `rec`)
         re-decoded by the float32 models with the same mode -> their agreement (metrics keys audit_*). A sampling
-        mode decodes them again in half precision too, so that both draws share one seed. The float32 copies go where
-        they fit (_float32_models); where nothing fits, the audit is skipped and says why (audit_skipped)."""
+        mode's draws are per user, the same in both precisions' decodes. The float32 copies go where they
+        fit (_float32_models); where nothing fits, the audit is skipped and says why (audit_skipped)."""
         t0 = time.perf_counter()
         sel = torch.as_tensor(pick, device=self.device)
         ids, mask, users = ids[sel], mask[sel], users.take(pa.array(pick))
@@ -784,18 +836,6 @@ class Recommender:
         ref, _ = self._decode_slices(
             mode, ids.to(on), mask.to(on), users, *f32, self._first_batch(mode, ids, *f32), moved
         )
-        if mode in SAMPLING:  # the same draws' seed: the audited users decoded together in half precision too
-            rec, _ = self._decode_slices(
-                mode,
-                ids,
-                mask,
-                users,
-                self.target,
-                self.draft,
-                self._first_batch(mode, ids, self.target, self.draft, self.oom_batch),
-                exclude,
-            )
-            sel = slice(None)
         agree = topk_agreement(*(t.cpu() for t in (ref.item_ids, ref.scores, rec.item_ids[sel], rec.scores[sel])))
         self.audit_left -= len(pick)
         if not self.audit_left:  # done for this run: the float32 copies leave the device
@@ -856,6 +896,7 @@ class Recommender:
             "k": d.k,
             **counts,
             **decoder_metrics(decoded.stats, wall),
+            **padding_metrics(decoded.stats),
             "peak_memory_bytes": torch.cuda.max_memory_allocated() if self.device.type == "cuda" else None,
             "decode_batch": self.decode_batch if ok else None,
             "actor_ready_at": self.ready_at if self.batches == 0 else None,  # on the actor's first batch only

@@ -28,8 +28,8 @@ class Decoding:
     temperature: float = 1.0  # atspeed-relaxed and disc
     rounds: int = 4  # disc
     top_m: int | None = None  # disc: None = exact mask, M = PPV over the top-M tokens
-    seed: int = 0  # the sampling modes' seed (atspeed-relaxed, disc), mixed with the users decoded together: a retried
-    # batch draws the same items
+    seed: int = 0  # the sampling modes' seed (atspeed-relaxed, disc), mixed with each user's id (decoding/draws.py):
+    # a user draws the same items in any batch (reordered, a halved slice, a retried or resumed shard)
     auto_trials: int = 2  # auto: batches decoded with each of beam and atspeed-strict before choosing
     exclude: str = "none"  # none | history: never recommend an item of the user's whole history (every mode, exact)
     exclude_column: str = "exclude_items"  # optional input list<int64> column: more items per user to exclude (either
@@ -55,6 +55,7 @@ class ActorSpec:
     fetch: Callable[[str], str] | None = None  # model URI -> local directory on the actor's node (None: local paths)
     gpu: bool = False  # decode on CUDA when the actor has one
     decode_batch: int | None = None  # users per decode (None: on CUDA the largest that fits, else the whole shard)
+    order_by_length: bool = True  # decode a shard's users in order of prompt length (outputs in the input order)
     dtype: str = "auto"
     audit_users: int = 0  # half precision: the actor's first users re-decoded in float32 (the precision audit)
     threads: int | None = None  # torch CPU threads (None: Ray's OMP_NUM_THREADS)

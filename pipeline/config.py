@@ -43,6 +43,10 @@ class Compute:
     batch_size: int = 32  # users per shard (one Ray batch: decoded, committed and retried together)
     decode_batch: int | None = None  # users per decode inside a shard; None: on a GPU the largest that fits (from
     # the models' shapes, K, L, the prompt length and free memory; halved on out-of-memory), on a CPU the whole shard
+    order_by_length: bool = True  # decode users in order of prompt length: each read task orders its row group's
+    # users by history length before they are cut into shards, and each actor its shard's users before cutting decode
+    # slices (outputs keep the input order within a shard); false: input order, every prompt left-padded to its
+    # shard's longest (docs/engine.md, padding)
     batches_per_task: int = 4  # an actor-pool task decodes this many batches (each its own shard): amortises Ray's
     # per-task cost (~10-20 ms) at the price of a coarser tail; 1 balances best across many actors
     num_actors: int | str = 1  # up to N actors, starting with what fits the cluster; or a range min..max (e.g.

@@ -42,7 +42,8 @@ from pipeline.lease import Lease, LeaseLost
 from pipeline.models import compile_store
 
 log = logging.getLogger("genrec.nightly")
-RESUME_FREE_COMPUTE = ("num_actors", "cpus_per_actor", "threads_per_actor", "batches_per_task")  # not in the rows
+RESUME_FREE_COMPUTE = ("num_actors", "cpus_per_actor", "threads_per_actor", "batches_per_task", "order_by_length")
+# ^ not in the rows: how the users are cut into shards and slices, never what a user gets
 NODE_POLL_S = 2.0  # how often the driver compares the alive nodes with the last look
 
 
@@ -154,6 +155,7 @@ def actor_spec(cfg: Config, run_id: str, catalog: pa.Table, template: PromptTemp
         dtype=cfg.compute.dtype,
         audit_users=cfg.compute.batch_size if cfg.compute.audit_users is None else cfg.compute.audit_users,
         decode_batch=cfg.compute.decode_batch,
+        order_by_length=cfg.compute.order_by_length,
         threads=cfg.compute.threads_per_actor,
         engine=cfg.compute.engine,
         engine_trials=cfg.compute.engine_trials,
@@ -495,6 +497,7 @@ def read_pending(plan: Plan, a: Attempt):
             "fs": plan.fs,
             "columns": columns,
             "duplicates": a.duplicates,
+            "order": cfg.compute.order_by_length,
             "storage": cfg.storage,
             "uri": cfg.input,
         },

@@ -146,6 +146,20 @@ def work_per_user(m: pd.DataFrame, users: int) -> dict:
         "kv_tokens_beam_batch_per_user": per_user(kv_beam, users),
         "kv_ratio": float(kv / kv_beam) if kv_beam else None,
         "peak_memory_gb": float(peak.max() / 2**30) if len(peak) else None,
+        **padding(m, users),
+    }
+
+
+def padding(m: pd.DataFrame, users: int) -> dict:
+    """Prompt positions the prefills computed per user, the fraction of them that was left padding, and the KV tokens
+    held for padding per user (None for runs whose metrics predate them)."""
+    if "prompt_positions" not in m or m.prompt_positions.isna().all():
+        return dict.fromkeys(("prompt_positions_per_user", "prompt_padding_fraction", "kv_padding_per_user"))
+    positions = m.prompt_positions.sum()
+    return {
+        "prompt_positions_per_user": per_user(positions, users),
+        "prompt_padding_fraction": float(m.prompt_padding.sum() / positions) if positions else None,
+        "kv_padding_per_user": per_user(m.kv_padding_tokens.sum(), users),
     }
 
 
@@ -257,6 +271,11 @@ def excludes(s: dict) -> bool:
 def chose_decoders(s: dict) -> bool:
     """Batches decoded by another decoder than the run's mode names (auto)."""
     return bool(set(s["decoders"]) - {s["mode"]})
+
+
+def padded(s: dict) -> bool:
+    """Metrics that count the prompt positions and their padding."""
+    return s["prompt_positions_per_user"] is not None
 
 
 def measured_memory(s: dict) -> bool:
@@ -431,6 +450,10 @@ def pct(x) -> str:
     return "-" if x is None else f"{x:.0%}"
 
 
+def pct1(x) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
 SUMMARY = [  # the summary table's rows: (metric, its cell for one run, the runs it applies to: None for every run)
     ("mode / k", lambda s: f"{s['mode']} / {s['k']}", None),
     ("device", lambda s: ", ".join(s["devices"]), None),
@@ -462,9 +485,15 @@ SUMMARY = [  # the summary table's rows: (metric, its cell for one run, the runs
     ("target forwards", lambda s: num(s["target_forwards"]), None),
     ("draft forwards", lambda s: num(s["draft_forwards"]), drafts),
     ("target tokens per user (prompt + tree)", lambda s: num(s["target_tokens_per_user"], 1), None),
+    (
+        "prompt positions per user (prefill) / of them left padding",
+        lambda s: f"{num(s['prompt_positions_per_user'], 1)} / {pct1(s['prompt_padding_fraction'])}",
+        padded,
+    ),
     ("draft tokens per user (prompt + tree)", lambda s: num(s["draft_tokens_per_user"], 1), drafts),
     ("mean accepted steps per verification", lambda s: num(s["mean_accepted_steps"]), speculative),
     ("KV tokens held per user", lambda s: num(s["kv_tokens_per_user"], 1), None),
+    ("of them for left padding", lambda s: num(s["kv_padding_per_user"], 1), padded),
     ("KV tokens per user, batch beam search", lambda s: num(s["kv_tokens_beam_batch_per_user"], 1), None),
     ("peak accelerator memory (GiB)", lambda s: num(s["peak_memory_gb"]), measured_memory),
     (

@@ -55,6 +55,10 @@ METRIC_SCHEMA = pa.schema(
         ("recommendations", _INT),
         ("prompt_tokens", _INT),
         ("prefix_tokens_saved", _INT),
+        ("prompt_positions", _INT),  # prompt positions the prefills computed (users x columns, the prefix left out)
+        ("prompt_padding", _INT),  # of them, left padding (the rest: the rendered items and template)
+        ("prompt_padding_fraction", pa.float64()),
+        ("kv_padding_tokens", _INT),  # KV tokens of left padding held at the peak (every model holding the prompts)
         ("wall_s", pa.float64()),
         ("other_s", pa.float64()),
     ]
@@ -319,7 +323,9 @@ class ShardRecommender:
             raise
 
     def commit(self, shard: str, batch: pa.Table) -> pa.Table:
-        """Decodes the batch, writes and commits its shard -> its summary row."""
+        """Decodes the batch, writes and commits its shard -> its summary row. Its rows are taken in input order
+        (the read side may have ordered them by length), which the recommender keeps in its output."""
+        batch = batch.take(pc.sort_indices(batch["pos"]))
         pos = batch["pos"].to_numpy()
         dup = batch["duplicate"].to_numpy(zero_copy_only=False)
         out = self.recommender(batch.filter(pa.array(~dup)).drop_columns(["pos", "duplicate"]))

@@ -77,9 +77,12 @@ def positions(unit: dict) -> np.ndarray:
     return pos[keep]
 
 
-def read_units(batch: pa.Table, fs, columns: list[str], duplicates: pa.Table | None = None) -> pa.Table:
+def read_units(
+    batch: pa.Table, fs, columns: list[str], duplicates: pa.Table | None = None, order: bool = False
+) -> pa.Table:
     """Ray Data map over units (rows of `todo`, "done" as JSON): the rows still to decode, with `pos` and a
-    `duplicate` flag (the user id was seen at an earlier position)."""
+    `duplicate` flag (the user id was seen at an earlier position); `order`: each unit's rows by history length
+    (`by_length`), so that the shards cut from them hold users of like prompt lengths."""
     tables = []
     for unit in batch.to_pylist():
         unit["done"] = json.loads(unit["done"])
@@ -91,8 +94,21 @@ def read_units(batch: pa.Table, fs, columns: list[str], duplicates: pa.Table | N
             at = pc.index_in(t["user_id"], duplicates["user_id"])
             first = pc.take(duplicates["first"], at)
             dup = pc.fill_null(pc.not_equal(first, t["pos"]), False)  # a repeat of an earlier row's user id
-        tables.append(t.append_column("duplicate", dup))
+        t = t.append_column("duplicate", dup)
+        tables.append(by_length(t) if order else t)
     return pa.concat_tables(tables)
+
+
+def by_length(t: pa.Table) -> pa.Table:
+    """Rows with `history` and `pos` -> by the history's length, then position (the same order whenever the same
+    rows are read: a resume cuts the rest into shards the same way). A history that is not a list (a row the actor
+    rejects) counts as empty."""
+    kind = t.schema.field("history").type
+    if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)):
+        return t
+    length = pc.fill_null(pc.list_value_length(t["history"]), 0)
+    key = pa.table({"length": length, "pos": t["pos"]})
+    return t.take(pc.sort_indices(key, sort_keys=[("length", "ascending"), ("pos", "ascending")]))
 
 
 def find_duplicates(units: list[Unit], fs, budget_mb: float = 1024) -> tuple[pa.Table | None, str]:

@@ -1,0 +1,101 @@
+"""Per-user draws (decoding/draws.py): a user's numbers, and so its sampled items in DISC and relaxed speculative
+decoding, depend on its seed only, never on the batch it is decoded in: alone, in a batch, in another order, beside
+other users."""
+
+import pytest
+import torch
+
+from decoding.disc import disc_sample
+from decoding.draws import GOLDEN, UserDraws, mix, mix_int, uniform, user_seeds
+from decoding.models import tiny_model
+from decoding.speculative import speculative_beam_search
+from tests.helpers import left_padded_prompts, random_catalog
+
+LENGTHS = [3, 9, 5, 12, 4, 7, 6, 10]  # one prompt length per user: every batch pads them differently
+
+
+def test_the_finaliser_on_tensors_equals_the_one_on_ints():
+    x = torch.tensor([0, 1, -1, 2**62, -(2**63), 123456789], dtype=torch.int64)
+    assert mix(x).tolist() == [mix_int(v) for v in x.tolist()]
+    assert mix_int(GOLDEN) == 0xE220A8397B1DCDAF - 2**64  # SplitMix64's first output from seed 0
+
+
+def test_user_seeds_are_stable_and_distinct():
+    a = user_seeds(7, [1, 2, "2", "u-3"])
+    assert torch.equal(a, user_seeds(7, [1, 2, "2", "u-3"]))  # a pure function of (seed, id)
+    assert len(set(a.tolist())) == 4  # the int 2 and the string "2" are other users
+    assert not set(a.tolist()) & set(user_seeds(8, [1, 2, "2", "u-3"]).tolist())  # another run seed: other seeds
+
+
+def test_a_rows_numbers_follow_its_user_not_its_row():
+    seeds = user_seeds(0, range(6))
+    draws = UserDraws(seeds).at(3, 1)
+    u = draws.uniform((6, 5, 4))  # [B, 5, 4]
+    assert ((u > 0) & (u < 1)).all()
+    perm = torch.tensor([4, 0, 5, 2])
+    assert torch.equal(draws.select(perm).uniform((4, 5, 4)), u[perm])  # rows reordered and dropped
+    assert not torch.equal(UserDraws(seeds).at(3, 2).uniform((6, 5, 4)), u)  # another call site: other numbers
+    index = torch.tensor([[7, 2]]).expand(6, 2)
+    assert torch.equal(draws.uniform((6, 2), index), u.view(6, 20)[:, [7, 2]])  # elements keyed by their index
+    with pytest.raises(ValueError, match="3 rows"):
+        uniform((3, 2), draws, "cpu")
+
+
+def test_per_user_uniforms_are_uniform_and_independent():
+    """20,000 users x 50 numbers: the mean and the lag-1 correlation within rows and across neighbouring users are
+    within 5 standard errors of a uniform's (se of the mean sqrt(1/12 / 1e6) = 2.9e-4, of a correlation 1e-3)."""
+    u = UserDraws(user_seeds(1, range(20_000))).uniform((20_000, 50))
+    assert abs(float(u.mean()) - 0.5) < 5 * (1 / 12 / u.numel()) ** 0.5
+    c = lambda a, b: float(torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1])  # noqa: E731
+    assert abs(c(u[:, 1:], u[:, :-1])) < 5e-3 and abs(c(u[1:], u[:-1])) < 5e-3
+
+
+@pytest.fixture(scope="module")
+def models():
+    cat = random_catalog(60, 3, 5, seed=2)
+    target = tiny_model("llama", cat.vocab_size, seed=1)
+    draft = tiny_model("llama", cat.vocab_size, seed=2)
+    with torch.no_grad():  # peaked but not deterministic: draws differ between users
+        target.lm_head.weight.mul_(4)
+        draft.lm_head.weight.mul_(4)
+    return cat, target, draft
+
+
+def decode(mode, models, ids, mask, seeds):
+    cat, target, draft = models
+    if mode == "disc":
+        return disc_sample(target, ids, mask, cat, 5, rounds=3, generator=UserDraws(seeds)).item_ids
+    return speculative_beam_search(
+        target, draft, ids, mask, cat, 5, verification="relaxed", generator=UserDraws(seeds)
+    ).item_ids
+
+
+def trimmed(ids, mask):
+    first = int(mask.any(0).nonzero()[0])
+    return ids[:, first:], mask[:, first:]
+
+
+@pytest.mark.parametrize("mode", ["disc", "atspeed-relaxed"])
+def test_a_users_items_do_not_depend_on_its_batch(models, mode):
+    """Eight users of eight prompt lengths: each user's items decoded alone (no padding), all together, in another
+    order and beside four other users are the same; users with other seeds draw other items (the same prompt given
+    to eight user ids does not give eight equal lists)."""
+    cat = models[0]
+    ids, mask = left_padded_prompts(8, LENGTHS, cat.vocab_size, seed=0)
+    seeds = user_seeds(5, range(8))
+    together = decode(mode, models, ids, mask, seeds)
+    assert (together >= 0).all()
+    alone = torch.cat(
+        [decode(mode, models, *trimmed(ids[i : i + 1], mask[i : i + 1]), seeds[i : i + 1]) for i in range(8)]
+    )
+    assert torch.equal(alone, together)
+    perm = torch.tensor([5, 2, 7, 0, 3, 6, 1, 4])
+    assert torch.equal(decode(mode, models, ids[perm], mask[perm], seeds[perm]), together[perm])
+    others, others_mask = left_padded_prompts(4, [15, 2, 8, 11], cat.vocab_size, seed=9)
+    mixed_ids, mixed_mask = torch.zeros(8, 15, dtype=torch.int64), torch.zeros(8, 15, dtype=torch.int64)
+    mixed_ids[:4, 3:], mixed_mask[:4, 3:] = ids[:4], mask[:4]
+    mixed_ids[4:], mixed_mask[4:] = others, others_mask
+    mixed = decode(mode, models, mixed_ids, mixed_mask, torch.cat([seeds[:4], user_seeds(5, range(100, 104))]))
+    assert torch.equal(mixed[:4], together[:4])  # more padding, other neighbours: the same items
+    same_prompt = decode(mode, models, ids[:1].repeat(8, 1), mask[:1].repeat(8, 1), seeds)
+    assert len({tuple(sorted(r)) for r in same_prompt.tolist()}) > 1
