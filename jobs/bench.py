@@ -1,5 +1,5 @@
 """Benchmarks, side by side in one run: `python -m jobs.bench {all,decode,speculative,disc,disc-bias,nightly,
-templates,shapes,gpu,precision,exclude,minionerec} ...`.
+templates,shapes,gpu,precision,exclude,padding,minionerec} ...`.
 
 Every timed comparison runs its methods interleaved (A B, B A, ...) --repeats times (default 5) after a warm-up run
 of each and records every repeat's seconds; reports give medians with (min-max), ratios of medians with their range,
@@ -22,6 +22,9 @@ anchor), each cell's useful-FLOP fraction of the matmul rate measured in the sam
 precision: what half precision costs in ranking: beam_search in each dtype (float32 head, and logits rounded to the
 model's dtype) against transformers in float32 on real users: identical top-K lists, set overlap, score differences.
 exclude: what per-user exclusions cost beam_search: none vs 50 vs 1,000 excluded items per user (history first).
+padding: Beauty users in batches cut in input order vs ordered by prompt length (as the actor decodes them): users/s,
+target and KV tokens per user, the padding share of prompt positions, the compiled engine's buckets; --prompt-tokens
+stretches Beauty's length distribution to a prefill-heavy length.
 minionerec: a peer run: MiniOneRec's evaluate.py, imported from --peer (a copy of their repository), against
 beam_search with the minionerec template on the same model and test rows: lists, invalid items, scores, users/s.
 """

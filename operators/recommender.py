@@ -122,7 +122,7 @@ def length_order(mask: torch.Tensor, users) -> np.ndarray:
     """Prompts' attention mask [U, S] and user ids [U] -> the rows by prompt length, then user id [U]: the same
     decode order for any permutation of the same users."""
     key = pa.table({"length": pa.array(mask.sum(1).cpu().numpy()), "user": users})
-    return pc.sort_indices(key, sort_keys=[("length", "ascending"), ("user", "ascending")]).to_numpy()
+    return pc.sort_indices(key, sort_keys=[("length", "ascending"), ("user", "ascending")]).to_numpy().astype(np.int64)
 
 
 def trim_padding(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

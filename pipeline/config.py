@@ -238,9 +238,11 @@ def _typed(value, kind: str, name: str):
         "str": isinstance(value, str),
         "int": isinstance(value, int) and not isinstance(value, bool),
         "float": isinstance(value, (int, float)) and not isinstance(value, bool),
+        "bool": isinstance(value, bool),
     }[base]
     if not ok:
-        kind = "a number" if base == "float" else "an " + base if base == "int" else "a string"
+        kinds = {"float": "a number", "int": "an int", "bool": "true or false", "str": "a string"}
+        kind = kinds[base]
         raise ValueError(f"config: {name} must be {kind}, got {value!r}")
     return float(value) if base == "float" else value
 

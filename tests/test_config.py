@@ -54,6 +54,7 @@ def test_file_plus_overrides(tmp_path):
         ("compute.decode_batch=0", "compute.decode_batch must be >= 1 or null, got 0"),
         ("compute.audit_users=-1", "compute.audit_users must be an integer >= 0 (0: no audit) or null"),
         ("compute.audit_users=some", "config: compute.audit_users must be an int, got 'some'"),
+        ("compute.order_by_length=3", "config: compute.order_by_length must be true or false, got 3"),
         ("runs.duplicates_driver_mb=-1", "runs.duplicates_driver_mb must be >= 0"),
     ],
 )

@@ -9,6 +9,7 @@ import torch
 
 from decoding.catalog import Catalog
 from decoding.disc import constrained_sample, disc_sample
+from decoding.draws import UserDraws, user_seeds
 from decoding.models import tiny_model
 from decoding.reference import catalog_logprob
 from tests.helpers import EPS32, SPECIALS, WIDTH, float32_atol, left_padded_prompts, random_catalog
@@ -190,13 +191,15 @@ def pair_inclusion(first: torch.Tensor, then: torch.Tensor, parallel: bool) -> t
     return pair.sum(1)  # pair [i, j] = P({i, j}), symmetric
 
 
-def test_k_distinct_draws_follow_the_stated_law(setup):
+@pytest.mark.parametrize("draws", ["torch", "per-user"])
+def test_k_distinct_draws_follow_the_stated_law(setup, draws):
     """k = 2 on the enumerable catalog, DRAWS users. Constrained sampling: the inclusion frequency of every item
     equals its exact probability under the pass scheme (two independent draws, a third excluding the repeated item
     when they coincide). Each frequency is a mean of DRAWS independent Bernoullis: |z| < 4.5 for all 40 items fails
     a correct sampler with probability < 40 * 7e-6 = 3e-4, and rejects a 0.03 error on a probability of 0.3
     (sd 0.006) with probability > 0.99. DISC: the frequencies approach successive sampling from P_S (the law this
-    scheme has for DISC's limit) as rounds grow."""
+    scheme has for DISC's limit) as rounds grow. Draws from torch's generator, or per user (decoding/draws.py: one
+    seed per row, DRAWS users)."""
     cat, model, ids, mask = setup
     log_p = next_token_logprobs(model, ids, cat)
     q = constrained_law(log_p, cat, set())
@@ -204,7 +207,11 @@ def test_k_distinct_draws_follow_the_stated_law(setup):
     expected = pair_inclusion(q, then, parallel=True)
     assert expected.sum().item() == pytest.approx(2.0)
     ids, mask = ids.repeat(DRAWS, 1), mask.repeat(DRAWS, 1)
-    rec = constrained_sample(model, ids, mask, cat, 2, temperature=T, generator=torch.Generator().manual_seed(5))
+
+    def gen(seed: int):
+        return torch.Generator().manual_seed(seed) if draws == "torch" else UserDraws(user_seeds(seed, range(DRAWS)))
+
+    rec = constrained_sample(model, ids, mask, cat, 2, temperature=T, generator=gen(5))
     assert (rec.item_ids[:, 0] != rec.item_ids[:, 1]).all()
     freq = (rec.item_ids[:, :, None] == cat.item_ids).any(1).double().mean(0)  # [N]
     z = (freq - expected) / (expected * (1 - expected) / DRAWS).clamp(min=1e-12).sqrt()
@@ -216,9 +223,7 @@ def test_k_distinct_draws_follow_the_stated_law(setup):
     )  # for P_S, the passes are successive sampling
     tv = {}
     for rounds in (1, 4):
-        rec = disc_sample(
-            model, ids, mask, cat, 2, rounds=rounds, temperature=T, generator=torch.Generator().manual_seed(6)
-        )
+        rec = disc_sample(model, ids, mask, cat, 2, rounds=rounds, temperature=T, generator=gen(6))
         freq = (rec.item_ids[:, :, None] == cat.item_ids).any(1).double().mean(0)
         tv[rounds] = (freq - successive).abs().sum().item() / 2
     print("TV(inclusion, successive P_S):", tv)

@@ -75,6 +75,9 @@ def independent_summary(run: str) -> dict:
         "target_forwards": int(m.target_forwards.sum()),
         "kv": m.kv_tokens.sum() / users,
         "kv_beam": m.kv_tokens_beam_batch.sum() / users,
+        "positions": m.prompt_positions.sum() / users,
+        "padding": m.prompt_padding.sum() / m.prompt_positions.sum(),
+        "kv_padding": m.kv_padding_tokens.sum() / users,
         "cost": PRICE * actors * wall / 3600 / users * 1e6,
         "busy_cost": PRICE * m.wall_s.sum() / 3600 / users * 1e6,
         "accepted": (hist * np.arange(8)).sum() / hist.sum() if hist.sum() else None,
@@ -112,6 +115,9 @@ def test_report_numbers_equal_the_metrics(runs, mode):
         f"| target forwards | {num(want['target_forwards'])} |",
         f"| KV tokens held per user | {num(want['kv'], 1)} |",
         f"| KV tokens per user, batch beam search | {num(want['kv_beam'], 1)} |",
+        f"| prompt positions per user (prefill) / of them left padding | {num(want['positions'], 1)} / "
+        f"{want['padding']:.1%} |",
+        f"| of them for left padding | {num(want['kv_padding'], 1)} |",
         f"| cost per million users, allocated (USD) | {num(want['cost'], 2)} |",
         f"| cost per million users, busy (USD) | {num(want['busy_cost'], 2)} |",
     ):

@@ -5,6 +5,7 @@ import torch
 
 from decoding.beam import beam_search
 from decoding.catalog import Catalog
+from decoding.draws import UserDraws, user_seeds
 from decoding.models import tiny_model
 from decoding.speculative import speculative_beam_search
 from tests.helpers import SPECIALS, assert_same_ranking, float32_atol, left_padded_prompts, random_catalog
@@ -166,10 +167,13 @@ RUNS = 3000  # one batch of 3000 copies of one prompt: 3000 independent seeded r
 
 
 @pytest.mark.parametrize(
-    "k, temperature, draft", [(1, 1.0, "far"), (3, 1.0, "far"), (3, 1.0, "near"), (2, 0.7, "near")]
+    "k, temperature, draft, draws",
+    [(1, 1.0, "far", "torch"), (3, 1.0, "far", "torch"), (3, 1.0, "near", "torch"), (2, 0.7, "near", "torch")]
+    + [(3, 1.0, "far", "per-user")],
 )
-def test_relaxed_matches_sampling_beam_search_in_distribution(small, k, temperature, draft):
-    """H0: relaxed speculative beam search returns the K-sets of the target's sampling-based beam search.
+def test_relaxed_matches_sampling_beam_search_in_distribution(small, k, temperature, draft, draws):
+    """H0: relaxed speculative beam search returns the K-sets of the target's sampling-based beam search, drawing
+    from torch's generator or per user (decoding/draws.py: 3000 user seeds, one per run).
     (1) The top-1 item: two-sample chi-square homogeneity test on 3000 runs each, alpha = 0.001. Power: a shift of
     0.05 probability between two items of probability about 0.2 (total variation 0.05) gives a noncentrality of
     about 3000 / 2 * 0.025 = 38, detected with probability about 0.87 at ~15 degrees of freedom.
@@ -191,7 +195,7 @@ def test_relaxed_matches_sampling_beam_search_in_distribution(small, k, temperat
         k,
         verification="relaxed",
         temperature=temperature,
-        generator=torch.Generator().manual_seed(12),
+        generator=torch.Generator().manual_seed(12) if draws == "torch" else UserDraws(user_seeds(12, range(RUNS))),
     )
     assert (rel.item_ids >= 0).all() and (rel.scores[:, :-1] >= rel.scores[:, 1:]).all()
     assert all(len(set(r)) == k for r in rel.item_ids.tolist())  # k distinct items

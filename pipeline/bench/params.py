@@ -66,6 +66,17 @@ class ExcludeParams(ModelParams):
 
 
 @dataclass(kw_only=True)
+class PaddingParams(ModelParams):
+    """`bench padding`: Beauty users decoded in batches cut in input order and ordered by prompt length; with
+    prompt_tokens, every prompt stretched to that many tokens x its share of the longest (a prefill-heavy shape)."""
+
+    users: int = 2048
+    batch: int = 256
+    k: int = 10
+    prompt_tokens: int | None = None
+
+
+@dataclass(kw_only=True)
 class SpeculativeParams(Timed):
     target: str
     drafts: list[str]

@@ -68,6 +68,11 @@ BENCHES = {
         "a peer run: MiniOneRec's evaluate.py (imported from --peer) vs beam_search, same model and users",
         "minionerec:run_minionerec",
     ),
+    "padding": Section(
+        P.PaddingParams,
+        "users ordered by prompt length against input order: users/s, target and KV tokens, padding, buckets",
+        "padding:run_padding",
+    ),
     "exclude": Section(
         P.ExcludeParams,
         "per-user exclusions: beam_search with 0, 50 and 1,000 excluded items per user",
