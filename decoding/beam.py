@@ -41,7 +41,7 @@ class Recommendations:
     @classmethod
     def concat(cls, parts: list[Recommendations]) -> Recommendations:
         """Consecutive slices of one batch's users, decoded one after the other -> one result, as if decoded at once:
-        rows concatenated; per-user stats ([B] tensors) concatenated, other tensors (histograms) summed; phases,
+        rows concatenated; per-user stats ([B, ...] tensors) concatenated, other tensors (histograms) summed; phases,
         forwards and tokens summed; the other numbers (KV peaks, cache sizes) the largest, since the slices held
         their caches one at a time."""
         if len(parts) == 1:
@@ -51,7 +51,7 @@ class Recommendations:
         for key, first in parts[0].stats.items():
             values = [p.stats[key] for p in parts]
             if isinstance(first, torch.Tensor):
-                per_user = all(v.dim() == 1 and v.shape[0] == n for v, n in zip(values, sizes))
+                per_user = all(v.dim() >= 1 and v.shape[0] == n for v, n in zip(values, sizes))
                 stats[key] = torch.cat(values) if per_user else torch.stack(values).sum(0)
             elif key in SUMMED:
                 stats[key] = sum(values)

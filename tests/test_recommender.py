@@ -17,11 +17,14 @@ from operators.recommender import (
     Decoded,
     batch_counts,
     decoder_metrics,
+    length_order,
     non_finite_rejects,
     output_schema,
     output_table,
+    padding_metrics,
     recommendation_table,
     table_schema,
+    trim_padding,
 )
 
 USERS = pa.array(["u1", "u2", "u3"])  # [U]
@@ -112,3 +115,38 @@ def test_an_empty_decode():
         pa.int64(),
     )
     assert out["kind"].to_pylist() == ["metric"] and out.schema == output_schema(pa.int64())
+
+
+def test_length_order_is_the_same_for_any_permutation():
+    """Rows by prompt length, then user id: the same users in any order give the same decode order of users."""
+    mask = torch.tensor([[0, 0, 1], [1, 1, 1], [0, 1, 1], [0, 0, 1]])  # lengths 1 3 2 1
+    users = pa.array(["d", "a", "c", "b"])
+    order = length_order(mask, users)
+    assert order.dtype == np.int64 and users.take(pa.array(order)).to_pylist() == ["b", "d", "c", "a"]
+    perm = np.array([2, 0, 3, 1])
+    again = length_order(mask[perm], users.take(pa.array(perm)))
+    assert users.take(pa.array(perm)).take(pa.array(again)).to_pylist() == ["b", "d", "c", "a"]
+
+
+def test_decoded_rows_go_back_to_input_order():
+    order = np.array([2, 0, 1])  # decode row i is input row order[i]
+    d = Decoded("beam", ITEMS[order], SCORES[order], BROKEN[order], {}, {}).unsort(order)
+    assert (d.items == ITEMS).all() and (d.scores == SCORES).all() and (d.broken == BROKEN).all()
+
+
+def test_trim_padding_drops_only_columns_no_user_needs():
+    ids = torch.tensor([[0, 0, 0, 5, 6], [0, 0, 7, 8, 9]])
+    mask = (ids > 0).long()
+    i, m = trim_padding(ids, mask)
+    assert i.tolist() == [[0, 5, 6], [7, 8, 9]] and m.tolist() == [[0, 1, 1], [1, 1, 1]]
+
+
+def test_padding_metrics():
+    got = padding_metrics({"prompt_positions": 40, "prompt_padding": 10, "kv_padding_tokens": 20})
+    assert got == {
+        "prompt_positions": 40,
+        "prompt_padding": 10,
+        "prompt_padding_fraction": 0.25,
+        "kv_padding_tokens": 20,
+    }
+    assert padding_metrics(dict.fromkeys(BASE_KEYS, 0))["prompt_padding_fraction"] is None  # nothing decoded
