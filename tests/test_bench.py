@@ -156,6 +156,31 @@ def test_bench_exclude_small(data, tmp_path):
     assert "| 60 |" in (out / "exclude.md").read_text()
 
 
+def test_bench_padding_small(data, tmp_path):
+    """bench padding on 24 Beauty users in batches of 6, prompts stretched to 60 tokens: both orders decode the same
+    lists; ordered by length, fewer prompt positions and KV tokens of padding, the same tree tokens per user; the
+    recorded padding share is the one of its prompt positions. The GPU page's cell runs at smoke sizes on a CPU."""
+    from pipeline.bench.padding import gpu_cell
+
+    out = tmp_path / "out"
+    run = bench(
+        "padding", data=data, users=24, batch=6, k=4, prompt_tokens=60, repeats=2, device="cpu", out=out, **TINY
+    )
+    assert run.returncode == 0, run.stderr
+    r = json.loads((out / "padding.json").read_text())["padding"]
+    a, b = r["methods"]["input order"], r["methods"]["ordered"]
+    assert r["identical_lists"] == 24 and r["prompt_tokens_max"] == 60 and len(r["order"]) == 2 * 2
+    assert (
+        b["prompt_positions_per_user"] < a["prompt_positions_per_user"]
+        and b["kv_padding_per_user"] < a["kv_padding_per_user"]
+    )
+    tree = lambda m: m["target_tokens_per_user"] - m["prompt_positions_per_user"]  # noqa: E731
+    assert tree(a) == pytest.approx(tree(b)) and 0 <= b["prompt_padding_fraction"] < a["prompt_padding_fraction"] < 1
+    assert "| ordered |" in (out / "padding.md").read_text()
+    result, md = gpu_cell(str(data), 1, 32, 2, "float32", 1, smoke=True)
+    assert result["padding"]["users"] == 64 and "| input order |" in md
+
+
 def test_bench_all_small(data, tmp_path):
     """Every section in one run at tiny sizes: one JSON and one Markdown report with hardware, versions, seeds,
     the command, and a verdict per claim."""
