@@ -70,7 +70,7 @@ models/demo-draft/config.json: $(DATA)/items.parquet
 # decoding/memory.py's estimates (tests/test_docs.py fails when either is stale).
 docs: $(BIN)/.installed
 	$(BIN)/python -m pipeline.config_docs > docs/configuration.md
-	$(BIN)/python -m decoding.sizing > docs/sizing.md
+	$(BIN)/python -m pipeline.sizing > docs/sizing.md
 
 # ruff (pyproject.toml [tool.ruff]) lints and checks the format first: a failure there stops the suite in seconds.
 test: $(BIN)/.installed lint

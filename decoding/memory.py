@@ -4,7 +4,7 @@
 keys and values for the prompt and the tree tokens, the widest transients of a forward), K, L, the prompt length and a
 headroom. An estimate: the nightly actor halves its batch on out-of-memory all the same. `parameter_count(config)`:
 a model's weights; `audit_placement(...)`: whether the precision audit's float32 copies fit the device, the host or
-neither (decoding/sizing.py builds docs/sizing.md's table from them).
+neither (pipeline/sizing.py builds docs/sizing.md's table from them).
 """
 
 from __future__ import annotations

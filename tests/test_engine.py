@@ -445,9 +445,9 @@ def test_parameter_count_is_the_models_own(arch, tied):
 
 
 def test_the_sizing_page_is_current_and_its_qwen2_shapes_are_the_published_sizes():
-    """docs/sizing.md is decoding.sizing's page; its Qwen2 shapes count the parameters of the published models
+    """docs/sizing.md is pipeline.sizing's page; its Qwen2 shapes count the parameters of the published models
     (Qwen2.5-0.5B: 494,032,768; 1.5B: 1,543,714,304; 7B: 7,615,616,512)."""
-    from decoding.sizing import page, sizing_rows
+    from pipeline.sizing import page, sizing_rows
 
     counts = {r["model"]: r["params"] for r in sizing_rows()}
     assert counts == {"0.5B": 494_032_768, "1.5B": 1_543_714_304, "7B": 7_615_616_512}

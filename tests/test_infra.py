@@ -406,8 +406,8 @@ def test_the_cluster_launchers_config_fits_its_gpus():
     """The config the cluster launcher submits (infra/cluster/aws-gpu.yaml's comment and infra/README) is sized for its
     workers' GPUs (g5.xlarge: one 24 GB A10G): in docs/sizing.md's estimate its target decodes a whole shard
     (compute.batch_size) per decode, with the precision audit's float32 copies on the GPU."""
-    from decoding.sizing import sizing_rows
     from pipeline.config import load_config
+    from pipeline.sizing import sizing_rows
 
     launcher = LAUNCHER.read_text()
     named = set(re.findall(r"--config (infra/configs/\S+)", launcher))

@@ -43,10 +43,17 @@ def text_of(path: Path) -> str | None:
         return None  # parquet, png
 
 
-def escapes(path: Path, target: str, own_folder: bool = False) -> bool:
+def context(before: str) -> tuple[bool, bool]:
+    """(built from the script's own folder, a Markdown link in a page that code writes into docs/)."""
+    return before.endswith(")/"), before.endswith("](")
+
+
+def escapes(path: Path, target: str, own_folder: bool = False, page_link: bool = False) -> bool:
     """A relative path escapes when it leaves the repository: a Markdown link, or a path a script builds from its
-    own folder (`$(dirname "$0")/..`), from the file's folder; anything else from the file's folder or from the root
-    (where commands run)."""
+    own folder (`$(dirname "$0")/..`), from the file's folder; a link in a page that code generates, from docs/;
+    anything else from the file's folder or from the root (where commands run)."""
+    if page_link and path.suffix != ".md":
+        return not (ROOT / "docs" / target).resolve().is_relative_to(ROOT)
     bases = (path.parent,) if own_folder or path.suffix == ".md" else (path.parent, ROOT)
     return any(not (base / target).resolve().is_relative_to(ROOT) for base in bases)
 
@@ -61,7 +68,7 @@ def test_no_tracked_file_names_a_path_outside_the_repository():
             if line.rstrip().endswith(GUARD):
                 continue
             hits = [m[0] for m in OUTSIDE.finditer(line)]
-            hits += [m[1] for m in RELATIVE.finditer(line) if escapes(path, m[1], line[: m.start()].endswith(")/"))]
+            hits += [m[1] for m in RELATIVE.finditer(line) if escapes(path, m[1], *context(line[: m.start()]))]
             wrong += [f"{path.relative_to(ROOT)}:{n}: {hit}" for hit in hits]
     assert wrong == [], "\n".join(wrong)
 
