@@ -231,6 +231,26 @@ def catalog_report(item_ids: np.ndarray, semantic_ids: np.ndarray, codes: int) -
 
 # ---------------------------------------------------------------- sources read from files
 
+SHOWN = 5  # disagreements an error message names (prepare.json lists more; all are counted)
+
+
+class Mismatch(ValueError):
+    """A source's item ids or semantic IDs disagree with its index (the import exits 2 unless --allow-mismatch)."""
+
+
+def check_mismatches(what: str, found: list[str], count: int, allow: bool) -> None:
+    """`count` disagreements of the source with its index, the first of them described in `found` (each naming its
+    file, row and values) -> Mismatch naming the first SHOWN, unless `allow` (--allow-mismatch: imported anyway, and
+    prepare.json and the summary say so)."""
+    if not count or allow:
+        return
+    more = f"; and {count - SHOWN} more" if count > SHOWN else ""
+    raise Mismatch(
+        f"{count} {what} disagree with the index: {'; '.join(found[:SHOWN])}{more}. A source from another index "
+        "(another RQ-VAE run, ids shifted by one) would import wrong: fix the source, or rerun with "
+        "--allow-mismatch to import it anyway (recorded in prepare.json)"
+    )
+
 
 @dataclass
 class PrepareSummary:
@@ -240,7 +260,7 @@ class PrepareSummary:
     colliding_semantic_ids: int
     users: int
     interactions: dict[str, int]  # written, after dropping unknown items
-    dropped_interactions: dict[str, int]  # item ids not in the catalog, per split
+    dropped_interactions: dict[str, int]  # item ids not in the catalog, left out of the written lists, per split
     levels: int
     codes: int
     history_len: int | None  # None: histories as the source wrote them (MiniOneRec)
@@ -251,6 +271,8 @@ class PrepareSummary:
     id_offset: int = 0  # LC-Rec: added to every user and item id of the interaction files
     category: str | None = None  # MiniOneRec: the category read
     rows: dict[str, int | None] = field(default_factory=dict)  # MiniOneRec: CSV rows per split (None: no file)
+    mismatches: dict[str, int] = field(default_factory=dict)  # ids / semantic IDs disagreeing with the index, per file
+    allow_mismatch: bool = False  # imported with --allow-mismatch
 
 
 @dataclass
