@@ -400,3 +400,32 @@ def test_head_instance_profile_may_pass_the_worker_role():
     assert pass_role["Condition"]["StringEquals"]["iam:PassedToService"] == "ec2.amazonaws.com"
     ec2 = {a for s in allowed for a in ([s["Action"]] if isinstance(s["Action"], str) else s["Action"])}
     assert {"ec2:RunInstances", "ec2:TerminateInstances", "ec2:DescribeInstances", "ec2:CreateTags"} <= ec2
+
+
+def test_a_stopped_driver_gets_sigterm_and_its_grace_period_before_ray_stops(tmp_path):
+    """The RayJob's head (where the driver runs): `ray job stop` waits RAY_JOB_STOP_WAIT_TIME_S before SIGKILL, the
+    head's preStop hook sends the driver SIGTERM and waits for it, and the pod's grace period covers both. The hook's
+    script, run here against a stand-in driver (its marker renamed, so no real driver on this machine is touched),
+    returns only once the driver has exited with its own code."""
+    (rayjob,) = yaml_docs(INFRA / "kuberay" / "rayjob-nightly.yaml")
+    env = yaml.safe_load(rayjob["spec"]["runtimeEnvYAML"])["env_vars"]
+    head = rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    (container,) = head["containers"]
+    python, flag, script = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert (python, flag) == ("python", "-c") and '"jobs.nightly"' in script
+    assert head["terminationGracePeriodSeconds"] > int(env["RAY_JOB_STOP_WAIT_TIME_S"]) >= 60
+    marker = f"genrec-stand-in-{tmp_path.name}"
+    stand_in = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *_: "
+            "(time.sleep(1), sys.exit(6)))\nprint('ready', flush=True)\ntime.sleep(60)",
+            marker,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert stand_in.stdout.readline() == "ready\n"
+    hook = subprocess.run([sys.executable, "-c", script.replace('"jobs.nightly"', repr(marker))], timeout=30)
+    assert hook.returncode == 0 and stand_in.poll() == 6  # the hook returned after the driver's own exit
