@@ -61,41 +61,51 @@ def main(argv=None) -> int:
     if args.config is None and not args.gc and (missing := demo_missing(cfg)):
         print(f"error: {missing}", file=sys.stderr)
         return 2
-    from pipeline.lease import LeaseHeld, LeaseLost
-    from pipeline.nightly import STOP, Interrupted, Stalled, collect_garbage, plan_run, run_nightly
+    from pipeline.nightly import STOP, Interrupted
 
     STOP.install()
     try:
-        if args.gc:
-            print(json.dumps({"deleted": collect_garbage(cfg)}))
-            return 0
-        plan = plan_run(cfg)  # before Ray: a missing input, catalog or model is refused here
-        import ray
-
-        ray.init(ignore_reinit_error=True, log_to_driver=True)  # RAY_ADDRESS / a running cluster, else a local one
-        STOP.install()  # again: ray.init replaces the SIGTERM handler with its own (sys.exit)
-        manifest = run_nightly(cfg, args.resume, plan)
+        summary = run(cfg, args)
     except Interrupted as e:
         stopped(e, args)
-    except (LeaseHeld, LeaseLost) as e:
-        print(f"refused: {e}", file=sys.stderr)
-        return 3
-    except (FileNotFoundError, ValueError, PermissionError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except StoreUnavailable as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 4
-    except Stalled as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 5
-    print(
-        json.dumps(
-            {k: manifest[k] for k in ("run_id", "run_date", "status", "counts", "resume", "timings", "outputs")},
-            indent=2,
-        )
-    )
+    except Exception as e:
+        code = exit_code(e)
+        if code is None:
+            raise
+        print(f"{'refused' if code == 3 else 'error'}: {e}", file=sys.stderr)
+        return code
+    print(json.dumps(summary, indent=2))
     return 0
+
+
+def run(cfg, args) -> dict:
+    """--gc, or the nightly run (checked before Ray starts, then on the cluster) -> what main prints."""
+    from pipeline.nightly import STOP, collect_garbage, plan_run, run_nightly
+
+    if args.gc:
+        return {"deleted": collect_garbage(cfg)}
+    plan = plan_run(cfg)  # before Ray: a missing input, catalog or model is refused here
+    import ray
+
+    ray.init(ignore_reinit_error=True, log_to_driver=True)  # RAY_ADDRESS / a running cluster, else a local one
+    STOP.install()  # again: ray.init replaces the SIGTERM handler with its own (sys.exit)
+    manifest = run_nightly(cfg, args.resume, plan)
+    return {k: manifest[k] for k in ("run_id", "run_date", "status", "counts", "resume", "timings", "outputs")}
+
+
+def exit_code(e: Exception) -> int | None:
+    """The documented exit code of an error (docs/nightly.md#exit-codes), None for anything else (a traceback, 1)."""
+    from pipeline.lease import LeaseHeld, LeaseLost
+    from pipeline.nightly import Stalled
+    from pipeline.storage import StoreUnavailable
+
+    codes = [
+        ((LeaseHeld, LeaseLost), 3),
+        ((FileNotFoundError, ValueError, PermissionError), 2),
+        ((StoreUnavailable,), 4),
+        ((Stalled,), 5),
+    ]
+    return next((code for kinds, code in codes if isinstance(e, kinds)), None)
 
 
 def stopped(e, args) -> None:

@@ -247,14 +247,10 @@ def read_lcrec(
     ids = check_id_offset(raw, item_ids, id_offset, index_path.name)
     read = {s: apply_offset(r, item_ids, ids["offset"]) for s, r in raw.items()}
     lines = {s: r[1] for s, r in read.items()}
-    found = [
-        f"{source_dir / n['file']}: line {u['line']} (user {u['user']}): item ids {u['items']} are not in the index "
-        f"{index_path.name}"
-        for n in lines.values()
-        for u in n["unknown"]
-    ]
     mismatches = {s: n["unknown_items"] for s, n in lines.items()}
+    found = unknown_items(source_dir, lines, index_path.name)
     check_mismatches("item ids (after the offset)", found, sum(mismatches.values()), allow_mismatch)
+    allowed = {"mismatches": mismatches, "allow_mismatch": allow_mismatch}
     return Source(
         source_dir,
         "lcrec",
@@ -268,20 +264,34 @@ def read_lcrec(
             "ids": ids,
             "lines": lines,
             "index_problems": {"count": len(index_problems), "entries": index_problems[:REPORTED]},
-            "mismatches": mismatches,
-            "allow_mismatch": allow_mismatch,
+            **allowed,
         },
-        summary={
-            "dropped_interactions": mismatches,
-            "mismatches": mismatches,
-            "allow_mismatch": allow_mismatch,
-            "malformed_lines": {s: n["malformed_lines"] for s, n in lines.items()},
-            "index_problems": len(index_problems),
-            "users_without_items": {s: n["users_without_items"] for s, n in lines.items()},
-            "index": str(index_path),
-            "id_offset": ids["offset"],
-        },
+        summary=lcrec_summary(lines, len(index_problems), index_path, ids["offset"]) | allowed,
     )
+
+
+def lcrec_summary(lines: dict[str, dict], index_problems: int, index_path: Path, offset: int) -> dict:
+    """The LC-Rec fields of the printed summary: per split the unknown items left out, the malformed lines and the
+    users listed without items; the index's problems, the index read and the id offset applied."""
+    return {
+        "dropped_interactions": {s: n["unknown_items"] for s, n in lines.items()},
+        "malformed_lines": {s: n["malformed_lines"] for s, n in lines.items()},
+        "index_problems": index_problems,
+        "users_without_items": {s: n["users_without_items"] for s, n in lines.items()},
+        "index": str(index_path),
+        "id_offset": offset,
+    }
+
+
+def unknown_items(source_dir: Path, lines: dict[str, dict], index_name: str) -> list[str]:
+    """The items still unknown after the offset (`apply_offset`'s problems per split) -> one description each,
+    naming the file, line, user and ids."""
+    return [
+        f"{source_dir / n['file']}: line {u['line']} (user {u['user']}): item ids {u['items']} are not in the index "
+        f"{index_name}"
+        for n in lines.values()
+        for u in n["unknown"]
+    ]
 
 
 def lcrec_splits(raw: dict[str, LcrecSplit], read: dict, offset: int) -> dict[str, Interactions]:

@@ -285,12 +285,8 @@ def prepare_minionerec(
     tables, splits = read_splits(layout, sid_of)
     info = read_info(layout.info, sid_of)
     found = {s: mismatches(r, s) for s, r in splits.items()} | {"info": mismatches(info, "info")}
-    check_mismatches(
-        "ids or semantic ids",
-        [d for f, _ in found.values() for d in f],
-        sum(n for _, n in found.values()),
-        allow_mismatch,
-    )
+    described, count = [d for f, _ in found.values() for d in f], sum(n for _, n in found.values())
+    check_mismatches("ids or semantic ids", described, count, allow_mismatch)
     codes = int(sid.max()) + 1
     report = {
         "source": str(layout.root.resolve()),
@@ -309,20 +305,27 @@ def prepare_minionerec(
         "allow_mismatch": allow_mismatch,
         "sha256": {p.name: sha256_file(p) for p in read_files(layout, splits)},
     }
-    tokenizer = build_tokenizer(sid.shape[1], codes)
-    write_contract(out_dir, items_table(item_ids, sid, codes), tokenizer, [tables], lambda: report)
+    write_contract(
+        out_dir, items_table(item_ids, sid, codes), build_tokenizer(sid.shape[1], codes), [tables], lambda: report
+    )
+    return summarize_minionerec(out_dir, report, layout, codes)
+
+
+def summarize_minionerec(out_dir, report: dict, layout: Layout, codes: int) -> PrepareSummary:
+    """prepare.json's counts -> the printed summary: rows are kept as written (nothing dropped: the nightly rejects
+    an unknown item), the disagreements with the index counted (`mismatches`) and whether they were allowed."""
     return summarize(
         out_dir,
         report,
         codes,
         None,
-        dropped_interactions={s: 0 for s in SPLITS},  # rows are kept as written: the nightly rejects unknown items
-        index_problems=len(index_problems),
+        dropped_interactions={s: 0 for s in SPLITS},
+        index_problems=report["index_problems"]["count"],
         index=str(layout.index),
-        rows={s: r.get("rows") for s, r in splits.items()},
+        rows={s: r.get("rows") for s, r in report["rows"].items()},
         category=layout.category,
         mismatches=report["mismatches"],
-        allow_mismatch=allow_mismatch,
+        allow_mismatch=report["allow_mismatch"],
     )
 
 
