@@ -398,10 +398,10 @@ class Attempt:
 def execute(plan: Plan, run_id: str, resumed: bool, lease: Lease, latest: str | None) -> dict:
     """Decodes what the run has not committed, writes the manifest and _SUCCESS, and publishes the run with a
     compare-and-swap of _LATEST against `latest` (its version when this run took the date's lease)."""
-    clock = Clock()
-    with clock.phase("total"), clock.phase("decode"):  # from the start, as the shards' commit times are
-        attempt = start_attempt(plan, run_id, resumed, clock)
+    clock, attempt = Clock(), None
     try:
+        with clock.phase("total"), clock.phase("decode"):  # from the start, as the shards' commit times are
+            attempt = start_attempt(plan, run_id, resumed, clock)
         with clock.phase("total"):
             with clock.phase("decode"):
                 attempt.shards_decoded, attempt.watch = decode_pending(plan, attempt, lease)
@@ -410,7 +410,7 @@ def execute(plan: Plan, run_id: str, resumed: bool, lease: Lease, latest: str | 
         publish_run(plan, attempt, manifest, lease, latest)
         return manifest
     except Interrupted as e:
-        record_interruption(plan, attempt, e)
+        record_interruption(plan, run_id, attempt.id if attempt else None, e)
         raise
 
 
@@ -429,12 +429,18 @@ def start_run(plan: Plan, run_id: str, run: str) -> list[dict]:
     return []
 
 
-def record_interruption(plan: Plan, a: Attempt, stop: Interrupted) -> None:
-    """Adds this attempt's stop to the run's state (_RUN.json `interruptions`: the attempt, the signal, the time);
-    a resume logs them and its manifest lists them (`resume.interruptions`)."""
-    entry = {"attempt": a.id, "signal": stop.signal, "at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
-    runs.record(a.run, "interruptions", entry, plan.cfg.storage)
-    log.warning("run %s stopped by %s: the interruption is recorded in its _RUN.json", a.run_id, stop.signal)
+def record_interruption(plan: Plan, run_id: str, attempt: str | None, stop: Interrupted) -> None:
+    """Adds this attempt's stop to the run's state (_RUN.json `interruptions`: the attempt, None if stopped before it
+    was recorded, the signal, the time); a resume logs them and its manifest lists them (`resume.interruptions`).
+    Best effort, as the lease's release is: a failure is logged, never raised over the stop."""
+    cfg = plan.cfg
+    entry = {"attempt": attempt, "signal": stop.signal, "at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
+    try:
+        runs.record(runs.run_dir(cfg.output, cfg.run_date, run_id), "interruptions", entry, cfg.storage)
+    except Exception as e:  # no _RUN.json yet (stopped as it started), or the store is down
+        log.error("run %s stopped by %s; could not record it in its _RUN.json: %s", run_id, stop.signal, e)
+        return
+    log.warning("run %s stopped by %s: the interruption is recorded in its _RUN.json", run_id, stop.signal)
 
 
 def start_attempt(plan: Plan, run_id: str, resumed: bool, clock: Clock) -> Attempt:

@@ -17,6 +17,7 @@ from jobs.nightly import STOPPED
 from pipeline import runs
 from pipeline import storage as S
 from pipeline.config import load_config
+from pipeline.nightly import Interrupted, Stop
 from tests.servers import ray_head
 from tests.test_nightly import direct_beam_search, make_world
 from tests.test_store_faults import (
@@ -176,7 +177,26 @@ def test_sigterm_mid_run_releases_the_date_and_a_resume_publishes(cluster):  # n
     assert summary["run_id"] == lease["run_id"] and summary["resume"]["shards_committed_before"] >= 6
     _, manifest = published_once(world, s3, out)
     assert manifest["resume"]["interruptions"] == [stop]
+    t = manifest["timings"]
     print(
         f"\nSIGTERM: the driver exited {STOPPED} {exited_s:.1f} s after the signal; the resume committed its first "
-        f"shard {first:.1f} s after it started and published {manifest['counts']['users_ok']} users"
+        f"shard {first:.1f} s after its process started ({t['first_shard_s']:.1f} s after it took the lease; its first "
+        f"actor ready {t['actor_ready_s']:.1f} s) and published {manifest['counts']['users_ok']} users"
     )
+
+
+def test_a_signal_raises_once_at_once_and_waits_for_publication():
+    """The driver's handler: the first SIGTERM / SIGINT raises Interrupted where the driver is; later ones are
+    ignored, so that the clean-up they would interrupt finishes; inside publication the signal waits and the job
+    ends as published."""
+    stop = Stop()
+    with pytest.raises(Interrupted, match="SIGTERM received") as e:
+        stop.handle(signal.SIGTERM, None)
+    assert e.value.signal == "SIGTERM"
+    stop.handle(signal.SIGINT, None)  # while stopping: ignored, no second Interrupted
+    publishing = Stop()
+    with publishing.deferred("publishing"):
+        publishing.handle(signal.SIGINT, None)  # waits for the block
+        assert publishing.pending == signal.SIGINT
+    publishing.handle(signal.SIGTERM, None)  # published: ignored too
+    assert publishing.received == "SIGINT"
