@@ -150,7 +150,7 @@ def test_sigterm_mid_run_releases_the_date_and_a_resume_publishes(cluster):  # n
     every user once."""
     world, s3, _, head = cluster
     out = "sigterm"
-    settings = store_items(world, s3, s3.endpoint, out)
+    settings = store_items(world, s3, s3.endpoint, out, "models.draft=null")  # beam search: no draft
     started = time.monotonic()
     driver = Driver(head, s3, settings)
     fresh = wait_committed(s3, out, 1, driver) - started  # a fresh driver's start, to compare the resume's with
