@@ -7,7 +7,9 @@ manifest on stdout on success; 2 with a message naming the bad file, field or mo
 another run holds the date's lease (nothing is written); 4 when the object store stayed unavailable for
 storage.retry_s (one `error:` line naming the store, the URI and the cause; the lease is released if the store lets
 it); 5 when no shard committed for runs.stall_exit_s (one `error:` line saying what the run waited for; the lease is
-released): resume it, perhaps with another compute.num_actors. A run that fails or is killed keeps what it
+released): resume it, perhaps with another compute.num_actors; 6 when SIGTERM (`ray job stop`, a pod's eviction) or
+SIGINT stopped it (one `stopped:` line; the decode shut down, the interruption recorded in the run's _RUN.json, the
+lease released): `--resume latest` continues it. A run that fails or is killed keeps what it
 committed: `--resume RUN_ID` (or `--resume latest`: the date's newest unfinished run, else a new one) decodes only
 the rest.
 `--gc` deletes the runs superseded more than runs.grace_s ago, then exits.
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from pipeline.config import DEMO_CONFIG, demo_missing, load_config
@@ -39,6 +42,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+STOPPED = 6  # SIGTERM or SIGINT: the decode shut down, the interruption recorded, the lease released
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -55,37 +61,74 @@ def main(argv=None) -> int:
     if args.config is None and not args.gc and (missing := demo_missing(cfg)):
         print(f"error: {missing}", file=sys.stderr)
         return 2
-    from pipeline.lease import LeaseHeld, LeaseLost
-    from pipeline.nightly import Stalled, collect_garbage, plan_run, run_nightly
+    from pipeline.nightly import STOP, Interrupted
 
+    STOP.install()
     try:
-        if args.gc:
-            print(json.dumps({"deleted": collect_garbage(cfg)}))
-            return 0
-        plan = plan_run(cfg)  # before Ray: a missing input, catalog or model is refused here
-        import ray
-
-        ray.init(ignore_reinit_error=True, log_to_driver=True)  # RAY_ADDRESS / a running cluster, else a local one
-        manifest = run_nightly(cfg, args.resume, plan)
-    except (LeaseHeld, LeaseLost) as e:
-        print(f"refused: {e}", file=sys.stderr)
-        return 3
-    except (FileNotFoundError, ValueError, PermissionError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except StoreUnavailable as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 4
-    except Stalled as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 5
-    print(
-        json.dumps(
-            {k: manifest[k] for k in ("run_id", "run_date", "status", "counts", "resume", "timings", "outputs")},
-            indent=2,
-        )
-    )
+        summary = run(cfg, args)
+    except Interrupted as e:
+        stopped(e, args)
+    except Exception as e:
+        code = exit_code(e)
+        if code is None:
+            raise
+        print(f"{'refused' if code == 3 else 'error'}: {e}", file=sys.stderr)
+        return code
+    print(json.dumps(summary, indent=2))
     return 0
+
+
+def run(cfg, args) -> dict:
+    """--gc, or the nightly run (checked before Ray starts, then on the cluster) -> what main prints."""
+    from pipeline.nightly import STOP, collect_garbage, plan_run, run_nightly
+
+    if args.gc:
+        return {"deleted": collect_garbage(cfg)}
+    plan = plan_run(cfg)  # before Ray: a missing input, catalog or model is refused here
+    import ray
+
+    ray.init(ignore_reinit_error=True, log_to_driver=True)  # RAY_ADDRESS / a running cluster, else a local one
+    STOP.install()  # again: ray.init replaces the SIGTERM handler with its own (sys.exit)
+    manifest = run_nightly(cfg, args.resume, plan)
+    return {k: manifest[k] for k in ("run_id", "run_date", "status", "counts", "resume", "timings", "outputs")}
+
+
+def exit_code(e: Exception) -> int | None:
+    """The documented exit code of an error (docs/nightly.md#exit-codes), None for anything else (a traceback, 1)."""
+    from pipeline.lease import LeaseHeld, LeaseLost
+    from pipeline.nightly import Stalled
+    from pipeline.storage import StoreUnavailable
+
+    codes = [
+        ((LeaseHeld, LeaseLost), 3),
+        ((FileNotFoundError, ValueError, PermissionError), 2),
+        ((StoreUnavailable,), 4),
+        ((Stalled,), 5),
+    ]
+    return next((code for kinds, code in codes if isinstance(e, kinds)), None)
+
+
+def stopped(e, args) -> None:
+    """The end of a run a signal stopped (its decode is shut down, its lease released): one `stopped:` line, Ray
+    disconnected, then exit STOPPED at once. os._exit, not a return: Ray's own threads (its core worker's, Ray
+    Data's) outlive a stopped execution, and one that calls into Ray while the interpreter exits aborts the process
+    (SIGABRT)."""
+    print(
+        f"stopped: {e}; the lease is released and the decode shut down: `--resume latest` continues the run"
+        + ("" if args.resume else " (it decodes only what is not committed)"),
+        file=sys.stderr,
+    )
+    import ray
+
+    if ray.is_initialized():
+        try:
+            ray.shutdown()
+        except Exception as err:  # exiting anyway: the cluster ends a gone driver's job itself
+            print(f"ray.shutdown: {err}", file=sys.stderr)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(STOPPED)
 
 
 if __name__ == "__main__":

@@ -7,8 +7,11 @@ from 1 where their index counts from 0: `--id-offset -1`),
 repository or data/Amazon: index/, info/, train|valid|test/ CSVs; every CSV row a unit keyed `<user_id>#<row>`),
 or `python -m jobs.prepare_data --synthetic --users N --items M [--levels 4 --codes 256 --seed 0] --out DIR`.
 
-Prints the summary as JSON. The logic lives in pipeline/prepare/ (a module per source; contract.py writes the
-folder, items.parquet last: a folder without it is not prepared, and a rerun imports it again).
+Add `--allow-mismatch` to import a source whose item ids or semantic ids disagree with its index (refused otherwise,
+exit 2, naming file, row and values); prepare.json and the summary record it. Prints the summary as JSON; a bad input
+exits 2 with one line naming the file, row, column and value. The logic lives in pipeline/prepare/ (a module per
+source; contract.py writes the folder, items.parquet last: a folder without it is not prepared, and a rerun imports
+it again).
 """
 
 from __future__ import annotations
@@ -67,6 +70,12 @@ def source_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--code-token", default="<{level}_{code}>", help="how the LC-Rec index names code tokens, default %(default)s"
     )
+    p.add_argument(
+        "--allow-mismatch",
+        action="store_true",
+        help="import even where item ids or semantic ids disagree with the index (else exit 2 naming them); "
+        "prepare.json and the summary record it",
+    )
 
 
 def synthetic_flags(p: argparse.ArgumentParser) -> None:
@@ -104,40 +113,52 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     source = args.source or (None if args.synthetic or args.format != "beauty" else DEFAULT_SOURCE)
     if source is not None and args.out.resolve().is_relative_to(source.resolve()):
         p.error(f"--out {args.out} is inside the source folder {source}: write the prepared copy elsewhere")
+    if args.synthetic and args.allow_mismatch:
+        p.error("--allow-mismatch is for imports, not --synthetic")
 
 
 def main(argv=None) -> int:
+    """Exit 0 with the summary on stdout; 2 with one `prepare_data: error:` line naming the bad file, row, column
+    and value, or the ids that disagree with the index (nothing prepared)."""
     args = parse_args(argv)
     try:
-        if args.synthetic:
-            summary = write_synthetic(
-                args.out,
-                args.users,
-                args.items,
-                args.levels,
-                args.codes,
-                args.seed,
-                history_len=args.history_len,
-                chunk_users=args.chunk_users,
-            )
-        elif args.format == "lcrec":
-            summary = prepare_lcrec(
-                args.source,
-                args.out,
-                history_len=args.history_len,
-                code_token=args.code_token,
-                index=args.index,
-                id_offset=args.id_offset,
-            )
-        elif args.format == "minionerec":
-            summary = prepare_minionerec(args.source, args.out, args.category, code_token=args.code_token)
-        else:
-            summary = prepare_beauty(args.source or DEFAULT_SOURCE, args.out, history_len=args.history_len)
+        summary = prepare(args)
     except ValueError as e:  # a bad input file: name it, no traceback
         print(f"prepare_data: error: {e}", file=sys.stderr)
-        return 1
+        return 2
     print(json.dumps(asdict(summary), indent=2))
     return 0
+
+
+def prepare(args: argparse.Namespace):
+    """The import or the synthetic data the flags ask for -> its summary."""
+    if args.synthetic:
+        return write_synthetic(
+            args.out,
+            args.users,
+            args.items,
+            args.levels,
+            args.codes,
+            args.seed,
+            history_len=args.history_len,
+            chunk_users=args.chunk_users,
+        )
+    if args.format == "lcrec":
+        return prepare_lcrec(
+            args.source,
+            args.out,
+            history_len=args.history_len,
+            code_token=args.code_token,
+            index=args.index,
+            id_offset=args.id_offset,
+            allow_mismatch=args.allow_mismatch,
+        )
+    if args.format == "minionerec":
+        return prepare_minionerec(
+            args.source, args.out, args.category, code_token=args.code_token, allow_mismatch=args.allow_mismatch
+        )
+    source = args.source or DEFAULT_SOURCE
+    return prepare_beauty(source, args.out, history_len=args.history_len, allow_mismatch=args.allow_mismatch)
 
 
 if __name__ == "__main__":

@@ -108,11 +108,14 @@ def waiting_for() -> str:
 
     waiting = [a for a in pool_actors() if a.state in ("PENDING_CREATION", "RESTARTING", "DEPENDENCIES_UNREADY")]
     actors = "; ".join(f"{a.actor_id[:8]} {a.state} needs {short(a.required_resources or {})}" for a in waiting)
-    return (
-        f"{len(waiting)} pool actors not alive{': ' + actors if actors else ''}; "
-        f"free {short(ray.available_resources())} of {short(ray.cluster_resources())}; "
-        f"{len(alive_nodes())} nodes alive"
-    )
+    try:
+        resources = (
+            f"free {short(ray.available_resources())} of {short(ray.cluster_resources())}; "
+            f"{len(alive_nodes())} nodes alive"
+        )
+    except Exception as e:  # the control plane did not answer: say so, never fail the run over it
+        resources = f"the cluster's resources unknown (Ray's control plane did not answer: {e})"
+    return f"{len(waiting)} pool actors not alive{': ' + actors if actors else ''}; {resources}"
 
 
 def short(resources: dict) -> str:
@@ -141,18 +144,56 @@ def retried_tasks() -> int | None:
     return len({t.task_id for t in tasks if t.attempt_number > 0 and POOL_CLASS in t.name})
 
 
+def stop_executions(why: BaseException) -> None:
+    """Shuts down this driver's running Ray Data executions (no task is submitted after; their actor pools are
+    killed), as a driver that stops early must: Ray Data has no public handle on a running execution, whose
+    scheduling loop is a thread of its own (StreamingExecutor), so those threads are found and shut down."""
+    import threading
+
+    from ray.data._internal.execution.streaming_executor import StreamingExecutor
+
+    for thread in threading.enumerate():
+        if isinstance(thread, StreamingExecutor):
+            try:
+                thread.shutdown(force=True, exception=why)
+            except Exception as e:  # stopping anyway: Ray's end of the job ends the rest
+                log.warning("could not shut Ray Data's execution down: %s", e)
+
+
 @dataclass
 class Watch:
     """The nodes of the cluster while a run decodes: each loss (when it was seen, the pool actors on the node, when a
-    restarted actor next committed a shard) and each join, logged as they happen."""
+    restarted actor next committed a shard) and each join, logged as they happen. A control-plane error (the GCS
+    restarting, a timeout) is logged once and the next poll asks again: the decode goes on without the watch."""
 
-    nodes: dict = field(default_factory=alive_nodes)
+    nodes: dict | None = None  # node id -> {"ip", "resources"} at the last answer; None: none yet
     lost: list = field(default_factory=list)  # [{"node", "ip", "seen_at", "actors", "recovered_s"}]
     joined: list = field(default_factory=list)  # [{"node", "ip", "seen_at"}]
+    unanswered: str | None = None  # the control plane's error while it does not answer
+
+    def __post_init__(self):
+        self.nodes = self.nodes if self.nodes is not None else self.look()
+
+    def look(self) -> dict | None:
+        """The alive nodes, or None (logged once per outage) when Ray's control plane does not answer."""
+        try:
+            nodes = alive_nodes()
+        except Exception as e:
+            if self.unanswered is None:
+                log.warning("Ray's control plane did not answer (%s); the watch asks again every poll", e)
+            self.unanswered = str(e)
+            return None
+        if self.unanswered is not None:
+            log.info("Ray's control plane answers again")
+            self.unanswered = None
+        return nodes
 
     def poll(self, t0: float) -> None:
-        """Compares the alive nodes with the last poll; logs every loss and join."""
-        now_nodes, now = alive_nodes(), time.perf_counter() - t0
+        """Compares the alive nodes with the last answer; logs every loss and join."""
+        now_nodes, now = self.look(), time.perf_counter() - t0
+        if now_nodes is None or self.nodes is None:
+            self.nodes = now_nodes if now_nodes is not None else self.nodes
+            return
         for node in self.nodes.keys() - now_nodes.keys():
             actors = pool_actors(node_id=node)
             self.lost.append(

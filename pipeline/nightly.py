@@ -13,17 +13,19 @@ committed shard covers are decoded again.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import functools
 import hashlib
 import json
 import logging
 import queue
+import signal
 import subprocess
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -284,8 +286,9 @@ def run_nightly(cfg: Config, resume: str | None = None, plan: Plan | None = None
     run_id = resume_id(plan, resume) if resume else None
     resumed = run_id is not None
     run_id = run_id or dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6]
-    lease = Lease(runs.date_dir(cfg.output, cfg.run_date), run_id, cfg.storage, cfg.runs.lease_s).acquire(resumed)
-    try:
+    lease = Lease(runs.date_dir(cfg.output, cfg.run_date), run_id, cfg.storage, cfg.runs.lease_s)
+    try:  # acquired inside: a signal that lands just after the lease was taken still releases it
+        lease.acquire(resumed)
         return execute(plan, run_id, resumed, lease, runs.latest_version(cfg.output, cfg.run_date, cfg.storage))
     except Exception as e:  # the store gave out (on the driver, or in a task Ray retried): its own error, unwrapped
         down = S.unavailable(e)
@@ -359,14 +362,16 @@ def finished_unpublished(plan: Plan) -> str | None:
 def publish_finished(plan: Plan, run_id: str) -> dict:
     """--resume latest on a complete, unpublished run: publishes it (holding the date's lease) without decoding."""
     cfg = plan.cfg
-    lease = Lease(runs.date_dir(cfg.output, cfg.run_date), run_id, cfg.storage, cfg.runs.lease_s).acquire(True)
+    lease = Lease(runs.date_dir(cfg.output, cfg.run_date), run_id, cfg.storage, cfg.runs.lease_s)
     try:
+        lease.acquire(True)
         latest = runs.latest_version(cfg.output, cfg.run_date, cfg.storage)
         run = runs.run_dir(cfg.output, cfg.run_date, run_id)
         manifest = json.loads(S.read_bytes(S.join(run, "manifest.json"), cfg.storage))
         log.info("--resume latest: run %s is complete but was not published; publishing it without decoding", run_id)
         lease.check()
-        runs.publish(cfg.output, cfg.run_date, run_id, cfg.storage, cfg.runs.grace_s, latest)
+        with STOP.deferred("publishing"):
+            runs.publish(cfg.output, cfg.run_date, run_id, cfg.storage, cfg.runs.grace_s, latest)
         return manifest
     finally:
         lease.release()
@@ -389,32 +394,55 @@ class Attempt:
     checked_on: str = "driver"  # where they were looked for (`units.find_duplicates`)
     shards_decoded: int = 0
     watch: cluster.Watch | None = None  # the nodes lost and joined while it decoded
+    interruptions: list = field(default_factory=list)  # the run's earlier attempts stopped by a signal (_RUN.json)
 
 
 def execute(plan: Plan, run_id: str, resumed: bool, lease: Lease, latest: str | None) -> dict:
     """Decodes what the run has not committed, writes the manifest and _SUCCESS, and publishes the run with a
     compare-and-swap of _LATEST against `latest` (its version when this run took the date's lease)."""
-    clock = Clock()
-    with clock.phase("total"):
-        with clock.phase("decode"):  # from the start, as the shards' commit times are
+    clock, attempt = Clock(), None
+    try:
+        with clock.phase("total"), clock.phase("decode"):  # from the start, as the shards' commit times are
             attempt = start_attempt(plan, run_id, resumed, clock)
-            attempt.shards_decoded, attempt.watch = decode_pending(plan, attempt, lease)
-        files, sums = tally_shards(plan, attempt, clock.started)
-    manifest = manifest_of(plan, attempt, files, sums, timings(plan, clock, sums))
-    publish_run(plan, attempt, manifest, lease, latest)
-    return manifest
+        with clock.phase("total"):
+            with clock.phase("decode"):
+                attempt.shards_decoded, attempt.watch = decode_pending(plan, attempt, lease)
+            files, sums = tally_shards(plan, attempt, clock.started)
+        manifest = manifest_of(plan, attempt, files, sums, timings(plan, clock, sums))
+        publish_run(plan, attempt, manifest, lease, latest)
+        return manifest
+    except Interrupted as e:
+        record_interruption(plan, run_id, attempt.id if attempt else None, e)
+        raise
 
 
-def start_run(plan: Plan, run_id: str, run: str) -> None:
+def start_run(plan: Plan, run_id: str, run: str) -> list[dict]:
     """A new run records its start (_RUN.json: what a resume must find unchanged); a resumed one is checked against
-    it."""
+    it -> the run's interruptions so far (`record_interruption`)."""
     cfg = plan.cfg
     state = runs.state_of(run, cfg.storage)
     if state is not None:
         check_resumable(plan, run_id, state)
-        return
+        for stop in state.get("interruptions", []):
+            log.info("run %s: attempt %s was stopped by %s at %s", run_id, stop["attempt"], stop["signal"], stop["at"])
+        return state.get("interruptions", [])
     record = {"run_id": run_id, "run_date": cfg.run_date, "fingerprint": plan.fingerprint, "started": time.time()}
     runs.start(run, {**record, "config": cfg.to_dict(), "identity": plan.identity}, cfg.storage)
+    return []
+
+
+def record_interruption(plan: Plan, run_id: str, attempt: str | None, stop: Interrupted) -> None:
+    """Adds this attempt's stop to the run's state (_RUN.json `interruptions`: the attempt, None if stopped before it
+    was recorded, the signal, the time); a resume logs them and its manifest lists them (`resume.interruptions`).
+    Best effort, as the lease's release is: a failure is logged, never raised over the stop."""
+    cfg = plan.cfg
+    entry = {"attempt": attempt, "signal": stop.signal, "at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
+    try:
+        runs.record(runs.run_dir(cfg.output, cfg.run_date, run_id), "interruptions", entry, cfg.storage)
+    except Exception as e:  # no _RUN.json yet (stopped as it started), or the store is down
+        log.error("run %s stopped by %s; could not record it in its _RUN.json: %s", run_id, stop.signal, e)
+        return
+    log.warning("run %s stopped by %s: the interruption is recorded in its _RUN.json", run_id, stop.signal)
 
 
 def start_attempt(plan: Plan, run_id: str, resumed: bool, clock: Clock) -> Attempt:
@@ -424,7 +452,7 @@ def start_attempt(plan: Plan, run_id: str, resumed: bool, clock: Clock) -> Attem
 
     cfg = plan.cfg
     run = runs.run_dir(cfg.output, cfg.run_date, run_id)
-    start_run(plan, run_id, run)
+    interruptions = start_run(plan, run_id, run)
     with clock.phase("attempt"):
         attempt_id = uuid.uuid4().hex[:8]
         trusted = shards.begin_attempt(run, cfg.storage, attempt_id)
@@ -432,7 +460,7 @@ def start_attempt(plan: Plan, run_id: str, resumed: bool, clock: Clock) -> Attem
     work = units.todo(plan.units, done)
     total, left = sum(u.rows for u in plan.units), sum(len(units.positions(u)) for u in work)
     pool = cluster.actor_pool(cfg.compute, ray.cluster_resources())
-    a = Attempt(run_id, run, resumed, attempt_id, trusted, work, total, left, pool)
+    a = Attempt(run_id, run, resumed, attempt_id, trusted, work, total, left, pool, interruptions=interruptions)
     log_pending(plan, a)
     with clock.phase("duplicates"):
         a.duplicates, a.checked_on = find_duplicates(plan) if total else (None, "driver")
@@ -639,6 +667,7 @@ def resume_info(a: Attempt) -> dict:
         "shards_committed_before": len(a.trusted),
         "shards_decoded": a.shards_decoded,
         "users_decoded": a.left,
+        "interruptions": a.interruptions,  # earlier attempts stopped by SIGTERM / SIGINT
     }
 
 
@@ -663,7 +692,8 @@ def publish_run(plan: Plan, a: Attempt, manifest: dict, lease: Lease, latest: st
     cfg = plan.cfg
     runs.finish(a.run, manifest, cfg.storage)
     lease.check()  # a run that lost the date never publishes
-    deleted = runs.publish(cfg.output, cfg.run_date, a.run_id, cfg.storage, cfg.runs.grace_s, latest)
+    with STOP.deferred("publishing"):  # published, then stopped: the run is done, exit 0
+        deleted = runs.publish(cfg.output, cfg.run_date, a.run_id, cfg.storage, cfg.runs.grace_s, latest)
     log.info(
         "run %s published: %s; deleted superseded runs %s", a.run_id, json.dumps(manifest["counts"]), deleted or "none"
     )
@@ -706,6 +736,56 @@ class Stalled(Exception):
     another compute.num_actors, decodes the rest."""
 
 
+class Interrupted(BaseException):
+    """SIGTERM (`ray job stop`, a pod's eviction) or SIGINT reached the driver: it stops the decode, records the
+    interruption in the run's state and releases the lease on its way out. A BaseException, as KeyboardInterrupt is,
+    so that no `except Exception` on the way (a retried store call, the state API's) swallows it."""
+
+    def __init__(self, signum: int):
+        self.signal = signal.Signals(signum).name
+        super().__init__(f"{self.signal} received")
+
+
+@dataclass
+class Stop:
+    """The driver's SIGTERM / SIGINT handler (`install`, in the main thread): the first signal raises Interrupted in
+    the main thread, at once, wherever it waits; inside `deferred` (publication: _LATEST and the markers) it waits
+    until the block is done. Later signals are logged and ignored, so that the clean-up they interrupt finishes."""
+
+    received: str | None = None  # the first signal's name
+    deferring: str | None = None  # the block a signal waits for
+    pending: int | None = None
+
+    def install(self) -> None:
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, self.handle)
+
+    def handle(self, signum: int, frame) -> None:
+        if self.received:
+            log.warning("%s received while stopping: ignored", signal.Signals(signum).name)
+            return
+        if self.deferring:
+            log.warning("%s received while %s: stopping once that is done", signal.Signals(signum).name, self.deferring)
+            self.pending, self.received = signum, signal.Signals(signum).name
+            return
+        self.received = signal.Signals(signum).name
+        raise Interrupted(signum)
+
+    @contextlib.contextmanager
+    def deferred(self, what: str):
+        self.deferring = what
+        try:
+            yield
+        finally:
+            self.deferring = None
+        if self.pending is not None:
+            name = signal.Signals(self.pending).name
+            log.warning("%s received while %s, which is done: the job ends as it would have", name, what)
+
+
+STOP = Stop()  # the process's one handler (jobs/nightly.py installs it)
+
+
 def stream(ds) -> queue.Queue:
     """The execution's summary rows, consumed by a thread of their own -> a queue of tables, then None (the end) or
     the exception that ended it: the driver keeps watching while nothing commits."""
@@ -723,55 +803,83 @@ def stream(ds) -> queue.Queue:
     return rows
 
 
-def follow(ds, total: int, r: Runs, lease: Lease) -> tuple[int, cluster.Watch]:
-    """Streams the execution: one summary row per written shard. Logs users done / total, users/s and an ETA every
-    runs.progress_s; every node lost or joined and each loss's recovery (`cluster.Watch`); when no shard has committed
-    for runs.stall_s, what the run waits for, again every stall_s; raises Stalled past runs.stall_exit_s, LeaseLost if
-    the lease is lost -> (shards written, the watch)."""
-    rows, watch = stream(ds), cluster.Watch()
-    t0 = last = last_commit = last_said = last_poll = time.perf_counter()
-    users = n = 0
-    while True:
-        try:
-            batch = rows.get(timeout=1.0)
-        except queue.Empty:
-            batch = False
-        if isinstance(batch, BaseException):
-            raise batch
-        if batch is None:
-            break
-        now = time.perf_counter()
-        if batch is not False:
-            users += int(pc.sum(batch["users_in"]).as_py() or 0)
-            n += batch.num_rows
-            last_commit = now
-            watch.committed(any(batch["restarted"].to_pylist()), t0)
-        if lease.lost:
-            raise LeaseLost(lease.lost)
-        if now - last_poll >= NODE_POLL_S:
-            last_poll = now
-            watch.poll(t0)
-        if now - last_commit >= r.stall_exit_s:
+@dataclass
+class Progress:
+    """What `follow` has seen of a decode (times: perf_counter): it logs users done / total, users/s and an ETA every
+    runs.progress_s; when no shard has committed for runs.stall_s, what the run waits for, again every stall_s; it
+    raises Stalled past runs.stall_exit_s."""
+
+    total: int
+    r: Runs
+    t0: float = field(default_factory=time.perf_counter)
+    users: int = 0
+    shards: int = 0
+
+    def __post_init__(self):
+        self.last_commit = self.last_said = self.last_logged = self.t0
+
+    def committed(self, batch: pa.Table, now: float) -> None:
+        self.users += int(pc.sum(batch["users_in"]).as_py() or 0)
+        self.shards += batch.num_rows
+        self.last_commit = now
+
+    def check(self, now: float) -> None:
+        idle, r = now - self.last_commit, self.r
+        if idle >= r.stall_exit_s:
             raise Stalled(
-                f"no shard committed for {now - last_commit:.0f} s (runs.stall_exit_s = {r.stall_exit_s:g}), "
-                f"{users} of {total} users decoded: {cluster.waiting_for()}"
+                f"no shard committed for {idle:.0f} s (runs.stall_exit_s = {r.stall_exit_s:g}), "
+                f"{self.users} of {self.total} users decoded: {cluster.waiting_for()}"
             )
-        if now - last_commit >= r.stall_s and now - last_said >= r.stall_s:
-            last_said = now
-            log.warning("no shard committed for %.0f s; waiting for: %s", now - last_commit, cluster.waiting_for())
-        if now - last >= r.progress_s:
-            last, rate = now, users / (now - t0)
-            eta = (total - users) / rate if rate > 0 else float("inf")
+        if idle >= r.stall_s and now - self.last_said >= r.stall_s:
+            self.last_said = now
+            log.warning("no shard committed for %.0f s; waiting for: %s", idle, cluster.waiting_for())
+        if now - self.last_logged >= r.progress_s:
+            self.last_logged, rate = now, self.users / (now - self.t0)
+            eta = (self.total - self.users) / rate if rate > 0 else float("inf")
             log.info(
                 "progress: %d / %d users (%.1f%%), %.1f users/s, ETA %.0f s",
-                users,
-                total,
-                100 * users / max(total, 1),
+                self.users,
+                self.total,
+                100 * self.users / max(self.total, 1),
                 rate,
                 eta,
             )
-    log.info("decoded %d users in %d shards, %.1f s", users, n, time.perf_counter() - t0)
-    return n, watch
+
+
+def next_summary(rows: queue.Queue):
+    """The next summary row from `stream` (None: the end), False after a second without one; raises what ended it."""
+    try:
+        batch = rows.get(timeout=1.0)
+    except queue.Empty:
+        return False
+    if isinstance(batch, BaseException):
+        raise batch
+    return batch
+
+
+def follow(ds, total: int, r: Runs, lease: Lease) -> tuple[int, cluster.Watch]:
+    """Streams the execution: one summary row per written shard, logged as `Progress`; every node lost or joined and
+    each loss's recovery (`cluster.Watch`). Raises Stalled (`Progress`), LeaseLost if the lease is lost, Interrupted
+    on a signal, having shut the execution down first (no task is submitted after) -> (shards written, the watch)."""
+    rows, watch, p = stream(ds), cluster.Watch(), Progress(total, r)
+    last_poll = p.t0
+    try:
+        while (batch := next_summary(rows)) is not None:
+            now = time.perf_counter()
+            if batch is not False:
+                p.committed(batch, now)
+                watch.committed(any(batch["restarted"].to_pylist()), p.t0)
+            if lease.lost:
+                raise LeaseLost(lease.lost)
+            if now - last_poll >= NODE_POLL_S:
+                last_poll = now
+                watch.poll(p.t0)
+            p.check(now)
+    except BaseException as e:
+        cluster.stop_executions(e)
+        raise
+    log.info("decoded %d users in %d shards, %.1f s", p.users, p.shards, time.perf_counter() - p.t0)
+    return p.shards, watch
 
 
 def collect_garbage(cfg: Config) -> list[str]:

@@ -10,7 +10,8 @@
 
     <output>/run_date=<D>/_LEASE                                 the date's writer (pipeline/lease.py)
     <run>/_RUN.json                                              the run's config and the content identity of its
-                                                                 input, catalog and models, written when it starts
+                                                                 input, catalog and models, written when it starts;
+                                                                 `interruptions`: each execution a signal stopped
     <run>/_ATTEMPTS/<n>-<attempt>.json                           each driver execution and the shards it trusts
     <run>/_SUPERSEDED                                            {"by", "at"}: another run of the date was published
     <run>/_ENGINE.json                                           compute.engine auto's one decision for the run
@@ -79,6 +80,16 @@ def finish(run: str, manifest: dict, storage: Storage) -> None:
 
 def start(run: str, state: dict, storage: Storage) -> None:
     S.write_bytes(S.join(run, "_RUN.json"), json.dumps(state, indent=2, default=str).encode(), storage)
+
+
+def record(run: str, key: str, entry: dict, storage: Storage) -> None:
+    """Appends `entry` to the list `key` of the run's state (_RUN.json, rewritten whole: a reader sees the old or the
+    new state), e.g. `interruptions`: each driver execution stopped by a signal."""
+    state = state_of(run, storage)
+    if state is None:
+        raise FileNotFoundError(f"run {run}: no _RUN.json to record {key} in")
+    state.setdefault(key, []).append(entry)
+    start(run, state, storage)
 
 
 def state_of(run: str, storage: Storage) -> dict | None:

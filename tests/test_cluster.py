@@ -215,3 +215,35 @@ def test_a_node_that_joins_mid_run_gets_an_actor(cluster):
         f"\nnode join: 2 actors decoded {copies * USERS} users, one on the node that joined; "
         f"decode {manifest['timings']['decode_s']:.1f} s, total {time.monotonic() - start:.1f} s"
     )
+
+
+def test_control_plane_errors_in_the_watch_are_logged_once_and_asked_again(monkeypatch, caplog):
+    """Ray's control plane failing (the GCS restarting, a timeout) while the run decodes: the watch logs it once,
+    asks again at every poll and, once it answers, reports the node lost and the node joined meanwhile; what a
+    stalled run waits for says the resources are unknown instead of failing the run."""
+    from pipeline import cluster as C
+
+    node = {"ip": "10.0.0.1", "resources": {"CPU": 2.0}}
+    answers = [RuntimeError("GCS unavailable"), {"a": node}, RuntimeError("GCS unavailable")]
+    answers += [RuntimeError("deadline exceeded"), {"b": node}]
+
+    def alive_nodes():
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(C, "alive_nodes", alive_nodes)
+    monkeypatch.setattr(C, "pool_actors", lambda **filters: [])
+    caplog.set_level("INFO", logger="genrec.nightly")
+    watch = C.Watch()  # the first look fails: no nodes known yet
+    t0 = time.perf_counter()
+    for _ in range(4):
+        watch.poll(t0)
+    assert not answers and watch.nodes == {"b": node}
+    assert [x["node"] for x in watch.lost] == ["a"] and [x["node"] for x in watch.joined] == ["b"]
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("control plane did not answer" in m for m in said) == 2  # once per outage, not once per poll
+    assert sum("answers again" in m for m in said) == 2
+    monkeypatch.setattr(C, "alive_nodes", lambda: (_ for _ in ()).throw(RuntimeError("GCS unavailable")))
+    assert "the cluster's resources unknown (Ray's control plane did not answer" in C.waiting_for()

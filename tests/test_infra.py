@@ -420,3 +420,32 @@ def test_the_cluster_launchers_config_fits_its_gpus():
     (row,) = [r for r in sizing_rows() if (r["model"], r["dtype"], r["gpu_gb"]) == (size, cfg.compute.dtype, 24)]
     assert row["batch"] >= cfg.compute.batch_size and row["audit"] == "GPU"
     assert cfg.compute.cpus_per_actor < 4  # a g5.xlarge has 4 vCPUs: one left for the data tasks
+
+
+def test_a_stopped_driver_gets_sigterm_and_its_grace_period_before_ray_stops(tmp_path):
+    """The RayJob's head (where the driver runs): `ray job stop` waits RAY_JOB_STOP_WAIT_TIME_S before SIGKILL, the
+    head's preStop hook sends the driver SIGTERM and waits for it, and the pod's grace period covers both. The hook's
+    script, run here against a stand-in driver (its marker renamed, so no real driver on this machine is touched),
+    returns only once the driver has exited with its own code."""
+    (rayjob,) = yaml_docs(INFRA / "kuberay" / "rayjob-nightly.yaml")
+    env = yaml.safe_load(rayjob["spec"]["runtimeEnvYAML"])["env_vars"]
+    head = rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    (container,) = head["containers"]
+    python, flag, script = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert (python, flag) == ("python", "-c") and '"jobs.nightly"' in script
+    assert head["terminationGracePeriodSeconds"] > int(env["RAY_JOB_STOP_WAIT_TIME_S"]) >= 60
+    marker = f"genrec-stand-in-{tmp_path.name}"
+    stand_in = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *_: "
+            "(time.sleep(1), sys.exit(6)))\nprint('ready', flush=True)\ntime.sleep(60)",
+            marker,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert stand_in.stdout.readline() == "ready\n"
+    hook = subprocess.run([sys.executable, "-c", script.replace('"jobs.nightly"', repr(marker))], timeout=30)
+    assert hook.returncode == 0 and stand_in.poll() == 6  # the hook returned after the driver's own exit

@@ -24,7 +24,7 @@ from decoding.templates import PRESETS, write_template
 from jobs.prepare_data import main as prepare_data
 from operators.prompts import Renderer, catalog_probes
 from pipeline.config import Storage, load_config
-from pipeline.prepare import build_text_tokenizer
+from pipeline.prepare import build_text_tokenizer, prepare_minionerec
 from tests.helpers import float32_atol
 
 LEVELS, CODES, ITEMS, K = 3, 16, 120, 5
@@ -113,9 +113,82 @@ def write_layout(root: Path, seed: int = 0) -> dict:
 def imported(tmp_path_factory):
     root = tmp_path_factory.mktemp("minionerec")
     layout = write_layout(root / "repo" / "data" / "Amazon")
-    rc = prepare_data(["--format", "minionerec", "--source", str(root / "repo"), "--out", str(root / "data")])
-    assert rc == 0
+    args = ["--format", "minionerec", "--source", str(root / "repo"), "--out", str(root / "data")]
+    assert prepare_data([*args, "--allow-mismatch"]) == 0  # test rows 3 and 5 disagree with the index
     return root, layout
+
+
+def test_disagreements_with_the_index_exit_2_naming_file_row_and_values(imported, tmp_path, capsys):
+    """Test row 3's semantic id and row 5's unknown item: exit 2 naming both (file, row, values), nothing written;
+    --allow-mismatch imports them as written, and prepare.json and the printed summary say so."""
+    root, layout = imported
+    args = ["--format", "minionerec", "--source", str(root / "repo"), "--out", str(tmp_path / "out")]
+    assert prepare_data(args) == 2
+    err = capsys.readouterr().err
+    first = eval(layout["test"].at[3, "history_item_id"])[0]
+    wrong = eval(layout["test"].at[3, "history_item_sid"])[0]
+    csv = f"test/{CATEGORY}_5_2016-10-2018-11.csv"
+    assert "2 ids or semantic ids disagree with the index" in err and "--allow-mismatch" in err
+    assert f"{csv}: row 3: item {first} has semantic id {wrong} here, {sid_text(layout['sids'][first])} in the " in err
+    assert f"{csv}: row 5: item 9999 is not in the index" in err
+    assert not (tmp_path / "out").exists()
+    assert prepare_data([*args, "--allow-mismatch"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["allow_mismatch"] and summary["mismatches"] == {"train": 0, "valid": 0, "test": 2, "info": 0}
+    report = json.loads((tmp_path / "out" / "prepare.json").read_text())
+    assert report["allow_mismatch"] and report["mismatches"] == summary["mismatches"]
+    info = root / "repo" / "data" / "Amazon" / "info" / f"{CATEGORY}_5_2016-10-2018-11.txt"
+    shutil.copytree(root / "repo", tmp_path / "repo")
+    lines = info.read_text().splitlines()
+    lines[4] = lines[4].replace("<a_", "<a_1", 1)  # item 4's semantic id, another in the info file
+    (tmp_path / "repo" / "data" / "Amazon" / "info" / info.name).write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=r"3 ids or .* info/.*\.txt: line 5: item 4 has semantic id <a_1"):
+        prepare_minionerec(tmp_path / "repo", tmp_path / "out2")
+
+
+@pytest.mark.parametrize(
+    "column, value, says",
+    [
+        ("user_id", "  ", "is blank, expected a user id"),
+        ("item_id", "", "is not an item id (a non-negative integer)"),
+        ("item_id", "12.0", "is not an item id (a non-negative integer)"),
+        ("history_item_id", "5", "is not a Python-literal list of item ids"),
+        ("history_item_id", "['12']", "is not a Python-literal list of item ids"),
+        ("history_item_id", "[1, 2", "is not a Python-literal list of item ids"),
+        ("history_item_sid", "[1, 2]", "is not a Python-literal list of semantic ids"),
+        ("item_sid", "", "is blank, expected a semantic id"),
+    ],
+)
+def test_a_malformed_cell_is_named_by_file_row_column_and_value(imported, tmp_path, column, value, says):
+    root, layout = imported
+    shutil.copytree(root / "repo", tmp_path / "repo")
+    frame = layout["test"].copy()
+    frame[column] = frame[column].astype(object)
+    frame.at[2, column] = value
+    csv = tmp_path / "repo" / "data" / "Amazon" / "test" / f"{CATEGORY}_5_2016-10-2018-11.csv"
+    frame.to_csv(csv, index=False)
+    with pytest.raises(ValueError) as e:
+        prepare_minionerec(tmp_path / "repo", tmp_path / "out", allow_mismatch=True)
+    assert str(e.value) == f"{csv}: row 2, column {column}: {value!r} {says}" + (
+        ", e.g. [12, 7]" if "item ids" in says else ", e.g. ['<a_1><b_2>']" if "semantic ids" in says else ""
+    ) + (" such as <a_1><b_2><c_3>" if column == "item_sid" else "")
+
+
+def test_a_history_column_of_bare_numbers_is_refused_not_emptied(imported, tmp_path, capsys):
+    """A history_item_id column of bare numbers (pandas would read it as integers) is no column of lists: exit 2 at
+    its first row, never a table of empty histories."""
+    root, layout = imported
+    shutil.copytree(root / "repo", tmp_path / "repo")
+    frame = layout["valid"].copy()
+    frame["history_item_id"] = [eval(h)[-1] if eval(h) else 0 for h in frame.history_item_id]
+    csv = tmp_path / "repo" / "data" / "Amazon" / "valid" / f"{CATEGORY}_5_2016-10-2018-11.csv"
+    frame.to_csv(csv, index=False)
+    args = ["--format", "minionerec", "--source", str(tmp_path / "repo"), "--out", str(tmp_path / "out")]
+    assert prepare_data([*args, "--allow-mismatch"]) == 2
+    err = capsys.readouterr().err
+    value = str(frame.history_item_id[0])
+    assert f"{csv}: row 0, column history_item_id: {value!r} is not a Python-literal list of item ids" in err
+    assert not (tmp_path / "out").exists()
 
 
 def test_every_csv_row_is_a_unit_keyed_by_its_user_and_row(imported):

@@ -15,6 +15,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from decoding.codes import code_token, code_token_ids
+from jobs.prepare_data import main as prepare_data
 from pipeline.prepare import (
     BEAUTY_SOURCE,
     Interactions,
@@ -27,6 +28,7 @@ from pipeline.prepare import (
     synthetic_histories,
     write_synthetic,
 )
+from pipeline.prepare.contract import Mismatch
 
 REPO = Path(__file__).resolve().parents[1]
 BEAUTY = BEAUTY_SOURCE
@@ -124,6 +126,8 @@ def test_beauty_counts_and_collisions(beauty):
     # the ids are the release index's (0-based): every history item is in the catalog. (An earlier copy kept the
     # release text files' 1-based ids: item 12035, one past the index, was "unknown" in 15 train histories.)
     assert all(d == {"interactions": 0, "users": 0, "item_ids": []} for d in report["dropped_unknown_items"].values())
+    assert report["mismatches"] == summary.mismatches == {"train": 0, "valid": 0, "test": 0}
+    assert report["allow_mismatch"] is summary.allow_mismatch is False
     assert report["interactions"] == {"train": 122_241, "valid": 9_316, "test": 7_313}
     train = pq.read_table(out / "train.parquet")
     assert train["user_id"].to_pylist() == list(range(19_383))
@@ -197,6 +201,27 @@ def test_prepare_bad_inputs_name_file_and_column(tmp_path):
     pq.write_table(pa.table({"item_id": [5, 5, 7], "semantic_id": [[0, 1], [1, 0], [0, 1]]}), src / "items.parquet")
     with pytest.raises(ValueError, match=r"items\.parquet: column 'item_id' has duplicated values \[5\]"):
         prepare_beauty(src, tmp_path / "out")
+
+
+def test_beauty_ids_the_catalog_lacks_are_refused_unless_allowed(tmp_path, capsys):
+    """A history item the catalog lacks (ids shifted by one, another catalog): exit 2 naming the file, row, user and
+    ids, nothing written; --allow-mismatch drops it from the list, and prepare.json and the summary count it."""
+    src = _tiny_source(tmp_path / "src")
+    pq.write_table(pa.table({"user_id": [1, 2], "items": [[5, 8, 6, 9], [6]]}), src / "train.parquet")
+    args = ["--source", str(src), "--out", str(tmp_path / "out"), "--history-len", "2"]
+    assert prepare_data(args) == 2
+    err = capsys.readouterr().err
+    assert "2 item ids disagree with the index" in err
+    assert f"{src / 'train.parquet'}: row 0 (user_id 1), column items: item ids [8, 9] are not in items.parquet" in err
+    assert "--allow-mismatch" in err and not (tmp_path / "out").exists()
+    assert prepare_data([*args, "--allow-mismatch"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["allow_mismatch"] and summary["mismatches"] == {"train": 2, "valid": 0, "test": 0}
+    assert summary["dropped_interactions"] == {"train": 2, "valid": 0, "test": 0}
+    report = json.loads((tmp_path / "out" / "prepare.json").read_text())
+    assert report["allow_mismatch"] and report["dropped_unknown_items"]["train"]["item_ids"] == [8, 9]
+    train = pq.read_table(tmp_path / "out" / "train.parquet").to_pylist()
+    assert train[0] == {"user_id": 1, "history": [5, 6]}  # the known items, in order
 
 
 def test_beauty_missing_column(tmp_path):
@@ -305,9 +330,10 @@ def test_cli_synthetic(tmp_path):
 # ---------------------------------------------------------------- the LC-Rec layout
 
 
-def test_lcrec_format_with_every_problem_reported(tmp_path):
+def test_lcrec_format_with_every_problem_reported(tmp_path, capsys):
     """An LC-Rec index JSON and sequential_*.txt files -> the project's parquet contracts; collisions, bad index
-    entries, malformed lines and unknown items are counted and listed with line numbers, never silently dropped."""
+    entries, malformed lines and unknown items are counted and listed with line numbers, never silently dropped; an
+    unknown item refuses the import (exit 2, named) unless --allow-mismatch."""
     src = tmp_path / "lcrec"
     src.mkdir()
     index = {str(i): [f"<a_{i % 3}>", f"<b_{i}>", f"<c_{2 * i}>"] for i in range(7)}
@@ -319,6 +345,10 @@ def test_lcrec_format_with_every_problem_reported(tmp_path):
     (src / "sequential_valid.txt").write_text("1 3\n2 5\n")
     (src / "sequential_test.txt").write_text("1 4\n4 2\n")
     out = tmp_path / "out"
+    assert prepare_data(["--format", "lcrec", "--source", str(src), "--out", str(out), "--history-len", "3"]) == 2
+    err = capsys.readouterr().err
+    assert f"{src / 'sequential_train.txt'}: line 5 (user 4): item ids [99] are not in the index Toy.index.json" in err
+    assert not out.exists()
     run = subprocess.run(
         [
             sys.executable,
@@ -332,6 +362,7 @@ def test_lcrec_format_with_every_problem_reported(tmp_path):
             str(out),
             "--history-len",
             "3",
+            "--allow-mismatch",
         ],
         cwd=REPO,
         capture_output=True,
@@ -340,6 +371,7 @@ def test_lcrec_format_with_every_problem_reported(tmp_path):
     )
     assert run.returncode == 0, run.stderr
     summary = json.loads(run.stdout)
+    assert summary["allow_mismatch"] and summary["mismatches"] == {"train": 1, "valid": 0, "test": 0}
     assert (summary["items"], summary["colliding_semantic_ids"], summary["index_problems"]) == (8, 1, 2)
     assert summary["malformed_lines"] == {"train": 2, "valid": 0, "test": 0}
     assert summary["users_without_items"] == {"train": 1, "valid": 0, "test": 0}  # line 7: "5" alone
@@ -396,7 +428,7 @@ def test_lcrec_format_with_every_problem_reported(tmp_path):
         text=True,
         timeout=120,
     )
-    assert missing.returncode == 1 and "sequential_valid.txt: file not found" in missing.stderr
+    assert missing.returncode == 2 and "sequential_valid.txt: file not found" in missing.stderr
 
 
 def _lcrec_release(
@@ -448,7 +480,7 @@ def test_lcrec_published_release_one_based_ids(tmp_path):
         text=True,
         timeout=120,
     )
-    assert refused.returncode == 1 and not (tmp_path / "out-refused").exists()
+    assert refused.returncode == 2 and not (tmp_path / "out-refused").exists()
     assert (
         "look shifted against the index toy.LCRec-1e-3lr.json: it holds ids 0..29 (30 items), "
         "the files use ids 1..30" in refused.stderr
@@ -532,15 +564,17 @@ def test_lcrec_index_choice_and_unknown_items_after_offset(tmp_path):
     lines = (tmp_path / "src2" / "sequential_train.txt").read_text().splitlines()
     lines[2] += " 500"
     (tmp_path / "src2" / "sequential_train.txt").write_text("\n".join(lines) + "\n")
-    summary = prepare_lcrec(tmp_path / "src2", tmp_path / "out2", id_offset=-1)
-    assert summary.dropped_interactions == {"train": 1, "valid": 0, "test": 0}
+    with pytest.raises(Mismatch, match=r"sequential_train\.txt: line 3 \(user 2\): item ids \[499\] are not in"):
+        prepare_lcrec(tmp_path / "src2", tmp_path / "out2", id_offset=-1)
+    summary = prepare_lcrec(tmp_path / "src2", tmp_path / "out2", id_offset=-1, allow_mismatch=True)
+    assert summary.dropped_interactions == summary.mismatches == {"train": 1, "valid": 0, "test": 0}
     report = json.loads((tmp_path / "out2" / "prepare.json").read_text())
     assert report["lines"]["train"]["unknown"] == [{"line": 3, "user": 2, "items": [499]}]
     assert report["ids"]["unknown_after_offset"] == 1 and report["ids"]["unknown_examples"] == [499]
     train = {r["user_id"]: r["history"] for r in pq.read_table(tmp_path / "out2" / "train.parquet").to_pylist()}
     assert train == truth["train"]  # the unknown item left out, every other item in place
     # without --id-offset, an unknown item on top of the shift is no constant offset: imported as written, reported
-    summary = prepare_lcrec(tmp_path / "src2", tmp_path / "out3")
+    summary = prepare_lcrec(tmp_path / "src2", tmp_path / "out3", allow_mismatch=True)
     shifted_last = sum(v.count(29) for v in truth["train"].values())  # item 29 is written as 30, beyond the index
     assert summary.id_offset == 0 and summary.dropped_interactions["train"] == shifted_last + 1
     assert json.loads((tmp_path / "out3" / "prepare.json").read_text())["ids"]["unknown_examples"] == [30, 500]

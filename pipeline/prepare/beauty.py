@@ -11,31 +11,37 @@ import pyarrow.parquet as pq
 
 from decoding.codes import format_rows, semantic_id_matrix
 from operators.prompts import ragged_arrays, ragged_ranges
-from pipeline.prepare.contract import PrepareSummary, Source, code_tokens_array, write_source
+from pipeline.prepare.contract import SHOWN, PrepareSummary, Source, check_mismatches, code_tokens_array, write_source
 from pipeline.prepare.splits import SPLITS, Interactions, sorted_unique
 
 BEAUTY_FILES = ("items.parquet", "train.parquet", "valid.parquet", "test.parquet")
 BEAUTY_SOURCE = Path(__file__).resolve().parent / "amazon-beauty"
 
 
-def prepare_beauty(source_dir, out_dir, history_len: int = 20, codes: int | None = None) -> PrepareSummary:
+def prepare_beauty(
+    source_dir, out_dir, history_len: int = 20, codes: int | None = None, allow_mismatch: bool = False
+) -> PrepareSummary:
     """Amazon Beauty folder -> the project's contracts in `out_dir` (see the package docstring).
 
     `codes` (codes per level of the tokenizer) defaults to max code + 1 over all levels
     of the catalog: 256 for Beauty. All items are kept, also those sharing a semantic ID
     (listed in prepare.json; the policy is applied when the catalog is loaded). History
-    items that are not in the catalog are dropped and counted in prepare.json.
+    items that are not in the catalog refuse the import (contract.Mismatch, naming file, row and ids) unless
+    `allow_mismatch`: then they are dropped, counted in prepare.json and the summary.
     """
     if history_len <= 0:
         raise ValueError(f"history_len must be positive, got {history_len}")
-    return write_source(read_beauty(Path(source_dir), codes), out_dir, history_len)
+    return write_source(read_beauty(Path(source_dir), codes, allow_mismatch), out_dir, history_len)
 
 
-def read_beauty(source_dir: Path, codes: int | None = None) -> Source:
+def read_beauty(source_dir: Path, codes: int | None = None, allow_mismatch: bool = False) -> Source:
     """The release's four files, read and checked -> a Source (the dropped unknown items in its report)."""
     item_ids, sid, codes = _read_catalog(source_dir / "items.parquet", codes)  # [N], [N, L]
     read = {s: _read_split(source_dir / f"{s}.parquet", item_ids) for s in SPLITS}
     dropped = {s: r[1] for s, r in read.items()}
+    found = [f for d in dropped.values() for f in d.pop("found")]
+    check_mismatches("item ids", found, sum(d["interactions"] for d in dropped.values()), allow_mismatch)
+    mismatches = {s: d["interactions"] for s, d in dropped.items()}
     return Source(
         source_dir,
         "beauty",
@@ -44,8 +50,8 @@ def read_beauty(source_dir: Path, codes: int | None = None) -> Source:
         codes,
         splits={s: r[0] for s, r in read.items()},
         files=[source_dir / f for f in BEAUTY_FILES],
-        report={"dropped_unknown_items": dropped},
-        summary={"dropped_interactions": {s: d["interactions"] for s, d in dropped.items()}},
+        report={"dropped_unknown_items": dropped, "mismatches": mismatches, "allow_mismatch": allow_mismatch},
+        summary={"dropped_interactions": mismatches, "mismatches": mismatches, "allow_mismatch": allow_mismatch},
     )
 
 
@@ -111,8 +117,9 @@ def _read_split(path: Path, item_ids: np.ndarray) -> tuple[Interactions, dict]:
     """train/valid/test.parquet -> (its Interactions, dropped).
 
     Item ids missing from the catalog cannot be tokenized: they are dropped from the lists
-    (order of the other items kept) and reported in `dropped` (a copy of Beauty with the release text files'
-    1-based ids showed item 12035, one past the index, in 15 train histories: the symptom of shifted ids).
+    (order of the other items kept) and reported in `dropped` with the first rows that hold them (a copy of Beauty
+    with the release text files' 1-based ids showed item 12035, one past the index, in 15 train histories: the
+    symptom of shifted ids).
     """
     table = _read_parquet(path, ["user_id", "items"])
     user_ids = _int_ids(table, "user_id", str(path))
@@ -124,10 +131,16 @@ def _read_split(path: Path, item_ids: np.ndarray) -> tuple[Interactions, dict]:
     values = values[ragged_ranges(starts, lengths)]  # [T] compact, row-major
     row_of = np.repeat(np.arange(len(lengths)), lengths)  # [T]
     known = np.isin(values, item_ids)  # [T]
+    bad_rows = np.unique(row_of[~known])  # [b]
     dropped = {
         "interactions": int((~known).sum()),
-        "users": int(len(np.unique(row_of[~known]))),
+        "users": int(len(bad_rows)),
         "item_ids": np.unique(values[~known]).tolist(),
+        "found": [
+            f"{path}: row {r} (user_id {user_ids[r]}), column items: item ids "
+            f"{sorted(set(values[(row_of == r) & ~known].tolist()))} are not in items.parquet"
+            for r in bad_rows[:SHOWN].tolist()
+        ],
     }
     values, row_of = values[known], row_of[known]
     lengths = np.bincount(row_of, minlength=len(lengths)).astype(np.int64)  # [U]

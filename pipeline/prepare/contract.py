@@ -122,12 +122,34 @@ def build_text_tokenizer(levels: int, codes: int, vocab_size: int = 600, code_to
     with code_tokens, the code tokens `<a_0>` .. added as tokens of their own (tokenizer.add_tokens, the LC-Rec
     recipe). style "llama": it adds <s> itself like Llama's (ids <pad> 0, <s> 1, </s> 2); "qwen": Qwen2's split, no
     BOS token, EOS `<|endoftext|>` (id 0) that also pads, as MiniOneRec's Qwen models have."""
-    from tokenizers import processors, trainers
-
-    from decoding.templates import MINIONEREC_INSTRUCTION, MINIONEREC_PREFIX
+    from tokenizers import processors
 
     if style not in ("llama", "qwen"):
         raise ValueError(f"style must be llama or qwen, got {style!r}")
+    raw = _trained_bpe(style, vocab_size)
+    if style == "qwen":
+        tok = PreTrainedTokenizerFast(
+            tokenizer_object=raw, eos_token="<|endoftext|>", pad_token="<|endoftext|>", padding_side="left"
+        )
+    else:
+        raw.post_processor = processors.TemplateProcessing(
+            single="<s> $A", special_tokens=[("<s>", raw.token_to_id("<s>"))]
+        )
+        tok = PreTrainedTokenizerFast(
+            tokenizer_object=raw, bos_token="<s>", eos_token="</s>", pad_token="<pad>", padding_side="left"
+        )
+    if code_tokens:
+        tok.add_tokens([code_token(j, c) for j in range(levels) for c in range(codes)])
+    return tok
+
+
+def _trained_bpe(style: str, vocab_size: int) -> Tokenizer:
+    """`build_text_tokenizer`'s byte-level BPE, trained on INSTRUCTION_TEXT and numbered lists (and, for "qwen",
+    MiniOneRec's prompt, split as Qwen2 splits)."""
+    from tokenizers import trainers
+
+    from decoding.templates import MINIONEREC_INSTRUCTION, MINIONEREC_PREFIX
+
     corpus = INSTRUCTION_TEXT * 20 + [", ".join(f"{i}. item" for i in range(1, n + 1)) for n in range(1, 60)]
     specials = ["<pad>", "<s>", "</s>"]
     raw = Tokenizer(models.BPE())
@@ -148,20 +170,7 @@ def build_text_tokenizer(levels: int, codes: int, vocab_size: int = 600, code_to
             vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
         ),
     )
-    if style == "qwen":
-        tok = PreTrainedTokenizerFast(
-            tokenizer_object=raw, eos_token="<|endoftext|>", pad_token="<|endoftext|>", padding_side="left"
-        )
-    else:
-        raw.post_processor = processors.TemplateProcessing(
-            single="<s> $A", special_tokens=[("<s>", raw.token_to_id("<s>"))]
-        )
-        tok = PreTrainedTokenizerFast(
-            tokenizer_object=raw, bos_token="<s>", eos_token="</s>", pad_token="<pad>", padding_side="left"
-        )
-    if code_tokens:
-        tok.add_tokens([code_token(j, c) for j in range(levels) for c in range(codes)])
-    return tok
+    return raw
 
 
 # ---------------------------------------------------------------- the catalog
@@ -231,6 +240,26 @@ def catalog_report(item_ids: np.ndarray, semantic_ids: np.ndarray, codes: int) -
 
 # ---------------------------------------------------------------- sources read from files
 
+SHOWN = 5  # disagreements an error message names (prepare.json lists more; all are counted)
+
+
+class Mismatch(ValueError):
+    """A source's item ids or semantic IDs disagree with its index (the import exits 2 unless --allow-mismatch)."""
+
+
+def check_mismatches(what: str, found: list[str], count: int, allow: bool) -> None:
+    """`count` disagreements of the source with its index, the first of them described in `found` (each naming its
+    file, row and values) -> Mismatch naming the first SHOWN, unless `allow` (--allow-mismatch: imported anyway, and
+    prepare.json and the summary say so)."""
+    if not count or allow:
+        return
+    more = f"; and {count - SHOWN} more" if count > SHOWN else ""
+    raise Mismatch(
+        f"{count} {what} disagree with the index: {'; '.join(found[:SHOWN])}{more}. A source from another index "
+        "(another RQ-VAE run, ids shifted by one) would import wrong: fix the source, or rerun with "
+        "--allow-mismatch to import it anyway (recorded in prepare.json)"
+    )
+
 
 @dataclass
 class PrepareSummary:
@@ -240,7 +269,7 @@ class PrepareSummary:
     colliding_semantic_ids: int
     users: int
     interactions: dict[str, int]  # written, after dropping unknown items
-    dropped_interactions: dict[str, int]  # item ids not in the catalog, per split
+    dropped_interactions: dict[str, int]  # item ids not in the catalog, left out of the written lists, per split
     levels: int
     codes: int
     history_len: int | None  # None: histories as the source wrote them (MiniOneRec)
@@ -251,6 +280,8 @@ class PrepareSummary:
     id_offset: int = 0  # LC-Rec: added to every user and item id of the interaction files
     category: str | None = None  # MiniOneRec: the category read
     rows: dict[str, int | None] = field(default_factory=dict)  # MiniOneRec: CSV rows per split (None: no file)
+    mismatches: dict[str, int] = field(default_factory=dict)  # ids / semantic IDs disagreeing with the index, per file
+    allow_mismatch: bool = False  # imported with --allow-mismatch
 
 
 @dataclass

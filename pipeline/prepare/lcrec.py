@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.prepare.contract import PrepareSummary, Source, write_source
+from pipeline.prepare.contract import PrepareSummary, Source, check_mismatches, write_source
 from pipeline.prepare.splits import Interactions, sorted_unique
 
 LCREC_SPLITS = {"train": "sequential_train.txt", "valid": "sequential_valid.txt", "test": "sequential_test.txt"}
@@ -214,21 +214,28 @@ def prepare_lcrec(
     code_token: str = "<{level}_{code}>",
     index: Path | None = None,
     id_offset: int | None = None,
+    allow_mismatch: bool = False,
 ) -> PrepareSummary:
     """LC-Rec's / AtSpeed's published layout -> the project's contracts in `out_dir` (as `prepare_beauty`): the index
     JSON (item id -> its code tokens; `index`, else found by `find_lcrec_index`) and `sequential_{train,valid,test}.txt`
     (split by global time, as in the AtSpeed paper). `id_offset` is added to every user and item id of the
     interaction files (-1 for the authors' files, which count from 1 where their index counts from 0); without it,
-    ids that look shifted are refused (`check_id_offset`). Splits as SPLIT_CONVENTION. Counts, semantic-ID
-    collisions, the id evidence, users without items, malformed lines and unknown items (with line numbers) go to
-    prepare.json."""
+    ids that look shifted are refused (`check_id_offset`); items still unknown after the offset refuse the import
+    (contract.Mismatch, naming file, line and ids) unless `allow_mismatch` (then left out of the lists, counted).
+    Splits as SPLIT_CONVENTION. Counts, semantic-ID collisions, the id evidence, users without items, malformed
+    lines and unknown items (with line numbers) go to prepare.json."""
     if history_len <= 0:
         raise ValueError(f"history_len must be positive, got {history_len}")
-    return write_source(read_lcrec(Path(source_dir), code_token, index, id_offset), out_dir, history_len)
+    source = read_lcrec(Path(source_dir), code_token, index, id_offset, allow_mismatch)
+    return write_source(source, out_dir, history_len)
 
 
 def read_lcrec(
-    source_dir: Path, code_token: str = "<{level}_{code}>", index: Path | None = None, id_offset: int | None = None
+    source_dir: Path,
+    code_token: str = "<{level}_{code}>",
+    index: Path | None = None,
+    id_offset: int | None = None,
+    allow_mismatch: bool = False,
 ) -> Source:
     """The index and the three interaction files, read and checked -> a Source: items in id order; train rows for the
     users with train lines, valid and test rows for every user of any file (their items, or none)."""
@@ -240,6 +247,10 @@ def read_lcrec(
     ids = check_id_offset(raw, item_ids, id_offset, index_path.name)
     read = {s: apply_offset(r, item_ids, ids["offset"]) for s, r in raw.items()}
     lines = {s: r[1] for s, r in read.items()}
+    mismatches = {s: n["unknown_items"] for s, n in lines.items()}
+    found = unknown_items(source_dir, lines, index_path.name)
+    check_mismatches("item ids (after the offset)", found, sum(mismatches.values()), allow_mismatch)
+    allowed = {"mismatches": mismatches, "allow_mismatch": allow_mismatch}
     return Source(
         source_dir,
         "lcrec",
@@ -253,16 +264,34 @@ def read_lcrec(
             "ids": ids,
             "lines": lines,
             "index_problems": {"count": len(index_problems), "entries": index_problems[:REPORTED]},
+            **allowed,
         },
-        summary={
-            "dropped_interactions": {s: n["unknown_items"] for s, n in lines.items()},
-            "malformed_lines": {s: n["malformed_lines"] for s, n in lines.items()},
-            "index_problems": len(index_problems),
-            "users_without_items": {s: n["users_without_items"] for s, n in lines.items()},
-            "index": str(index_path),
-            "id_offset": ids["offset"],
-        },
+        summary=lcrec_summary(lines, len(index_problems), index_path, ids["offset"]) | allowed,
     )
+
+
+def lcrec_summary(lines: dict[str, dict], index_problems: int, index_path: Path, offset: int) -> dict:
+    """The LC-Rec fields of the printed summary: per split the unknown items left out, the malformed lines and the
+    users listed without items; the index's problems, the index read and the id offset applied."""
+    return {
+        "dropped_interactions": {s: n["unknown_items"] for s, n in lines.items()},
+        "malformed_lines": {s: n["malformed_lines"] for s, n in lines.items()},
+        "index_problems": index_problems,
+        "users_without_items": {s: n["users_without_items"] for s, n in lines.items()},
+        "index": str(index_path),
+        "id_offset": offset,
+    }
+
+
+def unknown_items(source_dir: Path, lines: dict[str, dict], index_name: str) -> list[str]:
+    """The items still unknown after the offset (`apply_offset`'s problems per split) -> one description each,
+    naming the file, line, user and ids."""
+    return [
+        f"{source_dir / n['file']}: line {u['line']} (user {u['user']}): item ids {u['items']} are not in the index "
+        f"{index_name}"
+        for n in lines.values()
+        for u in n["unknown"]
+    ]
 
 
 def lcrec_splits(raw: dict[str, LcrecSplit], read: dict, offset: int) -> dict[str, Interactions]:
