@@ -35,13 +35,21 @@ from decoding.compiled import (
     cold_compiles,
     compile_key,
     compile_totals,
+    device_tag,
     unsupported,
     use_compile_cache,
     warm_up,
 )
 from decoding.disc import disc_sample
 from decoding.draws import UserDraws, user_seeds
-from decoding.memory import audit_placement, decode_bytes_per_user, fit_batch, free_device_memory, host_free_memory
+from decoding.memory import (
+    audit_placement,
+    decode_bytes_per_user,
+    fit_batch,
+    free_device_memory,
+    host_free_memory,
+    usable_bytes,
+)
 from decoding.metrics import same_within_ties, topk_agreement
 from decoding.models import check_window, load_config, load_model, load_tokenizer
 from decoding.speculative import speculative_beam_search
@@ -350,9 +358,14 @@ class AutoEngine:
     near-tie -> compiled if its best group decoded faster per user than eager's best, else eager; `max_groups` groups
     (or no trial users left) without enough clear users -> eager, inconclusive. A run too short to earn a compile
     back (users_hint x eager's time per user < short_run_s, after the first group) stays eager without compiling;
-    so does one whose compile fails."""
+    so does a run with per-user exclusions (the compiled engine decodes them eager), decided before any trial.
 
-    def __init__(self, spec: ActorSpec, device: str):
+    A decision holds for one setting (`setting`: dtype, device and its capability or CPU kernel family, torch, k),
+    recorded with it and with each bucket it checked; an actor in another setting adopts only "eager" (engine_note
+    says why). An outcome of this actor's own making (its trials ran out of memory, its compile failed, the
+    reference copy does not fit) is `local`: the actor decodes eager, and the run's decision is left to others."""
+
+    def __init__(self, spec: ActorSpec, device: str, setting: dict):
         self.min_groups, self.max_groups, self.need = spec.engine_trials, spec.engine_trial_max, spec.engine_clear_users
         self.users_hint, self.short_run_s, self.device = spec.users_per_actor, spec.engine_short_run_s, device
         self.per_user: dict[str, list[float]] = {"eager": [], "compiled": []}  # decode seconds per user, each group
@@ -363,12 +376,15 @@ class AutoEngine:
         self.choice: str | None = None
         self.reason = ""
         self.decided_by: str | None = None  # the actor whose trials decided the run
+        self.setting = setting  # what the decision holds for: dtype, device, capability or CPU family, torch, k
+        self.local = False  # the choice is this actor's alone (an out-of-memory or compile error): never recorded
+        self.note = ""  # why this actor decodes otherwise than the run's recorded decision says
 
     def order(self) -> tuple[str, str]:
         return ("eager", "compiled") if len(self.groups) % 2 == 0 else ("compiled", "eager")
 
-    def decide(self, choice: str, reason: str) -> None:
-        self.choice, self.reason = choice, reason
+    def decide(self, choice: str, reason: str, local: bool = False) -> None:
+        self.choice, self.reason, self.local = choice, reason, local
 
     def too_short(self, eager_per_user: float) -> bool:
         """After the first eager group: can this actor's share of the run earn a compile back? If not, eager."""
@@ -416,10 +432,16 @@ class AutoEngine:
         return {**self.state(), "decided_by": actor, "at": time.time()}
 
     def adopt(self, record: dict) -> None:
-        """The run's recorded decision, made by this actor's trials or another's."""
+        """The run's recorded decision, made by this actor's trials or another's: "compiled" only in the setting it
+        was made in, and only in the buckets it checked in that setting; elsewhere eager, with a note."""
         self.choice, self.reason, self.decided_by = record["choice"], record["reason"], record["decided_by"]
-        self.checked = {tuple(b) for b in record["checked"]}
+        theirs = record.get("setting")
+        ours = [b for b in record["checked"] if isinstance(b, dict) and b.get("setting") == self.setting]
+        self.checked = {(int(b["users"]), int(b["prompt"])) for b in ours}
         self.parity = (record["parity"] or [None])[0]
+        if self.choice == "compiled" and theirs != self.setting:
+            self.choice, self.checked = "eager", set()
+            self.note = f"the run's decision (compiled) was made for {theirs}; this actor runs {self.setting}: eager"
 
     def state(self) -> dict:
         return {
@@ -430,8 +452,10 @@ class AutoEngine:
             "trial_batches": len(self.groups),
             "compile_s": self.compile_s,
             "parity": [self.parity] if self.parity else [],
-            "checked": sorted(self.checked),
+            "checked": [{"users": u, "prompt": p, "setting": self.setting} for u, p in sorted(self.checked)],
             "device": self.device,
+            "setting": self.setting,
+            "local": self.local,
         }
 
 
@@ -458,8 +482,12 @@ class Recommender:
         self.answer = torch.from_numpy(answer).to(self.device) if len(answer) else None
         self.auto = AutoMode(spec.decoding.auto_trials) if spec.decoding.mode == "auto" else None
         device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        setting = {"dtype": self.dtype, "device": device_tag(self.device), "torch": torch.__version__}
+        setting["k"] = spec.decoding.k
         self.engine_auto = (
-            AutoEngine(spec, device_name) if spec.engine == "auto" and spec.decoding.mode in ("beam", "auto") else None
+            AutoEngine(spec, device_name, setting)
+            if spec.engine == "auto" and spec.decoding.mode in ("beam", "auto")
+            else None
         )
         self.engine = "eager" if spec.engine == "auto" else spec.engine  # the engine of the lists published now
         self.warm = False  # the compiled engine's bucket compiled (or its compile failed)
@@ -490,20 +518,17 @@ class Recommender:
         return min(self.spec.warm_users, fits or self.spec.warm_users), prompt
 
     def _warm_up(self) -> None:
-        """The compiled engine's start: the node's compile cache (with a compile store: a folder of the bucket's key,
-        first filled from the store if absent, its archive's signature verified), then the actor's bucket compiled (a
-        dummy batch of `_warm_shape`; every decode of a shard snaps to it); after a cold compile the cache is uploaded
-        (signed) to the store. A compile error is recorded for the bucket, which then decodes eager. What happened
-        goes into the actor's first metric row (`compile_cache`)."""
+        """The compiled engine's start: the node's compile cache (with a keyed compile store: `_node_cache`), then
+        the actor's bucket compiled (a dummy batch of `_warm_shape`; every decode of a shard snaps to it); after a cold
+        compile into a fresh folder the cache is sealed, uploaded (signed) to the store and renamed into the node's
+        place. A compile error is recorded for the bucket, which then decodes eager. What happened goes into the
+        actor's first metric row (`compile_cache`)."""
         users, prompt = self._warm_shape()
         k, store = self.spec.decoding.k, self.spec.compile_store
         key = compile_key(
             self.target, self.spec.target_sha256, users, prompt, k, self.catalog.code_len, self.prefix_len
         )
-        folder = None
-        if self.spec.compile_cache:
-            folder = use_compile_cache(os.path.join(self.spec.compile_cache, key) if store else self.spec.compile_cache)
-        fetched = store.fetch(key, folder, self.device) if store and folder else None
+        folder, fresh, fetched = self._node_cache(key)
         cold = cold_compiles()
         self.warm = True
         try:
@@ -514,9 +539,28 @@ class Recommender:
             bucket = Bucket.of(users, prompt, k, self.catalog.code_len)
             self._compile_failed((bucket.users, bucket.prompt), e)
         cold = cold_compiles() - cold
-        ok = not self.compile_errors
-        uploaded = store.publish(key, folder, self.device) if store and folder and cold and ok else None
+        uploaded = None
+        if fresh is not None and cold and not self.compile_errors:  # compiled here: the only folder ever published
+            uploaded = store.compiled(key, fresh, folder, self.device)
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder if uploaded["placed"] else str(fresh)
         self.compile_cache = {"key": key, "graphs_cold": cold, "fetched": fetched, "uploaded": uploaded}
+
+    def _node_cache(self, key: str) -> tuple[str | None, object, dict | None]:
+        """Where inductor's cache goes for the bucket `key` -> (the node folder, the fresh folder a cold compile fills
+        (None: the node folder verified), what the store fetch did). With a compile store and its key: the node's
+        verified folder (`CompileStore.node_folder`, its manifest checked, else filled from the store's verified
+        archive), else a fresh folder beside it; otherwise the node's compile cache as it is (no store)."""
+        store, cache = self.spec.compile_store, self.spec.compile_cache
+        if not cache:
+            return None, None, None
+        if store is None or not store.keyed():
+            use_compile_cache(cache)
+            return None, None, store.fetch(key, cache, self.device) if store else None
+        folder = store.node_folder(cache, key, self.device)
+        fetched = store.fetch(key, folder, self.device)
+        fresh = None if fetched["used"] else store.cold_folder(Path(folder))
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(fresh or folder)
+        return folder, fresh, fetched
 
     def _compile_failed(self, bucket: tuple[int, int], error: Exception) -> str:
         """Records a compile error for the bucket (users, prompt), which decodes eager on this actor -> the note."""
@@ -587,13 +631,29 @@ class Recommender:
         a, record = self.engine_auto, self.spec.engine_record
         recorded = record.read() if record is not None else None
         if recorded is None:
-            self._engine_trials(self._trial_groups(ids, mask))
+            why = self._exclusions_set()
+            if why:
+                a.decide("eager", why)
+            else:
+                self._engine_trials(self._trial_groups(ids, mask))
             mine = a.decision(self.actor)
-            recorded = record.claim(mine) if record is not None else mine
+            recorded = record.claim(mine) if record is not None and not a.local else mine
+            if a.local:  # this actor's own failure: it decodes eager; the run's decision is left to the others
+                a.note = f"this actor decodes eager ({a.reason}); the run's decision is not recorded by it"
         a.adopt(recorded)
         self.engine = a.choice
         if a.choice == "compiled" and not self.warm:
             self._warm_up()
+
+    def _exclusions_set(self) -> str | None:
+        """Why the run decodes eager before any trial: per-user exclusions (decoding.exclude history, or the input's
+        exclusion column), under which the compiled engine decodes eager; None when there are none."""
+        d, t = self.spec.decoding, self.spec.trial_users
+        if d.exclude != "none":
+            return f"per-user exclusions (decoding.exclude {d.exclude}): the compiled engine decodes them eager"
+        if d.exclude_column and t is not None and d.exclude_column in t.column_names:
+            return f"per-user exclusions (the input's {d.exclude_column} column): the compiled engine decodes eager"
+        return None
 
     def _trial_groups(self, ids, mask) -> list[tuple]:
         """The trial users' prompts in groups of one decode batch (spec.warm_users): the spec's trial users (the
@@ -609,8 +669,12 @@ class Recommender:
 
     def _engine_trials(self, groups: list[tuple]) -> None:
         """Decodes trial groups with both engines in turn, and in the reference dtype (what the run's dtype costs),
-        until AutoEngine decides or the groups run out (inconclusive: eager)."""
+        until AutoEngine decides or the groups run out (inconclusive: eager). None runs when the reference copy would
+        not fit (this actor stays eager; the run's decision is left to others)."""
         a, ref = self.engine_auto, None
+        if groups and (why := self._reference_does_not_fit(*groups[0][0].shape)):
+            a.decide("eager", f"inconclusive on this actor, no trial run: {why}", local=True)
+            return
         self.trialing = True
         try:
             for ids, mask in groups[: a.max_groups]:
@@ -623,7 +687,7 @@ class Recommender:
                         return
                 note = runs["compiled"][0].stats.get("engine_note")
                 if runs["compiled"][0].stats.get("engine") != "compiled":
-                    a.decide("eager", f"the compiled engine did not run: {note}")
+                    a.decide("eager", f"the compiled engine did not run: {note}", local=True)
                     return
                 ref = ref or load_model(self.paths["target"], str(self.device), reference_dtype(self.target.dtype))
                 reference, _ = self._decode_slices("beam", ids, mask, pa.nulls(len(ids)), ref, None, len(ids))
@@ -633,7 +697,7 @@ class Recommender:
                     return
             a.inconclusive()
         except torch.OutOfMemoryError as e:
-            a.decide("eager", f"the engine trials ran out of memory: {e}"[:300])
+            a.decide("eager", f"the engine trials ran out of memory: {e}"[:300], local=True)
         finally:
             self.engine, self.trialing = "eager", False
             del ref
@@ -648,9 +712,24 @@ class Recommender:
             self._warm_up()
             self.engine_auto.compile_s += time.perf_counter() - t0
         if self.compile_errors:
-            self.engine_auto.decide("eager", "compile failed: " + "; ".join(self.compile_errors.values()))
+            self.engine_auto.decide("eager", "compile failed: " + "; ".join(self.compile_errors.values()), local=True)
             return False
         return True
+
+    def _reference_does_not_fit(self, users: int, prompt_len: int) -> str | None:
+        """Why the trials' reference-dtype copy of the target and a trial group of `users` prompts of `prompt_len`
+        tokens decoded by it do not fit beside the run's models (the device's usable memory, or the host's on a CPU
+        actor; decoding/memory.py), None when they fit."""
+        wide = reference_dtype(self.target.dtype)
+        weights = sum(p.numel() for p in self.target.parameters()) * torch.finfo(wide).bits // 8
+        d = self.spec.decoding
+        per_user = decode_bytes_per_user(self.target, prompt_len + self.prefix_len, d.k, self.catalog.code_len, wide)
+        device_free, host_free = self._audit_budget()
+        free = device_free if device_free is not None else host_free
+        need = weights + users * per_user
+        if need <= usable_bytes(free):
+            return None
+        return f"the {wide} reference copy and its decode need {need / 2**30:.2f} GiB, {free / 2**30:.2f} GiB free"
 
     def _trial_decode(self, engine: str, ids, mask) -> tuple[Recommendations, float]:
         """A trial group's prompts [U, S] decoded by `engine` -> (its lists, decode seconds per user); the compiled
@@ -903,7 +982,7 @@ class Recommender:
             "users_per_s": ok / wall if wall > 0 else None,
             "users_non_finite": int(decoded.broken.sum()),
             "decoder": decoded.mode,
-            "engine_note": decoded.stats.get("engine_note") or None,
+            "engine_note": decoded.stats.get("engine_note") or (self.engine_auto and self.engine_auto.note) or None,
             "auto": self._auto_state(),
             "dtype": self.dtype,
             **decoded.audit,

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import torch
 
@@ -115,7 +116,10 @@ def upload_model(model_dir, uri: str, catalog: str, storage: Storage) -> dict:
 KEY_ENV = "GENREC_COMPILE_STORE_KEY"  # the store's signing key itself
 KEY_FILE_ENV = "GENREC_COMPILE_STORE_KEY_FILE"  # or the file that holds it (a mounted secret)
 CACHE_META = "cache.json"
-META_FIELDS = ("archive", "sha256", "bytes", "key", "torch", "target")  # what a signature covers, with the archive
+META_FIELDS = ("archive", "sha256", "bytes", "key", "torch", "target")  # what a signature covers
+MAX_ARCHIVE_BYTES = 4 << 30  # no archive larger than this is downloaded (inductor's caches are megabytes)
+NODE_NAMESPACE = "signed-v1"  # the node's folders of verified caches, apart from any older unchecked ones
+MANIFEST = "genrec-signed.json"  # in a node folder: its files' sha256, HMAC-signed when it was placed
 
 
 @dataclass(frozen=True)
@@ -124,37 +128,71 @@ class CompileStore:
     `decoding.compiled.compile_key` (torch version, device, the model's sha256 and dtype, the bucket) and `target`
     (the CPU model and flags or the GPU's capability, and the compilers' versions) holding `cache-<sha256>.tar.gz`
     (inductor's cache folder after a compile) and `cache.json` (written last: the archive's name, sha256 and size,
-    the key, torch and target, and an HMAC-SHA256 signature of all of it with the archive's bytes).
+    the key, torch and target, and an HMAC-SHA256 signature of that description, which binds the archive's bytes).
 
     Loading inductor's cache runs its code (it unpickles graphs, imports wrapper modules, loads shared objects), so an
-    archive is unpacked only if its signature verifies under the key in GENREC_COMPILE_STORE_KEY (or the file
-    GENREC_COMPILE_STORE_KEY_FILE names): write access to the store is not enough to run code in an actor. Without a
+    archive is used only if its description's signature verifies under the key in GENREC_COMPILE_STORE_KEY (or the
+    file GENREC_COMPILE_STORE_KEY_FILE names), checked before anything is downloaded; its size is capped
+    (MAX_ARCHIVE_BYTES, and what the store says the object holds) and its bytes streamed to disk and checked against
+    the signed sha256 before unpacking. Write access to the store is not enough to run code in an actor. Without a
     key nothing is fetched or uploaded. Every refusal or failure reads as "no cache" (a cold compile, with a warning),
-    never as an error. An archive is unpacked into a fresh folder beside the node's folder and renamed into place, so
-    no process ever sees a half-written folder or has a file it loaded rewritten; a node folder that exists is used
-    as it is, not fetched again. Several actors uploading one key at once is safe: each archive is named by its
-    content and written before the `cache.json` that points at it, which is one whole object (last writer wins)."""
+    never as an error.
+
+    On the node, caches live in `node_folder` (`<compile_cache>/signed-v1/<key>/<target tag>`). A folder there is
+    used only if its manifest (the sha256 of each of its files, HMAC-signed with the key when it was unpacked from a
+    verified archive or compiled by an actor holding the key: `seal`) still verifies; one that does not is moved
+    aside, never loaded, never published. Folders are filled in a fresh folder beside and renamed into place, so no
+    process sees a half-written folder or has a file it loaded rewritten. Several actors uploading one key at once is
+    safe: each archive is named by its content and written before the `cache.json` that points at it, which is one
+    whole object (last writer wins)."""
 
     root: str
     storage: Storage
 
+    @staticmethod
+    def node_folder(cache: str, key: str, device: torch.device | str = "cpu") -> str:
+        """The node's folder for `key`'s verified cache on this target, under the node's compile cache `cache`."""
+        return os.path.join(os.path.expanduser(cache), NODE_NAMESPACE, key, compile_target(device)["tag"])
+
+    def keyed(self) -> bool:
+        """Whether this process holds the store's signing key (without it nothing is fetched or uploaded)."""
+        return signing_key() is not None
+
+    @staticmethod
+    def cold_folder(folder: Path) -> Path:
+        """A fresh private folder beside the node folder for this actor's cold compile (then `compiled`)."""
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".compiling", dir=folder.parent))
+
+    def compiled(self, key: str, fresh: Path, folder: str, device: torch.device | str = "cpu") -> dict:
+        """After this actor's cold compile into `fresh` (`cold_folder`): sealed, uploaded signed (`publish`), renamed
+        onto the node folder -> publish's summary and "placed" (False: a sibling placed one first)."""
+        seal(fresh, key, signing_key())
+        out = self.publish(key, str(fresh), device)
+        return {**out, "placed": place(fresh, Path(folder))}
+
     def fetch(self, key: str, folder: str, device: torch.device | str = "cpu") -> dict:
-        """The node's folder of `key` (the node's own copy if it has one, else the store's archive, verified and
-        unpacked into place) -> what happened {"found", "used", "note", "bytes", "seconds"}."""
+        """The node's folder of `key` (the node's own copy if its manifest verifies, else the store's archive,
+        verified and unpacked into place) -> what happened {"found", "used", "note", "bytes", "seconds"}."""
         t0 = time.perf_counter()
         out = {"found": False, "used": False, "note": "", "bytes": 0}
-        if Path(folder).is_dir():
-            out.update(used=True, note="the node's copy, not fetched again")
-            return {**out, "seconds": time.perf_counter() - t0}
+        secret = signing_key()
         try:
-            self._fetch(key, Path(folder), compile_target(device), out)
+            if secret is None:
+                out["note"] = f"no signing key ({KEY_ENV}): nothing is loaded"
+            elif Path(folder).is_dir() and sealed(Path(folder), key, secret):
+                out.update(used=True, note="the node's verified copy, not fetched again")
+            else:
+                aside = set_aside(Path(folder))
+                self._fetch(key, Path(folder), compile_target(device), secret, out)
+                out["note"] = f"{aside}; {out['note']}" if aside else out["note"]
         except Exception as e:  # noqa: BLE001 -- a cache that cannot be read is a cold compile, never a failure
             out["note"] = f"unreadable ({type(e).__name__}: {e})"[:300]
         if out["found"] and not out["used"]:
             log.warning("compile cache %s ignored: %s; compiling cold", S.join(self.root, key), out["note"])
         return {**out, "seconds": time.perf_counter() - t0}
 
-    def _fetch(self, key: str, folder: Path, target: dict, out: dict) -> None:
+    def _fetch(self, key: str, folder: Path, target: dict, secret: bytes, out: dict) -> None:
         where = S.join(self.root, key, target["tag"])
         raw = S.read_bytes(S.join(where, CACHE_META), self.storage)
         if raw is None:
@@ -162,30 +200,32 @@ class CompileStore:
             return
         out["found"] = True
         meta = json.loads(raw)
-        secret = signing_key()
-        why = foreign(meta, key, target) or (None if secret else f"no signing key ({KEY_ENV}): nothing is loaded")
-        data = None if why else S.read_bytes(S.join(where, meta["archive"]), self.storage)
-        if why is None and data is None:
-            why = f"{meta['archive']} is missing (a partial upload)"
-        if why is None and (len(data) != meta["bytes"] or hashlib.sha256(data).hexdigest() != meta["sha256"]):
-            why = f"{meta['archive']} does not match its checksum"
-        if why is None and not hmac.compare_digest(str(meta.get("signature", "")), signature(secret, meta, data)):
-            why = f"{meta['archive']} is not signed with this store's key: never unpacked"
+        why = foreign(meta, key, target)
+        if why is None and not hmac.compare_digest(str(meta.get("signature", "")), signature(secret, meta)):
+            why = f"{meta['archive']} is not signed with this store's key: never downloaded or unpacked"
         if why is None:
-            placed = unpack_into_place(data, folder)
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(prefix=".download.", dir=folder.parent) as tmp:
+                archive = Path(tmp) / "archive.tar.gz"
+                why = download_checked(S.join(where, meta["archive"]), meta, archive, self.storage)
+                placed = why is None and unpack_into_place(archive, folder, key, secret)
+        if why is None:
             note = "verified and unpacked" if placed else "verified; another actor of the node placed it first"
-            out.update(used=True, bytes=len(data), note=note)
+            out.update(used=True, bytes=meta["bytes"], note=note)
         else:
             out["note"] = why
 
     def publish(self, key: str, folder: str, device: torch.device | str = "cpu") -> dict:
-        """Uploads `folder` (inductor's cache after a successful compile), signed, as the cache of `key` on this
-        target -> {"uploaded", "bytes", "seconds", "note"}; a failure is logged and reported, not raised."""
+        """Uploads `folder` (inductor's cache after this actor's successful compile, sealed: its manifest verifies),
+        signed, as the cache of `key` on this target -> {"uploaded", "bytes", "seconds", "note"}; a failure is logged
+        and reported, not raised."""
         t0 = time.perf_counter()
         secret = signing_key()
         try:
             if secret is None:
                 raise ValueError(f"no signing key ({KEY_ENV} or {KEY_FILE_ENV}): nothing is uploaded")
+            if not sealed(Path(folder), key, secret):
+                raise ValueError(f"{folder} has no valid manifest (not compiled or verified here): not uploaded")
             target = compile_target(device)
             where = S.join(self.root, key, target["tag"])
             data = pack(Path(folder))
@@ -194,7 +234,7 @@ class CompileStore:
             S.write_bytes(S.join(where, archive), data, self.storage)
             meta = {"archive": archive, "sha256": sha, "bytes": len(data), "key": key, "torch": torch.__version__}
             meta = {**meta, "target": target}
-            meta["signature"] = signature(secret, meta, data)
+            meta["signature"] = signature(secret, meta)
             S.write_bytes(S.join(where, CACHE_META), json.dumps(meta).encode(), self.storage)
             out = {"uploaded": True, "bytes": len(data), "note": ""}
         except Exception as e:  # noqa: BLE001 -- the run goes on without a shared cache
@@ -205,18 +245,30 @@ class CompileStore:
 
 def signing_key() -> bytes | None:
     """The compile store's HMAC key: GENREC_COMPILE_STORE_KEY, else the file GENREC_COMPILE_STORE_KEY_FILE names (its
-    bytes, surrounding whitespace stripped); None when neither is set or the key is empty."""
-    secret = os.environ.get(KEY_ENV, "").encode()
-    if not secret and os.environ.get(KEY_FILE_ENV):
-        secret = Path(os.environ[KEY_FILE_ENV]).read_bytes().strip()
+    bytes), surrounding whitespace stripped either way; None when neither is set or the key is empty. ValueError
+    (one line, naming the variable) for a key file that is missing or that its group or others may write."""
+    secret = os.environ.get(KEY_ENV, "").strip().encode()
+    name = os.environ.get(KEY_FILE_ENV, "").strip()
+    if not secret and name:
+        path = Path(name).expanduser()
+        try:
+            mode = path.stat().st_mode
+            if mode & 0o022:
+                raise ValueError(
+                    f"{KEY_FILE_ENV}={name}: group- or world-writable (mode {mode & 0o777:o}); anyone who can write "
+                    "it can sign code the actors run: chmod go-w it"
+                )
+            secret = path.read_bytes().strip()
+        except OSError as e:
+            raise ValueError(f"{KEY_FILE_ENV}={name}: cannot read the compile store's key ({e.strerror})") from None
     return secret or None
 
 
-def signature(secret: bytes, meta: dict, data: bytes) -> str:
-    """HMAC-SHA256 over the archive's description (META_FIELDS, canonical JSON) and its bytes: an archive signed for
-    one key, torch or target verifies under no other."""
+def signature(secret: bytes, meta: dict) -> str:
+    """HMAC-SHA256 over the archive's description (META_FIELDS, canonical JSON: its name, sha256 and size bind its
+    bytes): an archive signed for one key, torch or target verifies under no other."""
     described = json.dumps({f: meta.get(f) for f in META_FIELDS}, sort_keys=True, separators=(",", ":")).encode()
-    return hmac.new(secret, described + b"\n" + data, hashlib.sha256).hexdigest()
+    return hmac.new(secret, described, hashlib.sha256).hexdigest()
 
 
 def foreign(meta: dict, key: str, target: dict) -> str | None:
@@ -227,7 +279,92 @@ def foreign(meta: dict, key: str, target: dict) -> str | None:
         return f"a foreign cache (built for {meta['key']} with torch {meta['torch']} on {meta['target']})"
     if not isinstance(meta["archive"], str) or "/" in meta["archive"] or not meta["archive"].startswith("cache-"):
         return f"cache.json names an archive outside its folder: {meta['archive']!r}"
+    if not isinstance(meta["bytes"], int) or not 0 < meta["bytes"] <= MAX_ARCHIVE_BYTES:
+        return f"cache.json gives an archive of {meta['bytes']!r} bytes (at most {MAX_ARCHIVE_BYTES} are fetched)"
     return None
+
+
+def download_checked(uri: str, meta: dict, dest: Path, storage: Storage) -> str | None:
+    """The archive at `uri` streamed into `dest`, never more than the signed size, hashed on the way -> None when it
+    is the signed archive (its size as the store reports it, then its sha256), else why not."""
+    fs, path = S.filesystem(uri, storage)
+    info = fs.get_file_info(path)
+    if info.type == pafs.FileType.NotFound:
+        return f"{meta['archive']} is missing (a partial upload)"
+    if info.size != meta["bytes"]:
+        return f"{meta['archive']} does not match its checksum: {info.size} bytes stored, {meta['bytes']} signed"
+    h, got = hashlib.sha256(), 0
+    with fs.open_input_stream(path, compression=None) as src, open(dest, "wb") as out:
+        while got <= meta["bytes"] and (chunk := src.read(1 << 20)):
+            got += len(chunk)
+            h.update(chunk)
+            out.write(chunk)
+    if got != meta["bytes"] or h.hexdigest() != meta["sha256"]:
+        return f"{meta['archive']} does not match its checksum"
+    return None
+
+
+def manifest_of(folder: Path, key: str) -> dict:
+    """A node folder's files (inductor's lock files and the manifest left out) -> {"key", "files": {path: sha256}}."""
+    files = {}
+    for path in sorted(folder.rglob("*")):
+        rel = path.relative_to(folder)
+        if rel.parts[0] in ("locks", MANIFEST) or path.is_dir():
+            continue
+        files[str(rel)] = "symlink" if path.is_symlink() or not path.is_file() else S.sha256_file(path)
+    return {"key": key, "files": files}
+
+
+def manifest_signature(secret: bytes, manifest: dict) -> str:
+    body = json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
+    return hmac.new(secret, b"genrec-node-manifest\n" + body, hashlib.sha256).hexdigest()
+
+
+def seal(folder: Path, key: str, secret: bytes) -> None:
+    """Writes the node folder's manifest: each file's sha256, HMAC-signed (a folder this actor compiled or unpacked
+    from a verified archive)."""
+    manifest = manifest_of(folder, key)
+    body = json.dumps({**manifest, "signature": manifest_signature(secret, manifest)}).encode()
+    tmp = folder / f".{MANIFEST}.{os.getpid()}.tmp"
+    tmp.write_bytes(body)
+    os.replace(tmp, folder / MANIFEST)
+
+
+def sealed(folder: Path, key: str, secret: bytes) -> bool:
+    """Whether the node folder holds exactly the files its manifest signs for `key`, with those bytes."""
+    try:
+        written = json.loads((folder / MANIFEST).read_bytes())
+    except (OSError, ValueError):
+        return False
+    manifest = manifest_of(folder, key)
+    claimed = hmac.compare_digest(str(written.get("signature", "")), manifest_signature(secret, manifest))
+    return claimed and written.get("files") == manifest["files"]
+
+
+def set_aside(folder: Path) -> str:
+    """A node folder without a manifest that verifies -> renamed aside (never loaded, never rewritten: a process may
+    hold its files) -> a note ("" when there was none)."""
+    if not folder.exists():
+        return ""
+    aside = folder.with_name(f".{folder.name}.unverified-{time.time_ns()}")
+    try:
+        os.rename(folder, aside)
+    except FileNotFoundError:
+        return ""
+    log.warning("compile cache %s has no valid manifest: moved to %s, never loaded", folder, aside.name)
+    return f"the node's copy did not verify (moved aside to {aside.name})"
+
+
+def place(fresh: Path, folder: Path) -> bool:
+    """Renames the filled folder `fresh` onto `folder` -> whether it was placed (False: another process placed one
+    first; that one is kept as it is, and `fresh` stays where it is, as a process may hold its files)."""
+    try:
+        os.rename(fresh, folder)  # atomic; fails if the folder exists and is not empty
+        return True
+    except OSError as e:
+        if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            return False
+        raise
 
 
 @functools.cache
@@ -282,7 +419,7 @@ def pack(folder: Path) -> bytes:
     with tarfile.open(fileobj=buf, mode="w:gz") as tar:
         for path in sorted(folder.rglob("*")):
             rel = path.relative_to(folder)
-            if path.is_file() and not path.is_symlink() and rel.parts[0] != "locks":
+            if path.is_file() and not path.is_symlink() and rel.parts[0] not in ("locks", MANIFEST):
                 tar.add(path, arcname=str(rel), recursive=False)
     return buf.getvalue()
 
@@ -300,20 +437,17 @@ def regular_members(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo:
     return member
 
 
-def unpack_into_place(data: bytes, folder: Path) -> bool:
-    """A verified archive -> its regular files in a fresh folder beside `folder`, renamed into place -> whether it was
-    placed (False: another process placed the folder first; that one is kept as it is, nothing written into it)."""
+def unpack_into_place(archive: Path, folder: Path, key: str, secret: bytes) -> bool:
+    """A verified archive file -> its regular files in a fresh folder beside `folder`, sealed (`seal`), renamed into
+    place -> whether it was placed (False: another process placed the folder first; that one is kept as it is,
+    nothing written into it)."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     fresh = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".unpacking", dir=folder.parent))
     try:
-        with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+        with tarfile.open(archive, mode="r:gz") as tar:
             tar.extractall(fresh, filter=regular_members)
-        os.rename(fresh, folder)  # atomic; fails if the folder exists and is not empty
-        return True
-    except OSError as e:
-        if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
-            return False
-        raise
+        seal(fresh, key, secret)
+        return place(fresh, folder)
     finally:
         shutil.rmtree(fresh, ignore_errors=True)
 

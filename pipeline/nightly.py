@@ -565,14 +565,15 @@ def recommend(ds, plan: Plan, a: Attempt):
 
 def engine_auto_inputs(plan: Plan, a: Attempt) -> dict:
     """compute.engine auto: where the run's one decision is recorded (runs.EngineRecord) and the trial users, the
-    input's first engine_trial_max decode batches (the same for every actor, restart and resume); {} otherwise."""
+    input's first engine_trial_max decode batches (the same for every actor, restart and resume) with the input's
+    exclusion column if it has one (the run then decodes eager); {} otherwise."""
     c = plan.cfg.compute
     if c.engine != "auto":
         return {}
     n = c.engine_trial_max * plan.spec.warm_users
-    trial = S.retrying(
-        lambda: plan.data.head(n, columns=["user_id", "history"]), plan.cfg.storage, f"read {plan.cfg.input}"
-    )
+    column = plan.cfg.decoding.exclude_column
+    columns = ["user_id", "history"] + ([column] if column and column in plan.data.schema.names else [])
+    trial = S.retrying(lambda: plan.data.head(n, columns=columns), plan.cfg.storage, f"read {plan.cfg.input}")
     return {"engine_record": runs.EngineRecord(a.run, plan.cfg.storage), "trial_users": trial}
 
 
