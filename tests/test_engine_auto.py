@@ -181,15 +181,16 @@ def test_a_bucket_the_trials_did_not_check_decodes_eager(world, users, tmp_path)
     from pipeline.config import Storage
     from pipeline.runs import EngineRecord
 
-    decision = {"choice": "compiled", "reason": "by hand", "decided_by": "test", "parity": [], "checked": [[4, 64]]}
     record = EngineRecord(str(tmp_path / "unchecked"), Storage())
-    record.claim(decision)
     a = actor(world, users, tmp_path, record=record)
+    setting = a.engine_auto.setting
+    decision = {"choice": "compiled", "reason": "by hand", "decided_by": "test", "parity": [], "setting": setting}
+    record.claim({**decision, "checked": [{"users": 4, "prompt": 64, "setting": setting}]})
     ((_, metric),) = shards(a, users, n=1)
     assert metric["engine"] == "eager" and "did not check bucket" in metric["engine_note"]
-    bucket = a._bucket(torch.zeros(16, a.renderer.max_len - a.prefix_len, dtype=torch.int64))
+    u, p = a._bucket(torch.zeros(16, a.renderer.max_len - a.prefix_len, dtype=torch.int64))
     record = EngineRecord(str(tmp_path / "checked"), Storage())
-    record.claim({**decision, "checked": [list(bucket)]})
+    record.claim({**decision, "checked": [{"users": u, "prompt": p, "setting": setting}]})
     a = actor(world, users, tmp_path, record=record)
     ((_, metric),) = shards(a, users, n=1)
     assert metric["engine"] == "compiled" and metric["engine_note"] is None
@@ -201,6 +202,9 @@ def test_a_compile_error_falls_back_to_eager(world, users, tmp_path):
     the error for its bucket and decodes it eager, never failing the run."""
     import torch._inductor.config as inductor
 
+    from pipeline.config import Storage
+    from pipeline.runs import EngineRecord
+
     with inductor.patch({"cpp.cxx": ("/nonexistent/c++",)}):
         # an empty cache and graphs no other test compiles (K 4): inductor's in-process caches hold none of them
         cache, k = f"compute.compile_cache={tmp_path / 'empty-cache'}", "decoding.k=4"
@@ -210,7 +214,72 @@ def test_a_compile_error_falls_back_to_eager(world, users, tmp_path):
         assert state["choice"] == "eager" and state["reason"].startswith("compile failed: "), state
         assert "/nonexistent/c++" in state["reason"], state["reason"]
         assert metric["compile_errors"] and metric["engine"] == "eager" and len(recs) == 16 * 4
+        assert EngineRecord(str(tmp_path / "run"), Storage()).read() is None  # one node's error is not the run's
+        assert "the run's decision is not recorded by it" in metric["engine_note"]
         b = actor(world, users, tmp_path / "run2", "compute.engine=compiled", cache, k)
         ((recs, metric),) = shards(b, users, n=1)
         assert metric["engine"] == "eager" and metric["engine_note"].startswith("compile failed: ")
         assert json.loads(metric["compile_errors"]) and len(recs) == 16 * 4
+
+
+def test_a_decision_holds_only_in_the_setting_it_was_made_in(world, users, tmp_path):
+    """A run decided compiled by float32 trials (its buckets checked in float32): a bfloat16 actor of the run (or one
+    on another device, torch or k) decodes eager, saying why, without trials; neither a record without a setting
+    (older) nor bare (users, prompt) buckets count as checked anywhere."""
+    from pipeline.config import Storage
+    from pipeline.runs import EngineRecord
+
+    f32 = actor(world, users, tmp_path / "probe").engine_auto.setting
+    assert f32["dtype"] == "float32" and f32["torch"] == torch.__version__ and f32["device"].startswith("cpu-")
+    for i, (setting, checked) in enumerate(((f32, None), (None, "bare"))):
+        record = EngineRecord(str(tmp_path / f"run{i}"), Storage())
+        a = actor(world, users, tmp_path, "compute.dtype=bfloat16", record=record)
+        u, p = a._bucket(torch.zeros(16, a.renderer.max_len - a.prefix_len, dtype=torch.int64))
+        buckets = [[u, p]] if checked == "bare" else [{"users": u, "prompt": p, "setting": f32}]
+        record.claim(
+            {"choice": "compiled", "reason": "float32 trials", "decided_by": "f32", "parity": [], "checked": buckets}
+            | ({"setting": setting} if setting else {})
+        )
+        ((_, metric),) = shards(a, users, n=1)
+        assert metric["dtype"] == "bfloat16" and metric["engine"] == "eager", metric
+        assert "this actor runs" in metric["engine_note"] and "bfloat16" in metric["engine_note"]
+        assert len(a.engine_auto.groups) == 0 and a.engine_auto.checked == set()
+
+
+def test_per_user_exclusions_decide_eager_before_any_trial(world, users, tmp_path):
+    """decoding.exclude history (the compiled engine decodes excluding users eager): the run records eager with that
+    reason, and no trial decodes or compiles anything."""
+    from pipeline.config import Storage
+    from pipeline.runs import EngineRecord
+
+    a = actor(world, users, tmp_path / "run", "decoding.exclude=history")
+    ((_, metric),) = shards(a, users, n=1)
+    state = metric["auto"]["engine"]
+    assert state["choice"] == "eager" and state["reason"].startswith("per-user exclusions (decoding.exclude history)")
+    assert state["trial_batches"] == 0 and state["compile_s"] == 0 and not a.warm and metric["engine"] == "eager"
+    assert EngineRecord(str(tmp_path / "run"), Storage()).read()["reason"] == state["reason"]
+
+
+def test_an_actors_own_failure_is_never_the_runs_decision(world, users, tmp_path, monkeypatch):
+    """Trials that run out of memory, and trials whose reference-dtype copy would not fit (the memory check, before
+    anything is loaded or compiled), leave this actor eager with the reason noted and record nothing: the run's
+    decision is left to an actor that can run the trials."""
+    from operators.recommender import Recommender
+    from pipeline.config import Storage
+    from pipeline.runs import EngineRecord
+
+    def oom(self, engine, ids, mask):
+        raise torch.OutOfMemoryError("CUDA out of memory (test)")
+
+    cases = {"out of memory": ("_trial_decode", oom), "no room": ("_audit_budget", lambda self: (None, 1 << 20))}
+    for i, (case, (name, patch)) in enumerate(cases.items()):
+        with monkeypatch.context() as m:
+            m.setattr(Recommender, name, patch)
+            a = actor(world, users, tmp_path / f"run{i}")
+            ((recs, metric),) = shards(a, users, n=1)
+        state = metric["auto"]["engine"]
+        assert state["choice"] == "eager" and state["local"] and metric["engine"] == "eager", (case, state)
+        assert "the run's decision is not recorded by it" in metric["engine_note"], case
+        assert EngineRecord(str(tmp_path / f"run{i}"), Storage()).read() is None, case
+        assert len(recs) == 16 * 5
+    assert "reference copy and its decode need" in state["reason"] and state["trial_batches"] == 0 and not a.warm
