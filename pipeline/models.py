@@ -167,9 +167,14 @@ class CompileStore:
     def compiled(self, key: str, fresh: Path, folder: str, device: torch.device | str = "cpu") -> dict:
         """After this actor's cold compile into `fresh` (`cold_folder`): sealed, uploaded signed (`publish`), renamed
         onto the node folder -> publish's summary and "placed" (False: a sibling placed one first)."""
-        seal(fresh, key, signing_key())
-        out = self.publish(key, str(fresh), device)
-        return {**out, "placed": place(fresh, Path(folder))}
+        try:
+            seal(fresh, key, signing_key())
+            out = self.publish(key, str(fresh), device)
+            return {**out, "placed": place(fresh, Path(folder))}
+        except (OSError, ValueError, TypeError) as e:  # the run goes on with the actor's own folder
+            log.warning("compile cache %s not sealed or placed: %s", folder, e)
+            note = f"{type(e).__name__}: {e}"[:300]
+            return {"uploaded": False, "bytes": 0, "seconds": 0.0, "note": note, "placed": False}
 
     def fetch(self, key: str, folder: str, device: torch.device | str = "cpu") -> dict:
         """The node's folder of `key` (the node's own copy if its manifest verifies, else the store's archive,
