@@ -429,3 +429,10 @@ def test_the_signing_key_is_read_strictly(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=f"^{KEY_FILE_ENV}=.*missing: cannot read the compile store's key") as e:
         signing_key()
     assert "\n" not in str(e.value)
+    from types import SimpleNamespace
+
+    from pipeline.models import compile_store
+
+    cfg = SimpleNamespace(compute=SimpleNamespace(compile_store=str(tmp_path / "store")), models=None, storage=None)
+    with pytest.raises(ValueError, match=f"^{KEY_FILE_ENV}="):  # what the driver's plan meets first: exit 2
+        compile_store(cfg)
