@@ -1,38 +1,44 @@
-"""The compiled engine: `beam_search(..., engine="compiled")` on fixed shapes, two graphs per bucket.
+"""The compiled engine: `beam_search(..., engine="compiled")` on fixed shapes per bucket, compiled by region.
 
 The eager engine (decoding/beam.py) is the reference; this one returns the same items, token ids, scores and base
-stats, and runs the same pieces (`candidates`, `topk_stable`, `pick`, the catalog's CSR children, the model's own
-decoder layers, the head's chunk products) on shapes that never change within a bucket, so that each graph compiles
-once with `torch.compile(fullgraph=True, dynamic=False)` (gpt-fast's static KV cache, transformers' StaticCache):
+stats, and runs the same pieces (`candidates`, `topk_stable`, `pick` from decoding/search.py, the catalog's CSR
+children, the model's own decoder layers, the head's chunk products) on shapes that never change within a bucket, so
+that each region compiles once with `torch.compile(fullgraph=True, dynamic=False)` (gpt-fast's static KV cache,
+transformers' StaticCache):
 
 - **Buckets.** A batch of b users with prompts of s tokens runs as `Bucket.of(b, s, k, depth)`: users padded to a
-  power of two (a decode batch is usually the configured batch, its remainder one smaller bucket: log2 graphs at most)
-  and the prompt left-padded to 16, 24, 32, 48, 64, 96, ... (each step 1.5x or 1.33x the last: at most a third of a
-  prompt is padding, with two graphs per doubling of the length). Padded users are one-token dummies; padded columns
-  are masked like any left padding, so real users' results do not depend on the bucket.
+  power of two (a decode batch is usually the configured batch, its remainder one smaller bucket: log2 buckets at
+  most) and the prompt left-padded to 16, 24, 32, 48, 64, 96, ... (each step 1.5x or 1.33x the last: at most a third
+  of a prompt is padding, with two buckets per doubling of the length). Padded users are one-token dummies; padded
+  columns are masked like any left padding, so real users' results do not depend on the bucket.
 - **Slots.** One `Slots` per bucket, allocated once and reused by every batch of that bucket: each layer's keys and
   values [B, H_kv, P + S + T, D] (P shared-prefix columns copied once, S prompt columns, T = K(L-1) tree columns, tree
   column `l K + i` holding beam i's node of level l), the inputs, and the beam state (scores, tokens, catalog nodes,
-  each beam's ancestors' tree columns, the level). The graphs write them in place (`index_copy_` at tensor offsets):
-  nothing is returned, nothing is allocated between graphs, and the step's inputs keep their addresses (what a CUDA
-  graph replay needs).
-- **Graphs.** `prefill` (the prompts into the cache, the root's children scored, the first selection) and `step` (the
-  K tokens chosen at the last level forwarded as tree nodes, their children scored, the next selection), the same
-  graph for every level: the level is a tensor in the slots. Selection runs on the device (stable sort: ties to the
-  lower (beam, token) pair, as `topk_stable`), children padded to the catalog's widest level; no host sync inside a
-  graph. On CUDA the step is compiled with mode="reduce-overhead" (replayed as a CUDA graph); on a CPU each graph's
-  kernels and wrapper are one C++ file (cpp_wrapper).
+  each beam's ancestors' tree columns, the level). The regions write them in place (`index_copy_` at tensor offsets),
+  and the step's inputs keep their addresses (what a CUDA graph replay needs).
+- **Regions** (PyTorch's regional compilation: the cold compile costs about one layer's, not the model's). `prefill`
+  (the prompts into the cache, the root's children scored, the first selection) and `step` (the K tokens chosen at the
+  last level forwarded as tree nodes, their children scored, the next selection; the same for every level: the level
+  is a tensor in the slots) each run an input region (embeddings, positions, mask), every decoder layer through one
+  compiled layer region (`run_layer`: the layers differ only in their weights, its inputs; each gets its own cache
+  buffers in a `LayerKV`, so no per-layer constant enters its guards), and an output region (norm, children's
+  scores, selection): GRAPHS_PER_BUCKET graphs whatever the depth. Selection runs on the device (stable sort: ties to
+  the lower (beam, token) pair, as `topk_stable`), children padded to the catalog's widest level. Every tensor
+  operation is inside a fullgraph region, so no host sync hides in a step. On CUDA the whole step is captured as one
+  CUDA graph (`Engine.step_graph`) and replayed; on a CPU each region's kernels and wrapper are one C++ file
+  (cpp_wrapper).
 - **Attention.** Each node attends its user's prompt (prefix included) and its own ancestors. "flex": FlexAttention
-  with a `BlockMask` built in the graph (on CUDA whole masked blocks are skipped); "sdpa": scaled_dot_product_attention
-  over the same mask as an additive tensor. Both keep grouped-query heads unrepeated (enable_gqa). The model's decoder
-  layers run unchanged, through views whose config names this attention (the model itself is not modified).
+  with a `BlockMask` built in the input region (on CUDA whole masked blocks are skipped); "sdpa":
+  scaled_dot_product_attention over the same mask as an additive tensor. Both keep grouped-query heads unrepeated
+  (enable_gqa). The model's decoder layers run unchanged, through views whose config names this attention (the model
+  itself is not modified).
 - **Head.** The children's log-probabilities (log_softmax over the full vocabulary, float32) from the head's chunk
   products, at most `MAX_CHUNKS` chunks, with no host sync (the eager `Head.score` reads the asked tokens' range).
 
 Llama, Qwen2, Qwen3 and Mistral (whose decoder layers this calls as they are); anything else, sampling beam search
-(do_sample) and per-user exclusions run eager, with the reason in stats["engine_note"]. `warm_up` compiles a bucket
-ahead and makes smaller decodes snap to it (the nightly actor's start); `use_compile_cache` points inductor's on-disk
-cache at a folder per torch version and CPU kernel family.
+(do_sample) and per-user exclusions run eager (`runs_eager` says why; `beam_search` puts it in
+stats["engine_note"]). `warm_up` compiles a bucket ahead and makes smaller decodes snap to it (the nightly actor's
+start); `use_compile_cache` points inductor's on-disk cache at a folder per torch version and CPU kernel family.
 """
 
 from __future__ import annotations
