@@ -337,7 +337,7 @@ def step_in(body: Body, s: Slots):
     their cache columns [K], and each beam's tree columns [B, K, L - 1] (itself included)."""
     b, k = s.score.shape
     dev = s.score.device
-    t = s.keys[0].shape[2] - s.prompt_mask.shape[1]  # tree columns
+    t = k * (s.tokens.shape[2] - 1)  # tree columns (not read off a layer's keys: nothing here knows the depth)
     last = s.level - 1  # [] the level of the tokens forwarded now
     alive = s.node >= 0  # [B, K]
     col = last * k + torch.arange(k, device=dev)  # [K] their tree columns
