@@ -6,92 +6,38 @@ prefill once per user -> L steps: score the K beams' children (catalog CSR), kee
 Returns what `model.generate(num_beams=k, num_return_sequences=k, max_new_tokens=L, length_penalty=0.0,
 prefix_allowed_tokens_fn=<trie>)` returns: scores are sums of log_softmax over the full vocabulary (float32).
 
-The forwards every decoder shares live here too: `prefill` (each prompt once, continuing a shared `Prefix` when the
-prompts have one), `forward` (tree nodes into the tree cache, decoding/cache.py) and `children` (the log-probs of a
-node's catalog children from the chunked head, decoding/head.py: no [B, Q, V] tensor is ever formed).
+`beam_search` is the entry point of both engines: it runs this eager engine, or dispatches `engine="compiled"` to
+decoding/compiled.py; the pieces both share (the result, the scored children, the selection) live below both, in
+decoding/search.py. The forwards every decoder shares live here too: `prefill` (each prompt once, continuing a
+shared `Prefix` when the prompts have one), `forward` (tree nodes into the tree cache, decoding/cache.py) and
+`children` (the log-probs of a node's catalog children from the chunked head, decoding/head.py: no [B, Q, V] tensor
+is ever formed).
 """
 
 from __future__ import annotations
 
+import warnings
 import weakref
-from dataclasses import dataclass, field
 
 import torch
 
 from decoding.cache import TreeCache
 from decoding.catalog import Catalog, Exclusions
-from decoding.draws import Generator, gumbel, stream
-from decoding.head import Head
+from decoding.compiled import compiled_beam_search, runs_eager
+from decoding.draws import stream
 from decoding.models import check_window
-from decoding.stats import PHASES, Meter, beam_batch_kv
+from decoding.search import (
+    NEG_INF,
+    Children,
+    Recommendations,
+    candidates,
+    head_of,
+    pick,
+    sample_beams,
+    topk_stable,
+)
+from decoding.stats import Meter, beam_batch_kv
 from decoding.tree import TokenTree, prompt_position_ids
-
-NEG_INF = float("-inf")
-SUMMED = (*PHASES, "target_forwards", "draft_forwards", "target_tokens", "draft_tokens")  # Recommendations.concat
-_HEADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-@dataclass
-class Recommendations:
-    item_ids: torch.Tensor  # [B, k] int64, -1 where fewer than k items exist
-    token_ids: torch.Tensor  # [B, k, L] int64, -1 on padding
-    scores: torch.Tensor  # [B, k] float32, sorted descending, -inf on padding
-    stats: dict = field(default_factory=dict)  # the base keys of decoding/stats.py, plus the mode's extras
-
-    @classmethod
-    def concat(cls, parts: list[Recommendations]) -> Recommendations:
-        """Consecutive slices of one batch's users, decoded one after the other -> one result, as if decoded at once:
-        rows concatenated; per-user stats ([B, ...] tensors) concatenated, other tensors (histograms) summed; phases,
-        forwards and tokens summed; the other numbers (KV peaks, cache sizes) the largest, since the slices held
-        their caches one at a time."""
-        if len(parts) == 1:
-            return parts[0]
-        sizes = [p.item_ids.shape[0] for p in parts]
-        stats = {}
-        for key, first in parts[0].stats.items():
-            values = [p.stats[key] for p in parts]
-            if isinstance(first, torch.Tensor):
-                per_user = all(v.dim() >= 1 and v.shape[0] == n for v, n in zip(values, sizes))
-                stats[key] = torch.cat(values) if per_user else torch.stack(values).sum(0)
-            elif key in SUMMED:
-                stats[key] = sum(values)
-            else:
-                stats[key] = max(values)
-        return cls(
-            torch.cat([p.item_ids for p in parts]),
-            torch.cat([p.token_ids for p in parts]),
-            torch.cat([p.scores for p in parts]),
-            stats,
-        )
-
-
-@dataclass
-class Children:
-    """The catalog children of query nodes with the model's next-token log-probs (log_softmax over the full
-    vocabulary, float32): token, node (-1 = none), logp (-inf = none) [B, Q, D]; broken [B, Q]: non-finite scores."""
-
-    token: torch.Tensor
-    node: torch.Tensor
-    logp: torch.Tensor
-    broken: torch.Tensor
-
-    def take(self, idx: torch.Tensor) -> Children:
-        """The query nodes idx [B, K] of every row -> Children [B, K, D]."""
-        rows = lambda x: x.gather(1, idx[:, :, None].expand(-1, -1, x.shape[2]))  # noqa: E731
-        return Children(rows(self.token), rows(self.node), rows(self.logp), self.broken.gather(1, idx))
-
-    def where(self, use: torch.Tensor, other: Children) -> Children:
-        """These children for rows use [B] (or query nodes use [B, Q]), `other`'s elsewhere."""
-        u = use if use.dim() == 2 else use[:, None]
-        return Children(
-            torch.where(u[..., None], self.token, other.token),
-            torch.where(u[..., None], self.node, other.node),
-            torch.where(u[..., None], self.logp, other.logp),
-            torch.where(u, self.broken, other.broken),
-        )
-
-    def select(self, users: torch.Tensor) -> Children:
-        return Children(self.token[users], self.node[users], self.logp[users], self.broken[users])
 
 
 class Prefix:
@@ -120,13 +66,6 @@ class Prefix:
             )
             self._kv[model] = cache.prefix_kv()
         return self._kv[model]
-
-
-def head_of(model) -> Head:
-    """The model's chunked head (checked once per model against its own logits)."""
-    if model not in _HEADS:
-        _HEADS[model] = Head.of(model)
-    return _HEADS[model]
 
 
 def children(
@@ -251,60 +190,6 @@ def check_prompts(
         check_window(model.config, longest + catalog.code_len, type(model).__name__)
 
 
-def topk_stable(scores: torch.Tensor, k: int):
-    """scores [B, C] -> (values [B, k], indices [B, k]): descending, ties to the lower index; -inf padded."""
-    b, c = scores.shape
-    if c < k:
-        scores = torch.cat([scores, scores.new_full((b, k - c), NEG_INF)], 1)
-    values, indices = torch.sort(scores, dim=1, descending=True, stable=True)
-    return values[:, :k], indices[:, :k]
-
-
-def candidates(kids: Children, score: torch.Tensor):
-    """Every (beam, valid child) extension of W beams, beam-major, children by ascending token.
-    kids [B, W, D] (the beams' children), score [B, W] (-inf = dead beam) -> (sequence scores [B, W*D] (-inf = none),
-    tokens, nodes [B, W*D], D)."""
-    b, w, d = kids.logp.shape
-    cand = score[:, :, None] + kids.logp  # [B, W, D], -inf where no child or dead beam
-    return cand.view(b, -1), kids.token.reshape(b, -1), kids.node.reshape(b, -1), d
-
-
-def pick(cand: torch.Tensor, tok: torch.Tensor, child: torch.Tensor, d: int, flat: torch.Tensor):
-    """Chosen candidates flat [B, k] (may point past the end: none) -> score, parent beam, token, node [B, k]."""
-    n = cand.shape[1]
-    top = torch.where(flat < n, cand.gather(1, flat.clamp(max=n - 1)), NEG_INF)
-    alive = top > NEG_INF
-    flat = torch.where(alive, flat, 0)
-    return (
-        top,
-        torch.where(alive, flat // d, -1),
-        torch.where(alive, tok.gather(1, flat), 0),
-        torch.where(alive, child.gather(1, flat), -1),
-    )
-
-
-def expand_beams(kids: Children, score: torch.Tensor, k: int):
-    """Top-k (beam, token) extensions -> score, parent beam, token, child node [B, k] (-1 / -inf = none).
-    Ties go to the lower (beam, token) pair."""
-    cand, tok, child, d = candidates(kids, score)
-    return pick(cand, tok, child, d, topk_stable(cand, k)[1])
-
-
-def gumbel_like(x: torch.Tensor, generator: Generator) -> torch.Tensor:
-    """Gumbel noise shaped like x [B, ...] float64: torch's generator, or per-user draws (decoding/draws.py)."""
-    return gumbel(x.shape, generator, x.device)
-
-
-def sample_beams(kids: Children, score: torch.Tensor, k: int, temperature: float, generator: Generator):
-    """Sampling-based beam step: k (beam, token) pairs drawn WITHOUT replacement with probability proportional to
-    exp((score + log p(token)) / temperature) over the valid children (Gumbel top-k), in draw order.
-    -> score, parent beam, token, node [B, k], the candidates' log-weights [B, W*D], the drawn flat indices [B, k]."""
-    cand, tok, child, d = candidates(kids, score)
-    weight = cand.double() / temperature
-    flat = topk_stable((weight + gumbel_like(weight, generator)).float(), k)[1]  # draw order
-    return (*pick(cand, tok, child, d, flat), weight, flat)
-
-
 def answer_scores(model, tree: TokenTree, cache: TreeCache, last, parent, score, answer, meter: Meter | None = None):
     """The k beams (score [B, k], -inf = dead) fed their last code tokens last [B, k] (under tree nodes parent [B, k],
     -1 = the prompt), then the forced answer tokens [T] one by one -> (score [B, k] plus each answer token's log-prob
@@ -352,8 +237,8 @@ def beam_search(
     stats: the base keys (decoding/stats.py), kv_len, kv_batch, tree_tokens, and tie_gap [B]: the smallest margin
     by which a kept beam beat the best dropped candidate at any step (inf when none was dropped; a user whose margin
     is below another engine's rounding error may legitimately get a different list from it).
-    engine="compiled": the same search on fixed shapes per bucket, two compiled graphs (decoding/compiled.py); what
-    it does not cover runs eager, saying why in stats["engine_note"].
+    engine="compiled": the same search on fixed shapes per bucket, compiled (decoding/compiled.py); what it does not
+    cover runs eager, saying why in stats["engine_note"].
     answer [T]: tokens the model writes after an item's codes (a template's answer suffix and EOS), forced and
     scored: the k beams of the last code step are extended by them, their log-probs added, and ranked again, as
     `model.generate` does when the constraint allows codes, then these tokens (MiniOneRec's evaluate.py: "\n" and EOS,
@@ -374,24 +259,14 @@ def beam_search(
     if answer is not None and (do_sample or depth != catalog.code_len):
         raise ValueError("answer tokens are scored after whole items of a beam search (no steps, no sampling)")
     note = {}
-    if answer is not None and engine == "compiled":
-        engine, note = "eager", {"engine_note": "answer tokens after the codes: the eager engine scores them"}
-    if engine == "compiled":  # fixed shapes per bucket, two compiled graphs (decoding/compiled.py)
-        from decoding.compiled import compiled_beam_search
-
-        return compiled_beam_search(
-            model,
-            input_ids,
-            attention_mask,
-            catalog,
-            k,
-            steps,
-            do_sample,
-            prefix=prefix,
-            exclude=exclude,
-            temperature=temperature,
-            generator=generator,
-        )
+    if engine == "compiled" and answer is not None:
+        note = {"engine_note": "answer tokens after the codes: the eager engine scores them"}
+    elif engine == "compiled":  # fixed shapes per bucket (decoding/compiled.py), where it covers the call
+        why = runs_eager(model, do_sample, exclude)
+        if why is None:
+            return compiled_beam_search(model, input_ids, attention_mask, catalog, k, steps, prefix=prefix)
+        warnings.warn(f"engine='compiled' runs eager here: {why}", stacklevel=3)
+        note = {"engine": "eager", "engine_note": why}
     meter = Meter(dev)
     with meter.phase("prefill"):
         extra = 0 if answer is None else len(answer)

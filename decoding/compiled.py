@@ -1,38 +1,44 @@
-"""The compiled engine: `beam_search(..., engine="compiled")` on fixed shapes, two graphs per bucket.
+"""The compiled engine: `beam_search(..., engine="compiled")` on fixed shapes per bucket, compiled by region.
 
 The eager engine (decoding/beam.py) is the reference; this one returns the same items, token ids, scores and base
-stats, and runs the same pieces (`candidates`, `topk_stable`, `pick`, the catalog's CSR children, the model's own
-decoder layers, the head's chunk products) on shapes that never change within a bucket, so that each graph compiles
-once with `torch.compile(fullgraph=True, dynamic=False)` (gpt-fast's static KV cache, transformers' StaticCache):
+stats, and runs the same pieces (`candidates`, `topk_stable`, `pick` from decoding/search.py, the catalog's CSR
+children, the model's own decoder layers, the head's chunk products) on shapes that never change within a bucket, so
+that each region compiles once with `torch.compile(fullgraph=True, dynamic=False)` (gpt-fast's static KV cache,
+transformers' StaticCache):
 
 - **Buckets.** A batch of b users with prompts of s tokens runs as `Bucket.of(b, s, k, depth)`: users padded to a
-  power of two (a decode batch is usually the configured batch, its remainder one smaller bucket: log2 graphs at most)
-  and the prompt left-padded to 16, 24, 32, 48, 64, 96, ... (each step 1.5x or 1.33x the last: at most a third of a
-  prompt is padding, with two graphs per doubling of the length). Padded users are one-token dummies; padded columns
-  are masked like any left padding, so real users' results do not depend on the bucket.
+  power of two (a decode batch is usually the configured batch, its remainder one smaller bucket: log2 buckets at
+  most) and the prompt left-padded to 16, 24, 32, 48, 64, 96, ... (each step 1.5x or 1.33x the last: at most a third
+  of a prompt is padding, with two buckets per doubling of the length). Padded users are one-token dummies; padded
+  columns are masked like any left padding, so real users' results do not depend on the bucket.
 - **Slots.** One `Slots` per bucket, allocated once and reused by every batch of that bucket: each layer's keys and
   values [B, H_kv, P + S + T, D] (P shared-prefix columns copied once, S prompt columns, T = K(L-1) tree columns, tree
   column `l K + i` holding beam i's node of level l), the inputs, and the beam state (scores, tokens, catalog nodes,
-  each beam's ancestors' tree columns, the level). The graphs write them in place (`index_copy_` at tensor offsets):
-  nothing is returned, nothing is allocated between graphs, and the step's inputs keep their addresses (what a CUDA
-  graph replay needs).
-- **Graphs.** `prefill` (the prompts into the cache, the root's children scored, the first selection) and `step` (the
-  K tokens chosen at the last level forwarded as tree nodes, their children scored, the next selection), the same
-  graph for every level: the level is a tensor in the slots. Selection runs on the device (stable sort: ties to the
-  lower (beam, token) pair, as `topk_stable`), children padded to the catalog's widest level; no host sync inside a
-  graph. On CUDA the step is compiled with mode="reduce-overhead" (replayed as a CUDA graph); on a CPU each graph's
-  kernels and wrapper are one C++ file (cpp_wrapper).
+  each beam's ancestors' tree columns, the level). The regions write them in place (`index_copy_` at tensor offsets),
+  and the step's inputs keep their addresses (what a CUDA graph replay needs).
+- **Regions** (PyTorch's regional compilation: the cold compile costs about one layer's, not the model's). `prefill`
+  (the prompts into the cache, the root's children scored, the first selection) and `step` (the K tokens chosen at the
+  last level forwarded as tree nodes, their children scored, the next selection; the same for every level: the level
+  is a tensor in the slots) each run an input region (embeddings, positions, mask), every decoder layer through one
+  compiled layer region (`run_layer`: the layers differ only in their weights, its inputs; each gets its own cache
+  buffers in a `LayerKV`, so no per-layer constant enters its guards), and an output region (norm, children's
+  scores, selection): GRAPHS_PER_BUCKET graphs whatever the depth. Selection runs on the device (stable sort: ties to
+  the lower (beam, token) pair, as `topk_stable`), children padded to the catalog's widest level. Every tensor
+  operation is inside a fullgraph region, so no host sync hides in a step. On CUDA the whole step is captured as one
+  CUDA graph (`Engine.step_graph`) and replayed; on a CPU each region's kernels and wrapper are one C++ file
+  (cpp_wrapper).
 - **Attention.** Each node attends its user's prompt (prefix included) and its own ancestors. "flex": FlexAttention
-  with a `BlockMask` built in the graph (on CUDA whole masked blocks are skipped); "sdpa": scaled_dot_product_attention
-  over the same mask as an additive tensor. Both keep grouped-query heads unrepeated (enable_gqa). The model's decoder
-  layers run unchanged, through views whose config names this attention (the model itself is not modified).
+  with a `BlockMask` built in the input region (on CUDA whole masked blocks are skipped); "sdpa":
+  scaled_dot_product_attention over the same mask as an additive tensor. Both keep grouped-query heads unrepeated
+  (enable_gqa). The model's decoder layers run unchanged, through views whose config names this attention (the model
+  itself is not modified).
 - **Head.** The children's log-probabilities (log_softmax over the full vocabulary, float32) from the head's chunk
   products, at most `MAX_CHUNKS` chunks, with no host sync (the eager `Head.score` reads the asked tokens' range).
 
 Llama, Qwen2, Qwen3 and Mistral (whose decoder layers this calls as they are); anything else, sampling beam search
-(do_sample) and per-user exclusions run eager, with the reason in stats["engine_note"]. `warm_up` compiles a bucket
-ahead and makes smaller decodes snap to it (the nightly actor's start); `use_compile_cache` points inductor's on-disk
-cache at a folder per torch version and CPU kernel family.
+(do_sample) and per-user exclusions run eager (`runs_eager` says why; `beam_search` puts it in
+stats["engine_note"]). `warm_up` compiles a bucket ahead and makes smaller decodes snap to it (the nightly actor's
+start); `use_compile_cache` points inductor's on-disk cache at a folder per torch version and CPU kernel family.
 """
 
 from __future__ import annotations
@@ -40,7 +46,6 @@ from __future__ import annotations
 import copy
 import os
 import time
-import warnings
 import weakref
 from dataclasses import dataclass, field
 
@@ -49,14 +54,15 @@ from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from transformers import AttentionInterface
 
-from decoding.beam import Children, Recommendations, beam_search, candidates, head_of, pick, topk_stable
 from decoding.catalog import Catalog
 from decoding.head import Head
+from decoding.search import Children, Recommendations, candidates, head_of, pick, topk_stable
 from decoding.stats import Meter, beam_batch_kv
 
 NEG_INF = float("-inf")
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 ATTENTION = {"flex": "genrec_tree_flex", "sdpa": "genrec_tree_sdpa"}  # engine attention -> registered interface
+GRAPHS_PER_BUCKET = 6  # the prefill's and the step's input and output, and the decoder layer at both shapes
 MAX_CHUNKS = 16  # vocabulary chunks of the head inside a graph (each is unrolled into it)
 RECOMPILE_LIMIT = 256  # graphs per compiled function (every bucket of every model is one)
 _ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -111,6 +117,7 @@ class Slots:
     tie_gap: torch.Tensor  # [B] float32 smallest margin between the k-th and (k+1)-th candidate
     broken: torch.Tensor  # [B] bool non-finite log-probs seen
     prefix_len: int  # P
+    captured: dict = field(default_factory=dict)  # id(catalog) -> (catalog, the step's CUDA graph over these slots)
 
     @classmethod
     def allocate(cls, model, bucket: Bucket, code_len: int, prefix_kv: list | None) -> Slots:
@@ -128,7 +135,7 @@ class Slots:
             kk[:, :, :p] = pk
             vv[:, :, :p] = pv
         i64 = dict(dtype=torch.int64, device=dev)
-        slots = cls(
+        return cls(
             keys,
             values,
             torch.zeros(b, s, **i64),
@@ -143,25 +150,6 @@ class Slots:
             torch.zeros(b, dtype=torch.bool, device=dev),
             p,
         )
-        for t in slots.tensors():  # their addresses never change: a CUDA graph reads them in place
-            torch._dynamo.mark_static_address(t)
-        return slots
-
-    def tensors(self) -> list:
-        return [
-            *self.keys,
-            *self.values,
-            self.input_ids,
-            self.prompt_mask,
-            self.score,
-            self.token,
-            self.node,
-            self.tokens,
-            self.path,
-            self.level,
-            self.tie_gap,
-            self.broken,
-        ]
 
     def load(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
         """Prompts [b, s] (b <= B, s <= S) into the bucket's rows: left-padded to S; rows b.. are one-token dummies."""
@@ -179,21 +167,21 @@ class Slots:
 
 
 @dataclass
-class KVWrite:
-    """What the decoder layers see as their cache: this forward's keys and values go to columns `cols` [Q] of every
-    layer's buffer, and attention reads the first `end` columns."""
+class LayerKV:
+    """What one decoder layer sees as its cache: this forward's keys and values go to columns `cols` [Q] of the
+    layer's own buffers, and attention reads their first `end` columns. Each layer is handed its own (the layer's
+    `layer_idx` goes unread), so that every layer's call is the same compiled code."""
 
-    keys: list
-    values: list
+    keys: torch.Tensor  # [B, H_kv, C, D]
+    values: torch.Tensor  # [B, H_kv, C, D]
     cols: torch.Tensor
     end: int
 
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+    def update(self, key_states, value_states, *args, **kwargs):
         """key_states [B, H_kv, Q, D] -> this layer's keys and values [B, H_kv, end, D] (this forward's included)."""
-        keys, values = self.keys[layer_idx], self.values[layer_idx]
-        keys.index_copy_(2, self.cols, key_states)
-        values.index_copy_(2, self.cols, value_states)
-        return keys[:, :, : self.end], values[:, :, : self.end]
+        self.keys.index_copy_(2, self.cols, key_states)
+        self.values.index_copy_(2, self.cols, value_states)
+        return self.keys[:, :, : self.end], self.values[:, :, : self.end]
 
 
 def flex_tree_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
@@ -241,21 +229,6 @@ class Body:
     attention: str  # "flex" or "sdpa"
     dtype: torch.dtype
     device: torch.device
-
-    def forward(self, ids: torch.Tensor, pos: torch.Tensor, mask, kv: KVWrite) -> torch.Tensor:
-        """ids, pos [B, Q]; mask from `self.mask` -> hidden states [B, Q, H]."""
-        hidden = self.embed(ids)
-        rope = self.rotary(hidden, pos)
-        for layer in self.layers:
-            hidden = layer(
-                hidden,
-                attention_mask=mask,
-                position_ids=pos,
-                position_embeddings=rope,
-                past_key_values=kv,
-                use_cache=True,
-            )
-        return self.norm(hidden)
 
     def mask(self, allowed, b: int, q: int, c: int):
         """allowed(b, q, c) -> bool (query q of user b attends column c; index tensors that broadcast) -> flex: a
@@ -325,16 +298,31 @@ def select(kids, score: torch.Tensor, s: Slots) -> torch.Tensor:
     return beam
 
 
-def prefill(body: Body, catalog: Catalog, s: Slots) -> None:
-    """The prompts [B, S] into the cache after the prefix, the root's children scored, level 0 selected."""
+def run_layer(layer, hidden: torch.Tensor, mask, pos: torch.Tensor, rope, kv: LayerKV) -> torch.Tensor:
+    """hidden [B, Q, H] through one decoder layer (view), its keys and values into `kv` -> [B, Q, H]. The region
+    compiled once per shape and reused by every layer: the layers differ only in their weights, which are its
+    inputs."""
+    return layer(
+        hidden, attention_mask=mask, position_ids=pos, position_embeddings=rope, past_key_values=kv, use_cache=True
+    )
+
+
+def prefill_in(body: Body, s: Slots):
+    """The prompts [B, S] after the prefix -> what the layers take: embeddings [B, S, H], the mask (causal over real
+    tokens), positions [B, S] over real tokens, the rotary embeddings, and the cache columns [S] they fill."""
     b, n = s.input_ids.shape
     p, dev = s.prefix_len, s.input_ids.device
-    pos = ((s.prompt_mask.long().cumsum(1) - 1).clamp(min=0))[:, p:]  # [B, S] positions over real tokens
-    mask = body.mask(lambda bi, qi, ci: (ci <= qi + p) & s.prompt_mask[bi, ci], b, n, p + n)  # causal, real tokens
-    kv = KVWrite(s.keys, s.values, torch.arange(p, p + n, device=dev), p + n)
-    hidden = body.forward(s.input_ids, pos, mask, kv)[:, -1:]  # [B, 1, H]
+    pos = ((s.prompt_mask.long().cumsum(1) - 1).clamp(min=0))[:, p:]  # [B, S]
+    mask = body.mask(lambda bi, qi, ci: (ci <= qi + p) & s.prompt_mask[bi, ci], b, n, p + n)
+    hidden = body.embed(s.input_ids)
+    return hidden, mask, pos, body.rotary(hidden, pos), torch.arange(p, p + n, device=dev)
+
+
+def prefill_out(body: Body, catalog: Catalog, s: Slots, hidden: torch.Tensor) -> None:
+    """The layers' output [B, S, H] -> the root's children scored at the last column, level 0 selected."""
+    b, dev = hidden.shape[0], hidden.device
     root = torch.zeros(b, 1, dtype=torch.int64, device=dev)
-    kids = score_children(body.head, hidden, catalog, root, max(catalog.max_children))
+    kids = score_children(body.head, body.norm(hidden[:, -1:]), catalog, root, max(catalog.max_children))
     s.broken.copy_(kids.broken[:, 0])
     s.tie_gap.fill_(float("inf"))
     s.tokens.zero_()
@@ -343,12 +331,13 @@ def prefill(body: Body, catalog: Catalog, s: Slots) -> None:
     select(kids, torch.zeros(b, 1, device=dev), s)
 
 
-def step(body: Body, catalog: Catalog, s: Slots) -> None:
-    """The K tokens selected at level l - 1 (l = s.level) into the tree (tree columns (l - 1) K + i, under their
-    beams' nodes), their children scored, level l selected. The same graph for every level."""
+def step_in(body: Body, s: Slots):
+    """The K tokens selected at level l - 1 (l = s.level), as tree nodes (tree columns (l - 1) K + i, under their
+    beams' nodes) -> embeddings [B, K, H], the mask (prompt and ancestors), positions [B, K], the rotary embeddings,
+    their cache columns [K], and each beam's tree columns [B, K, L - 1] (itself included)."""
     b, k = s.score.shape
     dev = s.score.device
-    t = s.keys[0].shape[2] - s.prompt_mask.shape[1]  # tree columns
+    t = k * (s.tokens.shape[2] - 1)  # tree columns (not read off a layer's keys: nothing here knows the depth)
     last = s.level - 1  # [] the level of the tokens forwarded now
     alive = s.node >= 0  # [B, K]
     col = last * k + torch.arange(k, device=dev)  # [K] their tree columns
@@ -358,9 +347,13 @@ def step(body: Body, catalog: Catalog, s: Slots) -> None:
     allowed = torch.cat([s.prompt_mask[:, None, :].expand(b, k, -1), tree], 2)  # [B, K, P + S + T]
     mask = body.mask(lambda bi, qi, ci: allowed[bi, qi, ci], b, k, allowed.shape[2])
     pos = s.prompt_mask.sum(1, keepdim=True) + torch.where(alive, last, 0)  # [B, K] prompt length + depth - 1
-    kv = KVWrite(s.keys, s.values, s.prompt_mask.shape[1] + col, s.keys[0].shape[2])
-    hidden = body.forward(s.token, pos, mask, kv)  # [B, K, H]
-    kids = score_children(body.head, hidden, catalog, s.node, max(catalog.max_children))
+    hidden = body.embed(s.token)
+    return hidden, mask, pos, body.rotary(hidden, pos), s.prompt_mask.shape[1] + col, path
+
+
+def step_out(body: Body, catalog: Catalog, s: Slots, hidden: torch.Tensor, path: torch.Tensor) -> None:
+    """The layers' output [B, K, H] -> the beams' children scored, level l selected, the kept beams' tree columns."""
+    kids = score_children(body.head, body.norm(hidden), catalog, s.node, max(catalog.max_children))
     s.broken.copy_(s.broken | kids.broken.any(1))
     beam = select(kids, s.score, s)
     s.path.copy_(path.gather(1, beam.clamp(min=0)[:, :, None].expand_as(path)))
@@ -387,8 +380,9 @@ def unsupported(model) -> str | None:
 
 @dataclass
 class Engine:
-    """One model's compiled engine: its layers as tree-attention views, the two compiled graphs, a Slots per bucket
-    (kept for the model's lifetime) and what compiling cost."""
+    """One model's compiled engine: its layers as tree-attention views, the compiled regions (the prefill's and the
+    step's input and output, and one decoder layer that every layer runs), a Slots per bucket (kept for the model's
+    lifetime) and what compiling cost."""
 
     body: Body
     cuda_graphs: bool
@@ -400,11 +394,49 @@ class Engine:
     def __post_init__(self):
         # on a CPU the graph's kernels and wrapper as one C++ file: one compiler run per graph, not one per kernel
         # (cold compiles 30-40% faster here) and no Python between kernels
-        opts = None if self.cuda_graphs or self.body.device.type == "cuda" else {"cpp_wrapper": True}
-        self.prefill = torch.compile(prefill, fullgraph=True, dynamic=False, options=opts)
-        self.step = torch.compile(
-            step, fullgraph=True, dynamic=False, mode="reduce-overhead" if self.cuda_graphs else None, options=opts
-        )
+        opts = None if self.body.device.type == "cuda" else {"cpp_wrapper": True}
+        region = lambda fn: torch.compile(fn, fullgraph=True, dynamic=False, options=opts)  # noqa: E731
+        self.layer = region(run_layer)
+        self.prefill_in, self.prefill_out = region(prefill_in), region(prefill_out)
+        self.step_in, self.step_out = region(step_in), region(step_out)
+
+    def layers(self, s: Slots, hidden: torch.Tensor, mask, pos: torch.Tensor, rope, cols: torch.Tensor, end: int):
+        """hidden [B, Q, H] through every decoder layer (the same compiled region), keys and values into the slots'
+        columns `cols` [Q] -> [B, Q, H]."""
+        for layer, keys, values in zip(self.body.layers, s.keys, s.values):
+            hidden = self.layer(layer, hidden, mask, pos, rope, LayerKV(keys, values, cols, end))
+        return hidden
+
+    def prefill(self, catalog: Catalog, s: Slots) -> None:
+        """The prompts into the cache after the prefix, the root's children scored, level 0 selected."""
+        hidden, mask, pos, rope, cols = self.prefill_in(self.body, s)
+        hidden = self.layers(s, hidden, mask, pos, rope, cols, s.prompt_mask.shape[1])
+        self.prefill_out(self.body, catalog, s, hidden)
+
+    def step(self, catalog: Catalog, s: Slots) -> None:
+        """The tokens of the last level into the tree, their children scored, the next level selected: the same
+        regions for every level (the level is a tensor in the slots). Every tensor operation runs inside a region
+        compiled with fullgraph=True, where a host sync cannot hide (it would break the graph, an error)."""
+        hidden, mask, pos, rope, cols, path = self.step_in(self.body, s)
+        hidden = self.layers(s, hidden, mask, pos, rope, cols, s.keys[0].shape[2])
+        self.step_out(self.body, catalog, s, hidden, path)
+
+    def step_graph(self, catalog: Catalog, s: Slots) -> None:
+        """The step as one CUDA graph over the slots and the catalog (both read and written in place, at fixed
+        addresses): the bucket's first step runs for real on a side stream (compiling what is cold), then is
+        captured; every later step replays the capture."""
+        if id(catalog) in s.captured:
+            s.captured[id(catalog)][1].replay()
+            return
+        side = torch.cuda.Stream(self.body.device)
+        side.wait_stream(torch.cuda.current_stream(self.body.device))
+        with torch.cuda.stream(side):
+            self.step(catalog, s)
+        torch.cuda.current_stream(self.body.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # recorded, not run: the next step replays it
+            self.step(catalog, s)
+        s.captured[id(catalog)] = (catalog, graph)  # the catalog kept alive: the graph reads its memory
 
     @classmethod
     def of(cls, model, attention: str | None = None, cuda_graphs: bool | None = None) -> Engine:
@@ -424,6 +456,8 @@ class Engine:
                 f"{torch.backends.cpu.get_cpu_capability()} (ATEN_CPU_CAPABILITY): use attention='sdpa'"
             )
         key = (attention, cuda if cuda_graphs is None else cuda_graphs)
+        if key[1] and not cuda:
+            raise ValueError(f"cuda_graphs needs a CUDA device; the model is on {model.device}")
         engines = _ENGINES.setdefault(model, {})
         if key not in engines:
             base = model.base_model
@@ -447,8 +481,6 @@ class Engine:
 
     def slots_for(self, model, bucket: Bucket, catalog: Catalog, prefix) -> Slots:
         key = (bucket, catalog.code_len, prefix)
-        for t in (catalog.node_ptr, catalog.edge_tok):  # read by the graphs: kept in place, never copied per replay
-            torch._dynamo.mark_static_address(t)
         if key not in self.slots:
             self.slots[key] = Slots.allocate(model, bucket, catalog.code_len, prefix.kv(model) if prefix else None)
         return self.slots[key]
@@ -458,19 +490,26 @@ class Engine:
         self.warm.discard(bucket)
         self.slots = {key: s for key, s in self.slots.items() if key[0] != bucket}
 
-    def run(self, graph, catalog: Catalog, s: Slots, replay: bool = False) -> None:
-        """One graph call (replay: a CUDA-graph replay of the step begins); a call that compiled counts into `graphs`
-        and `compile_s` (no device sync: on CUDA the host's time, which compiling dominates)."""
+    def run(self, graph, catalog: Catalog, s: Slots) -> None:
+        """One call of `prefill`, `step` or `step_graph`; a call that compiled counts into `graphs` and `compile_s`
+        (no device sync: on CUDA the host's time, which compiling dominates)."""
         before = counters["stats"]["unique_graphs"]
         t0 = time.perf_counter()
-        if replay:
-            torch.compiler.cudagraph_mark_step_begin()
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-            graph(self.body, catalog, s)
+            graph(catalog, s)
         new = counters["stats"]["unique_graphs"] - before
         if new:
             self.graphs += new
             self.compile_s += time.perf_counter() - t0
+
+
+def runs_eager(model, do_sample: bool = False, exclude=None) -> str | None:
+    """Why a beam search of `model` runs eager under engine="compiled" (None: the compiled engine covers it)."""
+    return (
+        unsupported(model)
+        or ("sampling beam search (do_sample) runs eager" if do_sample else None)
+        or ("per-user exclusions run eager" if exclude is not None else None)
+    )
 
 
 @torch.no_grad()
@@ -481,27 +520,13 @@ def compiled_beam_search(
     catalog: Catalog,
     k: int,
     steps: int | None = None,
-    do_sample: bool = False,
     prefix=None,
-    exclude=None,
     attention: str | None = None,
-    **eager,
 ) -> Recommendations:
-    """`beam_search(..., engine="compiled")`: the same arguments and result (items, token ids, scores, the base stats
-    and beam search's extras, computed as eager computes them for the real users and prompt length), plus engine,
-    bucket_users, bucket_prompt, compile_s and graphs_compiled (the graphs this call compiled; 0 once warm). What the
-    compiled engine does not cover runs eager, with stats["engine_note"] saying why."""
-    why = (
-        unsupported(model)
-        or ("sampling beam search (do_sample) runs eager" if do_sample else None)
-        or ("per-user exclusions run eager" if exclude is not None else None)
-    )
-    if why:
-        rec = beam_search(
-            model, input_ids, attention_mask, catalog, k, steps, do_sample, prefix=prefix, exclude=exclude, **eager
-        )
-        rec.stats.update(engine="eager", engine_note=note_eager(why))
-        return rec
+    """`beam_search(..., engine="compiled")` where `runs_eager` finds nothing against it: the same arguments and
+    result (items, token ids, scores, the base stats and beam search's extras, computed as eager computes them for the
+    real users and prompt length), plus engine, bucket_users, bucket_prompt, compile_s and graphs_compiled (the
+    graphs this call compiled; 0 once warm)."""
     b, s = input_ids.shape
     depth = catalog.code_len if steps is None else steps
     p = len(prefix) if prefix is not None else 0
@@ -516,7 +541,7 @@ def compiled_beam_search(
             engine.run(engine.prefill, catalog, slots)
         meter.forward("target", input_ids)
         for _ in range(depth - 1):
-            engine.run(engine.step, catalog, slots, replay=engine.cuda_graphs)
+            engine.run(engine.step_graph if engine.cuda_graphs else engine.step, catalog, slots)
             meter.forward("target", slots.token[:b])
     except torch.OutOfMemoryError:  # the caller retries smaller: this bucket's buffers are not kept
         engine.drop(bucket)
@@ -599,8 +624,3 @@ def compile_key(model, model_sha256: str, users: int, prompt: int, k: int, level
 def cold_compiles() -> int:
     """Graphs inductor has built from scratch in this process (its FX-graph cache's misses; a hit loads one)."""
     return int(counters["inductor"]["fxgraph_cache_miss"])
-
-
-def note_eager(reason: str) -> str:
-    warnings.warn(f"engine='compiled' runs eager here: {reason}", stacklevel=3)
-    return reason

@@ -29,18 +29,11 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from decoding.beam import (
-    Prefix,
-    Recommendations,
-    check_prompts,
-    forward,
-    head_of,
-    prefill,
-    prompt_tree,
-)
+from decoding.beam import Prefix, check_prompts, forward, prefill, prompt_tree
 from decoding.cache import TreeCache
 from decoding.catalog import Catalog, Exclusions, count_at
 from decoding.draws import GOLDEN, Generator, UserDraws, gumbel, mix, stream, uniform, unit
+from decoding.search import Recommendations, head_of
 from decoding.stats import Meter, beam_batch_kv
 from decoding.tree import TokenTree
 

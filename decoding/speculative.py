@@ -41,24 +41,10 @@ from dataclasses import dataclass
 
 import torch
 
-from decoding.beam import (
-    Children,
-    Prefix,
-    Recommendations,
-    candidates,
-    check_prompts,
-    children,
-    expand_beams,
-    forward,
-    gumbel_like,
-    pick,
-    prefill,
-    prompt_tree,
-    rank_by_score,
-    sample_beams,
-)
+from decoding.beam import Prefix, check_prompts, children, forward, prefill, prompt_tree, rank_by_score
 from decoding.catalog import Catalog, Exclusions
 from decoding.draws import Generator, select, stream, uniform
+from decoding.search import Children, Recommendations, candidates, expand_beams, gumbel_like, pick, sample_beams
 from decoding.stats import Meter, beam_batch_kv
 from decoding.tree import TokenTree
 

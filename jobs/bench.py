@@ -1,5 +1,5 @@
 """Benchmarks, side by side in one run: `python -m jobs.bench {all,decode,speculative,disc,disc-bias,nightly,
-templates,shapes,gpu,precision,exclude,padding,minionerec} ...`.
+templates,shapes,compile,gpu,precision,exclude,padding,minionerec} ...`.
 
 Every timed comparison runs its methods interleaved (A B, B A, ...) --repeats times (default 5) after a warm-up run
 of each and records every repeat's seconds; reports give medians with (min-max), ratios of medians with their range,
@@ -17,6 +17,7 @@ disc-bias: DISC's bias: TV / KL / mean valid mass of each sampler's draws agains
 nightly: the nightly Ray job (one actor) vs the recommender called directly on the same batches.
 templates: rendering cost of each prompt template (renderer vs tokenizer), and the nightly job's users/s with each.
 shapes: beam_search vs transformers over vocabulary x prompt length x K, each method in its own process (memory).
+compile: the compiled engine's cold compile (a fresh process, an empty inductor cache) at 2, 8 and 28 decoder layers.
 gpu: on CUDA in one process and one report (`make bench-gpu`): parity, the shapes grid, NVIDIA SID-GR's shape (the
 anchor), each cell's useful-FLOP fraction of the matmul rate measured in the same run; DISC and speculative on demand.
 precision: what half precision costs in ranking: beam_search in each dtype (float32 head, and logits rounded to the

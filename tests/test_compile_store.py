@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from decoding.compiled import GRAPHS_PER_BUCKET
 from pipeline.models import KEY_ENV, KEY_FILE_ENV
 from tests.servers import seaweedfs
 from tests.test_compiled import COMPILE_CACHE
@@ -67,7 +68,7 @@ def test_a_store_warm_starts_the_next_nightly_actor_and_auto_records_its_choice(
     assert cache[0]["key"] == planted and cache[0]["fetched"]["found"] and not cache[0]["fetched"]["used"]
     assert "is not signed with this store's key" in cache[0]["fetched"]["note"] and not marker.exists()
     assert cache[0]["uploaded"]["uploaded"]  # compiled cold, and replaced the planted cache with a signed one
-    assert cache[0]["graphs_cold"] == 2 and runs["cold"]["engine"]["graphs_cold"] == 2
+    assert cache[0]["graphs_cold"] == GRAPHS_PER_BUCKET and runs["cold"]["engine"]["graphs_cold"] == GRAPHS_PER_BUCKET
     assert cache[1]["fetched"]["used"] and cache[1]["key"] == cache[0]["key"] and cache[1]["uploaded"] is None
     assert cache[1]["graphs_cold"] == 0 and runs["warm"]["engine"]["graphs_cold"] == 0  # started warm
     assert runs["warm"]["engine"]["compile_store"] == s3.uri("compile-cache")

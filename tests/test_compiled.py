@@ -20,9 +20,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounter
 
 from decoding.beam import Prefix, Recommendations, beam_search
 from decoding.compiled import (
+    GRAPHS_PER_BUCKET,
     Bucket,
     Engine,
     compiled_beam_search,
@@ -162,7 +164,7 @@ def test_equals_transformers_and_eager(models, catalog, arch, k, attention):
 
 def test_a_second_batch_of_the_bucket_compiles_nothing(models, catalog):
     """Other users, other prompt lengths (up to 24 tokens, fewer users): the same bucket, no new graph; and the
-    graphs hold no graph break (fullgraph=True raises on one; dynamo's explain counts none)."""
+    compiled regions hold no graph break (fullgraph=True raises on one; traced anew, each makes one graph per shape)."""
     model = models["qwen2"]
     ids, mask = left_padded_prompts(8, LENGTHS, catalog.vocab_size, seed=5)
     first = beam_search(model, ids, mask, catalog, 10, prefix=PREFIX, engine="compiled")  # compiled by now
@@ -179,9 +181,53 @@ def test_a_second_batch_of_the_bucket_compiles_nothing(models, catalog):
     assert_same_as_eager(model, ids2, mask2, catalog, 10, rec, ref, PREFIX)
     engine = Engine.of(model)
     slots = engine.slots_for(model, Bucket(8, 24, 10, 4), catalog, PREFIX)
-    for graph in (engine.prefill, engine.step):  # prefill, then the step of level 1
-        explained = torch._dynamo.explain(graph._torchdynamo_orig_callable)(engine.body, catalog, slots)
-        assert explained.graph_break_count == 0 and explained.graph_count == 1
+    graphs = traced_graphs(engine, catalog, slots)  # the prefill, then the step of level 1
+    assert graphs == {"prefill_in": 1, "prefill_out": 1, "step_in": 1, "step_out": 1, "layer": 2}
+
+
+def traced_graphs(engine: Engine, catalog, slots) -> dict:
+    """The engine's prefill and one step, each compiled region traced by dynamo anew into a counting backend (the
+    graphs then run as traced, graph breaks allowed) -> region -> the graphs dynamo made of it: more than one per
+    shape means a graph break or a recompile (the layer runs at two shapes, the prefill's and the step's, whatever
+    the number of layers)."""
+    names = ("prefill_in", "prefill_out", "step_in", "step_out", "layer")
+    compiled = {n: getattr(engine, n) for n in names}
+    counters = {n: CompileCounter() for n in names}
+    try:
+        for n in names:
+            traced = torch.compile(compiled[n]._torchdynamo_orig_callable, backend=counters[n], dynamic=False)
+            setattr(engine, n, traced)
+        with torch._dynamo.config.patch(recompile_limit=256):
+            engine.prefill(catalog, slots)
+            engine.step(catalog, slots)
+    finally:
+        for n in names:
+            setattr(engine, n, compiled[n])
+    return {n: c.frame_count for n, c in counters.items()}
+
+
+def test_the_compile_does_not_grow_with_depth(models, catalog):
+    """Regional compilation: one decoder layer is compiled (at the prefill's and the step's shapes) and every layer
+    runs it, its weights being its inputs. The 2-layer Qwen3's bucket compiles GRAPHS_PER_BUCKET graphs; a 4-layer
+    Qwen3 of the same width then compiles none for the same bucket (dynamo traces its layer region twice, not once per
+    layer), and returns what the eager engine returns."""
+    ids, mask = left_padded_prompts(8, LENGTHS, catalog.vocab_size, seed=20)
+    shallow = models["qwen3"]
+    compiled_beam_search(shallow, ids, mask, catalog, 20)  # its bucket (the Qwen3 case above compiled it)
+    assert Engine.of(shallow).graphs == GRAPHS_PER_BUCKET
+    deep = tiny_model("qwen3", catalog.vocab_size, seed=7, num_hidden_layers=4)
+    rec = compiled_beam_search(deep, ids, mask, catalog, 20)
+    assert rec.stats["graphs_compiled"] == 0 and rec.stats["compile_s"] == 0
+    assert_same_as_eager(deep, ids, mask, catalog, 20, rec, beam_search(deep, ids, mask, catalog, 20))
+    engine = Engine.of(deep)
+    slots = engine.slots_for(deep, Bucket(8, 24, 20, 4), catalog, None)
+    assert traced_graphs(engine, catalog, slots) == {
+        "prefill_in": 1,
+        "prefill_out": 1,
+        "step_in": 1,
+        "step_out": 1,
+        "layer": 2,
+    }
 
 
 GROUP, CLEAR, MAX_GROUPS = 32, 8, 4
@@ -233,7 +279,7 @@ def bfloat16_clear_users(model, ids, mask, catalog, k) -> int:
 
 
 def test_a_trained_model_in_float32_and_bfloat16(catalog, trained):
-    """Users in batches of 8 (one bucket: two graphs per dtype, replayed by every batch). float32: the eager
+    """Users in batches of 8 (one bucket: its graphs compiled once per dtype, run by every batch). float32: the eager
     engine's results (the rounding bound measured as above). bfloat16: the two engines round the body differently
     (inductor keeps a fused kernel's intermediates in float32); their difference must stay within twice the largest
     that bfloat16 costs the eager engine against float32 on the same weights (measured here), and a user whose
@@ -317,10 +363,11 @@ def test_a_compiled_nightly_publishes_what_eager_does(tmp_path_factory):
     assert all(got[u] == same[u] for u in clear)
     metrics = out["compiled"]["metrics"].to_pandas()
     assert (metrics.engine == "compiled").all() and sorted(metrics.users_in) == [8, 16, 16]
-    assert metrics.graphs_compiled.sum() == 2  # the warm-up's prefill and step: every shard snapped to its bucket
+    assert metrics.graphs_compiled.sum() == GRAPHS_PER_BUCKET  # the warm-up's: every shard snapped to its bucket
     manifest, eager = runs["compiled"], runs["eager"]
     ((actor, seconds),) = manifest["timings"]["compile_s"].items()
-    assert seconds > 0 and manifest["engine"]["name"] == "compiled" and manifest["engine"]["graphs_compiled"] == 2
+    assert seconds > 0 and manifest["engine"]["name"] == "compiled"
+    assert manifest["engine"]["graphs_compiled"] == GRAPHS_PER_BUCKET
     assert eager["timings"]["compile_s"] is None and eager["engine"]["graphs_compiled"] == 0
     assert eager["engine"]["compile_store"] is None  # a local target: no store unless one is named
 

@@ -180,6 +180,24 @@ class ShapesParams:
 
 
 @dataclass(kw_only=True)
+class CompileParams:
+    """`bench compile`: the compiled engine's cold compile (an empty inductor cache, a fresh process) at each depth
+    of a random Qwen3."""
+
+    layers: list[int] = field(default_factory=lambda: [2, 8, 28])
+    hidden: int = 128
+    vocab: int = 2048
+    items: int = 2000
+    users: int = 8
+    prompt: int = 40
+    k: int = 8
+    repeats: int = 1
+    decodes: int = 3
+    device: str | None = None
+    seed: int = 0
+
+
+@dataclass(kw_only=True)
 class GpuParams:
     """`bench gpu`: the matmul rate, the SID-GR anchor, the Qwen2.5-0.5B shape, engine auto, parity and the shapes
     grid on CUDA (DISC, and speculative with --target / --drafts, when named in --sections), in one process, cell by

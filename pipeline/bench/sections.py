@@ -53,6 +53,11 @@ BENCHES = {
         "beam_search vs transformers over vocabulary x prompt x K, users/s and working memory",
         "shapes:run_shapes",
     ),
+    "compile": Section(
+        P.CompileParams,
+        "the compiled engine's cold compile (empty inductor cache) at each depth of a random Qwen3",
+        "compile:run_compile",
+    ),
     "gpu": Section(
         P.GpuParams,
         "on CUDA: parity, shapes, the SID-GR anchor, roofline (+ disc, speculative); one report, one process",
