@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import operator
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -42,18 +43,30 @@ def mix_int(x: int) -> int:
 
 
 def unit(x: torch.Tensor) -> torch.Tensor:
-    """int64 bits -> float64 uniforms in (0, 1), from the top 53 bits."""
-    return (((x >> 11) & ((1 << 53) - 1)).double() + 0.5) / 2.0**53
+    """int64 bits -> float64 uniforms in (0, 1), from the top 52 bits: (n + 0.5) / 2^52 is exact in float64, so the
+    largest is 1 - 2^-53, never 1 (a log or a Gumbel of it stays finite)."""
+    return (((x >> 12) & ((1 << 52) - 1)).double() + 0.5) / 2.0**52
 
 
 def user_seeds(seed: int, users: Iterable, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The run's seed and user ids (ints or strings) -> one 64-bit seed per user [U] int64: BLAKE2b of
-    (seed, repr(id)), the same on every machine and Python version."""
+    """The run's seed and user ids (ints or strings) -> one 64-bit seed per user [U] int64: BLAKE2b of the seed and
+    the id's canonical bytes (type-tagged: an int and its numpy twin agree, 5 and "5" differ), the same on every
+    machine and Python version."""
     out = [
-        int.from_bytes(hashlib.blake2b(f"{seed}\x00{u!r}".encode(), digest_size=8).digest(), "little", signed=True)
+        int.from_bytes(
+            hashlib.blake2b(f"{seed}".encode() + b"\x00" + canonical(u), digest_size=8).digest(), "little", signed=True
+        )
         for u in users
     ]
     return torch.tensor(out, dtype=torch.int64, device=device)
+
+
+def canonical(user) -> bytes:
+    if isinstance(user, str):
+        return b"s" + user.encode("utf-8")
+    if isinstance(user, bytes):
+        return b"b" + user
+    return b"i" + str(operator.index(user)).encode()  # int, numpy integers; anything else is refused
 
 
 @dataclass(frozen=True)

@@ -120,8 +120,11 @@ def stopped(e, args) -> None:
     )
     import ray
 
+    from pipeline import cluster
+
     if ray.is_initialized():
         try:
+            cluster.stop_executions(e)  # any execution a signal met outside the decode's own shutdown
             ray.shutdown()
         except Exception as err:  # exiting anyway: the cluster ends a gone driver's job itself
             print(f"ray.shutdown: {err}", file=sys.stderr)

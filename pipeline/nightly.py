@@ -412,7 +412,8 @@ def execute(plan: Plan, run_id: str, resumed: bool, lease: Lease, latest: str | 
         publish_run(plan, attempt, manifest, lease, latest)
         return manifest
     except Interrupted as e:
-        record_interruption(plan, run_id, attempt.id if attempt else None, e)
+        if not lease.lost:  # a fenced-out driver leaves the run's state to the driver that holds the date
+            record_interruption(plan, run_id, attempt.id if attempt else None, e)
         raise
 
 
@@ -750,8 +751,9 @@ class Interrupted(BaseException):
 @dataclass
 class Stop:
     """The driver's SIGTERM / SIGINT handler (`install`, in the main thread): the first signal raises Interrupted in
-    the main thread, at once, wherever it waits; inside `deferred` (publication: _LATEST and the markers) it waits
-    until the block is done. Later signals are logged and ignored, so that the clean-up they interrupt finishes."""
+    the main thread, at once, wherever it waits; from `deferred` (publication: _LATEST and the markers) on it never
+    does: a published run ends as it would have (its lease released, its summary printed, exit 0). Later signals
+    are logged and ignored, so that the clean-up they interrupt finishes."""
 
     received: str | None = None  # the first signal's name
     deferring: str | None = None  # the block a signal waits for
@@ -777,8 +779,10 @@ class Stop:
         self.deferring = what
         try:
             yield
-        finally:
-            self.deferring = None
+        except BaseException:
+            self.deferring = None  # not published: a signal stops the driver again
+            raise
+        self.deferring = f"ending after {what}"  # published: the rest of the run's end is never interrupted
         if self.pending is not None:
             name = signal.Signals(self.pending).name
             log.warning("%s received while %s, which is done: the job ends as it would have", name, what)
@@ -862,9 +866,10 @@ def follow(ds, total: int, r: Runs, lease: Lease) -> tuple[int, cluster.Watch]:
     """Streams the execution: one summary row per written shard, logged as `Progress`; every node lost or joined and
     each loss's recovery (`cluster.Watch`). Raises Stalled (`Progress`), LeaseLost if the lease is lost, Interrupted
     on a signal, having shut the execution down first (no task is submitted after) -> (shards written, the watch)."""
-    rows, watch, p = stream(ds), cluster.Watch(), Progress(total, r)
+    p = Progress(total, r)
     last_poll = p.t0
     try:
+        rows, watch = stream(ds), cluster.Watch()  # inside: a signal while they start shuts the execution down too
         while (batch := next_summary(rows)) is not None:
             now = time.perf_counter()
             if batch is not False:

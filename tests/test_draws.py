@@ -27,6 +27,20 @@ def test_user_seeds_are_stable_and_distinct():
     assert not set(a.tolist()) & set(user_seeds(8, [1, 2, "2", "u-3"]).tolist())  # another run seed: other seeds
 
 
+def test_uniforms_stay_inside_the_open_interval_and_ids_are_canonical():
+    """The extreme bit patterns give uniforms strictly inside (0, 1) (a Gumbel of them is finite); an int and its
+    numpy twin share a seed, an int and its string differ, anything else is refused."""
+    import numpy as np
+
+    from decoding.draws import unit
+
+    u = unit(torch.tensor([-1, 0, (1 << 63) - 1, -(1 << 63)], dtype=torch.int64))
+    assert bool(((u > 0) & (u < 1)).all()) and torch.isfinite(-torch.log(-torch.log(u))).all()
+    assert user_seeds(3, [5]).tolist() == user_seeds(3, [np.int64(5)]).tolist() != user_seeds(3, ["5"]).tolist()
+    with pytest.raises(TypeError):
+        user_seeds(3, [5.0])
+
+
 def test_a_rows_numbers_follow_its_user_not_its_row():
     seeds = user_seeds(0, range(6))
     draws = UserDraws(seeds).at(3, 1)

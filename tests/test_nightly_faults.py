@@ -203,3 +203,13 @@ def test_a_signal_raises_once_at_once_and_waits_for_publication():
         assert publishing.pending == signal.SIGINT
     publishing.handle(signal.SIGTERM, None)  # published: ignored too
     assert publishing.received == "SIGINT"
+    after = Stop()
+    with after.deferred("publishing"):
+        pass
+    after.handle(signal.SIGTERM, None)  # the first signal after publication: the published run ends as it would have
+    assert after.received == "SIGTERM" and after.pending == signal.SIGTERM
+    failed = Stop()
+    with pytest.raises(OSError), failed.deferred("publishing"):
+        raise OSError("the store refused the publication")
+    with pytest.raises(Interrupted):  # not published: a signal stops the driver
+        failed.handle(signal.SIGTERM, None)
