@@ -55,7 +55,7 @@ from decoding.models import pick_device, tiny_model
 from decoding.reference import cpu_trie, generate_beam_search
 from decoding.speculative import speculative_beam_search
 from pipeline.bench import disc, shapes, speculative
-from pipeline.bench.budget import Cell, run_cells, write_atomic
+from pipeline.bench.budget import Cell, run_cells, since_process_start, write_atomic
 from pipeline.bench.common import (
     Interleaved,
     Timing,
@@ -201,7 +201,7 @@ def run_gpu(p: GpuParams, command: str) -> tuple[dict, str]:
             write_page(Path(p.page), result, md)
 
     with smoke_stance(p, device):
-        run_cells(gpu_cells(b, command), p.budget_s, write, after=partial(free, device))
+        run_cells(gpu_cells(b, command), p.budget_s, write, after=partial(free, device), spent_s=since_process_start())
     return result, markdown_gpu(result)
 
 
@@ -231,7 +231,9 @@ def gpu_cells(b: Bench, command: str) -> list[Cell]:
 
 def engine_cells(b: Bench, shape: Shape, kind: str) -> list[Cell]:
     """The eager engine on `shape`; then, with --engines compiled, both engines on the same model, interleaved."""
-    eager = Cell(f"{shape.name}, eager", kind, partial(measure, b, shape, ("beam_search",)))
+    eager = Cell(
+        f"{shape.name}, eager", kind, partial(measure, b, shape, ("beam_search",)), partial(eager_cost, b, shape)
+    )
     if "compiled" not in b.p.engines:
         return [eager]
     both = ("beam_search", "beam_search_compiled")
@@ -239,6 +241,15 @@ def engine_cells(b: Bench, shape: Shape, kind: str) -> list[Cell]:
         eager,
         Cell(f"{shape.name}, compiled", kind, partial(measure, b, shape, both), partial(compiled_cost, b, shape)),
     ]
+
+
+def eager_cost(b: Bench, shape: Shape) -> float:
+    """An eager cell's expected seconds: its --plan estimate (gpu_plan.shape_s, at an H100's rate) with its FLOP-bound
+    batches at the matmul rate this run measured instead (the plan's matmul cell expects 0.7 of the H100's peak);
+    0 (no estimate) before the matmul cell measured it."""
+    from pipeline.bench.gpu_plan import H100_MATMUL_FRACTION, shape_s
+
+    return shape_s(shape, ("beam_search",), b.p, b.rate / H100_MATMUL_FRACTION) if b.rate else 0.0
 
 
 def compiled_cost(b: Bench, shape: Shape) -> float:
