@@ -106,16 +106,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     cls = BENCHES[args.bench].params
     params = cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
-    from pipeline.bench.budget import Cut
-
     try:
         result, md = run_section(args.bench, params, "python -m jobs.bench " + shlex.join(argv))
     except FileNotFoundError as e:  # missing data or models: the message says how to make them
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except Cut as e:  # bench gpu signalled: its report, written as the cut left it, is complete
-        print(f"bench: cut by {e}; the report says which cell it cut", file=sys.stderr)
-        return 128 + e.signum
     if getattr(params, "plan", False):  # bench gpu --plan: expected seconds, nothing measured or written
         print(md)
         return 0

@@ -6,8 +6,8 @@ a cell with a cost estimate (an engine cell's decoding, a compiled engine's cold
 fits in what is left, and says so when it does not; a cell that fails keeps its error and the run goes on. A cell
 waits as "pending"; when the budget is spent, the cells never started say "not reached: budget". SIGTERM (or
 Ctrl-C) cuts the run: the cell under way says "cut: SIGTERM", the ones after it "not reached: SIGTERM", the report
-is written and the process exits 143 (130). The report is rewritten after every cell (and before each, naming the
-cell under way), each file replaced whole (written beside it, then renamed).
+is written and the process exits at once, 143 (130). The report is rewritten after every cell (and before each,
+naming the cell under way), each file replaced whole (written beside it, then renamed).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -38,14 +39,6 @@ class Cell:
     cost_s: Callable[[], float] | None = None
 
 
-class Cut(BaseException):
-    """The run was signalled to stop (not an Exception: a cell's error handling never swallows it)."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
 def since_process_start() -> float:
     """Seconds since this process started (Linux: /proc/self/stat's start time against /proc/uptime; 0.0 where
     neither exists): the interpreter's start and the imports count against a budget."""
@@ -56,10 +49,6 @@ def since_process_start() -> float:
         return 0.0
 
 
-def raise_cut(signum, frame) -> None:
-    raise Cut(signum)
-
-
 def run_cells(
     cells: list[Cell],
     budget_s: float,
@@ -67,22 +56,28 @@ def run_cells(
     after: Callable[[], None] = lambda: None,
     clock: Callable[[], float] = time.monotonic,
     spent_s: float = 0.0,
+    stop: Callable[[int], None] = lambda signum: os._exit(128 + signum),
 ) -> list[dict]:
     """Runs `cells` in order within `budget_s` seconds, `spent_s` of them already gone (`since_process_start`) -> one
     row per cell: {cell, kind, status, seconds, ...its figures}, status "ok", "error" (with the error), "skipped: ...",
-    NOT_REACHED, or after SIGTERM/SIGINT "cut: ..." (then the report is written and Cut raised). `write(rows)` is
-    called with every row at the start, before each cell and after it; `after()` after each cell (freeing what it
-    built)."""
+    NOT_REACHED. `write(rows)` is called with every row at the start, before each cell and after it; `after()` after
+    each cell (freeing what it built). SIGTERM or SIGINT (main thread only) marks the cell under way "cut: SIGTERM"
+    and the rest "not reached: SIGTERM", writes them and calls `stop(signum)`: the process exits at once (an exception
+    raised there could land in a finalizer, which swallows it, and the cell would go on)."""
     start = clock() - spent_s
     rows = [{"cell": c.name, "kind": c.kind, "status": PENDING} for c in cells]
-    write(rows)
-    with cut_on_signals():
-        try:
-            run_rows(cells, rows, budget_s, write, after, clock, start)
-        except Cut as e:
-            mark(rows, f"cut: {e}", f"not reached: {e}")
-            write(rows)
-            raise
+
+    def on_signal(signum, frame) -> None:
+        name = signal.Signals(signum).name
+        mark(rows, f"cut: {name}", f"not reached: {name}")
+        write(rows)
+        print(f"bench: cut by {name}; the report says which cell it cut", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        stop(signum)
+
+    with handling_signals(on_signal):
+        write(rows)
+        run_rows(cells, rows, budget_s, write, after, clock, start)
     return rows
 
 
@@ -116,15 +111,15 @@ def mark(rows: list[dict], running: str | None, pending: str) -> None:
 
 
 @contextlib.contextmanager
-def cut_on_signals() -> Iterator[None]:
-    """SIGTERM and SIGINT raise Cut in the main thread while inside (elsewhere: nothing changes)."""
+def handling_signals(handler) -> Iterator[None]:
+    """`handler` for SIGTERM and SIGINT while inside, in the main thread (elsewhere: nothing changes)."""
     main = threading.current_thread() is threading.main_thread()
-    saved = {s: signal.signal(s, raise_cut) for s in (signal.SIGTERM, signal.SIGINT)} if main else {}
+    saved = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)} if main else {}
     try:
         yield
     finally:
-        for s, handler in saved.items():
-            signal.signal(s, handler)
+        for s, previous in saved.items():
+            signal.signal(s, previous)
 
 
 def measured(cell: Cell, clock: Callable[[], float]) -> dict:

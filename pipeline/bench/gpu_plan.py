@@ -91,15 +91,15 @@ def engine_plan(shape: Shape, kind: str, methods: tuple, p: GpuParams) -> tuple:
     return (f"{shape.name}, {engine}", kind, compile_s, shape_s(shape, methods, p))
 
 
-def shape_s(shape: Shape, methods: tuple, p: GpuParams, rate: float = H100_BF16) -> float:
+def shape_s(shape: Shape, methods: tuple, p: GpuParams, rate: float = H100_BF16, memory: int = H100_MEMORY) -> float:
     """Expected seconds of a cell of `shape`: per method, a warm-up batch and p.repeats runs over its users (its
-    FLOP-bound batches at FRACTION of `rate`, an H100's bfloat16 peak unless given)."""
+    FLOP-bound batches at FRACTION of `rate`, its largest batch what fits in `memory`: an H100's unless given)."""
     with torch.device("meta"):  # parameter counts and sizes, nothing allocated
         model = tiny_model(shape.arch, shape.vocab, dtype=torch.bfloat16, **shape.model)
     flops = gpu.useful_flops(model, shape.prompt, shape.k, shape.code_len)
     per_user = decode_bytes_per_user(model, shape.prompt, shape.k, shape.code_len, torch.bfloat16)
     weights = sum(x.numel() for x in model.parameters()) * 2
-    best = fit_batch(per_user, H100_MEMORY - weights)
+    best = fit_batch(per_user, memory - weights)
     users = shape.users or 2 * best
     total = 0.0
     for method in methods:
