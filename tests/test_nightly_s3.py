@@ -552,7 +552,7 @@ def test_checksums_naming_anything_but_a_plain_file_are_refused(cluster, tmp_pat
     S.write_bytes(S.join(uri, "sha256sums.json"), json.dumps({"config.json": digest, name: digest}).encode(), storage)
     with pytest.raises(ValueError, match=f"model {uri}: sha256sums.json names {name!r}"):
         S.local_model_dir(uri, str(tmp_path / "cache" / "node"), storage)
-    assert not list((tmp_path / "cache").rglob("config.json")) and not (tmp_path / "escaped").exists()
+    assert not list((tmp_path / "cache").rglob("config.json")) and not (tmp_path / "cache" / "escaped").exists()
 
 
 def test_two_uploads_racing_to_one_prefix_do_not_both_succeed(cluster, tmp_path, monkeypatch):
