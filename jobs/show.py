@@ -3,7 +3,8 @@
 RUN is an output root (its newest date's published run), `<output>/run_date=D` (that date's) or a run folder; local
 or s3:// (credentials from the environment). Prints the run's summary (date, id, status, mode, models, counts, time)
 and every file of its tables as the manifest lists them: what readers read (docs/output.md). `--json` prints the
-manifest instead. Exit 0; 2 when there is no published run there.
+manifest instead. A run folder must be its date's published run (_LATEST names it); `--any` shows it anyway, labelled
+UNPUBLISHED. Exit 0; 2 when there is no published run there.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("run", metavar="RUN", help="output root, run_date= folder or run folder (path or s3:// URI)")
     p.add_argument("--json", action="store_true", help="print the run's manifest (JSON) instead of the summary")
+    p.add_argument(
+        "--any", action="store_true", help="show a run folder even if its date's _LATEST does not name it (unpublished)"
+    )
     storage_args(p)
     return p.parse_args(argv)
 
@@ -31,7 +35,7 @@ def main(argv=None) -> int:
     from pipeline.output import describe, open_run
 
     try:
-        run = open_run(args.run, Storage(args.endpoint, args.region))
+        run = open_run(args.run, Storage(args.endpoint, args.region), allow_unpublished=args.any)
     except (FileNotFoundError, ValueError, PermissionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

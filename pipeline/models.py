@@ -57,7 +57,6 @@ def check_renders(model_dir, template: PromptTemplate, catalog: pa.Table, source
 
 # ---------------------------------------------------------------- uploading a model to object storage
 
-PICKLED = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")  # weights (or state) that load by unpickling: code
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
@@ -75,7 +74,7 @@ def missing_parts(model_dir: Path) -> list[str]:
             f"{TEMPLATE_FILE}, the prompt template (`genrec-batch template --model {model_dir} --preset codes "
             "--catalog items.parquet` writes it, checked)"
         )
-    pickled = sorted(n for n in names if n.endswith(PICKLED))
+    pickled = sorted(n for n in names if n.endswith(S.PICKLED))
     if pickled:
         missing.append(
             f"no pickled file, but it has {pickled}: pickles run code when loaded; keep only the safetensors weights"
@@ -83,15 +82,54 @@ def missing_parts(model_dir: Path) -> list[str]:
     return missing
 
 
+def weight_shapes(model_dir: Path) -> dict[str, tuple]:
+    """{tensor name: shape} of a model folder's *.safetensors files, read from their headers (no tensor is loaded);
+    ValueError naming a file that is not safetensors (a pickle renamed, a truncated file)."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        try:
+            with safe_open(f, framework="pt") as st:
+                shapes.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
+        except Exception as e:  # safetensors raises its own error types for a bad header
+            raise ValueError(f"{f}: not a valid safetensors file ({type(e).__name__}: {e})") from e
+    return shapes
+
+
+def check_weights(model_dir: Path) -> None:
+    """The folder's safetensors hold every tensor of the model its config.json describes, each of its shape (the
+    model built on the meta device: no memory, no weights); ValueError naming what is missing or mismatched. Tied
+    tensors (one parameter under two names, as save_pretrained stores it) need one of their names."""
+    from transformers import AutoModelForCausalLM
+
+    got = weight_shapes(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(load_config(model_dir))
+    names: dict[int, list[str]] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        names.setdefault(id(t), []).append(name)
+    want = {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()}
+    missing = [group[0] for group in names.values() if not any(n in got for n in group)]
+    wrong = [f"{n} {list(got[n])} (config: {list(want[n])})" for n in want if n in got and got[n] != want[n]]
+    if missing or wrong:
+        raise ValueError(
+            f"{model_dir}: the safetensors weights do not match config.json: "
+            + "; ".join(filter(None, [missing and f"missing {sorted(missing)[:8]}", wrong and f"shapes {wrong[:8]}"]))
+        )
+
+
 def check_upload(model_dir, catalog: pa.Table, source: str) -> dict:
-    """A model folder checked for `upload_model` -> a summary; ValueError naming every missing part (`missing_parts`)
-    or what the model, tokenizer and template fail (`check_renders` against the catalog)."""
+    """A model folder checked for `upload_model` -> a summary; ValueError naming every missing part (`missing_parts`),
+    weights that are not safetensors or do not fit config.json (`check_weights`), or what the model, tokenizer and
+    template fail (`check_renders` against the catalog)."""
     path = Path(model_dir)
     if not path.is_dir():
         raise ValueError(f"{model_dir}: not a folder")
     missing = missing_parts(path)
     if missing:
         raise ValueError(f"{model_dir} cannot be uploaded; it needs:\n  - " + "\n  - ".join(missing))
+    check_weights(path)
     template = read_template(path)
     renderer = check_renders(path, template, catalog, source)
     return {"template": template.name, "max_prompt_tokens": renderer.max_len}

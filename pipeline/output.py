@@ -7,7 +7,8 @@ there until a later publish or `--gc` deletes them).
     recs = run.dataset("recommendations").to_table()       # user_id, rank, item_id, score, mode
 
 `uri` is what `runs.resolve` takes: an output root (its newest date's published run), `<output>/run_date=D` (that
-date's published run) or a run folder (`<output>/run_date=D/run_id=R`, which must be complete). s3:// URIs use the
+date's published run) or a run folder (`<output>/run_date=D/run_id=R`, which must be complete and named by its date's
+_LATEST unless `allow_unpublished`). s3:// URIs use the
 credentials, AWS_ENDPOINT_URL and AWS_REGION of the environment unless a Storage is given.
 """
 
@@ -31,6 +32,7 @@ class PublishedRun:
     uri: str  # the run folder: <output>/run_date=D/run_id=R
     manifest: dict
     storage: Storage
+    published: bool = True  # False: a run folder opened with allow_unpublished that _LATEST does not name
 
     @property
     def run_id(self) -> str:
@@ -62,15 +64,17 @@ class PublishedRun:
         return self.dataset(table).to_table(columns=columns)
 
 
-def open_run(uri: str, storage: Storage | None = None) -> PublishedRun:
+def open_run(uri: str, storage: Storage | None = None, allow_unpublished: bool = False) -> PublishedRun:
     """The published run that `uri` resolves to (see the module docstring) -> a PublishedRun; FileNotFoundError when
-    there is none, ValueError when the run is incomplete or its manifest lists no files."""
+    there is none, ValueError when the run is incomplete, its manifest lists no files, or a run folder given is not
+    its date's published run (`allow_unpublished`: read it anyway, labelled `published=False`)."""
     storage = storage or env_storage()
-    run = runs.resolve(uri, storage)
+    run = runs.resolve(uri, storage, allow_unpublished)
+    published = not allow_unpublished or runs.unpublished(run, storage) is None
     manifest = json.loads(S.read_bytes(S.join(run, "manifest.json"), storage))
     if not manifest.get("files"):
         raise ValueError(f"run {run}: its manifest lists no files (a run written before manifests listed them)")
-    return PublishedRun(run, manifest, storage)
+    return PublishedRun(run, manifest, storage, published)
 
 
 def describe(run: PublishedRun) -> str:
@@ -78,7 +82,7 @@ def describe(run: PublishedRun) -> str:
     file of its tables."""
     m, counts = run.manifest, run.manifest.get("counts", {})
     lines = [
-        f"run       {run.uri}",
+        f"run       {run.uri}" + ("" if run.published else "   UNPUBLISHED: _LATEST of its date does not name it"),
         f"date      {m['run_date']}   run_id {m['run_id']}   status {m['status']}",
         f"mode      {m['config']['decoding']['mode']}   k {m['config']['decoding']['k']}   "
         f"engine {m.get('engine', {}).get('name', '?')}",

@@ -267,8 +267,21 @@ def latest_run(output: str, run_date: str, storage: Storage) -> str | None:
     return run if S.read_bytes(S.join(run, "_SUCCESS"), storage) is not None else None
 
 
-def resolve(uri: str, storage: Storage) -> str:
-    """A run folder, `<output>/run_date=D` or `<output>` -> the folder of a complete, published run."""
+def unpublished(run: str, storage: Storage) -> str | None:
+    """Why a run folder is not its date's published run (None when it is): _LATEST of its date must name it and no
+    publish may have marked it superseded."""
+    folder, _, name = run.rstrip("/").rpartition("/")
+    latest = S.read_bytes(S.join(folder, "_LATEST"), storage)
+    named = json.loads(latest)["run_id"] if latest else None
+    if named != name.removeprefix("run_id="):
+        return f"{S.join(folder, '_LATEST')} names {'no run' if named is None else f'run {named}'}"
+    marker = S.read_bytes(S.join(run, "_SUPERSEDED"), storage)
+    return f"superseded by run {json.loads(marker)['by']}" if marker is not None else None
+
+
+def resolve(uri: str, storage: Storage, allow_unpublished: bool = False) -> str:
+    """A run folder, `<output>/run_date=D` or `<output>` -> the folder of a complete, published run. A run folder
+    must be its date's published run (`unpublished`: else ValueError) unless `allow_unpublished`; complete always."""
     uri = uri.rstrip("/")
     run = uri
     if S.read_bytes(S.join(uri, "manifest.json"), storage) is None:
@@ -286,6 +299,12 @@ def resolve(uri: str, storage: Storage) -> str:
             )
     if S.read_bytes(S.join(run, "_SUCCESS"), storage) is None:
         raise ValueError(f"run {run}: no _SUCCESS marker; the run is incomplete or failed and is not read")
+    why = None if allow_unpublished else unpublished(run, storage)
+    if why:
+        raise ValueError(
+            f"run {run} is not published ({why}): it is unfinished, failed or superseded; read its date's "
+            "published run, or opt in to reading it anyway (allow_unpublished=True, `show --any`)"
+        )
     return run
 
 
@@ -338,8 +357,9 @@ class Run:
 
 
 def load_run(uri: str, storage: Storage) -> Run:
-    """A complete, published run (see `resolve`) with its manifest and metrics."""
-    run = resolve(uri, storage)
+    """A complete run (see `resolve`; a run folder given may be superseded: a report compares runs of one date) with
+    its manifest and metrics."""
+    run = resolve(uri, storage, allow_unpublished=True)
     manifest = json.loads(S.read_bytes(S.join(run, "manifest.json"), storage))
     try:
         metrics = read_table(run, "metrics", storage).to_pandas()

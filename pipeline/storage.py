@@ -525,19 +525,39 @@ MODEL_SUMS = "sha256sums.json"  # beside an s3:// model's files: their sha256, w
 
 
 def model_files(local) -> list[Path]:
-    """The files of a model directory that travel with it: its regular top-level files but hidden ones."""
-    return sorted(p for p in Path(local).iterdir() if p.is_file() and not p.name.startswith("."))
+    """The files of a model directory that travel with it: its regular top-level files but hidden ones. A symbolic
+    link is refused (ValueError naming it): uploaded, it would carry its target's bytes, maybe from outside."""
+    entries = sorted(p for p in Path(local).iterdir() if not p.name.startswith("."))
+    links = [f"{p.name} -> {os.readlink(p)}" for p in entries if p.is_symlink()]
+    if links:
+        raise ValueError(f"{local}: symbolic links are not uploaded; copy the files in place of {', '.join(links)}")
+    return [p for p in entries if p.is_file()]
+
+
+PICKLED = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")  # weights (or state) that load by unpickling: code
+
+
+def model_file_name(uri: str, name: str) -> str:
+    """A file name from an s3:// model's sha256sums.json, checked: a plain name (no folder, no `..`, not hidden)
+    and no pickle, else ValueError naming the model and the name (it would escape the node's cache, or run code)."""
+    if not isinstance(name, str) or not name or Path(name).name != name or name.startswith(".") or "\\" in name:
+        raise ValueError(f"model {uri}: {MODEL_SUMS} names {name!r}, not a plain file name; refused")
+    if name.endswith(PICKLED):
+        raise ValueError(f"model {uri}: {MODEL_SUMS} names {name!r}, a pickled file (it runs code when loaded)")
+    return name
 
 
 def upload_model_dir(local: str, uri: str, storage: Storage) -> dict:
     """Copies a model directory's files (`model_files`) to an s3:// prefix, then its sha256sums.json (last: a prefix
     without it is no model to `local_model_dir`), then reads every object back and checks it against its sha256
     -> {file name: sha256}. A prefix that already holds another model is refused before anything is written (nodes
-    cache a model by its URI: a new version goes to a new prefix); the same model again is uploaded again."""
+    cache a model by its URI: a new version goes to a new prefix); the same model again is uploaded again.
+    sha256sums.json is a conditional put over the version read first, so an upload racing another to the prefix
+    is refused."""
     files = model_files(local)
     sums = {p.name: sha256_file(p) for p in files}
-    held = read_bytes(join(uri, MODEL_SUMS), storage)
-    if held is not None and json.loads(held) != sums:
+    held = read_versioned(join(uri, MODEL_SUMS), storage)
+    if held is not None and json.loads(held[0]) != sums:
         raise ValueError(
             f"{uri} already holds another model (its {MODEL_SUMS} differs); nodes keep a model by its URI, so "
             "upload a new version to a new prefix"
@@ -550,7 +570,12 @@ def upload_model_dir(local: str, uri: str, storage: Storage) -> dict:
             storage,
             f"PUT {join(uri, p.name)}",
         )
-    write_bytes(join(uri, MODEL_SUMS), json.dumps(sums, indent=1).encode(), storage)
+    # only over the version read above (absent: If-None-Match): of two uploads racing to one prefix one loses here
+    if put_if(join(uri, MODEL_SUMS), json.dumps(sums, indent=1).encode(), storage, held and held[1]) is None:
+        raise ValueError(
+            f"{join(uri, MODEL_SUMS)} changed while this model was uploaded (another upload to {uri}); nodes keep a "
+            "model by its URI, so upload each model to its own prefix"
+        )
     verify_model_upload(uri, sums, storage)
     return sums
 
@@ -602,6 +627,8 @@ def local_model_dir(uri: str, cache_dir: str, storage: Storage) -> Path:
                 f"`genrec-batch upload-model LOCAL_DIR {uri} --catalog items.parquet`, which checks it and writes it"
             )
         sums = json.loads(raw)
+        for name in sums:
+            model_file_name(uri, name)
         for name, digest in sums.items():
             retrying(
                 lambda: client.download_file(bucket, f"{key.rstrip('/')}/{name}", str(target / name)),

@@ -11,15 +11,17 @@ import json
 import os
 import resource
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from pipeline.bench.budget import NOT_REACHED
+from pipeline.bench.budget import NOT_REACHED, PENDING
 
 ROOT = Path(__file__).resolve().parents[1]
 # The whole smoke run (bench.sh, its imports and 14 cells at smoke sizes) in CPU-seconds of its processes: 38 on the
@@ -130,7 +132,7 @@ def test_smoke_rehearsal_writes_every_cell_after_each_and_needs_only_the_copy(ma
     while run.poll() is None:
         if partial is None and (out / "gpu.json").is_file():
             rows = json.loads((out / "gpu.json").read_text())["cells"]  # whole at any moment: replaced, not rewritten
-            if rows[0]["status"] == "ok" and rows[-1]["status"] == NOT_REACHED:
+            if rows[0]["status"] == "ok" and rows[-1]["status"] == PENDING:
                 partial = rows
         time.sleep(0.05)
     stdout, stderr = run.communicate()
@@ -162,21 +164,47 @@ def test_smoke_rehearsal_writes_every_cell_after_each_and_needs_only_the_copy(ma
 
 
 def test_a_budget_too_small_leaves_a_valid_partial_report(machine):
-    """--budget-s 2: the first cells run, a compiled cell whose expected compile does not fit is skipped and says
-    so, and every cell after the budget says "not reached: budget", in valid JSON and in the page's table."""
+    """--budget-s 2 (counted from the process's start: its imports may spend it all): every cell the budget did not
+    reach says "not reached: budget" (a compiled cell whose expected compile did not fit, that it was skipped), in
+    valid JSON and in the page's table, and nothing runs after the budget."""
     out = machine["out"] / "short"
     run = rehearse(machine, out, "--smoke", "--budget-s", "2", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     _, stderr = run.communicate()
     assert run.returncode == 0, stderr[-4000:]
     rows = json.loads((out / "gpu.json").read_text())["cells"]
     statuses = [r["status"] for r in rows]
-    assert statuses[0] == "ok" and statuses[-1] == NOT_REACHED
+    assert statuses[-1] == NOT_REACHED and PENDING not in statuses
     done = [s for s in statuses if s != NOT_REACHED]
     assert statuses == done + [NOT_REACHED] * (len(statuses) - len(done))  # nothing runs after the budget
     assert all(s == "ok" or s.startswith("skipped: needs about") for s in done), done
     md = (out / "gpu.md").read_text()
     assert md.count(f"| {NOT_REACHED} |") == statuses.count(NOT_REACHED)
     assert audit(out) == []
+
+
+def test_sigterm_to_bench_sh_cuts_the_cell_and_keeps_the_scratch_until_python_exits(machine):
+    """`bench.sh --smoke --out rel` from a caller's folder (the report lands under it, not under the checkout),
+    SIGTERM once the first SID-GR cell is under way: the script passes it on and waits, python records the cell it
+    cut and writes the report, and only then is the scratch folder removed. Exit 143; no cell claims the budget."""
+    caller = machine["out"] / "caller"
+    caller.mkdir()
+    run = rehearse({**machine, "cwd": caller}, caller / "unused", "--smoke", "--out", "rel", stderr=subprocess.PIPE)
+    report, deadline = caller / "rel" / "gpu.json", time.monotonic() + 300
+    while time.monotonic() < deadline and run.poll() is None:
+        rows = json.loads(report.read_text())["cells"] if report.exists() else []
+        if rows and rows[1]["status"].startswith("running"):  # the handler is in place before the first write
+            break
+        time.sleep(0.05)
+    run.send_signal(signal.SIGTERM)
+    _, stderr = run.communicate(timeout=300)
+    assert run.returncode == 143, stderr[-4000:]
+    statuses = [r["status"] for r in json.loads(report.read_text())["cells"]]
+    done = statuses.index("not reached: SIGTERM")  # the signal may land between two cells: then none says "cut"
+    assert set(statuses[done:]) == {"not reached: SIGTERM"} and done >= 2, statuses
+    assert statuses[: done - 1] == ["ok"] * (done - 1) and statuses[done - 1] in ("ok", "cut: SIGTERM"), statuses
+    assert (caller / "rel" / "gpu.md").read_text().count("| not reached: SIGTERM |") == len(statuses) - done
+    assert not list(machine["tmp"].glob("bench-gpu.*")) and not (machine["repo"] / "rel").exists()
+    assert "FileNotFoundError" not in stderr
 
 
 # ------------------------------------------------------------------ the budget's rules, on a clock the test moves
@@ -210,7 +238,7 @@ def test_run_cells_keeps_to_the_budget_records_errors_and_writes_after_every_cel
     assert [r["status"] for r in rows] == [
         "ok",
         "error",
-        "skipped: needs about 8 s (its compile included), 7 s left",
+        "skipped: needs about 8 s, 7 s left",
         "ok",
         "ok",
         NOT_REACHED,
@@ -218,8 +246,84 @@ def test_run_cells_keeps_to_the_budget_records_errors_and_writes_after_every_cel
     assert rows[1]["error"] == "RuntimeError: out of luck" and "Traceback" in rows[1]["traceback"]
     assert [r.get("seconds") for r in rows] == [3, 0, None, 5, 4, None] and rows[3]["value"] == 5
     assert rows[3]["expected_s"] == 5
-    assert len(writes) == 1 + 2 * 4 + 1  # the start; before and after each of the 4 run; the skip
-    assert writes[1][0] == RUNNING and writes[2][:2] == ["ok", NOT_REACHED]  # c0's row as soon as it is known
+    assert len(writes) == 1 + 2 * 4 + 1 + 1  # the start; before and after each of the 4 run; the skip; the budget
+    assert writes[1][0] == RUNNING and writes[2][:2] == ["ok", PENDING]  # c0's row as soon as it is known
+    assert writes[-2][-1] == PENDING  # "budget" only once the budget stopped the run
+
+
+def test_a_budget_counts_what_the_process_spent_before_the_cells():
+    """spent_s (the process's imports and data preparation) comes off the budget: 9 s of 10 spent, a cell of cost 2
+    is skipped; all spent, nothing runs. The process's age is read from /proc: positive, below the test run's."""
+    from pipeline.bench.budget import run_cells, since_process_start
+
+    clock = [0.0]
+    rows = run_cells(fake_cells(clock, [(1, 2), (1, None)]), 10, lambda r: None, clock=lambda: clock[0], spent_s=9)
+    assert [r["status"] for r in rows] == ["skipped: needs about 2 s, 1 s left", "ok"]
+    rows = run_cells(fake_cells(clock, [(1, None)]), 10, lambda r: None, clock=lambda: clock[0], spent_s=10)
+    assert [r["status"] for r in rows] == [NOT_REACHED]
+    assert 0 < since_process_start() < time.monotonic()
+
+
+def test_sigterm_cuts_the_cell_under_way_and_writes_the_report():
+    """SIGTERM during c1: c0 stays ok, c1 says "cut: SIGTERM", c2 "not reached: SIGTERM" (not "budget"), the report
+    is written with them, then `stop` is called (the process's exit), and the previous SIGTERM handler is back."""
+    from pipeline.bench.budget import run_cells
+
+    class Stopped(BaseException):  # as an exit: no cell error handling catches it
+        pass
+
+    def killed():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler interrupts this
+        return {}
+
+    def stop(signum):
+        raise Stopped(signum)  # in place of the process's exit
+
+    clock, writes = [0.0], []
+    cells = fake_cells(clock, [(1, None), (1, None), (1, None)])
+    cells[1] = replace(cells[1], measure=killed)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Stopped, match=str(int(signal.SIGTERM))):
+        run_cells(cells, 100, lambda r: writes.append([x["status"] for x in r]), clock=lambda: clock[0], stop=stop)
+    assert writes[-1] == ["ok", "cut: SIGTERM", "not reached: SIGTERM"]
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_eager_cells_carry_a_cost_from_the_measured_matmul_rate():
+    """An eager cell's estimate is 0 on a CPU (no CUDA memory); on an H100's memory at the plan's own rate (0.7 of the
+    H100's peak) it is the plan's seconds; at a tenth of the rate, more (its FLOP-bound batches ten times slower)."""
+    import torch
+
+    from pipeline.bench import gpu, gpu_plan
+    from pipeline.bench.params import GpuParams
+
+    p = GpuParams(data="unused", engines=["eager", "compiled"])
+    b = gpu.Bench(p, torch.device("cpu"), torch.bfloat16, Path("unused"))
+    eager = {c.name: c for c in gpu.gpu_cells(b, "test") if c.name.endswith(", eager")}
+    shape = gpu.qwen(p)
+    b.rate = gpu_plan.H100_MATMUL_FRACTION * gpu_plan.H100_BF16
+    assert eager[f"{shape.name}, eager"].cost_s() == 0.0  # a CPU (no device memory): no estimate
+    b.memory = gpu_plan.H100_MEMORY
+    planned = {name: compile_s + run_s for name, _, compile_s, run_s in gpu_plan.plan_cells(p)}
+    assert eager[f"{shape.name}, eager"].cost_s() == pytest.approx(planned[f"{shape.name}, eager"], rel=1e-9)
+    b.rate /= 10
+    assert eager[f"{shape.name}, eager"].cost_s() > 5 * planned[f"{shape.name}, eager"]
+
+
+def test_the_plan_replays_the_run_loop():
+    """--plan's last column is run_cells on a clock moved by each cell's expected seconds: at 480 s the Qwen2.5-0.5B
+    cells do not fit and are skipped, yet the cheaper engine auto cell after them runs (a running sum says "no");
+    the run's statuses, not a sum, fill the column."""
+    from pipeline.bench import gpu_plan
+    from pipeline.bench.params import GpuParams
+
+    result, md = gpu_plan.plan_result(GpuParams(data="unused", engines=["eager", "compiled"], budget_s=480), "t")
+    within = {r["cell"]: r["within_budget"] for r in result["cells"]}
+    assert within["SID-GR batch 1, compiled"] == "yes" and within["engine auto"] == "yes"
+    assert within["Qwen2.5-0.5B, eager"].startswith("skipped: needs about 32 s")
+    assert result["cells"][7]["cumulative_s"] > 480 and within["SID-GR batch largest, compiled"] == NOT_REACHED
+    assert "| engine auto | 23 | 0.2 | 758 | yes |" in md
 
 
 def test_a_machine_without_a_module_is_told_which_in_one_line(machine, tmp_path):

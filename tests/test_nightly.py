@@ -24,7 +24,7 @@ from operators.prompts import Renderer, catalog_probes
 from operators.recommender import table_schema
 from pipeline import runs
 from pipeline import storage as S
-from pipeline.config import load_config
+from pipeline.config import Storage, load_config
 from pipeline.prepare import write_synthetic
 from tests.helpers import float32_atol
 
@@ -702,3 +702,48 @@ def test_a_retried_shard_without_rejects_leaves_no_stale_rejects(tmp_path):
     assert (
         got.num_rows == 0 and runs.read_table(run, "recommendations", storage, files=["s000000000000-a"]).num_rows == 2
     )
+
+
+DATE, LOCAL = "2026-11-21", Storage()
+
+
+def fake_run(out: Path, run_id: str) -> str:
+    """A complete run folder of DATE (manifest listing one recommendations file, then _SUCCESS), not published."""
+    run = runs.run_dir(str(out), DATE, run_id)
+    table = pa.table({"user_id": [1], "rank": [1], "item_id": [7], "score": [0.5], "mode": ["beam"]})
+    S.write_parquet(table, S.join(runs.table_dir(run, "recommendations"), "0.parquet"), LOCAL)
+    manifest = {
+        "run_id": run_id,
+        "run_date": DATE,
+        "status": "ok",
+        "config": {"decoding": {"mode": "beam", "k": 1}},
+        "files": {"recommendations": ["0.parquet"], "rejects": [], "metrics": []},
+    }
+    runs.finish(run, manifest, LOCAL)
+    return run
+
+
+def test_a_run_folder_that_latest_does_not_name_is_refused_unless_asked(tmp_path, capsys):
+    """The reader and `show` read a run folder only when its date's _LATEST names it: a complete run never
+    published, or one superseded by a later publish, is refused (show: exit 2) unless opted in, then labelled."""
+    from jobs import show
+    from pipeline.output import open_run
+
+    out = tmp_path / "out"
+    first = fake_run(out, "a")
+    with pytest.raises(ValueError, match="not published.*names no run"):  # complete, yet no _LATEST names it
+        open_run(first, LOCAL)
+    runs.publish(str(out), DATE, "a", LOCAL, grace_s=3600)
+    second = fake_run(out, "b")  # complete after a's publish: a complete, unpublished run
+    assert open_run(first, LOCAL).published and open_run(str(out), LOCAL).run_id == "a"
+    assert show.main([second]) == 2 and "names run a" in capsys.readouterr().err
+    assert show.main([second, "--any"]) == 0 and "UNPUBLISHED" in capsys.readouterr().out
+    assert not open_run(second, LOCAL, allow_unpublished=True).published
+
+    runs.publish(str(out), DATE, "b", LOCAL, grace_s=3600)  # a superseded: kept for the grace period, not read
+    with pytest.raises(ValueError, match="not published.*names run b"):
+        open_run(first, LOCAL)
+    assert show.main([second]) == 0 and "UNPUBLISHED" not in capsys.readouterr().out
+    (Path(second) / "_SUPERSEDED").write_text(json.dumps({"by": "c", "at": 0}))  # marked, though _LATEST names it
+    with pytest.raises(ValueError, match="superseded by run c"):
+        open_run(second, LOCAL)

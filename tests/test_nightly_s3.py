@@ -436,7 +436,38 @@ def tokenizer_removed(local):
         (local / name).unlink(missing_ok=True)
 
 
+def norm_resized(local):
+    """model.safetensors with model.norm.weight one longer than config.json's hidden size."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(local / "model.safetensors")
+    weights["model.norm.weight"] = torch.ones(weights["model.norm.weight"].shape[0] + 1)
+    save_file(weights, local / "model.safetensors", metadata={"format": "pt"})
+
+
+def norm_dropped(local):
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(local / "model.safetensors")
+    del weights["model.norm.weight"]
+    save_file(weights, local / "model.safetensors", metadata={"format": "pt"})
+
+
+def linked_outside(local):
+    """A file of the folder that is a symbolic link to one outside it."""
+    secret = local.parent / "secret.txt"
+    secret.write_text("not the model's")
+    (local / "notes.txt").symlink_to(secret)
+
+
 REFUSED = {
+    "a pickle named model.safetensors": (
+        lambda local: torch.save({"w": torch.zeros(1)}, local / "model.safetensors"),
+        "model.safetensors: not a valid safetensors file",
+    ),
+    "a tensor of another shape": (norm_resized, "model.norm.weight [33] (config: [32])"),
+    "a missing tensor": (norm_dropped, "missing ['model.norm.weight']"),
+    "a symbolic link": (linked_outside, "notes.txt -> "),
     "no template": (without(TEMPLATE_FILE), "genrec-batch template --model"),
     "pickled weights": (
         lambda local: torch.save({"w": torch.zeros(1)}, local / "pytorch_model.bin"),
@@ -508,3 +539,37 @@ def test_a_store_that_ignores_conditional_writes_is_refused_before_the_lease(clu
     monkeypatch.setattr(S.fcntl, "flock", lambda fd, op: None)  # a filesystem whose locks do not exclude
     with pytest.raises(ValueError, match="granted two exclusive locks"):
         S.check_conditional_writes(str(tmp_path / "nolocks"), Storage())
+
+
+@pytest.mark.parametrize("name", ["../../escaped", "/tmp/absolute", ".complete", "weights.bin", "sub/model.json"])
+def test_checksums_naming_anything_but_a_plain_file_are_refused(cluster, tmp_path, name):
+    """sha256sums.json names the files a node copies into its cache: a name that leaves the cache folder, a hidden
+    one (the cache's own markers) or a pickle is refused before anything is copied."""
+    world, s3, _, _ = cluster
+    storage, uri = Storage(s3.endpoint), s3.uri("models", "crafted")
+    digest = S.sha256_file(world / "target" / "config.json")
+    S.write_bytes(S.join(uri, "config.json"), (world / "target" / "config.json").read_bytes(), storage)
+    S.write_bytes(S.join(uri, "sha256sums.json"), json.dumps({"config.json": digest, name: digest}).encode(), storage)
+    with pytest.raises(ValueError, match=f"model {uri}: sha256sums.json names {name!r}"):
+        S.local_model_dir(uri, str(tmp_path / "cache" / "node"), storage)
+    assert not list((tmp_path / "cache").rglob("config.json")) and not (tmp_path / "cache" / "escaped").exists()
+
+
+def test_two_uploads_racing_to_one_prefix_do_not_both_succeed(cluster, tmp_path, monkeypatch):
+    """Another model's upload lands between this upload's read of sha256sums.json and its write: the conditional
+    write of sha256sums.json fails and the upload is refused, leaving the other's sums in place."""
+    world, s3, _, _ = cluster
+    storage, uri = Storage(s3.endpoint), s3.uri("models", "raced")
+    read, raced = S.read_versioned, []
+
+    def read_then_race(u, st, budget_s=None):
+        got = read(u, st, budget_s)
+        if u == S.join(uri, "sha256sums.json") and not raced:
+            raced.append("under way")  # the racing upload reads it too
+            raced[0] = S.upload_model_dir(str(world / "target"), uri, storage)
+        return got
+
+    monkeypatch.setattr(S, "read_versioned", read_then_race)
+    with pytest.raises(ValueError, match="changed while this model was uploaded"):
+        S.upload_model_dir(str(world / "draft"), uri, storage)
+    assert json.loads(read(S.join(uri, "sha256sums.json"), storage)[0]) == raced[0]

@@ -35,25 +35,46 @@ if [ -n "$missing" ]; then
   exit 3
 fi
 
-cd "$root"
 if ((plan)); then
-  exec "$py" -m jobs.bench gpu --plan --engines eager compiled --budget-s "$budget" "${flags[@]}"
+  cd "$root"
+  exec "$py" -m jobs.bench gpu --plan --engines eager compiled --budget-s "$budget" ${flags[@]+"${flags[@]}"}
 fi
 if [ -z "$out" ]; then
   echo "bench.sh: set OUT or pass --out DIR" >&2
   exit 2
 fi
 mkdir -p "$out"
-out=$(cd "$out" && pwd)
-work=$(mktemp -d "${TMPDIR:-/tmp}/bench-gpu.XXXXXX")
-trap 'rm -rf "$work"' EXIT
-# a cold compile, timed as a fresh machine pays it, in this run's own caches; nothing fetched
-export TORCHINDUCTOR_CACHE_DIR="$work/inductor" TRITON_CACHE_DIR="$work/triton" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-"$py" -m jobs.bench gpu --data "$work/beauty" --out "$out" --page "$out" --budget-s "$budget" \
-  --engines eager compiled "${flags[@]}" > "$work/stdout"
-"$py" -c '
+out=$(cd "$out" && pwd) # a relative --out is the caller's, resolved before leaving for the checkout
+cd "$root"
+
+summary() {
+  "$py" -c '
 import collections, json, sys
 cells = json.load(open(sys.argv[1]))["cells"]
 counts = collections.Counter(c["status"].split(":")[0] for c in cells)
 print(f"bench.sh: {len(cells)} cells:", ", ".join(f"{n} {s}" for s, n in counts.items()), "->", sys.argv[1])
-' "$out/gpu.json"
+' "$out/gpu.json" || true
+}
+
+work=$(mktemp -d "${TMPDIR:-/tmp}/bench-gpu.XXXXXX")
+child=
+trap 'rm -rf "$work"' EXIT # runs after the child has exited: the traps below wait for it
+# SIGTERM / Ctrl-C: passed on to python, which records the cell it cuts and writes the report; then the scratch goes
+stop() {
+  if [ -n "$child" ]; then
+    kill -TERM "$child" 2>/dev/null || true
+    wait "$child" || true
+    summary
+  fi
+  exit "$1"
+}
+trap 'stop 143' TERM
+trap 'stop 130' INT
+# a cold compile, timed as a fresh machine pays it, in this run's own caches; nothing fetched
+export TORCHINDUCTOR_CACHE_DIR="$work/inductor" TRITON_CACHE_DIR="$work/triton" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+"$py" -m jobs.bench gpu --data "$work/beauty" --out "$out" --page "$out" --budget-s "$budget" \
+  --engines eager compiled ${flags[@]+"${flags[@]}"} > "$work/stdout" &
+child=$!
+wait "$child"
+child=
+summary

@@ -55,7 +55,7 @@ from decoding.models import pick_device, tiny_model
 from decoding.reference import cpu_trie, generate_beam_search
 from decoding.speculative import speculative_beam_search
 from pipeline.bench import disc, shapes, speculative
-from pipeline.bench.budget import Cell, run_cells, write_atomic
+from pipeline.bench.budget import Cell, run_cells, since_process_start, write_atomic
 from pipeline.bench.common import (
     Interleaved,
     Timing,
@@ -151,6 +151,7 @@ class Bench:
     compiles: list = field(default_factory=list)
     kept: tuple | None = None  # (shape key, model, catalog)
     eager_s: dict = field(default_factory=dict)  # shape name -> seconds of its eager cell
+    memory: int | None = None  # a CUDA device's bytes (eager cells' estimates are a GPU's: none on a CPU)
 
     def model_for(self, shape: Shape) -> tuple:
         """The shape's random model and catalog on the device: the kept ones when the last shape had the same
@@ -183,6 +184,8 @@ def run_gpu(p: GpuParams, command: str) -> tuple[dict, str]:
         return plan_result(p, command)
     device = gpu_device(p)
     b = Bench(p, device, torch.float32 if p.smoke else torch.bfloat16, prepared(Path(p.data)))
+    if device.type == "cuda":
+        b.memory = torch.cuda.get_device_properties(device).total_memory
     result = {
         "args": asdict(p),
         "environment": environment(p.device, command),
@@ -201,7 +204,7 @@ def run_gpu(p: GpuParams, command: str) -> tuple[dict, str]:
             write_page(Path(p.page), result, md)
 
     with smoke_stance(p, device):
-        run_cells(gpu_cells(b, command), p.budget_s, write, after=partial(free, device))
+        run_cells(gpu_cells(b, command), p.budget_s, write, after=partial(free, device), spent_s=since_process_start())
     return result, markdown_gpu(result)
 
 
@@ -231,7 +234,9 @@ def gpu_cells(b: Bench, command: str) -> list[Cell]:
 
 def engine_cells(b: Bench, shape: Shape, kind: str) -> list[Cell]:
     """The eager engine on `shape`; then, with --engines compiled, both engines on the same model, interleaved."""
-    eager = Cell(f"{shape.name}, eager", kind, partial(measure, b, shape, ("beam_search",)))
+    eager = Cell(
+        f"{shape.name}, eager", kind, partial(measure, b, shape, ("beam_search",)), partial(eager_cost, b, shape)
+    )
     if "compiled" not in b.p.engines:
         return [eager]
     both = ("beam_search", "beam_search_compiled")
@@ -239,6 +244,18 @@ def engine_cells(b: Bench, shape: Shape, kind: str) -> list[Cell]:
         eager,
         Cell(f"{shape.name}, compiled", kind, partial(measure, b, shape, both), partial(compiled_cost, b, shape)),
     ]
+
+
+def eager_cost(b: Bench, shape: Shape) -> float:
+    """An eager cell's expected seconds on a CUDA device: its --plan estimate (gpu_plan.shape_s, an H100's) with its
+    FLOP-bound batches at the matmul rate this run measured (the plan's matmul cell expects 0.7 of the H100's peak)
+    and its batches sized to this device's memory; 0 (no estimate) before the matmul cell, and on a CPU, where the
+    plan's GPU model (launch-bound small batches) does not hold."""
+    from pipeline.bench.gpu_plan import H100_MATMUL_FRACTION, shape_s
+
+    if not (b.rate and b.memory):
+        return 0.0
+    return shape_s(shape, ("beam_search",), b.p, b.rate / H100_MATMUL_FRACTION, b.memory)
 
 
 def compiled_cost(b: Bench, shape: Shape) -> float:

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict
+from functools import partial
 
 import torch
 
 from decoding.memory import decode_bytes_per_user, fit_batch
 from decoding.models import tiny_model
 from pipeline.bench import gpu
+from pipeline.bench.budget import Cell, run_cells
 from pipeline.bench.gpu import Shape, prior_compile_s
 from pipeline.bench.params import GpuParams
 from pipeline.markdown import table
@@ -27,24 +29,47 @@ from pipeline.markdown import table
 H100_BF16 = 989.4e12  # dense bfloat16 FLOP/s, H100 SXM (NVIDIA's datasheet, without sparsity)
 H100_FP32 = 66.9e12  # float32 FLOP/s without TF32 (parity's transformers reference runs in float32)
 H100_MEMORY = 80 * 2**30
+H100_MATMUL_FRACTION = 0.7  # the matmul cell's expected rate, of H100_BF16
 EAGER_MS = {8: 149.6, 1: 97.6}  # the eager engine at SID-GR's shape on an H100 (docs/benchmarks.md)
 FRACTION = 0.25  # SID-GR batch 8: 8 x 4.58 TFLOP of useful work in 149.6 ms = 0.248 of H100_BF16
 LAYER_PASS_S = EAGER_MS[1] / 1e3 / (3 * 28)  # SID-GR batch 1: 3 passes (prefill, 2 tree steps) x 28 layers
 
 
 def plan_result(p: GpuParams, command: str) -> tuple[dict, str]:
-    """The cells `p` would run, each with its expected seconds on an H100 and the running total -> (result, md)."""
-    rows, total = [], 0.0
+    """The cells `p` would run, each with its expected seconds on an H100, the running total, and what a run within
+    p.budget_s would do with it: the run's own loop (budget.run_cells) on a clock each cell moves by its expected
+    seconds -> (result, md)."""
+    clock, rows, total = [0.0], [], 0.0
+    cells = []
     for name, kind, compile_s, run_s in plan_cells(p):
         total += compile_s + run_s
         rows.append({"cell": name, "kind": kind, "compile_s": compile_s, "run_s": run_s, "cumulative_s": total})
+        cost = costed(name, compile_s, run_s)
+        cells.append(Cell(name, kind, partial(advance, clock, compile_s + run_s), cost))
+    ran = run_cells(cells, p.budget_s, lambda rows: None, clock=lambda: clock[0])
+    for row, r in zip(rows, ran):
+        row["within_budget"] = {"ok": "yes"}.get(r["status"], r["status"])
     result = {"args": asdict(p), "command": command, "device": "NVIDIA H100 (expected)", "cells": rows}
     return result, markdown_plan(result, p.budget_s)
 
 
+def costed(name: str, compile_s: float, run_s: float):
+    """A planned cell's cost estimate as gpu_cells gives it: an engine cell's whole seconds, a compile's (auto,
+    parity with the compiled engine) seconds, else none."""
+    if name.endswith((", eager", ", compiled")):
+        return lambda: compile_s + run_s
+    return (lambda: compile_s) if compile_s else None
+
+
+def advance(clock: list, seconds: float) -> dict:
+    clock[0] += seconds
+    return {}
+
+
 def plan_cells(p: GpuParams) -> list[tuple[str, str, float, float]]:
     """(cell, kind, expected compile seconds, expected seconds otherwise) for each cell of a run of `p`, in order."""
-    compiled, out = "compiled" in p.engines, [("matmul", "matmul", 0.0, 23 * 2 * 8192**3 / (0.7 * H100_BF16))]
+    matmul_s = 23 * 2 * 8192**3 / (H100_MATMUL_FRACTION * H100_BF16)
+    compiled, out = "compiled" in p.engines, [("matmul", "matmul", 0.0, matmul_s)]
     engines = ("beam_search", "beam_search_compiled") if compiled else ("beam_search",)
     for kind, shape in [("anchor", gpu.sid_gr(p, 8)), ("anchor", gpu.sid_gr(p, 1)), ("qwen", gpu.qwen(p))]:
         out += [engine_plan(shape, kind, engines[: i + 1], p) for i in range(len(engines))]
@@ -66,21 +91,22 @@ def engine_plan(shape: Shape, kind: str, methods: tuple, p: GpuParams) -> tuple:
     return (f"{shape.name}, {engine}", kind, compile_s, shape_s(shape, methods, p))
 
 
-def shape_s(shape: Shape, methods: tuple, p: GpuParams) -> float:
-    """Expected seconds of a cell of `shape`: per method, a warm-up batch and p.repeats runs over its users."""
+def shape_s(shape: Shape, methods: tuple, p: GpuParams, rate: float = H100_BF16, memory: int = H100_MEMORY) -> float:
+    """Expected seconds of a cell of `shape`: per method, a warm-up batch and p.repeats runs over its users (its
+    FLOP-bound batches at FRACTION of `rate`, its largest batch what fits in `memory`: an H100's unless given)."""
     with torch.device("meta"):  # parameter counts and sizes, nothing allocated
         model = tiny_model(shape.arch, shape.vocab, dtype=torch.bfloat16, **shape.model)
     flops = gpu.useful_flops(model, shape.prompt, shape.k, shape.code_len)
     per_user = decode_bytes_per_user(model, shape.prompt, shape.k, shape.code_len, torch.bfloat16)
     weights = sum(x.numel() for x in model.parameters()) * 2
-    best = fit_batch(per_user, H100_MEMORY - weights)
+    best = fit_batch(per_user, memory - weights)
     users = shape.users or 2 * best
     total = 0.0
     for method in methods:
         n = min(users, shape.reference_users or users) if method == "transformers" else users
         batch = min(shape.batches.get(method.removesuffix("_compiled")) or best, n)
         work = flops if method != "transformers" else flops_transformers(model, shape)
-        one = batch_s(batch * work, shape.code_len, shape.layers, H100_BF16)
+        one = batch_s(batch * work, shape.code_len, shape.layers, rate)
         total += one * (1 + p.repeats * math.ceil(n / batch))
     return total
 
@@ -116,7 +142,7 @@ def markdown_plan(result: dict, budget_s: float) -> str:
             f"{r['compile_s']:.0f}",
             f"{r['run_s']:.1f}",
             f"{r['cumulative_s']:.0f}",
-            "yes" if r["cumulative_s"] <= budget_s else "no",
+            r["within_budget"],
         ]
         for r in result["cells"]
     ]
