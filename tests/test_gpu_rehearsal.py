@@ -145,7 +145,7 @@ def test_smoke_rehearsal_writes_every_cell_after_each_and_needs_only_the_copy(ma
     assert [r["cell"] for r in rows] == [r["cell"] for r in partial]
     assert {r["status"] for r in rows} == {"ok"}, [(r["cell"], r.get("error"), r.get("traceback")) for r in rows]
     kinds = {r["kind"] for r in rows}
-    assert kinds == {"matmul", "anchor", "qwen", "auto", "parity", "shapes"}
+    assert kinds == {"matmul", "anchor", "qwen", "auto", "parity", "padding", "shapes"}
     compiled = [r for r in rows if r["cell"].endswith(", compiled")]
     assert len(compiled) == 4 and all("beam_search_compiled" in r["methods"] for r in compiled)
     assert all(r["compiled_agreement"]["same_items_same_order"] == 1.0 for r in compiled)  # float32

@@ -110,9 +110,10 @@ SMOKE_MODEL = dict(  # the anchor and the Qwen2.5 cell at smoke sizes
     max_position_embeddings=512,
 )
 DTYPES = ("float32", "bfloat16", "float16")  # parity's
-# A cold compile of one bucket's two graphs (random Qwen3, hidden 128, prompt 40, K 8, batch 8, a fresh inductor
-# cache) on a 2-core CPU, by layers: what a compiled cell is expected to cost before this run has compiled anything
-COLD_COMPILE_S = ((2, 22.7), (8, 41.3), (28, 220.9))
+# A cold compile of one bucket's graphs, compiled by region (random Qwen3, hidden 128, prompt 40, K 8, batch 8, a
+# fresh inductor cache; CPU seconds on a 2-core CPU, `bench compile`), by layers: what a compiled cell is expected to
+# cost before this run has compiled anything (docs/benchmarks.md has the whole-step figures it replaced)
+COLD_COMPILE_S = ((2, 33.5), (8, 35.6), (28, 38.1))
 
 
 @dataclass
@@ -221,6 +222,8 @@ def gpu_cells(b: Bench, command: str) -> list[Cell]:
     if "parity" in sections:
         cost = partial(compile_estimate, b, p.layers) if "compiled" in p.engines else None
         cells += [Cell(f"parity {d}", "parity", partial(parity, b, d), cost) for d in DTYPES]
+    if "padding" in sections:
+        cells.append(Cell("padding", "padding", partial(padding_cell, b)))
     if "shapes" in sections:
         cells += [Cell(s.name, "shapes", partial(measure, b, s, ("beam_search", "transformers"))) for s in grid(p)]
     if "anchor" in sections:
@@ -230,6 +233,16 @@ def gpu_cells(b: Bench, command: str) -> list[Cell]:
     if "speculative" in sections and p.target and p.drafts:
         cells.append(Cell("speculative", "speculative", partial(speculative_cell, b, command)))
     return cells
+
+
+def padding_cell(b: Bench) -> dict:
+    """Beauty's users in input order against ordered by prompt length, at a prefill-heavy prompt (bench padding's
+    GPU cell): users/s, target and KV tokens per user, the padding share."""
+    from pipeline.bench.padding import gpu_cell
+
+    dtype = str(b.dtype).removeprefix("torch.")
+    result, md = gpu_cell(str(b.data), b.p.layers, b.p.hidden, b.p.heads, dtype, b.p.repeats, smoke=b.p.smoke)
+    return {"result": result, "markdown": md}
 
 
 def engine_cells(b: Bench, shape: Shape, kind: str) -> list[Cell]:
@@ -785,7 +798,8 @@ def markdown_gpu(result: dict) -> str:
         lines += markdown_parity(ok_rows(result, "parity"))
     if ok_rows(result, "shapes"):
         lines += markdown_grid(ok_rows(result, "shapes"), result["dtype"])
-    lines += [f"\n{r['markdown']}" for r in ok_rows(result, "disc") + ok_rows(result, "speculative")]
+    lines += [f"\n{r['markdown']}" for r in ok_rows(result, "padding") + ok_rows(result, "disc")]
+    lines += [f"\n{r['markdown']}" for r in ok_rows(result, "speculative")]
     return "\n".join(lines + ["", footer(result["environment"])])
 
 

@@ -77,6 +77,7 @@ def plan_cells(p: GpuParams) -> list[tuple[str, str, float, float]]:
     out.append(("engine auto", "auto", prior_compile_s(2), auto_s * (1 + 2 / 16)))  # + 2 trial shards, both engines
     for dtype in gpu.DTYPES:
         out.append((f"parity {dtype}", "parity", prior_compile_s(p.layers) if compiled else 0.0, parity_s(p, dtype)))
+    out.append(("padding", "padding", 0.0, padding_s(p)))
     for shape in gpu.grid(p):
         out.append((shape.name, "shapes", 0.0, shape_s(shape, ("beam_search", "transformers"), p)))
     shape = gpu.sid_gr(p, None)
@@ -121,6 +122,15 @@ def batch_s(flops: float, passes: int, layers: int, rate: float) -> float:
     return max(flops / (FRACTION * rate), passes * layers * LAYER_PASS_S)
 
 
+def padding_s(p: GpuParams) -> float:
+    """padding: 2,048 users in batches of 256 at prompts up to 300 tokens, K 20, in input order (about the longest
+    prompt for every user) and ordered (about half of it), each a warm-up and p.repeats rounds."""
+    model = dict(gpu.llama(p.hidden, p.layers, p.heads), max_position_embeddings=2048)
+    order = Shape("padding", 32768, 300, 20, 2048, model, batches={"beam_search": 256})
+    ordered = Shape("padding", 32768, 150, 20, 2048, model, batches={"beam_search": 256})
+    return shape_s(order, ("beam_search",), p) + shape_s(ordered, ("beam_search",), p)
+
+
 def parity_s(p: GpuParams, dtype: str) -> float:
     """parity in `dtype`: beam_search (twice: the reference and, with --engines compiled, the compiled engine),
     speculative (about one beam_search) and transformers in float32, over 128 users in batches of 32."""
@@ -152,7 +162,7 @@ def markdown_plan(result: dict, budget_s: float) -> str:
             "",
             f"A decode batch: its useful FLOPs at {FRACTION:.0%} of {H100_BF16 / 1e12:.0f} TFLOP/s (bfloat16 dense), "
             f"or {LAYER_PASS_S * 1e3:.2f} ms per layer per forward pass where that is longer; compiles: "
-            "COLD_COMPILE_S (2-core CPU, before regional compilation). Models' and catalogs' building not counted.",
+            "COLD_COMPILE_S (2-core CPU, compiled by region). Models' and catalogs' building not counted.",
             "",
             table(header, rows, ["left", "right", "right", "right", "left"]),
         ]

@@ -7,8 +7,9 @@ from dataclasses import MISSING, dataclass, field, fields
 
 REPEATS = 5  # timed repeats per method, interleaved, after one warm-up run of each
 SECTIONS = ("decode", "speculative", "disc", "disc-bias")  # what `bench all` runs, in this order
-GPU_SECTIONS = ("anchor", "qwen", "auto", "parity", "shapes", "disc", "speculative")  # what `bench gpu` can run
-GPU_DEFAULT = ["anchor", "qwen", "auto", "parity", "shapes"]  # in order of value, as far as --budget-s reaches
+# what `bench gpu` can run; the default, in order of value, as far as --budget-s reaches
+GPU_SECTIONS = ("anchor", "qwen", "auto", "parity", "padding", "shapes", "disc", "speculative")
+GPU_DEFAULT = ["anchor", "qwen", "auto", "parity", "padding", "shapes"]
 GPU_BUDGET_S = 480.0  # infra/gpu/bench.sh's default: a 10-minute device call, with time to start and copy back
 
 
