@@ -117,7 +117,8 @@ class Slots:
     tie_gap: torch.Tensor  # [B] float32 smallest margin between the k-th and (k+1)-th candidate
     broken: torch.Tensor  # [B] bool non-finite log-probs seen
     prefix_len: int  # P
-    captured: dict = field(default_factory=dict)  # id(catalog) -> (catalog, the step's CUDA graph over these slots)
+    captured: dict = field(default_factory=dict)  # id(catalog) -> (catalog, the step's CUDA graph over these slots,
+    # the weights' addresses it was captured over)
 
     @classmethod
     def allocate(cls, model, bucket: Bucket, code_len: int, prefix_kv: list | None) -> Slots:
@@ -389,6 +390,7 @@ class Engine:
     warm: set = field(default_factory=set)  # buckets compiled ahead (`warm_up`): smaller decodes run in them
     slots: dict = field(default_factory=dict)  # (bucket, code length, prefix) -> Slots
     graphs: int = 0  # graphs dynamo compiled for this engine
+    pool: object = None  # the CUDA graph memory pool every captured step of this engine shares
     compile_s: float = 0.0  # wall seconds of the calls that compiled one (the compilation and that one run)
 
     def __post_init__(self):
@@ -422,21 +424,35 @@ class Engine:
         self.step_out(self.body, catalog, s, hidden, path)
 
     def step_graph(self, catalog: Catalog, s: Slots) -> None:
-        """The step as one CUDA graph over the slots and the catalog (both read and written in place, at fixed
-        addresses): the bucket's first step runs for real on a side stream (compiling what is cold), then is
-        captured; every later step replays the capture."""
-        if id(catalog) in s.captured:
-            s.captured[id(catalog)][1].replay()
+        """The step as one CUDA graph over the slots, the catalog and the weights (read and written in place, at
+        fixed addresses): the bucket's first step runs for real on a side stream (compiling what is cold), then is
+        captured on that stream, on the model's device, into the engine's one memory pool; every later step replays
+        the capture while the weights are where it recorded them (host-side addresses: no sync), else captures
+        anew."""
+        weights = self.weight_addresses()
+        kept = s.captured.get(id(catalog))
+        if kept and kept[2] == weights:
+            kept[1].replay()
             return
-        side = torch.cuda.Stream(self.body.device)
-        side.wait_stream(torch.cuda.current_stream(self.body.device))
-        with torch.cuda.stream(side):
-            self.step(catalog, s)
-        torch.cuda.current_stream(self.body.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):  # recorded, not run: the next step replays it
-            self.step(catalog, s)
-        s.captured[id(catalog)] = (catalog, graph)  # the catalog kept alive: the graph reads its memory
+        device = self.body.device
+        with torch.cuda.device(device):
+            self.pool = self.pool or torch.cuda.graph_pool_handle()
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                self.step(catalog, s)
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, stream=side):  # recorded, not run: replays run it
+                self.step(catalog, s)
+        s.captured[id(catalog)] = (catalog, graph, weights)  # the catalog kept alive: the graph reads its memory
+
+    def weight_addresses(self) -> tuple:
+        """Where the weights a captured step reads are (data pointer, dtype, device of each): a moved or recast
+        model gives other addresses, and its steps are captured again rather than replayed over freed memory."""
+        modules = [self.body.embed, self.body.norm, *self.body.layers]
+        tensors = [p for m in modules for p in m.parameters()] + [self.body.head.weight]
+        return tuple((t.data_ptr(), t.dtype, t.device) for t in tensors)
 
     @classmethod
     def of(cls, model, attention: str | None = None, cuda_graphs: bool | None = None) -> Engine:

@@ -1,13 +1,13 @@
 """`bench compile`: what the compiled engine's cold compile costs against the model's depth.
 
-Each depth runs in a fresh process with an empty inductor cache (TORCHINDUCTOR_CACHE_DIR a new temporary folder):
-a random Qwen3 of `layers` decoder layers (hidden `hidden`), one batch of `users` prompts of `prompt` tokens, K
-beams, through `beam_search(engine="compiled")`. The first decode compiles the bucket's graphs: its compile seconds
-(stats["compile_s"]: the wall seconds of the calls that compiled), the CPU seconds that decode cost (this process and
-the compilers it ran, inductor compiling in-process: TORCHINDUCTOR_COMPILE_THREADS=1), and graphs; then `decodes`
-warm decodes of the same batch give the decode time once compiled (median, min-max). CPU seconds do not depend on what
-else shares the machine; wall seconds do. Depths run in rotated order per repeat (2 8 28, 8 28 2, ...); the verdict is
-the deepest model's median over the shallowest's.
+Each depth runs in a fresh process with an empty inductor cache (TORCHINDUCTOR_CACHE_DIR a new temporary folder): a
+random Qwen3 of `layers` decoder layers (hidden `hidden`), one batch of `users` prompts of `prompt` tokens, K beams,
+through `beam_search(engine="compiled")`. The first decode compiles the bucket's graphs: its compile seconds
+(stats["compile_s"]: the wall seconds of the calls that compiled), the CPU seconds that decode cost (this process
+and the compilers it ran, inductor compiling in-process: TORCHINDUCTOR_COMPILE_THREADS=1), and graphs; then
+`decodes` warm decodes of the same batch give the decode time once compiled (median, min-max). CPU seconds depend
+far less than wall seconds on what else shares the machine (contention still inflates them somewhat). Depths run in
+rotated order per repeat (2 8 28, 8 28 2, ...); the verdict is the deepest model's median over the shallowest's.
 """
 
 from __future__ import annotations
