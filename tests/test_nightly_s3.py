@@ -541,7 +541,10 @@ def test_a_store_that_ignores_conditional_writes_is_refused_before_the_lease(clu
         S.check_conditional_writes(str(tmp_path / "nolocks"), Storage())
 
 
-@pytest.mark.parametrize("name", ["../../escaped", "/tmp/absolute", ".complete", "weights.bin", "sub/model.json"])
+@pytest.mark.parametrize(
+    "name",
+    ["../../escaped", "/tmp/absolute", ".complete", "weights.bin", "sub/model.json"],  # guard: never read
+)
 def test_checksums_naming_anything_but_a_plain_file_are_refused(cluster, tmp_path, name):
     """sha256sums.json names the files a node copies into its cache: a name that leaves the cache folder, a hidden
     one (the cache's own markers) or a pickle is refused before anything is copied."""
