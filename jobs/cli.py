@@ -96,3 +96,19 @@ def storage_args(p: argparse.ArgumentParser) -> None:
         help="S3-compatible endpoint for s3:// URIs (default: $AWS_ENDPOINT_URL)",
     )
     p.add_argument("--region", default=os.environ.get("AWS_REGION", "us-east-1"))
+
+
+def synthetic_flags(p: argparse.ArgumentParser) -> None:
+    """`prepare --synthetic`'s flags: the catalog's and the users' sizes and seed."""
+    p.add_argument("--synthetic", action="store_true", help="write a synthetic catalog and users instead")
+    p.add_argument("--users", type=positive, help="synthetic users")
+    p.add_argument("--items", type=positive, help="synthetic catalog items")
+    p.add_argument("--levels", type=positive, default=4, help="synthetic semantic-ID levels, default %(default)s")
+    p.add_argument("--codes", type=positive, default=256, help="synthetic codes per level, default %(default)s")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--chunk-users",
+        type=positive,
+        default=1_000_000,
+        help="synthetic users per parquet row group, default %(default)s",
+    )

@@ -22,7 +22,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from jobs.cli import positive
+from jobs.cli import positive, synthetic_flags
 from pipeline.prepare import BEAUTY_SOURCE, prepare_beauty, prepare_lcrec, prepare_minionerec, write_synthetic
 
 DEFAULT_SOURCE = BEAUTY_SOURCE
@@ -75,21 +75,6 @@ def source_flags(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="import even where item ids or semantic ids disagree with the index (else exit 2 naming them); "
         "prepare.json and the summary record it",
-    )
-
-
-def synthetic_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--synthetic", action="store_true", help="write a synthetic catalog and users instead")
-    p.add_argument("--users", type=positive, help="synthetic users")
-    p.add_argument("--items", type=positive, help="synthetic catalog items")
-    p.add_argument("--levels", type=positive, default=4, help="synthetic semantic-ID levels, default %(default)s")
-    p.add_argument("--codes", type=positive, default=256, help="synthetic codes per level, default %(default)s")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--chunk-users",
-        type=positive,
-        default=1_000_000,
-        help="synthetic users per parquet row group, default %(default)s",
     )
 
 
