@@ -55,7 +55,7 @@ from decoding.models import pick_device, tiny_model
 from decoding.reference import cpu_trie, generate_beam_search
 from decoding.speculative import speculative_beam_search
 from pipeline.bench import disc, shapes, speculative
-from pipeline.bench.budget import Cell, run_cells, since_process_start, write_atomic
+from pipeline.bench.budget import Cell, run_cells, write_atomic
 from pipeline.bench.common import (
     Interleaved,
     Timing,
@@ -176,9 +176,10 @@ class Bench:
         free(self.device)
 
 
-def run_gpu(p: GpuParams, command: str) -> tuple[dict, str]:
-    """Every cell of `p` in order under p.budget_s, the report (p.out/gpu.{json,md}, and the dated page in p.page)
-    rewritten after each -> (result, Markdown)."""
+def run_gpu(p: GpuParams, command: str, spent_s: float = 0.0) -> tuple[dict, str]:
+    """Every cell of `p` in order under p.budget_s, `spent_s` of it already gone (the command line passes the process's
+    seconds so far, `since_process_start`; a call from Python counts from the call), the report (p.out/gpu.{json,md},
+    and the dated page in p.page) rewritten after each -> (result, Markdown)."""
     if p.plan:
         from pipeline.bench.gpu_plan import plan_result
 
@@ -205,7 +206,7 @@ def run_gpu(p: GpuParams, command: str) -> tuple[dict, str]:
             write_page(Path(p.page), result, md)
 
     with smoke_stance(p, device):
-        run_cells(gpu_cells(b, command), p.budget_s, write, after=partial(free, device), spent_s=since_process_start())
+        run_cells(gpu_cells(b, command), p.budget_s, write, after=partial(free, device), spent_s=spent_s)
     return result, markdown_gpu(result)
 
 

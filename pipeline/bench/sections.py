@@ -86,7 +86,8 @@ BENCHES = {
 }
 
 
-def run_section(name: str, params, command: str) -> tuple[dict, str]:
-    """Runs benchmark `name` with its parameters -> (result, Markdown); `command` is recorded in the result."""
+def run_section(name: str, params, command: str, **kw) -> tuple[dict, str]:
+    """Runs benchmark `name` with its parameters (and `kw`, such as gpu's spent_s) -> (result, Markdown); `command` is
+    recorded in the result."""
     module, function = BENCHES[name].run.split(":")
-    return getattr(importlib.import_module(f"pipeline.bench.{module}"), function)(params, command)
+    return getattr(importlib.import_module(f"pipeline.bench.{module}"), function)(params, command, **kw)
