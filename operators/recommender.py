@@ -465,37 +465,14 @@ class Recommender:
         if spec.threads:
             torch.set_num_threads(spec.threads)
         self.device = torch.device("cuda" if spec.gpu and torch.cuda.is_available() else "cpu")
-        inputs = prepare(spec, self.device)
-        self.catalog, self.renderer = inputs.catalog, inputs.renderer
-        self.paths = {"target": inputs.target, "draft": inputs.draft}
-        self.target = load_model(inputs.target, device=str(self.device), dtype=spec.dtype)
-        self.draft = load_model(inputs.draft, device=str(self.device), dtype=spec.dtype) if inputs.draft else None
-        self.dtype = str(self.target.dtype).removeprefix("torch.")
+        self._load(spec)
         # the precision audit: this many of the actor's first users re-decoded in float32 (half precision only)
         self.audit_left = spec.audit_users if self.target.dtype != torch.float32 else 0
         self.float32: dict = {}  # the audit's float32 models, loaded on first use, freed when the audit is done
         self.on_cpu: tuple | None = None  # (catalog, answer) on the CPU, for float32 copies that did not fit the GPU
         self.audit_where = "cpu"  # where the float32 copies went: gpu (beside the run) or cpu
-        ids = self.renderer.prefix_ids  # the template's fixed text: prefilled once per model, kept
-        self.prefix = Prefix(ids) if len(ids) else None
-        answer = self.renderer.answer  # the template's forced, scored tokens after an item's codes
-        self.answer = torch.from_numpy(answer).to(self.device) if len(answer) else None
         self.auto = AutoMode(spec.decoding.auto_trials) if spec.decoding.mode == "auto" else None
-        device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
-        setting = {"dtype": self.dtype, "device": device_tag(self.device), "torch": torch.__version__}
-        setting["k"] = spec.decoding.k
-        self.engine_auto = (
-            AutoEngine(spec, device_name, setting)
-            if spec.engine == "auto" and spec.decoding.mode in ("beam", "auto")
-            else None
-        )
-        self.engine = "eager" if spec.engine == "auto" else spec.engine  # the engine of the lists published now
-        self.warm = False  # the compiled engine's bucket compiled (or its compile failed)
-        self.trialing = False  # compute.engine auto's trials are running: the compiled engine checks its buckets
-        self.compile_errors: dict[tuple[int, int], str] = {}  # bucket (users, prompt) -> why it did not compile
-        self.reported_errors = 0  # compile errors reported in metric rows so far
-        self.compile_cache: dict | None = None  # what the warm-up found in and gave to the compile store
-        self.batch_engine = self.engine  # the engine whose lists the last batch published
+        self._engines(spec)
         self.actor = _actor_id()
         self.host = socket.gethostname()
         self.accelerator = f"{self.host}/{_device_id(self.device)}"  # actors that share a GPU share this
@@ -544,6 +521,37 @@ class Recommender:
             uploaded = store.compiled(key, fresh, folder, self.device)
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder if uploaded["placed"] else str(fresh)
         self.compile_cache = {"key": key, "graphs_cold": cold, "fetched": fetched, "uploaded": uploaded}
+
+    def _load(self, spec: ActorSpec) -> None:
+        """The catalog, template and models on the actor's device; the template's fixed prefix and scored answer."""
+        inputs = prepare(spec, self.device)
+        self.catalog, self.renderer = inputs.catalog, inputs.renderer
+        self.paths = {"target": inputs.target, "draft": inputs.draft}
+        self.target = load_model(inputs.target, device=str(self.device), dtype=spec.dtype)
+        self.draft = load_model(inputs.draft, device=str(self.device), dtype=spec.dtype) if inputs.draft else None
+        self.dtype = str(self.target.dtype).removeprefix("torch.")
+        ids = self.renderer.prefix_ids  # the template's fixed text: prefilled once per model, kept
+        self.prefix = Prefix(ids) if len(ids) else None
+        answer = self.renderer.answer  # the template's forced, scored tokens after an item's codes
+        self.answer = torch.from_numpy(answer).to(self.device) if len(answer) else None
+
+    def _engines(self, spec: ActorSpec) -> None:
+        """The engine state: which engine publishes, compute.engine auto's trials, the compiled engine's errors."""
+        device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        setting = {"dtype": self.dtype, "device": device_tag(self.device), "torch": torch.__version__}
+        setting["k"] = spec.decoding.k
+        self.engine_auto = (
+            AutoEngine(spec, device_name, setting)
+            if spec.engine == "auto" and spec.decoding.mode in ("beam", "auto")
+            else None
+        )
+        self.engine = "eager" if spec.engine == "auto" else spec.engine  # the engine of the lists published now
+        self.warm = False  # the compiled engine's bucket compiled (or its compile failed)
+        self.trialing = False  # compute.engine auto's trials are running: the compiled engine checks its buckets
+        self.compile_errors: dict[tuple[int, int], str] = {}  # bucket (users, prompt) -> why it did not compile
+        self.reported_errors = 0  # compile errors reported in metric rows so far
+        self.compile_cache: dict | None = None  # what the warm-up found in and gave to the compile store
+        self.batch_engine = self.engine  # the engine whose lists the last batch published
 
     def _node_cache(self, key: str) -> tuple[str | None, object, dict | None]:
         """Where inductor's cache goes for the bucket `key` -> (the node folder, the fresh folder a cold compile fills

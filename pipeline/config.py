@@ -16,6 +16,7 @@ from pathlib import Path
 import yaml
 
 from operators.spec import MODES, Decoding
+from pipeline import storage as S
 
 SECRET_WORDS = ("secret", "password", "token", "access_key", "credential")
 DEMO_CONFIG = Path(__file__).resolve().parent / "configs" / "demo.yaml"  # the embedded default (package data)
@@ -164,8 +165,6 @@ def read_text(path: str, overrides: list[str]) -> str:
         if not Path(path).is_file():
             raise ValueError(f"config file {path} not found")
         return Path(path).read_text()
-    from pipeline import storage as S  # storage imports this module
-
     given = dict(item.split("=", 1) for item in overrides if item.startswith("storage.") and "=" in item)
     env = env_storage()
     storage = Storage(given.get("storage.endpoint") or env.endpoint, given.get("storage.region") or env.region)
@@ -344,6 +343,11 @@ def _check_compute(c: Compute, d: Decoding) -> None:
     threads = c.threads_per_actor
     _need(threads is None or threads >= 1, "compute.threads_per_actor", "must be >= 1 or null", threads)
     _check_precision(c)
+    _check_engine(c, d)
+
+
+def _check_engine(c: Compute, d: Decoding) -> None:
+    """compute.engine and its trials' settings (engine auto)."""
     _need(c.engine in ("eager", "compiled", "auto"), "compute.engine", "must be eager, compiled or auto", c.engine)
     _need(
         isinstance(c.engine_trials, int) and c.engine_trials >= 1,

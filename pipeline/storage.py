@@ -19,14 +19,15 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 from urllib.parse import urlparse
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from pipeline.config import Storage
+if TYPE_CHECKING:  # annotations only: the config imports this module to read an s3:// config
+    from pipeline.config import Storage
 
 log = logging.getLogger("genrec.storage")
 T = TypeVar("T")

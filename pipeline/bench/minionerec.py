@@ -67,24 +67,9 @@ def run_minionerec(p: MiniOneRecParams, command: str) -> tuple[dict, str]:
     renderer = Renderer.compile(PRESETS["minionerec"], tok, catalog_probes(cat.item_tokens))
     histories = [ast.literal_eval(h) for h in rows.history_item_id]
     decode = partial(ours, model, cat, renderer, Prefix(renderer.prefix_ids), histories, p.beams)
-    loads: list[float] = []  # their model loading, each run (the warm-up's first)
-    peer_run = partial(theirs, peer, model_dir, out, p, device, loads)
-    names = {
-        "theirs": f"their evaluate.py, batch {p.their_batch}",
-        "ours_theirs": f"beam_search, batch {p.their_batch}",
-    }
-    names["ours"] = f"beam_search, batch {p.batch}"
-    runs = interleaved(
-        {"theirs": peer_run, "ours_theirs": partial(decode, p.their_batch), "ours": partial(decode, p.batch)},
-        p.repeats,
-        device,
-        desc="minionerec",
-    )
-    their_lists = runs.outputs["theirs"]
-    seconds = {n: list(t.seconds) for n, t in runs.timings.items()}
-    seconds["theirs"] = [s - load for s, load in zip(seconds["theirs"], loads[1:])]  # their model loading left out
-    timings = {n: type(runs.timings[n])(s) for n, s in seconds.items()}
-    rec = runs.outputs["ours"]
+    outputs, timings = timed(p, partial(theirs, peer, model_dir, out, p, device), decode, device)
+    their_lists = outputs["theirs"]
+    rec = outputs["ours"]
     full = renderer.render(pa.array(histories), cat.item_tokens)
     result = {
         "args": asdict(p),
@@ -94,9 +79,32 @@ def run_minionerec(p: MiniOneRecParams, command: str) -> tuple[dict, str]:
         "agreement": agreement(model, full, cat, renderer, rec, their_lists, tok),
         "users_per_s": {n: t.per(lambda s: len(histories) / s) for n, t in timings.items()},
         "speed_up": {n: ratio(timings["theirs"], timings[n]) for n in ("ours_theirs", "ours")},
-        "names": names,
+        "names": {
+            "theirs": f"their evaluate.py, batch {p.their_batch}",
+            "ours_theirs": f"beam_search, batch {p.their_batch}",
+            "ours": f"beam_search, batch {p.batch}",
+        },
     }
     return result, markdown_minionerec(result)
+
+
+def timed(p: MiniOneRecParams, peer_run, decode, device) -> tuple[dict, dict]:
+    """Their evaluate.py (`peer_run(loads)`), beam_search at their batch and at ours, interleaved -> (each one's
+    outputs, its Timings with their model loading left out of their seconds)."""
+    loads: list[float] = []  # their model loading, each run (the warm-up's first)
+    runs = interleaved(
+        {
+            "theirs": partial(peer_run, loads),
+            "ours_theirs": partial(decode, p.their_batch),
+            "ours": partial(decode, p.batch),
+        },
+        p.repeats,
+        device,
+        desc="minionerec",
+    )
+    seconds = {n: list(t.seconds) for n, t in runs.timings.items()}
+    seconds["theirs"] = [s - load for s, load in zip(seconds["theirs"], loads[1:])]  # their model loading left out
+    return runs.outputs, {n: type(runs.timings[n])(s) for n, s in seconds.items()}
 
 
 def random_model(path: Path, items: pa.Table, seed: int) -> Path:
