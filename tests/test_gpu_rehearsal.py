@@ -295,13 +295,13 @@ def test_eager_cells_carry_a_cost_from_the_measured_matmul_rate():
     H100's peak) it is the plan's seconds; at a tenth of the rate, more (its FLOP-bound batches ten times slower)."""
     import torch
 
-    from pipeline.bench import gpu, gpu_plan
+    from pipeline.bench import gpu, gpu_plan, gpu_shapes
     from pipeline.bench.params import GpuParams
 
     p = GpuParams(data="unused", engines=["eager", "compiled"])
     b = gpu.Bench(p, torch.device("cpu"), torch.bfloat16, Path("unused"))
     eager = {c.name: c for c in gpu.gpu_cells(b, "test") if c.name.endswith(", eager")}
-    shape = gpu.qwen(p)
+    shape = gpu_shapes.qwen(p)
     b.rate = gpu_plan.H100_MATMUL_FRACTION * gpu_plan.H100_BF16
     assert eager[f"{shape.name}, eager"].cost_s() == 0.0  # a CPU (no device memory): no estimate
     b.memory = gpu_plan.H100_MEMORY
@@ -348,7 +348,7 @@ def test_the_plan_has_a_row_for_every_cell_of_a_run():
     """`bench gpu --plan` and a run list the same cells in the same order (one list of shapes behind both)."""
     import torch
 
-    from pipeline.bench import gpu, gpu_plan
+    from pipeline.bench import gpu, gpu_plan, gpu_shapes
     from pipeline.bench.params import GpuParams
 
     p = GpuParams(data="unused", engines=["eager", "compiled"])
@@ -357,4 +357,5 @@ def test_the_plan_has_a_row_for_every_cell_of_a_run():
     assert [(c.name, c.kind) for c in run] == [(name, kind) for name, kind, _, _ in planned]
     assert all(run_s > 0 for *_, run_s in planned[1:])  # every decode cell costs something
     compiles = {name: compile_s for name, _, compile_s, _ in planned}
-    assert compiles["SID-GR batch 8, compiled"] == gpu.COLD_COMPILE_S[-1][1] and compiles["SID-GR batch 8, eager"] == 0
+    assert compiles["SID-GR batch 8, compiled"] == gpu_shapes.COLD_COMPILE_S[-1][1]
+    assert compiles["SID-GR batch 8, eager"] == 0

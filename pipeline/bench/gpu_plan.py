@@ -20,9 +20,9 @@ import torch
 
 from decoding.memory import decode_bytes_per_user, fit_batch
 from decoding.models import tiny_model
-from pipeline.bench import gpu
 from pipeline.bench.budget import Cell, run_cells
-from pipeline.bench.gpu import Shape, prior_compile_s
+from pipeline.bench.gpu_shapes import DTYPES, Shape, grid, prior_compile_s, qwen, sid_gr, useful_flops
+from pipeline.bench.inputs import llama
 from pipeline.bench.params import GpuParams
 from pipeline.markdown import table
 
@@ -71,16 +71,16 @@ def plan_cells(p: GpuParams) -> list[tuple[str, str, float, float]]:
     matmul_s = 23 * 2 * 8192**3 / (H100_MATMUL_FRACTION * H100_BF16)
     compiled, out = "compiled" in p.engines, [("matmul", "matmul", 0.0, matmul_s)]
     engines = ("beam_search", "beam_search_compiled") if compiled else ("beam_search",)
-    for kind, shape in [("anchor", gpu.sid_gr(p, 8)), ("anchor", gpu.sid_gr(p, 1)), ("qwen", gpu.qwen(p))]:
+    for kind, shape in [("anchor", sid_gr(p, 8)), ("anchor", sid_gr(p, 1)), ("qwen", qwen(p))]:
         out += [engine_plan(shape, kind, engines[: i + 1], p) for i in range(len(engines))]
     auto_s = 16 * 2 * 4 * LAYER_PASS_S  # 16 shards of 256 users, 2 layers, 4 passes: launch-bound
     out.append(("engine auto", "auto", prior_compile_s(2), auto_s * (1 + 2 / 16)))  # + 2 trial shards, both engines
-    for dtype in gpu.DTYPES:
+    for dtype in DTYPES:
         out.append((f"parity {dtype}", "parity", prior_compile_s(p.layers) if compiled else 0.0, parity_s(p, dtype)))
     out.append(("padding", "padding", 0.0, padding_s(p)))
-    for shape in gpu.grid(p):
+    for shape in grid(p):
         out.append((shape.name, "shapes", 0.0, shape_s(shape, ("beam_search", "transformers"), p)))
-    shape = gpu.sid_gr(p, None)
+    shape = sid_gr(p, None)
     out += [engine_plan(shape, "anchor", engines[: i + 1], p) for i in range(len(engines))]
     return [c for c in out if c[1] == "matmul" or c[1] in p.sections]
 
@@ -97,7 +97,7 @@ def shape_s(shape: Shape, methods: tuple, p: GpuParams, rate: float = H100_BF16,
     FLOP-bound batches at FRACTION of `rate`, its largest batch what fits in `memory`: an H100's unless given)."""
     with torch.device("meta"):  # parameter counts and sizes, nothing allocated
         model = tiny_model(shape.arch, shape.vocab, dtype=torch.bfloat16, **shape.model)
-    flops = gpu.useful_flops(model, shape.prompt, shape.k, shape.code_len)
+    flops = useful_flops(model, shape.prompt, shape.k, shape.code_len)
     per_user = decode_bytes_per_user(model, shape.prompt, shape.k, shape.code_len, torch.bfloat16)
     weights = sum(x.numel() for x in model.parameters()) * 2
     best = fit_batch(per_user, memory - weights)
@@ -114,7 +114,7 @@ def shape_s(shape: Shape, methods: tuple, p: GpuParams, rate: float = H100_BF16,
 
 def flops_transformers(model, shape: Shape) -> float:
     """transformers' beam search per user: every one of the K beams runs the prompt, then the same tree tokens."""
-    return gpu.useful_flops(model, shape.prompt * shape.k, shape.k, shape.code_len)
+    return useful_flops(model, shape.prompt * shape.k, shape.k, shape.code_len)
 
 
 def batch_s(flops: float, passes: int, layers: int, rate: float) -> float:
@@ -125,7 +125,7 @@ def batch_s(flops: float, passes: int, layers: int, rate: float) -> float:
 def padding_s(p: GpuParams) -> float:
     """padding: 2,048 users in batches of 256 at prompts up to 300 tokens, K 20, in input order (about the longest
     prompt for every user) and ordered (about half of it), each a warm-up and p.repeats rounds."""
-    model = dict(gpu.llama(p.hidden, p.layers, p.heads), max_position_embeddings=2048)
+    model = dict(llama(p.hidden, p.layers, p.heads), max_position_embeddings=2048)
     order = Shape("padding", 32768, 300, 20, 2048, model, batches={"beam_search": 256})
     ordered = Shape("padding", 32768, 150, 20, 2048, model, batches={"beam_search": 256})
     return shape_s(order, ("beam_search",), p) + shape_s(ordered, ("beam_search",), p)
@@ -134,11 +134,11 @@ def padding_s(p: GpuParams) -> float:
 def parity_s(p: GpuParams, dtype: str) -> float:
     """parity in `dtype`: beam_search (twice: the reference and, with --engines compiled, the compiled engine),
     speculative (about one beam_search) and transformers in float32, over 128 users in batches of 32."""
-    model = dict(gpu.llama(p.hidden, p.layers, p.heads), max_position_embeddings=2048)
+    model = dict(llama(p.hidden, p.layers, p.heads), max_position_embeddings=2048)
     shape = Shape("parity", 32768, 300, 20, 128, model)
     with torch.device("meta"):
         m = tiny_model("llama", shape.vocab, dtype=torch.bfloat16, **model)
-    ours = batch_s(32 * gpu.useful_flops(m, 300, 20, 4), 4, p.layers, H100_BF16)
+    ours = batch_s(32 * useful_flops(m, 300, 20, 4), 4, p.layers, H100_BF16)
     ref = batch_s(32 * flops_transformers(m, shape), 4, p.layers, H100_FP32)
     return 4 * (3 * ours + ref)
 
