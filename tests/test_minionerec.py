@@ -413,8 +413,8 @@ def test_the_peer_run_imports_their_evaluate_from_a_path_and_compares(imported, 
     """`bench minionerec` on a peer folder in their layout whose evaluate.py has their interface: it imports it from
     the path, redirects its model loading (their bfloat16 -> float32, local files), runs both, and finds every list
     identical by semantic ID, none invalid, the same items' scores within float32 noise."""
-    from pipeline.bench.minionerec import run_minionerec
     from pipeline.bench.params import MiniOneRecParams
+    from pipeline.bench.sections import run_section
 
     root, layout = imported
     peer = tmp_path / "peer"
@@ -427,7 +427,7 @@ def test_the_peer_run_imports_their_evaluate_from_a_path_and_compares(imported, 
     params = MiniOneRecParams(
         peer=str(peer), category=CATEGORY, users=12, beams=K, batch=8, repeats=1, out=str(tmp_path)
     )
-    result, md = run_minionerec(params, "test")
+    result, md = run_section("minionerec", params, "test")
     a = result["agreement"]
     assert a["users"] == 12 and a["identical"] == 12 and a["invalid_theirs"] == a["invalid_ours"] == 0
     # a score sums L + 2 log-probs over a vocabulary of about 500 tokens: |score| < 50

@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 
 from decoding.models import pick_device
 from pipeline.bench import decode, disc, speculative
-from pipeline.bench.common import hardware, progress, versions
+from pipeline.bench.common import hardware, progress, report, versions
 from pipeline.bench.inputs import require_models
 from pipeline.bench.params import AllParams, DecodeParams, DiscBiasParams, DiscParams, SpeculativeParams
 from pipeline.markdown import table
@@ -21,11 +21,11 @@ SEED_USES = (
     "timed repeat of every method); the random model when none is given; the synthetic index catalogs"
 )
 
-RUN = {
-    "decode": decode.run_decode,
-    "speculative": speculative.run_speculative,
-    "disc": disc.run_disc,
-    "disc-bias": disc.run_disc_bias,
+RUN = {  # each section's measurement and Markdown (sections.py's)
+    "decode": (decode.run_decode, decode.markdown_decode),
+    "speculative": (speculative.run_speculative, speculative.markdown_speculative),
+    "disc": (disc.run_disc, disc.markdown_disc),
+    "disc-bias": (disc.run_disc_bias, disc.markdown_disc_bias),
 }
 VERDICTS = {
     "decode": decode.verdict_decode,
@@ -95,7 +95,7 @@ def bench_all(p: AllParams, command: str) -> tuple[dict, str]:
     for name, params in bar:
         bar.set_postfix_str(name)
         t_section = time.perf_counter()
-        section, md[name] = RUN[name](params, command)
+        section, md[name] = report(params, command, *RUN[name])
         section.update(seconds=time.perf_counter() - t_section, verdict=VERDICTS[name](section))
         result["sections"][name] = section
     result["seconds"] = time.perf_counter() - t0

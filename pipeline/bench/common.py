@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -307,6 +307,19 @@ def environment(device: str | None, command: str) -> dict:
         "cpu_threads": torch.get_num_threads(),
         "command": command,
     }
+
+
+def report_head(p, command: str, device: str | None = None) -> dict:
+    """What every section's result starts with: its parameters ("args") and where and by which command it ran
+    ("environment", on `device`, else the parameters' device)."""
+    return {"args": asdict(p), "environment": environment(device or getattr(p, "device", None), command)}
+
+
+def report(p, command: str, run: Callable[..., dict], markdown: Callable[[dict], str], device=None, **kw) -> tuple:
+    """A section run: report_head, then the section's own figures, run(p, **kw) -> (result, markdown(result))."""
+    result = report_head(p, command, device)
+    result.update(run(p, **kw))
+    return result, markdown(result)
 
 
 def aligned(left: int, right: int) -> list[str]:

@@ -21,12 +21,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipeline.bench.common import environment, footer, run_order, spread
+from pipeline.bench.common import footer, run_order, spread
 from pipeline.bench.params import CompileParams
 from pipeline.markdown import table
 
 
-def run_compile(p: CompileParams, command: str) -> tuple[dict, str]:
+def run_compile(p: CompileParams) -> dict:
+    """Each depth's cold compile, each in a fresh process, the depths interleaved -> the rows."""
     runs = {n: [] for n in p.layers}
     for order in run_order(list(p.layers), p.repeats):
         for n in order:
@@ -42,8 +43,7 @@ def run_compile(p: CompileParams, command: str) -> tuple[dict, str]:
         }
         for n in p.layers
     ]
-    result = {"args": vars(p), "environment": environment(p.device, command), "rows": rows}
-    return result, markdown_compile(result)
+    return {"rows": rows}
 
 
 def worker_process(spec: dict) -> dict:

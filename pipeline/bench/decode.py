@@ -7,7 +7,6 @@ per-step cost of the catalog index (CSR `allowed_next`, PPV `verify`) against a 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 
@@ -24,7 +23,6 @@ from pipeline.bench.common import (
     Timing,
     aligned,
     compare,
-    environment,
     fmt_ratio,
     fmt_spread,
     footer,
@@ -37,19 +35,19 @@ from pipeline.bench.params import DecodeParams
 from pipeline.markdown import table
 
 
-def run_decode(p: DecodeParams, command: str) -> tuple[dict, str]:
-    """The decode section -> (result, Markdown)."""
+def run_decode(p: DecodeParams) -> dict:
+    """The decode section's figures: transformers against beam_search, the engines, the catalog index."""
     device = pick_device(p.device)
     torch.manual_seed(p.seed)
     tok, catalog, ids, mask = load_beauty(Path(p.data), p.users, p.history_len, device)
     model = bench_model(p, len(tok), device)
-    result = {"args": asdict(p), "environment": environment(p.device, command)}
+    result = {}
     if p.transformers:
         result["decode"] = bench_decode(p, model, catalog, ids, mask)
     if "compiled" in p.engines:
         result["engines"] = bench_engines(p, model, catalog, ids, mask)
     result["index"] = run_index(p, catalog)
-    return result, markdown_decode(result)
+    return result
 
 
 def bench_decode(p: DecodeParams, model, catalog: Catalog, ids: torch.Tensor, mask: torch.Tensor) -> dict:

@@ -11,7 +11,6 @@ is computed too, so its bias is known without sampling noise). A distance measur
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -23,16 +22,15 @@ from decoding.disc import constrained_sample, disc_sample
 from decoding.metrics import distances, draw_stats, mean_over_users
 from decoding.models import load_model, pick_device
 from decoding.reference import catalog_logprob
-from pipeline.bench.common import Timing, aligned, environment, fmt_ratio, fmt_spread, footer, progress, ratio, timed
+from pipeline.bench.common import Timing, aligned, fmt_ratio, fmt_spread, footer, progress, ratio, timed
 from pipeline.bench.inputs import bench_model, in_batches, interleaved_in_batches, load_beauty, require_models
 from pipeline.bench.params import DiscBiasParams, DiscParams
 from pipeline.markdown import table
 
 
-def run_disc(p: DiscParams, command: str) -> tuple[dict, str]:
-    """The disc section -> (result, Markdown)."""
-    result = {"args": asdict(p), "environment": environment(p.device, command), "disc": bench_disc(p)}
-    return result, markdown_disc(result)
+def run_disc(p: DiscParams) -> dict:
+    """The disc section's figures."""
+    return {"disc": bench_disc(p)}
 
 
 def bench_disc(p: DiscParams) -> dict:
@@ -158,10 +156,9 @@ def _times(r: dict) -> str:
 # ------------------------------------------------------------------ disc-bias: distance to the exact P_S
 
 
-def run_disc_bias(p: DiscBiasParams, command: str) -> tuple[dict, str]:
-    """The disc-bias section -> (result, Markdown)."""
-    result = {"args": asdict(p), "environment": environment(p.device, command), "disc_bias": bench_disc_bias(p)}
-    return result, markdown_disc_bias(result)
+def run_disc_bias(p: DiscBiasParams) -> dict:
+    """The disc-bias section's figures."""
+    return {"disc_bias": bench_disc_bias(p)}
 
 
 def bench_disc_bias(p: DiscBiasParams) -> dict:

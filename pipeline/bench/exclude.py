@@ -7,7 +7,7 @@ exclusions as the ratio of medians with its range, against the issue's bounds (1
 
 from __future__ import annotations
 
-from dataclasses import asdict, fields
+from dataclasses import fields
 from functools import partial
 from pathlib import Path
 
@@ -18,7 +18,7 @@ import torch
 from decoding.beam import beam_search
 from decoding.catalog import Catalog, Exclusions
 from decoding.models import pick_device
-from pipeline.bench.common import Interleaved, compare, environment, fmt_ratio, fmt_spread, footer, interleaved, ratio
+from pipeline.bench.common import Interleaved, compare, fmt_ratio, fmt_spread, footer, interleaved, ratio
 from pipeline.bench.inputs import bench_model, load_beauty, ranked
 from pipeline.bench.params import ExcludeParams
 from pipeline.markdown import table
@@ -26,20 +26,15 @@ from pipeline.markdown import table
 BOUNDS = {50: 1.1, 1000: 1.5}  # the issue's cost bounds: excluded items per user -> the most beam_search may cost
 
 
-def run_exclude(p: ExcludeParams, command: str) -> tuple[dict, str]:
-    """The exclude section -> (result, Markdown)."""
+def run_exclude(p: ExcludeParams) -> dict:
+    """The exclude section's figures."""
     device = pick_device(p.device)
     torch.manual_seed(p.seed)
     tok, catalog, ids, mask = load_beauty(Path(p.data), p.users, p.history_len, device, p.model and Path(p.model))
     model = bench_model(p, len(tok), device)
     histories = pq.read_table(Path(p.data) / "test.parquet", columns=["history"]).column("history").to_pylist()
     histories = [h for h in histories if h][: ids.shape[0]]  # the users load_beauty rendered, in order
-    result = {
-        "args": asdict(p),
-        "environment": environment(p.device, command),
-        "exclude": bench_exclude(p, model, catalog, ids, mask, histories),
-    }
-    return result, markdown_exclude(result)
+    return {"exclude": bench_exclude(p, model, catalog, ids, mask, histories)}
 
 
 def exclusion_pairs(catalog: Catalog, histories: list[list[int]], count: int, seed: int):

@@ -38,7 +38,7 @@ import json
 import os
 import re
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -59,13 +59,14 @@ from pipeline.bench.common import (
     Interleaved,
     Timing,
     aligned,
-    environment,
     fmt_ratio,
     fmt_spread,
     footer,
     hardware,
     interleaved,
     ratio,
+    report,
+    report_head,
     spread,
     synchronize,
     versions,
@@ -132,8 +133,7 @@ def run_gpu(p: GpuParams, command: str, spent_s: float = 0.0) -> tuple[dict, str
     if device.type == "cuda":
         b.memory = torch.cuda.get_device_properties(device).total_memory
     result = {
-        "args": asdict(p),
-        "environment": environment(p.device, command),
+        **report_head(p, command),
         "hardware": hardware(device, "auto"),
         "versions": versions(),
         "dtype": str(b.dtype).removeprefix("torch."),
@@ -619,7 +619,7 @@ def disc_cell(b: Bench, command: str) -> dict:
         hidden=p.hidden,
         heads=p.heads,
     )
-    section, md = disc.run_disc(params, command)
+    section, md = report(params, command, disc.run_disc, disc.markdown_disc)
     return {"disc": section["disc"], "markdown": md}
 
 
@@ -640,7 +640,7 @@ def speculative_cell(b: Bench, command: str) -> dict:
         with_transformers=False,
         dtype=str(b.dtype).removeprefix("torch."),
     )
-    section, md = speculative.run_speculative(params, command)
+    section, md = report(params, command, speculative.run_speculative, speculative.markdown_speculative)
     return {"speculative": section["speculative"], "markdown": md}
 
 

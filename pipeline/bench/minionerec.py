@@ -21,7 +21,6 @@ import json
 import re
 import sys
 import time
-from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 
@@ -37,7 +36,7 @@ from decoding.models import load_model, load_tokenizer, pick_device, tiny_model
 from decoding.reference import sequence_logprob
 from decoding.templates import PRESETS
 from operators.prompts import Renderer, catalog_probes
-from pipeline.bench.common import compare, environment, fmt_spread, footer, interleaved, ratio
+from pipeline.bench.common import compare, fmt_spread, footer, interleaved, ratio
 from pipeline.bench.params import MiniOneRecParams
 from pipeline.markdown import table
 from pipeline.prepare import build_text_tokenizer
@@ -47,8 +46,8 @@ PEER_FILES = ("evaluate.py", "data.py", "LogitProcessor.py")
 CODE = re.compile(r"<[a-z]_\d+>")
 
 
-def run_minionerec(p: MiniOneRecParams, command: str) -> tuple[dict, str]:
-    """The minionerec section -> (result, Markdown)."""
+def run_minionerec(p: MiniOneRecParams) -> dict:
+    """The minionerec section's figures."""
     peer = Path(p.peer).resolve()
     missing = [f for f in PEER_FILES if not (peer / f).is_file()]
     if missing:
@@ -71,9 +70,7 @@ def run_minionerec(p: MiniOneRecParams, command: str) -> tuple[dict, str]:
     their_lists = outputs["theirs"]
     rec = outputs["ours"]
     full = renderer.render(pa.array(histories), cat.item_tokens)
-    result = {
-        "args": asdict(p),
-        "environment": environment(p.device, command),
+    return {
         "import": {"items": summary.items, "rows": summary.rows, "category": summary.category},
         "model": str(model_dir),
         "agreement": agreement(model, full, cat, renderer, rec, their_lists, tok),
@@ -85,7 +82,6 @@ def run_minionerec(p: MiniOneRecParams, command: str) -> tuple[dict, str]:
             "ours": f"beam_search, batch {p.batch}",
         },
     }
-    return result, markdown_minionerec(result)
 
 
 def timed(p: MiniOneRecParams, peer_run, decode, device) -> tuple[dict, dict]:

@@ -3,8 +3,6 @@ on the same users and batches; the two interleaved, `repeats` times each after a
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
 import pyarrow.parquet as pq
 import torch
 
@@ -12,7 +10,6 @@ from pipeline.bench.common import (
     Interleaved,
     aligned,
     compare,
-    environment,
     fmt_ratio,
     fmt_spread,
     interleaved,
@@ -23,10 +20,9 @@ from pipeline.bench.params import NightlyParams
 from pipeline.markdown import table
 
 
-def run_nightly_bench(p: NightlyParams, command: str) -> tuple[dict, str]:
-    """The nightly section -> (result, Markdown)."""
-    result = {"args": asdict(p), "environment": environment(p.device, command), "nightly": bench_nightly(p)}
-    return result, markdown_nightly(result)
+def run_nightly_bench(p: NightlyParams) -> dict:
+    """The nightly section's figures."""
+    return {"nightly": bench_nightly(p)}
 
 
 def bench_nightly(p: NightlyParams) -> dict:

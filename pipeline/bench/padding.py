@@ -11,7 +11,6 @@ lists of the two orders are compared user by user.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 
@@ -27,14 +26,14 @@ from decoding.models import load_tokenizer, pick_device, pick_dtype
 from decoding.templates import PRESETS
 from operators.prompts import Renderer, catalog_probes
 from operators.recommender import length_order, trim_padding
-from pipeline.bench.common import compare, environment, fmt_ratio, fmt_spread, footer, interleaved, ratio
+from pipeline.bench.common import compare, fmt_ratio, fmt_spread, footer, interleaved, ratio, report
 from pipeline.bench.inputs import bench_model
 from pipeline.bench.params import PaddingParams
 from pipeline.markdown import table
 
 
-def run_padding(p: PaddingParams, command: str) -> tuple[dict, str]:
-    """The padding section -> (result, Markdown)."""
+def run_padding(p: PaddingParams) -> dict:
+    """The padding section's figures."""
     device = pick_device(p.device)
     torch.manual_seed(p.seed)
     tok, catalog, prefix, ids, mask = beauty_prompts(Path(p.data), p.users, p.history_len, device)
@@ -42,12 +41,7 @@ def run_padding(p: PaddingParams, command: str) -> tuple[dict, str]:
         ids, mask = stretched(ids, mask, p.prompt_tokens)
     model = bench_model(p, len(tok), device)
     model = model if p.model else model.to(pick_dtype(p.dtype, device))  # a random model in the run's dtype
-    result = {
-        "args": asdict(p),
-        "environment": environment(p.device, command),
-        "padding": bench_padding(p, model, catalog, Prefix(prefix.to(device)), ids, mask),
-    }
-    return result, markdown_padding(result)
+    return {"padding": bench_padding(p, model, catalog, Prefix(prefix.to(device)), ids, mask)}
 
 
 def gpu_cell(data: str, layers: int, hidden: int, heads: int, dtype: str, repeats: int, smoke: bool = False):
@@ -67,7 +61,7 @@ def gpu_cell(data: str, layers: int, hidden: int, heads: int, dtype: str, repeat
         k=20,
         prompt_tokens=300,
     )
-    return run_padding(p, "bench gpu: padding cell")
+    return report(p, "bench gpu: padding cell", run_padding, markdown_padding)
 
 
 def beauty_prompts(data: Path, users: int, history_len: int, device):

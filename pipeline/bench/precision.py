@@ -20,7 +20,7 @@ from decoding.beam import beam_search, head_of
 from decoding.metrics import topk_agreement
 from decoding.models import load_model, pick_device
 from decoding.reference import cpu_trie, generate_beam_search
-from pipeline.bench.common import aligned, environment, footer, hardware, progress, synchronize, versions
+from pipeline.bench.common import aligned, footer, hardware, progress, synchronize, versions
 from pipeline.bench.inputs import load_beauty, ranked, require_models
 from pipeline.bench.params import PrecisionParams
 from pipeline.markdown import table
@@ -28,7 +28,8 @@ from pipeline.markdown import table
 HEADS = {"float32": ["float32"], "bfloat16": ["float32", "model"], "float16": ["float32", "model"]}
 
 
-def run_precision(p: PrecisionParams, command: str) -> tuple[dict, str]:
+def run_precision(p: PrecisionParams) -> dict:
+    """Each dtype and head against transformers in float32, at every K -> the rows, with hardware and versions."""
     require_models(p.target)
     device = pick_device(p.device)
     _, catalog, ids, mask = load_beauty(Path(p.data), p.users, p.history_len, device, Path(p.target))
@@ -43,16 +44,13 @@ def run_precision(p: PrecisionParams, command: str) -> tuple[dict, str]:
             row = {"dtype": dtype, "head": "float32" if head != "model" else dtype}
             rows += [compare(model, ids, mask, catalog, k, p, reference[k], device, row) for k in p.ks]
         del model
-    result = {
-        "args": vars(p),
-        "environment": environment(p.device, command),
+    return {
         "hardware": hardware(device, "float32"),
         "versions": versions(),
         "users": len(ids),
         "rows": rows,
         "seconds": time.perf_counter() - t0,
     }
-    return result, markdown(result)
 
 
 def reference_lists(p: PrecisionParams, catalog, trie: dict, ids: torch.Tensor, mask: torch.Tensor) -> dict:

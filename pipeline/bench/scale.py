@@ -13,14 +13,13 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline import runs
-from pipeline.bench.common import environment, fmt_ratio, fmt_spread, spread, torch_threads
+from pipeline.bench.common import fmt_ratio, fmt_spread, spread, torch_threads
 from pipeline.bench.params import ScaleParams
 from pipeline.config import Storage
 from pipeline.markdown import table
@@ -28,7 +27,8 @@ from pipeline.markdown import table
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_scale(p: ScaleParams, command: str) -> tuple[dict, str]:
+def run_scale(p: ScaleParams) -> dict:
+    """Each size a whole nightly run on a local Ray of p.cpus CPUs -> the sizes' rows."""
     import ray
 
     ray.init(num_cpus=p.cpus, include_dashboard=False, ignore_reinit_error=True)
@@ -36,8 +36,7 @@ def run_scale(p: ScaleParams, command: str) -> tuple[dict, str]:
         rows = [bench_size(p, n) for n in p.users]
     finally:
         ray.shutdown()
-    result = {"args": asdict(p), "environment": environment("cpu", command), "sizes": rows}
-    return result, markdown_scale(result)
+    return {"sizes": rows}
 
 
 def world(p: ScaleParams, n: int) -> Path:

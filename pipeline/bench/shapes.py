@@ -19,7 +19,6 @@ import resource
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 
@@ -35,7 +34,6 @@ from decoding.reference import cpu_trie, generate_beam_search
 from pipeline.bench.common import (
     PeakMemory,
     Timing,
-    environment,
     fmt_ratio,
     fmt_spread,
     footer,
@@ -53,9 +51,8 @@ CODE_TOKENS = 1024  # 4 levels x 256 codes: Beauty's semantic IDs
 WORKER_PARAMS = ("users", "batch", "layers", "hidden", "heads", "seed", "device", "dtype")  # what a worker is given
 
 
-def run_shapes(p: ShapesParams, command: str) -> tuple[dict, str]:
-    result = {"args": asdict(p), "environment": environment(p.device, command), "shapes": bench_shapes(p)}
-    return result, markdown_shapes(result)
+def run_shapes(p: ShapesParams) -> dict:
+    return {"shapes": bench_shapes(p)}
 
 
 def bench_shapes(p: ShapesParams) -> dict:

@@ -7,7 +7,6 @@ at batch size 1 and at a throughput batch size. Per batch size and K, beam_searc
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from itertools import chain
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from decoding.catalog import Catalog
 from decoding.models import load_model, pick_device
 from decoding.reference import cpu_trie, generate_beam_search
 from decoding.speculative import speculative_beam_search
-from pipeline.bench.common import Interleaved, aligned, environment, fmt_ratio, fmt_spread, footer, progress, ratio
+from pipeline.bench.common import Interleaved, aligned, fmt_ratio, fmt_spread, footer, progress, ratio
 from pipeline.bench.inputs import interleaved_in_batches, load_beauty, load_drafts, parameters, ranked, require_models
 from pipeline.bench.params import SpeculativeParams
 from pipeline.markdown import table
@@ -26,8 +25,8 @@ from pipeline.markdown import table
 MODES = ("strict", "relaxed")
 
 
-def run_speculative(p: SpeculativeParams, command: str) -> tuple[dict, str]:
-    """The speculative section -> (result, Markdown)."""
+def run_speculative(p: SpeculativeParams) -> dict:
+    """The speculative section's figures."""
     require_models(p.target, p.drafts)
     device = pick_device(p.device)
     torch.manual_seed(p.seed)
@@ -36,17 +35,17 @@ def run_speculative(p: SpeculativeParams, command: str) -> tuple[dict, str]:
     _, catalog, ids, mask = load_beauty(
         Path(p.data), max(p.users, p.throughput_users), p.history_len, device, Path(p.target)
     )
-    body = {
-        "target_parameters": parameters(target),
-        "repeats": p.repeats,
-        "draft_parameters": {name: parameters(d) for name, d in drafts.items()},
-        "batches": [
-            bench_table(p, target, drafts, catalog, ids[:users], mask[:users], batch)
-            for batch, users in ((1, p.users), (p.batch, p.throughput_users))
-        ],
+    return {
+        "speculative": {
+            "target_parameters": parameters(target),
+            "repeats": p.repeats,
+            "draft_parameters": {name: parameters(d) for name, d in drafts.items()},
+            "batches": [
+                bench_table(p, target, drafts, catalog, ids[:users], mask[:users], batch)
+                for batch, users in ((1, p.users), (p.batch, p.throughput_users))
+            ],
+        }
     }
-    result = {"args": asdict(p), "environment": environment(p.device, command), "speculative": body}
-    return result, markdown_speculative(result)
 
 
 def bench_table(

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import shutil
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +22,6 @@ from pipeline.bench.common import (
     Timing,
     aligned,
     compare,
-    environment,
     fmt_ratio,
     fmt_spread,
     footer,
@@ -35,9 +33,8 @@ from pipeline.markdown import table
 from pipeline.prepare import build_text_tokenizer
 
 
-def run_templates(p: TemplatesParams, command: str) -> tuple[dict, str]:
-    result = {"args": asdict(p), "environment": environment("cpu", command), "templates": bench_templates(p)}
-    return result, markdown_templates(result)
+def run_templates(p: TemplatesParams) -> dict:
+    return {"templates": bench_templates(p)}
 
 
 def bench_templates(p: TemplatesParams) -> dict:
