@@ -13,6 +13,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -224,6 +225,21 @@ class PeakMemory:
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def in_fresh_process(module: str, spec: dict, what: str, env: dict | None = None) -> dict:
+    """`python -m module SPEC` (spec as JSON) in a fresh process from the checkout's root, `env` over this process's
+    environment -> the JSON of its last line of output; a RuntimeError naming `what`, with its stderr's end, if it
+    fails."""
+    root = Path(__file__).resolve().parents[2]
+    path = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, **(env or {}), "PYTHONPATH": path}
+    run = subprocess.run(
+        [sys.executable, "-m", module, json.dumps(spec)], cwd=root, env=env, capture_output=True, text=True
+    )
+    if run.returncode != 0:
+        raise RuntimeError(f"{what} failed: {run.stderr[-3000:]}")
+    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 def progress(iterable=None, desc: str = "", total: int | None = None, leave: bool = False):

@@ -15,13 +15,11 @@ from __future__ import annotations
 import json
 import os
 import resource
-import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-from pipeline.bench.common import footer, run_order, spread
+from pipeline.bench.common import footer, in_fresh_process, run_order, spread
 from pipeline.bench.params import CompileParams
 from pipeline.markdown import table
 
@@ -48,25 +46,13 @@ def run_compile(p: CompileParams) -> dict:
 
 def worker_process(spec: dict) -> dict:
     """One depth in a fresh process with an empty inductor cache -> its JSON line."""
-    root = Path(__file__).resolve().parents[2]
     with tempfile.TemporaryDirectory(prefix="genrec-cold-compile-") as cache:
         env = {
-            **os.environ,
             "TORCHINDUCTOR_CACHE_DIR": cache,
             "TRITON_CACHE_DIR": os.path.join(cache, "triton"),
             "TORCHINDUCTOR_COMPILE_THREADS": "1",  # compilers run as this process's children: their CPU time counts
-            "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
         }
-        run = subprocess.run(
-            [sys.executable, "-m", "pipeline.bench.compile", json.dumps(spec)],
-            cwd=root,
-            env=env,
-            capture_output=True,
-            text=True,
-        )
-    if run.returncode != 0:
-        raise RuntimeError(f"compile worker ({spec['layers']} layers) failed: {run.stderr[-3000:]}")
-    return json.loads(run.stdout.strip().splitlines()[-1])
+        return in_fresh_process("pipeline.bench.compile", spec, f"compile worker ({spec['layers']} layers)", env)
 
 
 def worker(spec: dict) -> dict:

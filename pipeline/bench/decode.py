@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 from functools import partial
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -30,16 +29,14 @@ from pipeline.bench.common import (
     progress,
     ratio,
 )
-from pipeline.bench.inputs import bench_model, in_batches, load_beauty, ranked
+from pipeline.bench.inputs import beauty_section, bench_model, in_batches, ranked
 from pipeline.bench.params import DecodeParams
 from pipeline.markdown import table
 
 
 def run_decode(p: DecodeParams) -> dict:
     """The decode section's figures: transformers against beam_search, the engines, the catalog index."""
-    device = pick_device(p.device)
-    torch.manual_seed(p.seed)
-    tok, catalog, ids, mask = load_beauty(Path(p.data), p.users, p.history_len, device)
+    device, tok, catalog, ids, mask = beauty_section(p)
     model = bench_model(p, len(tok), device)
     result = {}
     if p.transformers:

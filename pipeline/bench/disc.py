@@ -20,10 +20,16 @@ from decoding.beam import beam_search
 from decoding.catalog import Catalog
 from decoding.disc import constrained_sample, disc_sample
 from decoding.metrics import distances, draw_stats, mean_over_users
-from decoding.models import load_model, pick_device
+from decoding.models import load_model
 from decoding.reference import catalog_logprob
 from pipeline.bench.common import Timing, aligned, fmt_ratio, fmt_spread, footer, progress, ratio, timed
-from pipeline.bench.inputs import bench_model, in_batches, interleaved_in_batches, load_beauty, require_models
+from pipeline.bench.inputs import (
+    beauty_section,
+    bench_model,
+    in_batches,
+    interleaved_in_batches,
+    require_models,
+)
 from pipeline.bench.params import DiscBiasParams, DiscParams
 from pipeline.markdown import table
 
@@ -36,10 +42,7 @@ def run_disc(p: DiscParams) -> dict:
 def bench_disc(p: DiscParams) -> dict:
     """Every method over the same users in batches of p.batch, interleaved, p.repeats times; each call re-seeds the
     sampling generator, so every repeat draws the same."""
-    device = pick_device(p.device)
-    torch.manual_seed(p.seed)
-    model_dir = Path(p.model) if p.model else None
-    _, catalog, ids, mask = load_beauty(Path(p.data), p.users, p.history_len, device, model_dir)
+    device, _, catalog, ids, mask = beauty_section(p, p.model)
     model = bench_model(p, catalog.vocab_size, device)
     g = torch.Generator(device=device)
     run = interleaved_in_batches(
@@ -57,7 +60,7 @@ def bench_disc(p: DiscParams) -> dict:
         "batch": p.batch,
         "temperature": p.temperature,
         "repeats": p.repeats,
-        "model": str(model_dir) if model_dir else "random",
+        "model": str(Path(p.model)) if p.model else "random",
         "order": run.order,
         "methods": rows,
         "disc_vs_constrained": ratio(disc, base),
@@ -167,10 +170,8 @@ def bench_disc_bias(p: DiscBiasParams) -> dict:
     exact sampler, compared to P_S. Besides TV and KL, the mean valid mass x(a) of the drawn items measures the bias
     along its direction with little noise: constrained decoding over-draws items whose prefixes are mostly invalid
     (small x), Q(a) = P_S(a) (1 - p_b) / x(a)."""
-    device = pick_device(p.device)
-    torch.manual_seed(p.seed)
     require_models(p.model)
-    _, catalog, ids, mask = load_beauty(Path(p.data), p.users, p.history_len, device, Path(p.model))
+    device, _, catalog, ids, mask = beauty_section(p, p.model)
     model = load_model(p.model, device=str(device), dtype=p.dtype)
     g = torch.Generator(device=device)
     samplers = bias_samplers(p, model, catalog, g)

@@ -17,9 +17,8 @@ import torch
 
 from decoding.beam import beam_search
 from decoding.catalog import Catalog, Exclusions
-from decoding.models import pick_device
 from pipeline.bench.common import Interleaved, compare, fmt_ratio, fmt_spread, footer, interleaved, ratio
-from pipeline.bench.inputs import bench_model, load_beauty, ranked
+from pipeline.bench.inputs import beauty_section, bench_model, ranked
 from pipeline.bench.params import ExcludeParams
 from pipeline.markdown import table
 
@@ -28,9 +27,7 @@ BOUNDS = {50: 1.1, 1000: 1.5}  # the issue's cost bounds: excluded items per use
 
 def run_exclude(p: ExcludeParams) -> dict:
     """The exclude section's figures."""
-    device = pick_device(p.device)
-    torch.manual_seed(p.seed)
-    tok, catalog, ids, mask = load_beauty(Path(p.data), p.users, p.history_len, device, p.model and Path(p.model))
+    device, tok, catalog, ids, mask = beauty_section(p, p.model)
     model = bench_model(p, len(tok), device)
     histories = pq.read_table(Path(p.data) / "test.parquet", columns=["history"]).column("history").to_pylist()
     histories = [h for h in histories if h][: ids.shape[0]]  # the users load_beauty rendered, in order

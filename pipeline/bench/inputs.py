@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import torch
 
 from decoding.catalog import Catalog
-from decoding.models import load_model, load_tokenizer, tiny_model
+from decoding.models import load_model, load_tokenizer, pick_device, tiny_model
 from decoding.templates import PRESETS, TEMPLATE_FILE, read_template
 from operators.prompts import Renderer, catalog_probes
 from pipeline.bench.common import Interleaved, interleaved
@@ -42,6 +42,16 @@ def load_beauty(data: Path, users: int, history_len: int, device, model_dir: Pat
         histories, catalog.item_tokens
     )
     return tok, catalog, prompts.input_ids.to(device), prompts.attention_mask.to(device)
+
+
+def beauty_section(p, model_dir: str | Path | None = None, users: int | None = None) -> tuple:
+    """A section on Beauty's users, from its parameters: its device, torch seeded with p.seed, and load_beauty's
+    (tokenizer, catalog, input_ids, attention_mask [U, S]) of the first `users` (p.users) users in `model_dir`'s
+    template -> (device, tokenizer, catalog, input_ids, attention_mask)."""
+    device = pick_device(p.device)
+    torch.manual_seed(p.seed)
+    model_dir = Path(model_dir) if model_dir else None
+    return device, *load_beauty(Path(p.data), users or p.users, p.history_len, device, model_dir)
 
 
 def load_beauty_catalog(data: Path, device) -> Catalog:

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import resource
-import subprocess
 import sys
 import tempfile
 from functools import partial
@@ -37,6 +35,7 @@ from pipeline.bench.common import (
     fmt_ratio,
     fmt_spread,
     footer,
+    in_fresh_process,
     progress,
     ratio,
     run_order,
@@ -86,25 +85,9 @@ def bench_cell(p: ShapesParams, cell: tuple, methods: list[str], items: str, tmp
             bar.set_postfix_str(f"V={vocab} S={prompt} K={k} {method}")
             spec = {key: getattr(p, key) for key in WORKER_PARAMS}
             spec.update(vocab=vocab, prompt=prompt, k=k, items=items, method=method, out=f"{tmp}/{method}.npz")
-            runs[method].append(worker_process(spec))
+            runs[method].append(in_fresh_process("pipeline.bench.shapes", spec, f"shapes worker {method}"))
             bar.update()
     return cell_row(vocab, prompt, k, p.users, runs, tmp)
-
-
-def worker_process(spec: dict) -> dict:
-    """One method on one cell in a fresh process -> its JSON line (seconds, working memory)."""
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run(
-        [sys.executable, "-m", "pipeline.bench.shapes", json.dumps(spec)],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    if run.returncode != 0:
-        raise RuntimeError(f"shapes worker {spec['method']} failed: {run.stderr[-3000:]}")
-    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 def cell_row(vocab: int, prompt: int, k: int, users: int, runs: dict, tmp: str) -> dict:

@@ -8,17 +8,23 @@ at batch size 1 and at a throughput batch size. Per batch size and K, beam_searc
 from __future__ import annotations
 
 from itertools import chain
-from pathlib import Path
 
 import torch
 
 from decoding.beam import beam_search
 from decoding.catalog import Catalog
-from decoding.models import load_model, pick_device
+from decoding.models import load_model
 from decoding.reference import cpu_trie, generate_beam_search
 from decoding.speculative import speculative_beam_search
 from pipeline.bench.common import Interleaved, aligned, fmt_ratio, fmt_spread, footer, progress, ratio
-from pipeline.bench.inputs import interleaved_in_batches, load_beauty, load_drafts, parameters, ranked, require_models
+from pipeline.bench.inputs import (
+    beauty_section,
+    interleaved_in_batches,
+    load_drafts,
+    parameters,
+    ranked,
+    require_models,
+)
 from pipeline.bench.params import SpeculativeParams
 from pipeline.markdown import table
 
@@ -28,13 +34,9 @@ MODES = ("strict", "relaxed")
 def run_speculative(p: SpeculativeParams) -> dict:
     """The speculative section's figures."""
     require_models(p.target, p.drafts)
-    device = pick_device(p.device)
-    torch.manual_seed(p.seed)
+    device, _, catalog, ids, mask = beauty_section(p, p.target, max(p.users, p.throughput_users))
     target = load_model(p.target, device=str(device), dtype=p.dtype)
     drafts = load_drafts(p.drafts, device)
-    _, catalog, ids, mask = load_beauty(
-        Path(p.data), max(p.users, p.throughput_users), p.history_len, device, Path(p.target)
-    )
     return {
         "speculative": {
             "target_parameters": parameters(target),
