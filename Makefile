@@ -72,9 +72,16 @@ docs: $(BIN)/.installed
 	$(BIN)/python -m pipeline.config_docs > docs/configuration.md
 	$(BIN)/python -m pipeline.sizing > docs/sizing.md
 
+# The suite runs in TEST_WORKERS processes (pytest-xdist; 0: in this one). A module's tests stay together in one
+# worker, with its fixtures, servers and models; each worker's torch takes its share of the cores (tests/conftest.py).
+# PYTEST_ARGS adds pytest flags (CI: --junitxml, which `python -m tests.budget` reads).
+TEST_WORKERS ?= 2
+PYTEST_ARGS  ?=
+PYTEST = $(BIN)/python -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
+
 # ruff (pyproject.toml [tool.ruff]) lints and checks the format first: a failure there stops the suite in seconds.
 test: $(BIN)/.installed lint
-	$(BIN)/python -m pytest -q
+	$(PYTEST) $(PYTEST_ARGS)
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check .
@@ -86,7 +93,7 @@ lint: $(BIN)/.installed
 test-kernels: $(BIN)/.installed
 	@for setting in $$($(BIN)/python -m tests.kernels); do \
 		echo "== numerics-sensitive tests under $$setting"; \
-		env $$setting $(BIN)/python -m pytest -q -m numerics || exit 1; \
+		env $$setting $(PYTEST) -m numerics || exit 1; \
 	done
 
 # The numerics-sensitive tests under the oldest versions pyproject.toml admits (python -m tests.oldest: transformers'
@@ -99,7 +106,7 @@ test-oldest:
 	$(OLDEST)/bin/pip install -q -c $(OLDEST)/constraints.txt torch $(if $(TORCH_INDEX),--no-deps --index-url "$(TORCH_INDEX)")
 	$(OLDEST)/bin/pip install -q -c $(OLDEST)/constraints.txt -e ".[dev]" $$($(PY) -m tests.oldest requirements)
 	$(OLDEST)/bin/python -c "import transformers; print('== numerics-sensitive tests under transformers', transformers.__version__)"
-	$(OLDEST)/bin/python -m pytest -q -m numerics
+	$(subst $(BIN)/,$(OLDEST)/bin/,$(PYTEST)) -m numerics
 
 clean:
 	rm -rf $(VENV) $(OLDEST) data models bench-out .pytest_cache

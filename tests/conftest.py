@@ -28,6 +28,16 @@ def _never_beside(event: str, args: tuple) -> None:
 
 sys.addaudithook(_never_beside)
 
+# Parallel workers (pytest-xdist, `make test`) share the cores: each worker's torch takes its share of them, or their
+# OpenMP threads wait on each other's cores (a CPU-bound test then runs several times slower beside another one).
+# Processes a test starts (jobs, Ray's nodes and actors) keep their own settings.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(max(1, cores // WORKERS))
+
 NUMERICS = {
     "test_alignment",
     "test_beam",

@@ -171,3 +171,31 @@ def test_prepare_never_writes_into_its_source(tmp_path):
     with pytest.raises(SystemExit):
         parse_args(["--out", str(BEAUTY_SOURCE / "prepared")])
     assert parse_args(["--out", str(tmp_path / "beauty")]).out == tmp_path / "beauty"
+
+
+def test_the_time_budget_reads_pytests_own_record(tmp_path):
+    """tests.budget on the JUnit XML of a real pytest run: the wall time against the budget and the slowest tests,
+    slowest first; exit 0 within 1.2 x the budget, 1 above it or when no test ran, 2 for a file that is not pytest's
+    XML. The suite's own time is never asserted inside a test: CI runs the check after `make test`."""
+    (tmp_path / "test_two.py").write_text(
+        "import time\n\ndef test_slow():\n    time.sleep(0.3)\n\ndef test_fast():\n    pass\n"
+    )
+    xml = tmp_path / "times.xml"
+    run = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", "test_two.py"]
+    assert subprocess.run(run, cwd=tmp_path, capture_output=True).returncode == 0
+
+    def check(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "tests.budget", *args], cwd=ROOT, capture_output=True, text=True)
+
+    within = check(str(xml), "--budget-s", "60")
+    assert within.returncode == 0 and "2 tests" in within.stdout and "within" in within.stdout, within.stdout
+    slowest = [line.split()[-1] for line in within.stdout.splitlines() if line.startswith("  ")]
+    assert slowest == ["test_two::test_slow", "test_two::test_fast"]  # slowest first, with pytest's test ids
+    over = check(str(xml), "--budget-s", "0.2")  # the run took over 0.3 s: above 1.2 x 0.2 s
+    assert over.returncode == 1 and "OVER" in over.stdout
+    empty = tmp_path / "empty.xml"
+    empty.write_text('<testsuites><testsuite name="pytest" time="1.0"/></testsuites>')
+    assert check(str(empty)).returncode == 1
+    (tmp_path / "bad.xml").write_text("<html/>")
+    bad = check(str(tmp_path / "bad.xml"))
+    assert bad.returncode == 2 and "bad.xml" in bad.stderr
