@@ -73,11 +73,12 @@ docs: $(BIN)/.installed
 	$(BIN)/python -m pipeline.sizing > docs/sizing.md
 
 # The suite runs in TEST_WORKERS processes (pytest-xdist; 0: in this one). A module's tests stay together in one
-# worker, with its fixtures, servers and models; each worker's torch takes its share of the cores (tests/conftest.py).
+# worker, with its fixtures, servers and models, the slowest modules first; each worker's torch takes its share of
+# the cores (tests/conftest.py).
 # PYTEST_ARGS adds pytest flags (CI: --junitxml, which `python -m tests.budget` reads).
 TEST_WORKERS ?= 2
 PYTEST_ARGS  ?=
-PYTEST = $(BIN)/python -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
+PYTEST = $(BIN)/python -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 # ruff (pyproject.toml [tool.ruff]) lints and checks the format first: a failure there stops the suite in seconds.
 test: $(BIN)/.installed lint

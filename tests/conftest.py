@@ -52,7 +52,43 @@ NUMERICS = {
 }
 
 
+# The modules that take longest (setup included, measured with `python -m tests.budget`) run first, so that no worker
+# is left running a long one alone at the end (`make test` keeps this order: --no-loadscope-reorder). A module's own
+# order is kept; a stale list costs minutes, never a verdict.
+SLOW_FIRST = [
+    "test_cluster",
+    "test_nightly_s3",
+    "test_nightly_faults",
+    "test_nightly",
+    "test_store_faults",
+    "test_bench",
+    "test_compiled",
+    "test_compile_store",
+    "test_report",
+    "test_engine_auto",
+    "test_prepare_data",
+    "test_bring_your_own_model",
+    "test_minionerec",
+    "test_store_retries",
+]
+
+
 def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.module.__name__.rpartition(".")[2], len(rank)))  # stable
     for item in items:
         if item.module.__name__.rpartition(".")[2] in NUMERICS:
             item.add_marker(pytest.mark.numerics)
+
+
+@pytest.fixture(scope="module")
+def compile_cache():
+    """The module compiles into COMPILE_CACHE, as the nightly's actor does; TORCHINDUCTOR_CACHE_DIR is restored
+    when the module is done."""
+    from decoding.compiled import use_compile_cache
+    from tests.helpers import COMPILE_CACHE
+
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+        use_compile_cache(COMPILE_CACHE)
+        yield COMPILE_CACHE

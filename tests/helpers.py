@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import torch
 
 from decoding.catalog import Catalog
 from decoding.models import TINY_BODY, tiny_model
 from decoding.reference import generate_beam_search, sequence_logprob  # noqa: F401
+
+# The inductor cache of the tests that compile (tests/conftest.py's compile_cache fixture, and the nightly actors they
+# start): kept between runs and shared by every module that compiles (inductor keys its code by the CPU's ISA).
+COMPILE_CACHE = str(Path(tempfile.gettempdir()) / "genrec-test-compile-cache")
 
 SPECIALS = 4  # <pad> <bos> <eos> <unk>
 EPS32 = torch.finfo(torch.float32).eps

@@ -16,8 +16,8 @@ import torch
 
 from decoding.compiled import GRAPHS_PER_BUCKET
 from pipeline.models import KEY_ENV, KEY_FILE_ENV
+from tests.helpers import COMPILE_CACHE
 from tests.servers import seaweedfs
-from tests.test_compiled import COMPILE_CACHE
 
 SECRET = "a-test-signing-key-of-the-store"
 

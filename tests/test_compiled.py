@@ -14,9 +14,7 @@ never had its k-th and (k+1)-th candidates within 2 x that bound (stats["tie_gap
 """
 
 import copy
-import tempfile
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,13 +28,13 @@ from decoding.compiled import (
     compiled_beam_search,
     flex_compiles,
     prompt_bucket,
-    use_compile_cache,
     users_bucket,
 )
 from decoding.metrics import same_within_ties, topk_agreement
 from decoding.models import tiny_model
 from decoding.stats import BASE_KEYS, PHASES
 from tests.helpers import (
+    COMPILE_CACHE,
     assert_same_ranking,
     hf_beam_search,
     left_padded_prompts,
@@ -45,19 +43,12 @@ from tests.helpers import (
     trained_model,
 )
 
-COMPILE_CACHE = str(Path(tempfile.gettempdir()) / "genrec-test-compile-cache")  # the suite's, kept between runs
 LENGTHS = [3, 11, 6, 17, 9, 4, 14, 8]  # 8 users, prompts of 3..17 tokens: bucket 8 x 24
 PREFIX = Prefix([1, 9])  # Qwen2's prompts continue a shared prefix (one object: its slots are reused)
 COUNTS = [key for key in BASE_KEYS if key not in PHASES] + ["kv_len", "kv_batch", "tree_tokens"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def compile_cache():
-    """This module compiles into COMPILE_CACHE (per CPU kernel family), as the nightly test's actor does."""
-    with pytest.MonkeyPatch.context() as env:
-        env.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # restored when the module is done
-        use_compile_cache(COMPILE_CACHE)
-        yield
+pytestmark = pytest.mark.usefixtures("compile_cache")  # tests/conftest.py: the suite's inductor cache
 
 
 @pytest.fixture(scope="module")

@@ -24,19 +24,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from tests.test_compiled import COMPILE_CACHE
+from tests.helpers import COMPILE_CACHE
 
 CLEAR = 16  # compute.engine_clear_users in these tests
 
 
-@pytest.fixture(scope="module", autouse=True)
-def compile_cache():
-    from decoding.compiled import use_compile_cache
-
-    with pytest.MonkeyPatch.context() as env:
-        env.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # restored when the module is done
-        use_compile_cache(COMPILE_CACHE)
-        yield
+pytestmark = pytest.mark.usefixtures("compile_cache")  # tests/conftest.py: the suite's inductor cache
 
 
 @pytest.fixture(scope="module")
