@@ -73,9 +73,13 @@ def ephemeral_ports() -> range:
 def free_ports(n: int, avoid: range = RAY_WORKER_PORTS) -> list[int]:
     """n distinct TCP ports free on all interfaces right now, outside `avoid` and outside the ephemeral range: a port
     the kernel hands out itself (bind to 0) may be taken by any outgoing connection's local end before the server
-    binds it, as a Ray head's dashboard port once was; a port below the range is only ever taken by another listener."""
+    binds it, as a Ray head's dashboard port once was; a port below the range is only ever taken by another listener.
+    Parallel test workers (pytest-xdist) draw from disjoint residues, so two never pick the same port at once."""
     ephemeral = ephemeral_ports()
     candidates = [p for p in range(avoid.stop, ephemeral.start) if p not in avoid] or list(range(20000, 32768))
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    candidates = [p for p in candidates if p % workers == worker % workers]
     found: list[int] = []
     for port in random.sample(candidates, len(candidates)):
         with socket.socket() as s:

@@ -332,9 +332,10 @@ def report_head(p, command: str, device: str | None = None) -> dict:
 
 
 def report(p, command: str, run: Callable[..., dict], markdown: Callable[[dict], str], device=None, **kw) -> tuple:
-    """A section run: report_head, then the section's own figures, run(p, **kw) -> (result, markdown(result))."""
-    result = report_head(p, command, device)
-    result.update(run(p, **kw))
+    """A section run: report_head, then the section's own figures, run(p, **kw) -> (result, markdown(result)). The
+    section runs first: its own checks (missing models, no such device) speak before the head asks for the device."""
+    body = run(p, **kw)
+    result = {**report_head(p, command, device), **body}
     return result, markdown(result)
 
 

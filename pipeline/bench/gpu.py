@@ -122,10 +122,11 @@ class Bench:
         free(self.device)
 
 
-def run_gpu(p: GpuParams, command: str, spent_s: float = 0.0) -> tuple[dict, str]:
-    """Every cell of `p` in order under p.budget_s, `spent_s` of it already gone (the command line passes the process's
-    seconds so far, `since_process_start`; a call from Python counts from the call), the report (p.out/gpu.{json,md},
-    and the dated page in p.page) rewritten after each -> (result, Markdown)."""
+def run_gpu(p: GpuParams, command: str, started: float | None = None) -> tuple[dict, str]:
+    """Every cell of `p` in order under p.budget_s, counted from `started` (time.monotonic(); the command line passes
+    the process's start, so that its imports and the data's preparation count; a call from Python counts from the
+    call), the report (p.out/gpu.{json,md}, and the dated page in p.page) rewritten after each -> (result, Markdown)."""
+    started = time.monotonic() if started is None else started
     if p.plan:
         return plan_result(p, command)
     device = gpu_device(p)
@@ -148,8 +149,9 @@ def run_gpu(p: GpuParams, command: str, spent_s: float = 0.0) -> tuple[dict, str
         if p.page:
             write_page(Path(p.page), result, md)
 
+    cells = gpu_cells(b, command)
     with smoke_stance(p, device):
-        run_cells(gpu_cells(b, command), p.budget_s, write, after=partial(free, device), spent_s=spent_s)
+        run_cells(cells, p.budget_s, write, after=partial(free, device), spent_s=time.monotonic() - started)
     return result, markdown_gpu(result)
 
 

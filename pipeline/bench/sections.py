@@ -119,7 +119,7 @@ BENCHES = {
 
 
 def run_section(name: str, params, command: str, **kw) -> tuple[dict, str]:
-    """Runs benchmark `name` with its parameters (and `kw`, such as gpu's spent_s) -> (result, Markdown): the
+    """Runs benchmark `name` with its parameters (and `kw`, such as gpu's started) -> (result, Markdown): the
     parameters, the environment (with `command`) and the section's figures; `all` and `gpu` make their whole result
     (all: every section's; gpu: rewritten after every cell, and --plan's, which measures nothing)."""
     from pipeline.bench.common import report  # torch: not for reading the flags
