@@ -187,6 +187,8 @@ def test_a_node_that_joins_mid_run_gets_an_actor(cluster):
     publishes every user once. With Ray Data's default reservation (half the cluster split over the operators) the
     pool's share of the new node fell short of an actor until the reads were done: it grew in half of the runs."""
     world, s3, head, root = cluster
+    # 8 x 400 users (400 shards of 8): the decode must outlast the join, Ray Data's autoscaler noticing the free CPUs
+    # and the new actor's start (its process, imports and model); 400 users can be done before the pool grows
     out, copies = "joined", 8
     users = pq.read_table(world / "data" / "test.parquet")
     big = pa.concat_tables([users.set_column(0, "user_id", pc.add(users["user_id"], i * 10**6)) for i in range(copies)])
