@@ -32,20 +32,22 @@ from decoding.codes import code_token, code_token_ids, format_rows, semantic_id_
 
 @dataclass
 class ItemTokens:
-    """Every catalog item (items sharing a semantic ID included) -> its L code token ids: the map prompts are
-    rendered with. A sorted id array and np.searchsorted, on the CPU."""
+    """Every item of the item index (items sharing a semantic ID, and items no list may hold, included) -> its L code
+    token ids: the map prompts are rendered with. A sorted id array and np.searchsorted, on the CPU; the token ids are
+    kept in int32 (8 + 4 L bytes per item) and looked up as int64."""
 
     item_ids: np.ndarray  # [N] int64, sorted ascending, unique
-    token_ids: np.ndarray  # [N, L] int64, row i belongs to item_ids[i]
+    token_ids: np.ndarray  # [N, L] int32 (int64 for a vocabulary of 2**31 tokens or more), row i is item_ids[i]'s
 
     @classmethod
     def from_arrays(cls, item_ids, token_ids) -> ItemTokens:
         item_ids = np.asarray(item_ids, dtype=np.int64).reshape(-1)
-        token_ids = np.asarray(token_ids, dtype=np.int64)
+        token_ids = np.asarray(token_ids)
         if token_ids.ndim != 2 or len(token_ids) != len(item_ids):
             raise ValueError(f"token_ids must be [N, L] with N = {len(item_ids)}, got {token_ids.shape}")
-        order = np.argsort(item_ids, kind="stable")
-        item_ids, token_ids = item_ids[order], token_ids[order]
+        narrow = token_ids.size == 0 or (int(token_ids.min()) >= 0 and int(token_ids.max()) < 2**31)
+        order = argsort_ids(item_ids)  # [N]
+        item_ids, token_ids = item_ids[order], token_ids.astype(np.int32 if narrow else np.int64, copy=False)[order]
         dup = np.flatnonzero(item_ids[1:] == item_ids[:-1])
         if len(dup):
             raise ValueError(f"duplicate item ids: {format_rows(np.unique(item_ids[dup]))}")
@@ -62,7 +64,7 @@ class ItemTokens:
             return np.full((len(item_ids), self.levels), -1, dtype=np.int64), np.zeros(len(item_ids), bool)
         pos = np.minimum(np.searchsorted(self.item_ids, item_ids), len(self.item_ids) - 1)  # [U]
         known = self.item_ids[pos] == item_ids  # [U]
-        return np.where(known[:, None], self.token_ids[pos], -1), known
+        return np.where(known[:, None], self.token_ids[pos].astype(np.int64), -1), known
 
 
 @dataclass
@@ -76,18 +78,27 @@ class Catalog:
     level_start: list[int]  # [L + 2]: first node id of each level (level_start[L + 1] = G)
     max_children: list[int]  # per level t < L: the largest number of children of one node
     leaf_count: torch.Tensor  # [G] int64: items under each node
-    item_tokens: ItemTokens  # every input item, those dropped as duplicates included -> its token ids (prompts)
+    item_tokens: ItemTokens  # every input item (the item index: those not recommendable and those dropped as
+    # duplicates included) -> its token ids, what prompts are rendered with
     duplicates: list[tuple[int, int]] = field(default_factory=list)  # (dropped item, kept item) sharing one semantic ID
 
     # ---------------------------------------------------------------- construction
 
     @classmethod
     def from_token_ids(
-        cls, item_ids, token_ids, vocab_size: int, on_duplicate: str = "error", device: torch.device | str | None = None
+        cls,
+        item_ids,
+        token_ids,
+        vocab_size: int,
+        on_duplicate: str = "error",
+        device: torch.device | str | None = None,
+        recommendable=None,
     ) -> Catalog:
-        """item_ids [N]; token_ids [N, L] (tensor, array or list of rows; ragged rows are an error). Items that share
-        a semantic ID: an error, or (on_duplicate="first") the first keeps it in the index and the others are listed
-        in `duplicates`; all of them stay in `item_tokens`, since histories may name any of them."""
+        """item_ids [N]; token_ids [N, L] (tensor, array or list of rows; ragged rows are an error); recommendable
+        [N] bool: the items a list may hold (None: every item). The index holds the recommendable items only; every
+        item stays in `item_tokens`, since histories may name any of them. Recommendable items that share a semantic
+        ID: an error, or (on_duplicate="first") the first keeps it in the index and the others are listed in
+        `duplicates`."""
         if on_duplicate not in ("error", "first"):
             raise ValueError(f"on_duplicate must be 'error' or 'first', got {on_duplicate!r}")
         token_ids = _as_matrix(token_ids)
@@ -104,9 +115,19 @@ class Catalog:
                 f"(item ids {format_rows(item_ids[bad])})"
             )
         item_tokens = ItemTokens.from_arrays(item_ids.cpu().numpy(), token_ids.cpu().numpy())  # checks: unique ids
+        rows = None  # the input row of each item the index may hold (None: every row)
+        if recommendable is not None:
+            keep = torch.as_tensor(np.asarray(recommendable, dtype=bool).reshape(-1))  # [N]
+            if keep.numel() != n:
+                raise ValueError(f"recommendable has {keep.numel()} entries but the catalog {n} items")
+            if not keep.any():
+                raise ValueError(f"none of the catalog's {n} items is recommendable: a list could hold nothing")
+            if not keep.all():
+                rows = keep.nonzero().flatten()  # [N']
+                item_ids, token_ids, n = item_ids[rows], token_ids[rows], len(rows)
 
-        order = _lexsort(token_ids)  # [N], stable: equal rows keep input order
-        tokens, item_ids, input_row = token_ids[order], item_ids[order], order
+        order = _lexsort(token_ids, vocab_size)  # [N], stable: equal rows keep input order
+        tokens, item_ids, input_row = token_ids[order], item_ids[order], order if rows is None else rows[order]
         first = torch.ones(n, dtype=torch.bool)
         first[1:] = (tokens[1:] != tokens[:-1]).any(1)  # [N] first row of each semantic ID
         duplicates = []
@@ -143,9 +164,11 @@ class Catalog:
     def from_parquet(cls, path, tokenizer, on_duplicate: str = "error", device=None, code_token=code_token) -> Catalog:
         """Builds the catalog from `items.parquet` (`item_id`, `semantic_id` list of L codes) and a tokenizer
         whose vocabulary holds the code tokens `<a_12>`, `<b_3>`, ... (level letter, code)."""
-        import pyarrow.parquet as pq  # the one file this module reads, outside any decoding path
+        import pyarrow.dataset as pads  # the one file this module reads, outside any decoding path
 
-        return cls.from_table(pq.read_table(path), tokenizer, on_duplicate, device, str(path), code_token)
+        data = pads.dataset(path, format="parquet")
+        table = data.to_table(columns=[c for c in ("item_id", "semantic_id") if c in data.schema.names])
+        return cls.from_table(table, tokenizer, on_duplicate, device, str(path), code_token)
 
     @classmethod
     def from_table(
@@ -156,10 +179,12 @@ class Catalog:
         device=None,
         source: str = "items.parquet",
         code_token=code_token,
+        recommendable=None,
     ) -> Catalog:
-        """The one parser of a catalog table (`item_id`, `semantic_id`), read from anywhere: the index and the
-        item-to-tokens map of prompts, from one pass over the semantic IDs. code_token(level, code) names the code
-        tokens (a prompt template's `code`); every one the catalog needs must be in the tokenizer."""
+        """The one parser of a catalog table (`item_id`, `semantic_id`), read from anywhere: the index (of the
+        `recommendable` rows [N] bool, None: all) and the item-to-tokens map of prompts (every row), from one pass
+        over the semantic IDs. code_token(level, code) names the code tokens (a prompt template's `code`); every one
+        the catalog needs must be in the tokenizer."""
         if "item_id" not in table.column_names:
             raise ValueError(f"{source}: missing column 'item_id' (has {table.column_names})")
         if table.column("item_id").null_count:
@@ -173,7 +198,12 @@ class Catalog:
         item_ids = table.column("item_id").to_numpy().astype(np.int64)
         try:
             return cls.from_token_ids(
-                torch.from_numpy(item_ids), torch.from_numpy(token_ids), len(tokenizer), on_duplicate, device
+                torch.from_numpy(item_ids),
+                torch.from_numpy(token_ids),
+                len(tokenizer),
+                on_duplicate,
+                device,
+                recommendable,
             )
         except ValueError as e:
             raise ValueError(f"{source}: {e}") from None
@@ -464,10 +494,24 @@ def _as_matrix(token_ids) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int64).reshape(len(rows), -1)
 
 
-def _lexsort(rows: torch.Tensor) -> torch.Tensor:
-    """[N, L] -> permutation [N] sorting rows lexicographically (stable: LSD radix of stable sorts)."""
-    order = torch.arange(rows.shape[0], device=rows.device)
-    for col in reversed(range(rows.shape[1])):
+def argsort_ids(ids: np.ndarray) -> np.ndarray:
+    """Item ids [N] int64 -> the permutation [N] sorting them, stable (torch's radix sort: numpy's stable argsort of
+    int64 is a merge sort, several times slower at millions of items)."""
+    return torch.sort(torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)), stable=True).indices.numpy()
+
+
+def _lexsort(rows: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[N, L] token ids in [0, vocab_size) -> permutation [N] sorting rows lexicographically, stable. One sort of the
+    rows as base-vocab_size numbers when those fit an int64 (the same order: the map is monotone), else an LSD radix
+    of stable sorts, one per column."""
+    n, levels = rows.shape
+    if vocab_size**levels < 2**63:
+        key = torch.zeros(n, dtype=torch.int64, device=rows.device)
+        for col in range(levels):
+            key.mul_(vocab_size).add_(rows[:, col])
+        return torch.sort(key, stable=True).indices
+    order = torch.arange(n, device=rows.device)
+    for col in reversed(range(levels)):
         order = order[torch.sort(rows[order, col], stable=True).indices]
     return order
 

@@ -117,6 +117,19 @@ def host_free_memory() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def trim_host_heap() -> bool:
+    """Hands the C heap's free pages back to the OS (glibc's malloc_trim) -> whether it could. Building a large
+    catalog index frees temporaries several times the index's size, which glibc otherwise keeps in the process for
+    reuse: an actor would hold them for its whole life. A no-op (False) without glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        return bool(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
 def free_device_memory(device: torch.device) -> int | None:
     """Bytes a decode can still allocate on `device` (CUDA: free + what torch's allocator holds unused); None on CPU."""
     if device.type != "cuda":

@@ -1,5 +1,5 @@
 """Benchmarks, side by side in one run: `python -m jobs.bench {all,decode,speculative,disc,disc-bias,nightly,
-templates,shapes,compile,gpu,precision,exclude,padding,minionerec} ...`.
+templates,shapes,compile,gpu,precision,exclude,padding,minionerec,items,delisted} ...`.
 
 Every timed comparison runs its methods interleaved (A B, B A, ...) --repeats times (default 5) after a warm-up run
 of each and records every repeat's seconds; reports give medians with (min-max), ratios of medians with their range,
@@ -26,6 +26,9 @@ exclude: what per-user exclusions cost beam_search: none vs 50 vs 1,000 excluded
 padding: Beauty users in batches cut in input order vs ordered by prompt length (as the actor decodes them): users/s,
 target and KV tokens per user, the padding share of prompt positions, the compiled engine's buckets; --prompt-tokens
 stretches Beauty's length distribution to a prefill-heavy length.
+items: the constraint index over a synthetic catalog and over a recommendable subset of it (seconds, peak memory),
+and what a nightly actor holds for its items, in bytes per item; each in a fresh process.
+delisted: the demo nightly with items delisted: taken out of the catalog, and left out of the recommendable set.
 minionerec: a peer run: MiniOneRec's evaluate.py, imported from --peer (a copy of their repository), against
 beam_search with the minionerec template on the same model and test rows: lists, invalid items, scores, users/s.
 """

@@ -23,7 +23,7 @@ import logging
 import os
 import sys
 
-from pipeline.config import DEMO_CONFIG, demo_missing, load_config
+from pipeline.config import DEMO_CONFIG, demo_missing, load_config, scheduled_date
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -39,6 +39,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. decoding.k=20")
     p.add_argument("--resume", metavar="RUN_ID|latest", help="continue a killed or failed run of the date")
     p.add_argument("--gc", action="store_true", help="delete superseded runs older than runs.grace_s, then exit")
+    p.add_argument(
+        "--run-date-of",
+        metavar="JOB_ID",
+        help="run_date = the scheduled day of a RayCronJob's RayJob, from its submission id (RAY_JOB_SUBMISSION_ID)",
+    )
     return p.parse_args(argv)
 
 
@@ -51,7 +56,8 @@ def main(argv=None) -> int:
     from pipeline.storage import StoreUnavailable
 
     try:
-        cfg = load_config(args.config or str(DEMO_CONFIG), args.set)  # a path or an s3:// URI
+        dated = [f"run_date={scheduled_date(args.run_date_of)}"] if args.run_date_of is not None else []
+        cfg = load_config(args.config or str(DEMO_CONFIG), args.set + dated)  # a path or an s3:// URI
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

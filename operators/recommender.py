@@ -19,7 +19,7 @@ import logging
 import os
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +48,7 @@ from decoding.memory import (
     fit_batch,
     free_device_memory,
     host_free_memory,
+    trim_host_heap,
     usable_bytes,
 )
 from decoding.metrics import same_within_ties, topk_agreement
@@ -74,6 +75,7 @@ NON_FINITE = (
     "the model's log-probabilities were NaN or infinite while decoding this user (e.g. a float16 "
     "overflow); its items would not be the model's"
 )
+NO_ITEMS = "no item is left to this user: every item a list may hold (recommendable, not blocked) is excluded for it"
 TABLES = {
     "rec": ["user_id", "rank", "item_id", "score", "mode"],
     "reject": ["user_id", "reason", "detail"],
@@ -170,13 +172,20 @@ def recommendation_table(users: pa.Array, items: np.ndarray, scores: np.ndarray,
 def non_finite_rejects(users: pa.Array, broken: np.ndarray) -> pa.Table:
     """users [U], broken [U] bool -> the rejects (TABLES["reject"]) of the users whose log-probabilities were not
     finite while decoding."""
-    n = int(broken.sum())
+    return _rejects(users, broken, "non_finite_logits", NON_FINITE)
+
+
+def no_items_rejects(users: pa.Array, items: np.ndarray, broken: np.ndarray) -> pa.Table:
+    """users [U], items [U, k] (-1: none), broken [U] -> the rejects of the users left with no item at all (every
+    item a list may hold is excluded for them), who are not broken."""
+    return _rejects(users, ~broken & (items < 0).all(1), "no_items", NO_ITEMS)
+
+
+def _rejects(users: pa.Array, rows: np.ndarray, reason: str, detail: str) -> pa.Table:
+    """users [U], rows [U] bool -> the rejects of those rows, each with `reason` and `detail`."""
+    n = int(rows.sum())
     return pa.table(
-        [
-            users.filter(pa.array(broken)),
-            pa.array(["non_finite_logits"] * n, pa.string()),
-            pa.array([NON_FINITE] * n, pa.string()),
-        ],
+        [users.filter(pa.array(rows)), pa.array([reason] * n, pa.string()), pa.array([detail] * n, pa.string())],
         schema=reject_schema(users.type),
     )
 
@@ -194,14 +203,24 @@ def output_table(recs: pa.Table, rejects: pa.Table, metric: dict, user_type: pa.
 
 
 def batch_counts(
-    users_in: int, broken: np.ndarray, rejected: int, recommendations: int, prompts: Prompts, prefix_len: int
+    users_in: int,
+    items: np.ndarray,
+    broken: np.ndarray,
+    rejected: int,
+    recommendations: int,
+    prompts: Prompts,
+    prefix_len: int,
 ) -> dict:
-    """A batch's counts: its rows, the validated users (broken [U]) that got items, rejects, items, and the prompt
-    tokens (those rendered, prompts [U, S], plus the shared prefix each user's prefill skipped)."""
+    """A batch's counts: its rows, the validated users (items [U, k], -1: none; broken [U]) that got a list and
+    those whose list is shorter than k (fewer items left to them), rejects, items, and the prompt tokens (those
+    rendered, prompts [U, S], plus the shared prefix each user's prefill skipped)."""
     users = len(broken)
+    got = (items >= 0).sum(1)  # [U] items each user got
+    listed = ~broken & (got > 0)  # [U]
     return {
         "users_in": users_in,
-        "users_ok": users - int(broken.sum()),
+        "users_ok": int(listed.sum()),
+        "users_short": int((listed & (got < items.shape[1])).sum()),
         "users_rejected": rejected,
         "recommendations": recommendations,
         "prompt_tokens": int(prompts.attention_mask.sum()) + prefix_len * users,
@@ -251,6 +270,7 @@ def prepare(spec: ActorSpec, device: torch.device | str = "cpu") -> Inputs:
         device=device,
         source=spec.catalog_name,
         code_token=spec.template.code,
+        recommendable=spec.recommendable,
     )
     renderer = Renderer.compile(
         spec.template.with_max_items(spec.decoding.history_len), tokenizer, catalog_probes(catalog.item_tokens)
@@ -466,6 +486,9 @@ class Recommender:
             torch.set_num_threads(spec.threads)
         self.device = torch.device("cuda" if spec.gpu and torch.cuda.is_available() else "cpu")
         self._load(spec)
+        self.spec = spec = replace(spec, catalog=None, recommendable=None)  # parsed into self.catalog: not kept twice
+        pa.default_memory_pool().release_unused()
+        trim_host_heap()  # the index build's temporaries, freed, leave the process
         # the precision audit: this many of the actor's first users re-decoded in float32 (half precision only)
         self.audit_left = spec.audit_users if self.target.dtype != torch.float32 else 0
         self.float32: dict = {}  # the audit's float32 models, loaded on first use, freed when the audit is done
@@ -587,10 +610,15 @@ class Recommender:
         exclude, excluded = self._exclusions(good)
         prompts = self.renderer.render(good.column("history"), self.catalog.item_tokens, self.prefix_len)
         decoded = self._decode_batch(prompts, users, exclude)
-        rejects = pa.concat_tables([rejects, non_finite_rejects(users, decoded.broken)])
+        broken = decoded.broken
+        rejects = pa.concat_tables(
+            [rejects, non_finite_rejects(users, broken), no_items_rejects(users, decoded.items, broken)]
+        )
         recs = recommendation_table(users, decoded.items, decoded.scores, d.mode)
         wall = time.perf_counter() - t0 - decoded.audit.get("audit_s", 0.0)  # the audit is reported as its own cost
-        counts = batch_counts(batch.num_rows, decoded.broken, rejects.num_rows, recs.num_rows, prompts, self.prefix_len)
+        counts = batch_counts(
+            batch.num_rows, decoded.items, broken, rejects.num_rows, recs.num_rows, prompts, self.prefix_len
+        )
         metric = {**self._metric_row(counts, wall, decoded), **excluded}
         self.batches += 1
         return output_table(recs, rejects, metric, batch.schema.field("user_id").type)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import pyarrow as pa
 
 from decoding.templates import PRESETS, PromptTemplate
@@ -46,8 +47,10 @@ class ActorSpec:
 
     run_id: str
     target: str  # model directory (with its tokenizer): a local path, or a URI that `fetch` turns into one
-    catalog: pa.Table  # item_id, semantic_id: read once by the graph
+    catalog: pa.Table  # item_id, semantic_id: the item index, read once by the graph
     catalog_name: str  # for messages
+    recommendable: np.ndarray | None = None  # [N] bool over the catalog's rows: the items a list may hold (the
+    # recommendable set less the block list); None: every item
     decoding: Decoding = field(default_factory=Decoding)
     template: PromptTemplate = PRESETS["codes"]  # how the model's prompts are written (resolved by the graph)
     on_duplicate: str = "first"  # items sharing a semantic ID: "first" keeps the first, "error" refuses the catalog

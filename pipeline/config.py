@@ -107,9 +107,19 @@ class Runs:
 @dataclass
 class Config:
     input: str = ""  # histories parquet: file, folder or s3:// URI
-    catalog: str = ""  # items.parquet
+    catalog: str = ""  # the item index (items.parquet: item_id, semantic_id): every item a history may name,
+    # tonight's and every earlier one users still hold; prompts render from it. Only an item it lacks is unknown_item
+    recommendable: str | None = None  # the items a list may hold: a parquet of item ids (column item_id; file, folder
+    # or s3:// URI), the constraint index's items; ids the catalog lacks are counted. None: every catalog item (or
+    # recommendable_column)
+    recommendable_column: str | None = None  # or: a boolean column of the catalog, true where a list may hold the item
+    # (null: not recommendable)
+    blocked: str | None = None  # items no list may hold, for every user and mode: a parquet of item ids (column
+    # item_id); ids the catalog lacks are counted, not fatal
+    blocked_items: list[int] = field(default_factory=list)  # more item ids no list may hold (with blocked)
     output: str = ""  # output root (local folder or s3://bucket/prefix)
-    run_date: str = ""  # YYYY-MM-DD; default: today (UTC)
+    run_date: str = ""  # YYYY-MM-DD; default: today (UTC). {run_date} in input, catalog, recommendable, blocked and
+    # output is filled with it before anything is read
     duplicate_items: str = (
         "first"  # catalog items sharing a semantic ID: first (keep the first, report the rest) | error
     )
@@ -148,7 +158,36 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
     if not cfg.run_date:
         cfg.run_date = dt.datetime.now(dt.UTC).date().isoformat()
     validate(cfg)
+    return fill_dates(cfg)
+
+
+DATED = ("input", "catalog", "recommendable", "blocked", "output")  # the paths {run_date} may appear in
+PLACEHOLDER = re.compile(r"\{([^{}/]*)\}")
+
+
+def fill_dates(cfg: Config) -> Config:
+    """The paths of DATED with {run_date} filled from cfg.run_date; any other {placeholder} is an error naming it."""
+    for name in DATED:
+        uri = getattr(cfg, name)
+        for found in PLACEHOLDER.findall(uri or ""):
+            _need(found == "run_date", name, "may hold the placeholder {run_date} only", uri)
+        if uri:
+            setattr(cfg, name, uri.replace("{run_date}", cfg.run_date))
     return cfg
+
+
+def scheduled_date(job_id: str) -> str:
+    """The day a RayCronJob scheduled its RayJob, from the job's submission id (RAY_JOB_SUBMISSION_ID in KubeRay's
+    submitter): KubeRay (>= 1.7) names the RayJob `<cron name>-<minutes since the epoch>` and its submission id
+    `<RayJob name>-<5 characters>` -> YYYY-MM-DD (UTC). The same for every retry of that RayJob, and for a tick
+    caught up after an operator outage."""
+    m = re.fullmatch(r".+-(\d{1,12})-[a-z0-9]+", job_id or "")
+    if m is None:
+        raise ValueError(
+            f"--run-date-of {job_id!r}: not a RayCronJob's RayJob submission id (<name>-<minutes since the epoch>-"
+            "<suffix>, KubeRay >= 1.7)"
+        )
+    return dt.datetime.fromtimestamp(int(m[1]) * 60, dt.UTC).date().isoformat()
 
 
 def env_storage() -> Storage:
@@ -231,6 +270,10 @@ def _typed(value, kind: str, name: str):
         raise ValueError(f"config: {name} must be set")
     kinds = [k.strip() for k in kind.split("|") if k.strip() != "None"]
     base = "str" if isinstance(value, str) and "str" in kinds else kinds[0]
+    if base == "list[int]":
+        integers = isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        _need(integers, name, "must be a list of integers", value)
+        return value
     if isinstance(value, dt.date) and base == "str":
         return value.isoformat()  # YAML reads 2026-11-21 as a date
     ok = {
@@ -262,10 +305,25 @@ def _need(cond: bool, name: str, what: str, value) -> None:
 
 def _check_sources(cfg: Config) -> None:
     """What the run reads and writes: the input, catalog and output URIs, the run date, the models."""
-    for name in ("input", "catalog", "output"):
+    for name in ("input", "catalog", "output", "recommendable", "blocked"):
         uri = getattr(cfg, name)
+        if uri is None:
+            continue
         _need(bool(uri), name, "must be set (a local path or an s3:// URI)", uri)
         _need("://" not in uri or uri.startswith("s3://"), name, "must be a local path or an s3:// URI", uri)
+    _need(
+        not (cfg.recommendable and cfg.recommendable_column),
+        "recommendable_column",
+        f"names the recommendable set in the catalog, and recommendable ({cfg.recommendable}) names a file: set one",
+        cfg.recommendable_column,
+    )
+    column = cfg.recommendable_column
+    _need(
+        column is None or column not in ("item_id", "semantic_id"),
+        "recommendable_column",
+        "must be a boolean column of the catalog",
+        column,
+    )
     try:
         dt.date.fromisoformat(cfg.run_date)
     except ValueError:

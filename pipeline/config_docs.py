@@ -58,7 +58,9 @@ def field_comments(cls) -> dict[str, str]:
 def default_of(f) -> object:
     if f.default is not MISSING:
         return f.default
-    return "(section)" if f.default_factory is not MISSING and is_dataclass(f.default_factory) else None
+    if f.default_factory is MISSING:
+        return None
+    return "(section)" if is_dataclass(f.default_factory) else f.default_factory()
 
 
 def cell(value) -> str:
@@ -86,7 +88,7 @@ def section_table(prefix: str, cls, given: dict) -> str:
             continue
         name = f"{prefix}.{f.name}" if prefix else f.name
         example = given.get(name, default_of(f))
-        shown = "—" if example in ("", None) else f"`--set {name}={cell(example)[1:-1]}`"
+        shown = "—" if example in ("", None, []) else f"`--set {name}={cell(example)[1:-1]}`"
         meaning = notes.get(f.name, "").replace("|", "\\|")
         kind = str(f.type).replace("|", "or")
         rows.append(f"| `{name}` | {kind} | {cell(default_of(f))} | {meaning} | {shown} |")

@@ -40,6 +40,7 @@ from operators.spec import ActorSpec
 from pipeline import cluster, runs, shards, units
 from pipeline import storage as S
 from pipeline.config import Compute, Config, Runs
+from pipeline.items import Items, ItemsRef, Sources, read_items
 from pipeline.lease import Lease, LeaseLost
 from pipeline.models import compile_store
 
@@ -47,16 +48,6 @@ log = logging.getLogger("genrec.nightly")
 RESUME_FREE_COMPUTE = ("num_actors", "cpus_per_actor", "threads_per_actor", "batches_per_task", "order_by_length")
 # ^ not in the rows: how the users are cut into shards and slices, never what a user gets
 NODE_POLL_S = 2.0  # how often the driver compares the alive nodes with the last look
-
-
-def read_catalog(cfg: Config) -> pa.Table:
-    """The catalog table, read once per run by the driver (the actors get it in their ActorSpec)."""
-    if not S.exists(cfg.catalog, cfg.storage):
-        raise FileNotFoundError(f"catalog {cfg.catalog} not found")
-    try:
-        return S.read_parquet(cfg.catalog, cfg.storage)
-    except (OSError, pa.ArrowInvalid) as e:
-        raise ValueError(f"catalog {cfg.catalog}: cannot be read as parquet ({e})") from None
 
 
 def open_input(cfg: Config) -> tuple[pads.Dataset, object, str]:
@@ -139,15 +130,16 @@ def fetch_model(uri: str, cache_dir: str, storage) -> str:
     return str(S.local_model_dir(uri, cache_dir, storage))
 
 
-def actor_spec(cfg: Config, run_id: str, catalog: pa.Table, template: PromptTemplate) -> ActorSpec:
-    """What every actor gets: the model URIs and how to fetch them on its node, the catalog read once, the prompt
-    template, the decoding settings."""
+def actor_spec(cfg: Config, run_id: str, items: Items, template: PromptTemplate) -> ActorSpec:
+    """What every actor gets: the model URIs and how to fetch them on its node, the items read once (the index and
+    which of its items a list may hold), the prompt template, the decoding settings."""
     m = cfg.models
     return ActorSpec(
         run_id=run_id,
         target=m.target,
-        catalog=catalog,
+        catalog=items.table,
         catalog_name=cfg.catalog,
+        recommendable=items.served,
         decoding=cfg.decoding,
         template=template,
         on_duplicate=cfg.duplicate_items,
@@ -168,6 +160,12 @@ def actor_spec(cfg: Config, run_id: str, catalog: pa.Table, template: PromptTemp
         compile_store=compile_store(cfg),
         warm_users=cfg.compute.decode_batch or cfg.compute.batch_size,
     )
+
+
+def direct_spec(cfg: Config) -> ActorSpec:
+    """The spec of the config's actor for a recommender built in this process (the benchmarks' direct calls)."""
+    items = read_items(Sources.of(cfg), cfg.storage, record=False)
+    return actor_spec(cfg, "direct", items, resolve_template(cfg, resolve_models(cfg)))
 
 
 class Clock:
@@ -191,7 +189,7 @@ class Plan:
     data: pads.Dataset
     fs: object  # the input's filesystem
     units: list[units.Unit]
-    catalog: pa.Table
+    items: Items  # the item index, the recommendable set and the block list
     models: dict
     spec: ActorSpec  # run_id set when the run starts
     inputs: Inputs
@@ -201,7 +199,7 @@ class Plan:
     @property
     def fingerprint(self) -> str:
         """What a resume must find unchanged: the config (but `runs`), the input's row groups and the content of the
-        input files, the catalog and the models."""
+        input files, the catalog, the recommendable set, the block list and the models."""
         return hashlib.sha256(json.dumps([self.config, self.identity], default=str).encode()).hexdigest()
 
     @property
@@ -221,6 +219,12 @@ class Plan:
         ]
         out += ["the input's row groups"] * (old.get("row_groups") != new["row_groups"])
         out += [f"the catalog {self.cfg.catalog}"] * (old.get("catalog") != new["catalog"])
+        sources = Sources.of(self.cfg)
+        out += [
+            f"the {what} items ({sources.named(what)})"
+            for what in ("recommendable", "blocked")
+            if (old.get("items") or {}).get(what) != new["items"][what]
+        ]
         out += [
             f"models.{r} {getattr(self.cfg.models, r)}"
             for r in sorted(set(old.get("models", {})) | set(new["models"]))
@@ -244,35 +248,61 @@ def resume_config(config: dict) -> dict:
     return json.loads(json.dumps(out, default=str))
 
 
-def content_identity(cfg: Config, data: pads.Dataset, fs, plan_units: list, models: dict) -> dict:
+def content_identity(cfg: Config, data: pads.Dataset, fs, plan_units: list, models: dict, items: Items) -> dict:
     """Each input file's content identity (S3: ETag and size; locally the sha256 of its bytes), the input's row groups,
-    the catalog's identity and every model's sha256."""
+    the catalog's identity, the recommendable set's and the block list's (sha256 of their ids) and every model's
+    sha256."""
     cat_fs, cat_path = S.filesystem(cfg.catalog, cfg.storage)
     rows = [(u.path, u.row_group, u.rows) for u in plan_units]
     return {
         "input": {f: S.content_id(f, fs, cfg.storage) for f in sorted(data.files)},
         "row_groups": hashlib.sha256(json.dumps(rows).encode()).hexdigest(),
         "catalog": S.content_id(cat_path, cat_fs, cfg.storage),
+        "items": items.identity,
         "models": {role: m["sha256"] for role, m in models.items()},
     }
 
 
 def plan_run(cfg: Config) -> Plan:
-    """Every check that needs no Ray: credentials, input, catalog, models, template, the actor's own checks, the output
-    store's conditional writes (`S.check_conditional_writes`). A missing
-    input, catalog or model raises FileNotFoundError naming it ("... not found")."""
-    for uri in (cfg.output, cfg.input, cfg.catalog):
-        S.check_access(uri, cfg.storage)
+    """Every check that needs no Ray: credentials, input, the items (catalog, recommendable set, block list), models,
+    template, the actor's own checks, the output store's conditional writes (`S.check_conditional_writes`). A missing
+    input, catalog, item set or model raises FileNotFoundError naming it ("... not found")."""
+    for uri in (cfg.output, cfg.input, cfg.catalog, cfg.recommendable, cfg.blocked):
+        if uri:
+            S.check_access(uri, cfg.storage)
     data, fs, _ = open_input(cfg)
-    catalog = read_catalog(cfg)
+    items = read_items(Sources.of(cfg), cfg.storage)
+    log_items(items.info)
     models = resolve_models(cfg)
-    spec = actor_spec(cfg, "", catalog, resolve_template(cfg, models))
+    spec = actor_spec(cfg, "", items, resolve_template(cfg, models))
     inputs = prepare(spec)  # what an actor would refuse fails here, before any work
     plan_units, clock = units.plan_units(data), Clock()
     with clock.phase("input_identity"):
-        identity = content_identity(cfg, data, fs, plan_units, models)
+        identity = content_identity(cfg, data, fs, plan_units, models, items)
     S.check_conditional_writes(cfg.output, cfg.storage)  # what the lease and _LATEST rest on, before the lease
-    return Plan(cfg, data, fs, plan_units, catalog, models, spec, inputs, identity, clock.seconds["input_identity_s"])
+    return Plan(cfg, data, fs, plan_units, items, models, spec, inputs, identity, clock.seconds["input_identity_s"])
+
+
+def log_items(info: dict) -> None:
+    """One line on what the lists are drawn from; a warning for ids of the recommendable set or the block list that
+    the item index lacks (counted in the manifest, not fatal)."""
+    log.info(
+        "items: %d in the index %s; %d recommendable, %d blocked, %d not recommendable",
+        info["items"],
+        info["uri"],
+        info["recommendable"],
+        info["blocked"],
+        info["not_recommendable"],
+    )
+    for name in ("recommendable_set", "block_list"):
+        part = info[name]
+        if part["unknown_ids"]:
+            log.warning(
+                "%s %s: %d ids the item index lacks (no semantic ID: never recommended); counted in the manifest",
+                name.replace("_", " "),
+                part["source"],
+                part["unknown_ids"],
+            )
 
 
 def run_nightly(cfg: Config, resume: str | None = None, plan: Plan | None = None) -> dict:
@@ -545,16 +575,17 @@ def recommend(ds, plan: Plan, a: Attempt):
         shards.ShardRecommender,
         batch_size=c.batch_size,
         batch_format="pyarrow",
-        fn_constructor_kwargs={  # small, inline: the catalog is read by each actor (shards.CatalogRef)
+        fn_constructor_kwargs={  # small, inline: the items are read by each actor (items.ItemsRef)
             "spec": replace(
                 plan.spec,
                 run_id=a.run_id,
                 catalog=None,
+                recommendable=None,
                 users_per_actor=-(-a.left // a.pool.initial),
                 target_sha256=plan.identity["models"]["target"],
                 **engine_auto_inputs(plan, a),
             ),
-            "catalog": shards.CatalogRef(cfg.catalog, plan.identity["catalog"]),
+            "items": ItemsRef(Sources.of(cfg), plan.identity["catalog"], plan.items.identity),
             "run": a.run,
             "storage": cfg.storage,
             "attempt": a.id,
@@ -644,15 +675,16 @@ def manifest_of(plan: Plan, a: Attempt, files: dict, sums: dict, timings: dict) 
     }
 
 
-COUNTS = ("users_ok", "users_rejected", "users_non_finite", "recommendations", "batches", "decode_batch")  # tallied
+COUNTS = ("users_ok", "users_short", "users_rejected", "users_non_finite", "recommendations", "batches", "decode_batch")
 
 
 def catalog_info(plan: Plan) -> dict:
-    """The manifest's `catalog`: its items, those indexed, and the duplicate-semantic-ID policy with the items it
-    dropped."""
+    """The manifest's `catalog`: the item index, the recommendable set and the block list (`items.describe`: sources,
+    sizes, content hashes, the index's partition into recommendable, blocked and not recommendable items), the items
+    the constraint index holds, and the duplicate-semantic-ID policy with the items it dropped."""
     catalog = plan.inputs.catalog
     return {
-        "items": plan.catalog.num_rows,
+        **{key: value for key, value in plan.items.info.items() if key != "sets"},
         "indexed": len(catalog),
         "duplicates": {
             "policy": plan.cfg.duplicate_items,

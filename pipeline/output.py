@@ -87,6 +87,7 @@ def describe(run: PublishedRun) -> str:
         f"mode      {m['config']['decoding']['mode']}   k {m['config']['decoding']['k']}   "
         f"engine {m.get('engine', {}).get('name', '?')}",
         *(f"{role:<9} {info['uri']}  sha256 {info['sha256'][:12]}" for role, info in m.get("models", {}).items()),
+        *items_lines(m.get("catalog", {})),
         "counts    " + "   ".join(f"{k} {v:,}" for k, v in counts.items() if isinstance(v, int)),
         f"time      {m.get('timings', {}).get('total_s', float('nan')):.1f} s",
     ]
@@ -94,3 +95,20 @@ def describe(run: PublishedRun) -> str:
         files = run.files(table)
         lines += [f"{table} ({len(files)} files)", *(f"  {f}" for f in files)]
     return "\n".join(lines)
+
+
+def items_lines(info: dict) -> list[str]:
+    """`describe`'s lines on the items a run served from (the manifest's `catalog`): the index, the recommendable set
+    and the block list, their sizes and content hashes, the index's partition."""
+    if "recommendable" not in info:  # a run that recorded only the catalog's size
+        return [f"items     {info['items']:,} in the catalog"] if "items" in info else []
+    rec, block = info["recommendable_set"], info["block_list"]
+    return [
+        f"items     {info['items']:,} in the index {info['uri']}  sha256 {info['sha256'][:12]}",
+        f"          {info['recommendable']:,} recommendable, {info['blocked']:,} blocked, "
+        f"{info['not_recommendable']:,} not recommendable",
+        f"          recommendable set {rec['source']}: {rec['items']:,} items  sha256 {rec['sha256'][:12]}"
+        + (f"  ({rec['unknown_ids']:,} ids not in the index)" if rec["unknown_ids"] else ""),
+        f"          block list {block['source']}: {block['ids']:,} ids  sha256 {block['sha256'][:12]}"
+        + (f"  ({block['unknown_ids']:,} ids not in the index)" if block["unknown_ids"] else ""),
+    ]

@@ -30,6 +30,7 @@ from operators.spec import ActorSpec
 from pipeline import runs
 from pipeline import storage as S
 from pipeline.config import Storage
+from pipeline.items import ItemsRef
 from pipeline.units import merge
 
 DUPLICATE = ("duplicate_user", "user_id appears more than once; the first row is kept")
@@ -49,6 +50,7 @@ METRIC_SCHEMA = pa.schema(
         ("k", _INT),
         ("users_in", _INT),
         ("users_ok", _INT),
+        ("users_short", _INT),  # of them, users whose list holds fewer than k items (fewer are left to them)
         ("users_rejected", _INT),
         ("users_non_finite", _INT),
         ("users_duplicate", _INT),
@@ -146,7 +148,7 @@ def attempt_shards(run: str, storage: Storage, trusted: list[str], attempt: str)
     return sorted(set(trusted) | set(own))
 
 
-SUMS = ("users_in", "users_ok", "users_rejected", "users_non_finite", "recommendations")
+SUMS = ("users_in", "users_ok", "users_short", "users_rejected", "users_non_finite", "recommendations")
 TIMES = ("actor_ready_at", "committed_at")  # epoch seconds
 TALLIED = [*SUMS, "actor", "batch", "auto", "decode_batch", *TIMES, "dtype", *AUDIT, "audit_max_abs_score_diff"]
 TALLIED += ["audit_device", "audit_skipped"]
@@ -274,34 +276,14 @@ def precision_audit(dtypes: list[str], audit: dict, worst: list[float], notes: d
     }
 
 
-@dataclass(frozen=True)
-class CatalogRef:
-    """The catalog as an actor finds it: its URI and the content identity the driver read. The actor reads it itself,
-    so its constructor arguments stay small and travel inline, never through an object store that a lost node can
-    take with it (ray#53727: a restarted actor whose arguments are lost cannot start)."""
-
-    uri: str
-    content_id: str
-
-    def read(self, storage: Storage) -> pa.Table:
-        """The catalog, refused (ValueError) unless it is still the one the run started with."""
-        table = S.read_parquet(self.uri, storage)
-        fs, path = S.filesystem(self.uri, storage)
-        found = S.content_id(path, fs, storage)
-        if found != self.content_id:
-            raise ValueError(
-                f"catalog {self.uri} changed during the run (was {self.content_id}, now {found}): rerun the date"
-            )
-        return table
-
-
 class ShardRecommender:
     """The actor of the graph: each batch it gets is one shard (named by its first position). Duplicate rows go to
     rejects, the rest to the Recommender; the actor writes the shard itself (no output rows cross the object store)
     and returns one summary row for the driver's progress."""
 
-    def __init__(self, spec: ActorSpec, catalog: CatalogRef, run: str, storage: Storage, attempt: str):
-        spec = replace(spec, catalog=catalog.read(storage))
+    def __init__(self, spec: ActorSpec, items: ItemsRef, run: str, storage: Storage, attempt: str):
+        got = items.read(storage)
+        spec = replace(spec, catalog=got.table, recommendable=got.served)
         self.recommender, self.run, self.storage, self.attempt = Recommender(spec), run, storage, attempt
         self.written: dict[str, dict] = {}  # shard -> its summary row: the batches this actor committed
         self.gave_up: dict[str, int] = {}  # shard -> its StoreUnavailable errors on this actor

@@ -108,6 +108,31 @@ Choosing:
 
 A GPU shared by several actors (`compute.gpus_per_actor` below 1) gives each the memory the others leave: the
 estimate uses the free memory when the actor starts decoding.
+
+## The items
+
+Every actor holds two things per item ([nightly.md](nightly.md#catalog-recommendable-and-blocked-items)):
+
+- **the item map** of the whole item index (`catalog`), which prompts are rendered from: 8 + 4 L bytes per item (L
+  codes per item), on the host;
+- **the constraint index** over the recommendable items less the blocked ones: the items' code tokens, sorted, and
+  their trie as CSR arrays, on the actor's device (a GPU actor's GPU): 8 + 8 L + 32 G / N bytes per item, G / N the
+  trie's nodes per item (1.6 to 2 for 4 levels of 256 codes), and 16 + 8 G / N more once per-user exclusions are
+  used.
+
+The catalog table itself is read once per actor (its `item_id` and `semantic_id` only), parsed and dropped, and the
+build's temporaries are handed back to the operating system. Measured by `python -m jobs.bench items` on the
+2-core development VM (4 levels of 256 codes, a recommendable set of 95% of the items; medians of 3 runs, each in a
+fresh process):
+
+| items | index build, s | actor start, peak RSS | a CPU actor holds after |
+|---:|---:|---:|---:|
+| 2,000,000 | 1.4 | 0.9 GiB | 0.24 GiB |
+| 20,000,000 | 19 (21.6 over the recommendable set) | 6.6 GiB | 2.1 GiB (112 bytes per item) |
+
+A CPU actor holds about 120 bytes per item: the constraint index and the item map. A GPU actor holds the item map
+alone on the host (24 bytes per item at L = 4: 0.5 GiB at 20M items) and the index on its GPU (about 90 bytes per
+item). The peak is the build's, at the actor's start: size a node's host memory for its actors starting together.
 """
 
 

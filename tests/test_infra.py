@@ -314,16 +314,37 @@ def test_the_nightly_reads_its_config_from_a_configmap_mounted_where_the_driver_
         assert made in path.read_text(), path
 
 
-def test_raycronjob_runs_the_rayjob_spec_with_the_date_from_the_driver():
+def test_raycronjob_runs_the_rayjob_spec_for_its_scheduled_date():
+    """The RayCronJob's RayJob is rayjob-nightly.yaml's, its run date the scheduled day: KubeRay's submitter runs the
+    entrypoint unquoted in `bash -ce` with RAY_JOB_SUBMISSION_ID = <cron name>-<scheduled minute>-<5 characters>,
+    and `--run-date-of` turns it into run_date, whatever day the RayJob (or its retry) starts."""
+    from jobs.nightly import parse_args
+    from pipeline.config import scheduled_date
+
     (rayjob,) = yaml_docs(INFRA / "kuberay" / "rayjob-nightly.yaml")
     (cron,) = yaml_docs(INFRA / "kuberay" / "raycronjob-nightly.yaml")
     name, template = cron["metadata"]["name"], cron["spec"]["jobTemplate"]
     assert DNS1035.fullmatch(name) and len(name) <= 36  # KubeRay 1.7: <name>-<minutes> is a valid RayJob name
-    assert cron["spec"]["timeZone"] == "Etc/UTC"
+    assert cron["spec"]["timeZone"] == "Etc/UTC" and template["submissionMode"] == "K8sJobMode"
     entrypoint = template.pop("entrypoint")
-    assert "run_date" not in entrypoint and "--resume latest" in entrypoint  # pipeline/config.py: today, UTC
-    assert entrypoint == rayjob["spec"]["entrypoint"].replace(" --set run_date=__RUN_DATE__", "")
+    dated = '--run-date-of "$RAY_JOB_SUBMISSION_ID"'
+    assert entrypoint == rayjob["spec"]["entrypoint"].replace("--set run_date=__RUN_DATE__", dated)
     assert template == {k: v for k, v in rayjob["spec"].items() if k != "entrypoint"}
+    tick = dt.datetime(2026, 11, 26, 2, 0, tzinfo=dt.UTC)
+    job_id = f"{name}-{int(tick.timestamp()) // 60}-x7k2q"
+    out = subprocess.run(
+        ["/bin/bash", "-ce", "--", "printf '%s\\0' " + entrypoint],
+        env={"RAY_JOB_SUBMISSION_ID": job_id},
+        capture_output=True,
+        check=True,
+    )
+    argv = out.stdout.decode().split("\0")[:-1]
+    assert argv[:3] == ["python", "-m", "jobs.nightly"]
+    assert scheduled_date(parse_args(argv[3:]).run_date_of) == "2026-11-26"
+    assert scheduled_date(f"{name}-{int(tick.timestamp()) // 60 + 22 * 60}-abcde") == "2026-11-27"  # 00:00 next day
+    for bad in ("", "genrec-nightly-manual", f"{name}-x7k2q", "raysubmit_7Hh1k"):
+        with pytest.raises(ValueError, match="not a RayCronJob's RayJob submission id"):
+            scheduled_date(bad)
 
 
 def launcher_script() -> str:

@@ -12,12 +12,14 @@ import torch
 from decoding.stats import BASE_KEYS, PHASES
 from operators.prompts import Prompts
 from operators.recommender import (
+    NO_ITEMS,
     NON_FINITE,
     TABLES,
     Decoded,
     batch_counts,
     decoder_metrics,
     length_order,
+    no_items_rejects,
     non_finite_rejects,
     output_schema,
     output_table,
@@ -56,13 +58,26 @@ def test_non_finite_rejects_name_each_broken_user():
     assert none.num_rows == 0 and none.schema == table_schema("reject", pa.int64())
 
 
+def test_users_left_with_no_item_are_rejected_not_listed():
+    items = np.array([[7, 8, 9], [-1, -1, -1], [-1, -1, -1], [4, -1, -1]], np.int64)  # u2 broken, u3 nothing left
+    broken = np.array([False, True, False, False])
+    users = pa.array(["u1", "u2", "u3", "u4"])
+    rejects = no_items_rejects(users, items, broken)
+    assert rejects.schema == table_schema("reject", pa.string())
+    assert rejects.to_pydict() == {"user_id": ["u3"], "reason": ["no_items"], "detail": [NO_ITEMS]}
+    mask = torch.ones(4, 2, dtype=torch.int64)
+    counts = batch_counts(4, items, broken, 2, 4, Prompts(torch.zeros_like(mask), mask), 0)
+    assert counts["users_ok"] == 2 and counts["users_short"] == 1  # u1 whole, u4 one item of three
+
+
 def test_batch_counts():
     mask = torch.tensor([[0, 1, 1], [1, 1, 1], [0, 0, 1]])  # [U, S]: 6 rendered tokens
     prompts = Prompts(torch.zeros_like(mask), mask)
-    counts = batch_counts(5, BROKEN, rejected=3, recommendations=5, prompts=prompts, prefix_len=4)
+    counts = batch_counts(5, ITEMS, BROKEN, rejected=3, recommendations=5, prompts=prompts, prefix_len=4)
     assert counts == {
         "users_in": 5,
         "users_ok": 2,
+        "users_short": 1,  # u3: two items of k = 3
         "users_rejected": 3,
         "recommendations": 5,
         "prompt_tokens": 6 + 3 * 4,

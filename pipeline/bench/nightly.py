@@ -58,13 +58,13 @@ def direct_recommender(cfg) -> tuple:
     """The recommender the config's actor would be, built in this process, and the input's batches
     (compute.batch_size rows each) -> (recommender, [pyarrow.Table])."""
     from operators.recommender import Recommender
-    from pipeline.nightly import actor_spec, open_input, read_catalog, resolve_models, resolve_template
+    from pipeline.nightly import direct_spec, open_input
 
     data, _, _ = open_input(cfg)
     table = data.to_table(columns=["user_id", "history"])
     size = cfg.compute.batch_size
     batches = [table.slice(a, size) for a in range(0, table.num_rows, size)]
-    actor = Recommender(actor_spec(cfg, "direct", read_catalog(cfg), resolve_template(cfg, resolve_models(cfg))))
+    actor = Recommender(direct_spec(cfg))
     return actor, batches
 
 

@@ -123,6 +123,19 @@ class NightlyParams:
 
 
 @dataclass
+class DelistedParams:
+    """`bench delisted`: the nightly of `config` twice with a random `fraction` of the catalog's items delisted:
+    taken out of the catalog, and left out of the recommendable set."""
+
+    config: str  # the nightly YAML (default: the demo's)
+    overrides: list[str] = field(default_factory=list)  # KEY=VALUE, as `jobs.nightly --set`
+    fraction: float = 0.05
+    seed: int = 0
+    cpus: int = 2  # CPUs of the local Ray
+    out: str = "bench-out"
+
+
+@dataclass
 class ScaleParams:
     """`bench nightly-scale`: the nightly job on `users` synthetic users (each size a whole run in its own driver
     process) with a tiny random model, against the recommender called directly on `direct_batches` batches,
@@ -178,6 +191,20 @@ class ShapesParams:
     device: str | None = None
     seed: int = 0
     methods: list[str] = field(default_factory=lambda: ["beam_search", "transformers"])  # and beam_search_compiled
+
+
+@dataclass(kw_only=True)
+class ItemsParams:
+    """`bench items`: the constraint index over a synthetic catalog of each of `sizes` items (levels x codes) and over
+    a recommendable set of a `recommendable` share of them, and what an actor holds for them; each in a fresh
+    process, `repeats` times interleaved."""
+
+    sizes: list[int] = field(default_factory=lambda: [100_000, 2_000_000])
+    recommendable: float = 0.95
+    levels: int = 4
+    codes: int = 256
+    repeats: int = 3
+    out: str = "bench-out"
 
 
 @dataclass(kw_only=True)

@@ -161,10 +161,10 @@ def direct_users_per_s(p: ScaleParams, root: Path) -> list[float]:
     gives an actor of one CPU (after one warm-up batch), `direct_repeats` times -> users/s of each."""
     from operators.recommender import Recommender
     from pipeline.config import load_config
-    from pipeline.nightly import actor_spec, read_catalog, resolve_models, resolve_template
+    from pipeline.nightly import direct_spec
 
     cfg = load_config(None, overrides(p, root))
-    actor = Recommender(actor_spec(cfg, "direct", read_catalog(cfg), resolve_template(cfg, resolve_models(cfg))))
+    actor = Recommender(direct_spec(cfg))
     table = pq.ParquetFile(root / "data" / "test.parquet").read_row_group(0, columns=["user_id", "history"])
     batches = [table.slice(a * p.batch, p.batch) for a in range(p.direct_batches + 1)]
     with torch_threads(1):

@@ -73,6 +73,20 @@ BENCHES = {
         "scale:markdown_scale",
         CPU,
     ),
+    "items": Section(
+        P.ItemsParams,
+        "the constraint index over a catalog and a recommendable subset, and an actor's items: seconds, bytes per item",
+        "items:run_items",
+        "items:markdown_items",
+        CPU,
+    ),
+    "delisted": Section(
+        P.DelistedParams,
+        "a night with items delisted: taken out of the catalog against left out of the recommendable set",
+        "delisted:run_delisted",
+        "delisted:markdown_delisted",
+        CPU,
+    ),
     "shapes": Section(
         P.ShapesParams,
         "beam_search vs transformers over vocabulary x prompt x K, users/s and working memory",

@@ -1,0 +1,248 @@
+"""The items a run serves from: the item index, the recommendable set and the block list, one meaning each.
+
+- `catalog`, the item index: every item a history may name, with its semantic ID (tonight's items and every earlier
+  one users still hold; it typically only grows). Prompts render from it, whether an item is recommendable or not;
+  only an item it lacks makes a row `unknown_item`.
+- The recommendable set: the items a list may hold. `recommendable` names a parquet of item ids (column `item_id`),
+  `recommendable_column` a boolean column of the catalog (null: not recommendable); neither: every catalog item. Ids
+  the index lacks have no semantic ID, so they cannot be recommended: counted, not fatal.
+- The block list: items no list may hold, whatever the set says (legal, safety, a brand's request): a parquet of item
+  ids (`blocked`) and ids in the config (`blocked_items`). Ids the index lacks are counted, not fatal.
+
+The constraint index (decoding.catalog.Catalog) is built over the recommendable items less the blocked ones, so every
+decoder and engine keeps to them exactly, as if the catalog held nothing else. The driver reads the three once
+(`read_items`) for its checks, the manifest and a resume's identity; each actor reads them again itself (`ItemsRef`:
+small, inline constructor arguments) and refuses any whose content changed since the driver read it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from decoding.catalog import argsort_ids
+from decoding.codes import format_rows, semantic_id_matrix
+from pipeline import storage as S
+from pipeline.config import Config, Storage
+from pipeline.prepare.splits import sorted_unique
+
+INDEX_COLUMNS = ["item_id", "semantic_id"]  # what the run reads of the catalog (its other columns stay unread)
+
+
+@dataclass
+class Items:
+    """The run's items as read: the index table and which of its rows a list may hold."""
+
+    table: pa.Table  # item_id, semantic_id: the item index, every row
+    served: np.ndarray | None  # [N] bool over the table's rows: recommendable and not blocked (None: every row)
+    info: dict  # the manifest's record of them (`describe`)
+
+    @property
+    def identity(self) -> dict:
+        """What a resume must find unchanged beside the catalog file: the recommendable set's and the block list's
+        contents ({"recommendable": sha256, "blocked": sha256} of their ids)."""
+        return self.info["sets"]
+
+
+@dataclass(frozen=True)
+class ItemsRef:
+    """The run's items as an actor finds them: where they are and the content the driver read. The actor reads them
+    itself, so its constructor arguments stay small and travel inline, never through an object store that a lost
+    node can take with it (ray#53727: a restarted actor whose arguments are lost cannot start)."""
+
+    sources: Sources
+    catalog_id: str  # the catalog file's content identity (S.content_id)
+    identity: dict = field(default_factory=dict)  # Items.identity as the driver read it
+
+    def read(self, storage: Storage) -> Items:
+        """The items, refused (ValueError) unless each is still what the run started with."""
+        items = read_items(self.sources, storage, record=False)
+        fs, path = S.filesystem(self.sources.catalog, storage)
+        found = S.content_id(path, fs, storage)
+        if found != self.catalog_id:
+            raise ValueError(
+                f"catalog {self.sources.catalog} changed during the run (was {self.catalog_id}, now {found}): "
+                "rerun the date"
+            )
+        for name, sha in items.identity.items():
+            if sha != self.identity.get(name):
+                raise ValueError(
+                    f"the {name} items ({self.sources.named(name)}) changed during the run (sha256 was "
+                    f"{self.identity.get(name)}, now {sha}): rerun the date"
+                )
+        return items
+
+
+@dataclass(frozen=True)
+class Sources:
+    """Where the run's items come from (the config's fields, `{run_date}` filled)."""
+
+    catalog: str
+    recommendable: str | None = None
+    recommendable_column: str | None = None
+    blocked: str | None = None
+    blocked_items: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, cfg: Config) -> Sources:
+        return cls(cfg.catalog, cfg.recommendable, cfg.recommendable_column, cfg.blocked, tuple(cfg.blocked_items))
+
+    def named(self, what: str) -> str:
+        """The source of the recommendable set or the block list, in words."""
+        if what == "recommendable":
+            if self.recommendable:
+                return self.recommendable
+            return f"column {self.recommendable_column} of {self.catalog}" if self.recommendable_column else "all"
+        given = [self.blocked] * bool(self.blocked) + [f"blocked_items ({len(self.blocked_items)})"] * bool(
+            self.blocked_items
+        )
+        return " + ".join(given) or "none"
+
+
+def read_items(src: Sources, storage: Storage, record: bool = True) -> Items:
+    """The index, the recommendable set and the block list -> Items (`record`: with the manifest's record, which
+    hashes the whole index; an actor needs only the sets' identity). A missing file raises FileNotFoundError naming
+    it; a file that is not parquet, or lacks its column, ValueError naming it. Sorts and binary searches: no set of
+    ids is hashed or sorted twice."""
+    table = read_catalog(src, storage)
+    ids = table.column("item_id").to_numpy().astype(np.int64)  # [N]
+    order = argsort_ids(ids)  # [N]: the ids in order, so that every lookup below is a merge
+    index = ids[order]  # [N] sorted (repeats are the catalog parser's to refuse)
+    unknown = 0  # ids of the recommendable set the index lacks
+    if src.recommendable_column:
+        listed = _column_mask(table, src.recommendable_column, src.catalog)  # [N]
+        table, in_set = table.select(INDEX_COLUMNS), index[listed[order]]
+    elif src.recommendable:
+        given = read_ids(src.recommendable, storage, "recommendable")  # [R] sorted, distinct
+        listed, known = np.empty(len(ids), bool), member(index, given)  # [N], [R]
+        listed[order] = member(given, index)
+        in_set, unknown = given[known], int((~known).sum())
+    else:
+        listed, in_set = np.ones(len(ids), bool), index
+    blocks = np.asarray(src.blocked_items, dtype=np.int64)
+    if src.blocked:
+        blocks = np.concatenate([blocks, read_ids(src.blocked, storage, "blocked")])
+    blocks = sorted_unique(blocks)  # [B]
+    blocked = member(blocks, ids)  # [N]
+    served = listed & ~blocked
+    sets = {"recommendable": ids_sha256(in_set), "blocked": ids_sha256(blocks)}
+    info = {"sets": sets}
+    if record:
+        unknown_blocks = int((~member(index, blocks)).sum())
+        info = describe(src, table, ids, listed, blocked, len(blocks), (unknown, unknown_blocks), sets)
+    return Items(table, None if served.all() else served, info)
+
+
+def member(sorted_ids: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """sorted_ids [M] (ascending), ids [N] -> [N] bool: each id is one of sorted_ids (a binary search each: fast when
+    ids are sorted too, or few)."""
+    if not len(sorted_ids):
+        return np.zeros(len(ids), bool)
+    at = np.minimum(np.searchsorted(sorted_ids, ids), len(sorted_ids) - 1)
+    return sorted_ids[at] == ids
+
+
+def read_catalog(src: Sources, storage: Storage) -> pa.Table:
+    """The catalog's item_id and semantic_id (and the recommendable column, when named); item ids integers, never
+    null (the index's other checks are the catalog parser's: decoding.catalog.Catalog.from_table)."""
+    columns = INDEX_COLUMNS + [c for c in [src.recommendable_column] if c and c not in INDEX_COLUMNS]
+    table = _read(src.catalog, storage, "catalog", columns)
+    ids = table.column("item_id")
+    if not pa.types.is_integer(ids.type):
+        raise ValueError(f"catalog {src.catalog}: column 'item_id' must hold integers, got {ids.type}")
+    if ids.null_count:
+        nulls = np.flatnonzero(ids.is_null().to_numpy(zero_copy_only=False))
+        raise ValueError(f"catalog {src.catalog}: column 'item_id' is null in rows {format_rows(nulls)}")
+    return table
+
+
+def read_ids(uri: str, storage: Storage, what: str) -> np.ndarray:
+    """A parquet file (or folder) of item ids, column `item_id` -> the distinct ids, sorted [M] int64."""
+    table = _read(uri, storage, what, ["item_id"])
+    ids = table.column("item_id")
+    if not pa.types.is_integer(ids.type):
+        raise ValueError(f"{what} {uri}: column 'item_id' must hold integer item ids, got {ids.type}")
+    if ids.null_count:
+        nulls = np.flatnonzero(ids.is_null().to_numpy(zero_copy_only=False))
+        raise ValueError(f"{what} {uri}: column 'item_id' is null in rows {format_rows(nulls)}")
+    return sorted_unique(ids.to_numpy().astype(np.int64))
+
+
+def _read(uri: str, storage: Storage, what: str, columns: list[str]) -> pa.Table:
+    if not S.exists(uri, storage):
+        raise FileNotFoundError(f"{what} {uri} not found")
+    try:
+        fs, path = S.filesystem(uri, storage)
+        schema = S.retrying(lambda: _schema(path, fs), storage, f"read the footer of {uri}")
+    except (OSError, pa.ArrowInvalid) as e:
+        raise ValueError(f"{what} {uri}: cannot be read as parquet ({e})") from None
+    missing = [c for c in columns if c not in schema.names]
+    if missing:
+        raise ValueError(f"{what} {uri}: missing column(s) {missing} (has {schema.names})")
+    try:
+        return S.read_parquet(uri, storage, columns)
+    except (OSError, pa.ArrowInvalid) as e:
+        raise ValueError(f"{what} {uri}: cannot be read as parquet ({e})") from None
+
+
+def _schema(path: str, fs) -> pa.Schema:
+    import pyarrow.dataset as pads
+
+    return pads.dataset(path, filesystem=fs, format="parquet").schema
+
+
+def _column_mask(table: pa.Table, column: str, source: str) -> np.ndarray:
+    """A boolean column of the catalog -> [N] bool (null: not recommendable)."""
+    values = table.column(column)
+    if not pa.types.is_boolean(values.type):
+        raise ValueError(f"catalog {source}: recommendable_column {column!r} must be boolean, got {values.type}")
+    return pc.fill_null(values, False).to_numpy(zero_copy_only=False).astype(bool)
+
+
+def ids_sha256(ids: np.ndarray) -> str:
+    """A set of item ids, sorted and distinct [M] -> the sha256 of them as little-endian int64: the set's content,
+    whatever file or order it came in."""
+    return hashlib.sha256(np.ascontiguousarray(ids, dtype="<i8").tobytes()).hexdigest()
+
+
+def index_sha256(table: pa.Table, ids: np.ndarray) -> str:
+    """The item index's content: its (item id, semantic ID) pairs, in item id order, as little-endian int64 ids and
+    int64 codes (the code count per item first)."""
+    order = np.argsort(ids, kind="stable")
+    codes = semantic_id_matrix(table, "catalog")[order]  # [N, L]
+    h = hashlib.sha256(np.int64(codes.shape[1]).astype("<i8").tobytes())
+    h.update(ids[order].astype("<i8").tobytes())
+    h.update(codes.astype("<i8").tobytes())
+    return h.hexdigest()
+
+
+def describe(src: Sources, table: pa.Table, ids, in_set, blocked, blocks: int, unknown: tuple, sets: dict) -> dict:
+    """The manifest's record of the run's items: the index (uri, items, sha256), the recommendable set and the block
+    list (source, size, sha256 of their ids, ids the index lacks: `unknown` of each) and the partition of the index:
+    `recommendable` (a list may hold them), `blocked` (in the recommendable set, removed by the block list),
+    `not_recommendable` (outside the set). ids [N], in_set [N], blocked [N]."""
+    return {
+        "uri": src.catalog,
+        "items": len(ids),
+        "sha256": index_sha256(table, ids),
+        "recommendable_set": {
+            "source": src.named("recommendable"),
+            "items": int(in_set.sum()),
+            "sha256": sets["recommendable"],
+            "unknown_ids": unknown[0],
+        },
+        "block_list": {
+            "source": src.named("blocked"),
+            "ids": blocks,
+            "sha256": sets["blocked"],
+            "unknown_ids": unknown[1],
+        },
+        "recommendable": int((in_set & ~blocked).sum()),
+        "blocked": int((in_set & blocked).sum()),
+        "not_recommendable": int((~in_set).sum()),
+        "sets": sets,
+    }

@@ -1,0 +1,283 @@
+"""The items a run serves from (pipeline/items.py): the item index renders every history, the recommendable set less
+the block list is all a list may hold, in every mode and engine, exactly as a catalog of those items alone would be;
+lists shorter than k where fewer items are left; dated paths; a resume refused when the sets changed."""
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from decoding.beam import beam_search
+from decoding.catalog import Catalog, Exclusions
+from decoding.disc import disc_sample
+from decoding.draws import UserDraws, user_seeds
+from decoding.models import load_model, load_tokenizer, tiny_model
+from decoding.speculative import speculative_beam_search
+from decoding.templates import PRESETS
+from operators.prompts import Renderer, catalog_probes
+from tests.helpers import assert_same_ranking, left_padded_prompts, random_catalog
+
+LENGTHS = [3, 11, 6, 17, 9, 4, 14, 8]  # 8 users, every prompt length different: left padding
+INDEX_KEYS = ("item_ids", "tokens", "node_ptr", "edge_tok", "edge_key", "leaf_count")
+
+
+@pytest.fixture(scope="module")
+def catalog():
+    return random_catalog(400, 4, 8, seed=11)
+
+
+def subset(cat: Catalog, keep: torch.Tensor) -> tuple[Catalog, Catalog]:
+    """The catalog's items with a recommendable mask keep [N] -> (its index over them, a catalog of them alone)."""
+    masked = Catalog.from_token_ids(cat.item_ids, cat.tokens, cat.vocab_size, recommendable=keep.numpy())
+    alone = Catalog.from_token_ids(cat.item_ids[keep], cat.tokens[keep], cat.vocab_size)
+    return masked, alone
+
+
+def test_the_index_over_the_recommendable_items_is_the_catalog_of_those_items_alone(catalog):
+    keep = torch.rand(len(catalog), generator=torch.Generator().manual_seed(0)) < 0.7
+    masked, alone = subset(catalog, keep)
+    for key in INDEX_KEYS:
+        assert torch.equal(getattr(masked, key), getattr(alone, key)), key
+    assert masked.level_start == alone.level_start and masked.max_children == alone.max_children
+    assert masked.item_tokens.lookup(catalog.item_ids.numpy())[1].all()  # every item still renders
+    assert not alone.item_tokens.lookup(catalog.item_ids[~keep].numpy())[1].any()
+    tokens, known = masked.item_tokens.lookup(catalog.item_ids.numpy())
+    assert known.all() and tokens.dtype == np.int64 and np.array_equal(tokens, catalog.tokens.numpy())
+    with pytest.raises(ValueError, match="none of the catalog's 400 items is recommendable"):
+        Catalog.from_token_ids(catalog.item_ids, catalog.tokens, catalog.vocab_size, recommendable=np.zeros(400, bool))
+    with pytest.raises(ValueError, match="recommendable has 3 entries but the catalog 400 items"):
+        Catalog.from_token_ids(catalog.item_ids, catalog.tokens, catalog.vocab_size, recommendable=np.ones(3, bool))
+
+
+def test_a_semantic_id_goes_to_its_first_recommendable_item():
+    """Items 7 and 5 share a semantic ID; 7 comes first but is not recommendable: 5 holds it, nothing is dropped."""
+    ids, tokens = torch.tensor([7, 3, 9, 5]), torch.tensor([[4, 6], [4, 7], [5, 6], [4, 6]])
+    cat = Catalog.from_token_ids(ids, tokens, 8, on_duplicate="first", recommendable=np.array([0, 1, 1, 1], bool))
+    assert cat.duplicates == [] and cat.lookup(torch.tensor([[4, 6]])).tolist() == [5]
+    both = Catalog.from_token_ids(ids, tokens, 8, on_duplicate="first")
+    assert both.duplicates == [(5, 7)]
+    with pytest.raises(ValueError, match=r"input rows \[3\] repeat rows \[0\]"):
+        Catalog.from_token_ids(ids, tokens, 8, recommendable=np.array([1, 0, 1, 1], bool))
+
+
+@pytest.mark.numerics
+def test_no_mode_or_engine_recommends_a_blocked_item(catalog, compile_cache):
+    """Block every user's unrestricted top-3 items and a random tenth: beam search (eager and compiled) and strict
+    speculation return exactly beam search over a catalog of the remaining items alone; relaxed speculation and DISC
+    draw only remaining items, each distinct, the same draws as over that catalog."""
+    model = tiny_model("qwen2", catalog.vocab_size, seed=3)
+    draft = tiny_model("qwen2", catalog.vocab_size, seed=4, num_hidden_layers=1)
+    ids, mask = left_padded_prompts(8, LENGTHS, catalog.vocab_size, seed=2)
+    top = beam_search(model, ids, mask, catalog, 3).item_ids
+    g = torch.Generator().manual_seed(1)
+    blocked = torch.cat([top.flatten(), catalog.item_ids[torch.rand(len(catalog), generator=g) < 0.1]])
+    keep = ~torch.isin(catalog.item_ids, blocked)
+    masked, alone = subset(catalog, keep)
+    ref = beam_search(model, ids, mask, alone, 5)
+    seeds = user_seeds(0, list(range(8)), ids.device)
+    for name, run in {
+        "beam": lambda c: beam_search(model, ids, mask, c, 5),
+        "compiled": lambda c: beam_search(model, ids, mask, c, 5, engine="compiled"),
+        "atspeed-strict": lambda c: speculative_beam_search(model, draft, ids, mask, c, 5, gamma=2),
+        "atspeed-relaxed": lambda c: speculative_beam_search(
+            model, draft, ids, mask, c, 5, verification="relaxed", generator=UserDraws(seeds)
+        ),
+        "disc": lambda c: disc_sample(model, ids, mask, c, 5, rounds=2, generator=UserDraws(seeds)),
+    }.items():
+        got, direct = run(masked), run(alone)
+        assert not torch.isin(got.item_ids, blocked).any(), name
+        assert ((got.item_ids >= 0).sum(1) == 5).all(), name
+        assert all(len(set(row.tolist())) == 5 for row in got.item_ids), name
+        assert torch.equal(got.item_ids, direct.item_ids), name  # an index over them is a catalog of them alone
+        if name in ("beam", "compiled", "atspeed-strict"):
+            assert_same_ranking(got.item_ids, got.scores, ref.item_ids, ref.scores)
+
+
+def test_the_items_are_read_with_their_sets_and_counts(tmp_path):
+    """read_items: the index whole, the recommendable set from a file or a boolean column, blocks from a file and the
+    config, ids the index lacks counted; the record partitions the index; bad files are named."""
+    from pipeline.config import Storage
+    from pipeline.items import Sources, ids_sha256, read_items
+
+    st = Storage()
+    ids = np.arange(100, 110)
+    codes = [[i % 3, i % 5] for i in range(10)]
+    listed = [True] * 7 + [False, None, False]  # 100..106 recommendable, 107..109 not (null: not)
+    pq.write_table(pa.table({"item_id": ids, "semantic_id": codes, "in_stock": listed}), tmp_path / "items.parquet")
+    pq.write_table(pa.table({"item_id": [100, 101, 102, 103, 104, 105, 106, 999]}), tmp_path / "rec.parquet")
+    pq.write_table(pa.table({"item_id": pa.array([101, 107, 555], pa.int32())}), tmp_path / "blocked.parquet")
+    index = str(tmp_path / "items.parquet")
+    by_file = read_items(
+        Sources(index, str(tmp_path / "rec.parquet"), None, str(tmp_path / "blocked.parquet"), (102, 101, 777)), st
+    )
+    by_column = read_items(Sources(index, None, "in_stock", str(tmp_path / "blocked.parquet"), (102, 101, 777)), st)
+    served = ~np.isin(ids, [101, 102]) & (ids < 107)
+    for items in (by_file, by_column):
+        assert items.table.column_names == ["item_id", "semantic_id"] and items.table.num_rows == 10
+        assert np.array_equal(items.served, served)
+        info = items.info
+        assert (info["items"], info["recommendable"], info["blocked"], info["not_recommendable"]) == (10, 5, 2, 3)
+        assert info["recommendable_set"]["items"] == 7 and info["recommendable_set"]["sha256"] == ids_sha256(ids[:7])
+        assert info["block_list"] == {
+            "source": f"{tmp_path / 'blocked.parquet'} + blocked_items (3)",
+            "ids": 5,
+            "sha256": ids_sha256(np.array([101, 102, 107, 555, 777])),
+            "unknown_ids": 2,
+        }
+    assert by_file.info["recommendable_set"]["unknown_ids"] == 1 and by_file.info["sha256"] == by_column.info["sha256"]
+    assert read_items(Sources(index), st).served is None  # neither set nor blocks: every item
+    pq.write_table(pa.table({"id": [1]}), tmp_path / "bad.parquet")
+    with pytest.raises(ValueError, match=r"recommendable .*bad.parquet: missing column\(s\) \['item_id'\]"):
+        read_items(Sources(index, str(tmp_path / "bad.parquet")), st)
+    with pytest.raises(FileNotFoundError, match="blocked .*nowhere.parquet not found"):
+        read_items(Sources(index, blocked=str(tmp_path / "nowhere.parquet")), st)
+    with pytest.raises(ValueError, match="recommendable_column 'item_id' must be boolean"):
+        read_items(Sources(index, recommendable_column="item_id"), st)
+    pq.write_table(pa.table({"item_id": [1.5]}), tmp_path / "floats.parquet")
+    with pytest.raises(ValueError, match="column 'item_id' must hold integer item ids, got double"):
+        read_items(Sources(index, blocked=str(tmp_path / "floats.parquet")), st)
+
+
+# ---------------------------------------------------------------- the nightly
+
+
+@pytest.fixture(scope="module")
+def ray_world(tmp_path_factory):
+    import ray
+
+    from tests.test_nightly import make_world
+
+    world = make_world(tmp_path_factory.mktemp("items"), n_users=48)
+    ray.init(num_cpus=2, include_dashboard=False)
+    yield world
+    ray.shutdown()
+
+
+def night(world: Path, root: Path, date: str) -> dict:
+    """The night's inputs under dated paths: the item index (the world's items and 6 new ones), a recommendable set
+    that delists a third of the items the histories use (and lists an id the index lacks), a block list (a file
+    with an unknown id, and ids in the config), an exclusion column that leaves user 0 two items and user 1 none."""
+    items = pq.read_table(world / "data" / "items.parquet")
+    users = pq.read_table(world / "data" / "test.parquet")
+    taken = np.unique(np.concatenate([np.asarray(h[-8:]) for h in users["history"].to_pylist()]))
+    rng = np.random.default_rng(3)
+    delisted = rng.choice(taken, len(taken) // 3, replace=False)
+    used = {tuple(s) for s in items["semantic_id"].to_pylist()}
+    fresh = [s for s in ([a, b, c] for a in range(6) for b in range(6) for c in range(6)) if tuple(s) not in used][:6]
+    new_ids = np.arange(9_000_000, 9_000_006)
+    index = pa.concat_tables(
+        [
+            items.select(["item_id", "semantic_id"]),
+            pa.table({"item_id": new_ids, "semantic_id": pa.array(fresh, items.schema.field("semantic_id").type)}),
+        ]
+    )
+    ids = index["item_id"].to_numpy()
+    recommendable = np.append(np.setdiff1d(ids, delisted), 123456789)  # an id the index lacks
+    blocked_file = np.array([*rng.choice(np.setdiff1d(ids, delisted), 4, replace=False), 55555555])
+    blocked_config = [int(new_ids[0]), int(rng.choice(np.setdiff1d(ids, delisted)))]
+    served = np.setdiff1d(np.setdiff1d(ids, delisted), np.concatenate([blocked_file, blocked_config]))
+    excluded = [None] * users.num_rows
+    excluded[0] = np.setdiff1d(served, served[:2]).tolist()  # two items left
+    excluded[1] = served.tolist()  # none left
+    day = root / date
+    day.mkdir(parents=True)
+    pq.write_table(users.append_column("exclude_items", pa.array(excluded, pa.list_(pa.int64()))), day / "h.parquet")
+    pq.write_table(index, day / "items.parquet")
+    pq.write_table(pa.table({"item_id": recommendable}), day / "recommendable.parquet")
+    pq.write_table(pa.table({"item_id": blocked_file}), root / f"blocked-{date}.parquet")
+    return {
+        "users": users,
+        "index": index,
+        "delisted": delisted,
+        "served": served,
+        "blocked_config": blocked_config,
+        "excluded": excluded,
+    }
+
+
+def expected_lists(world: Path, n: dict, k: int = 5) -> dict:
+    """Beam search over a catalog of the served items alone, prompts rendered from the whole index (delisted items
+    included), user 0's exclusions applied -> {user_id: item ids}."""
+    tok = load_tokenizer(world / "target")
+    full = Catalog.from_table(n["index"], tok)
+    keep = np.isin(n["index"]["item_id"].to_numpy(), n["served"])
+    alone = Catalog.from_table(n["index"].filter(pa.array(keep)), tok)
+    users = n["users"]
+    p = Renderer.compile(PRESETS["codes"].with_max_items(8), tok, catalog_probes(full.item_tokens)).render(
+        users["history"], full.item_tokens
+    )
+    lists = n["excluded"][:1]
+    ex = Exclusions.from_items(alone, torch.zeros(len(lists[0]), dtype=torch.int64), torch.tensor(lists[0]), 1)
+    model = load_model(world / "target")
+    rec = beam_search(model, p.input_ids[2:], p.attention_mask[2:], alone, k)
+    first = beam_search(model, p.input_ids[:1], p.attention_mask[:1], alone, k, exclude=ex)
+    ids = users["user_id"].to_pylist()
+    want = {ids[0]: [i for i in first.item_ids[0].tolist() if i >= 0]}
+    want.update({u: row for u, row in zip(ids[2:], rec.item_ids.tolist())})
+    return want
+
+
+def test_a_night_with_delisted_blocked_and_added_items(ray_world, tmp_path):
+    """Histories that name delisted items are decoded (no unknown_item), every list is drawn from the recommendable
+    set less the blocks and equals beam search over a catalog of those items alone; a user with two items left gets
+    two, one with none is rejected as no_items; {run_date} fills every path; the manifest and `show` record the
+    index, the sets and their counts; a resume is refused once the recommendable set or the block list changed."""
+    from pipeline.config import load_config
+    from pipeline.nightly import plan_run, run_nightly
+    from pipeline.output import describe, open_run
+    from tests.test_nightly import killed_run
+
+    world, date = ray_world, "2026-11-26"
+    n = night(world, tmp_path, date)
+    cfg = load_config(
+        None,
+        [
+            f"input={tmp_path / '{run_date}' / 'h.parquet'}",
+            f"catalog={tmp_path / '{run_date}' / 'items.parquet'}",
+            f"recommendable={tmp_path / '{run_date}' / 'recommendable.parquet'}",
+            f"blocked={tmp_path / 'blocked-{run_date}.parquet'}",
+            f"blocked_items={json.dumps(n['blocked_config'])}",
+            f"output={tmp_path / 'out' / '{run_date}'}",
+            f"models.target={world / 'target'}",
+            "decoding.k=5",
+            "compute.batch_size=16",
+            f"run_date={date}",
+        ],
+    )
+    assert cfg.input == str(tmp_path / date / "h.parquet") and cfg.output == str(tmp_path / "out" / date)
+    manifest = run_nightly(cfg)
+    run = open_run(cfg.output, cfg.storage)
+    recs, rejects = run.table("recommendations").to_pandas(), run.table("rejects").to_pydict()
+    users = n["users"]["user_id"].to_pylist()
+    assert rejects["user_id"] == [users[1]] and rejects["reason"] == ["no_items"]  # no unknown_item at all
+    assert set(recs.item_id) <= set(n["served"].tolist()) and not set(recs.item_id) & set(n["delisted"].tolist())
+    got = recs.sort_values(["user_id", "rank"]).groupby("user_id").item_id.apply(list).to_dict()
+    assert got == expected_lists(world, n)
+    assert len(got[users[0]]) == 2 and manifest["counts"]["users_short"] == 1
+    assert manifest["counts"]["users_ok"] == len(users) - 1 and manifest["counts"]["users_rejected"] == 1
+    info = manifest["catalog"]
+    served, items = len(n["served"]), n["index"].num_rows
+    assert (info["items"], info["recommendable"], info["indexed"]) == (items, served, served)
+    assert info["blocked"] + info["recommendable"] + info["not_recommendable"] == items
+    assert info["not_recommendable"] == len(n["delisted"]) and info["recommendable_set"]["unknown_ids"] == 1
+    assert info["block_list"]["ids"] == 7 and info["block_list"]["unknown_ids"] == 1
+    assert len(info["sha256"]) == 64 and info["uri"] == cfg.catalog
+    shown = describe(run)
+    assert f"items     {items:,} in the index" in shown and f"{served:,} recommendable" in shown
+
+    state = json.loads((Path(run.uri) / "_RUN.json").read_text())
+    rec_file = tmp_path / date / "recommendable.parquet"
+    pq.write_table(pq.read_table(rec_file).slice(1), rec_file)  # one more item delisted
+    assert plan_run(cfg).changes(state) == [f"the recommendable items ({rec_file})"]
+    blocks = tmp_path / f"blocked-{date}.parquet"
+    pq.write_table(pa.table({"item_id": [1]}), blocks)
+    assert plan_run(cfg).changes(state)[1] == f"the blocked items ({blocks} + blocked_items (2))"
+    old = killed_run(cfg, keep=1)
+    with pytest.raises(ValueError, match=f"--resume {old}: the recommendable items .* changed since the run started"):
+        run_nightly(cfg, resume=old)
+    shutil.rmtree(tmp_path / "out")
