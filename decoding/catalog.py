@@ -96,11 +96,13 @@ class Catalog:
     ) -> Catalog:
         """item_ids [N]; token_ids [N, L] (tensor, array or list of rows; ragged rows are an error); recommendable
         [N] bool: the items a list may hold (None: every item). The index holds the recommendable items only; every
-        item stays in `item_tokens`, since histories may name any of them. Recommendable items that share a semantic
-        ID: an error, or (on_duplicate="first") the first keeps it in the index and the others are listed in
-        `duplicates`."""
+        item stays in `item_tokens`, since histories may name any of them. Items that share a semantic ID:
+        on_duplicate="error" refuses any two of the catalog, recommendable or not (whether the catalog is valid does
+        not change with tonight's set); "first": the first recommendable one keeps it in the index, and the other
+        recommendable ones are listed in `duplicates`."""
         if on_duplicate not in ("error", "first"):
             raise ValueError(f"on_duplicate must be 'error' or 'first', got {on_duplicate!r}")
+        vocab_size = int(vocab_size)  # a Python int: vocab_size ** L must not wrap (numpy integers do)
         token_ids = _as_matrix(token_ids)
         item_ids = torch.as_tensor(item_ids, dtype=torch.int64).reshape(-1)
         n, code_len = token_ids.shape
@@ -115,35 +117,15 @@ class Catalog:
                 f"(item ids {format_rows(item_ids[bad])})"
             )
         item_tokens = ItemTokens.from_arrays(item_ids.cpu().numpy(), token_ids.cpu().numpy())  # checks: unique ids
-        rows = None  # the input row of each item the index may hold (None: every row)
-        if recommendable is not None:
-            keep = torch.as_tensor(np.asarray(recommendable, dtype=bool).reshape(-1))  # [N]
-            if keep.numel() != n:
-                raise ValueError(f"recommendable has {keep.numel()} entries but the catalog {n} items")
-            if not keep.any():
-                raise ValueError(f"none of the catalog's {n} items is recommendable: a list could hold nothing")
-            if not keep.all():
-                rows = keep.nonzero().flatten()  # [N']
-                item_ids, token_ids, n = item_ids[rows], token_ids[rows], len(rows)
-
-        order = _lexsort(token_ids, vocab_size)  # [N], stable: equal rows keep input order
-        tokens, item_ids, input_row = token_ids[order], item_ids[order], order if rows is None else rows[order]
-        first = torch.ones(n, dtype=torch.bool)
-        first[1:] = (tokens[1:] != tokens[:-1]).any(1)  # [N] first row of each semantic ID
-        duplicates = []
-        if not first.all():
-            dup = (~first).nonzero().flatten()
-            kept = torch.cummax(torch.where(first, torch.arange(n), 0), 0).values[dup]
-            if on_duplicate == "error":
-                raise ValueError(
-                    f"{dup.numel()} items share a semantic ID with another item, e.g. input rows "
-                    f"{format_rows(input_row[dup])} repeat rows {format_rows(input_row[kept])} "
-                    f"(item ids {format_rows(item_ids[dup])} vs {format_rows(item_ids[kept])}); "
-                    "pass on_duplicate='first' to keep the first item of each semantic ID"
-                )
-            duplicates = list(zip(item_ids[dup].tolist(), item_ids[kept].tolist()))
-            tokens, item_ids = tokens[first], item_ids[first]
-
+        rows = _recommendable_rows(recommendable, n)  # [N'] the rows the index holds (None: every row)
+        if rows is not None and on_duplicate == "error":  # the policy is the item index's, not tonight's subset's
+            everything = _lexsort(token_ids, vocab_size)
+            first_of_each(token_ids[everything], item_ids[everything], everything, on_duplicate)
+        if rows is not None:
+            item_ids, token_ids = item_ids[rows], token_ids[rows]
+        order = _lexsort(token_ids, vocab_size)  # [N'], stable: equal rows keep input order
+        input_row = order if rows is None else rows[order]
+        tokens, item_ids, duplicates = first_of_each(token_ids[order], item_ids[order], input_row, on_duplicate)
         node_ptr, edge_tok, edge_key, level_start, max_children, leaf_count = _csr(tokens, vocab_size)
         cat = cls(
             item_ids,
@@ -492,6 +474,40 @@ def _as_matrix(token_ids) -> torch.Tensor:
             f"expected {int(common)}"
         )
     return torch.tensor(rows, dtype=torch.int64).reshape(len(rows), -1)
+
+
+def _recommendable_rows(recommendable, n: int) -> torch.Tensor | None:
+    """recommendable [N] bool (None: every item) -> the rows it keeps [N'] (None: every row); refused when it keeps
+    none or does not match the catalog."""
+    if recommendable is None:
+        return None
+    keep = torch.as_tensor(np.asarray(recommendable, dtype=bool).reshape(-1))  # [N]
+    if keep.numel() != n:
+        raise ValueError(f"recommendable has {keep.numel()} entries but the catalog {n} items")
+    if not keep.any():
+        raise ValueError(f"none of the catalog's {n} items is recommendable: a list could hold nothing")
+    return None if keep.all() else keep.nonzero().flatten()
+
+
+def first_of_each(tokens: torch.Tensor, item_ids: torch.Tensor, input_row: torch.Tensor, on_duplicate: str):
+    """Rows sorted by semantic ID tokens [N, L], their item ids [N] and input rows [N] -> (the first row of each
+    semantic ID's tokens and item id, [(dropped item, kept item)]); on_duplicate "error": a shared semantic ID is
+    refused, naming the input rows and items."""
+    n = len(tokens)
+    first = torch.ones(n, dtype=torch.bool)
+    first[1:] = (tokens[1:] != tokens[:-1]).any(1)  # [N] first row of each semantic ID
+    if first.all():
+        return tokens, item_ids, []
+    dup = (~first).nonzero().flatten()
+    kept = torch.cummax(torch.where(first, torch.arange(n), 0), 0).values[dup]
+    if on_duplicate == "error":
+        raise ValueError(
+            f"{dup.numel()} items share a semantic ID with another item, e.g. input rows "
+            f"{format_rows(input_row[dup])} repeat rows {format_rows(input_row[kept])} "
+            f"(item ids {format_rows(item_ids[dup])} vs {format_rows(item_ids[kept])}); "
+            "pass on_duplicate='first' to keep the first item of each semantic ID"
+        )
+    return tokens[first], item_ids[first], list(zip(item_ids[dup].tolist(), item_ids[kept].tolist()))
 
 
 def argsort_ids(ids: np.ndarray) -> np.ndarray:

@@ -623,8 +623,10 @@ def relaxed_draws(p_weight: torch.Tensor, q_weight: torch.Tensor, proposals: tor
     log_res = torch.where(residual > 0, residual.log(), float("-inf"))
     fallback = torch.where(taken, float("-inf"), lp)  # only if rounding left no residual mass
     log_res = torch.where(torch.isfinite(log_res).any(1, keepdim=True), log_res, fallback)
-    x = (log_res + gumbel_like(log_res, stream(generator, 1))).argmax(1)  # [A] the resampled draw
-    later = torch.where(taken | (torch.arange(c, device=p_weight.device) == x[:, None]), float("-inf"), lp)
+    x = (log_res + gumbel_like(log_res, stream(generator, 1))).argmax(1)  # [A] the resampled draw (none: every
+    # candidate is taken, fewer than k exist)
+    x = torch.where(torch.isfinite(log_res.gather(1, x[:, None]))[:, 0], x, c)
+    later = torch.where(taken | (torch.arange(c, device=p_weight.device) == x[:, None]), float("-inf"), lp)  # [A, C]
     rest = torch.topk(later + gumbel_like(later, stream(generator, 2)), k, dim=1)  # the remaining draws, from P
     rest_idx = torch.where(torch.isfinite(rest.values), rest.indices, c)
     drawn = torch.where(
@@ -632,7 +634,7 @@ def relaxed_draws(p_weight: torch.Tensor, q_weight: torch.Tensor, proposals: tor
         torch.where(live, prop, c),
         torch.where(
             m == r[:, None],
-            torch.where(torch.isfinite(lp.gather(1, x[:, None])), x[:, None], c),
+            x[:, None],
             rest_idx.gather(1, (m - r[:, None] - 1).clamp(min=0)),
         ),
     )

@@ -161,18 +161,29 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
     return fill_dates(cfg)
 
 
-DATED = ("input", "catalog", "recommendable", "blocked", "output")  # the paths {run_date} may appear in
-PLACEHOLDER = re.compile(r"\{([^{}/]*)\}")
+DATED = ("input", "catalog", "recommendable", "blocked", "output")  # the paths {run_date} is filled in
+UNDATED = ("models.target", "models.draft", "models.template", "models.cache_dir", "compute.compile_cache")
 
 
 def fill_dates(cfg: Config) -> Config:
-    """The paths of DATED with {run_date} filled from cfg.run_date; any other {placeholder} is an error naming it."""
+    """The paths of DATED with {run_date} filled from cfg.run_date. A brace left in one of them after that (another
+    placeholder, a lone brace) or any brace in the other paths (UNDATED: nothing is filled there) is an error naming
+    it: a path that would be read literally."""
     for name in DATED:
         uri = getattr(cfg, name)
-        for found in PLACEHOLDER.findall(uri or ""):
-            _need(found == "run_date", name, "may hold the placeholder {run_date} only", uri)
         if uri:
-            setattr(cfg, name, uri.replace("{run_date}", cfg.run_date))
+            filled = uri.replace("{run_date}", cfg.run_date)
+            _need("{" not in filled and "}" not in filled, name, "may hold the placeholder {run_date} only", uri)
+            setattr(cfg, name, filled)
+    for name in UNDATED:
+        section, key = name.split(".")
+        value = getattr(getattr(cfg, section), key) or ""
+        _need(
+            "{" not in value and "}" not in value,
+            name,
+            f"holds a brace; {{run_date}} is filled only in {', '.join(DATED)}",
+            value,
+        )
     return cfg
 
 
@@ -182,12 +193,15 @@ def scheduled_date(job_id: str) -> str:
     `<RayJob name>-<5 characters>` -> YYYY-MM-DD (UTC). The same for every retry of that RayJob, and for a tick
     caught up after an operator outage."""
     m = re.fullmatch(r".+-(\d{1,12})-[a-z0-9]+", job_id or "")
-    if m is None:
+    when = dt.datetime.fromtimestamp(int(m[1]) * 60, dt.UTC) if m else None
+    if when is None or not dt.datetime(2000, 1, 1, tzinfo=dt.UTC) <= when <= dt.datetime.now(dt.UTC) + dt.timedelta(
+        days=1
+    ):
         raise ValueError(
             f"--run-date-of {job_id!r}: not a RayCronJob's RayJob submission id (<name>-<minutes since the epoch>-"
-            "<suffix>, KubeRay >= 1.7)"
+            "<suffix>, KubeRay >= 1.7, a minute since 2000 and not past tomorrow)"
         )
-    return dt.datetime.fromtimestamp(int(m[1]) * 60, dt.UTC).date().isoformat()
+    return when.date().isoformat()
 
 
 def env_storage() -> Storage:
@@ -273,6 +287,7 @@ def _typed(value, kind: str, name: str):
     if base == "list[int]":
         integers = isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
         _need(integers, name, "must be a list of integers", value)
+        _need(all(-(2**63) <= v < 2**63 for v in value), name, "must hold int64 item ids", value)
         return value
     if isinstance(value, dt.date) and base == "str":
         return value.isoformat()  # YAML reads 2026-11-21 as a date
@@ -319,9 +334,9 @@ def _check_sources(cfg: Config) -> None:
     )
     column = cfg.recommendable_column
     _need(
-        column is None or column not in ("item_id", "semantic_id"),
+        column is None or column not in ("", "item_id", "semantic_id"),
         "recommendable_column",
-        "must be a boolean column of the catalog",
+        "must name a boolean column of the catalog",
         column,
     )
     try:

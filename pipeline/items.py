@@ -129,6 +129,12 @@ def read_items(src: Sources, storage: Storage, record: bool = True) -> Items:
     blocks = sorted_unique(blocks)  # [B]
     blocked = member(blocks, ids)  # [N]
     served = listed & ~blocked
+    if not served.any():
+        raise ValueError(
+            f"no item is left to recommend: the recommendable set ({src.named('recommendable')}) holds "
+            f"{int(listed.sum())} of the catalog's {len(ids)} items ({src.catalog}), and the block list "
+            f"({src.named('blocked')}) blocks {int((listed & blocked).sum())} of them"
+        )
     sets = {"recommendable": ids_sha256(in_set), "blocked": ids_sha256(blocks)}
     info = {"sets": sets}
     if record:
@@ -152,8 +158,6 @@ def read_catalog(src: Sources, storage: Storage) -> pa.Table:
     columns = INDEX_COLUMNS + [c for c in [src.recommendable_column] if c and c not in INDEX_COLUMNS]
     table = _read(src.catalog, storage, "catalog", columns)
     ids = table.column("item_id")
-    if not pa.types.is_integer(ids.type):
-        raise ValueError(f"catalog {src.catalog}: column 'item_id' must hold integers, got {ids.type}")
     if ids.null_count:
         nulls = np.flatnonzero(ids.is_null().to_numpy(zero_copy_only=False))
         raise ValueError(f"catalog {src.catalog}: column 'item_id' is null in rows {format_rows(nulls)}")
@@ -164,8 +168,6 @@ def read_ids(uri: str, storage: Storage, what: str) -> np.ndarray:
     """A parquet file (or folder) of item ids, column `item_id` -> the distinct ids, sorted [M] int64."""
     table = _read(uri, storage, what, ["item_id"])
     ids = table.column("item_id")
-    if not pa.types.is_integer(ids.type):
-        raise ValueError(f"{what} {uri}: column 'item_id' must hold integer item ids, got {ids.type}")
     if ids.null_count:
         nulls = np.flatnonzero(ids.is_null().to_numpy(zero_copy_only=False))
         raise ValueError(f"{what} {uri}: column 'item_id' is null in rows {format_rows(nulls)}")
@@ -173,26 +175,33 @@ def read_ids(uri: str, storage: Storage, what: str) -> np.ndarray:
 
 
 def _read(uri: str, storage: Storage, what: str, columns: list[str]) -> pa.Table:
-    if not S.exists(uri, storage):
-        raise FileNotFoundError(f"{what} {uri} not found")
-    try:
-        fs, path = S.filesystem(uri, storage)
-        schema = S.retrying(lambda: _schema(path, fs), storage, f"read the footer of {uri}")
-    except (OSError, pa.ArrowInvalid) as e:
-        raise ValueError(f"{what} {uri}: cannot be read as parquet ({e})") from None
-    missing = [c for c in columns if c not in schema.names]
-    if missing:
-        raise ValueError(f"{what} {uri}: missing column(s) {missing} (has {schema.names})")
-    try:
-        return S.read_parquet(uri, storage, columns)
-    except (OSError, pa.ArrowInvalid) as e:
-        raise ValueError(f"{what} {uri}: cannot be read as parquet ({e})") from None
-
-
-def _schema(path: str, fs) -> pa.Schema:
+    """`columns` of a parquet file or folder, `item_id` read as int64 whatever integer type each file holds (a
+    folder's files may differ). Missing: FileNotFoundError; not parquet, a column missing, ids not integers or
+    beyond int64: ValueError naming it."""
     import pyarrow.dataset as pads
 
-    return pads.dataset(path, filesystem=fs, format="parquet").schema
+    if not S.exists(uri, storage):
+        raise FileNotFoundError(f"{what} {uri} not found")
+    fs, path = S.filesystem(uri, storage)
+    try:
+        data = S.retrying(lambda: pads.dataset(path, filesystem=fs, format="parquet"), storage, f"LIST {uri}")
+    except (OSError, pa.ArrowInvalid) as e:
+        raise ValueError(f"{what} {uri}: cannot be read as parquet ({e})") from None
+    missing = [c for c in columns if c not in data.schema.names]
+    if missing:
+        raise ValueError(f"{what} {uri}: missing column(s) {missing} (has {data.schema.names})")
+    kind = data.schema.field("item_id").type
+    if not pa.types.is_integer(kind):
+        raise ValueError(f"{what} {uri}: column 'item_id' must hold integer item ids, got {kind}")
+    schema = data.schema.set(data.schema.get_field_index("item_id"), pa.field("item_id", pa.int64()))
+
+    def read() -> pa.Table:
+        return pads.dataset(path, filesystem=fs, format="parquet", schema=schema).to_table(columns=columns)
+
+    try:
+        return S.retrying(read, storage, f"GET {uri}")
+    except (OSError, pa.ArrowInvalid) as e:
+        raise ValueError(f"{what} {uri}: cannot be read as parquet, item ids as int64 ({e})") from None
 
 
 def _column_mask(table: pa.Table, column: str, source: str) -> np.ndarray:

@@ -223,14 +223,14 @@ class Plan:
         out += [
             f"the {what} items ({sources.named(what)})"
             for what in ("recommendable", "blocked")
-            if (old.get("items") or {}).get(what) != new["items"][what]
+            if "items" in old and old["items"].get(what) != new["items"][what]  # a run of an older version: below
         ]
         out += [
             f"models.{r} {getattr(self.cfg.models, r)}"
             for r in sorted(set(old.get("models", {})) | set(new["models"]))
             if old.get("models", {}).get(r) != new["models"].get(r)
         ]
-        was = resume_config(state.get("config") or {})
+        was = {**DEFAULTS, **resume_config(state.get("config") or {})}  # a field it predates: as if at its default
         keys = sorted(k for k in set(was) | set(self.config) if was.get(k) != self.config.get(k))
         out += [f"the config ({', '.join(keys)})"] * bool(keys)
         return out or ["its recorded fingerprint (started by another version of genrec-batch)"]
@@ -246,6 +246,9 @@ def resume_config(config: dict) -> dict:
     if isinstance(out.get("compute"), dict):
         out["compute"] = {k: v for k, v in out["compute"].items() if k not in RESUME_FREE_COMPUTE}
     return json.loads(json.dumps(out, default=str))
+
+
+DEFAULTS = resume_config(Config().to_dict())  # top-level fields a run's recorded config may predate
 
 
 def content_identity(cfg: Config, data: pads.Dataset, fs, plan_units: list, models: dict, items: Items) -> dict:

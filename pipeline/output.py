@@ -106,7 +106,7 @@ def items_lines(info: dict) -> list[str]:
     return [
         f"items     {info['items']:,} in the index {info['uri']}  sha256 {info['sha256'][:12]}",
         f"          {info['recommendable']:,} recommendable, {info['blocked']:,} blocked, "
-        f"{info['not_recommendable']:,} not recommendable",
+        f"{info['not_recommendable']:,} not recommendable; {info.get('indexed', 0):,} in the constraint index",
         f"          recommendable set {rec['source']}: {rec['items']:,} items  sha256 {rec['sha256'][:12]}"
         + (f"  ({rec['unknown_ids']:,} ids not in the index)" if rec["unknown_ids"] else ""),
         f"          block list {block['source']}: {block['ids']:,} ids  sha256 {block['sha256'][:12]}"

@@ -24,6 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from decoding.memory import trim_host_heap
 from decoding.stats import BASE_KEYS, PHASES
 from operators.recommender import TABLES, Recommender, table_schema
 from operators.spec import ActorSpec
@@ -282,9 +283,8 @@ class ShardRecommender:
     and returns one summary row for the driver's progress."""
 
     def __init__(self, spec: ActorSpec, items: ItemsRef, run: str, storage: Storage, attempt: str):
-        got = items.read(storage)
-        spec = replace(spec, catalog=got.table, recommendable=got.served)
-        self.recommender, self.run, self.storage, self.attempt = Recommender(spec), run, storage, attempt
+        self.recommender = recommender_of(spec, items, storage)
+        self.run, self.storage, self.attempt = run, storage, attempt
         self.written: dict[str, dict] = {}  # shard -> its summary row: the batches this actor committed
         self.gave_up: dict[str, int] = {}  # shard -> its StoreUnavailable errors on this actor
 
@@ -344,6 +344,17 @@ class ShardRecommender:
         }
         self.written[shard]["restarted"] = restarted()
         return pa.Table.from_pylist([self.written[shard]])
+
+
+def recommender_of(spec: ActorSpec, items: ItemsRef, storage: Storage) -> Recommender:
+    """The actor's Recommender over the run's items, read here; the catalog table dropped once parsed, and what it
+    and the index build freed handed back to the operating system (what the actor holds: docs/sizing.md)."""
+    got = items.read(storage)
+    recommender = Recommender(replace(spec, catalog=got.table, recommendable=got.served))
+    del got
+    pa.default_memory_pool().release_unused()
+    trim_host_heap()
+    return recommender
 
 
 def restarted() -> bool:

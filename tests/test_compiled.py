@@ -21,6 +21,7 @@ import torch
 from torch._dynamo.testing import CompileCounter
 
 from decoding.beam import Prefix, Recommendations, beam_search
+from decoding.catalog import Catalog
 from decoding.compiled import (
     GRAPHS_PER_BUCKET,
     Bucket,
@@ -151,6 +152,32 @@ def test_equals_transformers_and_eager(models, catalog, arch, k, attention):
     full = full_prompts(prefix, ids, mask) if prefix else (ids, mask)
     items, tokens, scores = hf_beam_search(model, *full, catalog, k)
     assert_same_ranking(rec.item_ids, rec.scores, items, scores)
+
+
+def test_an_index_over_the_recommendable_items_runs_in_the_same_graphs(models, catalog):
+    """The module's 400 items and 40 more that the unrestricted search ranks, none of them recommendable (or all
+    blocked): the index over the recommendable items is the 400-item catalog's, so the compiled engine decodes it in
+    the graphs it already compiled, returns what eager returns over the 400 items alone, and never an extra item."""
+    model = models["qwen2"]
+    taken = {tuple(row) for row in catalog.tokens.tolist()}
+    codes, levels = 8, catalog.code_len
+    extra = [
+        row
+        for row in ([4 + j * codes + (n // codes**j) % codes for j in range(levels)] for n in range(codes**levels))
+        if tuple(row) not in taken
+    ][:: len(taken) // 4][:40]  # unused semantic IDs, spread over the trie
+    ids_all = torch.cat([catalog.item_ids, 5000 + torch.arange(len(extra))])
+    tokens = torch.cat([catalog.tokens, torch.tensor(extra)])
+    keep = (ids_all < 5000).numpy()
+    wide = Catalog.from_token_ids(ids_all, tokens, catalog.vocab_size)
+    masked = Catalog.from_token_ids(ids_all, tokens, catalog.vocab_size, recommendable=keep)
+    assert all(torch.equal(getattr(masked, f), getattr(catalog, f)) for f in ("item_ids", "tokens", "node_ptr"))
+    ids, mask = left_padded_prompts(8, LENGTHS, catalog.vocab_size, seed=5)
+    assert (beam_search(model, ids, mask, wide, 10, prefix=PREFIX).item_ids >= 5000).any()  # they would be ranked
+    with torch.compiler.set_stance("fail_on_recompile"):
+        rec = beam_search(model, ids, mask, masked, 10, prefix=PREFIX, engine="compiled")
+    assert not (rec.item_ids >= 5000).any() and rec.stats["graphs_compiled"] == 0
+    assert_same_as_eager(model, ids, mask, catalog, 10, rec, beam_search(model, ids, mask, catalog, 10, prefix=PREFIX))
 
 
 def test_a_second_batch_of_the_bucket_compiles_nothing(models, catalog):
