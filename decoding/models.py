@@ -216,8 +216,11 @@ def check_window(config, tokens: int, source) -> None:
 
 
 def load_config(path):
-    """A model directory's config, refused (`check_model_dir`, `check_causal_lm`) before any weight is read."""
-    path = check_model_dir(path)
+    """A model directory's config, refused (`check_causal_lm`) before any weight is read; its weights are
+    `load_model`'s to check (a driver checks an s3:// model's config and tokenizer without them)."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path}: not a model directory (no config.json)")
     config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     check_causal_lm(config, path)
     return config
@@ -227,8 +230,8 @@ def load_model(
     path, device: str | None = None, dtype: str | torch.dtype | None = None, attn_implementation: str = "sdpa_gqa"
 ):
     """A causal LM from a local directory: safetensors only, no remote code, no hub; an encoder-decoder or a
-    checkpoint without a causal LM head is refused (`load_config`)."""
-    load_config(path)
+    checkpoint without a causal LM head is refused (`check_model_dir`, `load_config`)."""
+    load_config(check_model_dir(path))
     path = Path(path)
     dev = pick_device(device)
     model = AutoModelForCausalLM.from_pretrained(

@@ -12,7 +12,9 @@ SIGINT stopped it (one `stopped:` line; the decode shut down, the interruption r
 lease released): `--resume latest` continues it. A run that fails or is killed keeps what it
 committed: `--resume RUN_ID` (or `--resume latest`: the date's newest unfinished run, else a new one) decodes only
 the rest.
-`--gc` deletes the runs superseded more than runs.grace_s ago, then exits.
+`--gc` deletes the runs superseded more than runs.grace_s ago, then exits. `--check` runs every check the driver makes
+before the date's lease (config, input, items, models, template, the store's conditional writes; with --resume, what
+it would resume) and exits: 0 and a summary, or the exit code and `error:` line the run would have had.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. decoding.k=20")
     p.add_argument("--resume", metavar="RUN_ID|latest", help="continue a killed or failed run of the date")
     p.add_argument("--gc", action="store_true", help="delete superseded runs older than runs.grace_s, then exit")
+    p.add_argument("--check", action="store_true", help="run every check the driver makes before the lease, then exit")
     p.add_argument(
         "--run-date-of",
         metavar="JOB_ID",
@@ -67,7 +70,7 @@ def main(argv=None) -> int:
     if args.config is None and not args.gc and (missing := demo_missing(cfg)):
         print(f"error: {missing}", file=sys.stderr)
         return 2
-    from pipeline.nightly import STOP, Interrupted
+    from pipeline.nightly import STOP, Interrupted, stop_note
 
     STOP.install()
     try:
@@ -79,6 +82,8 @@ def main(argv=None) -> int:
         if code is None:
             raise
         print(f"{'refused' if code == 3 else 'error'}: {e}", file=sys.stderr)
+        if note := stop_note(e, bool(args.resume)):  # a signal that met the job's end keeps this error's code
+            print(note, file=sys.stderr)
         return code
     print(json.dumps(summary, indent=2))
     return 0
@@ -86,15 +91,14 @@ def main(argv=None) -> int:
 
 def run(cfg, args) -> dict:
     """--gc, or the nightly run (checked before Ray starts, then on the cluster) -> what main prints."""
-    from pipeline.nightly import STOP, collect_garbage, plan_run, run_nightly
+    from pipeline.nightly import check_run, collect_garbage, connect_ray, plan_run, run_nightly
 
     if args.gc:
         return {"deleted": collect_garbage(cfg)}
+    if args.check:  # no lease, no Ray, nothing written: the exit code the run would have had
+        return check_run(cfg, args.resume)
     plan = plan_run(cfg)  # before Ray: a missing input, catalog or model is refused here
-    import ray
-
-    ray.init(ignore_reinit_error=True, log_to_driver=True)  # RAY_ADDRESS / a running cluster, else a local one
-    STOP.install()  # again: ray.init replaces the SIGTERM handler with its own (sys.exit)
+    connect_ray()
     manifest = run_nightly(cfg, args.resume, plan)
     return {k: manifest[k] for k in ("run_id", "run_date", "status", "counts", "resume", "timings", "outputs")}
 
@@ -119,11 +123,9 @@ def stopped(e, args) -> None:
     disconnected, then exit STOPPED at once. os._exit, not a return: Ray's own threads (its core worker's, Ray
     Data's) outlive a stopped execution, and one that calls into Ray while the interpreter exits aborts the process
     (SIGABRT)."""
-    print(
-        f"stopped: {e}; the lease is released and the decode shut down: `--resume latest` continues the run"
-        + ("" if args.resume else " (it decodes only what is not committed)"),
-        file=sys.stderr,
-    )
+    from pipeline.nightly import stop_note
+
+    print(stop_note(e, bool(args.resume)), file=sys.stderr)
     import ray
 
     from pipeline import cluster

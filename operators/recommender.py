@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import socket
+import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -587,10 +588,16 @@ class Recommender:
         if store is None or not store.keyed():
             use_compile_cache(cache)
             return None, None, store.fetch(key, cache, self.device) if store else None
-        folder = store.node_folder(cache, key, self.device)
+        try:
+            folder = store.node_folder(cache, key, self.device)
+        except ValueError as e:  # a cache folder others could write: nothing loaded from it or placed in it
+            log.warning("%s; this actor compiles cold into a private temporary folder", e)
+            fresh = Path(tempfile.mkdtemp(prefix="genrec-compile-"))
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(fresh)
+            return None, fresh, {"found": False, "used": False, "note": str(e)[:300], "bytes": 0, "seconds": 0.0}
         fetched = store.fetch(key, folder, self.device)
         fresh = None if fetched["used"] else store.cold_folder(Path(folder))
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(fresh or folder)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(fresh or fetched["folder"])
         return folder, fresh, fetched
 
     def _compile_failed(self, bucket: tuple[int, int], error: Exception) -> str:

@@ -17,6 +17,7 @@ the kernel when the process dies (no expiry needed); the file names the holder f
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
@@ -40,11 +41,18 @@ class LeaseLost(RuntimeError):
     """This run's lease expired and was taken over: it must not publish."""
 
 
+def unguarded(what: str, raise_after: bool = True):
+    """No signal handling around the lease's puts (a lease used outside the nightly's driver)."""
+    return contextlib.nullcontext()
+
+
 class Lease:
-    def __init__(self, date_dir: str, run_id: str, storage: Storage, ttl_s: float):
+    def __init__(self, date_dir: str, run_id: str, storage: Storage, ttl_s: float, guard=unguarded):
         self.uri, self.run_id, self.storage, self.ttl_s = S.join(date_dir, "_LEASE"), run_id, storage, ttl_s
+        self.guard = guard  # (what, raise_after) -> a context in which signals wait: the driver's STOP.holding
         self.etag: str | None = None  # S3: the version we wrote last
         self.fd: int | None = None  # local: the locked file
+        self.released: bool | None = None  # after release(): whether the date is free of this run's lease
         self.lost: str | None = None
         self.renewed = 0.0  # monotonic time of the last successful put
         self.clock = time.time  # wall clock: only written into the lease for people and refusals, never to take over
@@ -63,9 +71,9 @@ class Lease:
         taken at once; one that looks expired by this machine's clock (or, resuming, is held by this same run id:
         its killed driver's) is watched for ttl_s on the monotonic clock and taken over only if no renewal came."""
         if not S.is_s3(self.uri):
-            return self._lock_local()
-        self.etag = S.put_if(self.uri, self.body(self.clock() + self.ttl_s), self.storage, None)
-        if self.etag is None:
+            with self.guard("taking the run date's lease"):
+                return self._lock_local()
+        if self._put(None) is None:
             got = S.read_versioned(self.uri, self.storage)
             if got is not None:
                 holder = json.loads(got[0])
@@ -80,12 +88,35 @@ class Lease:
                     holder["run_id"],
                     self.ttl_s,
                 )
-            self.etag = S.put_if(self.uri, self.body(self.clock() + self.ttl_s), self.storage, got[1] if got else None)
-            if self.etag is None:
+            if self._put(got[1] if got else None) is None:
                 raise LeaseHeld(f"run_date lease {self.uri}: another run took it at the same moment")
         self.renewed = time.monotonic()
         self._start_renewing()
         return self
+
+    def _put(self, etag: str | None) -> str | None:
+        """One put of the lease (a create, or a takeover of version `etag`) -> its new version (kept), None if
+        another run holds it. Signals wait until the answer is kept (`guard`): one that came meanwhile stops the
+        driver after, with the lease kept to release. A put that fails after the store may have taken it (its answer
+        lost) reads the lease back: holding this put's own body (its stamp is unique), it is ours to release."""
+        body = self.body(self.clock() + self.ttl_s)
+        with self.guard("taking the run date's lease"):
+            try:
+                got = S.put_if(self.uri, body, self.storage, etag)
+            except BaseException:
+                self.etag = self._ours(body)
+                raise
+            if got is not None:
+                self.etag = got
+            return got
+
+    def _ours(self, body: bytes) -> str | None:
+        """The lease's version if it holds `body` (a put of ours the store took), else None; never raises."""
+        try:
+            got = S.read_versioned(self.uri, self.storage, budget_s=min(self.ttl_s / 3, self.storage.retry_s))
+        except Exception:  # the store is down: the lease expires, as a killed run's does
+            return None
+        return got[1] if got is not None and got[0] == body else None
 
     def _watch(self, got: tuple[bytes, str]) -> tuple[bytes, str] | None:
         """Polls the lease for ttl_s (monotonic): LeaseHeld as soon as its ETag changes (its holder renewed it) ->
@@ -121,28 +152,39 @@ class Lease:
                 "(another run may have taken it over): this run does not publish"
             )
 
-    def release(self) -> None:
-        """Gives the date back (S3: expires 0, so the next run takes it at once). Best effort: it runs while the job
-        stops, perhaps for a store that is down, so an error is logged and never raised over the job's own. A lease
-        left held expires: `--resume latest` of this run then watches it for ttl_s before taking it over."""
+    def release(self) -> bool:
+        """Gives the date back (S3: expires 0, so the next run takes it at once) -> whether the date is free of this
+        run's lease (False: it stays held until it expires). Best effort: it runs while the job stops, perhaps for a
+        store that is down, so an error is logged and never raised over the job's own; signals wait until it is done
+        and never replace the error on its way (`guard`, raise_after False). A lease left held expires: `--resume
+        latest` of this run then watches it for ttl_s before taking it over. Called again, it says the same."""
         self.stop.set()
-        if self.fd is not None:
-            os.close(self.fd)  # the flock goes with the descriptor
-            self.fd = None
-        elif self.etag is not None and not self.lost:
-            try:
-                with self.lock:
-                    S.put_if(self.uri, self.body(0.0), self.storage, self.etag)
-            except Exception as e:
-                log.error(
-                    "lease %s: could not release it (%s); it stays held until it expires: a `--resume latest` "
-                    "of run %s watches it for %.0f s before taking it over",
-                    self.uri,
-                    e,
-                    self.run_id,
-                    self.ttl_s,
-                )
-            self.etag = None
+        with self.guard("releasing the run date's lease", False):
+            if self.fd is not None:
+                os.close(self.fd)  # the flock goes with the descriptor
+                self.fd, self.released = None, True
+            elif self.etag is not None and not self.lost:
+                self.released = self._give_back()
+                self.etag = None
+        return self.released is not False
+
+    def _give_back(self) -> bool:
+        """The release's put -> False when the store could not be reached (a refused condition means another run
+        holds the date now: nothing of this run's is left)."""
+        try:
+            with self.lock:
+                S.put_if(self.uri, self.body(0.0), self.storage, self.etag)
+                return True
+        except Exception as e:
+            log.error(
+                "lease %s: could not release it (%s); it stays held until it expires: a `--resume latest` "
+                "of run %s watches it for %.0f s before taking it over",
+                self.uri,
+                e,
+                self.run_id,
+                self.ttl_s,
+            )
+            return False
 
     def _renew(self, budget_s: float | None = None) -> None:
         """One renewal, its put tried again for budget_s (default storage.retry_s) while the store fails transiently."""

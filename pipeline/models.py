@@ -13,6 +13,7 @@ import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tarfile
 import tempfile
@@ -156,6 +157,7 @@ KEY_FILE_ENV = "GENREC_COMPILE_STORE_KEY_FILE"  # or the file that holds it (a m
 CACHE_META = "cache.json"
 META_FIELDS = ("archive", "sha256", "bytes", "key", "torch", "target")  # what a signature covers
 MAX_ARCHIVE_BYTES = 4 << 30  # no archive larger than this is downloaded (inductor's caches are megabytes)
+MAX_META_BYTES = 64 << 10  # a cache.json larger than this is no signed description: never read whole
 NODE_NAMESPACE = "signed-v1"  # the node's folders of verified caches, apart from any older unchecked ones
 MANIFEST = "genrec-signed.json"  # in a node folder: its files' sha256, HMAC-signed when it was placed
 
@@ -176,21 +178,26 @@ class CompileStore:
     key nothing is fetched or uploaded. Every refusal or failure reads as "no cache" (a cold compile, with a warning),
     never as an error.
 
-    On the node, caches live in `node_folder` (`<compile_cache>/signed-v1/<key>/<target tag>`). A folder there is
-    used only if its manifest (the sha256 of each of its files, HMAC-signed with the key when it was unpacked from a
-    verified archive or compiled by an actor holding the key: `seal`) still verifies; one that does not is moved
-    aside, never loaded, never published. Folders are filled in a fresh folder beside and renamed into place, so no
-    process sees a half-written folder or has a file it loaded rewritten. Several actors uploading one key at once is
-    safe: each archive is named by its content and written before the `cache.json` that points at it, which is one
-    whole object (last writer wins)."""
+    On the node, caches live in `node_folder` (`<compile_cache>/signed-v1/<key>/<target tag>`, its folders private:
+    `private_dirs`). A folder there is used only if its manifest (the sha256 of each of its files, its key and
+    target, HMAC-signed with the key when it was unpacked from a verified archive or compiled by an actor holding the
+    key: `seal`) still verifies when it is used; one that does not is moved aside, never loaded, never published.
+    Folders are filled in a fresh folder beside and renamed into place, so no process sees a half-written folder or
+    has a file it loaded rewritten; a folder something else placed first is used only if it verifies, else the
+    actor's own verified copy. cache.json is read with a bound (MAX_META_BYTES). Several actors uploading one key at
+    once is safe: each archive is named by its content and written before the `cache.json` that points at it, which
+    is one whole object (last writer wins)."""
 
     root: str
     storage: Storage
 
     @staticmethod
     def node_folder(cache: str, key: str, device: torch.device | str = "cpu") -> str:
-        """The node's folder for `key`'s verified cache on this target, under the node's compile cache `cache`."""
-        return os.path.join(os.path.expanduser(cache), NODE_NAMESPACE, key, compile_target(device)["tag"])
+        """The node's folder for `key`'s verified cache on this target, under the node's compile cache `cache`, its
+        parents made private (`private_dirs`: ValueError naming one another user could write)."""
+        folder = Path(cache).expanduser() / NODE_NAMESPACE / key / compile_target(device)["tag"]
+        private_dirs(Path(cache).expanduser(), folder.parent)
+        return str(folder)
 
     def keyed(self) -> bool:
         """Whether this process holds the store's signing key (without it nothing is fetched or uploaded)."""
@@ -202,13 +209,14 @@ class CompileStore:
         folder.parent.mkdir(parents=True, exist_ok=True)
         return Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".compiling", dir=folder.parent))
 
-    def compiled(self, key: str, fresh: Path, folder: str, device: torch.device | str = "cpu") -> dict:
+    def compiled(self, key: str, fresh: Path, folder: str | None, device: torch.device | str = "cpu") -> dict:
         """After this actor's cold compile into `fresh` (`cold_folder`): sealed, uploaded signed (`publish`), renamed
-        onto the node folder -> publish's summary and "placed" (False: a sibling placed one first)."""
+        onto the node folder -> publish's summary and "placed" (False: a sibling placed one first, or no node folder
+        is safe to place it in)."""
         try:
-            seal(fresh, key, signing_key())
+            seal(fresh, key, signing_key(), compile_target(device)["tag"])
             out = self.publish(key, str(fresh), device)
-            return {**out, "placed": place(fresh, Path(folder))}
+            return {**out, "placed": folder is not None and place(fresh, Path(folder))}
         except (OSError, ValueError, TypeError) as e:  # the run goes on with the actor's own folder
             log.warning("compile cache %s not sealed or placed: %s", folder, e)
             note = f"{type(e).__name__}: {e}"[:300]
@@ -216,18 +224,20 @@ class CompileStore:
 
     def fetch(self, key: str, folder: str, device: torch.device | str = "cpu") -> dict:
         """The node's folder of `key` (the node's own copy if its manifest verifies, else the store's archive,
-        verified and unpacked into place) -> what happened {"found", "used", "note", "bytes", "seconds"}."""
+        verified and unpacked into place) -> what happened {"found", "used", "note", "bytes", "seconds"} and, when
+        used, "folder": the one to load (the node folder, or this actor's own verified copy beside it when what was
+        placed there first does not verify)."""
         t0 = time.perf_counter()
         out = {"found": False, "used": False, "note": "", "bytes": 0}
-        secret = signing_key()
+        secret, target = signing_key(), compile_target(device)
         try:
             if secret is None:
                 out["note"] = f"no signing key ({KEY_ENV}): nothing is loaded"
-            elif Path(folder).is_dir() and sealed(Path(folder), key, secret):
-                out.update(used=True, note="the node's verified copy, not fetched again")
+            elif Path(folder).is_dir() and sealed(Path(folder), key, secret, target["tag"]):
+                out.update(used=True, folder=folder, note="the node's verified copy, not fetched again")
             else:
                 aside = set_aside(Path(folder))
-                self._fetch(key, Path(folder), compile_target(device), secret, out)
+                self._fetch(key, Path(folder), target, secret, out)
                 out["note"] = f"{aside}; {out['note']}" if aside else out["note"]
         except Exception as e:  # noqa: BLE001 -- a cache that cannot be read is a cold compile, never a failure
             out["note"] = f"unreadable ({type(e).__name__}: {e})"[:300]
@@ -237,7 +247,11 @@ class CompileStore:
 
     def _fetch(self, key: str, folder: Path, target: dict, secret: bytes, out: dict) -> None:
         where = S.join(self.root, key, target["tag"])
-        raw = S.read_bytes(S.join(where, CACHE_META), self.storage)
+        try:
+            raw = S.read_bytes(S.join(where, CACHE_META), self.storage, limit=MAX_META_BYTES)
+        except S.TooLarge as e:  # no signed description is that large: not read, never parsed
+            out.update(found=True, note=f"{e}: not a signed description")
+            return
         if raw is None:
             out["note"] = "no cache for this key"
             return
@@ -251,10 +265,10 @@ class CompileStore:
             with tempfile.TemporaryDirectory(prefix=".download.", dir=folder.parent) as tmp:
                 archive = Path(tmp) / "archive.tar.gz"
                 why = download_checked(S.join(where, meta["archive"]), meta, archive, self.storage)
-                placed = why is None and unpack_into_place(archive, folder, key, secret)
+                used = unpack_into_place(archive, folder, key, secret, target["tag"]) if why is None else None
         if why is None:
-            note = "verified and unpacked" if placed else "verified; another actor of the node placed it first"
-            out.update(used=True, bytes=meta["bytes"], note=note)
+            own = "" if used == folder else f" into {used.name} (what another process placed first does not verify)"
+            out.update(used=True, folder=str(used), bytes=meta["bytes"], note="verified and unpacked" + own)
         else:
             out["note"] = why
 
@@ -267,9 +281,9 @@ class CompileStore:
         try:
             if secret is None:
                 raise ValueError(f"no signing key ({KEY_ENV} or {KEY_FILE_ENV}): nothing is uploaded")
-            if not sealed(Path(folder), key, secret):
-                raise ValueError(f"{folder} has no valid manifest (not compiled or verified here): not uploaded")
             target = compile_target(device)
+            if not sealed(Path(folder), key, secret, target["tag"]):
+                raise ValueError(f"{folder} has no valid manifest (not compiled or verified here): not uploaded")
             where = S.join(self.root, key, target["tag"])
             data = pack(Path(folder))
             sha = hashlib.sha256(data).hexdigest()
@@ -347,15 +361,22 @@ def download_checked(uri: str, meta: dict, dest: Path, storage: Storage) -> str 
     return None
 
 
-def manifest_of(folder: Path, key: str) -> dict:
-    """A node folder's files (inductor's lock files and the manifest left out) -> {"key", "files": {path: sha256}}."""
+def manifest_of(folder: Path, key: str, target: str) -> dict:
+    """A node folder's files (inductor's lock files and the manifest left out) -> {"key", "target", "files": {path:
+    sha256}}: what a seal signs, so that a sealed folder verifies for its own key and target only. ValueError naming
+    the first entry that is a symbolic link (to a file or a folder: a walk would not look inside it, inductor would)
+    or neither a regular file nor a folder."""
     files = {}
-    for path in sorted(folder.rglob("*")):
-        rel = path.relative_to(folder)
-        if rel.parts[0] in ("locks", MANIFEST) or path.is_dir():
-            continue
-        files[str(rel)] = "symlink" if path.is_symlink() or not path.is_file() else S.sha256_file(path)
-    return {"key": key, "files": files}
+    for root, dirs, names in os.walk(folder, followlinks=False):
+        for name in dirs + names:
+            path = Path(root) / name
+            mode = path.lstat().st_mode
+            if stat.S_ISLNK(mode) or not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                raise ValueError(f"{path}: a symbolic link or special file in a compile cache folder")
+            rel = path.relative_to(folder)
+            if stat.S_ISREG(mode) and rel.parts[0] not in ("locks", MANIFEST):
+                files[str(rel)] = S.sha256_file(path)
+    return {"key": key, "target": target, "files": dict(sorted(files.items()))}
 
 
 def manifest_signature(secret: bytes, manifest: dict) -> str:
@@ -363,25 +384,43 @@ def manifest_signature(secret: bytes, manifest: dict) -> str:
     return hmac.new(secret, b"genrec-node-manifest\n" + body, hashlib.sha256).hexdigest()
 
 
-def seal(folder: Path, key: str, secret: bytes) -> None:
-    """Writes the node folder's manifest: each file's sha256, HMAC-signed (a folder this actor compiled or unpacked
-    from a verified archive)."""
-    manifest = manifest_of(folder, key)
+def seal(folder: Path, key: str, secret: bytes, target: str) -> None:
+    """Writes the node folder's manifest: each file's sha256, the key and the target, HMAC-signed (a folder this
+    actor compiled or unpacked from a verified archive). ValueError for a folder holding a link or special file."""
+    manifest = manifest_of(folder, key, target)
     body = json.dumps({**manifest, "signature": manifest_signature(secret, manifest)}).encode()
     tmp = folder / f".{MANIFEST}.{os.getpid()}.tmp"
     tmp.write_bytes(body)
     os.replace(tmp, folder / MANIFEST)
 
 
-def sealed(folder: Path, key: str, secret: bytes) -> bool:
-    """Whether the node folder holds exactly the files its manifest signs for `key`, with those bytes."""
+def sealed(folder: Path, key: str, secret: bytes, target: str) -> bool:
+    """Whether the node folder holds exactly the files its manifest signs for `key` on `target`, with those bytes,
+    and nothing else (no link, no special file)."""
     try:
         written = json.loads((folder / MANIFEST).read_bytes())
+        manifest = manifest_of(folder, key, target)
     except (OSError, ValueError):
         return False
-    manifest = manifest_of(folder, key)
     claimed = hmac.compare_digest(str(written.get("signature", "")), manifest_signature(secret, manifest))
     return claimed and written.get("files") == manifest["files"]
+
+
+def private_dirs(base: Path, leaf: Path) -> None:
+    """Every folder from `base` down to `leaf`, made where missing with mode 0700; ValueError naming the first that
+    another user owns, that group or others may write, or (below base) that is a link: whoever can write there can
+    plant code the actors load."""
+    rel = leaf.relative_to(base).parts
+    for depth in range(len(rel) + 1):
+        path = base.joinpath(*rel[:depth])
+        path.mkdir(mode=0o700, parents=depth == 0, exist_ok=True)
+        st = path.stat() if depth == 0 else path.lstat()  # the cache root may be a link the operator made
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            raise ValueError(
+                f"compile cache folder {path} is not private (owner uid {st.st_uid}, mode {stat.filemode(st.st_mode)}"
+                f"; this process runs as uid {os.geteuid()}): whoever can write it can plant code the actors load. "
+                "Give it to this user with mode 0700, or set compute.compile_cache to a private folder"
+            )
 
 
 def set_aside(folder: Path) -> str:
@@ -480,19 +519,26 @@ def regular_members(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo:
     return member
 
 
-def unpack_into_place(archive: Path, folder: Path, key: str, secret: bytes) -> bool:
+def unpack_into_place(archive: Path, folder: Path, key: str, secret: bytes, target: str) -> Path:
     """A verified archive file -> its regular files in a fresh folder beside `folder`, sealed (`seal`), renamed into
-    place -> whether it was placed (False: another process placed the folder first; that one is kept as it is,
-    nothing written into it)."""
+    place -> the folder to load: `folder` (placed here, or placed by another process first and verifying), else this
+    process's own sealed copy, kept beside it (what is at `folder` does not verify: left alone, never loaded)."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     fresh = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".unpacking", dir=folder.parent))
     try:
         with tarfile.open(archive, mode="r:gz") as tar:
             tar.extractall(fresh, filter=regular_members)
-        seal(fresh, key, secret)
-        return place(fresh, folder)
-    finally:
+        seal(fresh, key, secret, target)
+        if place(fresh, folder):
+            return folder
+        if sealed(folder, key, secret, target):  # another process placed it first, verified: load theirs
+            shutil.rmtree(fresh, ignore_errors=True)
+            return folder
+    except BaseException:
         shutil.rmtree(fresh, ignore_errors=True)
+        raise
+    log.warning("compile cache %s was placed by another process and does not verify: loading %s", folder, fresh.name)
+    return fresh
 
 
 def compile_store(cfg) -> CompileStore | None:

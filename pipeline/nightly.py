@@ -19,9 +19,11 @@ import functools
 import hashlib
 import json
 import logging
+import os
 import queue
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 import uuid
@@ -76,7 +78,24 @@ def open_input(cfg: Config) -> tuple[pads.Dataset, object, str]:
     missing = {"user_id", "history"} - set(data.schema.names)
     if missing:
         raise ValueError(f"input {cfg.input}: missing column(s) {sorted(missing)} (has {data.schema.names})")
+    check_user_ids(data.schema.field("user_id").type, cfg.input)
     return data, fs, path
+
+
+def check_user_ids(kind: pa.DataType, uri: str) -> None:
+    """user_id must be integers, strings or binary: what every mode keys a user by (its list, its duplicates, and in
+    the sampling modes its draws: decoding/draws.py). Anything else (a float id from pandas' NaN, a decimal, a date,
+    dictionary-encoded strings) is refused here, naming the type and the cast to make."""
+    ok = pa.types.is_integer(kind) or any(
+        is_(kind)
+        for is_ in (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary, pa.types.is_large_binary)
+    )
+    if not ok:
+        raise ValueError(
+            f"input {uri}: column user_id is {kind}; user ids must be integers, strings or binary. Cast it where the "
+            "input is written: integral floats to int64 (pandas: df.user_id.astype('int64'), after dropping the rows "
+            "with no id), anything else to string (df.user_id.astype(str))"
+        )
 
 
 def code_version() -> str:
@@ -95,18 +114,31 @@ def code_version() -> str:
 
 
 def resolve_models(cfg: Config) -> dict:
-    """Resolves (and caches) the model directories on the driver: a missing model fails before any work.
-    -> {role: {"uri", "sha256", "dir" (local)}} for the target, and the draft in the atspeed modes."""
+    """The models as the driver checks them, before any work -> {role: {"uri", "sha256", "dir"}} for the target, and
+    the draft in the atspeed modes. A local folder is hashed; an s3:// model is checked without its weights
+    (`S.model_head`: its sha256sums.json, its small files downloaded into a temporary folder, "dir", and its
+    weights' sizes against their headers): the driver's node needs no room for them, and the sha256 is the same
+    either way (`S.weights_fingerprint`). The actors download and verify the weights on their own nodes."""
     models = {}
     for role in ("target", "draft"):
         uri = getattr(cfg.models, role)
         if uri and (role == "target" or cfg.decoding.uses_draft):
             try:
-                local = fetch_model(uri, cfg.models.cache_dir, cfg.storage)
-                models[role] = {"uri": uri, "sha256": S.fingerprint(local), "dir": local}
+                models[role] = model_of(uri, cfg.storage)
             except (FileNotFoundError, ValueError) as e:
                 raise FileNotFoundError(f"models.{role}: {e}") from None
     return models
+
+
+def model_of(uri: str, storage) -> dict:
+    """One model as the driver checks it: {"uri", "sha256", "dir"} (an s3:// model's small files in a temporary
+    folder, removed when the process ends; "head": that folder)."""
+    if not S.is_s3(uri):
+        local = S.local_model_dir(uri, "", storage)
+        return {"uri": uri, "sha256": S.fingerprint(local), "dir": str(local)}
+    head = tempfile.TemporaryDirectory(prefix="genrec-model-head-")
+    sums = S.model_head(uri, storage, Path(head.name))
+    return {"uri": uri, "sha256": S.weights_fingerprint(sums), "dir": head.name, "head": head}
 
 
 def resolve_template(cfg: Config, models: dict) -> PromptTemplate:
@@ -278,7 +310,8 @@ def plan_run(cfg: Config) -> Plan:
     log_items(items.info)
     models = resolve_models(cfg)
     spec = actor_spec(cfg, "", items, resolve_template(cfg, models))
-    inputs = prepare(spec)  # what an actor would refuse fails here, before any work
+    heads = {m["uri"]: m["dir"] for m in models.values()}  # the driver's copies: no weights
+    inputs = prepare(replace(spec, fetch=heads.__getitem__))  # what an actor would refuse fails here, before any work
     plan_units, clock = units.plan_units(data), Clock()
     with clock.phase("input_identity"):
         identity = content_identity(cfg, data, fs, plan_units, models, items)
@@ -308,6 +341,30 @@ def log_items(info: dict) -> None:
             )
 
 
+def check_run(cfg: Config, resume: str | None = None) -> dict:
+    """`--check`: every check the driver makes before the date's lease (`plan_run`: credentials, input files and
+    schema, the items, the models and their checksums, the template against the catalog, an actor's own checks, the
+    output store's conditional writes) and, with `resume`, which run would be resumed -> a summary. No lease, no Ray,
+    nothing decoded or written (the store check's scratch objects are deleted); a failure raises as the run would."""
+    plan = plan_run(cfg)
+    run = None
+    if resume:
+        finished = finished_unpublished(plan) if resume == "latest" else None
+        run = {"publishes": finished} if finished else {"resumes": resume_id(plan, resume)}
+    info = plan.items.info
+    return {
+        "check": "passed",
+        "run_date": cfg.run_date,
+        "input": {"uri": cfg.input, "files": len(plan.data.files), "rows": sum(u.rows for u in plan.units)},
+        "items": {k: info[k] for k in ("items", "recommendable", "blocked", "not_recommendable")},
+        "models": {role: {"uri": m["uri"], "sha256": m["sha256"]} for role, m in plan.models.items()},
+        "template": plan.inputs.renderer.template.name,
+        "max_prompt_tokens": plan.inputs.renderer.max_len,
+        "output": {"uri": cfg.output, "conditional_writes": "honoured"},
+        **({"resume": run} if resume else {}),
+    }
+
+
 def run_nightly(cfg: Config, resume: str | None = None, plan: Plan | None = None) -> dict:
     """Runs (or, with resume = a run id or "latest", continues) the nightly job of cfg.run_date on the current Ray
     cluster (ray.init() done) -> the manifest. Raises LeaseHeld if another run holds the date, LeaseLost if this run
@@ -319,18 +376,20 @@ def run_nightly(cfg: Config, resume: str | None = None, plan: Plan | None = None
     run_id = resume_id(plan, resume) if resume else None
     resumed = run_id is not None
     run_id = run_id or dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6]
-    lease = Lease(runs.date_dir(cfg.output, cfg.run_date), run_id, cfg.storage, cfg.runs.lease_s)
+    lease = Lease(runs.date_dir(cfg.output, cfg.run_date), run_id, cfg.storage, cfg.runs.lease_s, STOP.holding)
     try:  # acquired inside: a signal that lands just after the lease was taken still releases it
         lease.acquire(resumed)
         return execute(plan, run_id, resumed, lease, runs.latest_version(cfg.output, cfg.run_date, cfg.storage))
-    except Exception as e:  # the store gave out (on the driver, or in a task Ray retried): its own error, unwrapped
-        down = S.unavailable(e)
-        if down is None or down is e:
+    except BaseException as e:
+        e.lease_released = lease.release()  # best effort, signals waiting for it: what the job's last lines say
+        down = S.unavailable(e) if isinstance(e, Exception) else None
+        if down is None or down is e:  # the store gave out (on the driver, or in a task Ray retried): its own error
             raise
         log.error("run %s stops: %s", run_id, down)
+        down.lease_released = e.lease_released
         raise down from None
     finally:
-        lease.release()  # best effort: logs, never raises over the error above
+        lease.release()  # a run that ended well: the same, once
 
 
 def resume_id(plan: Plan, resume: str) -> str | None:
@@ -395,7 +454,7 @@ def finished_unpublished(plan: Plan) -> str | None:
 def publish_finished(plan: Plan, run_id: str) -> dict:
     """--resume latest on a complete, unpublished run: publishes it (holding the date's lease) without decoding."""
     cfg = plan.cfg
-    lease = Lease(runs.date_dir(cfg.output, cfg.run_date), run_id, cfg.storage, cfg.runs.lease_s)
+    lease = Lease(runs.date_dir(cfg.output, cfg.run_date), run_id, cfg.storage, cfg.runs.lease_s, STOP.holding)
     try:
         lease.acquire(True)
         latest = runs.latest_version(cfg.output, cfg.run_date, cfg.storage)
@@ -457,6 +516,7 @@ def start_run(plan: Plan, run_id: str, run: str) -> list[dict]:
     state = runs.state_of(run, cfg.storage)
     if state is not None:
         check_resumable(plan, run_id, state)
+        runs.clear_unfinished(run, cfg.storage)  # under the lease: an earlier attempt's manifest without _SUCCESS
         for stop in state.get("interruptions", []):
             log.info("run %s: attempt %s was stopped by %s at %s", run_id, stop["attempt"], stop["signal"], stop["at"])
         return state.get("interruptions", [])
@@ -723,12 +783,30 @@ def timings(plan: Plan, clock: Clock, sums: dict) -> dict:
     }
 
 
+HOLD_ENV = (
+    "GENREC_TEST_HOLD_BEFORE_PUBLISH"  # tests only: a folder; the driver writes `held` there, then waits for `go`
+)
+
+
+def hold_for_test() -> None:
+    """Tests only (HOLD_ENV): a driver that reached publication signals it and waits, so that a test can pause it
+    from outside (SIGSTOP) at that very point."""
+    folder = os.environ.get(HOLD_ENV)
+    if folder:
+        Path(folder, "held").write_text(str(os.getpid()))
+        while not Path(folder, "go").exists():
+            time.sleep(0.05)
+
+
 def publish_run(plan: Plan, a: Attempt, manifest: dict, lease: Lease, latest: str | None) -> None:
-    """Writes the manifest and _SUCCESS, then publishes the run (unless it lost the date's lease), deleting the runs
-    it superseded past their grace."""
+    """Checks the date's lease, writes the manifest and _SUCCESS (each created only if absent: no second writer
+    replaces them), checks the lease again and publishes the run, deleting the runs it superseded past their grace.
+    A run that lost the date never writes its manifest over another's, nor publishes."""
     cfg = plan.cfg
+    hold_for_test()
+    lease.check()
     runs.finish(a.run, manifest, cfg.storage)
-    lease.check()  # a run that lost the date never publishes
+    lease.check()
     with STOP.deferred("publishing"):  # published, then stopped: the run is done, exit 0
         deleted = runs.publish(cfg.output, cfg.run_date, a.run_id, cfg.storage, cfg.runs.grace_s, latest)
     log.info(
@@ -793,6 +871,7 @@ class Stop:
     received: str | None = None  # the first signal's name
     deferring: str | None = None  # the block a signal waits for
     pending: int | None = None
+    during: str | None = None  # what the first signal met, when a block held it (the job's end reports it)
 
     def install(self) -> None:
         for s in (signal.SIGTERM, signal.SIGINT):
@@ -804,7 +883,7 @@ class Stop:
             return
         if self.deferring:
             log.warning("%s received while %s: stopping once that is done", signal.Signals(signum).name, self.deferring)
-            self.pending, self.received = signum, signal.Signals(signum).name
+            self.pending, self.received, self.during = signum, signal.Signals(signum).name, self.deferring
             return
         self.received = signal.Signals(signum).name
         raise Interrupted(signum)
@@ -822,8 +901,60 @@ class Stop:
             name = signal.Signals(self.pending).name
             log.warning("%s received while %s, which is done: the job ends as it would have", name, what)
 
+    @contextlib.contextmanager
+    def holding(self, what: str, raise_after: bool = True):
+        """Signals wait while the block runs (a put of the lease and the keeping of its answer: a signal between the
+        two would leave the date held with nothing to release it). One that came meanwhile then stops the driver at
+        the block's end (raise_after), or stays recorded for the job's end to report (a release on the way out: the
+        error already on its way keeps its exit code). Inside another deferral (publication's) that one decides."""
+        if self.deferring is not None:
+            yield
+            return
+        self.deferring = what
+        try:
+            yield
+        finally:
+            self.deferring = None
+        if raise_after and self.pending is not None:
+            pending, self.pending = self.pending, None
+            raise Interrupted(pending)
+
 
 STOP = Stop()  # the process's one handler (jobs/nightly.py installs it)
+
+
+def connect_ray() -> None:
+    """ray.init (RAY_ADDRESS / a running cluster, else a local one), then the driver's handler again: ray.init puts
+    its own SIGTERM handler in place (sys.exit(signum)), so a SIGTERM while it runs is Ray's SystemExit, made
+    Interrupted here, as a signal anywhere else is."""
+    import ray
+
+    try:
+        ray.init(ignore_reinit_error=True, log_to_driver=True)
+        STOP.install()
+    except SystemExit as e:
+        if e.code not in (signal.SIGTERM, signal.SIGINT):
+            raise
+        STOP.received = signal.Signals(e.code).name
+        raise Interrupted(e.code) from None
+
+
+def stop_note(e: BaseException, resume: bool) -> str | None:
+    """The job's `stopped:` line: for a run a signal stopped (Interrupted), or one whose end a signal met after
+    another error (that error keeps its exit code); None when no signal came. It says whether the date's lease was
+    released."""
+    held = {
+        None: "no lease was taken",
+        True: "the lease is released",
+        False: "the lease could not be released: it stays held until it expires (runs.lease_s), then `--resume "
+        "latest` takes it over",
+    }[getattr(e, "lease_released", None)]
+    if isinstance(e, Interrupted):
+        more = "" if resume else " (it decodes only what is not committed)"
+        return f"stopped: {e}; {held} and the decode shut down: `--resume latest` continues the run{more}"
+    if STOP.received:
+        return f"stopped: {STOP.received} received while {STOP.during or 'ending'}, after the error above; {held}"
+    return None
 
 
 def stream(ds) -> queue.Queue:

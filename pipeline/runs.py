@@ -28,12 +28,10 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 import pandas as pd
 import pyarrow as pa
@@ -73,9 +71,23 @@ def write_table(run: str, name: str, table: pa.Table, storage: Storage) -> None:
 
 
 def finish(run: str, manifest: dict, storage: Storage) -> None:
-    """manifest.json, then _SUCCESS last: a reader only trusts a run that has it."""
-    S.write_bytes(S.join(run, "manifest.json"), json.dumps(manifest, indent=2, default=str).encode(), storage)
-    S.write_bytes(S.join(run, "_SUCCESS"), b"", storage)
+    """manifest.json, then _SUCCESS last (a reader only trusts a run that has it), each created only if absent: a
+    driver fenced out of the run (it paused past its lease while another published it) can never replace the
+    manifest readers follow. A manifest there already that is not this one raises LeaseLost."""
+    from pipeline.lease import LeaseLost
+
+    body = json.dumps(manifest, indent=2, default=str).encode()
+    uri = S.join(run, "manifest.json")
+    if not S.create(uri, body, storage) and S.read_bytes(uri, storage) != body:
+        raise LeaseLost(f"run {run}: {uri} was written by another driver of this run; this one publishes nothing")
+    S.create(S.join(run, "_SUCCESS"), b"", storage)
+
+
+def clear_unfinished(run: str, storage: Storage) -> None:
+    """A resumed run's manifest.json without _SUCCESS (an attempt stopped between the two) is deleted: the attempt
+    that resumes it, holding the date's lease, writes its own."""
+    if S.read_bytes(S.join(run, "_SUCCESS"), storage) is None and S.exists(S.join(run, "manifest.json"), storage):
+        S.delete_files(run, ["manifest.json"], storage)
 
 
 def start(run: str, state: dict, storage: Storage) -> None:
@@ -116,20 +128,7 @@ class EngineRecord:
 
     def claim(self, decision: dict) -> dict:
         """Records `decision` unless the run has one -> the run's decision (this one, or the one recorded first)."""
-        body = json.dumps(decision, default=str).encode()
-        if S.is_s3(self.uri):
-            S.put_if(self.uri, body, self.storage, None)
-        else:
-            path = Path(self.uri).expanduser()
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.time_ns()}.tmp")
-            tmp.write_bytes(body)
-            try:
-                os.link(tmp, path)  # whole or absent, and never over another's
-            except FileExistsError:
-                pass
-            finally:
-                tmp.unlink()
+        S.create(self.uri, json.dumps(decision, default=str).encode(), self.storage)
         return self.read()
 
 

@@ -249,12 +249,44 @@ def read_parquet(uri: str, storage: Storage, columns=None) -> pa.Table:
     return retrying(lambda: pq.read_table(path, filesystem=fs, columns=columns), storage, f"GET {uri}")
 
 
-def read_bytes(uri: str, storage: Storage) -> bytes | None:
+class TooLarge(ValueError):
+    """An object larger than its reader's bound: not read whole."""
+
+
+def read_bytes(uri: str, storage: Storage, limit: int | None = None) -> bytes | None:
+    """An object's bytes, or None when there is none. With `limit`, no more than limit + 1 bytes are ever read (S3: a
+    ranged GET; locally the size first): a larger object raises TooLarge naming it."""
+    if limit is not None:
+        return _read_bounded(uri, storage, limit)
     if is_s3(uri):
         got = read_versioned(uri, storage)
         return got[0] if got else None
     path = Path(uri).expanduser()
     return path.read_bytes() if path.is_file() else None
+
+
+def _read_bounded(uri: str, storage: Storage, limit: int) -> bytes | None:
+    if is_s3(uri):
+        bucket, key = split_s3(uri)
+
+        def get():
+            client = s3_client(storage)
+            try:
+                got = client.get_object(Bucket=bucket, Key=key, Range=f"bytes=0-{limit}")
+            except client.exceptions.NoSuchKey:
+                return None
+            return got["Body"].read(limit + 1)
+
+        data = retrying(get, storage, f"GET {uri} (at most {limit} bytes)")
+    else:
+        path = Path(uri).expanduser()
+        if not path.is_file():
+            return None
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    if data is not None and len(data) > limit:
+        raise TooLarge(f"{uri} is larger than {limit} bytes")
+    return data
 
 
 def read_versioned(uri: str, storage: Storage, budget_s: float | None = None) -> tuple[bytes, str] | None:
@@ -272,13 +304,15 @@ def read_versioned(uri: str, storage: Storage, budget_s: float | None = None) ->
     return retrying(get, storage, f"GET {uri}", budget_s)
 
 
-def put_if(uri: str, data: bytes, storage: Storage, etag: str | None, budget_s: float | None = None) -> str | None:
+def put_if(
+    uri: str, data: bytes, storage: Storage, etag: str | None, budget_s: float | None = None, client=None
+) -> str | None:
     """A conditional put on S3: etag None creates the object only if it does not exist (If-None-Match: *), an ETag
     replaces it only if it is still that version (If-Match) -> the new ETag, or None if the condition failed (never
     retried: another writer won). A put whose answer was lost lands before its retry, which then fails the condition:
     so a failed condition is checked against the object, and an object holding exactly `data` is this put's own
     (what callers write is unique to the call: a lease body with its holder's pid and stamp, _LATEST naming the run
-    that holds the date's lease)."""
+    that holds the date's lease). `client`: one to reuse (the store check's racers share one), else a fresh one."""
     import botocore.exceptions
 
     bucket, key = split_s3(uri)
@@ -286,7 +320,7 @@ def put_if(uri: str, data: bytes, storage: Storage, etag: str | None, budget_s: 
 
     def put():
         try:
-            return s3_client(storage).put_object(Bucket=bucket, Key=key, Body=data, **cond)["ETag"]
+            return (client or s3_client(storage)).put_object(Bucket=bucket, Key=key, Body=data, **cond)["ETag"]
         except botocore.exceptions.ClientError as e:
             if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") in (409, 412):
                 return None
@@ -297,6 +331,25 @@ def put_if(uri: str, data: bytes, storage: Storage, etag: str | None, budget_s: 
         return new
     now = read_versioned(uri, storage, budget_s)
     return now[1] if now is not None and now[0] == data else None
+
+
+def create(uri: str, data: bytes, storage: Storage) -> bool:
+    """The object created only if absent -> whether this call created it (False: something holds the name; an
+    object holding exactly `data` is this call's own, its answer lost). S3: `put_if` with If-None-Match; locally a
+    hard link of a written file, which fails if the name exists: whole or absent, never over another's."""
+    if is_s3(uri):
+        return put_if(uri, data, storage, None) is not None
+    path = Path(uri).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.time_ns()}.tmp")
+    tmp.write_bytes(data)
+    try:
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink()
 
 
 def content_id(path: str, fs: pafs.FileSystem, storage: Storage) -> str:
@@ -398,26 +451,31 @@ def check_access(uri: str, storage: Storage) -> None:
 
 # ------------------------------------------------------------------ what the store must honour
 
-STORE_CHECK = "_STORE_CHECK"  # the scratch object's name under the output (with a random suffix), deleted after
+STORE_CHECK = "_STORE_CHECK"  # the scratch objects' names under the output (with a random suffix), deleted after
+RACERS, RACE_ROUNDS = 3, 2  # conditional puts of one key at once, and rounds of them (a fresh key each): few, as
+# SeaweedFS makes a put that finds the key locked by another retry after 1 s (~1 s more per racer per race)
 
 
 def check_conditional_writes(output: str, storage: Storage) -> None:
-    """Verifies that the output store honours what the run-date lease and _LATEST rest on, on a scratch object under
-    `output` (deleted after): on S3 conditional create (`If-None-Match: *`: a second create of a key fails) and
-    conditional replace (`If-Match: ETag`: a replace of the current version succeeds, of a replaced one fails);
-    locally, where the lease is an exclusive flock and a create-if-absent a hard link, that the folder's filesystem
-    grants one such lock at a time and refuses a link over an existing name.
-    A store that does not -> ValueError naming the capability it lacks."""
+    """Verifies that the output store honours what the run-date lease and _LATEST rest on, on scratch objects under
+    `output` (deleted after, also on failure): on S3 conditional create (`If-None-Match: *`: a second create of a key
+    fails) and conditional replace (`If-Match: ETag`: a replace of the current version succeeds, of a replaced one
+    fails), both atomic: of RACERS creates of a fresh key released at once exactly one succeeds, as of RACERS
+    replaces of its current version (RACE_ROUNDS rounds), which a store that checks and then writes (a HEAD, then a
+    PUT) fails; locally, where the lease is an exclusive flock and a create-if-absent a hard link, that the folder's
+    filesystem grants one such lock at a time and refuses a link over an existing name.
+    A store that does not -> ValueError naming the capability it lacks and what it did."""
     name = f"{STORE_CHECK}-{uuid.uuid4().hex[:12]}"
     if not is_s3(output):
         Path(output).expanduser().mkdir(parents=True, exist_ok=True)
         _check_flock(Path(output).expanduser(), name)
         return _check_link(Path(output).expanduser(), name)
-    uri = join(output, name)
+    uri, raced = join(output, name), [f"{name}-{r}" for r in range(RACE_ROUNDS)]
+    client = s3_client(storage)  # one for every request of the check (making one costs ~0.1 s of CPU)
     try:
-        gaps = _conditional_gaps(uri, storage)
+        gaps = _conditional_gaps(uri, client, storage) or _race_gaps([join(output, n) for n in raced], client, storage)
     finally:
-        delete_files(output, [name], storage)
+        delete_files(output, [name, *raced], storage)
     if gaps:
         raise ValueError(
             f"output store {store_name(storage)} lacks what the run-date lease and _LATEST rest on (checked on "
@@ -429,34 +487,91 @@ def check_conditional_writes(output: str, storage: Storage) -> None:
 CREATE, REPLACE = "conditional create (If-None-Match: *)", "conditional replace (If-Match: ETag)"
 
 
-def _conditional_gaps(uri: str, storage: Storage) -> list[str]:
-    """Conditional puts of four distinct bodies on a fresh key -> the capabilities the store failed, with what it
-    did ([] when it honoured both)."""
+def _conditional_gaps(uri: str, client, storage: Storage) -> list[str]:
+    """Conditional puts of four distinct bodies on a fresh key, one after another -> the capabilities the store
+    failed, with what it did ([] when it honoured both)."""
     gaps = []
-    if _put(uri, b"1", storage, None) is None:
+    if _put(uri, b"1", None, client, storage) is None:
         return [f"{CREATE}: it refused to create a new object"]
-    if _put(uri, b"2", storage, None) is not None:
+    if _put(uri, b"2", None, client, storage) is not None:
         gaps.append(f"{CREATE}: a second create of one key succeeded")
-    current = read_versioned(uri, storage)[1]
-    if _put(uri, b"3", storage, current) is None:
+    current = _etag(uri, client, storage)
+    if _put(uri, b"3", current, client, storage) is None:
         gaps.append(f"{REPLACE}: it refused to replace the current version")
-    elif _put(uri, b"4", storage, current) is not None:
+    elif _put(uri, b"4", current, client, storage) is not None:
         gaps.append(f"{REPLACE}: a replace of a version already replaced succeeded")
     return gaps
 
 
-def _put(uri: str, data: bytes, storage: Storage, etag: str | None) -> str | None:
-    """`put_if`, a store's refusal of the condition itself (400 InvalidArgument, 501 NotImplemented) read as a
-    failed condition."""
+def _race_gaps(uris: list[str], client, storage: Storage) -> list[str]:
+    """A round per fresh key: RACERS concurrent creates of it, then RACERS concurrent replaces of its version then
+    -> the capabilities whose race had not exactly one winner, with what happened, from the first round that found
+    any ([] when every race had one)."""
+    for uri in uris:
+        gaps = [_race(CREATE, "creates of one key", uri, None, client, storage)]
+        if (current := _etag(uri, client, storage)) is not None:
+            gaps.append(_race(REPLACE, "replaces of one version", uri, current, client, storage))
+        if gaps := [gap for gap in gaps if gap]:
+            return gaps
+    return []
+
+
+def _race(capability: str, what: str, uri: str, etag: str | None, client, storage: Storage) -> str | None:
+    """RACERS conditional puts of `uri` (etag None: creates, else replaces of that version), each with a body of its
+    own, released together by a barrier on one shared client (made before: racers that each made one would set off
+    ~0.1 s apart) -> what the store did when not exactly one succeeded, else None."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    barrier = threading.Barrier(RACERS)
+
+    def racer(i: int) -> bool:
+        body = f"{STORE_CHECK} {what}: racer {i + 1} of {RACERS}".encode()
+        barrier.wait()
+        return _put(uri, body, etag, client, storage) is not None
+
+    with ThreadPoolExecutor(RACERS) as pool:  # RACERS threads: none is free for another racer before the barrier
+        won = sum(pool.map(racer, range(RACERS)))
+    if won == 0:
+        return f"{capability}: none of {RACERS} concurrent {what} succeeded"
+    if won > 1:
+        return (
+            f"{capability}: {won} of {RACERS} concurrent {what} succeeded (the store checks, then writes: not atomic)"
+        )
+    return None
+
+
+def _put(uri: str, data: bytes, etag: str | None, client, storage: Storage) -> str | None:
+    """`put_if` on a given client, a store's refusal of the condition itself (400 InvalidArgument, 501
+    NotImplemented) read as a failed condition. A racer's transient errors are retried as put_if's are (one that
+    still fails raises StoreUnavailable, counted neither a win nor a loss), and its lost answer is recognised by its
+    own bytes (every put of the check writes bytes no other put writes)."""
     import botocore.exceptions
 
     try:
-        return put_if(uri, data, storage, etag)
+        return put_if(uri, data, storage, etag, client=client)
     except botocore.exceptions.ClientError as e:
         if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") not in (400, 501):
             raise
         log.warning("store %s: conditional PUT %s answered %s", store_name(storage), uri, e)
         return None
+
+
+def _etag(uri: str, client, storage: Storage) -> str | None:
+    """An S3 object's ETag (a HEAD on `client`), or None."""
+    import botocore.exceptions
+
+    bucket, key = split_s3(uri)
+
+    def head() -> str | None:
+        try:
+            return client.head_object(Bucket=bucket, Key=key)["ETag"]
+        except botocore.exceptions.ClientError as e:
+            if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") != 404:
+                raise
+            return None
+
+    return retrying(head, storage, f"HEAD {uri}")
 
 
 def _check_flock(folder: Path, name: str) -> None:
@@ -512,14 +627,18 @@ def sha256_file(path: Path, h=None) -> str:
 
 
 def fingerprint(model_dir) -> str:
-    """sha256 over a model directory's safetensors weight files (name and bytes, sorted by name)."""
+    """A model's fingerprint: `weights_fingerprint` of its safetensors files' sha256s."""
     from decoding.models import check_model_dir
 
-    h = hashlib.sha256()
-    for f in sorted(check_model_dir(model_dir).glob("*.safetensors")):
-        h.update(f.name.encode())
-        sha256_file(f, h)
-    return h.hexdigest()
+    files = check_model_dir(model_dir).glob("*.safetensors")
+    return weights_fingerprint({f.name: sha256_file(f) for f in files})
+
+
+def weights_fingerprint(sums: dict[str, str]) -> str:
+    """{file name: sha256} of a model's files -> sha256 over its safetensors files' names and sha256s, sorted by name:
+    the same from a local folder (hashed) and from an s3:// model's sha256sums.json (its weights never read)."""
+    weights = sorted((name, digest) for name, digest in sums.items() if name.endswith(".safetensors"))
+    return hashlib.sha256("".join(f"{name}\0{digest}\n" for name, digest in weights).encode()).hexdigest()
 
 
 MODEL_SUMS = "sha256sums.json"  # beside an s3:// model's files: their sha256, written last (`upload_model_dir`)
@@ -605,6 +724,68 @@ def sha256_object(uri: str, storage: Storage) -> str:
     return retrying(get, storage, f"GET {uri}")
 
 
+def model_sums(uri: str, storage: Storage) -> dict[str, str]:
+    """An s3:// model's sha256sums.json, every name checked (`model_file_name`) -> {file name: sha256}."""
+    raw = read_bytes(join(uri, MODEL_SUMS), storage, limit=1 << 20)
+    if raw is None:
+        raise FileNotFoundError(
+            f"model {uri}: no {MODEL_SUMS}, so its files cannot be verified; upload the model folder with "
+            f"`genrec-batch upload-model LOCAL_DIR {uri} --catalog items.parquet`, which checks it and writes it"
+        )
+    sums = json.loads(raw)
+    for name in sums:
+        model_file_name(uri, name)
+    return sums
+
+
+def model_head(uri: str, storage: Storage, dest: Path) -> dict[str, str]:
+    """What a driver checks of an s3:// model without its weights -> its sums. Every file but the safetensors weights
+    (config, tokenizer, template) downloaded into `dest` and checked against sha256sums.json; each weight file's
+    header read (a ranged GET of its first bytes: safetensors, its tensors' offsets) and its size (HEAD) checked
+    against it, so that a missing, truncated or pickled weight file is refused here, not on a GPU node."""
+    sums = model_sums(uri, storage)
+    if not any(name.endswith(".safetensors") for name in sums):
+        raise ValueError(f"model {uri}: {MODEL_SUMS} names no *.safetensors weights")
+    bucket, key = split_s3(uri)
+    client = s3_client(storage)
+    for name, digest in sums.items():
+        obj = f"{key.rstrip('/')}/{name}"
+        if name.endswith(".safetensors"):
+            retrying(
+                lambda: _check_safetensors(client, bucket, obj, join(uri, name)), storage, f"HEAD {join(uri, name)}"
+            )
+            continue
+        retrying(lambda: client.download_file(bucket, obj, str(dest / name)), storage, f"GET {join(uri, name)}")
+        if sha256_file(dest / name) != digest:
+            raise ValueError(f"model {uri}: {name} does not match its sha256 in {MODEL_SUMS}")
+    return sums
+
+
+def _check_safetensors(client, bucket: str, key: str, uri: str) -> None:
+    """A safetensors object's size (HEAD) against its header's: 8 bytes of header length, the JSON header, the data
+    its tensors' offsets end at. ValueError naming the file when it is missing, not safetensors, or cut short."""
+    import botocore.exceptions
+
+    try:
+        size = client.head_object(Bucket=bucket, Key=key)["ContentLength"]
+    except botocore.exceptions.ClientError as e:
+        if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404:
+            raise ValueError(f"{uri}: missing (named in {MODEL_SUMS})") from None
+        raise
+    head = client.get_object(Bucket=bucket, Key=key, Range="bytes=0-7")["Body"].read() if size >= 8 else b""
+    n = int.from_bytes(head, "little") if len(head) == 8 else -1
+    if not 0 < n <= min(size - 8, 100 << 20):
+        raise ValueError(f"{uri}: not a safetensors file ({size} bytes, header length {n})")
+    raw = client.get_object(Bucket=bucket, Key=key, Range=f"bytes=8-{7 + n}")["Body"].read()
+    try:
+        tensors = {k: v for k, v in json.loads(raw).items() if k != "__metadata__"}
+        end = max((int(v["data_offsets"][1]) for v in tensors.values()), default=0)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+        raise ValueError(f"{uri}: not a safetensors file (its header is not one)") from None
+    if size != 8 + n + end:
+        raise ValueError(f"{uri}: {size} bytes stored, its safetensors header says {8 + n + end}: cut short or padded")
+
+
 def local_model_dir(uri: str, cache_dir: str, storage: Storage) -> Path:
     """A local directory holding the model: the path itself, or an s3:// prefix copied once per node into the cache
     (a file lock serialises the actors of one node) and checked against the prefix's sha256sums.json."""
@@ -621,15 +802,7 @@ def local_model_dir(uri: str, cache_dir: str, storage: Storage) -> Path:
             return target
         bucket, key = split_s3(uri)
         client = s3_client(storage)
-        raw = read_bytes(join(uri, MODEL_SUMS), storage)
-        if raw is None:
-            raise FileNotFoundError(
-                f"model {uri}: no {MODEL_SUMS}, so its files cannot be verified; upload the model folder with "
-                f"`genrec-batch upload-model LOCAL_DIR {uri} --catalog items.parquet`, which checks it and writes it"
-            )
-        sums = json.loads(raw)
-        for name in sums:
-            model_file_name(uri, name)
+        sums = model_sums(uri, storage)
         for name, digest in sums.items():
             retrying(
                 lambda: client.download_file(bucket, f"{key.rstrip('/')}/{name}", str(target / name)),

@@ -1,17 +1,21 @@
-"""The CPU kernel settings this machine can run besides the ones torch picks by itself, one per line as an
-environment assignment for `make test-kernels`:
+"""The CPU kernel settings this machine can run besides the ones torch picks by itself, each emulating a CPU that
+exists, one per line as environment assignments joined by `+` for `make test-kernels`:
 
 - ATEN_CPU_CAPABILITY: default, avx2, avx512. Each family selects other vectorised ATen kernels, so other summation
-  orders and other rounding.
-- ONEDNN_MAX_CPU_ISA=AVX2, where the CPU offers more (AVX-512, AVX-512 BF16 or AMX): oneDNN chooses its matrix
-  kernels (bfloat16 ones included) by its own detection, whatever ATEN_CPU_CAPABILITY says, so it is limited apart.
+  orders and other rounding. It goes with the oneDNN ISA of a CPU of that family (ONEDNN_MAX_CPU_ISA: SSE41 with
+  default, AVX2 with avx2, AVX512_CORE_BF16 with avx512): oneDNN chooses its matrix kernels (bfloat16 ones
+  included) by its own detection, whatever ATEN_CPU_CAPABILITY says, and a reduced ATen family beside the full
+  oneDNN ISA is a CPU that does not exist (on an AMX CPU, bfloat16 attention then fails: `pack_vnni2 is only
+  supported when avx512 is supported`).
+- ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 alone where the CPU has AMX: the same AVX-512 CPU without it.
 
 A tolerance measured under one setting may not hold under another: `make test` runs the numerics-sensitive tests
 (marker `numerics`) once more under each setting printed here, so that a bound tuned on one machine fails in CI, not
 on a user's.
 
-    python -m tests.kernels   ->   e.g. "ATEN_CPU_CAPABILITY=default ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2"
-                                   on an AVX-512 machine, "ATEN_CPU_CAPABILITY=default" on an AVX2 one
+    python -m tests.kernels   ->   e.g. "ATEN_CPU_CAPABILITY=default+ONEDNN_MAX_CPU_ISA=SSE41
+                                   ATEN_CPU_CAPABILITY=avx2+ONEDNN_MAX_CPU_ISA=AVX2" on an AVX-512 machine,
+                                   "ATEN_CPU_CAPABILITY=default+ONEDNN_MAX_CPU_ISA=SSE41" on an AVX2 one
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ PROBE = (
     "x.bfloat16().float().sum().item(); print(torch.backends.cpu.get_cpu_capability().lower())"
 )
 NEEDS = {"default": set(), "avx2": {"avx2", "fma"}, "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"}}
-BEYOND_AVX2 = ("avx512", "amx")  # /proc/cpuinfo flag prefixes of the ISAs oneDNN uses above AVX2
+ONEDNN = {"default": "SSE41", "avx2": "AVX2", "avx512": "AVX512_CORE_BF16"}  # the oneDNN ISA of each family's CPUs
 
 
 def capability(family: str | None) -> str | None:
@@ -56,17 +60,17 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
     return {f for line in cpuinfo.read_text().splitlines() if line.startswith("flags") for f in line.split()[2:]}
 
 
-def onednn_limits(flags: set[str]) -> list[str]:
-    """ONEDNN_MAX_CPU_ISA values below what the CPU offers: AVX2 where it has AVX-512 or AMX."""
-    return ["AVX2"] if any(f.startswith(BEYOND_AVX2) for f in flags) else []
+def settings_for(flags: set[str], others: list[str]) -> list[str]:
+    """The settings of a CPU with these flags whose other offered ATen families are `others`: each family with its
+    CPUs' oneDNN ISA, and where the CPU has AMX the same CPU without it (oneDNN limited alone)."""
+    out = [f"ATEN_CPU_CAPABILITY={f}+ONEDNN_MAX_CPU_ISA={ONEDNN[f]}" for f in others]
+    return out + ([f"ONEDNN_MAX_CPU_ISA={ONEDNN['avx512']}"] if any(f.startswith("amx") for f in flags) else [])
 
 
 def settings() -> list[str]:
-    """Every other kernel setting, as VAR=value."""
+    """Every other kernel setting of this machine, as VAR=value[+VAR=value]."""
     flags = cpu_flags()
-    return [f"ATEN_CPU_CAPABILITY={f}" for f in other_families(flags)] + [
-        f"ONEDNN_MAX_CPU_ISA={isa}" for isa in onednn_limits(flags)
-    ]
+    return settings_for(flags, other_families(flags))
 
 
 if __name__ == "__main__":

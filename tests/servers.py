@@ -12,7 +12,9 @@ process they started, on exit.
 
 Faults from outside: `s3.pause()` / `s3.resume()` (SIGSTOP / SIGCONT), `s3.kill()` and `s3.restart()` (same ports
 and data); `store_proxy(s3)` puts a proxy in front of the store that counts the HTTP requests and stalls, resets,
-throttles (503 SlowDown) or loses the answers of those a test picks (`proxy.fault`).
+throttles (503 SlowDown) or loses the answers of those a test picks (`proxy.fault`), or rewrites every request
+(`proxy.rewrite`: `ignoring_conditions(s3)`, a store that ignores conditional writes; `check_then_put(s3)`, a gateway
+that emulates them with a HEAD, then a PUT).
 
 The flags match infra/local/start-object-store.sh and infra/local/start-ray.sh.
 """
@@ -34,6 +36,7 @@ import tempfile
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -408,6 +411,7 @@ class StoreProxy:
         self.upstream = ("127.0.0.1", int(upstream.rsplit(":", 1)[1]))
         self.fault = None  # (method, target) -> a FAULTS name or None
         self.rewrite = None  # (head, body) -> (head, body): every request rewritten before it is forwarded
+        self.continue_early = False  # with a rewrite: answer `Expect: 100-continue` here (else the client waits 1 s)
         self.requests: list[tuple[str, str]] = []
         self.lock = threading.Lock()
         self.listener = socket.create_server(("127.0.0.1", 0))
@@ -464,6 +468,8 @@ class StoreProxy:
                     _reset(client)
                     break
                 if self.rewrite:
+                    if self.continue_early and b"100-continue" in head.lower():
+                        client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")  # the client skips the store's own, later
                     server.sendall(b"".join(self.rewrite(head, b"".join(reader.body(head)))))
                     continue
                 server.sendall(head)
@@ -543,15 +549,23 @@ def _reset(sock: socket.socket) -> None:
         sock.close()
 
 
-def ignoring_conditions(server: S3Server):
-    """A StoreProxy `rewrite` that makes the store behind it one that ignores conditional writes: it drops the
-    If-None-Match and If-Match headers of every request and signs it again (SigV4 signs them) with the server's
-    credentials, the payload's hash as the client sent it."""
+CONDITIONS = ("if-none-match", "if-match")
+
+
+def _request_fields(head: bytes) -> tuple[str, list[tuple[str, str]]]:
+    """An HTTP request head -> its request line and its header fields, in order."""
+    request_line, *lines = head.decode("latin-1").rstrip("\r\n").split("\r\n")
+    return request_line, [(k.strip(), v.strip()) for k, _, v in (line.partition(":") for line in lines)]
+
+
+def _without_conditions(server: S3Server):
+    """(head, body) -> the request without its If-None-Match and If-Match headers, signed again (SigV4 signs them)
+    with the server's credentials, the payload's hash as the client sent it; a request without them as it came."""
     from botocore.auth import S3SigV4Auth
     from botocore.awsrequest import AWSRequest
     from botocore.credentials import Credentials
 
-    dropped = ("if-none-match", "if-match", "authorization", "x-amz-date")
+    dropped = (*CONDITIONS, "authorization", "x-amz-date")
 
     class Resign(S3SigV4Auth):
         def __init__(self, payload_hash: str):
@@ -561,10 +575,9 @@ def ignoring_conditions(server: S3Server):
         def payload(self, request):
             return self.payload_hash
 
-    def rewrite(head: bytes, body: bytes) -> tuple[bytes, bytes]:
-        request_line, *lines = head.decode("latin-1").rstrip("\r\n").split("\r\n")
-        fields = [(k.strip(), v.strip()) for k, _, v in (line.partition(":") for line in lines)]
-        if not any(k.lower() in ("if-none-match", "if-match") for k, _ in fields):
+    def strip(head: bytes, body: bytes) -> tuple[bytes, bytes]:
+        request_line, fields = _request_fields(head)
+        if not any(k.lower() in CONDITIONS for k, _ in fields):
             return head, body
         method, target, _ = request_line.split(" ", 2)
         kept = {k: v for k, v in fields if k.lower() not in dropped}
@@ -572,6 +585,48 @@ def ignoring_conditions(server: S3Server):
         Resign(kept.get("x-amz-content-sha256") or kept["X-Amz-Content-SHA256"]).add_auth(request)
         out = request_line + "\r\n" + "".join(f"{k}: {v}\r\n" for k, v in request.headers.items()) + "\r\n"
         return out.encode("latin-1"), body
+
+    return strip
+
+
+def ignoring_conditions(server: S3Server):
+    """A StoreProxy `rewrite` that makes the store behind it one that ignores conditional writes: it drops the
+    If-None-Match and If-Match headers of every request and signs it again (SigV4 signs them) with the server's
+    credentials, the payload's hash as the client sent it."""
+    return _without_conditions(server)
+
+
+def check_then_put(server: S3Server, delay_s: float = 0.2):
+    """A StoreProxy `rewrite` that makes the store behind it a gateway emulating conditional puts, not atomically:
+    a PUT with If-None-Match: * or If-Match: ETag is checked first with a HEAD of the key (a client of its own, to the
+    server itself); where the condition fails there the request goes on as it came (the store answers 412), else,
+    after `delay_s` (a gateway's latency, which widens the race), without the condition, signed again. The proxy
+    serves each connection in its own thread: concurrent puts that all pass the check before any lands all write.
+    Set the proxy's `continue_early`, or each put first waits 1 s for the 100 Continue that boto3 expects."""
+    import botocore.exceptions
+
+    client, strip = server.client(), _without_conditions(server)
+
+    def etag_now(target: str) -> str | None:
+        bucket, _, key = urllib.parse.unquote(target.split("?", 1)[0]).lstrip("/").partition("/")
+        try:
+            return client.head_object(Bucket=bucket, Key=key)["ETag"].strip('"')
+        except botocore.exceptions.ClientError as e:
+            if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404:
+                return None
+            raise
+
+    def rewrite(head: bytes, body: bytes) -> tuple[bytes, bytes]:
+        request_line, fields = _request_fields(head)
+        conditions = {k.lower(): v.strip('"') for k, v in fields if k.lower() in CONDITIONS}
+        if not request_line.startswith("PUT ") or not conditions:
+            return head, body
+        now = etag_now(request_line.split(" ")[1])
+        holds = now is None if "if-none-match" in conditions else now == conditions["if-match"]
+        if not holds:
+            return head, body
+        time.sleep(delay_s)
+        return strip(head, body)
 
     return rewrite
 

@@ -115,7 +115,7 @@ def test_a_corrupted_partial_or_foreign_compile_cache_is_ignored_with_a_warning(
         where = S.join(store.root, key, compile_target("cpu")["tag"])
         assert store.fetch(key, str(tmp_path / "none"))["note"] == "no cache for this key"
         assert not store.publish(key, str(made))["uploaded"]  # only a folder compiled or verified here
-        seal(made, key, SECRET.encode())  # what the actor does after its own compile
+        seal(made, key, SECRET.encode(), compile_target("cpu")["tag"])  # what the actor does after its own compile
         assert store.publish(key, str(made))["uploaded"]
         got = store.fetch(key, str(tmp_path / "fetched"))
         assert got["used"] and (tmp_path / "fetched" / "fxgraph" / "ab" / "entry").read_bytes() == b"compiled graph"
@@ -225,6 +225,12 @@ def s3(tmp_path_factory):
 KEY = "torch-x/cpu-avx2/model-0123-float32/b16-p24-x0-k5-l3"
 
 
+def TAG() -> str:  # noqa: N802 -- a constant of this machine, computed on first use
+    from pipeline.models import compile_target
+
+    return compile_target("cpu")["tag"]
+
+
 def test_a_planted_archive_never_runs_its_code(s3, tmp_path, caplog, monkeypatch):
     """An archive whose loading runs code (checked first: unpickling its graph entry writes the marker) is never
     unpacked unless signed with the actor's key for this very key, torch and target: unsigned, signed with another
@@ -279,7 +285,7 @@ def test_a_second_actor_never_rewrites_a_folder_the_first_loaded(s3, tmp_path, m
     (made / "ab" / "graph.so").write_bytes(b"\x7fELF" + bytes(range(256)) * 64)
     (made / "ab" / "wrapper.py").write_text("x = 1\n")
     store = CompileStore(s3.uri("siblings"), Storage(endpoint=s3.endpoint))
-    seal(made, KEY, SECRET.encode())
+    seal(made, KEY, SECRET.encode(), TAG())
     assert store.publish(KEY, str(made))["uploaded"]
     node = tmp_path / "node" / "torch-x-avx2"
     assert store.fetch(KEY, str(node))["note"] == "verified and unpacked"
@@ -294,7 +300,7 @@ def test_a_second_actor_never_rewrites_a_folder_the_first_loaded(s3, tmp_path, m
         assert second["bytes"] == 0
         archive = tmp_path / "archive.tar.gz"
         archive.write_bytes(pack_of(made))
-        assert unpack_into_place(archive, node, KEY, SECRET.encode()) is False  # a sibling that lost the race
+        assert unpack_into_place(archive, node, KEY, SECRET.encode(), TAG()) == node  # lost the race: theirs
         assert loaded[:4] == b"\x7fELF" and loaded[4:260] == bytes(range(256))
     assert seen() == before and sorted(p.name for p in node.parent.iterdir()) == [node.name]
 
@@ -359,7 +365,7 @@ def test_a_node_folder_not_verified_here_is_never_used_or_published(s3, tmp_path
     assert store.fetch(KEY, str(tmp_path / "elsewhere"))["note"] == "no cache for this key"  # nothing was uploaded
     (folder / "ab").mkdir(parents=True)
     (folder / "ab" / "graph.py").write_text("x = 1\n")
-    seal(folder, KEY, SECRET.encode())  # what the actor does after its own compile
+    seal(folder, KEY, SECRET.encode(), TAG())  # what the actor does after its own compile
     assert store.fetch(KEY, str(folder))["note"] == "the node's verified copy, not fetched again"
     assert store.publish(KEY, str(folder))["uploaded"]
     (folder / WRAPPER).parent.mkdir()
@@ -370,6 +376,130 @@ def test_a_node_folder_not_verified_here_is_never_used_or_published(s3, tmp_path
     assert (fetched / MANIFEST).is_file()
     monkeypatch.setenv(KEY_ENV, "another-key")  # a manifest sealed with another key does not verify
     assert not store.fetch(KEY, str(fetched))["used"] and not fetched.exists()
+
+
+def test_a_folder_placed_first_by_someone_else_is_used_only_if_it_verifies(s3, tmp_path, monkeypatch):
+    """A verified archive is unpacked into a fresh folder; between the node folder's move aside and the rename,
+    something else creates the node folder (a sibling's inductor, a local user): unsealed, it is never loaded, and the
+    actor loads its own verified copy; sealed by a sibling (the same archive), the sibling's is loaded."""
+    from pipeline import models
+    from pipeline.config import Storage
+    from pipeline.models import CompileStore, seal, sealed
+
+    monkeypatch.setenv(KEY_ENV, SECRET)
+    store = CompileStore(s3.uri("lost-rename"), Storage(endpoint=s3.endpoint))
+    made = tmp_path / "made"
+    (made / "ab").mkdir(parents=True)
+    (made / "ab" / "graph.py").write_text("x = 1\n")
+    seal(made, KEY, SECRET.encode(), TAG())
+    assert store.publish(KEY, str(made))["uploaded"]
+    real = models.place
+
+    def someone_first(content):
+        def place(fresh, folder):
+            (folder / "ab").mkdir(parents=True)
+            (folder / "ab" / "graph.py").write_text(content)
+            if content == "x = 1\n":
+                seal(folder, KEY, SECRET.encode(), TAG())  # a sibling that unpacked the same verified archive
+            return real(fresh, folder)
+
+        return place
+
+    node = tmp_path / "node" / "cache"
+    monkeypatch.setattr(models, "place", someone_first("ATTACKER PICKLE"))
+    got = store.fetch(KEY, str(node))
+    assert got["used"] and Path(got["folder"]) != node and "does not verify" in got["note"], got
+    assert (Path(got["folder"]) / "ab" / "graph.py").read_text() == "x = 1\n"
+    assert sealed(Path(got["folder"]), KEY, SECRET.encode(), TAG()) and not sealed(node, KEY, SECRET.encode(), TAG())
+    node2 = tmp_path / "node2" / "cache"
+    monkeypatch.setattr(models, "place", someone_first("x = 1\n"))
+    got = store.fetch(KEY, str(node2))
+    assert got["used"] and got["folder"] == str(node2) and list(node2.parent.iterdir()) == [node2], got
+
+
+def test_a_manifest_sees_links_and_names_its_key_and_target(tmp_path):
+    """A sealed folder stops verifying when a symbolic link is added (to a folder: a walk that does not follow it
+    would miss its files; to a file), when a file is added, and when the folder is moved under another target or
+    key; sealing a folder that holds a link or a special file is refused."""
+    import os
+
+    from pipeline.models import seal, sealed
+
+    folder = tmp_path / "sealed"
+    (folder / "fxgraph" / "ab").mkdir(parents=True)
+    (folder / "fxgraph" / "ab" / "entry").write_bytes(b"graph")
+    evil = tmp_path / "evil"
+    (evil / "zz").mkdir(parents=True)
+    (evil / "zz" / "entry").write_bytes(b"planted")
+    secret = SECRET.encode()
+    seal(folder, KEY, secret, TAG())
+    assert sealed(folder, KEY, secret, TAG())
+    assert not sealed(folder, KEY, secret, "target-0000000000000000")  # moved between target-* folders
+    assert not sealed(folder, KEY + "x", secret, TAG())
+    for link in (folder / "ab", folder / "fxgraph" / "zz", folder / "fxgraph" / "ab" / "more"):
+        os.symlink(evil / "zz" if link.name != "more" else evil / "zz" / "entry", link)
+        assert not sealed(folder, KEY, secret, TAG()), link
+        with pytest.raises(ValueError, match="a symbolic link or special file"):
+            seal(folder, KEY, secret, TAG())
+        link.unlink()
+    assert sealed(folder, KEY, secret, TAG())
+    os.mkfifo(folder / "fifo")
+    assert not sealed(folder, KEY, secret, TAG())
+
+
+def test_an_oversized_description_is_never_read_whole(s3, tmp_path, monkeypatch):
+    """A cache.json larger than MAX_META_BYTES (a store writer without the key can write one) is refused from a
+    ranged read of at most that many bytes: never parsed, the actor compiles cold. The same bound holds locally."""
+    from pipeline import storage as S
+    from pipeline.config import Storage
+    from pipeline.models import MAX_META_BYTES, CompileStore, compile_target
+
+    monkeypatch.setenv(KEY_ENV, SECRET)
+    store = CompileStore(s3.uri("huge-meta"), Storage(endpoint=s3.endpoint))
+    where = S.join(store.root, KEY, compile_target("cpu")["tag"])
+    S.write_bytes(S.join(where, "cache.json"), b"{" + b" " * (8 * MAX_META_BYTES) + b"}", store.storage)
+    asked = []
+    real = S.s3_client
+
+    def spy(storage):
+        client = real(storage)
+        get = client.get_object
+        client.get_object = lambda **kw: asked.append(kw.get("Range")) or get(**kw)
+        return client
+
+    monkeypatch.setattr(S, "s3_client", spy)
+    got = store.fetch(KEY, str(tmp_path / "node"))
+    assert got["found"] and not got["used"] and f"larger than {MAX_META_BYTES} bytes" in got["note"], got
+    assert asked == [f"bytes=0-{MAX_META_BYTES}"] and not (tmp_path / "node").exists()
+    (tmp_path / "big").write_bytes(b"x" * (MAX_META_BYTES + 1))
+    with pytest.raises(S.TooLarge):
+        S.read_bytes(str(tmp_path / "big"), Storage(), limit=MAX_META_BYTES)
+    assert S.read_bytes(str(tmp_path / "none"), Storage(), limit=10) is None
+
+
+def test_the_node_folders_are_private(s3, tmp_path):
+    """The signed cache's folders are made with mode 0700; a compile cache folder that group or others may write,
+    or that another user owns, is refused naming it (the actor then compiles cold in a private folder)."""
+    import os
+    import stat
+
+    from pipeline.config import Storage
+    from pipeline.models import CompileStore
+
+    store = CompileStore(s3.uri("private"), Storage(endpoint=s3.endpoint))
+    folder = Path(store.node_folder(str(tmp_path / "cache"), KEY))
+    for path in [tmp_path / "cache", *folder.parents][: len(folder.relative_to(tmp_path / "cache").parts)]:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o700, path
+    (tmp_path / "open-to-all").mkdir(mode=0o777)
+    (tmp_path / "open-to-all").chmod(0o777)
+    with pytest.raises(ValueError, match=f"compile cache folder {tmp_path / 'open-to-all'} is not private"):
+        store.node_folder(str(tmp_path / "open-to-all"), KEY)
+    other = tmp_path / "others" / "signed-v1"
+    other.mkdir(parents=True, mode=0o700)
+    if os.geteuid() == 0:  # as root (CI), a folder given to nobody; an ordinary user cannot give one away
+        os.chown(other, 65534, 65534)
+        with pytest.raises(ValueError, match=f"compile cache folder {other} is not private \\(owner uid 65534"):
+            store.node_folder(str(tmp_path / "others"), KEY)
 
 
 def test_an_archive_is_downloaded_only_when_its_description_is_signed_and_its_size_sane(s3, tmp_path, monkeypatch):

@@ -211,7 +211,7 @@ def test_the_output_reference_documents_every_column_and_reject_reason():
         assert list(documented) == schema.names, name
         for field in schema:
             arrow = re.sub(r"\b(float|double)\b", lambda m: ARROW_FLOATS[m[1]], str(field.type).replace("item: ", ""))
-            want = "int64 or string" if field.name == "user_id" else arrow
+            want = "integer, string or binary" if field.name == "user_id" else arrow
             assert documented[field.name].replace("\\", "") == want, (name, field.name)
     rejects = doc_section(text, "rejects")
     reasons = re.findall(r"^    (\w+) +\S", validate.__doc__, re.M) + [DUPLICATE[0], "non_finite_logits"]

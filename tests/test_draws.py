@@ -2,6 +2,9 @@
 decoding, depend on its seed only, never on the batch it is decoded in: alone, in a batch, in another order, beside
 other users."""
 
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -113,3 +116,102 @@ def test_a_users_items_do_not_depend_on_its_batch(models, mode):
     assert torch.equal(mixed[:4], together[:4])  # more padding, other neighbours: the same items
     same_prompt = decode(mode, models, ids[:1].repeat(8, 1), mask[:1].repeat(8, 1), seeds)
     assert len({tuple(sorted(r)) for r in same_prompt.tolist()}) > 1
+
+
+ID_TYPES = [
+    pa.int8(),
+    pa.int32(),
+    pa.int64(),
+    pa.uint64(),
+    pa.string(),
+    pa.large_string(),
+    pa.binary(),
+    pa.large_binary(),
+]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    from tests.test_nightly import make_world
+
+    return make_world(tmp_path_factory.mktemp("ids"), n_users=12)
+
+
+def test_every_mode_decodes_every_id_type_the_input_admits(world):
+    """Integers of any width and sign, strings and binary: every mode lists every user, and a sampling mode draws for
+    a user what it draws for the same id in another type's batch whenever the canonical id is the same (an int8 5 is
+    an int64 5; the string "5" is another user)."""
+    from operators.recommender import Recommender
+    from pipeline.config import load_config
+    from pipeline.nightly import direct_spec
+
+    users = pq.read_table(world / "data" / "test.parquet").select(["user_id", "history"])
+    lists = {}
+    for mode in ("beam", "atspeed-strict", "atspeed-relaxed", "disc", "auto"):
+        cfg = load_config(
+            None,
+            [
+                f"input={world / 'data' / 'test.parquet'}",
+                f"catalog={world / 'data' / 'items.parquet'}",
+                f"output={world / 'out'}",
+                f"models.target={world / 'target'}",
+                f"models.draft={world / 'draft'}",
+                f"decoding.mode={mode}",
+                "decoding.k=5",
+            ],
+        )
+        actor = Recommender(direct_spec(cfg))
+        for kind in ID_TYPES:
+            ids = pa.array(
+                [
+                    str(u % 100).encode()
+                    if pa.types.is_binary(kind) or pa.types.is_large_binary(kind)
+                    else (str(u % 100) if pa.types.is_string(kind) or pa.types.is_large_string(kind) else u % 100)
+                    for u in range(users.num_rows)
+                ],
+                kind,
+            )
+            out = actor(users.set_column(0, "user_id", ids))
+            recs = out.filter(pc.equal(out["kind"], "rec"))
+            assert recs.num_rows == 5 * users.num_rows and recs["user_id"].type == kind, (mode, kind)
+            lists[(mode, str(kind))] = recs["item_id"].to_pylist()
+    for mode in ("atspeed-relaxed", "disc"):  # the same canonical id, the same draws
+        ints = [lists[(mode, str(k))] for k in ID_TYPES[:4]]
+        assert all(x == ints[0] for x in ints), mode
+        texts = [lists[(mode, str(k))] for k in ID_TYPES[4:]]
+        assert texts[0] == texts[1] and texts[2] == texts[3], mode
+
+
+@pytest.mark.parametrize(
+    "kind", [pa.float64(), pa.decimal128(10, 0), pa.date32(), pa.dictionary(pa.int32(), pa.string()), pa.null()]
+)
+def test_the_plan_refuses_an_id_type_no_mode_can_key_a_user_by(world, tmp_path, kind):
+    import datetime as dt
+    from decimal import Decimal
+
+    from pipeline.config import load_config
+    from pipeline.nightly import plan_run
+
+    users = pq.read_table(world / "data" / "test.parquet")
+    n = users.num_rows
+    values = {
+        "double": lambda: pa.array([float(i) for i in range(n)]),
+        "decimal128(10, 0)": lambda: pa.array([Decimal(i) for i in range(n)], kind),
+        "date32[day]": lambda: pa.array([dt.date(2026, 1, 1) + dt.timedelta(days=i) for i in range(n)]),
+        "dictionary<values=string, indices=int32, ordered=0>": lambda: pa.array(
+            [str(i) for i in range(n)]
+        ).dictionary_encode(),
+        "null": lambda: pa.nulls(n),
+    }[str(kind)]()
+    pq.write_table(users.set_column(0, "user_id", values), tmp_path / "in.parquet")
+    cfg = load_config(
+        None,
+        [
+            f"input={tmp_path / 'in.parquet'}",
+            f"catalog={world / 'data' / 'items.parquet'}",
+            f"output={tmp_path / 'out'}",
+            f"models.target={world / 'target'}",
+        ],
+    )
+    with pytest.raises(ValueError, match=r"column user_id is .*; user ids must be integers, strings or binary"):
+        plan_run(cfg)

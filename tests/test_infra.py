@@ -470,3 +470,32 @@ def test_a_stopped_driver_gets_sigterm_and_its_grace_period_before_ray_stops(tmp
     assert stand_in.stdout.readline() == "ready\n"
     hook = subprocess.run([sys.executable, "-c", script.replace('"jobs.nightly"', repr(marker))], timeout=30)
     assert hook.returncode == 0 and stand_in.poll() == 6  # the hook returned after the driver's own exit
+
+
+SAPPHIRE_RAPIDS = set(
+    "fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma avx512f avx512dq avx512cd avx512bw avx512vl avx512_vnni "
+    "avx512_bf16 avx512_fp16 amx_bf16 amx_tile amx_int8".split()
+)
+
+
+def test_the_kernel_settings_emulate_cpus_that_exist():
+    """An AMX CPU (torch's own family avx512): default with oneDNN's SSE41, avx2 with AVX2, and the same CPU without
+    AMX; an AVX-512 CPU without AMX and an AVX2 one: each reduced family with its ISA, nothing more. Never a reduced
+    ATen family beside the full oneDNN ISA (bfloat16 attention fails there on AMX: pack_vnni2)."""
+    from tests.kernels import settings_for
+
+    assert settings_for(SAPPHIRE_RAPIDS, ["default", "avx2"]) == [
+        "ATEN_CPU_CAPABILITY=default+ONEDNN_MAX_CPU_ISA=SSE41",
+        "ATEN_CPU_CAPABILITY=avx2+ONEDNN_MAX_CPU_ISA=AVX2",
+        "ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16",
+    ]
+    zen4 = SAPPHIRE_RAPIDS - {"amx_bf16", "amx_tile", "amx_int8", "avx512_fp16"}
+    assert settings_for(zen4, ["default", "avx2"]) == [
+        "ATEN_CPU_CAPABILITY=default+ONEDNN_MAX_CPU_ISA=SSE41",
+        "ATEN_CPU_CAPABILITY=avx2+ONEDNN_MAX_CPU_ISA=AVX2",
+    ]
+    assert settings_for({"sse4_2", "avx", "avx2", "fma"}, ["default"]) == [
+        "ATEN_CPU_CAPABILITY=default+ONEDNN_MAX_CPU_ISA=SSE41"
+    ]
+    for setting in settings_for(SAPPHIRE_RAPIDS, ["default", "avx2"]):  # `make test-kernels` splits on +
+        assert all(re.fullmatch(r"[A-Z_]+=[A-Za-z0-9_]+", part) for part in setting.split("+")), setting

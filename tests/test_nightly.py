@@ -2,6 +2,7 @@
 rejects, fail-fast on bad files and models, atomic reruns, and an actor killed mid-run."""
 
 import json
+import os
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -420,6 +421,74 @@ def test_models_and_catalogs_an_actor_would_refuse_fail_on_the_driver(world, tmp
     with pytest.raises(ValueError, match=r"1 code tokens the catalog needs are missing from the tokenizer: <c_17>"):
         run_nightly_with(f"catalog={tmp_path / 'items.parquet'}")
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+
+
+def test_check_runs_the_drivers_checks_takes_no_lease_and_writes_nothing(world, tmp_path, capsys):
+    """`--check`: exit 0 and a summary, no Ray, no lease (it passes while another driver holds the date's lease), no
+    file under the output; each failure class it claims ends as the run would (exit 2, its `error:` line naming
+    it): a bad config field, a missing input, an input without `history`, a user_id of another type, a missing model,
+    a template a model lacks, code tokens the tokenizer lacks, a missing recommendable set; a resume it would
+    refuse."""
+    import fcntl
+
+    from jobs import nightly
+
+    base = [
+        f"input={world / 'data' / 'test.parquet'}",
+        f"catalog={world / 'data' / 'items.parquet'}",
+        f"output={tmp_path / 'out'}",
+        f"models.target={world / 'target'}",
+        "decoding.k=5",
+        "run_date=2026-11-21",
+    ]
+
+    def check(*extra) -> tuple[int, str, str]:
+        code = nightly.main([x for item in (*base, *extra) for x in ("--set", item)] + ["--check"])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    lease = tmp_path / "out" / "run_date=2026-11-21" / "_LEASE"  # another driver's lease on the date
+    lease.parent.mkdir(parents=True)
+    held = os.open(lease, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    try:
+        code, out, _ = check()
+    finally:
+        os.close(held)
+    summary = json.loads(out)
+    assert code == 0 and summary["check"] == "passed" and summary["input"]["rows"] == 100
+    assert summary["models"]["target"]["sha256"] and summary["output"]["conditional_writes"] == "honoured"
+    assert sorted(p.name for p in (tmp_path / "out").rglob("*")) == ["_LEASE", "run_date=2026-11-21"]
+    bare = tmp_path / "bare"
+    shutil.copytree(world / "target", bare)
+    (bare / "genrec_template.json").unlink()
+    histories = pq.read_table(world / "data" / "test.parquet")
+    pq.write_table(histories.drop_columns(["history"]), tmp_path / "no-history.parquet")
+    pq.write_table(histories.set_column(0, "user_id", pc.cast(histories["user_id"], pa.float64())), tmp_path / "f.pq")
+    items = pq.read_table(world / "data" / "items.parquet").to_pylist()
+    items[5]["semantic_id"] = [0, 1, 17]
+    pq.write_table(pa.Table.from_pylist(items), tmp_path / "items.parquet")
+    cases = {
+        "decoding.k=0": "config: decoding.k must be an integer >= 1",
+        f"input={tmp_path / 'none.parquet'}": "none.parquet not found",
+        f"input={tmp_path / 'no-history.parquet'}": "missing column(s) ['history']",
+        f"input={tmp_path / 'f.pq'}": "column user_id is double",
+        f"models.target={tmp_path / 'nowhere'}": "models.target: model directory",
+        f"models.target={bare}": "no genrec_template.json",
+        f"catalog={tmp_path / 'items.parquet'}": "code tokens the catalog needs are missing from the tokenizer",
+        f"recommendable={tmp_path / 'gone.parquet'}": "recommendable",
+    }
+    for extra, why in cases.items():
+        code, out, err = check(extra)
+        assert code == 2 and out == "" and why in err and err.startswith("error: "), (extra, err)
+    code, _, err = (
+        nightly.main(
+            [x for item in base for x in ("--set", item)] + ["--check", "--resume", "20260101T000000Z-abcdef"]
+        ),
+        *capsys.readouterr(),
+    )
+    assert code == 2 and "run_id=20260101T000000Z-abcdef not found" in err, err
+    assert sorted(p.name for p in (tmp_path / "out").rglob("*")) == ["_LEASE", "run_date=2026-11-21"]
 
 
 def test_rerun_leaves_exactly_one_complete_output(world, ray_session, tmp_path):

@@ -17,6 +17,7 @@ from jobs.nightly import STOPPED
 from pipeline import runs
 from pipeline import storage as S
 from pipeline.config import load_config
+from pipeline.lease import LeaseLost
 from pipeline.nightly import Interrupted, Stop
 from tests.servers import ray_head
 from tests.test_nightly import direct_beam_search, make_world
@@ -213,3 +214,149 @@ def test_a_signal_raises_once_at_once_and_waits_for_publication():
         raise OSError("the store refused the publication")
     with pytest.raises(Interrupted):  # not published: a signal stops the driver
         failed.handle(signal.SIGTERM, None)
+
+
+# ---------------------------------------------------------------- signals at the lease's edges, a fenced manifest
+
+
+@pytest.fixture
+def handler(monkeypatch):
+    """The driver's handler (a fresh Stop as pipeline.nightly.STOP) installed for SIGTERM / SIGINT, restored after."""
+    from pipeline import nightly
+
+    stop = Stop()
+    monkeypatch.setattr(nightly, "STOP", stop)
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    stop.install()
+    yield stop
+    for s, h in saved.items():
+        signal.signal(s, h)
+
+
+def lease_of(s3, out: str) -> dict:
+    from pipeline.config import Storage
+
+    return json.loads(S.read_bytes(S.join(runs.date_dir(s3.uri(out), DATE), "_LEASE"), Storage(s3.endpoint)))
+
+
+def test_a_signal_inside_acquire_or_release_never_strands_the_lease(cluster, handler, monkeypatch):  # noqa: F811
+    """SIGTERM the moment the store took the lease's PUT: the put's answer is kept, then the driver stops and
+    releases the date (expires 0). A put whose answer is lost (the store took it, the call failed): the lease is
+    read back, found ours, released. SIGTERM while the lease is released after another error (Stalled): the
+    release completes, the error stays the error (exit 5), and the note says what the signal met."""
+    from pipeline.config import Storage
+    from pipeline.lease import Lease
+    from pipeline.nightly import Stalled, stop_note
+
+    _, s3, _, _ = cluster
+    storage = Storage(s3.endpoint)
+    real = S.put_if
+
+    def then(action):
+        def put_if(*a, **kw):
+            got = real(*a, **kw)
+            action()
+            return got
+
+        return put_if
+
+    monkeypatch.setattr(S, "put_if", then(lambda: os.kill(os.getpid(), signal.SIGTERM)))
+    lease = Lease(runs.date_dir(s3.uri("signal-acquire"), DATE), "run-a", storage, 10, handler.holding)
+    with pytest.raises(Interrupted, match="SIGTERM"):
+        lease.acquire()
+    assert lease.etag is not None and lease_of(s3, "signal-acquire")["expires"] > 0
+    assert lease.release() and lease_of(s3, "signal-acquire")["expires"] == 0
+
+    def lost():
+        raise ConnectionResetError("the answer was lost")
+
+    monkeypatch.setattr(S, "put_if", then(lost))
+    lease = Lease(runs.date_dir(s3.uri("lost-answer"), DATE), "run-b", storage, 10, handler.holding)
+    with pytest.raises(ConnectionResetError):
+        lease.acquire()
+    monkeypatch.setattr(S, "put_if", real)
+    assert lease.etag is not None and lease.release() and lease_of(s3, "lost-answer")["expires"] == 0
+
+    handler.received = None
+    lease = Lease(runs.date_dir(s3.uri("signal-release"), DATE), "run-c", storage, 10, handler.holding)
+    lease.acquire()
+    monkeypatch.setattr(S, "put_if", then(lambda: os.kill(os.getpid(), signal.SIGTERM)))
+    with pytest.raises(Stalled) as e:
+        try:
+            raise Stalled("no shard committed")
+        finally:
+            e_released = lease.release()
+    assert e_released and lease_of(s3, "signal-release")["expires"] == 0
+    e.value.lease_released = e_released
+    assert stop_note(e.value, False) == (
+        "stopped: SIGTERM received while releasing the run date's lease, after the error above; the lease is released"
+    )
+
+
+def test_a_sigterm_while_ray_starts_is_a_stop(tmp_path):
+    """SIGTERM while ray.init runs meets Ray's own handler (sys.exit(signum)): the driver still ends as a stopped run,
+    exit STOPPED and its `stopped:` line, never exit 15."""
+    world = make_world(tmp_path / "world", n_users=8)
+    settings = [x for item in args(world, tmp_path / "out") for x in ("--set", item)]
+    code = (
+        "import os, signal, sys, time, ray\n"
+        "from jobs import nightly\n"
+        "real = ray.init\n"
+        "def init(*a, **kw):\n"
+        "    out = real(*a, **kw)  # Ray's SIGTERM handler is in place now\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(60)\n"
+        "    return out\n"
+        "ray.init = init\n"
+        f"sys.exit(nightly.main({settings!r}))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == STOPPED, run.stderr[-3000:]
+    (line,) = [x for x in run.stderr.splitlines() if x.startswith("stopped:")]
+    assert "SIGTERM received" in line and "no lease was taken" in line, line
+
+
+def test_a_fenced_driver_never_writes_the_manifest_of_a_run_another_published(cluster):  # noqa: F811
+    """Driver A decodes every shard and reaches publication; it is paused there (SIGSTOP) past its lease. Driver B
+    resumes the same run id: it takes the date over, finds every shard committed and publishes. A, continued,
+    finds its lease lost before writing anything: exit 3. The published manifest is B's, every user read once; and
+    a manifest is created once: a second writer with another manifest is refused."""
+    world, s3, _, head = cluster
+    out = "fenced"
+    hold = world / "hold-fenced"
+    hold.mkdir()
+    users = pq.read_table(world / "data" / "test.parquet").slice(0, 40)
+    pq.write_table(users, world / "forty.parquet")
+    s3.client().upload_file(str(world / "forty.parquet"), s3.bucket, "data/forty.parquet")
+    settings = [
+        *store_items(world, s3, s3.endpoint, out, "models.draft=null", "runs.lease_s=10"),
+        f"input={s3.uri('data', 'forty.parquet')}",
+    ]
+    a = Driver(head, s3, settings, env={"GENREC_TEST_HOLD_BEFORE_PUBLISH": str(hold)})
+    deadline = time.monotonic() + 300
+    while not (hold / "held").exists():
+        assert a.proc.poll() is None and time.monotonic() < deadline, a.tail()
+        time.sleep(0.1)
+    os.killpg(a.proc.pid, signal.SIGSTOP)
+    run_id = lease_of(s3, out)["run_id"]
+    time.sleep(11)  # past its lease's stamp: B watches it for runs.lease_s more, then takes it over
+    b = Driver(head, s3, settings, "--resume", run_id)
+    rc, stdout, log = b.finish()
+    assert rc == 0, log[-3000:]
+    (hold / "go").write_text("")
+    os.killpg(a.proc.pid, signal.SIGCONT)
+    rc, _, log = a.finish()
+    assert rc == 3 and "lost its run_date lease" in log, log[-3000:]
+    storage = load_config(None, settings).storage
+    run = runs.latest_run(s3.uri(out), DATE, storage)
+    manifest = json.loads(S.read_bytes(S.join(run, "manifest.json"), storage))
+    recs = runs.read_table(run, "recommendations", storage).to_pandas()
+    assert len(recs) == 40 * K and set(recs.user_id) == set(users["user_id"].to_pylist())  # every user once
+    summary = json.loads(stdout[stdout.index("{") :])
+    assert manifest["run_id"] == summary["run_id"] == run_id and manifest["resume"] == summary["resume"]
+    assert manifest["resume"]["resumed"] and manifest["resume"]["shards_decoded"] == 0  # B's: it decoded nothing
+    with pytest.raises(LeaseLost, match="written by another driver of this run"):
+        runs.finish(run, {**manifest, "status": "forged"}, storage)
+    runs.finish(run, manifest, storage)  # the same manifest again: its own, answer lost
+    assert json.loads(S.read_bytes(S.join(run, "manifest.json"), storage)) == manifest

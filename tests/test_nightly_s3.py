@@ -21,7 +21,7 @@ from pipeline import runs
 from pipeline import storage as S
 from pipeline.config import Storage, load_config
 from pipeline.output import open_run
-from tests.servers import ignoring_conditions, ray_head, seaweedfs, store_proxy
+from tests.servers import check_then_put, ignoring_conditions, ray_head, seaweedfs, store_proxy
 from tests.test_nightly import direct_beam_search, make_world
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,10 +84,17 @@ def write_config(path: Path, items: list[str]) -> Path:
 
 
 def test_nightly_on_s3_equals_beam_search(cluster, tmp_path):
-    """The driver in its own process (as on a cluster), connected to the token-authenticated head."""
+    """The driver in its own process (as on a cluster), connected to the token-authenticated head. Its node cannot
+    hold the models (models.cache_dir under a HOME that is a file: no folder can be made there): it checks them on
+    the store without their weights, and the actors, whose HOME is the head's, download them; the manifest's sha256
+    is the local folder's."""
+    import uuid
+
     world, s3, head, root = cluster
-    config = write_config(tmp_path / "nightly.yaml", s3_config(s3, root))
-    env = {**os.environ, **head.env(), "RAY_ADDRESS": head.address}
+    cache = Path.home() / ".cache" / f"genrec-test-models-{uuid.uuid4().hex[:8]}"
+    config = write_config(tmp_path / "nightly.yaml", s3_config(s3, root, f"models.cache_dir=~/.cache/{cache.name}"))
+    (tmp_path / "no-home").write_text("")  # the driver's HOME: a file
+    env = {**os.environ, **head.env(), "RAY_ADDRESS": head.address, "HOME": str(tmp_path / "no-home")}
     run = subprocess.run(
         [sys.executable, "-m", "jobs.nightly", "--config", str(config)],
         env=env,
@@ -97,12 +104,15 @@ def test_nightly_on_s3_equals_beam_search(cluster, tmp_path):
         timeout=600,
     )
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    assert (tmp_path / "no-home").is_file() and cache.is_dir()  # the actors' copies, none on the driver's side
+    shutil.rmtree(cache)
     summary = json.loads(run.stdout[run.stdout.index("{") :])
     cfg = load_config(str(config))
     published = runs.latest_run(cfg.output, cfg.run_date, cfg.storage)
     assert published and published.startswith("s3://") and summary["run_id"] in published
     manifest = json.loads(S.read_bytes(S.join(published, "manifest.json"), cfg.storage))
     assert manifest["status"] == "succeeded" and manifest["models"]["target"]["uri"] == s3.uri("models", "target")
+    assert manifest["models"]["target"]["sha256"] == S.fingerprint(world / "target")  # the same either way
     assert S.read_bytes(S.join(published, "_SUCCESS"), cfg.storage) is not None
     fs, path = S.filesystem(published, cfg.storage)
     recs = pq.read_table(f"{path}/recommendations", filesystem=fs).to_pandas()
@@ -518,6 +528,8 @@ def test_a_store_that_ignores_conditional_writes_is_refused_before_the_lease(clu
         proxy.rewrite = ignoring_conditions(s3)
         extra = (f"output={output}", f"storage.endpoint={proxy.endpoint}")
         config = write_config(tmp_path / "nightly.yaml", s3_config(s3, root, *extra))
+        assert nightly.main(["--config", str(config), "--check"]) == 2  # what --check catches, as the run does
+        assert "conditional create (If-None-Match: *)" in capsys.readouterr().err
         assert nightly.main(["--config", str(config)]) == 2
         requests = list(proxy.requests)
     err = capsys.readouterr().err
@@ -525,6 +537,12 @@ def test_a_store_that_ignores_conditional_writes_is_refused_before_the_lease(clu
     assert "conditional replace (If-Match: ETag): a replace of a version already replaced succeeded" in err
     assert any("_STORE_CHECK" in target for _, target in requests)
     assert not any("_LEASE" in target for _, target in requests) and keys(s3, "ignoring") == []
+    from tests.servers import free_ports
+
+    (dead,) = free_ports(1)  # a store nobody answers at: --check ends as the run would, exit 4
+    down = write_config(tmp_path / "down.yaml", s3_config(s3, root, f"storage.endpoint=http://127.0.0.1:{dead}"))
+    assert nightly.main(["--config", str(down), "--set", "storage.retry_s=1", "--check"]) == 4
+    assert "unavailable" in capsys.readouterr().err
     S.check_conditional_writes(output, Storage(s3.endpoint))
     S.check_conditional_writes(str(tmp_path / "local"), Storage())
     assert keys(s3, "ignoring") == [] and list((tmp_path / "local").iterdir()) == []
@@ -539,6 +557,30 @@ def test_a_store_that_ignores_conditional_writes_is_refused_before_the_lease(clu
     monkeypatch.setattr(S.fcntl, "flock", lambda fd, op: None)  # a filesystem whose locks do not exclude
     with pytest.raises(ValueError, match="granted two exclusive locks"):
         S.check_conditional_writes(str(tmp_path / "nolocks"), Storage())
+
+
+def test_a_store_that_checks_then_writes_is_refused_before_the_lease(cluster, tmp_path, capsys):
+    """Behind a proxy that emulates conditional puts with a HEAD, then a PUT (`check_then_put`), SeaweedFS answers
+    each put alone as S3 would, but two drivers racing for a lease could both take it: the store check's racing
+    creates and replaces find it out, and the nightly exits 2 naming both, before its lease; no scratch object stays.
+    It cannot pass by chance: the racers are released together by a barrier and send at once (milliseconds apart),
+    and the proxy holds every put that passed its HEAD for 0.2 s before it writes, so every racer's HEAD comes
+    before any racer's put lands."""
+    world, s3, _, root = cluster
+    output = s3.uri("checks-then-puts")
+    with store_proxy(s3) as proxy:
+        proxy.rewrite, proxy.continue_early = check_then_put(s3, delay_s=0.2), True
+        extra = (f"output={output}", f"storage.endpoint={proxy.endpoint}")
+        config = write_config(tmp_path / "nightly.yaml", s3_config(s3, root, *extra))
+        assert nightly.main(["--config", str(config)]) == 2
+        requests = list(proxy.requests)
+    error = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("error: "))
+    assert "conditional create (If-None-Match: *): " in error and "conditional replace (If-Match: ETag): " in error
+    assert " concurrent creates of one key succeeded (the store checks, then writes: not atomic)" in error, error
+    assert " concurrent replaces of one version succeeded (the store checks, then writes: not atomic)" in error
+    assert "a second create" not in error and "already replaced" not in error  # one at a time it behaves
+    assert any("_STORE_CHECK" in target for _, target in requests)
+    assert not any("_LEASE" in target for _, target in requests) and keys(s3, "checks-then-puts") == []
 
 
 @pytest.mark.parametrize(
@@ -576,3 +618,30 @@ def test_two_uploads_racing_to_one_prefix_do_not_both_succeed(cluster, tmp_path,
     with pytest.raises(ValueError, match="changed while this model was uploaded"):
         S.upload_model_dir(str(world / "draft"), uri, storage)
     assert json.loads(read(S.join(uri, "sha256sums.json"), storage)[0]) == raced[0]
+
+
+def test_the_driver_checks_an_s3_model_without_its_weights(cluster, tmp_path):
+    """S.model_head: the model's small files downloaded and checked, its weights only HEADed and their headers read
+    (a ranged GET); its sha256 is the local folder's. A weight file missing, cut short, or not safetensors at all is
+    refused, naming it."""
+    world, s3, _, _ = cluster
+    storage = Storage(s3.endpoint)
+    uri = s3.uri("models", "head-checked")
+    S.upload_model_dir(str(world / "target"), uri, storage)
+    head = tmp_path / "head"
+    head.mkdir()
+    sums = S.model_head(uri, storage, head)
+    assert S.weights_fingerprint(sums) == S.fingerprint(world / "target")
+    assert (head / "config.json").is_file() and not list(head.glob("*.safetensors"))
+    (weights,) = [n for n in sums if n.endswith(".safetensors")]
+    key = f"models/head-checked/{weights}"
+    data = (world / "target" / weights).read_bytes()
+    client = s3.client()
+    for damage, why in (
+        (lambda: client.put_object(Bucket=s3.bucket, Key=key, Body=data[:-100]), "cut short or padded"),
+        (lambda: client.put_object(Bucket=s3.bucket, Key=key, Body=b"\x80\x04pickled" * 10), "not a safetensors"),
+        (lambda: client.delete_object(Bucket=s3.bucket, Key=key), "missing"),
+    ):
+        damage()
+        with pytest.raises(ValueError, match=f"{weights}: .*{why}"):
+            S.model_head(uri, storage, head)

@@ -69,9 +69,9 @@ def items(world, s3, endpoint: str, out: str, *extra) -> list[str]:
 class Driver:
     """`python -m jobs.nightly` in its own process and session, its stderr read line by line as it comes."""
 
-    def __init__(self, head, s3, settings: list[str], *flags: str):
+    def __init__(self, head, s3, settings: list[str], *flags: str, env: dict | None = None):
         cmd = [sys.executable, "-m", "jobs.nightly", *(x for item in settings for x in ("--set", item)), *flags]
-        env = {**os.environ, **s3.env(), **head.env(), "RAY_ADDRESS": head.address}
+        env = {**os.environ, **s3.env(), **head.env(), "RAY_ADDRESS": head.address, **(env or {})}
         self.proc = subprocess.Popen(
             cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
         )

@@ -3,7 +3,8 @@ and injects faults (tests/servers.py StoreProxy): a shard costs its three PUTs; 
 connections) are retried until they pass and only then; permanent ones (access denied, no such bucket, a failed
 condition) fail at the first request; a conditional put whose answer was lost is recognised as the caller's own; a
 store down for longer than storage.retry_s ends in StoreUnavailable naming the store, the URI and the cause; the lease
-is released best effort."""
+is released best effort; the output store check races conditional puts, counting a racer whose answer was lost once,
+and refuses a gateway that checks, then writes."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import time
 
 import pyarrow as pa
@@ -20,7 +22,7 @@ from operators.recommender import table_schema
 from pipeline import runs
 from pipeline import storage as S
 from pipeline.config import Storage, load_config
-from tests.servers import seaweedfs, store_proxy
+from tests.servers import check_then_put, seaweedfs, store_proxy
 
 BASE = ["input=x", "catalog=x", "output=x", "models.target=x"]
 
@@ -285,3 +287,72 @@ def test_the_budget_is_configured_and_a_resume_may_change_it():
     assert resume_config(small) == resume_config(large)
     other = load_config(None, BASE + ["storage.endpoint=http://elsewhere:8333"]).to_dict()
     assert resume_config(other) != resume_config(small)
+
+
+# ------------------------------------------------------------------ the output store check: racing conditional puts
+
+
+def scratch_keys(s3, prefix: str) -> list[str]:
+    got = s3.client().list_objects_v2(Bucket=s3.bucket, Prefix=prefix + "/")
+    return [o["Key"] for o in got.get("Contents", [])]
+
+
+def test_an_atomic_store_passes_the_racing_store_check(store, proxy):
+    """SeaweedFS (through the counting proxy, which passes every byte as it came) passes the check three times in a
+    row: in each of RACE_ROUNDS rounds, on a key of its own, RACERS creates and then RACERS replaces raced, and each
+    race had exactly one winner; no scratch object stays."""
+    s3, _ = store
+    storage = storage_of(proxy)
+    for _ in range(3):
+        proxy.requests[:] = []
+        S.check_conditional_writes(s3.uri("atomic"), storage)
+        puts = [target.rsplit("/", 1)[1] for method, target in proxy.requests if method == "PUT"]
+        name = puts[0]
+        assert [puts.count(f"{name}-{r}") for r in range(S.RACE_ROUNDS)] == [2 * S.RACERS] * S.RACE_ROUNDS
+    assert scratch_keys(s3, "atomic") == []
+
+
+def test_a_store_that_checks_then_writes_fails_the_races(store, proxy):
+    """A gateway that emulates conditional puts with a HEAD, then a PUT (`check_then_put`) answers each put alone as
+    S3 would, so the sequential checks pass; of the racing creates, and of the racing replaces, more than one
+    succeeds, and the check names both, not atomic; no scratch object stays. It cannot pass by chance: the racers
+    are released together by a barrier and send at once (milliseconds apart), and the gateway holds every put that
+    passed its HEAD for 0.2 s before it writes, so every racer's HEAD comes before any racer's put lands."""
+    s3, _ = store
+    proxy.rewrite, proxy.continue_early = check_then_put(s3, delay_s=0.2), True
+    try:
+        with pytest.raises(ValueError) as err:
+            S.check_conditional_writes(s3.uri("checks-then-puts"), storage_of(proxy))
+    finally:
+        proxy.rewrite, proxy.continue_early = None, False
+    message, how = str(err.value), re.escape("succeeded (the store checks, then writes: not atomic)")
+    for capability, what in ((S.CREATE, "creates of one key"), (S.REPLACE, "replaces of one version")):
+        won = re.search(rf"{re.escape(capability)}: (\d+) of {S.RACERS} concurrent {what} {how}", message)
+        assert won and int(won[1]) > 1, message
+    assert "a second create" not in message and "already replaced" not in message  # one at a time it behaves
+    assert scratch_keys(s3, "checks-then-puts") == []
+
+
+def test_a_racer_whose_answer_was_lost_is_counted_once(store, proxy):
+    """The store carries out every racer's first create and the answers are lost: each racer tries again, fails its
+    condition, and reads the object back; the one whose bytes it holds counts itself the winner, the others losers,
+    and the check passes. Racers whose puts keep failing for longer than storage.retry_s end the check in
+    StoreUnavailable, counted neither a win nor a loss; either way no scratch object stays."""
+    s3, _ = store
+    lost = []
+
+    def lose_first_creates(method: str, target: str) -> str | None:
+        if method == "PUT" and target.endswith("-0") and len(lost) < S.RACERS:
+            lost.append(target)
+            return "lose"
+        return None
+
+    proxy.fault = lose_first_creates
+    S.check_conditional_writes(s3.uri("lost-race"), storage_of(proxy))
+    raced = [target for method, target in proxy.requests if method == "PUT" and target.endswith("-0")]
+    assert len(lost) == S.RACERS and len(raced) >= 3 * S.RACERS  # lost, tried again; then the replaces
+    assert scratch_keys(s3, "lost-race") == []
+    proxy.fault = lambda method, target: "reset" if method == "PUT" and target.endswith("-0") else None
+    with pytest.raises(S.StoreUnavailable, match="conditional PUT"):
+        S.check_conditional_writes(s3.uri("down-race"), storage_of(proxy, retry_s=0.5))
+    assert scratch_keys(s3, "down-race") == []
