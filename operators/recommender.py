@@ -56,6 +56,7 @@ from decoding.metrics import same_within_ties, topk_agreement
 from decoding.models import check_window, load_config, load_model, load_tokenizer
 from decoding.speculative import speculative_beam_search
 from decoding.stats import BASE_KEYS, PHASES
+from operators.compile_cache import private_dirs
 from operators.prompts import Prompts, Renderer, catalog_probes, excluded_items
 from operators.spec import ActorSpec
 from operators.validate import reject_schema, validate
@@ -541,7 +542,8 @@ class Recommender:
             self._compile_failed((bucket.users, bucket.prompt), e)
         cold = cold_compiles() - cold
         uploaded = None
-        if fresh is not None and cold and not self.compile_errors:  # compiled here: the only folder ever published
+        if store is not None and fresh is not None and cold and not self.compile_errors:  # compiled here: the only
+            # folder ever published
             uploaded = store.compiled(key, fresh, folder, self.device)
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder if uploaded["placed"] else str(fresh)
         self.compile_cache = {"key": key, "graphs_cold": cold, "fetched": fetched, "uploaded": uploaded}
@@ -585,10 +587,11 @@ class Recommender:
         store, cache = self.spec.compile_store, self.spec.compile_cache
         if not cache:
             return None, None, None
-        if store is None or not store.keyed():
-            use_compile_cache(cache)
-            return None, None, store.fetch(key, cache, self.device) if store else None
         try:
+            if store is None or not store.keyed():  # inductor's own cache: private, as the signed one
+                private_dirs(Path(cache).expanduser(), Path(cache).expanduser())
+                use_compile_cache(cache)
+                return None, None, store.fetch(key, cache, self.device) if store else None
             folder = store.node_folder(cache, key, self.device)
         except ValueError as e:  # a cache folder others could write: nothing loaded from it or placed in it
             log.warning("%s; this actor compiles cold into a private temporary folder", e)

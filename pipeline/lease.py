@@ -41,18 +41,22 @@ class LeaseLost(RuntimeError):
     """This run's lease expired and was taken over: it must not publish."""
 
 
-def unguarded(what: str, raise_after: bool = True):
-    """No signal handling around the lease's puts (a lease used outside the nightly's driver)."""
+def unguarded(what: str):
+    """No signal handling around the lease's release (a lease used outside the nightly's driver)."""
     return contextlib.nullcontext()
+
+
+NONE, RELEASED, HELD, UNKNOWN = "none", "released", "held", "unknown"  # what became of a run's lease (`state`)
+READ_BACK_S = 10.0  # the most a read-back of the lease after an interrupted put may take
 
 
 class Lease:
     def __init__(self, date_dir: str, run_id: str, storage: Storage, ttl_s: float, guard=unguarded):
         self.uri, self.run_id, self.storage, self.ttl_s = S.join(date_dir, "_LEASE"), run_id, storage, ttl_s
-        self.guard = guard  # (what, raise_after) -> a context in which signals wait: the driver's STOP.holding
+        self.guard = guard  # what -> a context in which signals wait and never raise: the driver's STOP.ending
         self.etag: str | None = None  # S3: the version we wrote last
         self.fd: int | None = None  # local: the locked file
-        self.released: bool | None = None  # after release(): whether the date is free of this run's lease
+        self.state = NONE  # none: never taken; held; released; unknown: a put's answer lost, the read-back failed
         self.lost: str | None = None
         self.renewed = 0.0  # monotonic time of the last successful put
         self.clock = time.time  # wall clock: only written into the lease for people and refusals, never to take over
@@ -71,8 +75,7 @@ class Lease:
         taken at once; one that looks expired by this machine's clock (or, resuming, is held by this same run id:
         its killed driver's) is watched for ttl_s on the monotonic clock and taken over only if no renewal came."""
         if not S.is_s3(self.uri):
-            with self.guard("taking the run date's lease"):
-                return self._lock_local()
+            return self._lock_local()
         if self._put(None) is None:
             got = S.read_versioned(self.uri, self.storage)
             if got is not None:
@@ -96,27 +99,29 @@ class Lease:
 
     def _put(self, etag: str | None) -> str | None:
         """One put of the lease (a create, or a takeover of version `etag`) -> its new version (kept), None if
-        another run holds it. Signals wait until the answer is kept (`guard`): one that came meanwhile stops the
-        driver after, with the lease kept to release. A put that fails after the store may have taken it (its answer
-        lost) reads the lease back: holding this put's own body (its stamp is unique), it is ours to release."""
+        another run holds it. A put cut short by anything (a signal, the store's errors after the store may have taken
+        it) reads the lease back before the error goes on: holding this put's own body (its stamp is unique), the
+        lease is this run's to release; a read-back that fails leaves the state unknown."""
         body = self.body(self.clock() + self.ttl_s)
-        with self.guard("taking the run date's lease"):
-            try:
-                got = S.put_if(self.uri, body, self.storage, etag)
-            except BaseException:
-                self.etag = self._ours(body)
-                raise
-            if got is not None:
-                self.etag = got
-            return got
-
-    def _ours(self, body: bytes) -> str | None:
-        """The lease's version if it holds `body` (a put of ours the store took), else None; never raises."""
         try:
-            got = S.read_versioned(self.uri, self.storage, budget_s=min(self.ttl_s / 3, self.storage.retry_s))
-        except Exception:  # the store is down: the lease expires, as a killed run's does
-            return None
-        return got[1] if got is not None and got[0] == body else None
+            got = S.put_if(self.uri, body, self.storage, etag)
+            if got is not None:
+                self.etag, self.state = got, HELD
+            return got
+        except BaseException:
+            self._read_back(body)
+            raise
+
+    def _read_back(self, body: bytes) -> None:
+        """After an interrupted put of `body`: the lease's version if it holds it (HELD), NONE if it holds another's,
+        UNKNOWN if the store could not say (within READ_BACK_S); never raises."""
+        try:
+            got = S.read_versioned(self.uri, self.storage, budget_s=min(READ_BACK_S, self.storage.retry_s))
+        except BaseException:  # the store is down, or a second signal: the put may have landed
+            self.state = UNKNOWN
+            return
+        if got is not None and got[0] == body:
+            self.etag, self.state = got[1], HELD
 
     def _watch(self, got: tuple[bytes, str]) -> tuple[bytes, str] | None:
         """Polls the lease for ttl_s (monotonic): LeaseHeld as soon as its ETag changes (its holder renewed it) ->
@@ -152,28 +157,30 @@ class Lease:
                 "(another run may have taken it over): this run does not publish"
             )
 
-    def release(self) -> bool:
-        """Gives the date back (S3: expires 0, so the next run takes it at once) -> whether the date is free of this
-        run's lease (False: it stays held until it expires). Best effort: it runs while the job stops, perhaps for a
-        store that is down, so an error is logged and never raised over the job's own; signals wait until it is done
-        and never replace the error on its way (`guard`, raise_after False). A lease left held expires: `--resume
+    def release(self) -> str:
+        """Gives the date back (S3: expires 0, so the next run takes it at once) -> what became of this run's lease
+        (`state`: none, released, held, unknown). Best effort: it runs while the job stops, perhaps for a store that
+        is down (tried for at most ttl_s / 3), so an error is logged and never raised over the job's own; signals wait
+        until it is done and never replace the error on its way (`guard`). A lease left held expires: `--resume
         latest` of this run then watches it for ttl_s before taking it over. Called again, it says the same."""
         self.stop.set()
-        with self.guard("releasing the run date's lease", False):
+        with self.guard("releasing the run date's lease"):
             if self.fd is not None:
                 os.close(self.fd)  # the flock goes with the descriptor
-                self.fd, self.released = None, True
-            elif self.etag is not None and not self.lost:
-                self.released = self._give_back()
+                self.fd, self.state = None, RELEASED
+            elif self.etag is not None and self.state == HELD and not self.lost:
+                self.state = RELEASED if self._give_back() else HELD
                 self.etag = None
-        return self.released is not False
+            elif self.lost:
+                self.state = NONE  # taken over: the date is another run's
+        return self.state
 
     def _give_back(self) -> bool:
         """The release's put -> False when the store could not be reached (a refused condition means another run
         holds the date now: nothing of this run's is left)."""
         try:
             with self.lock:
-                S.put_if(self.uri, self.body(0.0), self.storage, self.etag)
+                S.put_if(self.uri, self.body(0.0), self.storage, self.etag, min(self.storage.retry_s, self.ttl_s / 3))
                 return True
         except Exception as e:
             log.error(
@@ -229,9 +236,9 @@ class Lease:
             os.close(fd)
             holder = json.loads(text) if text.strip() else {"run_id": "?", "host": "?", "pid": "?"}
             raise LeaseHeld(self._held_message(holder, "while its driver lives")) from None
+        self.fd, self.state = fd, HELD
         os.ftruncate(fd, 0)
         os.pwrite(fd, self.body(float("inf")), 0)
-        self.fd = fd
         return self
 
     def _held_message(self, holder: dict, until: str) -> str:

@@ -29,6 +29,7 @@ import torch
 from decoding.catalog import Catalog
 from decoding.models import load_config, load_tokenizer
 from decoding.templates import TEMPLATE_FILE, PromptTemplate, get_template, read_template, write_template
+from operators.compile_cache import private_dirs
 from operators.prompts import Renderer, catalog_probes
 from pipeline import storage as S
 from pipeline.config import Storage
@@ -404,23 +405,6 @@ def sealed(folder: Path, key: str, secret: bytes, target: str) -> bool:
         return False
     claimed = hmac.compare_digest(str(written.get("signature", "")), manifest_signature(secret, manifest))
     return claimed and written.get("files") == manifest["files"]
-
-
-def private_dirs(base: Path, leaf: Path) -> None:
-    """Every folder from `base` down to `leaf`, made where missing with mode 0700; ValueError naming the first that
-    another user owns, that group or others may write, or (below base) that is a link: whoever can write there can
-    plant code the actors load."""
-    rel = leaf.relative_to(base).parts
-    for depth in range(len(rel) + 1):
-        path = base.joinpath(*rel[:depth])
-        path.mkdir(mode=0o700, parents=depth == 0, exist_ok=True)
-        st = path.stat() if depth == 0 else path.lstat()  # the cache root may be a link the operator made
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
-            raise ValueError(
-                f"compile cache folder {path} is not private (owner uid {st.st_uid}, mode {stat.filemode(st.st_mode)}"
-                f"; this process runs as uid {os.geteuid()}): whoever can write it can plant code the actors load. "
-                "Give it to this user with mode 0700, or set compute.compile_cache to a private folder"
-            )
 
 
 def set_aside(folder: Path) -> str:

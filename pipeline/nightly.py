@@ -70,32 +70,39 @@ def open_input(cfg: Config) -> tuple[pads.Dataset, object, str]:
         data = S.retrying(lambda: pads.dataset(path, filesystem=fs, format="parquet"), cfg.storage, f"LIST {cfg.input}")
     except (OSError, pa.ArrowInvalid) as e:
         raise ValueError(f"input {cfg.input}: not readable as parquet ({e})") from None
+    kinds = {}  # each file's user_id type
     for fragment in data.get_fragments():
         try:
             S.retrying(fragment.ensure_complete_metadata, cfg.storage, f"read the footer of {fragment.path}")
         except (OSError, pa.ArrowInvalid) as e:
             raise ValueError(f"input file {fragment.path}: corrupt or not parquet ({e})") from None
-    missing = {"user_id", "history"} - set(data.schema.names)
-    if missing:
-        raise ValueError(f"input {cfg.input}: missing column(s) {sorted(missing)} (has {data.schema.names})")
-    check_user_ids(data.schema.field("user_id").type, cfg.input)
+        names = fragment.physical_schema.names
+        missing = {"user_id", "history"} - set(names)
+        if missing:
+            raise ValueError(f"input file {fragment.path}: missing column(s) {sorted(missing)} (has {names})")
+        kinds[fragment.path] = id_kind(fragment.physical_schema.field("user_id").type, fragment.path)
+    if len(set(kinds.values())) > 1:
+        shown = "; ".join(f"{kind} in {path}" for path, kind in sorted(kinds.items(), key=lambda x: x[1])[:4])
+        raise ValueError(f"input {cfg.input}: user_id is {shown}: one kind of id in every file (an id is one user)")
     return data, fs, path
 
 
-def check_user_ids(kind: pa.DataType, uri: str) -> None:
-    """user_id must be integers, strings or binary: what every mode keys a user by (its list, its duplicates, and in
-    the sampling modes its draws: decoding/draws.py). Anything else (a float id from pandas' NaN, a decimal, a date,
-    dictionary-encoded strings) is refused here, naming the type and the cast to make."""
-    ok = pa.types.is_integer(kind) or any(
-        is_(kind)
-        for is_ in (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary, pa.types.is_large_binary)
+def id_kind(kind: pa.DataType, uri: str) -> str:
+    """A file's user_id type -> its kind of id: integer, string or binary, what every mode keys a user by (its list,
+    its duplicates, and in the sampling modes its draws: decoding/draws.py). Anything else (a float id from pandas'
+    NaN, a decimal, a date, dictionary-encoded strings) is refused here, naming the type and the cast to make."""
+    t = pa.types
+    if t.is_integer(kind):
+        return "integer"
+    if t.is_string(kind) or t.is_large_string(kind):
+        return "string"
+    if t.is_binary(kind) or t.is_large_binary(kind) or t.is_fixed_size_binary(kind):
+        return "binary"
+    raise ValueError(
+        f"input {uri}: column user_id is {kind}; user ids must be integers, strings or binary. Cast it where the "
+        "input is written: integral floats to int64 (pandas: df.user_id.astype('int64'), after dropping the rows "
+        "with no id), a decimal or date to string (df.user_id.astype(str))"
     )
-    if not ok:
-        raise ValueError(
-            f"input {uri}: column user_id is {kind}; user ids must be integers, strings or binary. Cast it where the "
-            "input is written: integral floats to int64 (pandas: df.user_id.astype('int64'), after dropping the rows "
-            "with no id), anything else to string (df.user_id.astype(str))"
-        )
 
 
 def code_version() -> str:
@@ -257,10 +264,10 @@ class Plan:
             for what in ("recommendable", "blocked")
             if "items" in old and old["items"].get(what) != new["items"][what]  # a run of an older version: below
         ]
-        out += [
+        out += [  # a model's sha256 compares only within one way of computing it (`MODEL_SHA256`)
             f"models.{r} {getattr(self.cfg.models, r)}"
             for r in sorted(set(old.get("models", {})) | set(new["models"]))
-            if old.get("models", {}).get(r) != new["models"].get(r)
+            if old.get("model_sha256") == MODEL_SHA256 and old.get("models", {}).get(r) != new["models"].get(r)
         ]
         was = {**DEFAULTS, **resume_config(state.get("config") or {})}  # a field it predates: as if at its default
         keys = sorted(k for k in set(was) | set(self.config) if was.get(k) != self.config.get(k))
@@ -281,6 +288,8 @@ def resume_config(config: dict) -> dict:
 
 
 DEFAULTS = resume_config(Config().to_dict())  # top-level fields a run's recorded config may predate
+MODEL_SHA256 = "weights-sha256-v2"  # how a model's sha256 is computed (S.weights_fingerprint): runs recorded otherwise
+# are another version's, whose models are not compared
 
 
 def content_identity(cfg: Config, data: pads.Dataset, fs, plan_units: list, models: dict, items: Items) -> dict:
@@ -295,6 +304,7 @@ def content_identity(cfg: Config, data: pads.Dataset, fs, plan_units: list, mode
         "catalog": S.content_id(cat_path, cat_fs, cfg.storage),
         "items": items.identity,
         "models": {role: m["sha256"] for role, m in models.items()},
+        "model_sha256": MODEL_SHA256,
     }
 
 
@@ -369,6 +379,7 @@ def run_nightly(cfg: Config, resume: str | None = None, plan: Plan | None = None
     """Runs (or, with resume = a run id or "latest", continues) the nightly job of cfg.run_date on the current Ray
     cluster (ray.init() done) -> the manifest. Raises LeaseHeld if another run holds the date, LeaseLost if this run
     lost it (or another run published the date) before publishing."""
+    STOP.reset()
     plan = plan or plan_run(cfg)
     finished = finished_unpublished(plan) if resume == "latest" else None
     if finished:
@@ -376,18 +387,30 @@ def run_nightly(cfg: Config, resume: str | None = None, plan: Plan | None = None
     run_id = resume_id(plan, resume) if resume else None
     resumed = run_id is not None
     run_id = run_id or dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6]
-    lease = Lease(runs.date_dir(cfg.output, cfg.run_date), run_id, cfg.storage, cfg.runs.lease_s, STOP.holding)
-    try:  # acquired inside: a signal that lands just after the lease was taken still releases it
+    lease = Lease(runs.date_dir(cfg.output, cfg.run_date), run_id, cfg.storage, cfg.runs.lease_s, STOP.ending)
+    with leased(lease, run_id):  # acquired inside: a signal that lands just after the lease was taken still releases it
         lease.acquire(resumed)
         return execute(plan, run_id, resumed, lease, runs.latest_version(cfg.output, cfg.run_date, cfg.storage))
+
+
+@contextlib.contextmanager
+def leased(lease: Lease, run_id: str):
+    """The block holds the date's lease (it acquires it) and releases it on every way out. An error on its way out
+    is the job's end: a signal then is recorded, never raised (the error keeps its exit code), and the error carries
+    what became of the lease (`lease_state`, for the `stopped:` line). A store that gave out (on the driver, or in a
+    task Ray retried) is its own error, unwrapped, logged before the release is tried."""
+    try:
+        yield lease
     except BaseException as e:
-        e.lease_released = lease.release()  # best effort, signals waiting for it: what the job's last lines say
+        STOP.end("releasing the run date's lease after the error above")
         down = S.unavailable(e) if isinstance(e, Exception) else None
-        if down is None or down is e:  # the store gave out (on the driver, or in a task Ray retried): its own error
-            raise
-        log.error("run %s stops: %s", run_id, down)
-        down.lease_released = e.lease_released
-        raise down from None
+        down = down if down is not e else None
+        if down is not None:
+            log.error("run %s stops: %s", run_id, down)
+        (down or e).lease_state = lease.release()
+        if down is not None:
+            raise down from None
+        raise
     finally:
         lease.release()  # a run that ended well: the same, once
 
@@ -416,7 +439,7 @@ def resume_id(plan: Plan, resume: str) -> str | None:
         run = runs.run_dir(cfg.output, cfg.run_date, resume)
         why = (
             "it has _SUCCESS (already complete)"
-            if S.read_bytes(S.join(run, "_SUCCESS"), cfg.storage) is not None
+            if runs.complete(run, cfg.storage)
             else "it was superseded by a later run"
             if S.read_bytes(S.join(run, "_SUPERSEDED"), cfg.storage)
             else "not found"
@@ -454,8 +477,8 @@ def finished_unpublished(plan: Plan) -> str | None:
 def publish_finished(plan: Plan, run_id: str) -> dict:
     """--resume latest on a complete, unpublished run: publishes it (holding the date's lease) without decoding."""
     cfg = plan.cfg
-    lease = Lease(runs.date_dir(cfg.output, cfg.run_date), run_id, cfg.storage, cfg.runs.lease_s, STOP.holding)
-    try:
+    lease = Lease(runs.date_dir(cfg.output, cfg.run_date), run_id, cfg.storage, cfg.runs.lease_s, STOP.ending)
+    with leased(lease, run_id):
         lease.acquire(True)
         latest = runs.latest_version(cfg.output, cfg.run_date, cfg.storage)
         run = runs.run_dir(cfg.output, cfg.run_date, run_id)
@@ -465,8 +488,6 @@ def publish_finished(plan: Plan, run_id: str) -> dict:
         with STOP.deferred("publishing"):
             runs.publish(cfg.output, cfg.run_date, run_id, cfg.storage, cfg.runs.grace_s, latest)
         return manifest
-    finally:
-        lease.release()
 
 
 @dataclass
@@ -805,7 +826,7 @@ def publish_run(plan: Plan, a: Attempt, manifest: dict, lease: Lease, latest: st
     cfg = plan.cfg
     hold_for_test()
     lease.check()
-    runs.finish(a.run, manifest, cfg.storage)
+    runs.finish(a.run, manifest, cfg.storage, lease.check)
     lease.check()
     with STOP.deferred("publishing"):  # published, then stopped: the run is done, exit 0
         deleted = runs.publish(cfg.output, cfg.run_date, a.run_id, cfg.storage, cfg.runs.grace_s, latest)
@@ -902,11 +923,10 @@ class Stop:
             log.warning("%s received while %s, which is done: the job ends as it would have", name, what)
 
     @contextlib.contextmanager
-    def holding(self, what: str, raise_after: bool = True):
-        """Signals wait while the block runs (a put of the lease and the keeping of its answer: a signal between the
-        two would leave the date held with nothing to release it). One that came meanwhile then stops the driver at
-        the block's end (raise_after), or stays recorded for the job's end to report (a release on the way out: the
-        error already on its way keeps its exit code). Inside another deferral (publication's) that one decides."""
+    def ending(self, what: str):
+        """Signals wait while the block runs and never raise (the lease's release as the job ends: the error already
+        on its way keeps its exit code); one that came is recorded for the job's end to report (`stop_note`).
+        Inside another deferral (publication's, an error's) that one decides."""
         if self.deferring is not None:
             yield
             return
@@ -915,9 +935,14 @@ class Stop:
             yield
         finally:
             self.deferring = None
-        if raise_after and self.pending is not None:
-            pending, self.pending = self.pending, None
-            raise Interrupted(pending)
+
+    def end(self, what: str) -> None:
+        """From now on the driver is ending (an error on its way out): a signal is recorded, never raised."""
+        self.deferring = self.deferring or what
+
+    def reset(self) -> None:
+        """A new run in this process: no deferral left from an earlier one (a signal received stays received)."""
+        self.deferring = self.pending = None
 
 
 STOP = Stop()  # the process's one handler (jobs/nightly.py installs it)
@@ -944,16 +969,18 @@ def stop_note(e: BaseException, resume: bool) -> str | None:
     another error (that error keeps its exit code); None when no signal came. It says whether the date's lease was
     released."""
     held = {
-        None: "no lease was taken",
-        True: "the lease is released",
-        False: "the lease could not be released: it stays held until it expires (runs.lease_s), then `--resume "
+        "none": "no lease was taken",
+        "released": "the lease is released",
+        "held": "the lease could not be released: it stays held until it expires (runs.lease_s), then `--resume "
         "latest` takes it over",
-    }[getattr(e, "lease_released", None)]
+        "unknown": "the lease may be held (a put of it was cut short and the store could not be asked): it expires "
+        "after runs.lease_s, then `--resume latest` takes it over",
+    }[getattr(e, "lease_state", "none")]
     if isinstance(e, Interrupted):
         more = "" if resume else " (it decodes only what is not committed)"
         return f"stopped: {e}; {held} and the decode shut down: `--resume latest` continues the run{more}"
     if STOP.received:
-        return f"stopped: {STOP.received} received while {STOP.during or 'ending'}, after the error above; {held}"
+        return f"stopped: {STOP.received} received while {STOP.during or 'ending'}; {held}"
     return None
 
 

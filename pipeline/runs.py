@@ -70,24 +70,40 @@ def write_table(run: str, name: str, table: pa.Table, storage: Storage) -> None:
     S.write_parquet(table, S.join(table_dir(run, name), f"{name}.parquet"), storage)
 
 
-def finish(run: str, manifest: dict, storage: Storage) -> None:
-    """manifest.json, then _SUCCESS last (a reader only trusts a run that has it), each created only if absent: a
-    driver fenced out of the run (it paused past its lease while another published it) can never replace the
-    manifest readers follow. A manifest there already that is not this one raises LeaseLost."""
+def finish(run: str, manifest: dict, storage: Storage, check=lambda: None) -> None:
+    """manifest.json, then _SUCCESS last (a reader only trusts a run that has both), each created only if absent: a
+    driver fenced out of the run (it paused past its lease while another took the run over) can never replace the
+    manifest readers follow. `check` (the lease's) runs between the two, and _SUCCESS is created only over this
+    driver's own manifest, read back. Another manifest there raises LeaseLost."""
     from pipeline.lease import LeaseLost
 
     body = json.dumps(manifest, indent=2, default=str).encode()
     uri = S.join(run, "manifest.json")
+    lost = f"run {run}: {uri} was written by another driver of this run; this one publishes nothing"
     if not S.create(uri, body, storage) and S.read_bytes(uri, storage) != body:
-        raise LeaseLost(f"run {run}: {uri} was written by another driver of this run; this one publishes nothing")
+        if S.exists(S.join(run, "_SUCCESS"), storage):  # another driver completed the run: it publishes
+            raise LeaseLost(lost)
+        check()  # this driver holds the date: the manifest is a fenced driver's, left without _SUCCESS
+        S.delete_files(run, ["manifest.json"], storage)
+        if not S.create(uri, body, storage):
+            raise LeaseLost(lost)
+    check()
+    if S.read_bytes(uri, storage) != body:  # a driver that took the run over replaced it meanwhile
+        raise LeaseLost(lost)
     S.create(S.join(run, "_SUCCESS"), b"", storage)
 
 
+def complete(run: str, storage: Storage) -> bool:
+    """Whether a run is complete: _SUCCESS and the manifest it vouches for."""
+    return S.exists(S.join(run, "_SUCCESS"), storage) and S.exists(S.join(run, "manifest.json"), storage)
+
+
 def clear_unfinished(run: str, storage: Storage) -> None:
-    """A resumed run's manifest.json without _SUCCESS (an attempt stopped between the two) is deleted: the attempt
-    that resumes it, holding the date's lease, writes its own."""
-    if S.read_bytes(S.join(run, "_SUCCESS"), storage) is None and S.exists(S.join(run, "manifest.json"), storage):
-        S.delete_files(run, ["manifest.json"], storage)
+    """What an attempt that stopped part-way through `finish` left of a run that is not complete (a manifest.json
+    without _SUCCESS, or a _SUCCESS without its manifest) is deleted: the attempt that resumes it, holding the date's
+    lease, writes its own."""
+    if not complete(run, storage):
+        S.delete_files(run, ["manifest.json", "_SUCCESS"], storage)
 
 
 def start(run: str, state: dict, storage: Storage) -> None:
@@ -140,7 +156,7 @@ def unfinished(output: str, run_date: str, storage: Storage) -> list[str]:
         r
         for r in sorted(ids, reverse=True)
         if state_of(run_dir(output, run_date, r), storage) is not None
-        and S.read_bytes(S.join(run_dir(output, run_date, r), "_SUCCESS"), storage) is None
+        and not complete(run_dir(output, run_date, r), storage)
         and S.read_bytes(S.join(run_dir(output, run_date, r), "_SUPERSEDED"), storage) is None
     ]
 
@@ -212,7 +228,7 @@ def complete_unpublished(output: str, run_date: str, storage: Storage) -> list[s
         r
         for r in sorted(ids, reverse=True)
         if r != named
-        and S.read_bytes(S.join(run_dir(output, run_date, r), "_SUCCESS"), storage) is not None
+        and complete(run_dir(output, run_date, r), storage)
         and S.read_bytes(S.join(run_dir(output, run_date, r), "_SUPERSEDED"), storage) is None
     ]
 

@@ -6,7 +6,9 @@ The layout of a run's outputs is pipeline/runs.py.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import fnmatch
 import hashlib
 import itertools
 import json
@@ -46,6 +48,7 @@ BATCH_RETRIES = 2  # a batch whose shard still cannot be written after the budge
 TRANSIENT_CODES = frozenset(
     {
         "SlowDown",
+        "ConditionalRequestConflict",  # 409: a conditional write raced another in flight; AWS: retry it
         "Throttling",
         "ThrottlingException",
         "RequestThrottled",
@@ -270,11 +273,17 @@ def _read_bounded(uri: str, storage: Storage, limit: int) -> bytes | None:
         bucket, key = split_s3(uri)
 
         def get():
+            import botocore.exceptions
+
             client = s3_client(storage)
             try:
                 got = client.get_object(Bucket=bucket, Key=key, Range=f"bytes=0-{limit}")
             except client.exceptions.NoSuchKey:
                 return None
+            except botocore.exceptions.ClientError as e:  # 416: an empty object has no byte 0
+                if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 416:
+                    return b""
+                raise
             return got["Body"].read(limit + 1)
 
         data = retrying(get, storage, f"GET {uri} (at most {limit} bytes)")
@@ -322,7 +331,8 @@ def put_if(
         try:
             return (client or s3_client(storage)).put_object(Bucket=bucket, Key=key, Body=data, **cond)["ETag"]
         except botocore.exceptions.ClientError as e:
-            if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") in (409, 412):
+            failed = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") in (409, 412)
+            if failed and not transient(e):  # 409 ConditionalRequestConflict is a race in flight: tried again
                 return None
             raise
 
@@ -467,9 +477,16 @@ def check_conditional_writes(output: str, storage: Storage) -> None:
     A store that does not -> ValueError naming the capability it lacks and what it did."""
     name = f"{STORE_CHECK}-{uuid.uuid4().hex[:12]}"
     if not is_s3(output):
-        Path(output).expanduser().mkdir(parents=True, exist_ok=True)
-        _check_flock(Path(output).expanduser(), name)
-        return _check_link(Path(output).expanduser(), name)
+        folder = Path(output).expanduser()
+        made = [p for p in (folder, *folder.parents) if not p.exists()]  # deepest first: removed after
+        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            _check_flock(folder, name)
+            return _check_link(folder, name)
+        finally:
+            for path in made:
+                with contextlib.suppress(OSError):
+                    path.rmdir()
     uri, raced = join(output, name), [f"{name}-{r}" for r in range(RACE_ROUNDS)]
     client = s3_client(storage)  # one for every request of the check (making one costs ~0.1 s of CPU)
     try:
@@ -630,7 +647,7 @@ def fingerprint(model_dir) -> str:
     """A model's fingerprint: `weights_fingerprint` of its safetensors files' sha256s."""
     from decoding.models import check_model_dir
 
-    files = check_model_dir(model_dir).glob("*.safetensors")
+    files = [f for f in check_model_dir(model_dir).glob("*.safetensors") if not f.name.startswith(".")]  # as uploaded
     return weights_fingerprint({f.name: sha256_file(f) for f in files})
 
 
@@ -732,17 +749,26 @@ def model_sums(uri: str, storage: Storage) -> dict[str, str]:
             f"model {uri}: no {MODEL_SUMS}, so its files cannot be verified; upload the model folder with "
             f"`genrec-batch upload-model LOCAL_DIR {uri} --catalog items.parquet`, which checks it and writes it"
         )
-    sums = json.loads(raw)
+    try:
+        sums = json.loads(raw)
+    except ValueError:
+        sums = None
+    if not isinstance(sums, dict) or not all(isinstance(d, str) for d in sums.values()):
+        raise ValueError(f"model {uri}: {MODEL_SUMS} is not a {{file name: sha256}} object")
     for name in sums:
         model_file_name(uri, name)
     return sums
 
 
+HEAD_FILES = ("*.json", "tokenizer*", "*.model", "vocab*", "merges.txt", "*.tiktoken", "chat_template*")
+# ^ what a driver downloads of an s3:// model: its config, tokenizer and template (never weights of any format)
+
+
 def model_head(uri: str, storage: Storage, dest: Path) -> dict[str, str]:
-    """What a driver checks of an s3:// model without its weights -> its sums. Every file but the safetensors weights
-    (config, tokenizer, template) downloaded into `dest` and checked against sha256sums.json; each weight file's
-    header read (a ranged GET of its first bytes: safetensors, its tensors' offsets) and its size (HEAD) checked
-    against it, so that a missing, truncated or pickled weight file is refused here, not on a GPU node."""
+    """What a driver checks of an s3:// model without its weights -> its sums. Its config, tokenizer and template
+    (HEAD_FILES) downloaded into `dest` and checked against sha256sums.json; each safetensors file's header read (a
+    ranged GET of its first bytes: its tensors' offsets) and its size (HEAD) checked against it, so that a missing,
+    truncated or pickled weight file is refused here, not on a GPU node. Nothing else is read."""
     sums = model_sums(uri, storage)
     if not any(name.endswith(".safetensors") for name in sums):
         raise ValueError(f"model {uri}: {MODEL_SUMS} names no *.safetensors weights")
@@ -754,6 +780,8 @@ def model_head(uri: str, storage: Storage, dest: Path) -> dict[str, str]:
             retrying(
                 lambda: _check_safetensors(client, bucket, obj, join(uri, name)), storage, f"HEAD {join(uri, name)}"
             )
+            continue
+        if not any(fnmatch.fnmatch(name, pattern) for pattern in HEAD_FILES):
             continue
         retrying(lambda: client.download_file(bucket, obj, str(dest / name)), storage, f"GET {join(uri, name)}")
         if sha256_file(dest / name) != digest:

@@ -118,16 +118,8 @@ def test_a_users_items_do_not_depend_on_its_batch(models, mode):
     assert len({tuple(sorted(r)) for r in same_prompt.tolist()}) > 1
 
 
-ID_TYPES = [
-    pa.int8(),
-    pa.int32(),
-    pa.int64(),
-    pa.uint64(),
-    pa.string(),
-    pa.large_string(),
-    pa.binary(),
-    pa.large_binary(),
-]
+ID_TYPES = [pa.int8(), pa.int32(), pa.int64(), pa.uint64(), pa.string(), pa.large_string(), pa.binary()]
+ID_TYPES += [pa.large_binary(), pa.binary(4)]  # fixed-size binary (Parquet's UUIDs) is bytes as the others
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +156,9 @@ def test_every_mode_decodes_every_id_type_the_input_admits(world):
         for kind in ID_TYPES:
             ids = pa.array(
                 [
-                    str(u % 100).encode()
+                    f"{u % 100:04d}".encode()
+                    if pa.types.is_fixed_size_binary(kind)
+                    else str(u % 100).encode()
                     if pa.types.is_binary(kind) or pa.types.is_large_binary(kind)
                     else (str(u % 100) if pa.types.is_string(kind) or pa.types.is_large_string(kind) else u % 100)
                     for u in range(users.num_rows)
@@ -215,3 +209,29 @@ def test_the_plan_refuses_an_id_type_no_mode_can_key_a_user_by(world, tmp_path, 
     )
     with pytest.raises(ValueError, match=r"column user_id is .*; user ids must be integers, strings or binary"):
         plan_run(cfg)
+    (tmp_path / "two").mkdir()  # a folder whose first file is fine: every file's footer is checked
+    pq.write_table(users, tmp_path / "two" / "a.parquet")
+    pq.write_table(users.set_column(0, "user_id", values), tmp_path / "two" / "b.parquet")
+    with pytest.raises(ValueError, match=r"b.parquet: column user_id is .*; user ids must be integers"):
+        plan_run(load_config(None, [f"input={tmp_path / 'two'}", *cfg_rest(world, tmp_path)]))
+
+
+def cfg_rest(world, tmp_path) -> list[str]:
+    return [
+        f"catalog={world / 'data' / 'items.parquet'}",
+        f"output={tmp_path / 'out'}",
+        f"models.target={world / 'target'}",
+    ]
+
+
+def test_one_kind_of_user_id_in_every_file(world, tmp_path):
+    """Integer ids in one file and string ids in another: the same user would be two; refused, naming both."""
+    from pipeline.config import load_config
+    from pipeline.nightly import plan_run
+
+    users = pq.read_table(world / "data" / "test.parquet")
+    (tmp_path / "mixed").mkdir()
+    pq.write_table(users, tmp_path / "mixed" / "a.parquet")
+    pq.write_table(users.set_column(0, "user_id", pc.cast(users["user_id"], pa.string())), tmp_path / "mixed" / "b.pq")
+    with pytest.raises(ValueError, match=r"user_id is integer in .*a.parquet; string in .*b.pq: one kind of id"):
+        plan_run(load_config(None, [f"input={tmp_path / 'mixed'}", *cfg_rest(world, tmp_path)]))

@@ -459,6 +459,7 @@ def test_check_runs_the_drivers_checks_takes_no_lease_and_writes_nothing(world, 
     assert code == 0 and summary["check"] == "passed" and summary["input"]["rows"] == 100
     assert summary["models"]["target"]["sha256"] and summary["output"]["conditional_writes"] == "honoured"
     assert sorted(p.name for p in (tmp_path / "out").rglob("*")) == ["_LEASE", "run_date=2026-11-21"]
+    assert check(f"output={tmp_path / 'new' / 'out'}")[0] == 0 and not (tmp_path / "new").exists()  # nothing made
     bare = tmp_path / "bare"
     shutil.copytree(world / "target", bare)
     (bare / "genrec_template.json").unlink()
@@ -816,3 +817,36 @@ def test_a_run_folder_that_latest_does_not_name_is_refused_unless_asked(tmp_path
     (Path(second) / "_SUPERSEDED").write_text(json.dumps({"by": "c", "at": 0}))  # marked, though _LATEST names it
     with pytest.raises(ValueError, match="superseded by run c"):
         open_run(second, LOCAL)
+
+
+def test_a_run_is_completed_once_whatever_a_fenced_driver_left(tmp_path):
+    """runs.finish: a manifest is created once and _SUCCESS only over the writer's own; a fenced driver's manifest
+    left without _SUCCESS gives way to the lease holder's; a run another driver completed refuses a second manifest;
+    a run with _SUCCESS but no manifest is not complete (resumable, never published as it is), and a resume clears
+    what is left of it."""
+    from pipeline.lease import LeaseLost
+
+    st = Storage()
+    out, date = str(tmp_path / "out"), "2026-11-21"
+    run = runs.run_dir(out, date, "R1")
+    S.write_bytes(S.join(run, "_RUN.json"), b"{}", st)
+    S.create(S.join(run, "manifest.json"), b'{"by": "A"}', st)  # A, fenced after its manifest
+    runs.finish(run, {"by": "B"}, st)  # B, the lease's holder
+    assert json.loads(S.read_bytes(S.join(run, "manifest.json"), st)) == {"by": "B"} and runs.complete(run, st)
+    with pytest.raises(LeaseLost, match="written by another driver of this run"):
+        runs.finish(run, {"by": "A"}, st)
+    runs.finish(run, {"by": "B"}, st)  # its own again (an answer lost): fine
+    S.delete_files(run, ["manifest.json"], st)  # _SUCCESS without its manifest
+    assert not runs.complete(run, st) and runs.unfinished(out, date, st) == ["R1"]
+    assert runs.complete_unpublished(out, date, st) == []
+    runs.clear_unfinished(run, st)
+    assert sorted(p.name for p in Path(run).iterdir()) == ["_RUN.json"]
+    checks = []
+
+    def lost_meanwhile():
+        checks.append(1)
+        S.delete_files(run, ["manifest.json"], st)  # a driver that took the run over cleared it
+
+    with pytest.raises(LeaseLost):
+        runs.finish(run, {"by": "A"}, st, lost_meanwhile)
+    assert checks and not S.exists(S.join(run, "_SUCCESS"), st)

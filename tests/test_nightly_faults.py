@@ -240,13 +240,14 @@ def lease_of(s3, out: str) -> dict:
 
 
 def test_a_signal_inside_acquire_or_release_never_strands_the_lease(cluster, handler, monkeypatch):  # noqa: F811
-    """SIGTERM the moment the store took the lease's PUT: the put's answer is kept, then the driver stops and
-    releases the date (expires 0). A put whose answer is lost (the store took it, the call failed): the lease is
-    read back, found ours, released. SIGTERM while the lease is released after another error (Stalled): the
-    release completes, the error stays the error (exit 5), and the note says what the signal met."""
+    """SIGTERM the moment the store took the lease's PUT: the lease is read back, found this run's, and released
+    (expires 0). A put whose answer is lost (the store took it, the call failed): the same. A signal while another
+    run's lease is watched: nothing was taken, and the note says so. SIGTERM while the lease is released after
+    another error (Stalled): the release completes, the error stays the error (exit 5), and the note says what the
+    signal met."""
     from pipeline.config import Storage
-    from pipeline.lease import Lease
-    from pipeline.nightly import Stalled, stop_note
+    from pipeline.lease import HELD, NONE, RELEASED, Lease
+    from pipeline.nightly import Stalled, leased, stop_note
 
     _, s3, _, _ = cluster
     storage = Storage(s3.endpoint)
@@ -260,36 +261,52 @@ def test_a_signal_inside_acquire_or_release_never_strands_the_lease(cluster, han
 
         return put_if
 
+    def lease(out: str, run_id: str) -> Lease:
+        return Lease(runs.date_dir(s3.uri(out), DATE), run_id, storage, 10, handler.ending)
+
     monkeypatch.setattr(S, "put_if", then(lambda: os.kill(os.getpid(), signal.SIGTERM)))
-    lease = Lease(runs.date_dir(s3.uri("signal-acquire"), DATE), "run-a", storage, 10, handler.holding)
+    first = lease("signal-acquire", "run-a")
     with pytest.raises(Interrupted, match="SIGTERM"):
-        lease.acquire()
-    assert lease.etag is not None and lease_of(s3, "signal-acquire")["expires"] > 0
-    assert lease.release() and lease_of(s3, "signal-acquire")["expires"] == 0
+        first.acquire()
+    assert first.state == HELD and lease_of(s3, "signal-acquire")["expires"] > 0
+    assert first.release() == RELEASED and lease_of(s3, "signal-acquire")["expires"] == 0
 
     def lost():
         raise ConnectionResetError("the answer was lost")
 
     monkeypatch.setattr(S, "put_if", then(lost))
-    lease = Lease(runs.date_dir(s3.uri("lost-answer"), DATE), "run-b", storage, 10, handler.holding)
+    second = lease("lost-answer", "run-b")
     with pytest.raises(ConnectionResetError):
-        lease.acquire()
+        second.acquire()
     monkeypatch.setattr(S, "put_if", real)
-    assert lease.etag is not None and lease.release() and lease_of(s3, "lost-answer")["expires"] == 0
+    assert second.state == HELD and second.release() == RELEASED and lease_of(s3, "lost-answer")["expires"] == 0
 
     handler.received = None
-    lease = Lease(runs.date_dir(s3.uri("signal-release"), DATE), "run-c", storage, 10, handler.holding)
-    lease.acquire()
+    other = lease("watched", "run-other")
+    other.acquire()
+    other.stop.set()  # its renewals stop: it looks dead
+    waiting = lease("watched", "run-w")
+    waiting.clock = lambda: time.time() + 3600  # its lease's stamp looks past: watched for ttl before a takeover
+    sleep = time.sleep
+    monkeypatch.setattr(time, "sleep", lambda s: os.kill(os.getpid(), signal.SIGTERM))
+    with pytest.raises(Interrupted) as e, leased(waiting, "run-w"):
+        waiting.acquire()
+    monkeypatch.setattr(time, "sleep", sleep)
+    assert e.value.lease_state == NONE and "no lease was taken" in stop_note(e.value, False)
+    assert lease_of(s3, "watched")["run_id"] == "run-other"
+
+    handler.reset()
+    handler.received = None
+    third = lease("signal-release", "run-c")
     monkeypatch.setattr(S, "put_if", then(lambda: os.kill(os.getpid(), signal.SIGTERM)))
-    with pytest.raises(Stalled) as e:
-        try:
-            raise Stalled("no shard committed")
-        finally:
-            e_released = lease.release()
-    assert e_released and lease_of(s3, "signal-release")["expires"] == 0
-    e.value.lease_released = e_released
+    with pytest.raises(Stalled) as e, leased(third, "run-c"):
+        monkeypatch.setattr(S, "put_if", real)
+        third.acquire()
+        monkeypatch.setattr(S, "put_if", then(lambda: os.kill(os.getpid(), signal.SIGTERM)))
+        raise Stalled("no shard committed")
+    assert e.value.lease_state == RELEASED and lease_of(s3, "signal-release")["expires"] == 0
     assert stop_note(e.value, False) == (
-        "stopped: SIGTERM received while releasing the run date's lease, after the error above; the lease is released"
+        "stopped: SIGTERM received while releasing the run date's lease after the error above; the lease is released"
     )
 
 
