@@ -58,7 +58,7 @@ report: browser
 	$(BIN)/python -m jobs.evaluate --run out/nightly
 	$(BIN)/python -m jobs.report --run out/nightly --screenshot out/report.png
 
-# The demo target and AtSpeed-S draft, trained on Amazon Beauty (about 15 minutes on 2 CPU cores).
+# The demo target and AtSpeed-S draft, trained on Amazon Beauty (about 12 minutes on 2 CPU cores, once).
 models: models/demo-draft/config.json
 
 models/demo-draft/config.json: $(DATA)/items.parquet
@@ -98,7 +98,9 @@ test-kernels: $(BIN)/.installed
 	done
 
 # The numerics-sensitive tests under the oldest versions pyproject.toml admits (python -m tests.oldest: transformers'
-# lower end), in their own venv beside .venv, the rest as constraints.txt pins it. CI runs it.
+# lower end), in their own venv beside .venv, the rest as constraints.txt pins it, then the tests of what differs
+# between transformers versions (tests/test_transformers_compat.py: the cache argument's name). transformers'
+# FutureWarnings are errors there as in .venv (pyproject.toml). CI runs it.
 OLDEST  ?= .venv-oldest
 test-oldest:
 	$(PY) -m venv $(OLDEST)
@@ -108,6 +110,7 @@ test-oldest:
 	$(OLDEST)/bin/pip install -q -c $(OLDEST)/constraints.txt -e ".[dev]" $$($(PY) -m tests.oldest requirements)
 	$(OLDEST)/bin/python -c "import transformers; print('== numerics-sensitive tests under transformers', transformers.__version__)"
 	$(subst $(BIN)/,$(OLDEST)/bin/,$(PYTEST)) -m numerics
+	$(OLDEST)/bin/python -m pytest -q tests/test_transformers_compat.py
 
 clean:
 	rm -rf $(VENV) $(OLDEST) data models bench-out .pytest_cache

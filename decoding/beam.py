@@ -25,7 +25,7 @@ from decoding.cache import TreeCache
 from decoding.catalog import Catalog, Exclusions
 from decoding.compiled import compiled_beam_search, runs_eager
 from decoding.draws import stream
-from decoding.models import check_window
+from decoding.models import check_window, with_cache
 from decoding.search import (
     NEG_INF,
     Children,
@@ -58,10 +58,11 @@ class Prefix:
         if model not in self._kv:
             cache = TreeCache(len(self))
             ids = self.ids.to(model.device)[None]
-            model.base_model(
+            with_cache(
+                model.base_model,
+                cache,
                 input_ids=ids,
                 position_ids=torch.arange(len(self), device=ids.device)[None],
-                past_key_values=cache,
                 use_cache=True,
             )
             self._kv[model] = cache.prefix_kv()
@@ -101,11 +102,12 @@ def prefill(
     if prefix is not None:
         cache.start(b, prefix.kv(model))
         attention_mask = torch.cat([attention_mask.new_ones(b, p), attention_mask], 1)
-    hidden = model.base_model(
+    hidden = with_cache(
+        model.base_model,
+        cache,
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=prompt_position_ids(attention_mask)[:, p:],
-        past_key_values=cache,
         use_cache=True,
     ).last_hidden_state
     if meter is not None:
@@ -141,11 +143,12 @@ def forward(
     are dead columns, never attended."""
     mask, position_ids = tree.add(parent, model.dtype, block_depth)
     r = tokens.shape[0] if rows is None else rows
-    hidden = model.base_model(
+    hidden = with_cache(
+        model.base_model,
+        cache,
         input_ids=tokens[:r],
         attention_mask=mask[:r],
         position_ids=position_ids[:r],
-        past_key_values=cache,
         use_cache=True,
     ).last_hidden_state
     if meter is not None:

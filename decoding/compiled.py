@@ -56,6 +56,7 @@ from transformers import AttentionInterface
 
 from decoding.catalog import Catalog
 from decoding.head import Head
+from decoding.models import cache_keyword_of, with_cache
 from decoding.search import Children, Recommendations, candidates, head_of, pick, topk_stable
 from decoding.stats import Meter, beam_batch_kv
 
@@ -230,6 +231,7 @@ class Body:
     attention: str  # "flex" or "sdpa"
     dtype: torch.dtype
     device: torch.device
+    cache_keyword: str  # the name the layers' forward takes its cache by (`cache_keyword_of`, read here, not traced)
 
     def mask(self, allowed, b: int, q: int, c: int):
         """allowed(b, q, c) -> bool (query q of user b attends column c; index tensors that broadcast) -> flex: a
@@ -299,12 +301,19 @@ def select(kids, score: torch.Tensor, s: Slots) -> torch.Tensor:
     return beam
 
 
-def run_layer(layer, hidden: torch.Tensor, mask, pos: torch.Tensor, rope, kv: LayerKV) -> torch.Tensor:
-    """hidden [B, Q, H] through one decoder layer (view), its keys and values into `kv` -> [B, Q, H]. The region
-    compiled once per shape and reused by every layer: the layers differ only in their weights, which are its
-    inputs."""
-    return layer(
-        hidden, attention_mask=mask, position_ids=pos, position_embeddings=rope, past_key_values=kv, use_cache=True
+def run_layer(layer, hidden: torch.Tensor, mask, pos: torch.Tensor, rope, kv: LayerKV, keyword: str) -> torch.Tensor:
+    """hidden [B, Q, H] through one decoder layer (view), its keys and values into `kv`, handed to the layer under
+    `keyword` (Body.cache_keyword, a constant of the graph) -> [B, Q, H]. The region compiled once per shape and
+    reused by every layer: the layers differ only in their weights, which are its inputs."""
+    return with_cache(
+        layer,
+        kv,
+        hidden,
+        keyword=keyword,
+        attention_mask=mask,
+        position_ids=pos,
+        position_embeddings=rope,
+        use_cache=True,
     )
 
 
@@ -406,7 +415,9 @@ class Engine:
         """hidden [B, Q, H] through every decoder layer (the same compiled region), keys and values into the slots'
         columns `cols` [Q] -> [B, Q, H]."""
         for layer, keys, values in zip(self.body.layers, s.keys, s.values):
-            hidden = self.layer(layer, hidden, mask, pos, rope, LayerKV(keys, values, cols, end))
+            hidden = self.layer(
+                layer, hidden, mask, pos, rope, LayerKV(keys, values, cols, end), self.body.cache_keyword
+            )
         return hidden
 
     def prefill(self, catalog: Catalog, s: Slots) -> None:
@@ -477,15 +488,17 @@ class Engine:
         engines = _ENGINES.setdefault(model, {})
         if key not in engines:
             base = model.base_model
+            layers = tree_layers(model, attention)
             body = Body(
                 base.embed_tokens,
                 base.rotary_emb,
-                tree_layers(model, attention),
+                layers,
                 base.norm,
                 head_of(model),
                 attention,
                 model.dtype,
                 model.device,
+                cache_keyword_of(layers[0]),
             )
             engines[key] = cls(body, key[1])
         return engines[key]

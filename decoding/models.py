@@ -1,7 +1,11 @@
-"""Model loading (local directories, safetensors only, no remote code, never a hub) and tiny test models."""
+"""Model loading (local directories, safetensors only, no remote code, never a hub), tiny test models, and the one
+way the decoders hand a transformers forward its KV cache (`with_cache`)."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
 from pathlib import Path
 
 import torch
@@ -33,6 +37,47 @@ def sdpa_gqa(module, query, key, value, attention_mask, dropout=0.0, scaling=Non
 AttentionInterface.register("sdpa_gqa", sdpa_gqa)
 AttentionMaskInterface.register("sdpa_gqa", sdpa_mask)
 ATTENTION = ("eager", "sdpa", "sdpa_gqa")
+
+# The KV cache argument of transformers' forwards (a causal LM's, its base model's, a decoder layer's) is named `cache`
+# from transformers 5.24 on, where `past_key_values` is a deprecated alias (`deprecate_kwarg` renames it with a
+# FutureWarning on every call), and `past_key_values` in 5.17 to 5.23 (where a `cache=` would land in **kwargs and be
+# ignored). Every decoder hands its cache to a model or layer through `with_cache`, which passes it under the name the
+# forward's signature gives, and reads the one a forward or `generate` returns with `returned_cache`.
+
+
+def cache_keyword(forward) -> str:
+    """The name `forward` (a function or method) takes its KV cache by: "cache" where its signature names it, else
+    "past_key_values" where it names that; a forward that names neither is refused (the cache would land in
+    **kwargs). inspect.signature reads through transformers' decorators (functools.wraps: `__wrapped__`)."""
+    params = inspect.signature(forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return name
+    raise TypeError(f"{getattr(forward, '__qualname__', forward)} takes no KV cache argument (cache, past_key_values)")
+
+
+@functools.cache
+def _cache_keyword_of(cls: type) -> str:
+    return cache_keyword(cls.forward)
+
+
+def cache_keyword_of(module) -> str:
+    """`cache_keyword` of the module's class's forward, read once per class."""
+    return _cache_keyword_of(type(module))
+
+
+def with_cache(module, cache, /, *args, keyword: str | None = None, **kwargs):
+    """module(*args, **kwargs) with its KV cache `cache` under the name its forward takes (`cache_keyword_of`).
+    keyword: that name, decided ahead (`cache_keyword_of` outside a compiled region: the region passes it as a
+    constant and reads no signature)."""
+    return module(*args, **kwargs, **{keyword or cache_keyword_of(module): cache})
+
+
+def returned_cache(output):
+    """The KV cache a forward's or `generate`'s output holds: its `cache` field (5.24 on), else `past_key_values`."""
+    fields = {f.name for f in dataclasses.fields(output)}
+    return output.cache if "cache" in fields else output.past_key_values
+
 
 # Tiny architectures for tests and CPU benchmarks: Llama with grouped-query attention, Qwen2 with
 # attention biases (and optional sliding-window layers), Mistral (sliding window), Qwen3 with q/k norms.

@@ -12,6 +12,7 @@ import torch
 from transformers import DynamicCache
 
 from decoding.catalog import Catalog
+from decoding.models import returned_cache, with_cache
 
 
 def cpu_trie(catalog: Catalog, exclude=()) -> dict:
@@ -89,7 +90,7 @@ def generate_beam_search(
     b = input_ids.shape[0]
     tokens = out.sequences[:, s : s + code_len].reshape(b, k, code_len)
     items = catalog.lookup(tokens.reshape(-1, code_len)).view(b, k)
-    cache = out.past_key_values
+    cache = returned_cache(out)
     kv_tokens = cache.layers[0].keys.shape[0] * cache.get_seq_length()
     if k == 1:  # generate() runs greedy search, which returns no sequence scores: score the sequences
         scores = sequence_logprob(model, out.sequences, attention_mask, code_len + len(answer)).view(b, 1)
@@ -138,10 +139,11 @@ def catalog_logprob(
         raise ValueError(f"catalog is on {catalog.device} but input_ids on {input_ids.device}: use catalog.to(...)")
     code_len, dev = catalog.code_len, input_ids.device
     cache = DynamicCache(config=model.config)
-    first = model(
+    first = with_cache(
+        model,
+        cache,
         input_ids=input_ids,
         attention_mask=attention_mask,
-        past_key_values=cache,
         use_cache=True,
         position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0),
         logits_to_keep=1,
@@ -157,8 +159,8 @@ def catalog_logprob(
             rows.batch_repeat_interleave(c)  # [C] copies of the prompt's KV
             mask = torch.cat([attention_mask.expand(c, -1), attention_mask.new_ones(c, code_len - 1)], 1)
             pos = (start + torch.arange(code_len - 1, device=dev)).expand(c, -1)  # [C, L - 1]
-            later = model(
-                input_ids=tokens[:, :-1], attention_mask=mask, position_ids=pos, past_key_values=rows, use_cache=True
+            later = with_cache(
+                model, rows, input_ids=tokens[:, :-1], attention_mask=mask, position_ids=pos, use_cache=True
             ).logits  # [C, L - 1, V]: levels b.. from the item's own prefix
             logits = torch.cat([logits, later], 1)  # [C, L, V]
         logp = (logits.double() / temperature).log_softmax(-1)  # [C, L, V]

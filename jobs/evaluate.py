@@ -14,7 +14,7 @@ import argparse
 import sys
 
 from jobs.cli import positive, storage_args
-from pipeline.config import Storage
+from pipeline.storage import Storage
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -70,7 +70,7 @@ def main(argv=None) -> int:
     if args.config is None and not args.gc and (missing := demo_missing(cfg)):
         print(f"error: {missing}", file=sys.stderr)
         return 2
-    from pipeline.nightly import STOP, Interrupted, stop_note
+    from pipeline.signals import STOP, Interrupted, stop_note
 
     STOP.install()
     try:
@@ -91,7 +91,9 @@ def main(argv=None) -> int:
 
 def run(cfg, args) -> dict:
     """--gc, or the nightly run (checked before Ray starts, then on the cluster) -> what main prints."""
-    from pipeline.nightly import check_run, collect_garbage, connect_ray, plan_run, run_nightly
+    from pipeline.nightly import check_run, collect_garbage, run_nightly
+    from pipeline.plan import plan_run
+    from pipeline.signals import connect_ray
 
     if args.gc:
         return {"deleted": collect_garbage(cfg)}
@@ -105,8 +107,8 @@ def run(cfg, args) -> dict:
 
 def exit_code(e: Exception) -> int | None:
     """The documented exit code of an error (docs/nightly.md#exit-codes), None for anything else (a traceback, 1)."""
+    from pipeline.follow import Stalled
     from pipeline.lease import LeaseHeld, LeaseLost
-    from pipeline.nightly import Stalled
     from pipeline.storage import StoreUnavailable
 
     codes = [
@@ -123,7 +125,7 @@ def stopped(e, args) -> None:
     disconnected, then exit STOPPED at once. os._exit, not a return: Ray's own threads (its core worker's, Ray
     Data's) outlive a stopped execution, and one that calls into Ray while the interpreter exits aborts the process
     (SIGABRT)."""
-    from pipeline.nightly import stop_note
+    from pipeline.signals import stop_note
 
     print(stop_note(e, bool(args.resume)), file=sys.stderr)
     import ray

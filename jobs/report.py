@@ -17,7 +17,7 @@ from pathlib import Path
 
 from jobs.cli import non_negative_float, storage_args
 from pipeline import storage as S
-from pipeline.config import Storage
+from pipeline.storage import Storage
 
 
 def parse_args(argv=None) -> argparse.Namespace:

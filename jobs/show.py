@@ -31,8 +31,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from pipeline.config import Storage
     from pipeline.output import describe, open_run
+    from pipeline.storage import Storage
 
     try:
         run = open_run(args.run, Storage(args.endpoint, args.region), allow_unpublished=args.any)

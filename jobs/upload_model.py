@@ -35,9 +35,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from pipeline.config import Storage
     from pipeline.models import upload_model
-    from pipeline.storage import StoreUnavailable
+    from pipeline.storage import Storage, StoreUnavailable
 
     try:
         summary = upload_model(args.local_dir, args.uri, args.catalog, Storage(args.endpoint, args.region))

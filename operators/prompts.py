@@ -82,18 +82,6 @@ def history_window(histories, history_len: int):
     return items, np.repeat(np.arange(len(lengths)), used), used
 
 
-def excluded_items(histories, exclude=None, whole_history: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """The items each user of a batch must not be recommended: every item of the whole history (whole_history, the
-    `decoding.exclude: history` mode, not only the prompt's window) and those of the `exclude` lists (an exclusion
-    column; a null row excludes nothing) -> (row [M], item id [M]), repeats kept. Columns: see `ragged_arrays`."""
-    rows, items = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
-    for column in ([histories] if whole_history else []) + ([exclude] if exclude is not None else []):
-        values, starts, lengths, _ = ragged_arrays(column)  # [T], [B], [B]
-        rows.append(np.repeat(np.arange(len(lengths), dtype=np.int64), lengths))
-        items.append(values[ragged_ranges(starts, lengths)])
-    return np.concatenate(rows), np.concatenate(items)
-
-
 @dataclass
 class Renderer:
     """A prompt template compiled against a tokenizer (`compile`), rendering batches of histories (`render`)."""

@@ -17,6 +17,7 @@ import yaml
 
 from operators.spec import MODES, Decoding
 from pipeline import storage as S
+from pipeline.storage import Storage
 
 SECRET_WORDS = ("secret", "password", "token", "access_key", "credential")
 DEMO_CONFIG = Path(__file__).resolve().parent / "configs" / "demo.yaml"  # the embedded default (package data)
@@ -81,14 +82,6 @@ class Compute:
     # a URI / shared folder; auto: `<models.target>.compile-cache` when the target is on s3://. Archives are signed
     # (HMAC-SHA256, the key in GENREC_COMPILE_STORE_KEY or the file GENREC_COMPILE_STORE_KEY_FILE names): an actor
     # loads only archives signed with its key, and whoever holds the key runs code in every actor (docs/engine.md)
-
-
-@dataclass
-class Storage:
-    endpoint: str | None = None  # S3-compatible endpoint override, e.g. http://127.0.0.1:8333
-    region: str = "us-east-1"  # the S3 region (signing; most S3-compatible servers accept any)
-    retry_s: float = 180.0  # a call that fails transiently (refused, reset, timed out, 5xx, SlowDown) is tried again
-    # with backoff for this long before the job gives up (pipeline/storage.py, exit 4)
 
 
 @dataclass

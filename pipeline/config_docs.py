@@ -1,6 +1,7 @@
 """docs/configuration.md, generated from the config's dataclasses: every field of the nightly config with its type,
-default, meaning (the comment beside the field in pipeline/config.py and operators/spec.py, the one place each is
-written) and an example (from infra/configs/production.example.yaml where it sets the field, else the default).
+default, meaning (the comment beside the field in pipeline/config.py, pipeline/storage.py and operators/spec.py, the
+one place each is written) and an example (from infra/configs/production.example.yaml where it sets the field, else
+the default).
 
     python -m pipeline.config_docs > docs/configuration.md     (make docs; tests/test_docs.py fails when stale)
 """
@@ -17,7 +18,8 @@ from pathlib import Path
 import yaml
 
 from operators.spec import Decoding
-from pipeline.config import Compute, Config, Models, Runs, Storage
+from pipeline.config import Compute, Config, Models, Runs
+from pipeline.storage import Storage
 
 SECTIONS = {"": Config, "models": Models, "decoding": Decoding, "compute": Compute, "storage": Storage, "runs": Runs}
 EXAMPLE = Path(__file__).resolve().parents[1] / "infra" / "configs" / "production.example.yaml"
@@ -32,10 +34,10 @@ parsed as YAML), and validates every field before anything runs: a wrong one fai
 it (`config: decoding.k must be an integer >= 1, got 0`). Credentials never come from the file; a key that looks like
 one is refused. `pipeline/configs/demo.yaml` is the demo's config (the default),
 `infra/configs/production.example.yaml` a GPU cluster's. How the job uses these fields: [the operator's
-manual](nightly.md).
+manual](nightly.md); the terms: [the glossary](glossary.md).
 
-This page is generated from `pipeline/config.py` and `operators/spec.py` (`make docs`); `tests/test_docs.py` fails
-when it is stale.
+This page is generated from `pipeline/config.py`, `pipeline/storage.py` and `operators/spec.py` (`make docs`);
+`tests/test_docs.py` fails when it is stale.
 """
 
 

@@ -23,9 +23,9 @@ import pyarrow.dataset as pads
 from decoding.metrics import recall_ndcg_flat
 from pipeline import markdown
 from pipeline import storage as S
-from pipeline.config import Storage
 from pipeline.report import num, quality_cell
 from pipeline.runs import Run, load_run, read_recommendations, report_dir
+from pipeline.storage import Storage
 
 KS = (1, 5, 10, 20)
 TARGETS = {

@@ -27,8 +27,9 @@ import pyarrow.compute as pc
 from decoding.catalog import argsort_ids
 from decoding.codes import format_rows, semantic_id_matrix
 from pipeline import storage as S
-from pipeline.config import Config, Storage
+from pipeline.config import Config
 from pipeline.prepare.splits import sorted_unique
+from pipeline.storage import Storage
 
 INDEX_COLUMNS = ["item_id", "semantic_id"]  # what the run reads of the catalog (its other columns stay unread)
 

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from pipeline import storage as S
-from pipeline.config import Storage
+from pipeline.storage import Storage
 
 log = logging.getLogger("genrec.lease")
 

@@ -32,7 +32,7 @@ from decoding.templates import TEMPLATE_FILE, PromptTemplate, get_template, read
 from operators.compile_cache import private_dirs
 from operators.prompts import Renderer, catalog_probes
 from pipeline import storage as S
-from pipeline.config import Storage
+from pipeline.storage import Storage
 
 log = logging.getLogger("genrec.nightly")
 

@@ -22,7 +22,8 @@ import pyarrow.dataset as pads
 
 from pipeline import runs
 from pipeline import storage as S
-from pipeline.config import Storage, env_storage
+from pipeline.config import env_storage
+from pipeline.storage import Storage
 
 
 @dataclass(frozen=True)

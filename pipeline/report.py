@@ -35,9 +35,9 @@ import pyarrow.compute as pc
 
 from decoding.stats import PHASES as DECODER_PHASES
 from pipeline import storage as S
-from pipeline.config import Storage
 from pipeline.markdown import table
 from pipeline.runs import Run, load_run, read_recommendations, report_dir
+from pipeline.storage import Storage
 
 PHASES = DECODER_PHASES + ("other_s",)  # other: the batch outside the decoder (validation, prompts, output rows)
 

@@ -37,7 +37,7 @@ import pandas as pd
 import pyarrow as pa
 
 from pipeline import storage as S
-from pipeline.config import Storage
+from pipeline.storage import Storage
 
 TABLES = ("recommendations", "rejects", "metrics")
 log = logging.getLogger("genrec.runs")

@@ -26,12 +26,13 @@ import pyarrow.compute as pc
 
 from decoding.memory import trim_host_heap
 from decoding.stats import BASE_KEYS, PHASES
-from operators.recommender import TABLES, Recommender, table_schema
+from operators.outputs import TABLES, table_schema
+from operators.recommender import Recommender
 from operators.spec import ActorSpec
 from pipeline import runs
 from pipeline import storage as S
-from pipeline.config import Storage
 from pipeline.items import ItemsRef
+from pipeline.storage import Storage
 from pipeline.units import merge
 
 DUPLICATE = ("duplicate_user", "user_id appears more than once; the first row is kept")
@@ -84,10 +85,12 @@ METRIC_SCHEMA = pa.schema(
         ("audit_device", pa.string()),  # where the audit's float32 copies ran: gpu (the actor's, beside the run) or cpu
         ("audit_skipped", pa.string()),  # why an actor skipped its audit (its float32 copies fit neither)
         ("engine", pa.string()),
+        ("engine_note", pa.string()),  # why a batch under a compiled or auto engine decoded eager (null: none)
         ("compile_s", pa.float64()),
         ("graphs_compiled", _INT),
         ("graphs_cold", _INT),  # compiled from scratch at the warm-up (not loaded from a compile cache)
         ("compile_cache", pa.string()),  # the warm-up's compile store: key, fetched, uploaded (JSON)
+        ("compile_errors", pa.string()),  # buckets that failed to compile since the last row -> why (JSON)
         ("ranges", pa.list_(pa.list_(_INT))),
         ("exclude_users", _INT),
         ("excluded_items", _INT),

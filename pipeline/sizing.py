@@ -81,7 +81,7 @@ PAGE = """# Sizing the GPUs
 
 > **On a GPU:** these figures are estimates from the models' shapes, not measurements. The estimator is checked
 > against the caches' real sizes on the CPU; the nightly's memory-aware batch and the audit's placement have not run
-> on a GPU. Measured GPU figures are in [benchmarks.md](benchmarks.md).
+> on a GPU. Measured GPU figures are in [benchmarks.md](benchmarks.md); the terms are in the [glossary](glossary.md).
 
 A recommender actor holds its models' weights in `compute.dtype` and decodes as many users at once as fit the rest
 of its GPU (`compute.decode_batch` unset). The table gives, for Qwen2 shapes, the weights and that decode batch

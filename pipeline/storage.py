@@ -20,19 +20,28 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 from urllib.parse import urlparse
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-if TYPE_CHECKING:  # annotations only: the config imports this module to read an s3:// config
-    from pipeline.config import Storage
-
 log = logging.getLogger("genrec.storage")
 T = TypeVar("T")
+
+
+@dataclass
+class Storage:
+    """The object store's settings (the config's `storage` section)."""
+
+    endpoint: str | None = None  # S3-compatible endpoint override, e.g. http://127.0.0.1:8333
+    region: str = "us-east-1"  # the S3 region (signing; most S3-compatible servers accept any)
+    retry_s: float = 180.0  # a call that fails transiently (refused, reset, timed out, 5xx, SlowDown) is tried again
+    # with backoff for this long before the job gives up (pipeline/storage.py, exit 4)
+
 
 # ------------------------------------------------------------------ the retry policy
 # Two layers. Inside each call the SDKs retry a few times at once (boto3's standard mode, pyarrow's

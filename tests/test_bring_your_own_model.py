@@ -18,9 +18,10 @@ from decoding.catalog import Catalog
 from decoding.models import build_model, load_model, load_tokenizer
 from decoding.reference import generate_beam_search
 from decoding.templates import read_template
-from pipeline.config import Storage, load_config
+from pipeline.config import load_config
 from pipeline.evaluate import evaluate
 from pipeline.prepare import write_synthetic
+from pipeline.storage import Storage
 from tests.helpers import assert_same_ranking, bpe_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

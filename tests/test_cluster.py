@@ -25,7 +25,7 @@ import pytest
 
 from pipeline import runs
 from pipeline import storage as S
-from pipeline.config import Storage
+from pipeline.storage import Storage
 from tests.servers import ray_head, ray_worker, seaweedfs
 from tests.test_nightly import make_world
 from tests.test_store_faults import Driver, committed, published_once, wait_committed

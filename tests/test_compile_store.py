@@ -98,8 +98,8 @@ def test_a_corrupted_partial_or_foreign_compile_cache_is_ignored_with_a_warning(
     or torch version, and a cache.json that is not one are each ignored with a warning that says why, nothing
     unpacked: the actor compiles cold, never fails."""
     from pipeline import storage as S
-    from pipeline.config import Storage
     from pipeline.models import CompileStore, compile_target, seal
+    from pipeline.storage import Storage
 
     made = tmp_path / "made"
     (made / "fxgraph" / "ab").mkdir(parents=True)
@@ -203,12 +203,12 @@ def plant(world, cfg, marker, secret: bytes | None) -> str:
     from decoding.compiled import compile_key
     from operators.recommender import Recommender
     from pipeline.models import compile_store
-    from pipeline.nightly import plan_run
+    from pipeline.plan import plan_run
 
     plan = plan_run(cfg)
     spec = replace(plan.spec, engine="eager", target_sha256=plan.identity["models"]["target"])
     r = Recommender(spec)
-    users, prompt = r._warm_shape()
+    users, prompt = r.warm_shape()
     key = compile_key(r.target, spec.target_sha256, users, prompt, cfg.decoding.k, r.catalog.code_len, r.prefix_len)
     write_archive(compile_store(cfg), key, planted_archive(marker), secret)
     return key
@@ -237,8 +237,8 @@ def test_a_planted_archive_never_runs_its_code(s3, tmp_path, caplog, monkeypatch
     key, a valid archive of another key replayed under this one, or any archive where the actor holds no key, each
     is refused with a warning, its folder never created, the marker never written. Signed with the key (from the
     variable or from the file it names) it is unpacked whole."""
-    from pipeline.config import Storage
     from pipeline.models import CompileStore
+    from pipeline.storage import Storage
 
     control = tmp_path / "control"
     with tarfile.open(fileobj=io.BytesIO(planted_archive(control)), mode="r:gz") as tar:
@@ -276,8 +276,8 @@ def test_a_second_actor_never_rewrites_a_folder_the_first_loaded(s3, tmp_path, m
     """Two actors of one node fetch one key: the first unpacks into a fresh folder and renames it into place, the
     second uses that folder as it is (not fetched again); a sibling that lost the race to place it writes nothing
     into it. Every file the first actor loaded keeps its inode, bytes and mtime, and no half-unpacked folder stays."""
-    from pipeline.config import Storage
     from pipeline.models import CompileStore, seal, unpack_into_place
+    from pipeline.storage import Storage
 
     monkeypatch.setenv(KEY_ENV, SECRET)
     made = tmp_path / "made"
@@ -315,8 +315,8 @@ def pack_of(folder) -> bytes:
 def test_a_signed_archive_with_links_or_paths_outside_is_not_unpacked(s3, tmp_path, member, monkeypatch):
     """Even signed, an archive member that is a link, a device, an absolute path or climbs out with `..` stops the
     unpacking: nothing is placed and nothing is written outside the folder."""
-    from pipeline.config import Storage
     from pipeline.models import CompileStore
+    from pipeline.storage import Storage
 
     monkeypatch.setenv(KEY_ENV, SECRET)
     buf = io.BytesIO()
@@ -348,8 +348,8 @@ def test_a_node_folder_not_verified_here_is_never_used_or_published(s3, tmp_path
     folder there without a manifest (planted, or left by older code), or whose files changed since it was sealed, is
     moved aside, never used, and `publish` refuses it: nothing planted spreads to the store. A folder sealed here
     (compiled by the actor, or unpacked from a verified archive) is used as it is and published."""
-    from pipeline.config import Storage
     from pipeline.models import MANIFEST, CompileStore, compile_target, seal
+    from pipeline.storage import Storage
 
     monkeypatch.setenv(KEY_ENV, SECRET)
     store = CompileStore(s3.uri("node-folders"), Storage(endpoint=s3.endpoint))
@@ -383,8 +383,8 @@ def test_a_folder_placed_first_by_someone_else_is_used_only_if_it_verifies(s3, t
     something else creates the node folder (a sibling's inductor, a local user): unsealed, it is never loaded, and the
     actor loads its own verified copy; sealed by a sibling (the same archive), the sibling's is loaded."""
     from pipeline import models
-    from pipeline.config import Storage
     from pipeline.models import CompileStore, seal, sealed
+    from pipeline.storage import Storage
 
     monkeypatch.setenv(KEY_ENV, SECRET)
     store = CompileStore(s3.uri("lost-rename"), Storage(endpoint=s3.endpoint))
@@ -451,8 +451,8 @@ def test_an_oversized_description_is_never_read_whole(s3, tmp_path, monkeypatch)
     """A cache.json larger than MAX_META_BYTES (a store writer without the key can write one) is refused from a
     ranged read of at most that many bytes: never parsed, the actor compiles cold. The same bound holds locally."""
     from pipeline import storage as S
-    from pipeline.config import Storage
     from pipeline.models import MAX_META_BYTES, CompileStore, compile_target
+    from pipeline.storage import Storage
 
     monkeypatch.setenv(KEY_ENV, SECRET)
     store = CompileStore(s3.uri("huge-meta"), Storage(endpoint=s3.endpoint))
@@ -483,8 +483,8 @@ def test_the_node_folders_are_private(s3, tmp_path):
     import os
     import stat
 
-    from pipeline.config import Storage
     from pipeline.models import CompileStore
+    from pipeline.storage import Storage
 
     store = CompileStore(s3.uri("private"), Storage(endpoint=s3.endpoint))
     folder = Path(store.node_folder(str(tmp_path / "cache"), KEY))
@@ -507,8 +507,8 @@ def test_an_archive_is_downloaded_only_when_its_description_is_signed_and_its_si
     byte of the archive is read; a signed size above MAX_ARCHIVE_BYTES is refused; an object whose stored size is not
     the signed one is refused from its size alone (HEAD), never read."""
     from pipeline import models
-    from pipeline.config import Storage
     from pipeline.models import MAX_ARCHIVE_BYTES, CompileStore
+    from pipeline.storage import Storage
 
     monkeypatch.setenv(KEY_ENV, SECRET)
     store = CompileStore(s3.uri("descriptions"), Storage(endpoint=s3.endpoint))

@@ -68,8 +68,8 @@ def test_actor_pools_fit_the_cluster():
     starting with what fits the cluster now; auto follows the cluster (no upper bound), starting with what fits: by
     its GPUs (fractions of a GPU share one) and its CPUs less the read side's one; the actors reserve what the config
     says."""
+    from pipeline.attempt import actor_resources
     from pipeline.cluster import Pool, actor_pool
-    from pipeline.nightly import actor_resources
 
     def compute(*sets):
         return load_config(None, BASE + list(sets)).compute

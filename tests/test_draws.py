@@ -135,7 +135,7 @@ def test_every_mode_decodes_every_id_type_the_input_admits(world):
     an int64 5; the string "5" is another user)."""
     from operators.recommender import Recommender
     from pipeline.config import load_config
-    from pipeline.nightly import direct_spec
+    from pipeline.plan import direct_spec
 
     users = pq.read_table(world / "data" / "test.parquet").select(["user_id", "history"])
     lists = {}
@@ -184,7 +184,7 @@ def test_the_plan_refuses_an_id_type_no_mode_can_key_a_user_by(world, tmp_path, 
     from decimal import Decimal
 
     from pipeline.config import load_config
-    from pipeline.nightly import plan_run
+    from pipeline.plan import plan_run
 
     users = pq.read_table(world / "data" / "test.parquet")
     n = users.num_rows
@@ -227,7 +227,7 @@ def cfg_rest(world, tmp_path) -> list[str]:
 def test_one_kind_of_user_id_in_every_file(world, tmp_path):
     """Integer ids in one file and string ids in another: the same user would be two; refused, naming both."""
     from pipeline.config import load_config
-    from pipeline.nightly import plan_run
+    from pipeline.plan import plan_run
 
     users = pq.read_table(world / "data" / "test.parquet")
     (tmp_path / "mixed").mkdir()

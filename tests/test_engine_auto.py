@@ -47,9 +47,9 @@ def users(world):
 def actor(world, users, run, *extra, record=None):
     """A nightly actor of compute.engine auto whose trial users are the world's and whose decision goes to `run`."""
     from operators.recommender import Recommender
-    from pipeline.config import Storage
-    from pipeline.nightly import plan_run
+    from pipeline.plan import plan_run
     from pipeline.runs import EngineRecord
+    from pipeline.storage import Storage
     from tests.test_nightly import config
 
     settings = [
@@ -81,9 +81,9 @@ def test_a_wrong_compiled_engine_is_rejected_in_every_dtype(world, users, tmp_pa
     precision as in float32 (the bound from the dtype's measured cost leaves users clear: the old bound, hidden x eps
     x |score|, left none in bfloat16); the run's decision is eager, recorded, and every shard publishes eager's
     lists."""
-    from operators.recommender import SKEW_ENV
-    from pipeline.config import Storage
+    from operators.engines import SKEW_ENV
     from pipeline.runs import EngineRecord
+    from pipeline.storage import Storage
 
     monkeypatch.setenv(SKEW_ENV, "1")
     a = actor(world, users, tmp_path / "run", f"compute.dtype={dtype}")
@@ -127,9 +127,9 @@ def test_two_actors_racing_publish_one_engines_lists(world, users, tmp_path_fact
     """Two actors of one run on SeaweedFS: A decides and records first; B (slower: it read the record before A wrote
     it) runs its own trials with the compiled engine made wrong, so its own decision is eager, but its conditional
     create loses and it adopts A's. Both publish the engine A chose; a restarted actor C runs no trial at all."""
-    from operators.recommender import SKEW_ENV
-    from pipeline.config import Storage
+    from operators.engines import SKEW_ENV
     from pipeline.runs import EngineRecord
+    from pipeline.storage import Storage
     from tests.servers import seaweedfs
 
     root = tmp_path_factory.mktemp("race")
@@ -173,8 +173,8 @@ def test_two_actors_racing_publish_one_engines_lists(world, users, tmp_path_fact
 def test_a_bucket_the_trials_did_not_check_decodes_eager(world, users, tmp_path):
     """A run decided compiled, its trials having checked another bucket than the actor's (as after a slice halved
     by an out-of-memory): the actor decodes eager there, saying why; in the checked bucket it decodes compiled."""
-    from pipeline.config import Storage
     from pipeline.runs import EngineRecord
+    from pipeline.storage import Storage
 
     record = EngineRecord(str(tmp_path / "unchecked"), Storage())
     a = actor(world, users, tmp_path, record=record)
@@ -183,7 +183,7 @@ def test_a_bucket_the_trials_did_not_check_decodes_eager(world, users, tmp_path)
     record.claim({**decision, "checked": [{"users": 4, "prompt": 64, "setting": setting}]})
     ((_, metric),) = shards(a, users, n=1)
     assert metric["engine"] == "eager" and "did not check bucket" in metric["engine_note"]
-    u, p = a._bucket(torch.zeros(16, a.renderer.max_len - a.prefix_len, dtype=torch.int64))
+    u, p = a.compiled.bucket(a.target, torch.zeros(16, a.renderer.max_len - a.prefix_len, dtype=torch.int64))
     record = EngineRecord(str(tmp_path / "checked"), Storage())
     record.claim({**decision, "checked": [{"users": u, "prompt": p, "setting": setting}]})
     a = actor(world, users, tmp_path, record=record)
@@ -197,8 +197,8 @@ def test_a_compile_error_falls_back_to_eager(world, users, tmp_path):
     the error for its bucket and decodes it eager, never failing the run."""
     import torch._inductor.config as inductor
 
-    from pipeline.config import Storage
     from pipeline.runs import EngineRecord
+    from pipeline.storage import Storage
 
     with inductor.patch({"cpp.cxx": ("/nonexistent/c++",)}):
         # an empty cache and graphs no other test compiles (K 4): inductor's in-process caches hold none of them
@@ -221,15 +221,15 @@ def test_a_decision_holds_only_in_the_setting_it_was_made_in(world, users, tmp_p
     """A run decided compiled by float32 trials (its buckets checked in float32): a bfloat16 actor of the run (or one
     on another device, torch or k) decodes eager, saying why, without trials; neither a record without a setting
     (older) nor bare (users, prompt) buckets count as checked anywhere."""
-    from pipeline.config import Storage
     from pipeline.runs import EngineRecord
+    from pipeline.storage import Storage
 
     f32 = actor(world, users, tmp_path / "probe").engine_auto.setting
     assert f32["dtype"] == "float32" and f32["torch"] == torch.__version__ and f32["device"].startswith("cpu-")
     for i, (setting, checked) in enumerate(((f32, None), (None, "bare"))):
         record = EngineRecord(str(tmp_path / f"run{i}"), Storage())
         a = actor(world, users, tmp_path, "compute.dtype=bfloat16", record=record)
-        u, p = a._bucket(torch.zeros(16, a.renderer.max_len - a.prefix_len, dtype=torch.int64))
+        u, p = a.compiled.bucket(a.target, torch.zeros(16, a.renderer.max_len - a.prefix_len, dtype=torch.int64))
         buckets = [[u, p]] if checked == "bare" else [{"users": u, "prompt": p, "setting": f32}]
         record.claim(
             {"choice": "compiled", "reason": "float32 trials", "decided_by": "f32", "parity": [], "checked": buckets}
@@ -244,14 +244,16 @@ def test_a_decision_holds_only_in_the_setting_it_was_made_in(world, users, tmp_p
 def test_per_user_exclusions_decide_eager_before_any_trial(world, users, tmp_path):
     """decoding.exclude history (the compiled engine decodes excluding users eager): the run records eager with that
     reason, and no trial decodes or compiles anything."""
-    from pipeline.config import Storage
     from pipeline.runs import EngineRecord
+    from pipeline.storage import Storage
 
     a = actor(world, users, tmp_path / "run", "decoding.exclude=history")
     ((_, metric),) = shards(a, users, n=1)
     state = metric["auto"]["engine"]
     assert state["choice"] == "eager" and state["reason"].startswith("per-user exclusions (decoding.exclude history)")
-    assert state["trial_batches"] == 0 and state["compile_s"] == 0 and not a.warm and metric["engine"] == "eager"
+    assert (
+        state["trial_batches"] == 0 and state["compile_s"] == 0 and not a.compiled.warm and metric["engine"] == "eager"
+    )
     assert EngineRecord(str(tmp_path / "run"), Storage()).read()["reason"] == state["reason"]
 
 
@@ -259,17 +261,20 @@ def test_an_actors_own_failure_is_never_the_runs_decision(world, users, tmp_path
     """Trials that run out of memory, and trials whose reference-dtype copy would not fit (the memory check, before
     anything is loaded or compiled), leave this actor eager with the reason noted and record nothing: the run's
     decision is left to an actor that can run the trials."""
-    from operators.recommender import Recommender
-    from pipeline.config import Storage
+    from operators import engines
     from pipeline.runs import EngineRecord
+    from pipeline.storage import Storage
 
-    def oom(self, engine, ids, mask):
+    def oom(self, r, engine, ids, mask):
         raise torch.OutOfMemoryError("CUDA out of memory (test)")
 
-    cases = {"out of memory": ("_trial_decode", oom), "no room": ("_audit_budget", lambda self: (None, 1 << 20))}
-    for i, (case, (name, patch)) in enumerate(cases.items()):
+    cases = {
+        "out of memory": (engines.AutoEngine, "trial_decode", oom),
+        "no room": (engines, "host_free_memory", lambda: 1 << 20),
+    }
+    for i, (case, (owner, name, patch)) in enumerate(cases.items()):
         with monkeypatch.context() as m:
-            m.setattr(Recommender, name, patch)
+            m.setattr(owner, name, patch)
             a = actor(world, users, tmp_path / f"run{i}")
             ((recs, metric),) = shards(a, users, n=1)
         state = metric["auto"]["engine"]
@@ -277,4 +282,6 @@ def test_an_actors_own_failure_is_never_the_runs_decision(world, users, tmp_path
         assert "the run's decision is not recorded by it" in metric["engine_note"], case
         assert EngineRecord(str(tmp_path / f"run{i}"), Storage()).read() is None, case
         assert len(recs) == 16 * 5
-    assert "reference copy and its decode need" in state["reason"] and state["trial_batches"] == 0 and not a.warm
+    assert (
+        "reference copy and its decode need" in state["reason"] and state["trial_batches"] == 0 and not a.compiled.warm
+    )

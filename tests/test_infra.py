@@ -218,6 +218,18 @@ def test_pyproject_declares_ranges_and_every_pin_lies_in_them():
     assert Version("2.11") in lower["torch"] and Version("5.17") in lower["transformers"]  # the GPU image's
 
 
+def test_transformers_is_admitted_up_to_the_tested_release():
+    """pyproject.toml admits transformers up to the release constraints.txt pins (the suite ran under it, its
+    FutureWarnings errors), not the next minor release, which may remove what this one deprecates: raising the bound
+    goes with the pin. pytest's settings make transformers' FutureWarnings errors (tests/test_transformers_compat.py
+    tests their scope)."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    spec = next(Requirement(r).specifier for r in config["project"]["dependencies"] if name(r) == "transformers")
+    pin = Version(pinned()["transformers"])
+    assert pin in spec and Version(f"{pin.major}.{pin.minor + 1}") not in spec, (str(spec), str(pin))
+    assert "error::FutureWarning:transformers" in config["tool"]["pytest"]["ini_options"]["filterwarnings"]
+
+
 def test_versions_everywhere_agree_with_the_constraints():
     v = pinned()
     assert {"torch", "transformers", "ray"} <= set(v), v

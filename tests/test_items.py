@@ -127,8 +127,8 @@ def test_every_mode_lists_what_is_left_once_when_fewer_than_k_items_are(n):
 def test_the_items_are_read_with_their_sets_and_counts(tmp_path):
     """read_items: the index whole, the recommendable set from a file or a boolean column, blocks from a file and the
     config, ids the index lacks counted; the record partitions the index; bad files are named."""
-    from pipeline.config import Storage
     from pipeline.items import Sources, ids_sha256, read_items
+    from pipeline.storage import Storage
 
     st = Storage()
     ids = np.arange(100, 110)
@@ -254,8 +254,9 @@ def test_a_night_with_delisted_blocked_and_added_items(ray_world, tmp_path):
     two, one with none is rejected as no_items; {run_date} fills every path; the manifest and `show` record the
     index, the sets and their counts; a resume is refused once the recommendable set or the block list changed."""
     from pipeline.config import load_config
-    from pipeline.nightly import plan_run, run_nightly
+    from pipeline.nightly import run_nightly
     from pipeline.output import describe, open_run
+    from pipeline.plan import plan_run
     from tests.test_nightly import killed_run
 
     world, date = ray_world, "2026-11-26"

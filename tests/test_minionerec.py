@@ -23,8 +23,9 @@ from decoding.reference import generate_beam_search
 from decoding.templates import PRESETS, write_template
 from jobs.prepare_data import main as prepare_data
 from operators.prompts import Renderer, catalog_probes
-from pipeline.config import Storage, load_config
+from pipeline.config import load_config
 from pipeline.prepare import build_text_tokenizer, prepare_minionerec
+from pipeline.storage import Storage
 from tests.helpers import float32_atol
 
 LEVELS, CODES, ITEMS, K = 3, 16, 120, 5

@@ -21,12 +21,13 @@ from decoding.catalog import Catalog
 from decoding.models import build_model, load_model, load_tokenizer
 from decoding.stats import BASE_KEYS
 from decoding.templates import PRESETS, write_template
+from operators.outputs import table_schema
 from operators.prompts import Renderer, catalog_probes
-from operators.recommender import table_schema
 from pipeline import runs
 from pipeline import storage as S
-from pipeline.config import Storage, load_config
+from pipeline.config import load_config
 from pipeline.prepare import write_synthetic
+from pipeline.storage import Storage
 from tests.helpers import float32_atol
 
 
@@ -155,7 +156,7 @@ def test_an_actor_decodes_a_shard_in_slices_that_fit(world, mode, monkeypatch):
     halved, retried, and kept for later shards) returns what one decode of the whole shard returns, and the metrics
     say how many users each decode held."""
     from operators.recommender import Recommender
-    from pipeline.nightly import plan_run
+    from pipeline.plan import plan_run
 
     users = pq.read_table(world / "data" / "test.parquet", columns=["user_id", "history"]).slice(0, 11)
     cfg = config(world, world / "unused", f"decoding.mode={mode}")
@@ -172,17 +173,17 @@ def test_an_actor_decodes_a_shard_in_slices_that_fit(world, mode, monkeypatch):
     assert tree(metric(got)) == tree(metric(whole))  # the same tree tokens, summed over slices
     assert metric(got)["prompt_positions"] <= metric(whole)["prompt_positions"]  # slices of like lengths pad less
 
-    decode = sliced._decode
+    decode = sliced.decode
 
     def at_most_two(mode, target, draft, ids, mask, users, exclude=None):  # what a GPU with room for two users does
         if ids.shape[0] > 2:
             raise torch.OutOfMemoryError(f"CUDA out of memory (simulated): {ids.shape[0]} users")
         return decode(mode, target, draft, ids, mask, users, exclude)
 
-    monkeypatch.setattr(sliced, "_decode", at_most_two)
+    monkeypatch.setattr(sliced, "decode", at_most_two)
     got = sliced(users).to_pandas()
     pd.testing.assert_frame_equal(recs(got), recs(whole), check_exact=False, atol=atol, rtol=0)
-    assert metric(got)["decode_batch"] == 1 and sliced.oom_batch == 1  # 3 -> 1: halved below the limit
+    assert metric(got)["decode_batch"] == 1 and sliced.batcher.oom_batch == 1  # 3 -> 1: halved below the limit
     assert metric(sliced(users).to_pandas())["decode_batch"] == 1  # later shards start from the smaller batch
 
 
@@ -193,7 +194,7 @@ def test_a_half_precision_actor_audits_its_first_users_in_float32(world, mode):
     actor's own lists for beam search; a sampling mode compares draws made with the same seed. Wall time and
     users/s leave the audit out; it is reported as audit_s."""
     from operators.recommender import Recommender
-    from pipeline.nightly import plan_run
+    from pipeline.plan import plan_run
 
     users = pq.read_table(world / "data" / "test.parquet", columns=["user_id", "history"])
     batches = [users.slice(0, 11), users.slice(11, 11), users.slice(22, 11)]
@@ -211,7 +212,7 @@ def test_a_half_precision_actor_audits_its_first_users_in_float32(world, mode):
         assert m["dtype"] == "bfloat16" and m32["dtype"] == "float32" and "audit_users" not in m32
         assert m.get("audit_users") == audited
         if audited is None:
-            assert not half.float32  # the float32 copies were freed once the audit was done
+            assert not half.audit.float32  # the float32 copies were freed once the audit was done
             continue
         assert 0 < m["audit_s"] and m["wall_s"] > 0 and m["audit_max_abs_score_diff"] >= 0
         assert 0 <= m["audit_identical_lists"] <= audited and 0 < m["audit_topk_overlap_sum"] <= audited
@@ -231,28 +232,29 @@ def test_the_audit_goes_where_its_float32_copies_fit(world, monkeypatch, budget)
     copies go there; with a device too small for them beside the run's decode batch they go to the CPU and audit
     the same users with the same lists as on the device; with the host too small as well the audit is skipped, its
     reason (both budgets, in GiB) in the metric row, and no float32 copy is ever loaded."""
+    from operators.audit import PrecisionAudit
     from operators.recommender import Recommender
-    from pipeline.nightly import plan_run
+    from pipeline.plan import plan_run
 
     users = pq.read_table(world / "data" / "test.parquet", columns=["user_id", "history"])
     spec = plan_run(config(world, world / "unused", "compute.dtype=bfloat16", "compute.audit_users=20")).spec
     gib = 1 << 30
     budgets = {"device": (64 * gib, 64 * gib), "cpu": (0, 64 * gib), "neither": (0, 0)}
-    monkeypatch.setattr(Recommender, "_audit_budget", lambda self: budgets[budget])
+    monkeypatch.setattr(PrecisionAudit, "budget", lambda self: budgets[budget])
     loads = []
-    real_load = Recommender._float32_models
+    real_load = PrecisionAudit.models
 
     def counted(self, *args):
         out = real_load(self, *args)
         loads.append(dict(self.float32))
         return out
 
-    monkeypatch.setattr(Recommender, "_float32_models", counted)
+    monkeypatch.setattr(PrecisionAudit, "models", counted)
     half = Recommender(spec)
     metric = lambda t: json.loads(t.filter(pc.equal(t["kind"], "metric"))["metrics"][0].as_py())  # noqa: E731
     m = metric(half(users.slice(0, 11)))
     if budget == "neither":
-        assert "audit_users" not in m and half.audit_left == 0 and not loads[0] and not half.float32
+        assert "audit_users" not in m and half.audit.left == 0 and not loads[0] and not half.audit.float32
         assert m["audit_skipped"].startswith("the float32 copies need ")
         assert m["audit_skipped"].endswith(": the device has 0.0 GiB free, the host 0.0 GiB available")
         assert "audit_users" not in metric(half(users.slice(11, 11)))  # skipped for the rest of the run
@@ -260,7 +262,7 @@ def test_the_audit_goes_where_its_float32_copies_fit(world, monkeypatch, budget)
     assert m["audit_users"] == 11 and m["audit_device"] == {"device": "gpu", "cpu": "cpu"}[budget]
     assert "audit_skipped" not in m and set(loads[0]) == {"target"}
     reference = Recommender(spec)  # room on the device: the lists the CPU placement must reproduce
-    monkeypatch.setattr(Recommender, "_audit_budget", lambda self: budgets["device"])
+    monkeypatch.setattr(PrecisionAudit, "budget", lambda self: budgets["device"])
     r = metric(reference(users.slice(0, 11)))
     for key in ("audit_users", "audit_identical_lists", "audit_topk_overlap_sum", "audit_max_abs_score_diff"):
         assert m[key] == r[key]
@@ -656,7 +658,8 @@ def test_a_resume_trusts_only_an_unchanged_input(world, ray_session, tmp_path, c
     """A run killed after 4 shards; its input rewritten in place with the same row groups, rows reordered (what an
     upstream job overwriting histories/latest/ does): --resume RUN_ID refuses, naming the file; --resume latest starts
     a new run and publishes every user exactly once. A changed catalog or model is named the same way."""
-    from pipeline.nightly import plan_run, run_nightly
+    from pipeline.nightly import run_nightly
+    from pipeline.plan import plan_run
 
     histories, items = copy_inputs(world, tmp_path)
     cfg = config(world, tmp_path / "out", f"input={histories}", f"catalog={items}")
@@ -748,8 +751,8 @@ def test_a_fenced_attempts_late_shards_are_never_read(world, ray_session, tmp_pa
 def test_a_retried_shard_without_rejects_leaves_no_stale_rejects(tmp_path):
     """A shard's first attempt rejected two users; its retry rejects none: the retry's (empty) rejects file replaces
     the first one, so no user is both recommended and rejected."""
-    from pipeline.config import Storage
     from pipeline.shards import write_shard
+    from pipeline.storage import Storage
 
     run, storage = str(tmp_path / "run"), Storage()
     recs = pa.table(

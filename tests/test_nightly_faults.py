@@ -18,7 +18,8 @@ from pipeline import runs
 from pipeline import storage as S
 from pipeline.config import load_config
 from pipeline.lease import LeaseLost
-from pipeline.nightly import Interrupted, Stop
+from pipeline.signals import Interrupted, Stop
+from pipeline.storage import Storage
 from tests.servers import ray_head
 from tests.test_nightly import direct_beam_search, make_world
 from tests.test_store_faults import (
@@ -221,11 +222,11 @@ def test_a_signal_raises_once_at_once_and_waits_for_publication():
 
 @pytest.fixture
 def handler(monkeypatch):
-    """The driver's handler (a fresh Stop as pipeline.nightly.STOP) installed for SIGTERM / SIGINT, restored after."""
-    from pipeline import nightly
+    """The driver's handler (a fresh Stop as pipeline.signals.STOP) installed for SIGTERM / SIGINT, restored after."""
+    from pipeline import signals
 
     stop = Stop()
-    monkeypatch.setattr(nightly, "STOP", stop)
+    monkeypatch.setattr(signals, "STOP", stop)
     saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     stop.install()
     yield stop
@@ -234,7 +235,6 @@ def handler(monkeypatch):
 
 
 def lease_of(s3, out: str) -> dict:
-    from pipeline.config import Storage
 
     return json.loads(S.read_bytes(S.join(runs.date_dir(s3.uri(out), DATE), "_LEASE"), Storage(s3.endpoint)))
 
@@ -245,9 +245,10 @@ def test_a_signal_inside_acquire_or_release_never_strands_the_lease(cluster, han
     run's lease is watched: nothing was taken, and the note says so. SIGTERM while the lease is released after
     another error (Stalled): the release completes, the error stays the error (exit 5), and the note says what the
     signal met."""
-    from pipeline.config import Storage
+    from pipeline.follow import Stalled
     from pipeline.lease import HELD, NONE, RELEASED, Lease
-    from pipeline.nightly import Stalled, leased, stop_note
+    from pipeline.nightly import leased
+    from pipeline.signals import stop_note
 
     _, s3, _, _ = cluster
     storage = Storage(s3.endpoint)

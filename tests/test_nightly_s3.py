@@ -19,8 +19,9 @@ from decoding.templates import TEMPLATE_FILE, PromptTemplate, write_template
 from jobs import nightly, show, upload_model
 from pipeline import runs
 from pipeline import storage as S
-from pipeline.config import Storage, load_config
+from pipeline.config import load_config
 from pipeline.output import open_run
+from pipeline.storage import Storage
 from tests.servers import check_then_put, ignoring_conditions, ray_head, seaweedfs, store_proxy
 from tests.test_nightly import direct_beam_search, make_world
 
@@ -233,7 +234,7 @@ import json, sys, time
 real = time.time
 time.time = lambda: real() + 2.5  # this machine's wall clock runs 2.5 s ahead
 from pipeline import storage as S
-from pipeline.config import Storage
+from pipeline.storage import Storage
 from pipeline.lease import Lease, LeaseHeld
 uri, endpoint = sys.argv[1], sys.argv[2]
 storage = Storage(endpoint=endpoint)
@@ -544,8 +545,11 @@ def test_a_store_that_ignores_conditional_writes_is_refused_before_the_lease(clu
     assert nightly.main(["--config", str(down), "--set", "storage.retry_s=1", "--check"]) == 4
     assert "unavailable" in capsys.readouterr().err
     S.check_conditional_writes(output, Storage(s3.endpoint))
-    S.check_conditional_writes(str(tmp_path / "local"), Storage())
-    assert keys(s3, "ignoring") == [] and list((tmp_path / "local").iterdir()) == []
+    S.check_conditional_writes(str(tmp_path / "local" / "run"), Storage())  # the folders it made, removed after
+    (tmp_path / "kept").mkdir()
+    S.check_conditional_writes(str(tmp_path / "kept"), Storage())  # a folder that was there stays, empty
+    assert keys(s3, "ignoring") == [] and not (tmp_path / "local").exists()
+    assert list((tmp_path / "kept").iterdir()) == []
 
     def no_links(src, dst):
         raise PermissionError(1, "Operation not permitted")

@@ -34,7 +34,7 @@ def users(world):
 
 def actor(world, *settings, **spec):
     from operators.recommender import Recommender
-    from pipeline.nightly import plan_run
+    from pipeline.plan import plan_run
 
     return Recommender(replace(plan_run(config(world, world / "unused", *settings)).spec, **spec))
 

@@ -10,15 +10,14 @@ import pytest
 import torch
 
 from decoding.stats import BASE_KEYS, PHASES
-from operators.prompts import Prompts
-from operators.recommender import (
+from operators.batcher import length_order, trim_padding
+from operators.outputs import (
     NO_ITEMS,
     NON_FINITE,
     TABLES,
     Decoded,
     batch_counts,
     decoder_metrics,
-    length_order,
     no_items_rejects,
     non_finite_rejects,
     output_schema,
@@ -26,8 +25,8 @@ from operators.recommender import (
     padding_metrics,
     recommendation_table,
     table_schema,
-    trim_padding,
 )
+from operators.prompts import Prompts
 
 USERS = pa.array(["u1", "u2", "u3"])  # [U]
 ITEMS = np.array([[7, 8, 9], [-1, -1, -1], [4, 5, -1]], np.int64)  # [U, k]: u2 none (broken), u3 two items

@@ -18,11 +18,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from pipeline.config import Storage
 from pipeline.evaluate import evaluate
 from pipeline.report import FIGURES as REPORT_FIGURES
 from pipeline.report import build_blocks, figures_for, report_run, screenshot_report, summarize, to_markdown
 from pipeline.runs import load_run
+from pipeline.storage import Storage
 from tests.helpers import float32_atol
 from tests.test_nightly import config, make_world
 

@@ -18,10 +18,11 @@ import time
 import pyarrow as pa
 import pytest
 
-from operators.recommender import table_schema
+from operators.outputs import table_schema
 from pipeline import runs
 from pipeline import storage as S
-from pipeline.config import Storage, load_config
+from pipeline.config import load_config
+from pipeline.storage import Storage
 from tests.servers import check_then_put, seaweedfs, store_proxy
 
 BASE = ["input=x", "catalog=x", "output=x", "models.target=x"]
@@ -278,7 +279,7 @@ def test_a_lease_release_that_cannot_reach_the_store_is_logged(store, proxy, cap
 def test_the_budget_is_configured_and_a_resume_may_change_it():
     """storage.retry_s is validated; it is not part of what a resume must find unchanged (a run that gave up on
     the store resumes with a larger budget), while the endpoint is."""
-    from pipeline.nightly import resume_config
+    from pipeline.plan import resume_config
 
     with pytest.raises(ValueError, match=r"storage.retry_s must be >= 0 seconds"):
         load_config(None, BASE + ["storage.retry_s=-1"])

@@ -467,7 +467,7 @@ def engine_auto(b: Bench) -> dict:
 
     from operators.recommender import Recommender
     from pipeline.config import load_config
-    from pipeline.nightly import plan_run
+    from pipeline.plan import plan_run
 
     b.release()
     n, batch, k = (48, 16, 5) if b.p.smoke else (4096, 256, 10)

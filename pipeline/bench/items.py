@@ -90,9 +90,9 @@ def worker(spec: dict) -> dict:
 
     from decoding.catalog import Catalog
     from decoding.memory import trim_host_heap
-    from pipeline.config import Storage
     from pipeline.items import ItemsRef, Sources, read_items
     from pipeline.prepare import build_tokenizer
+    from pipeline.storage import Storage
 
     tok, storage = build_tokenizer(spec["levels"], spec["codes"]), Storage()
     sources = Sources(spec["catalog"], spec["recommendable"] if spec["kind"] != "index" else None)

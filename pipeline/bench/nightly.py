@@ -58,7 +58,7 @@ def direct_recommender(cfg) -> tuple:
     """The recommender the config's actor would be, built in this process, and the input's batches
     (compute.batch_size rows each) -> (recommender, [pyarrow.Table])."""
     from operators.recommender import Recommender
-    from pipeline.nightly import direct_spec, open_input
+    from pipeline.plan import direct_spec, open_input
 
     data, _, _ = open_input(cfg)
     table = data.to_table(columns=["user_id", "history"])

@@ -24,8 +24,8 @@ from decoding.catalog import Catalog
 from decoding.compiled import Bucket
 from decoding.models import load_tokenizer, pick_device, pick_dtype
 from decoding.templates import PRESETS
+from operators.batcher import length_order, trim_padding
 from operators.prompts import Renderer, catalog_probes
-from operators.recommender import length_order, trim_padding
 from pipeline.bench.common import compare, fmt_ratio, fmt_spread, footer, interleaved, ratio, report
 from pipeline.bench.inputs import bench_model
 from pipeline.bench.params import PaddingParams

@@ -21,8 +21,8 @@ import pyarrow.parquet as pq
 from pipeline import runs
 from pipeline.bench.common import fmt_ratio, fmt_spread, spread, torch_threads
 from pipeline.bench.params import ScaleParams
-from pipeline.config import Storage
 from pipeline.markdown import table
+from pipeline.storage import Storage
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -161,7 +161,7 @@ def direct_users_per_s(p: ScaleParams, root: Path) -> list[float]:
     gives an actor of one CPU (after one warm-up batch), `direct_repeats` times -> users/s of each."""
     from operators.recommender import Recommender
     from pipeline.config import load_config
-    from pipeline.nightly import direct_spec
+    from pipeline.plan import direct_spec
 
     cfg = load_config(None, overrides(p, root))
     actor = Recommender(direct_spec(cfg))

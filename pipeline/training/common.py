@@ -27,9 +27,8 @@ from decoding.metrics import recall_ndcg
 from decoding.models import load_model
 from decoding.templates import PromptTemplate, write_template
 from operators.prompts import Renderer, catalog_probes, ragged_ranges
-from pipeline.config import Storage
 from pipeline.evaluate import split_protocol
-from pipeline.storage import sha256_file
+from pipeline.storage import Storage, sha256_file
 
 
 @dataclass(kw_only=True)

@@ -1,0 +1,402 @@
+"""The nightly job's plan: everything checked on the driver before Ray does any work (credentials, the input and its
+user id kinds, the items, the models and their checksums, the template, an actor's own checks, the output store's
+conditional writes), the run's content identity and which run a resume continues."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.dataset as pads
+import pyarrow.fs as pafs
+
+from decoding.stats import timed
+from decoding.templates import TEMPLATE_FILE, PromptTemplate, get_template, read_template
+from operators.recommender import Inputs, prepare
+from operators.spec import ActorSpec
+from pipeline import runs, units
+from pipeline import storage as S
+from pipeline.config import Config
+from pipeline.items import Items, Sources, read_items
+from pipeline.models import compile_store
+
+log = logging.getLogger("genrec.nightly")
+
+
+RESUME_FREE_COMPUTE = ("num_actors", "cpus_per_actor", "threads_per_actor", "batches_per_task", "order_by_length")
+# ^ not in the rows: how the users are cut into shards and slices, never what a user gets
+
+
+def open_input(cfg: Config) -> tuple[pads.Dataset, object, str]:
+    """The histories as a pyarrow dataset; every file's footer is read here, so a corrupt file fails fast, named."""
+    fs, path = S.filesystem(cfg.input, cfg.storage)
+    try:
+        info = S.retrying(lambda: fs.get_file_info(path), cfg.storage, f"HEAD {cfg.input}")
+    except OSError as e:
+        if "ACCESS_DENIED" in str(e) or "AccessDenied" in str(e):
+            raise PermissionError(
+                f"input {cfg.input}: the object store refused access; check the credentials in "
+                "the environment and storage.endpoint"
+            ) from None
+        raise
+    if info.type == pafs.FileType.NotFound:
+        raise FileNotFoundError(f"input {cfg.input} not found")
+    try:
+        data = S.retrying(lambda: pads.dataset(path, filesystem=fs, format="parquet"), cfg.storage, f"LIST {cfg.input}")
+    except (OSError, pa.ArrowInvalid) as e:
+        raise ValueError(f"input {cfg.input}: not readable as parquet ({e})") from None
+    kinds = {}  # each file's user_id type
+    for fragment in data.get_fragments():
+        try:
+            S.retrying(fragment.ensure_complete_metadata, cfg.storage, f"read the footer of {fragment.path}")
+        except (OSError, pa.ArrowInvalid) as e:
+            raise ValueError(f"input file {fragment.path}: corrupt or not parquet ({e})") from None
+        names = fragment.physical_schema.names
+        missing = {"user_id", "history"} - set(names)
+        if missing:
+            raise ValueError(f"input file {fragment.path}: missing column(s) {sorted(missing)} (has {names})")
+        kinds[fragment.path] = id_kind(fragment.physical_schema.field("user_id").type, fragment.path)
+    if len(set(kinds.values())) > 1:
+        shown = "; ".join(f"{kind} in {path}" for path, kind in sorted(kinds.items(), key=lambda x: x[1])[:4])
+        raise ValueError(f"input {cfg.input}: user_id is {shown}: one kind of id in every file (an id is one user)")
+    return data, fs, path
+
+
+def id_kind(kind: pa.DataType, uri: str) -> str:
+    """A file's user_id type -> its kind of id: integer, string or binary, what every mode keys a user by (its list,
+    its duplicates, and in the sampling modes its draws: decoding/draws.py). Anything else (a float id from pandas'
+    NaN, a decimal, a date, dictionary-encoded strings) is refused here, naming the type and the cast to make."""
+    t = pa.types
+    if t.is_integer(kind):
+        return "integer"
+    if t.is_string(kind) or t.is_large_string(kind):
+        return "string"
+    if t.is_binary(kind) or t.is_large_binary(kind) or t.is_fixed_size_binary(kind):
+        return "binary"
+    raise ValueError(
+        f"input {uri}: column user_id is {kind}; user ids must be integers, strings or binary. Cast it where the "
+        "input is written: integral floats to int64 (pandas: df.user_id.astype('int64'), after dropping the rows "
+        "with no id), a decimal or date to string (df.user_id.astype(str))"
+    )
+
+
+def code_version() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).resolve().parent,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        from importlib.metadata import version
+
+        return f"genrec-batch {version('genrec-batch')}"
+
+
+def resolve_models(cfg: Config) -> dict:
+    """The models as the driver checks them, before any work -> {role: {"uri", "sha256", "dir"}} for the target, and
+    the draft in the atspeed modes. A local folder is hashed; an s3:// model is checked without its weights
+    (`S.model_head`: its sha256sums.json, its small files downloaded into a temporary folder, "dir", and its
+    weights' sizes against their headers): the driver's node needs no room for them, and the sha256 is the same
+    either way (`S.weights_fingerprint`). The actors download and verify the weights on their own nodes."""
+    models = {}
+    for role in ("target", "draft"):
+        uri = getattr(cfg.models, role)
+        if uri and (role == "target" or cfg.decoding.uses_draft):
+            try:
+                models[role] = model_of(uri, cfg.storage)
+            except (FileNotFoundError, ValueError) as e:
+                raise FileNotFoundError(f"models.{role}: {e}") from None
+    return models
+
+
+def model_of(uri: str, storage) -> dict:
+    """One model as the driver checks it: {"uri", "sha256", "dir"} (an s3:// model's small files in a temporary
+    folder, removed when the process ends; "head": that folder)."""
+    if not S.is_s3(uri):
+        local = S.local_model_dir(uri, "", storage)
+        return {"uri": uri, "sha256": S.fingerprint(local), "dir": str(local)}
+    head = tempfile.TemporaryDirectory(prefix="genrec-model-head-")
+    sums = S.model_head(uri, storage, Path(head.name))
+    return {"uri": uri, "sha256": S.weights_fingerprint(sums), "dir": head.name, "head": head}
+
+
+def resolve_template(cfg: Config, models: dict) -> PromptTemplate:
+    """The prompt template: models.template (a preset or a JSON file) or the target directory's; a draft that carries
+    a template must carry the same one (it reads the target's prompts)."""
+    try:
+        template = get_template(cfg.models.template) if cfg.models.template else read_template(models["target"]["dir"])
+    except ValueError as e:
+        raise ValueError(f"models.template: {e}" if cfg.models.template else f"models.target: {e}") from None
+    draft = models.get("draft", {}).get("dir")
+    if draft and (Path(draft) / TEMPLATE_FILE).is_file() and read_template(draft) != template:
+        raise ValueError(
+            f"models.draft {cfg.models.draft}: its {TEMPLATE_FILE} differs from the target's prompt "
+            "template; a draft must read the prompts its target reads"
+        )
+    return template
+
+
+def fetch_model(uri: str, cache_dir: str, storage) -> str:
+    """A model URI -> a local directory on this node (s3:// copied once per node, verified)."""
+    return str(S.local_model_dir(uri, cache_dir, storage))
+
+
+def actor_spec(cfg: Config, run_id: str, items: Items, template: PromptTemplate) -> ActorSpec:
+    """What every actor gets: the model URIs and how to fetch them on its node, the items read once (the index and
+    which of its items a list may hold), the prompt template, the decoding settings."""
+    m = cfg.models
+    return ActorSpec(
+        run_id=run_id,
+        target=m.target,
+        catalog=items.table,
+        catalog_name=cfg.catalog,
+        recommendable=items.served,
+        decoding=cfg.decoding,
+        template=template,
+        on_duplicate=cfg.duplicate_items,
+        draft=m.draft if cfg.decoding.uses_draft else None,
+        fetch=functools.partial(fetch_model, cache_dir=m.cache_dir, storage=cfg.storage),
+        gpu=cfg.compute.gpus_per_actor > 0,
+        dtype=cfg.compute.dtype,
+        audit_users=cfg.compute.batch_size if cfg.compute.audit_users is None else cfg.compute.audit_users,
+        decode_batch=cfg.compute.decode_batch,
+        order_by_length=cfg.compute.order_by_length,
+        threads=cfg.compute.threads_per_actor,
+        engine=cfg.compute.engine,
+        engine_trials=cfg.compute.engine_trials,
+        engine_short_run_s=cfg.compute.engine_short_run_s,
+        engine_trial_max=cfg.compute.engine_trial_max,
+        engine_clear_users=cfg.compute.engine_clear_users,
+        compile_cache=cfg.compute.compile_cache,
+        compile_store=compile_store(cfg),
+        warm_users=cfg.compute.decode_batch or cfg.compute.batch_size,
+    )
+
+
+def direct_spec(cfg: Config) -> ActorSpec:
+    """The spec of the config's actor for a recommender built in this process (the benchmarks' direct calls)."""
+    items = read_items(Sources.of(cfg), cfg.storage, record=False)
+    return actor_spec(cfg, "direct", items, resolve_template(cfg, resolve_models(cfg)))
+
+
+class Clock:
+    """The driver's phase timings of one run, for the manifest's `timings` (`decoding.stats.timed`, as `Meter.phase`
+    times a decoder's phases): `with clock.phase("attempt"):` adds the block's seconds to `seconds["attempt_s"]`.
+    `started` is the wall clock when it was made (the shards' commit times are measured from it)."""
+
+    def __init__(self):
+        self.started = time.time()
+        self.seconds: dict[str, float] = {}
+
+    def phase(self, name: str):
+        return timed(self.seconds, f"{name}_s")
+
+
+@dataclass
+class Plan:
+    """A run checked on the driver, before Ray starts any work."""
+
+    cfg: Config
+    data: pads.Dataset
+    fs: object  # the input's filesystem
+    units: list[units.Unit]
+    items: Items  # the item index, the recommendable set and the block list
+    models: dict
+    spec: ActorSpec  # run_id set when the run starts
+    inputs: Inputs
+    identity: dict  # what the decoded rows depend on, by content (`content_identity`)
+    identity_s: float  # what computing it took
+
+    @property
+    def fingerprint(self) -> str:
+        """What a resume must find unchanged: the config (but `runs`), the input's row groups and the content of the
+        input files, the catalog, the recommendable set, the block list and the models."""
+        return hashlib.sha256(json.dumps([self.config, self.identity], default=str).encode()).hexdigest()
+
+    @property
+    def config(self) -> dict:
+        """The config a resume must find unchanged, as _RUN.json records it (`resume_config`)."""
+        return resume_config(self.cfg.to_dict())
+
+    def changes(self, state: dict) -> list[str]:
+        """What differs between a run's recorded start (_RUN.json) and this plan, named; [] when it can resume."""
+        if state.get("fingerprint") == self.fingerprint:
+            return []
+        old, new = state.get("identity") or {}, self.identity
+        out = [
+            f"input file {f}"
+            for f in sorted(set(old.get("input", {})) | set(new["input"]))
+            if old.get("input", {}).get(f) != new["input"].get(f)
+        ]
+        out += ["the input's row groups"] * (old.get("row_groups") != new["row_groups"])
+        out += [f"the catalog {self.cfg.catalog}"] * (old.get("catalog") != new["catalog"])
+        sources = Sources.of(self.cfg)
+        out += [
+            f"the {what} items ({sources.named(what)})"
+            for what in ("recommendable", "blocked")
+            if "items" in old and old["items"].get(what) != new["items"][what]  # a run of an older version: below
+        ]
+        out += [  # a model's sha256 compares only within one way of computing it (`MODEL_SHA256`)
+            f"models.{r} {getattr(self.cfg.models, r)}"
+            for r in sorted(set(old.get("models", {})) | set(new["models"]))
+            if old.get("model_sha256") == MODEL_SHA256 and old.get("models", {}).get(r) != new["models"].get(r)
+        ]
+        was = {**DEFAULTS, **resume_config(state.get("config") or {})}  # a field it predates: as if at its default
+        keys = sorted(k for k in set(was) | set(self.config) if was.get(k) != self.config.get(k))
+        out += [f"the config ({', '.join(keys)})"] * bool(keys)
+        return out or ["its recorded fingerprint (started by another version of genrec-batch)"]
+
+
+def resume_config(config: dict) -> dict:
+    """The part of a config (`Config.to_dict()`) that the decoded rows depend on: all but how the job runs (`runs`,
+    `storage.retry_s`: a run that gave up on the store resumes with a larger budget; the pool's size and CPUs,
+    RESUME_FREE_COMPUTE: a run that stalled resumes on the cluster it has)."""
+    out = {k: v for k, v in config.items() if k != "runs"}
+    if isinstance(out.get("storage"), dict):
+        out["storage"] = {k: v for k, v in out["storage"].items() if k != "retry_s"}
+    if isinstance(out.get("compute"), dict):
+        out["compute"] = {k: v for k, v in out["compute"].items() if k not in RESUME_FREE_COMPUTE}
+    return json.loads(json.dumps(out, default=str))
+
+
+DEFAULTS = resume_config(Config().to_dict())  # top-level fields a run's recorded config may predate
+
+
+MODEL_SHA256 = "weights-sha256-v2"  # how a model's sha256 is computed (S.weights_fingerprint): runs recorded otherwise
+# are another version's, whose models are not compared
+
+
+def content_identity(cfg: Config, data: pads.Dataset, fs, plan_units: list, models: dict, items: Items) -> dict:
+    """Each input file's content identity (S3: ETag and size; locally the sha256 of its bytes), the input's row groups,
+    the catalog's identity, the recommendable set's and the block list's (sha256 of their ids) and every model's
+    sha256."""
+    cat_fs, cat_path = S.filesystem(cfg.catalog, cfg.storage)
+    rows = [(u.path, u.row_group, u.rows) for u in plan_units]
+    return {
+        "input": {f: S.content_id(f, fs, cfg.storage) for f in sorted(data.files)},
+        "row_groups": hashlib.sha256(json.dumps(rows).encode()).hexdigest(),
+        "catalog": S.content_id(cat_path, cat_fs, cfg.storage),
+        "items": items.identity,
+        "models": {role: m["sha256"] for role, m in models.items()},
+        "model_sha256": MODEL_SHA256,
+    }
+
+
+def plan_run(cfg: Config) -> Plan:
+    """Every check that needs no Ray: credentials, input, the items (catalog, recommendable set, block list), models,
+    template, the actor's own checks, the output store's conditional writes (`S.check_conditional_writes`). A missing
+    input, catalog, item set or model raises FileNotFoundError naming it ("... not found")."""
+    for uri in (cfg.output, cfg.input, cfg.catalog, cfg.recommendable, cfg.blocked):
+        if uri:
+            S.check_access(uri, cfg.storage)
+    data, fs, _ = open_input(cfg)
+    items = read_items(Sources.of(cfg), cfg.storage)
+    log_items(items.info)
+    models = resolve_models(cfg)
+    spec = actor_spec(cfg, "", items, resolve_template(cfg, models))
+    heads = {m["uri"]: m["dir"] for m in models.values()}  # the driver's copies: no weights
+    inputs = prepare(replace(spec, fetch=heads.__getitem__))  # what an actor would refuse fails here, before any work
+    plan_units, clock = units.plan_units(data), Clock()
+    with clock.phase("input_identity"):
+        identity = content_identity(cfg, data, fs, plan_units, models, items)
+    S.check_conditional_writes(cfg.output, cfg.storage)  # what the lease and _LATEST rest on, before the lease
+    return Plan(cfg, data, fs, plan_units, items, models, spec, inputs, identity, clock.seconds["input_identity_s"])
+
+
+def log_items(info: dict) -> None:
+    """One line on what the lists are drawn from; a warning for ids of the recommendable set or the block list that
+    the item index lacks (counted in the manifest, not fatal)."""
+    log.info(
+        "items: %d in the index %s; %d recommendable, %d blocked, %d not recommendable",
+        info["items"],
+        info["uri"],
+        info["recommendable"],
+        info["blocked"],
+        info["not_recommendable"],
+    )
+    for name in ("recommendable_set", "block_list"):
+        part = info[name]
+        if part["unknown_ids"]:
+            log.warning(
+                "%s %s: %d ids the item index lacks (no semantic ID: never recommended); counted in the manifest",
+                name.replace("_", " "),
+                part["source"],
+                part["unknown_ids"],
+            )
+
+
+def resume_id(plan: Plan, resume: str) -> str | None:
+    """--resume RUN_ID: that run, which must be unfinished and started on this same config, input, catalog and models
+    (else ValueError naming what changed); --resume latest: the date's newest unfinished run if it can resume, else
+    None: a new run (which supersedes it when it publishes), so that a retried job always publishes the date."""
+    cfg = plan.cfg
+    unfinished = runs.unfinished(cfg.output, cfg.run_date, cfg.storage)
+    if resume == "latest":
+        if not unfinished:
+            log.info("--resume latest: no unfinished run of %s; starting a new run", cfg.run_date)
+            return None
+        changed = plan.changes(runs.state_of(runs.run_dir(cfg.output, cfg.run_date, unfinished[0]), cfg.storage))
+        if changed:
+            log.warning(
+                "--resume latest: run %s cannot be resumed: %s changed since it started; starting a new run "
+                "(it supersedes that one when it publishes)",
+                unfinished[0],
+                "; ".join(changed),
+            )
+            return None
+        return unfinished[0]
+    if resume not in unfinished:
+        run = runs.run_dir(cfg.output, cfg.run_date, resume)
+        why = (
+            "it has _SUCCESS (already complete)"
+            if runs.complete(run, cfg.storage)
+            else "it was superseded by a later run"
+            if S.read_bytes(S.join(run, "_SUPERSEDED"), cfg.storage)
+            else "not found"
+        )
+        raise FileNotFoundError(
+            f"--resume {resume}: run {run} cannot be resumed: {why}"
+            if why != "not found"
+            else f"--resume {resume}: run {run} not found"
+        )
+    check_resumable(plan, resume, runs.state_of(runs.run_dir(cfg.output, cfg.run_date, resume), cfg.storage))
+    return resume
+
+
+def check_resumable(plan: Plan, run_id: str, state: dict) -> None:
+    changed = plan.changes(state)
+    if changed:
+        run = runs.run_dir(plan.cfg.output, plan.cfg.run_date, run_id)
+        raise ValueError(
+            f"--resume {run_id}: {'; '.join(changed)} changed since the run started (compare "
+            f"{S.join(run, '_RUN.json')}); its committed shards would mix two inputs or models. Start a "
+            "new run instead (--resume latest does)"
+        )
+
+
+def finished_unpublished(plan: Plan) -> str | None:
+    """The date's newest complete run that was never published (its driver stopped between _SUCCESS and _LATEST) and
+    was started on this same config, input, catalog and models, or None."""
+    cfg = plan.cfg
+    for run_id in runs.complete_unpublished(cfg.output, cfg.run_date, cfg.storage):
+        if not plan.changes(runs.state_of(runs.run_dir(cfg.output, cfg.run_date, run_id), cfg.storage) or {}):
+            return run_id
+    return None
+
+
+def input_columns(cfg: Config, schema: pa.Schema) -> list[str]:
+    """The input columns the actors read: user_id, history and the exclusion column when the input has it."""
+    return ["user_id", "history"] + (
+        [cfg.decoding.exclude_column] if cfg.decoding.exclude_column in schema.names else []
+    )

@@ -1,0 +1,123 @@
+"""The driver's SIGTERM / SIGINT: one handler for the process (STOP), the blocks a signal waits for (publication, the
+lease's release as the job ends), and the job's `stopped:` line."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+from dataclasses import dataclass
+
+log = logging.getLogger("genrec.nightly")
+
+
+class Interrupted(BaseException):
+    """SIGTERM (`ray job stop`, a pod's eviction) or SIGINT reached the driver: it stops the decode, records the
+    interruption in the run's state and releases the lease on its way out. A BaseException, as KeyboardInterrupt is,
+    so that no `except Exception` on the way (a retried store call, the state API's) swallows it."""
+
+    def __init__(self, signum: int):
+        self.signal = signal.Signals(signum).name
+        super().__init__(f"{self.signal} received")
+
+
+@dataclass
+class Stop:
+    """The driver's SIGTERM / SIGINT handler (`install`, in the main thread): the first signal raises Interrupted in
+    the main thread, at once, wherever it waits; from `deferred` (publication: _LATEST and the markers) on it never
+    does: a published run ends as it would have (its lease released, its summary printed, exit 0). Later signals
+    are logged and ignored, so that the clean-up they interrupt finishes."""
+
+    received: str | None = None  # the first signal's name
+    deferring: str | None = None  # the block a signal waits for
+    pending: int | None = None
+    during: str | None = None  # what the first signal met, when a block held it (the job's end reports it)
+
+    def install(self) -> None:
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, self.handle)
+
+    def handle(self, signum: int, frame) -> None:
+        if self.received:
+            log.warning("%s received while stopping: ignored", signal.Signals(signum).name)
+            return
+        if self.deferring:
+            log.warning("%s received while %s: stopping once that is done", signal.Signals(signum).name, self.deferring)
+            self.pending, self.received, self.during = signum, signal.Signals(signum).name, self.deferring
+            return
+        self.received = signal.Signals(signum).name
+        raise Interrupted(signum)
+
+    @contextlib.contextmanager
+    def deferred(self, what: str):
+        self.deferring = what
+        try:
+            yield
+        except BaseException:
+            self.deferring = None  # not published: a signal stops the driver again
+            raise
+        self.deferring = f"ending after {what}"  # published: the rest of the run's end is never interrupted
+        if self.pending is not None:
+            name = signal.Signals(self.pending).name
+            log.warning("%s received while %s, which is done: the job ends as it would have", name, what)
+
+    @contextlib.contextmanager
+    def ending(self, what: str):
+        """Signals wait while the block runs and never raise (the lease's release as the job ends: the error already
+        on its way keeps its exit code); one that came is recorded for the job's end to report (`stop_note`).
+        Inside another deferral (publication's, an error's) that one decides."""
+        if self.deferring is not None:
+            yield
+            return
+        self.deferring = what
+        try:
+            yield
+        finally:
+            self.deferring = None
+
+    def end(self, what: str) -> None:
+        """From now on the driver is ending (an error on its way out): a signal is recorded, never raised."""
+        self.deferring = self.deferring or what
+
+    def reset(self) -> None:
+        """A new run in this process: no deferral left from an earlier one (a signal received stays received)."""
+        self.deferring = self.pending = None
+
+
+STOP = Stop()  # the process's one handler (jobs/nightly.py installs it)
+
+
+def connect_ray() -> None:
+    """ray.init (RAY_ADDRESS / a running cluster, else a local one), then the driver's handler again: ray.init puts
+    its own SIGTERM handler in place (sys.exit(signum)), so a SIGTERM while it runs is Ray's SystemExit, made
+    Interrupted here, as a signal anywhere else is."""
+    import ray
+
+    try:
+        ray.init(ignore_reinit_error=True, log_to_driver=True)
+        STOP.install()
+    except SystemExit as e:
+        if e.code not in (signal.SIGTERM, signal.SIGINT):
+            raise
+        STOP.received = signal.Signals(e.code).name
+        raise Interrupted(e.code) from None
+
+
+def stop_note(e: BaseException, resume: bool) -> str | None:
+    """The job's `stopped:` line: for a run a signal stopped (Interrupted), or one whose end a signal met after
+    another error (that error keeps its exit code); None when no signal came. It says whether the date's lease was
+    released."""
+    held = {
+        "none": "no lease was taken",
+        "released": "the lease is released",
+        "held": "the lease could not be released: it stays held until it expires (runs.lease_s), then `--resume "
+        "latest` takes it over",
+        "unknown": "the lease may be held (a put of it was cut short and the store could not be asked): it expires "
+        "after runs.lease_s, then `--resume latest` takes it over",
+    }[getattr(e, "lease_state", "none")]
+    if isinstance(e, Interrupted):
+        more = "" if resume else " (it decodes only what is not committed)"
+        return f"stopped: {e}; {held} and the decode shut down: `--resume latest` continues the run{more}"
+    if STOP.received:
+        return f"stopped: {STOP.received} received while {STOP.during or 'ending'}; {held}"
+    return None
