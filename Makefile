@@ -10,7 +10,7 @@ DATA    ?= data/beauty
 TORCH_INDEX ?=
 PIP      = $(BIN)/pip install -q -c constraints.txt
 
-.PHONY: install browser demo models nightly bench bench-gpu report docs lint test test-kernels test-oldest clean
+.PHONY: install browser demo models nightly bench bench-gpu report docs lint test test-faults test-kernels test-oldest clean
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -81,8 +81,13 @@ PYTEST_ARGS  ?=
 PYTEST = $(BIN)/python -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 # ruff (pyproject.toml [tool.ruff]) lints and checks the format first: a failure there stops the suite in seconds.
+# `make test` leaves out the fault-injection modules (the `faults` marker, tests/conftest.py): `make test-faults` runs
+# them. CI runs both, each against its budget (python -m tests.budget).
 test: $(BIN)/.installed lint
-	$(PYTEST) $(PYTEST_ARGS)
+	$(PYTEST) -m "not faults" $(PYTEST_ARGS)
+
+test-faults: $(BIN)/.installed
+	$(PYTEST) -m faults $(PYTEST_ARGS)
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check .

@@ -50,6 +50,7 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
+import transformers
 from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from transformers import AttentionInterface
@@ -639,13 +640,15 @@ def device_tag(device: torch.device) -> str:
 
 
 def compile_key(model, model_sha256: str, users: int, prompt: int, k: int, levels: int, prefix_len: int = 0) -> str:
-    """Where a bucket's compiled graphs are kept in object storage: torch version, device and capability, the model's
-    weights (sha256) and dtype, and the bucket (decoding a batch of `users` prompts of `prompt` tokens after a prefix
-    of `prefix_len`, k beams, `levels` codes)."""
+    """Where a bucket's compiled graphs are kept in object storage: torch and transformers versions (the traced
+    layers are transformers' code), device and capability, the model's weights (sha256) and dtype, and the bucket
+    (decoding a batch of `users` prompts of `prompt` tokens after a prefix of `prefix_len`, k beams, `levels`
+    codes)."""
     b = Bucket.of(users, prompt, k, levels)
     dtype = str(model.dtype).removeprefix("torch.")
     return (
-        f"torch-{torch.__version__}/{device_tag(model.device)}/model-{model_sha256[:16]}-{dtype}/"
+        f"torch-{torch.__version__}-transformers-{transformers.__version__}/{device_tag(model.device)}/"
+        f"model-{model_sha256[:16]}-{dtype}/"
         f"b{b.users}-p{b.prompt}-x{prefix_len}-k{b.k}-l{b.depth}"
     )
 

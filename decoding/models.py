@@ -56,14 +56,13 @@ def cache_keyword(forward) -> str:
     raise TypeError(f"{getattr(forward, '__qualname__', forward)} takes no KV cache argument (cache, past_key_values)")
 
 
-@functools.cache
-def _cache_keyword_of(cls: type) -> str:
-    return cache_keyword(cls.forward)
-
-
 def cache_keyword_of(module) -> str:
-    """`cache_keyword` of the module's class's forward, read once per class."""
-    return _cache_keyword_of(type(module))
+    """`cache_keyword` of the module's class's forward, read once per forward function (a forward replaced on the
+    class later is read again)."""
+    return _cache_keyword(type(module).forward)
+
+
+_cache_keyword = functools.cache(cache_keyword)
 
 
 def with_cache(module, cache, /, *args, keyword: str | None = None, **kwargs):

@@ -70,6 +70,7 @@ class PrecisionAudit:
         f32, skipped = self.models(mode, ids.shape[1], need)
         if skipped:
             self.left = 0
+            self.free()  # a copy loaded for an earlier batch (the target's, before a speculative batch's draft)
             return {"audit_skipped": skipped}
         on = f32[0].device  # the float32 copies' device: the actor's, or the CPU
         moved = exclude.to(on) if exclude is not None else None

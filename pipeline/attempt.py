@@ -148,7 +148,7 @@ def read_pending(plan: Plan, a: Attempt):
     # Ray Data fuses these read tasks with `recommend`'s repartition (same resources: 1 CPU each, cluster.READ_CPUS),
     # so every unit is read and cut into blocks by one task; the actor pool leaves that CPU free (cluster.fits)
     return ds.map_batches(
-        read_units,
+        units.read_retrying,  # a read task's process imports pipeline.units: pyarrow and storage, never torch
         batch_size=1,
         batch_format="pyarrow",
         fn_kwargs={
@@ -206,11 +206,6 @@ def engine_auto_inputs(plan: Plan, a: Attempt) -> dict:
     columns = ["user_id", "history"] + ([column] if column and column in plan.data.schema.names else [])
     trial = S.retrying(lambda: plan.data.head(n, columns=columns), plan.cfg.storage, f"read {plan.cfg.input}")
     return {"engine_record": runs.EngineRecord(a.run, plan.cfg.storage), "trial_users": trial}
-
-
-def read_units(batch: pa.Table, storage, uri: str, **kwargs) -> pa.Table:
-    """units.read_units with its reads tried again as a whole while the store fails transiently."""
-    return S.retrying(lambda: units.read_units(batch, **kwargs), storage, f"read {uri}")
 
 
 def actor_resources(c: Compute) -> dict:

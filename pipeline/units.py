@@ -22,6 +22,8 @@ import pyarrow.compute as pc
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
+from pipeline import storage as S
+
 
 @dataclass(frozen=True)
 class Unit:
@@ -75,6 +77,12 @@ def positions(unit: dict) -> np.ndarray:
     for a, b in json.loads(unit["done"]) if isinstance(unit["done"], str) else unit["done"]:
         keep[a - unit["offset"] : b - unit["offset"]] = False
     return pos[keep]
+
+
+def read_retrying(batch: pa.Table, storage, uri: str, **kwargs) -> pa.Table:
+    """`read_units` with its reads tried again as a whole while the store fails transiently (the nightly's read
+    tasks: their processes import this module, pyarrow and storage's, not the decoders)."""
+    return S.retrying(lambda: read_units(batch, **kwargs), storage, f"read {uri}")
 
 
 def read_units(

@@ -9,6 +9,7 @@ the engine, never on the CPU."""
 
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,11 @@ NUMERICS = {
     "test_tree",
 }
 
+# The fault-injection modules: drivers, Ray nodes and the store killed, paused and restarted from outside, several
+# processes each, minutes of waiting on the timeouts they test. `make test-faults` runs them (`-m faults`), `make
+# test` the rest (`-m "not faults"`); CI runs both, each against its budget (tests/budget.py).
+FAULTS = {"test_cluster", "test_nightly_faults", "test_store_faults"}
+
 
 # The modules that take longest (setup included, measured with `python -m tests.budget`) run first, so that no worker
 # is left running a long one alone at the end (`make test` keeps this order: --no-loadscope-reorder). A module's own
@@ -79,6 +85,8 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if item.module.__name__.rpartition(".")[2] in NUMERICS:
             item.add_marker(pytest.mark.numerics)
+        if item.module.__name__.rpartition(".")[2] in FAULTS:
+            item.add_marker(pytest.mark.faults)
 
 
 @pytest.fixture(scope="module")
@@ -92,3 +100,29 @@ def compile_cache():
         env.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
         use_compile_cache(COMPILE_CACHE)
         yield COMPILE_CACHE
+
+
+class _StrictDeprecations:
+    """transformers.utils.deprecation's `warnings` in the suite: a FutureWarning it raises (`deprecate_kwarg`: an
+    argument renamed or going away) is an error, whoever called the deprecated function. Its warnings name the
+    caller's module (stacklevel=2: ours, or torch's Module.__call__ for a decorated forward), which no module filter
+    can scope to transformers without catching other libraries' warnings too; pyproject.toml's filter catches the
+    FutureWarnings transformers' other code attributes to itself."""
+
+    def __getattr__(self, name):
+        return getattr(warnings, name)
+
+    @staticmethod
+    def warn(message, category=UserWarning, stacklevel=1, **kwargs):
+        if isinstance(category, type) and issubclass(category, FutureWarning):
+            raise category(message)
+        warnings.warn(message, category, stacklevel + 1, **kwargs)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def transformers_deprecations_fail():
+    import transformers.utils.deprecation as deprecation
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(deprecation, "warnings", _StrictDeprecations())
+        yield

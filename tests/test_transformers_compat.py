@@ -60,8 +60,8 @@ def test_the_keyword_is_the_one_the_forward_names():
         assert with_cache(Renamed(), cache, torch.zeros(1), use_cache=True) is cache
         assert with_cache(Before(), cache, torch.zeros(1), use_cache=True) is cache
         assert with_cache(Renamed(), cache, torch.zeros(1), keyword="cache") is cache  # decided ahead: not read
-    with pytest.warns(FutureWarning, match="`past_key_values` is deprecated"):
-        Renamed()(torch.zeros(1), past_key_values=cache)  # what the adapter avoids
+    with pytest.raises(FutureWarning, match="`past_key_values` is deprecated"):
+        Renamed()(torch.zeros(1), past_key_values=cache)  # what the adapter avoids: an error in the suite
 
 
 def gemma2(vocab_size: int):
@@ -131,9 +131,11 @@ def test_the_compiled_engine_decides_the_name_outside_its_graphs():
 @pytest.mark.parametrize(
     "module, fails",
     [
+        ("transformers", True),
         ("transformers.utils.output_capturing", True),
         ("transformers.models.qwen2.modeling_qwen2", True),
-        ("torch.nn.modules.module", True),  # a transformers forward's decorator, called by Module.__call__
+        ("transformers_extra", False),
+        ("torch.nn.modules.module", False),  # any module's forward (transformers' deprecate_kwarg: conftest.py)
         ("torch.serialization", False),
         ("pandas.core.frame", False),
         ("ray.data.dataset", False),
@@ -141,7 +143,8 @@ def test_the_compiled_engine_decides_the_name_outside_its_graphs():
 )
 def test_the_suite_settings_scope_future_warnings_as_errors_to_transformers(pytestconfig, module, fails):
     """pyproject.toml's filterwarnings alone (not whatever -W adds), under any transformers: a FutureWarning
-    attributed to transformers' code or to torch's Module.__call__ is an error, another library's stays a warning."""
+    attributed to transformers' code is an error, another library's (torch's Module.__call__ included) stays a
+    warning."""
     with warnings.catch_warnings(record=True) as seen:
         warnings.resetwarnings()
         warnings.simplefilter("always")
@@ -158,11 +161,27 @@ def test_the_suite_settings_scope_future_warnings_as_errors_to_transformers(pyte
 @pytest.mark.skipif(INSTALLED_NAME != "cache", reason="this transformers deprecates no cache argument")
 @torch.no_grad()
 def test_the_suite_turns_transformers_future_warnings_into_errors():
-    """pyproject.toml's filterwarnings: a deprecated argument fails the test, whether transformers' warning is
-    attributed to its own code (a base model's forward, called through its output-capturing decorator) or to torch's
-    Module.__call__ (a causal LM's forward, whose outermost decorator warns with stacklevel=2)."""
+    """A deprecated argument fails the test whoever its warning names (tests/conftest.py): a base model's forward,
+    a causal LM's (its outermost decorator warns with stacklevel=2: torch's Module.__call__), `generate` called from
+    here (the warning names this file)."""
     model = tiny_model("qwen2", 50, seed=0)
     ids = torch.tensor([[1, 5, 7]])
     for module in (model.base_model, model):
         with pytest.raises(FutureWarning, match="`past_key_values` is deprecated"):
             module(input_ids=ids, past_key_values=DynamicCache(config=model.config), use_cache=True)
+    with pytest.raises(FutureWarning, match="`past_key_values` is deprecated"):
+        model.generate(input_ids=ids, max_new_tokens=1, past_key_values=DynamicCache(config=model.config))
+
+
+def test_a_forward_replaced_on_its_class_is_read_again():
+    """The keyword is read once per forward function: a class whose forward is replaced later (a kernel-patching
+    library) gets the new forward's name, not the old one's."""
+
+    class Patched(torch.nn.Module):
+        def forward(self, hidden, past_key_values=None):
+            return past_key_values
+
+    cache = object()
+    assert with_cache(Patched(), cache, torch.zeros(1)) is cache
+    Patched.forward = lambda self, hidden, cache=None, **kwargs: cache
+    assert cache_keyword_of(Patched()) == "cache" and with_cache(Patched(), cache, torch.zeros(1)) is cache
