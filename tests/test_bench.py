@@ -57,6 +57,18 @@ def bench(*argv, **flags):
     return subprocess.run([sys.executable, "-m", "jobs.bench", *argv], cwd=ROOT, capture_output=True, text=True)
 
 
+def refused(capsys, *argv) -> tuple[int, str]:
+    """`python -m jobs.bench ARGV` in this process, for what it refuses before any work (argparse's errors, missing
+    data, models or device) -> (its exit code, its stderr)."""
+    from jobs import bench as job
+
+    try:
+        code = job.main(list(argv))
+    except SystemExit as e:  # argparse
+        code = e.code
+    return code, capsys.readouterr().err
+
+
 def bench_gpu_smoke(data: Path, out: Path, **flags):
     """`bench gpu --device cpu --smoke` over the prepared data on the TINY random Llama -> OUT."""
     return bench("gpu", "--smoke", device="cpu", data=data, out=out, **TINY, **flags)
@@ -95,25 +107,28 @@ def test_bench_decode_small(data, tmp_path):
     assert "decode: transformers vs beam_search" in run.stderr  # the progress bar
 
 
-def test_bench_bad_arguments(tmp_path):
+def test_bench_bad_arguments(tmp_path, capsys):
     """Bad flags exit 2 with argparse's message; missing data or models exit 2 with how to make them, before any
-    output is written."""
-    run = bench("decode", "--k", "0")
-    assert run.returncode == 2 and "expected an integer >= 1, got 0" in run.stderr
-    run = bench("decode", "--repeats", "0")
-    assert run.returncode == 2 and "expected an integer >= 1, got 0" in run.stderr
-    run = bench("gpu", "--device", "cpu", "--smoke", "--simulate-oom", "generate", "--out", str(tmp_path))
-    assert run.returncode == 2 and "invalid choice: 'generate'" in run.stderr
-    run = bench("decode", "--data", "/nonexistent", "--out", str(tmp_path))
-    assert run.returncode == 2 and "/nonexistent/items.parquet not found" in run.stderr
-    run = bench("all", "--target", str(tmp_path / "missing"), "--out", str(tmp_path))
-    assert run.returncode == 2
-    assert re.search(r"no target model at .*missing: train the demo models with `make models`", run.stderr)
+    output is written (the command's main, in this process: `python -m jobs.bench` is main's exit code)."""
+    code, err = refused(capsys, "decode", "--k", "0")
+    assert code == 2 and "expected an integer >= 1, got 0" in err
+    code, err = refused(capsys, "decode", "--repeats", "0")
+    assert code == 2 and "expected an integer >= 1, got 0" in err
+    oom = ("--simulate-oom", "generate")
+    code, err = refused(capsys, "gpu", "--device", "cpu", "--smoke", *oom, "--out", str(tmp_path))
+    assert code == 2 and "invalid choice: 'generate'" in err
+    code, err = refused(capsys, "decode", "--data", "/nonexistent", "--out", str(tmp_path))
+    assert code == 2 and "/nonexistent/items.parquet not found" in err
+    code, err = refused(capsys, "all", "--target", str(tmp_path / "missing"), "--out", str(tmp_path))
+    assert code == 2
+    assert re.search(r"no target model at .*missing: train the demo models with `make models`", err)
     (tmp_path / "target").mkdir()
     (tmp_path / "target" / "config.json").write_text("{}")
-    run = bench("all", "--target", str(tmp_path / "target"), "--drafts", "--out", str(tmp_path))
-    assert run.returncode == 2 and re.search(r"no draft models .*`make models`.*--drafts", run.stderr)
+    code, err = refused(capsys, "all", "--target", str(tmp_path / "target"), "--drafts", "--out", str(tmp_path))
+    assert code == 2 and re.search(r"no draft models .*`make models`.*--drafts", err)
     assert not (tmp_path / "all.json").exists() and not (tmp_path / "decode.json").exists()
+    run = bench("decode", "--k", "0")  # the command itself: the same exit code and message
+    assert run.returncode == 2 and "expected an integer >= 1, got 0" in run.stderr
 
 
 def test_bench_disc_small(data, tmp_path):

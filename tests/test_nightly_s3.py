@@ -84,20 +84,38 @@ def write_config(path: Path, items: list[str]) -> Path:
     return path
 
 
-def test_nightly_on_s3_equals_beam_search(cluster, tmp_path):
-    """The driver in its own process (as on a cluster), connected to the token-authenticated head. Its node cannot
-    hold the models (models.cache_dir under a HOME that is a file: no folder can be made there): it checks them on
-    the store without their weights, and the actors, whose HOME is the head's, download them; the manifest's sha256
-    is the local folder's."""
+def test_a_deployment_from_an_uploaded_model_and_an_s3_config_equals_beam_search(cluster, tmp_path, capsys):
+    """The path of a new deployment: the model uploaded with the command, the config read from s3://, the driver in
+    its own process (as on a cluster), connected to the token-authenticated head. Its node cannot hold the models
+    (models.cache_dir under a HOME that is a file: no folder can be made there): it checks them on the store without
+    their weights, and the actors, whose HOME is the head's, download them; the manifest's sha256 is the local
+    folder's. Every user's list is beam search's; evaluation and report read the run from the bucket; `show`, the
+    reader API and the example read the manifest's files, never a stale shard."""
     import uuid
 
     world, s3, head, root = cluster
+    storage = Storage(s3.endpoint)
+    local, uri, output = tmp_path / "model", s3.uri("models", "uploaded"), s3.uri("deployed")
+    shutil.copytree(world / "target", local)
+    assert upload(world, s3, local, uri) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["files"] == {p.name: S.sha256_file(p) for p in local.iterdir()} and summary["template"] == "codes"
+    assert json.loads(S.read_bytes(S.join(uri, "sha256sums.json"), storage)) == summary["files"]
+    assert sorted(keys(s3, "models/uploaded")) == sorted(
+        f"models/uploaded/{n}" for n in [*summary["files"], "sha256sums.json"]
+    )
+
     cache = Path.home() / ".cache" / f"genrec-test-models-{uuid.uuid4().hex[:8]}"
-    config = write_config(tmp_path / "nightly.yaml", s3_config(s3, root, f"models.cache_dir=~/.cache/{cache.name}"))
+    items = (f"models.cache_dir=~/.cache/{cache.name}", f"models.target={uri}", f"output={output}")
+    config = write_config(tmp_path / "nightly.yaml", s3_config(s3, root, *items))
+    S.write_bytes(s3.uri("configs", "nightly.yaml"), config.read_bytes(), storage)
+    with pytest.raises(ValueError, match="not found"):
+        load_config(s3.uri("configs", "missing.yaml"), [f"storage.endpoint={s3.endpoint}"])
     (tmp_path / "no-home").write_text("")  # the driver's HOME: a file
     env = {**os.environ, **head.env(), "RAY_ADDRESS": head.address, "HOME": str(tmp_path / "no-home")}
+    env["AWS_ENDPOINT_URL"] = s3.endpoint  # where the driver reads its s3:// config
     run = subprocess.run(
-        [sys.executable, "-m", "jobs.nightly", "--config", str(config)],
+        [sys.executable, "-m", "jobs.nightly", "--config", s3.uri("configs", "nightly.yaml")],
         env=env,
         cwd=ROOT,
         capture_output=True,
@@ -107,13 +125,16 @@ def test_nightly_on_s3_equals_beam_search(cluster, tmp_path):
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
     assert (tmp_path / "no-home").is_file() and cache.is_dir()  # the actors' copies, none on the driver's side
     shutil.rmtree(cache)
-    summary = json.loads(run.stdout[run.stdout.index("{") :])
+    done = json.loads(run.stdout[run.stdout.index("{") :])
     cfg = load_config(str(config))
     published = runs.latest_run(cfg.output, cfg.run_date, cfg.storage)
-    assert published and published.startswith("s3://") and summary["run_id"] in published
+    assert published and published.startswith("s3://") and done["run_id"] in published
     manifest = json.loads(S.read_bytes(S.join(published, "manifest.json"), cfg.storage))
-    assert manifest["status"] == "succeeded" and manifest["models"]["target"]["uri"] == s3.uri("models", "target")
-    assert manifest["models"]["target"]["sha256"] == S.fingerprint(world / "target")  # the same either way
+    assert manifest["status"] == "succeeded" and manifest["models"]["target"] == {
+        "uri": uri,
+        "sha256": S.fingerprint(world / "target"),  # the same either way: the local folder's
+    }
+    assert S.fingerprint(local) == S.fingerprint(world / "target")
     assert S.read_bytes(S.join(published, "_SUCCESS"), cfg.storage) is not None
     fs, path = S.filesystem(published, cfg.storage)
     recs = pq.read_table(f"{path}/recommendations", filesystem=fs).to_pandas()
@@ -138,6 +159,46 @@ def test_nightly_on_s3_equals_beam_search(cluster, tmp_path):
     report = S.read_bytes(S.join(published, "report", "report.md"), cfg.storage).decode()
     assert f"| users ok | {len(users):,} |" in report and "## Quality (offline evaluation)" in report
     assert S.read_bytes(S.join(published, "report", "figures", "cost.png"), cfg.storage)[:8] == b"\x89PNG\r\n\x1a\n"
+    reads_back(world, s3, tmp_path, capsys, output, users.user_id.tolist(), env)
+    assert upload(world, s3, local, uri) == 0  # the same model again: uploaded again, verified
+    assert upload(world, s3, world / "draft", uri) == 2  # another model under the URI nodes cached this one by
+    assert "already holds another model" in capsys.readouterr().err
+    assert json.loads(S.read_bytes(S.join(uri, "sha256sums.json"), storage)) == summary["files"]
+
+
+def reads_back(world, s3, tmp_path, capsys, output: str, users: list, env: dict) -> None:
+    """`show`, the reader API and the example read a published run's manifest files, never a stale shard placed in
+    its folder (a fenced driver's, for users the input does not have), which a listing reads."""
+    storage = Storage(s3.endpoint)
+    published = open_run(output, storage)
+    shards = [S.read_parquet(f, storage) for f in published.files("recommendations")]
+    stale = shards[0].set_column(0, "user_id", pc.add(shards[0]["user_id"], 10**6))
+    S.write_parquet(stale, S.join(runs.table_dir(published.uri, "recommendations"), "0-stale.parquet"), storage)
+    fs, path = S.filesystem(published.uri, storage)
+    assert pq.read_table(f"{path}/recommendations", filesystem=fs).num_rows == 5 * len(users) + stale.num_rows
+
+    assert len(shards) == -(-len(users) // 32)  # shards of compute.batch_size users
+    recs = open_run(output, storage).table("recommendations")
+    manifest_users = pa.concat_tables(shards)["user_id"].to_pylist()
+    assert sorted(recs["user_id"].to_pylist()) == sorted(manifest_users) and sorted(set(manifest_users)) == sorted(
+        users
+    )
+    assert recs.num_rows == 5 * len(users) and open_run(output, storage).table("metrics")["users_ok"].to_pylist()
+
+    assert show.main([output, "--endpoint", s3.endpoint]) == 0
+    shown = capsys.readouterr().out
+    assert published.run_id in shown and "0-stale" not in shown
+    assert all(f in shown for name in runs.TABLES for f in published.files(name))
+    example = subprocess.run(
+        [sys.executable, str(ROOT / "docs" / "examples" / "read_output.py"), output],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert example.returncode == 0, example.stderr[-3000:]
+    assert f"users {len(users)}, recommendations {5 * len(users)}" in example.stdout
 
 
 def test_wrong_credentials_fail_clearly_without_leaking(cluster, caplog):
@@ -359,83 +420,6 @@ def upload(world, s3, local, uri) -> int:
     return upload_model.main(
         [str(local), uri, "--catalog", str(world / "data" / "items.parquet"), "--endpoint", s3.endpoint]
     )
-
-
-def test_upload_model_then_a_nightly_from_an_s3_config_publishes_and_reads_back(cluster, tmp_path, capsys):
-    """The path of a new deployment: the model uploaded with the command, the config read from s3://, the nightly
-    publishes from them; `show`, the reader API and the example read the manifest's files, never a stale shard."""
-    world, s3, head, root = cluster
-    storage = Storage(s3.endpoint)
-    local, uri, output = tmp_path / "model", s3.uri("models", "uploaded"), s3.uri("deployed")
-    shutil.copytree(world / "target", local)
-    assert upload(world, s3, local, uri) == 0
-    summary = json.loads(capsys.readouterr().out)
-    assert summary["files"] == {p.name: S.sha256_file(p) for p in local.iterdir()} and summary["template"] == "codes"
-    assert json.loads(S.read_bytes(S.join(uri, "sha256sums.json"), storage)) == summary["files"]
-    assert sorted(keys(s3, "models/uploaded")) == sorted(
-        f"models/uploaded/{n}" for n in [*summary["files"], "sha256sums.json"]
-    )
-
-    few = pq.read_table(world / "data" / "test.parquet").slice(0, 30)  # a few dozen users
-    S.write_parquet(few, s3.uri("data", "few.parquet"), storage)
-    items = (
-        f"models.target={uri}",
-        f"output={output}",
-        f"input={s3.uri('data', 'few.parquet')}",
-        "compute.batch_size=8",
-    )
-    config = write_config(tmp_path / "nightly.yaml", s3_config(s3, root, *items))
-    S.write_bytes(s3.uri("configs", "nightly.yaml"), config.read_bytes(), storage)
-    with pytest.raises(ValueError, match="not found"):
-        load_config(s3.uri("configs", "missing.yaml"), [f"storage.endpoint={s3.endpoint}"])
-    env = {**os.environ, **head.env(), "RAY_ADDRESS": head.address, "AWS_ENDPOINT_URL": s3.endpoint}
-    run = subprocess.run(
-        [sys.executable, "-m", "jobs.nightly", "--config", s3.uri("configs", "nightly.yaml")],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
-
-    published = open_run(output, storage)
-    assert published.manifest["models"]["target"] == {"uri": uri, "sha256": S.fingerprint(local)}
-    users = few.column("user_id").to_pylist()
-    shards = [S.read_parquet(f, storage) for f in published.files("recommendations")]
-    # a stale shard in the run's folder (a fenced driver's, for users the input does not have): a listing reads it
-    stale = shards[0].set_column(0, "user_id", pc.add(shards[0]["user_id"], 10**6))
-    S.write_parquet(stale, S.join(runs.table_dir(published.uri, "recommendations"), "0-stale.parquet"), storage)
-    fs, path = S.filesystem(published.uri, storage)
-    assert pq.read_table(f"{path}/recommendations", filesystem=fs).num_rows == 5 * len(users) + stale.num_rows
-
-    assert len(shards) == 4  # 30 users in shards of 8
-    recs = open_run(output, storage).table("recommendations")
-    manifest_users = pa.concat_tables(shards)["user_id"].to_pylist()
-    assert sorted(recs["user_id"].to_pylist()) == sorted(manifest_users) and sorted(set(manifest_users)) == sorted(
-        users
-    )
-    assert recs.num_rows == 5 * len(users) and open_run(output, storage).table("metrics")["users_ok"].to_pylist()
-
-    assert show.main([output, "--endpoint", s3.endpoint]) == 0
-    shown = capsys.readouterr().out
-    assert published.run_id in shown and "0-stale" not in shown
-    assert all(f in shown for name in runs.TABLES for f in published.files(name))
-    example = subprocess.run(
-        [sys.executable, str(ROOT / "docs" / "examples" / "read_output.py"), output],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert example.returncode == 0, example.stderr[-3000:]
-    assert f"users {len(users)}, recommendations {5 * len(users)}" in example.stdout
-
-    assert upload(world, s3, local, uri) == 0  # the same model again: uploaded again, verified
-    assert upload(world, s3, world / "draft", uri) == 2  # another model under the URI nodes cached this one by
-    assert "already holds another model" in capsys.readouterr().err
-    assert json.loads(S.read_bytes(S.join(uri, "sha256sums.json"), storage)) == summary["files"]
 
 
 def without(name):
