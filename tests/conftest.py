@@ -52,10 +52,10 @@ NUMERICS = {
     "test_tree",
 }
 
-# The fault-injection modules: drivers, Ray nodes and the store killed, paused and restarted from outside, several
-# processes each, minutes of waiting on the timeouts they test. `make test-faults` runs them (`-m faults`), `make
+# The fault-injection modules: drivers, Ray nodes and the store killed, paused, restarted or failing (a proxy's
+# errors) from outside, several processes each, minutes of waiting on the timeouts they test. `make test-faults` runs them (`-m faults`), `make
 # test` the rest (`-m "not faults"`); CI runs both, each against its budget (tests/budget.py).
-FAULTS = {"test_cluster", "test_nightly_faults", "test_store_faults"}
+FAULTS = {"test_cluster", "test_nightly_faults", "test_store_faults", "test_store_retries"}
 
 
 # The modules that take longest (setup included, measured with `python -m tests.budget`) run first, so that no worker
