@@ -53,8 +53,9 @@ NUMERICS = {
 }
 
 # The fault-injection modules: drivers, Ray nodes and the store killed, paused, restarted or failing (a proxy's
-# errors) from outside, several processes each, minutes of waiting on the timeouts they test. `make test-faults` runs them (`-m faults`), `make
-# test` the rest (`-m "not faults"`); CI runs both, each against its budget (tests/budget.py).
+# errors) from outside, several processes each, minutes of waiting on the timeouts they test. `make test-faults`
+# runs them (`-m faults`), `make test` the rest (`-m "not faults"`); CI runs both, each against its budget
+# (tests/budget.py).
 FAULTS = {"test_cluster", "test_nightly_faults", "test_store_faults", "test_store_retries"}
 
 
