@@ -31,6 +31,18 @@ def float32_atol(*values: torch.Tensor, terms: int = WIDTH) -> float:
     return terms * EPS32 * float(max(finite, default=torch.tensor(1.0)))
 
 
+def tiny_gemma2(vocab_size: int, **overrides):
+    """A tiny random Gemma2 (sliding-window layers, eager attention; `overrides`: config fields, e.g.
+    final_logit_softcapping), seeded: an architecture outside decoding/models.py's TINY."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    shape |= dict(num_key_value_heads=2, head_dim=16, sliding_window=64, pad_token_id=0, bos_token_id=1)
+    config = AutoConfig.for_model("gemma2", vocab_size=vocab_size, eos_token_id=2, **shape, **overrides)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+
+
 def random_catalog(n_items: int, levels: int, codes: int, seed: int = 0, skew: float = 0.0) -> Catalog:
     """n_items distinct semantic IDs over `levels` x `codes`; token id = SPECIALS + level * codes + code.
     skew > 0 concentrates the first levels on few codes, so that some prefixes have few continuations."""

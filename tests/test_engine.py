@@ -25,6 +25,7 @@ from tests.helpers import (
     hf_beam_search,
     left_padded_prompts,
     random_catalog,
+    tiny_gemma2,
     trained_model,
 )
 
@@ -66,26 +67,8 @@ def test_chunked_head_equals_log_softmax_over_the_full_vocabulary(temperature):
 def test_logit_transforms_and_a_foreign_head():
     """Gemma 2's final logit softcapping is applied (beam_search = transformers); a model whose logits are not its
     output layer applied to its last hidden state is refused, not scored differently."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     cat = random_catalog(200, 3, 6, seed=0)
-    config = AutoConfig.for_model(
-        "gemma2",
-        vocab_size=cat.vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        final_logit_softcapping=3.0,
-        sliding_window=64,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    gemma = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    gemma = tiny_gemma2(cat.vocab_size, final_logit_softcapping=3.0)
     ids, mask = left_padded_prompts(4, [5, 9, 3, 7], cat.vocab_size, seed=1)
     rec = beam_search(gemma, ids, mask, cat, 5)
     items, _, scores = hf_beam_search(gemma, ids, mask, cat, 5)

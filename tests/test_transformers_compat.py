@@ -11,11 +11,12 @@ import torch
 import transformers
 from _pytest.config import parse_warning_filter
 from packaging.version import Version
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+from transformers import DynamicCache
 from transformers.cache_utils import Cache
 from transformers.utils.deprecation import deprecate_kwarg
 
 from decoding.models import TINY, cache_keyword, cache_keyword_of, returned_cache, tiny_model, with_cache
+from tests.helpers import tiny_gemma2
 
 # The first transformers whose forwards take `cache` (pyproject.toml admits 5.17 on).
 RENAMED = Version("5.24")
@@ -64,26 +65,7 @@ def test_the_keyword_is_the_one_the_forward_names():
         Renamed()(torch.zeros(1), past_key_values=cache)  # what the adapter avoids: an error in the suite
 
 
-def gemma2(vocab_size: int):
-    config = AutoConfig.for_model(
-        "gemma2",
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        sliding_window=64,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-
-
-MODELS = {**{arch: lambda v, arch=arch: tiny_model(arch, v, seed=0) for arch in TINY}, "gemma2": gemma2}
+MODELS = {**{arch: lambda v, arch=arch: tiny_model(arch, v, seed=0) for arch in TINY}, "gemma2": tiny_gemma2}
 
 
 @pytest.mark.parametrize("arch", sorted(MODELS))
