@@ -108,7 +108,8 @@ class _StrictDeprecations:
     argument renamed or going away) is an error, whoever called the deprecated function. Its warnings name the
     caller's module (stacklevel=2: ours, or torch's Module.__call__ for a decorated forward), which no module filter
     can scope to transformers without catching other libraries' warnings too; pyproject.toml's filter catches the
-    FutureWarnings transformers' other code attributes to itself."""
+    FutureWarnings transformers' other code attributes to itself. It raises whatever filters say (an `ignore`, a
+    `pytest.warns`): a test of a deprecated path expects the FutureWarning with `pytest.raises`."""
 
     def __getattr__(self, name):
         return getattr(warnings, name)
