@@ -169,7 +169,8 @@ class CompileStore:
     `decoding.compiled.compile_key` (torch and transformers versions, device, the model's sha256 and dtype, the
     bucket) and `target` (the CPU model and flags or the GPU's capability, and the compilers' versions) holding
     `cache-<sha256>.tar.gz` (inductor's cache folder after a compile) and `cache.json` (written last: the archive's
-    name, sha256 and size, the key, torch and target, and an HMAC-SHA256 signature of that description, which binds the archive's bytes).
+    name, sha256 and size, the key, torch and target, and an HMAC-SHA256 signature of that description, which binds
+    the archive's bytes).
 
     Loading inductor's cache runs its code (it unpickles graphs, imports wrapper modules, loads shared objects), so an
     archive is used only if its description's signature verifies under the key in GENREC_COMPILE_STORE_KEY (or the
