@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 PHASES = ("prefill_s", "draft_s", "verify_s", "decode_s")
 COUNTS = ("target_forwards", "draft_forwards", "target_tokens", "draft_tokens", "kv_tokens", "kv_tokens_beam_batch")
@@ -43,12 +45,16 @@ class Meter:
     peak with `kv`; `result(**extras)` closes the clock (decode_s = wall time - the other phases)."""
 
     def __init__(self, device: torch.device):
+        import torch  # here: the module's constants are read by processes that never import torch (read tasks)
+
         self.cuda = torch.device(device).type == "cuda"
         self.stats = {key: 0.0 if key in PHASES else 0 for key in BASE_KEYS}
         self.t0 = self._now()
 
     def _now(self) -> float:
         if self.cuda:  # kernels run asynchronously: a phase ends when its work is done
+            import torch
+
             torch.cuda.synchronize()
         return time.perf_counter()
 

@@ -12,6 +12,8 @@ SIGINT stopped it (one `stopped:` line; the decode shut down, the interruption r
 lease released): `--resume latest` continues it. A run that fails or is killed keeps what it
 committed: `--resume RUN_ID` (or `--resume latest`: the date's newest unfinished run, else a new one) decodes only
 the rest.
+`--incremental [BASE]` carries every user whose inputs are unchanged since BASE (by default the newest published run
+of the output) when the two runs' fingerprints agree, and decodes the rest (docs/output.md#incremental-runs).
 `--gc` deletes the runs superseded more than runs.grace_s ago, then exits. `--check` runs every check the driver makes
 before the date's lease (config, input, items, models, template, the store's conditional writes; with --resume, what
 it would resume) and exits: 0 and a summary, or the exit code and `error:` line the run would have had.
@@ -40,6 +42,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. decoding.k=20")
     p.add_argument("--resume", metavar="RUN_ID|latest", help="continue a killed or failed run of the date")
+    p.add_argument(
+        "--incremental",
+        nargs="?",
+        const="",
+        metavar="BASE",
+        help="carry the users whose inputs did not change since BASE (a run folder, a run_date= folder or an output "
+        "root; default: the newest published run of this output up to the run date) and decode the rest",
+    )
     p.add_argument("--gc", action="store_true", help="delete superseded runs older than runs.grace_s, then exit")
     p.add_argument("--check", action="store_true", help="run every check the driver makes before the lease, then exit")
     p.add_argument(
@@ -60,7 +70,9 @@ def main(argv=None) -> int:
 
     try:
         dated = [f"run_date={scheduled_date(args.run_date_of)}"] if args.run_date_of is not None else []
-        cfg = load_config(args.config or str(DEMO_CONFIG), args.set + dated)  # a path or an s3:// URI
+        incremental = [] if args.incremental is None else ["incremental.enabled=true"]
+        incremental += [f"incremental.base={args.incremental}"] if args.incremental else []
+        cfg = load_config(args.config or str(DEMO_CONFIG), args.set + dated + incremental)  # a path or s3:// URI
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 
 from decoding.stats import BASE_KEYS, PHASES
-from operators.prompts import Prompts
-from operators.validate import reject_schema
+
+if TYPE_CHECKING:
+    from operators.prompts import Prompts
 
 NON_FINITE = (
     "the model's log-probabilities were NaN or infinite while decoding this user (e.g. a float16 "
@@ -27,6 +29,10 @@ TABLES = {
     "reject": ["user_id", "reason", "detail"],
     "metric": ["metrics"],
 }  # the published tables' columns, by output kind
+
+
+def reject_schema(user_type: pa.DataType) -> pa.Schema:
+    return pa.schema([("user_id", user_type), ("reason", pa.string()), ("detail", pa.string())])
 
 
 def output_schema(user_type: pa.DataType) -> pa.Schema:

@@ -17,13 +17,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from decoding.catalog import ItemTokens
+from operators.outputs import reject_schema
 from operators.prompts import history_window
 
 _INT_LIST = pa.list_(pa.int64())
-
-
-def reject_schema(user_type: pa.DataType) -> pa.Schema:
-    return pa.schema([("user_id", user_type), ("reason", pa.string()), ("detail", pa.string())])
 
 
 def validate(

@@ -15,6 +15,7 @@ import pyarrow as pa
 
 from pipeline import cluster, runs, shards, units
 from pipeline import storage as S
+from pipeline.carry import carry
 from pipeline.config import Compute
 from pipeline.follow import follow
 from pipeline.items import ItemsRef, Sources
@@ -127,12 +128,15 @@ def decode_pending(plan: Plan, a: Attempt, lease: Lease) -> tuple[int, cluster.W
     nodes); (0, None) if none is pending."""
     if not a.work:
         return 0, None
-    return follow(recommend(read_pending(plan, a), plan, a), a.left, plan.cfg.runs, lease)
+    rows, schema = read_pending(plan, a)
+    if plan.base is not None:
+        rows = carry(rows, plan, a, plan.base, schema)
+    return follow(recommend(rows, plan, a), a.left, plan.cfg.runs, lease)
 
 
 def read_pending(plan: Plan, a: Attempt):
-    """The pending units -> their rows (user_id, history and the exclusion column if present; duplicates flagged),
-    one read task per unit."""
+    """The pending units -> their rows (user_id, history and the exclusion column if present; pos; duplicates
+    flagged; input_hash), one read task per unit, and the rows' schema."""
     import ray
 
     cfg = plan.cfg
@@ -145,9 +149,14 @@ def read_pending(plan: Plan, a: Attempt):
     ds.context.actor_task_retry_on_errors = [S.StoreUnavailable]
     cluster.share(ds.context)
     columns = input_columns(cfg, plan.data.schema)
+    column = cfg.decoding.exclude_column if cfg.decoding.exclude_column in columns else None
+    hashing = units.Hashing(plan.inputs.renderer.max_items, column, cfg.decoding.exclude == "history")
+    schema = pa.schema([plan.data.schema.field(c) for c in columns])
+    schema = schema.append(pa.field("pos", pa.int64())).append(pa.field("duplicate", pa.bool_()))
+    schema = schema.append(pa.field("input_hash", pa.binary()))
     # Ray Data fuses these read tasks with `recommend`'s repartition (same resources: 1 CPU each, cluster.READ_CPUS),
     # so every unit is read and cut into blocks by one task; the actor pool leaves that CPU free (cluster.fits)
-    return ds.map_batches(
+    rows = ds.map_batches(
         units.read_retrying,  # a read task's process imports pipeline.units: pyarrow and storage, never torch
         batch_size=1,
         batch_format="pyarrow",
@@ -155,11 +164,13 @@ def read_pending(plan: Plan, a: Attempt):
             "fs": plan.fs,
             "columns": columns,
             "duplicates": a.duplicates,
-            "order": cfg.compute.order_by_length,
+            "order": cfg.compute.order_by_length and plan.base is None,  # a carry orders what it passes on
+            "hashing": hashing,
             "storage": cfg.storage,
             "uri": cfg.input,
         },
     )
+    return rows, schema
 
 
 def recommend(ds, plan: Plan, a: Attempt):

@@ -98,6 +98,19 @@ class Runs:
 
 
 @dataclass
+class Incremental:
+    enabled: bool = False  # carry every user whose list's inputs did not change since a base run: its list copied, the
+    # rest decoded, the run's fingerprint compared with the base's first (a difference: a full run, the parts named in
+    # the manifest). `--incremental` sets it (docs/output.md#incremental-runs)
+    base: str | None = None  # the base: a run folder, `<output>/run_date=D` or an output root (its newest published
+    # run); None: the newest published run of this output dated on or before run_date
+    pin_s: float = 86400.0  # the base is pinned against --gc and the grace deletion while the run reads it; a run
+    # that dies keeps the pin this long (a run that ends removes it)
+    partitions: int | None = None  # the join's partitions (each joined by one task, each partition's carried users one
+    # shard); None: one per 200,000 pending users
+
+
+@dataclass
 class Config:
     input: str = ""  # histories parquet: file, folder or s3:// URI
     catalog: str = ""  # the item index (items.parquet: item_id, semantic_id): every item a history may name,
@@ -121,6 +134,7 @@ class Config:
     compute: Compute = field(default_factory=Compute)
     storage: Storage = field(default_factory=Storage)
     runs: Runs = field(default_factory=Runs)
+    incremental: Incremental = field(default_factory=Incremental)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -156,6 +170,7 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
 
 DATED = ("input", "catalog", "recommendable", "blocked", "output")  # the paths {run_date} is filled in
 UNDATED = ("models.target", "models.draft", "models.template", "models.cache_dir", "compute.compile_cache")
+UNDATED += ("incremental.base",)
 
 
 def fill_dates(cfg: Config) -> Config:
@@ -239,6 +254,16 @@ def demo_missing(cfg: Config) -> str | None:
     return None
 
 
+SECTIONS = {
+    "models": Models,
+    "decoding": Decoding,
+    "compute": Compute,
+    "storage": Storage,
+    "runs": Runs,
+    "incremental": Incremental,
+}  # the config's sections, by name
+
+
 def _build(cls, raw: dict, prefix: str):
     known = {f.name: f for f in fields(cls)}
     for key in raw:
@@ -255,11 +280,7 @@ def _build(cls, raw: dict, prefix: str):
         if name not in raw:
             continue
         value = raw[name]
-        sub = (
-            {"models": Models, "decoding": Decoding, "compute": Compute, "storage": Storage, "runs": Runs}.get(name)
-            if cls is Config
-            else None
-        )
+        sub = SECTIONS.get(name) if cls is Config else None
         if sub is not None:
             if not isinstance(value, dict):
                 raise ValueError(f"config: {prefix}{name} must be a section (mapping), got {value!r}")
@@ -304,6 +325,7 @@ def validate(cfg: Config) -> None:
     _check_compute(cfg.compute, cfg.decoding)
     _check_runs(cfg.runs)
     _check_storage(cfg.storage)
+    _check_incremental(cfg.incremental)
 
 
 def _need(cond: bool, name: str, what: str, value) -> None:
@@ -465,6 +487,11 @@ def _check_runs(r: Runs) -> None:
         "must be >= 0 (0: always the Ray aggregation)",
         r.duplicates_driver_mb,
     )
+
+
+def _check_incremental(i: Incremental) -> None:
+    _need(i.pin_s > 0, "incremental.pin_s", "must be > 0 seconds", i.pin_s)
+    _need(i.partitions is None or i.partitions >= 1, "incremental.partitions", "must be >= 1 (or null)", i.partitions)
 
 
 def _check_storage(s: Storage) -> None:

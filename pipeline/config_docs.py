@@ -17,11 +17,10 @@ from pathlib import Path
 
 import yaml
 
-from operators.spec import Decoding
-from pipeline.config import Compute, Config, Models, Runs
-from pipeline.storage import Storage
+from pipeline.config import SECTIONS as CONFIG_SECTIONS
+from pipeline.config import Config
 
-SECTIONS = {"": Config, "models": Models, "decoding": Decoding, "compute": Compute, "storage": Storage, "runs": Runs}
+SECTIONS = {"": Config, **CONFIG_SECTIONS}
 EXAMPLE = Path(__file__).resolve().parents[1] / "infra" / "configs" / "production.example.yaml"
 INTRO = """\
 # Configuration reference

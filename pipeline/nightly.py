@@ -17,11 +17,13 @@ import contextlib
 import datetime as dt
 import json
 import logging
+import time
 import uuid
 
 from pipeline import runs, signals
 from pipeline import storage as S
 from pipeline.attempt import decode_pending, record_interruption, start_attempt
+from pipeline.carry import BaseGone
 from pipeline.config import Config
 from pipeline.lease import Lease
 from pipeline.plan import Clock, Plan, finished_unpublished, plan_run, resume_id
@@ -70,7 +72,28 @@ def run_nightly(cfg: Config, resume: str | None = None, plan: Plan | None = None
     lease = Lease(runs.date_dir(cfg.output, cfg.run_date), run_id, cfg.storage, cfg.runs.lease_s, signals.STOP.ending)
     with leased(lease, run_id):  # acquired inside: a signal that lands just after the lease was taken still releases it
         lease.acquire(resumed)
-        return execute(plan, run_id, resumed, lease, runs.latest_version(cfg.output, cfg.run_date, cfg.storage))
+        with pinned_base(plan, run_id):
+            return execute(plan, run_id, resumed, lease, runs.latest_version(cfg.output, cfg.run_date, cfg.storage))
+
+
+@contextlib.contextmanager
+def pinned_base(plan: Plan, run_id: str):
+    """An incremental run's base pinned against deletion (`runs.pin`) while the block runs, then unpinned; a base
+    gone since the plan found it raises BaseGone (exit 2)."""
+    base, cfg = plan.base, plan.cfg
+    if base is None:
+        yield
+        return
+    pin = runs.pin(base.uri, f"{cfg.run_date}_{run_id}", time.time() + cfg.incremental.pin_s, cfg.storage)
+    try:
+        if not runs.complete(base.uri, cfg.storage):
+            raise BaseGone(f"incremental base {base.uri}: deleted since this run planned to carry from it; rerun")
+        yield
+    finally:
+        try:
+            S.delete_files(pin.rpartition("/")[0], [pin.rpartition("/")[2]], cfg.storage)
+        except Exception as e:  # the pin expires by itself (incremental.pin_s)
+            log.warning("run %s: could not unpin its base %s (%s); the pin expires by itself", run_id, base.uri, e)
 
 
 @contextlib.contextmanager

@@ -24,8 +24,10 @@ from operators.recommender import Inputs, prepare
 from operators.spec import ActorSpec
 from pipeline import runs, units
 from pipeline import storage as S
+from pipeline.carry import Base, choose_base
 from pipeline.config import Config
 from pipeline.items import Items, Sources, read_items
+from pipeline.lineage import fingerprint, model_files_sha256
 from pipeline.models import compile_store
 
 log = logging.getLogger("genrec.nightly")
@@ -35,8 +37,9 @@ RESUME_FREE_COMPUTE = ("num_actors", "cpus_per_actor", "threads_per_actor", "bat
 # ^ not in the rows: how the users are cut into shards and slices, never what a user gets
 
 
-def open_input(cfg: Config) -> tuple[pads.Dataset, object, str]:
-    """The histories as a pyarrow dataset; every file's footer is read here, so a corrupt file fails fast, named."""
+def open_input(cfg: Config) -> tuple[pads.Dataset, object, str, str]:
+    """The histories as a pyarrow dataset, its filesystem, path and kind of user id (`id_kind`); every file's footer
+    is read here, so a corrupt file fails fast, named."""
     fs, path = S.filesystem(cfg.input, cfg.storage)
     try:
         info = S.retrying(lambda: fs.get_file_info(path), cfg.storage, f"HEAD {cfg.input}")
@@ -67,7 +70,7 @@ def open_input(cfg: Config) -> tuple[pads.Dataset, object, str]:
     if len(set(kinds.values())) > 1:
         shown = "; ".join(f"{kind} in {path}" for path, kind in sorted(kinds.items(), key=lambda x: x[1])[:4])
         raise ValueError(f"input {cfg.input}: user_id is {shown}: one kind of id in every file (an id is one user)")
-    return data, fs, path
+    return data, fs, path, next(iter(kinds.values()), "integer")
 
 
 def id_kind(kind: pa.DataType, uri: str) -> str:
@@ -125,10 +128,11 @@ def model_of(uri: str, storage) -> dict:
     folder, removed when the process ends; "head": that folder)."""
     if not S.is_s3(uri):
         local = S.local_model_dir(uri, "", storage)
-        return {"uri": uri, "sha256": S.fingerprint(local), "dir": str(local)}
+        return {"uri": uri, "sha256": S.fingerprint(local), "dir": str(local), "files": model_files_sha256(local)}
     head = tempfile.TemporaryDirectory(prefix="genrec-model-head-")
     sums = S.model_head(uri, storage, Path(head.name))
-    return {"uri": uri, "sha256": S.weights_fingerprint(sums), "dir": head.name, "head": head}
+    files = model_files_sha256(head.name)
+    return {"uri": uri, "sha256": S.weights_fingerprint(sums), "dir": head.name, "head": head, "files": files}
 
 
 def resolve_template(cfg: Config, models: dict) -> PromptTemplate:
@@ -217,6 +221,9 @@ class Plan:
     inputs: Inputs
     identity: dict  # what the decoded rows depend on, by content (`content_identity`)
     identity_s: float  # what computing it took
+    lineage: dict  # the run's fingerprint: every input of a list but the user's own (pipeline/lineage.py)
+    base: Base | None  # incremental: the run it carries users from (None: a full run)
+    incremental: dict  # the manifest's `incremental` record (carry.choose_base)
 
     @property
     def fingerprint(self) -> str:
@@ -263,6 +270,8 @@ def resume_config(config: dict) -> dict:
     `storage.retry_s`: a run that gave up on the store resumes with a larger budget; the pool's size and CPUs,
     RESUME_FREE_COMPUTE: a run that stalled resumes on the cluster it has)."""
     out = {k: v for k, v in config.items() if k != "runs"}
+    if isinstance(out.get("incremental"), dict):
+        out["incremental"] = {k: v for k, v in out["incremental"].items() if k != "pin_s"}
     if isinstance(out.get("storage"), dict):
         out["storage"] = {k: v for k, v in out["storage"].items() if k != "retry_s"}
     if isinstance(out.get("compute"), dict):
@@ -300,7 +309,7 @@ def plan_run(cfg: Config) -> Plan:
     for uri in (cfg.output, cfg.input, cfg.catalog, cfg.recommendable, cfg.blocked):
         if uri:
             S.check_access(uri, cfg.storage)
-    data, fs, _ = open_input(cfg)
+    data, fs, _, kind = open_input(cfg)
     items = read_items(Sources.of(cfg), cfg.storage)
     log_items(items.info)
     models = resolve_models(cfg)
@@ -311,7 +320,44 @@ def plan_run(cfg: Config) -> Plan:
     with clock.phase("input_identity"):
         identity = content_identity(cfg, data, fs, plan_units, models, items)
     S.check_conditional_writes(cfg.output, cfg.storage)  # what the lease and _LATEST rest on, before the lease
-    return Plan(cfg, data, fs, plan_units, items, models, spec, inputs, identity, clock.seconds["input_identity_s"])
+    parts = run_fingerprint(cfg, models, inputs, items, kind, data.schema)
+    base, incremental = choose_base(cfg, parts)
+    identity["base"] = base.uri if base else None  # a resume carries from the base its run started with
+    log_incremental(incremental)
+    seconds = clock.seconds["input_identity_s"]
+    return Plan(cfg, data, fs, plan_units, items, models, spec, inputs, identity, seconds, parts, base, incremental)
+
+
+def run_fingerprint(cfg: Config, models: dict, inputs: Inputs, items: Items, kind: str, schema: pa.Schema) -> dict:
+    """The run's fingerprint (`lineage.fingerprint`) from what the plan resolved."""
+    column = cfg.decoding.exclude_column if cfg.decoding.exclude_column in schema.names else None
+    kept = [list(pair) for pair in inputs.catalog.duplicates]
+    template = inputs.renderer.template.to_dict()
+    info = {"sha256": items.info.get("sha256"), "sets": items.identity}
+    args = (template, inputs.renderer.max_items, info, kept, kind, column, device_kind(cfg))
+    return fingerprint(cfg, models, *args)
+
+
+def device_kind(cfg: Config) -> str:
+    """What the actors decode on, as the driver knows it: cpu, or cuda with the compute capability of the driver's
+    GPU (a driver without one: cuda; the actors' devices are in the metrics)."""
+    if not cfg.compute.gpus_per_actor:
+        return "cpu"
+    import torch
+
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return f"cuda sm_{major}{minor} {torch.cuda.get_device_name()}"
+    return "cuda"
+
+
+def log_incremental(record: dict) -> None:
+    if not record["enabled"]:
+        return
+    if record["mode"] == "carry":
+        log.info("incremental: carrying unchanged users from run %s (%s)", record["base_run_id"], record["base"])
+    else:
+        log.warning("incremental: a full run (base %s): %s", record.get("base"), ", ".join(record["full_because"]))
 
 
 def log_items(info: dict) -> None:

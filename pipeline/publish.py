@@ -15,8 +15,10 @@ import pyarrow as pa
 from operators.outputs import table_schema
 from pipeline import runs, shards, signals
 from pipeline.attempt import Attempt, actor_resources
+from pipeline.carry import full_decode_estimate
 from pipeline.config import Config
 from pipeline.lease import Lease
+from pipeline.lineage import NOT_PARTS, sha256_of
 from pipeline.plan import Clock, Plan, code_version
 
 log = logging.getLogger("genrec.nightly")
@@ -40,11 +42,16 @@ def tally_shards(plan: Plan, a: Attempt, since: float) -> tuple[dict, dict]:
 
 
 def write_empty_tables(plan: Plan, run: str) -> dict:
-    """Empty, typed recommendations and rejects tables (a run without a shard) -> their files."""
+    """Empty, typed recommendations, rejects and users tables (a run without a shard) -> their files."""
     user_type = plan.data.schema.field("user_id").type
-    for name, kind in (("recommendations", "rec"), ("rejects", "reject")):
-        runs.write_table(run, name, table_schema(kind, user_type).empty_table(), plan.cfg.storage)
-    return {name: [f"{name}.parquet"] for name in ("recommendations", "rejects")}
+    empty = {
+        "recommendations": table_schema("rec", user_type).empty_table(),
+        "rejects": table_schema("reject", user_type).empty_table(),
+        "users": shards.users_schema(user_type).empty_table(),
+    }
+    for name, table in empty.items():
+        runs.write_table(run, name, table, plan.cfg.storage)
+    return {name: [f"{name}.parquet"] for name in empty}
 
 
 def manifest_of(plan: Plan, a: Attempt, files: dict, sums: dict, timings: dict) -> dict:
@@ -70,7 +77,9 @@ def manifest_of(plan: Plan, a: Attempt, files: dict, sums: dict, timings: dict) 
         "prefix_tokens": len(renderer.prefix_ids),
         "auto": sums["auto"],
         "catalog": catalog_info(plan),
-        "counts": {"input_rows": a.total, **{key: sums[key] for key in COUNTS}},
+        "counts": {"input_rows": a.total, **{key: sums[key] for key in COUNTS}, **user_counts(plan, sums)},
+        "lineage": {"fingerprint": plan.lineage, "sha256": sha256_of(plan.lineage), "not_in_it": NOT_PARTS},
+        "incremental": incremental_info(plan, sums, timings),
         "resume": resume_info(a),
         "duplicates": {"users": 0 if a.duplicates is None else a.duplicates.num_rows, "checked_on": a.checked_on},
         "precision_audit": sums["precision_audit"],
@@ -86,6 +95,29 @@ def manifest_of(plan: Plan, a: Attempt, files: dict, sums: dict, timings: dict) 
         "outputs": {name: runs.table_dir(a.run, name) for name in runs.TABLES},
         "files": files,
     }
+
+
+def user_counts(plan: Plan, sums: dict) -> dict:
+    """The manifest's counts of users by what became of them: `users` (the users table's rows: the input's users but
+    repeats), decoded (by the actors, rejects included), carried (copied from the base), and of the base's users with
+    a list, those absent from tonight's input (`users_dropped`; 0 without a base)."""
+    users = sums["users_in"] - sums["users_duplicate"]
+    carried = sums["users_carried"]
+    base = plan.base.users if plan.base else 0
+    return {
+        "users": users,
+        "users_decoded": users - carried,
+        "users_carried": carried,
+        "users_dropped": max(base - carried - sums["users_changed"], 0) if plan.base else 0,
+    }
+
+
+def incremental_info(plan: Plan, sums: dict, timings: dict) -> dict:
+    """The manifest's `incremental`: whether the run carried users from a base (`mode`: carry, full) and which, why a
+    night was full, and the decode seconds against a full night's, estimated from the decoded users' rate."""
+    decoded = sums["users_in"] - sums["users_duplicate"] - sums["users_carried"]
+    estimate = full_decode_estimate(timings, decoded, sums["users_carried"])
+    return {**plan.incremental, "decode_s": timings["decode_s"], "full_decode_s_estimate": estimate}
 
 
 COUNTS = ("users_ok", "users_short", "users_rejected", "users_non_finite", "recommendations", "batches", "decode_batch")

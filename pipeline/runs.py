@@ -3,6 +3,7 @@
     <output>/run_date=<D>/run_id=<R>/recommendations/*.parquet   user_id, rank, item_id, score, mode
     <output>/run_date=<D>/run_id=<R>/metrics/*.parquet           one row per processed batch
     <output>/run_date=<D>/run_id=<R>/rejects/*.parquet           user_id, reason, detail
+    <output>/run_date=<D>/run_id=<R>/users/*.parquet             user_id, input_hash, source (decoded, carried)
     <output>/run_date=<D>/run_id=<R>/manifest.json, then _SUCCESS (written last); the manifest's `files` lists
                                                                  every table's files: readers read those only
     <output>/run_date=<D>/_LATEST                                {"run_id": R}, replaced in one put
@@ -14,6 +15,8 @@
                                                                  `interruptions`: each execution a signal stopped
     <run>/_ATTEMPTS/<n>-<attempt>.json                           each driver execution and the shards it trusts
     <run>/_SUPERSEDED                                            {"by", "at"}: another run of the date was published
+    <run>/_PINS/<date>_<run_id>.json                             {"by", "until"}: an incremental run reads this
+                                                                 run (its base); no deletion before `until`
     <run>/_ENGINE.json                                           compute.engine auto's one decision for the run
                                                                  (`EngineRecord`: created once, first writer wins)
 
@@ -39,7 +42,7 @@ import pyarrow as pa
 from pipeline import storage as S
 from pipeline.storage import Storage
 
-TABLES = ("recommendations", "rejects", "metrics")
+TABLES = ("recommendations", "rejects", "users", "metrics")
 log = logging.getLogger("genrec.runs")
 
 
@@ -263,11 +266,33 @@ def collect(output: str, storage: Storage, grace_s: float, run_date: str | None 
                 and run_id != keep
                 and marker is not None
                 and time.time() - json.loads(marker)["at"] >= grace_s
+                and not pinned(run_dir(output, d, run_id), storage)
             ):
                 S.delete_tree(run_dir(output, d, run_id), storage)
                 log.info("deleted run %s of %s (superseded by %s)", run_id, d, json.loads(marker)["by"])
                 deleted.append(run_id)
     return deleted
+
+
+def pin(run: str, by: str, until: float, storage: Storage) -> str:
+    """Pins a run (an incremental run's base) against deletion until `until` (epoch seconds) -> the pin's URI."""
+    uri = S.join(run, "_PINS", by.replace("/", "_") + ".json")
+    S.write_bytes(uri, json.dumps({"by": by, "until": until}).encode(), storage)
+    return uri
+
+
+def pinned(run: str, storage: Storage) -> bool:
+    """Whether a run holds a pin that has not expired (`pin`): `collect` leaves it."""
+    folder = S.join(run, "_PINS")
+    now = time.time()
+    for name in S.list_files(folder, storage):
+        raw = S.read_bytes(S.join(folder, name), storage)
+        try:
+            if raw is not None and json.loads(raw)["until"] > now:
+                return True
+        except (ValueError, KeyError, TypeError):
+            return True  # unreadable: kept, as a pin would keep it
+    return False
 
 
 # ------------------------------------------------------------------ reading

@@ -19,21 +19,24 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from decoding.memory import trim_host_heap
 from decoding.stats import BASE_KEYS, PHASES
 from operators.outputs import TABLES, table_schema
-from operators.recommender import Recommender
-from operators.spec import ActorSpec
 from pipeline import runs
 from pipeline import storage as S
-from pipeline.items import ItemsRef
+from pipeline.carry import NOTE
 from pipeline.storage import Storage
 from pipeline.units import merge
+
+if TYPE_CHECKING:
+    from operators.recommender import Recommender
+    from operators.spec import ActorSpec
+    from pipeline.items import ItemsRef
 
 DUPLICATE = ("duplicate_user", "user_id appears more than once; the first row is kept")
 _INT = pa.int64()
@@ -56,6 +59,8 @@ METRIC_SCHEMA = pa.schema(
         ("users_rejected", _INT),
         ("users_non_finite", _INT),
         ("users_duplicate", _INT),
+        ("users_carried", _INT),  # of users_ok, users whose list was copied from the base run (pipeline/carry.py)
+        ("users_changed", _INT),  # users decoded whose list the base run holds, with other inputs (incremental runs)
         ("recommendations", _INT),
         ("prompt_tokens", _INT),
         ("prefix_tokens_saved", _INT),
@@ -153,6 +158,7 @@ def attempt_shards(run: str, storage: Storage, trusted: list[str], attempt: str)
 
 
 SUMS = ("users_in", "users_ok", "users_short", "users_rejected", "users_non_finite", "recommendations")
+SUMS += ("users_duplicate", "users_carried", "users_changed")
 TIMES = ("actor_ready_at", "committed_at")  # epoch seconds
 TALLIED = [*SUMS, "actor", "batch", "auto", "decode_batch", *TIMES, "dtype", *AUDIT, "audit_max_abs_score_diff"]
 TALLIED += ["audit_device", "audit_skipped"]
@@ -227,8 +233,10 @@ class Tally:
 
     def add_actors(self, t: pa.Table) -> None:
         """The actors that committed since `since`, each one's compile seconds and its last auto state."""
-        self.actors |= {
-            r["actor"] for r in t.select(["actor", "committed_at"]).to_pylist() if r["committed_at"] >= self.since
+        self.actors |= {  # a carried shard has no actor
+            r["actor"]
+            for r in t.select(["actor", "committed_at"]).to_pylist()
+            if r["actor"] and r["committed_at"] >= self.since
         }
         for r in t.select(["actor", "compile_s"]).filter(pc.is_valid(t["compile_s"])).to_pylist():
             self.compile_s[r["actor"]] = self.compile_s.get(r["actor"], 0.0) + r["compile_s"]
@@ -292,13 +300,23 @@ class ShardRecommender:
         self.gave_up: dict[str, int] = {}  # shard -> its StoreUnavailable errors on this actor
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        """One batch -> its shard committed -> its summary row. A StoreUnavailable is Ray's to retry (the actors'
-        retry_exceptions: Ray runs the task again on this actor) until this shard has had BATCH_RETRIES + 1 of them
-        here; then StoreGaveUp, which Ray does not retry. A lost actor's tasks are retried on its restart, without
-        limit: that is a system failure, which no application retry count spends."""
+        """One batch -> its shard committed -> its summary row (and those of the carried shards whose notes the batch
+        holds: pipeline/carry.py). A StoreUnavailable is Ray's to retry (the actors' retry_exceptions: Ray runs the
+        task again on this actor) until this shard has had BATCH_RETRIES + 1 of them here; then StoreGaveUp, which Ray
+        does not retry. A lost actor's tasks are retried on its restart, without limit: that is a system failure,
+        which no application retry count spends."""
+        notes = []
+        if NOTE in batch.column_names:
+            noted = pc.is_valid(batch[NOTE])
+            notes = [json.loads(v) for v in batch[NOTE].filter(noted).to_pylist()]
+            batch = batch.filter(pc.invert(noted)).drop_columns([NOTE])
+        rows = [self.shard(batch)] if batch.num_rows else []
+        return pa.Table.from_pylist(rows + notes, schema=SUMMARY)
+
+    def shard(self, batch: pa.Table) -> dict:
         shard = f"s{int(pc.min(batch['pos']).as_py()):012d}"
         if shard in self.written:  # Ray retries a task whose later batch gave up on the store: this one is committed
-            return pa.Table.from_pylist([self.written[shard]])
+            return self.written[shard]
         try:
             return self.commit(shard, batch)
         except S.StoreUnavailable as e:
@@ -307,13 +325,18 @@ class ShardRecommender:
                 raise S.StoreGaveUp(e.message) from None
             raise
 
-    def commit(self, shard: str, batch: pa.Table) -> pa.Table:
+    def commit(self, shard: str, batch: pa.Table) -> dict:
         """Decodes the batch, writes and commits its shard -> its summary row. Its rows are taken in input order
         (the read side may have ordered them by length), which the recommender keeps in its output."""
         batch = batch.take(pc.sort_indices(batch["pos"]))
         pos = batch["pos"].to_numpy()
         dup = batch["duplicate"].to_numpy(zero_copy_only=False)
-        out = self.recommender(batch.filter(pa.array(~dup)).drop_columns(["pos", "duplicate"]))
+        users = users_of(batch.filter(pa.array(~dup)), "decoded")
+        changed = (
+            int(pc.sum(batch["in_base"].filter(pa.array(~dup))).as_py() or 0) if "in_base" in batch.column_names else 0
+        )
+        extra = [c for c in ("pos", "duplicate", "input_hash", "in_base") if c in batch.column_names]
+        out = self.recommender(batch.filter(pa.array(~dup)).drop_columns(extra))
         kind = out["kind"]
         metric = json.loads(out["metrics"].filter(pc.equal(kind, "metric"))[0].as_py())
         n_dup = int(dup.sum())
@@ -323,6 +346,8 @@ class ShardRecommender:
             users_in=metric["users_in"] + n_dup,
             users_duplicate=n_dup,
             users_rejected=metric["users_rejected"] + n_dup,
+            users_carried=0,
+            users_changed=changed,
             ranges=ranges_of(pos),
         )
         user_type = batch.schema.field("user_id").type
@@ -341,17 +366,21 @@ class ShardRecommender:
                 ]
             )
         recs = out.filter(pc.equal(kind, "rec")).select(TABLES["rec"]).cast(table_schema("rec", user_type))
-        write_shard(f"{shard}-{self.attempt}", recs, rejects, metric, self.run, self.storage)
+        write_shard(f"{shard}-{self.attempt}", recs, rejects, metric, self.run, self.storage, users)
         self.written[shard] = {
             key: metric[key] for key in ("users_in", "users_ok", "users_rejected", "recommendations")
         }
         self.written[shard]["restarted"] = restarted()
-        return pa.Table.from_pylist([self.written[shard]])
+        return self.written[shard]
 
 
 def recommender_of(spec: ActorSpec, items: ItemsRef, storage: Storage) -> Recommender:
     """The actor's Recommender over the run's items, read here; the catalog table dropped once parsed, and what it
-    and the index build freed handed back to the operating system (what the actor holds: docs/sizing.md)."""
+    and the index build freed handed back to the operating system (what the actor holds: docs/sizing.md). Imported
+    here: the carry's tasks read this module's shard layout without the decoders."""
+    from decoding.memory import trim_host_heap
+    from operators.recommender import Recommender
+
     got = items.read(storage)
     recommender = Recommender(replace(spec, catalog=got.table, recommendable=got.served))
     del got
@@ -379,14 +408,45 @@ def metric_table(rows: list[dict]) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=METRIC_SCHEMA)
 
 
-def write_shard(stem: str, recs: pa.Table, rejects: pa.Table, metric: dict, run: str, storage: Storage) -> None:
-    """A shard's recommendations, rejects and then its metrics row (its commit), as `<table>/<stem>.parquet`: on S3
-    three PUTs and nothing else (`S.write_parquet`). Empty tables are written too: a retried shard's files replace
+def users_of(rows: pa.Table, source: str) -> pa.Table:
+    """A shard's distinct input users (user_id, input_hash) -> its users table (USERS_COLUMNS; no row without an
+    id)."""
+    rows = rows.filter(pc.is_valid(rows["user_id"]))
+    hashes = rows["input_hash"] if "input_hash" in rows.column_names else pa.nulls(rows.num_rows, pa.binary())
+    return pa.table(
+        {"user_id": rows["user_id"], "input_hash": hashes, "source": pa.array([source] * rows.num_rows, pa.string())}
+    )
+
+
+def users_schema(user_type: pa.DataType) -> pa.Schema:
+    """The `users` table: each input user of the run (but repeats and rows without an id), the hash of what its list
+    read (pipeline/lineage.py) and whether it was decoded or carried."""
+    return pa.schema([("user_id", user_type), ("input_hash", pa.binary()), ("source", pa.string())])
+
+
+SUMMARY = pa.schema(
+    [
+        ("users_in", _INT),
+        ("users_ok", _INT),
+        ("users_rejected", _INT),
+        ("recommendations", _INT),
+        ("restarted", pa.bool_()),
+    ]
+)  # what each shard tells the driver (pipeline/follow.py)
+
+
+def write_shard(
+    stem: str, recs: pa.Table, rejects: pa.Table, metric: dict, run: str, storage: Storage, users: pa.Table
+) -> None:
+    """A shard's recommendations, rejects, users and then its metrics row (its commit), as `<table>/<stem>.parquet`:
+    on S3 four PUTs and nothing else (`S.write_parquet`). Empty tables are written too: a retried shard's files replace
     every file of its earlier attempt (a retry without rejects must not leave the first attempt's rejects beside its
     recommendations).
     Retries are safe, whoever makes them (the store call's own within storage.retry_s, Ray's of the whole batch, a
     restarted actor's): `stem` is the shard (its first position, the same whenever the batch is decoded again) and the
     attempt (this driver execution), so a retry writes the same three names, each put replaces a file whole, and
     nothing is committed until the metrics file exists; no other batch and no other attempt writes these names."""
-    for name, rows in (("recommendations", recs), ("rejects", rejects), ("metrics", metric_table([metric]))):
+    users = users.cast(users_schema(recs.schema.field("user_id").type))
+    tables = (("recommendations", recs), ("rejects", rejects), ("users", users), ("metrics", metric_table([metric])))
+    for name, rows in tables:
         S.write_parquet(rows, S.join(runs.table_dir(run, name), f"{stem}.parquet"), storage)

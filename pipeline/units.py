@@ -23,6 +23,7 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
 from pipeline import storage as S
+from pipeline.lineage import input_hashes
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,19 @@ def positions(unit: dict) -> np.ndarray:
     return pos[keep]
 
 
+@dataclass(frozen=True)
+class Hashing:
+    """How the read tasks compute each row's input hash (`lineage.input_hashes`)."""
+
+    history_len: int  # the prompt's window: the template's max_items, or decoding.history_len
+    exclude_column: str | None  # the exclusion column, when the input has it
+    whole_history: bool  # decoding.exclude history: every item of the history is excluded
+
+    def of(self, t: pa.Table) -> pa.Array:
+        column = t[self.exclude_column] if self.exclude_column else None
+        return input_hashes(t["history"], column, self.history_len, self.whole_history)
+
+
 def read_retrying(batch: pa.Table, storage, uri: str, **kwargs) -> pa.Table:
     """`read_units` with its reads tried again as a whole while the store fails transiently (the nightly's read
     tasks: their processes import this module, pyarrow and storage's, not the decoders)."""
@@ -86,11 +100,17 @@ def read_retrying(batch: pa.Table, storage, uri: str, **kwargs) -> pa.Table:
 
 
 def read_units(
-    batch: pa.Table, fs, columns: list[str], duplicates: pa.Table | None = None, order: bool = False
+    batch: pa.Table,
+    fs,
+    columns: list[str],
+    duplicates: pa.Table | None = None,
+    order: bool = False,
+    hashing: Hashing | None = None,
 ) -> pa.Table:
-    """Ray Data map over units (rows of `todo`, "done" as JSON): the rows still to decode, with `pos` and a
-    `duplicate` flag (the user id was seen at an earlier position); `order`: each unit's rows by history length
-    (`by_length`), so that the shards cut from them hold users of like prompt lengths."""
+    """Ray Data map over units (rows of `todo`, "done" as JSON): the rows still to decode, with `pos`, a `duplicate`
+    flag (the user id was seen at an earlier position) and, with `hashing`, each row's `input_hash`
+    (pipeline/lineage.py); `order`: each unit's rows by history length (`by_length`), so that the shards cut from
+    them hold users of like prompt lengths."""
     tables = []
     for unit in batch.to_pylist():
         unit["done"] = json.loads(unit["done"])
@@ -103,6 +123,8 @@ def read_units(
             first = pc.take(duplicates["first"], at)
             dup = pc.fill_null(pc.not_equal(first, t["pos"]), False)  # a repeat of an earlier row's user id
         t = t.append_column("duplicate", dup)
+        if hashing is not None:
+            t = t.append_column("input_hash", hashing.of(t))
         tables.append(by_length(t) if order else t)
     return pa.concat_tables(tables)
 

@@ -1,0 +1,190 @@
+"""What decides a user's list, by content: the run's fingerprint (every input but the user's own) and each user's input
+hash (what its prompt and its exclusions read). Two runs with equal fingerprints give a user with equal input hashes
+the same list, so an incremental run (pipeline/carry.py) copies that user's list from its base instead of decoding it.
+
+Nothing here imports torch: the input hashes are computed by the nightly's read tasks (pipeline/units.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from importlib.metadata import PackageNotFoundError, version
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+HASH = "blake2b-128/window+exclusions/v1"  # how `input_hashes` reads a row: a part of the fingerprint
+
+NOT_PARTS = {  # settings a list does not depend on, and why (docs/output.md#incremental-runs)
+    "compute.batch_size, decode_batch, batches_per_task, num_actors, cpus_per_actor, threads_per_actor": (
+        "how users are cut into shards and decodes; beam search, the engines and the samplers give a user the same "
+        "list in any batch (per-user draws in the sampling modes); in half precision within near-ties"
+    ),
+    "compute.order_by_length": "the order users are decoded in; outputs are in the input order either way",
+    "compute.engine (in float32)": "the compiled engine returns the eager engine's lists exactly",
+    "compute.audit_users": "the precision audit re-decodes users beside the run; it never changes a list",
+    "compute.compile_cache, models.cache_dir, storage, runs": "where files are kept and how the job runs",
+    "models.target and models.draft URIs": "a model is its content: the sha256 of its weights and its other files",
+    "decoding.draft_beams, gamma, auto_trials (but atspeed-relaxed)": (
+        "beam search and strict speculation return beam search's lists whatever the draft does"
+    ),
+}
+
+
+def input_hashes(history: pa.Array, exclude: pa.Array | None, history_len: int, whole_history: bool) -> pa.Array:
+    """Each user's input hash [B] binary (16 bytes; null where the history is not a list of integer ids, or the
+    exclusion column's row holds a null id: such a row is rejected or decoded, never carried): blake2b over what
+    the user's list depends on, each part prefixed by its length: the prompt's window (the last `history_len`
+    items, in order), the whole history when it is excluded (`whole_history`: `decoding.exclude: history`) and the
+    row of the exclusion column `exclude` as given (a null row: nothing). A change outside the window leaves the hash
+    as it was unless the whole history is excluded; a reordered exclusion list changes it (the user is decoded
+    again, with the same list)."""
+    h, bad = _int_lists(history, null_ok=False)
+    values, starts, lengths = _ragged(h)  # [T], [B], [B]
+    used = np.minimum(lengths, history_len)  # [B]
+    parts = [(values, starts + lengths - used, used)] + [(values, starts, lengths)] * whole_history
+    if exclude is not None:
+        e, bad_e = _int_lists(exclude, null_ok=True)
+        bad |= bad_e
+        parts.append(_ragged(e))
+    words, size = _words(parts)  # [sum(size)] int64, [B]
+    ends = np.cumsum(size) * 8
+    raw = memoryview(words.astype("<i8").tobytes())
+    blake2b = hashlib.blake2b
+    out = pa.array(
+        [blake2b(raw[a:b], digest_size=16).digest() for a, b in zip((ends - size * 8).tolist(), ends.tolist())],
+        pa.binary(),
+    )
+    return pc.if_else(pa.array(bad), pa.nulls(len(bad), pa.binary()), out) if bad.any() else out
+
+
+def _int_lists(column: pa.Array, null_ok: bool) -> tuple[pa.Array, np.ndarray]:
+    """A column -> (list<int64>, bad [B]: rows with a null id, null rows unless `null_ok`, every row when the
+    column does not cast)."""
+    column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    try:
+        lists = column.cast(pa.list_(pa.int64()))
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
+        return pa.array([[]] * len(column), pa.list_(pa.int64())), np.ones(len(column), bool)
+    bad = np.zeros(len(lists), bool) if null_ok else lists.is_null().to_numpy(zero_copy_only=False).copy()
+    flat = pc.list_flatten(lists)
+    if flat.null_count:
+        parents = pc.list_parent_indices(lists).to_numpy()
+        bad[np.unique(parents[flat.is_null().to_numpy(zero_copy_only=False)])] = True
+    return lists, bad
+
+
+def _ragged(lists: pa.Array) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """list<int64> [B] -> (values [T], starts [B], lengths [B]); a null row has length 0, a null id is -1."""
+    offsets = lists.offsets.to_numpy().astype(np.int64)  # [B + 1] (a slice's: into the whole child array)
+    nulls = lists.is_null().to_numpy(zero_copy_only=False)
+    values = lists.values.slice(offsets[0], offsets[-1] - offsets[0])
+    values = values.fill_null(-1) if values.null_count else values
+    values = values.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+    return values, offsets[:-1] - offsets[0], np.where(nulls, 0, np.diff(offsets))
+
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The concatenation of arange(s, s + n) for each (s, n) -> [sum(lengths)] int64."""
+    out_starts = np.cumsum(lengths) - lengths
+    return np.repeat(starts - out_starts, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
+
+
+def _words(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """Ragged parts (values [T], starts [B], lengths [B]) -> each row's words, every part as its length then its
+    values, rows one after another [sum(size)] int64, and each row's word count size [B]."""
+    size = sum(1 + n for _, _, n in parts)  # [B]
+    at = np.cumsum(size) - size  # [B] where each row's words begin
+    out = np.empty(int(size.sum()), np.int64)
+    for values, starts, n in parts:
+        out[at] = n
+        out[_ranges(at + 1, n)] = values[_ranges(starts, n)]
+        at = at + 1 + n
+    return out, size
+
+
+def sha256_of(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def fingerprint(
+    cfg,
+    models: dict,
+    template: dict,
+    history_len: int,
+    items_info: dict,
+    kept: list,
+    id_kind: str,
+    exclude_column: str | None,
+    device: str,
+) -> dict:
+    """Everything but a user's own inputs that decides its list, part by part (`NOT_PARTS`: what is left out and why):
+    the models (the draft only in atspeed-relaxed, whose lists depend on its proposals), the template, the items
+    (the index's content and which of a shared semantic ID's items it keeps, the recommendable set, the block list),
+    the decoding settings that shape a list, the dtype (and the engine outside float32), the device kind, the
+    software, the kind of user id and how input hashes are computed."""
+    d, c = cfg.decoding, cfg.compute
+    decoding = {
+        "mode": d.mode,
+        "k": d.k,
+        "history_len": history_len,
+        "exclude": d.exclude,
+        "exclude_column": exclude_column,
+        "duplicate_items": cfg.duplicate_items,
+    }
+    if d.mode in ("atspeed-relaxed", "disc"):
+        decoding |= {"seed": d.seed, "temperature": d.temperature}
+    if d.mode == "atspeed-relaxed":
+        decoding |= {"gamma": d.gamma, "draft_beams": d.draft_beams}
+    if d.mode == "disc":
+        decoding |= {"rounds": d.rounds, "top_m": d.top_m}
+    roles = ["target"] + ["draft"] * (d.mode == "atspeed-relaxed")
+    return {
+        **{role: {"weights": models[role]["sha256"], "files": models[role]["files"]} for role in roles},
+        "template": sha256_of(template),
+        "catalog": {"index": items_info["sha256"], "kept": sha256_of(kept)},
+        "recommendable": items_info["sets"]["recommendable"],
+        "blocked": items_info["sets"]["blocked"],
+        "decoding": decoding,
+        "dtype": c.dtype,
+        **({"engine": c.engine} if c.dtype != "float32" else {}),
+        "device": device,
+        "software": {name: _version(name) for name in ("genrec-batch", "torch", "transformers")},
+        "user_id": id_kind,
+        "input_hash": HASH,
+    }
+
+
+def _version(package: str) -> str | None:
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+def differences(base: dict, parts: dict) -> list[str]:
+    """The parts of two fingerprints that differ, named (`decoding.k`, `target`), in order; [] when equal."""
+    out = []
+    for name in sorted(set(base) | set(parts)):
+        old, new = base.get(name), parts.get(name)
+        if isinstance(old, dict) and isinstance(new, dict) and name in ("decoding", "software"):
+            out += [f"{name}.{key}" for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)]
+        elif old != new:
+            out.append(name)
+    return out
+
+
+def model_files_sha256(model_dir: str) -> str:
+    """A model folder's files but its weights (config, tokenizer, generation config): sha256 over their names and
+    contents, sorted by name. With the weights' sha256, what the model is."""
+    from pathlib import Path
+
+    h = hashlib.sha256()
+    for f in sorted(Path(model_dir).iterdir()):
+        skip = f.name.startswith(".") or f.suffix == ".safetensors" or f.name == "sha256sums.json"
+        if f.is_file() and not skip:
+            h.update(f"{f.name}\0".encode())
+            h.update(hashlib.sha256(f.read_bytes()).digest())
+    return h.hexdigest()
