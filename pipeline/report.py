@@ -61,10 +61,12 @@ def accepted_histogram(metrics: pd.DataFrame) -> np.ndarray | None:
 def summarize(run: Run, gpu_hour_price: float) -> dict:
     """A published run's shard metrics and manifest -> the report's numbers for it (the module docstring says how
     throughput and cost are counted)."""
-    m, man = run.metrics, run.manifest
+    man = run.manifest
+    m = decoded_shards(run.metrics)
     users, busy, wall = int(m.users_ok.sum()), float(m.wall_s.sum()), float(man["timings"]["decode_s"])
     return {
         **run_facts(run),
+        "incremental": incremental_facts(man),
         **run_counts(m, man, users),
         **run_time(m, man, users, busy, wall),
         **work_per_user(m, users),
@@ -75,9 +77,41 @@ def summarize(run: Run, gpu_hour_price: float) -> dict:
     }
 
 
+def decoded_shards(metrics: pd.DataFrame) -> pd.DataFrame:
+    """The shards the actors decoded: an incremental run's carried shards (no actor) cost no decode, and their users
+    are the report's `incremental` line."""
+    if "actor" not in metrics:
+        return metrics
+    decoded = metrics[metrics.actor.notna()]
+    return decoded if len(decoded) else metrics.iloc[:0]
+
+
+def incremental_facts(man: dict) -> dict | None:
+    """An incremental run's users carried and decoded, its base, why a night was full, and its decode seconds against
+    a full night's estimate (the manifest's `incremental`); None for a run without it."""
+    inc = man.get("incremental")
+    if not inc or not inc.get("enabled"):
+        return None
+    counts = man["counts"]
+    return {**inc, **{key: counts.get(key) for key in ("users_decoded", "users_carried", "users_dropped")}}
+
+
+def incremental_text(s: dict) -> str:
+    """The incremental line: carried and decoded users, and the decode's seconds against a full night's estimate (or
+    why the night was full)."""
+    i = s["incremental"]
+    if i["mode"] != "carry":
+        return f"full night: {'; '.join(i.get('full_because') or [])}"
+    return (
+        f"{num(i['users_carried'])} carried from {i['base_run_id']}, {num(i['users_decoded'])} decoded, "
+        f"{num(i['users_dropped'])} dropped; decode {num(i['decode_s'], 1)} s against a full night's "
+        f"{num(i['full_decode_s_estimate'], 1)} s (estimated from the decoded users' rate)"
+    )
+
+
 def run_facts(run: Run) -> dict:
     """What ran: ids, mode and k, devices, code and models, catalog, template, decoders, settings."""
-    m, man = run.metrics, run.manifest
+    m, man = decoded_shards(run.metrics), run.manifest
     decoding = man["config"]["decoding"]
     return {
         "run_id": run.run_id,
@@ -85,7 +119,7 @@ def run_facts(run: Run) -> dict:
         "run_date": man["run_date"],
         "mode": run.mode,
         "k": decoding["k"],
-        "devices": sorted(set(m.device)),
+        "devices": sorted(set(m.device.dropna())),
         "code_version": man.get("code_version"),
         "models": {role: v["sha256"][:12] for role, v in man.get("models", {}).items()},
         "catalog": man.get("catalog"),
@@ -459,6 +493,7 @@ SUMMARY = [  # the summary table's rows: (metric, its cell for one run, the runs
     ("device", lambda s: ", ".join(s["devices"]), None),
     ("dtype / precision audit (float32 re-decode)", lambda s: audit_text(s["precision_audit"]), None),
     ("exclusions (decoding.exclude; items excluded per user)", lambda s: exclusions_text(s["exclusions"]), excludes),
+    ("incremental (users carried from the base run)", incremental_text, lambda s: bool(s.get("incremental"))),
     ("users ok", lambda s: num(s["users_ok"]), None),
     ("users rejected", lambda s: num(s["users_rejected"]), None),
     ("of them: non-finite log-probs", lambda s: num(s["users_non_finite"]), None),

@@ -331,7 +331,7 @@ class ShardRecommender:
         batch = batch.take(pc.sort_indices(batch["pos"]))
         pos = batch["pos"].to_numpy()
         dup = batch["duplicate"].to_numpy(zero_copy_only=False)
-        users = users_of(batch.filter(pa.array(~dup)), "decoded")
+        distinct = users_of(batch.filter(pa.array(~dup)), "decoded")
         changed = (
             int(pc.sum(batch["in_base"].filter(pa.array(~dup))).as_py() or 0) if "in_base" in batch.column_names else 0
         )
@@ -366,7 +366,7 @@ class ShardRecommender:
                 ]
             )
         recs = out.filter(pc.equal(kind, "rec")).select(TABLES["rec"]).cast(table_schema("rec", user_type))
-        write_shard(f"{shard}-{self.attempt}", recs, rejects, metric, self.run, self.storage, users)
+        write_shard(f"{shard}-{self.attempt}", recs, rejects, metric, self.run, self.storage, distinct)
         self.written[shard] = {
             key: metric[key] for key in ("users_in", "users_ok", "users_rejected", "recommendations")
         }

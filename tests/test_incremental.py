@@ -1,0 +1,223 @@
+"""Incremental nights on a real local Ray with local files: a night that carries unchanged users publishes what a full
+night publishes (float32: the same lists, scores within float32's reordering bound), decodes only new and changed users,
+runs full naming the part of its fingerprint that changed, resumes after a kill, and stops on a base that vanished."""
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from pipeline import runs
+from pipeline.lineage import input_hashes
+from tests.helpers import float32_atol
+from tests.test_nightly import config, killed_run, make_world
+
+BASE_DATE, NIGHT = "2026-11-21", "2026-11-22"
+
+
+@pytest.fixture(scope="module")
+def ray_session_plain():
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = make_world(tmp_path_factory.mktemp("incremental"), n_users=120)
+    rng = np.random.default_rng(3)
+    t = pq.read_table(root / "data" / "test.parquet").select(["user_id", "history"])
+    items = pq.read_table(root / "data" / "items.parquet").column("item_id").to_numpy()
+    exclude = [rng.choice(items, 3).tolist() if u % 3 == 0 else None for u in range(t.num_rows)]
+    t = t.append_column("exclude_items", pa.array(exclude, pa.list_(pa.int64())))
+    pq.write_table(t, root / "base.parquet", row_group_size=50)
+    night, expected = tonight(t, items, rng)
+    pq.write_table(night, root / "night.parquet", row_group_size=40)
+    return root, expected
+
+
+def tonight(t: pa.Table, items: np.ndarray, rng) -> tuple[pa.Table, dict]:
+    """The base night's users changed as a day changes them -> tonight's input and which users must be decoded: 10
+    with a new last item (the window moves), 8 with a new exclusion list, 6 with an older item prepended (outside the
+    8-item window: carried), 5 removed, 7 new users, and one user's row twice (the repeat rejected)."""
+    rows = t.to_pylist()
+    long = [i for i, r in enumerate(rows) if len(r["history"]) >= 8]
+    picks = rng.permutation(long)
+    window, outside = picks[:10], picks[10:16]
+    exclusion = rng.permutation([i for i in range(len(rows)) if i not in set(picks[:16])])[:8]
+    removed = set(rng.permutation([i for i in range(len(rows)) if i not in set(picks[:16]) | set(exclusion)])[:5])
+    for i in window:
+        rows[i]["history"] = rows[i]["history"][1:] + [int(rng.choice(items))]
+    for i in outside:
+        rows[i]["history"] = [int(rng.choice(items))] + rows[i]["history"]
+    for i in exclusion:
+        rows[i]["exclude_items"] = [int(x) for x in rng.choice(items, 2)]
+    changed = {rows[i]["user_id"] for i in [*window, *exclusion]}
+    new = [{"user_id": 10_000 + j, "history": rng.choice(items, 5).tolist(), "exclude_items": None} for j in range(7)]
+    kept = [r for i, r in enumerate(rows) if i not in removed]
+    repeat = dict(kept[3])
+    out = pa.Table.from_pylist(kept[:20] + new[:3] + kept[20:] + [repeat] + new[3:], schema=t.schema)
+    carried = {r["user_id"] for r in kept} - changed
+    return out, {"changed": changed, "new": {r["user_id"] for r in new}, "carried": carried, "removed": len(removed)}
+
+
+def night_config(root: Path, out: Path, *extra):
+    return config(root, out, f"input={root / 'night.parquet'}", f"run_date={NIGHT}", *extra)
+
+
+def published(cfg) -> tuple[pa.Table, pa.Table, dict]:
+    """A date's published run: its recommendations sorted by user and rank, its users table, its manifest."""
+    from pipeline.output import open_run
+
+    run = open_run(runs.date_dir(cfg.output, cfg.run_date), cfg.storage)
+    recs = run.table("recommendations").sort_by([("user_id", "ascending"), ("rank", "ascending")])
+    return recs, run.table("users"), run.manifest
+
+
+def assert_same_lists(a: pa.Table, b: pa.Table) -> None:
+    """Two nights' recommendations: the same users, ranks and items; scores within what float32 sums of another batch
+    shape may differ by (`float32_atol`: the batch a user is decoded in changes the kernels' accumulation order)."""
+    for column in ("user_id", "rank", "item_id", "mode"):
+        assert a[column].equals(b[column]), column
+    sa, sb = (torch.from_numpy(t["score"].to_numpy()) for t in (a, b))
+    assert (sa - sb).abs().max() <= float32_atol(sa, sb)
+
+
+@pytest.mark.parametrize("mode", ["beam", "atspeed-strict", "disc"])
+def test_an_incremental_night_equals_a_full_night(world, ray_session_plain, tmp_path, mode):
+    """Base night, then tonight incremental and full: the same lists for every user; only the new and changed users
+    decoded, users outside the window and unchanged users carried, removed users dropped, the repeat rejected."""
+    from pipeline.nightly import run_nightly
+
+    root, expected = world
+    extra = [f"decoding.mode={mode}", "decoding.seed=7", "decoding.exclude=none"]
+    base = config(root, tmp_path / "out", f"input={root / 'base.parquet'}", f"run_date={BASE_DATE}", *extra)
+    run_nightly(base)
+    incremental = run_nightly(night_config(root, tmp_path / "out", "incremental.enabled=true", *extra))
+    run_nightly(night_config(root, tmp_path / "full", *extra))
+    a, users, manifest = published(night_config(root, tmp_path / "out", *extra))
+    b, full_users, full = published(night_config(root, tmp_path / "full", *extra))
+    assert_same_lists(a, b)
+    assert manifest["incremental"]["mode"] == "carry" and manifest["incremental"]["base_run_id"]
+    assert manifest["lineage"]["sha256"] == full["lineage"]["sha256"]
+    source = dict(zip(users["user_id"].to_pylist(), users["source"].to_pylist()))
+    assert {u for u, s in source.items() if s == "decoded"} == expected["changed"] | expected["new"]
+    assert {u for u, s in source.items() if s == "carried"} == expected["carried"]
+    hashes = dict(zip(full_users["user_id"].to_pylist(), full_users["input_hash"].to_pylist()))
+    assert dict(zip(users["user_id"].to_pylist(), users["input_hash"].to_pylist())) == hashes
+    counts = incremental["counts"]
+    assert counts["users_carried"] == len(expected["carried"]) and counts["users_dropped"] == expected["removed"]
+    assert counts["users_decoded"] == len(expected["changed"] | expected["new"])
+    assert full["counts"]["users_carried"] == 0 and full["incremental"] == {"enabled": False, "mode": "full"} | {
+        k: full["incremental"][k] for k in ("decode_s", "full_decode_s_estimate")
+    }
+    reasons = runs.read_table(runs.latest_run(base.output, NIGHT, base.storage), "rejects", base.storage)
+    assert reasons["reason"].to_pylist() == ["duplicate_user"]
+
+
+def test_a_changed_part_makes_a_full_night_that_names_it(world, ray_session_plain, tmp_path):
+    """After a base night: a changed catalog, model, template or setting plans a full night naming the part."""
+    from pipeline.nightly import run_nightly
+    from pipeline.plan import plan_run
+
+    root, _ = world
+    run_nightly(config(root, tmp_path / "out", f"input={root / 'base.parquet'}", f"run_date={BASE_DATE}"))
+    tonight_cfg = night_config(root, tmp_path / "out", "incremental.enabled=true")
+    assert plan_run(tonight_cfg).incremental["mode"] == "carry"
+    catalog = pq.read_table(root / "data" / "items.parquet")
+    codes = catalog["semantic_id"].to_pylist()
+    codes[0], codes[1] = codes[1], codes[0]
+    pq.write_table(catalog.set_column(1, "semantic_id", pa.array(codes)), tmp_path / "items.parquet")
+    template = tmp_path / "template.json"
+    template.write_text(json.dumps({"name": "codes", "max_items": 8, "bos": False}))
+    cases = {
+        "catalog": [f"catalog={tmp_path / 'items.parquet'}"],
+        "target": [f"models.target={root / 'draft'}"],
+        "template": [f"models.template={template}"],
+        "decoding.k": ["decoding.k=4"],
+        "decoding.history_len": ["decoding.history_len=6"],
+        "blocked": ["blocked_items=[3]"],
+        "dtype": ["compute.dtype=bfloat16"],
+    }
+    for part, extra in cases.items():
+        record = plan_run(night_config(root, tmp_path / "out", "incremental.enabled=true", *extra)).incremental
+        assert record["mode"] == "full" and part in record["parts_differ"], (part, record)
+    same = plan_run(night_config(root, tmp_path / "out", "incremental.enabled=true", "compute.batch_size=7"))
+    assert same.incremental["mode"] == "carry"  # how users are cut into shards is not a part
+
+
+def test_the_input_hash_reads_the_window_and_the_exclusions():
+    """A change inside the prompt's window or the exclusion list changes a user's hash; one outside the window does not,
+    unless the whole history is excluded; rows that are not lists of ids have none."""
+    h = pa.array([[1, 2, 3, 4], [9, 2, 3, 4], [1, 2, 3, 5], [1, 2, 3, 4], None, [1, None]])
+    e = pa.array([[7], [7], [7], [8], [7], None])
+    window = input_hashes(h, e, 3, whole_history=False).to_pylist()
+    assert window[0] == window[1] and window[0] != window[2] and window[0] != window[3]
+    assert window[4] is None and window[5] is None
+    whole = input_hashes(h, e, 3, whole_history=True).to_pylist()
+    assert whole[0] != whole[1]
+    assert input_hashes(h.slice(1, 2), e.slice(1, 2), 3, False).to_pylist() == window[1:3]  # slices: the same
+    assert input_hashes(h, None, 3, False)[0] != window[0]
+
+
+def test_an_incremental_night_killed_and_resumed_publishes_every_user_once(world, ray_session_plain, tmp_path):
+    """An incremental night killed after a carried shard and a decoded one: --resume latest carries and decodes the
+    rest, and every user is published once, as a full night lists them."""
+    from pipeline.nightly import run_nightly
+
+    root, _ = world
+    run_nightly(config(root, tmp_path / "out", f"input={root / 'base.parquet'}", f"run_date={BASE_DATE}"))
+    cfg = night_config(root, tmp_path / "out", "incremental.enabled=true", "incremental.partitions=2")
+    run_nightly(cfg)
+    old = killed_run(cfg, keep=2)
+    manifest = run_nightly(cfg, resume="latest")
+    assert manifest["run_id"] == old and manifest["resume"]["resumed"]
+    run_nightly(night_config(root, tmp_path / "full"))
+    a, users, _ = published(cfg)
+    b, _, _ = published(night_config(root, tmp_path / "full"))
+    assert_same_lists(a, b)
+    assert users["user_id"].to_pylist() and len(set(users["user_id"].to_pylist())) == users.num_rows
+
+
+def test_a_base_deleted_mid_run_stops_the_night_and_publishes_nothing(world, ray_session_plain, tmp_path):
+    """The base's files deleted after the plan found it: the run stops with BaseGone (exit 2) naming it; nothing is
+    published for the night. While a run holds its pin, --gc leaves a superseded base alone."""
+    from pipeline.carry import BaseGone
+    from pipeline.nightly import run_nightly
+    from pipeline.plan import plan_run
+
+    root, _ = world
+    base = config(root, tmp_path / "out", f"input={root / 'base.parquet'}", f"run_date={BASE_DATE}")
+    run_nightly(base)
+    cfg = night_config(root, tmp_path / "out", "incremental.enabled=true")
+    plan = plan_run(cfg)
+    for f in (Path(plan.base.uri) / "users").glob("*.parquet"):
+        f.unlink()
+    with pytest.raises(BaseGone, match=f"incremental base {plan.base.uri}"):
+        run_nightly(cfg, plan=plan)
+    assert runs.latest_run(cfg.output, NIGHT, cfg.storage) is None
+
+    old = plan.base.uri
+    runs.pin(old, "a-reader", time.time() + 600, cfg.storage)
+    again = run_nightly(base)  # the base's date rerun: the old base is superseded
+    assert again["run_id"] not in old
+    assert runs.collect(base.output, base.storage, grace_s=0) == [] and Path(old).is_dir()
+    for pin in (Path(old) / "_PINS").iterdir():
+        pin.write_text(json.dumps({"by": "a-reader", "until": time.time() - 1}))
+    assert runs.collect(base.output, base.storage, grace_s=0) == [Path(old).name.removeprefix("run_id=")]
+
+
+def test_a_first_night_or_an_older_base_runs_full(world, tmp_path):
+    """No published run to carry from: a full night that says why."""
+    from pipeline.plan import plan_run
+
+    root, _ = world
+    record = plan_run(night_config(root, tmp_path / "empty", "incremental.enabled=true")).incremental
+    assert record["mode"] == "full" and record["full_because"] == ["no published run to carry from"]
