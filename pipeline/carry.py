@@ -5,10 +5,11 @@ Every run records its fingerprint (pipeline/lineage.py: every input but the user
 user's input hash in its `users` table. A run with `incremental` on picks a base (`choose_base`: by default the newest
 published run of its output root up to its date); when the two fingerprints are equal, its pending rows are joined
 with the base's users by user id (`carry`: a Ray Data hash join, every partition joined on its own node, nothing
-about users on the driver). A row whose input hash equals the base's is carried: `split` writes each join
-partition's carried users as one shard (their recommendations copied from the base, `users` rows marked carried)
-and passes the other rows on to the recommender actors, with one note per carried shard for the driver's progress.
-When the fingerprints differ, the run is a full one and its manifest names the parts that differ.
+about users on the driver). A row whose input hash equals the base's is carried: `split` writes the carried users of
+each block of the join's output (a partition, or part of one) as one shard (their recommendations copied from the
+base, `users` rows marked carried) and passes the other rows on to the recommender actors, with one note per carried
+shard for the driver's progress. When the fingerprints differ, the run is a full one and its manifest names the
+parts that differ.
 
 While a run reads its base, the base is pinned (`runs.pin`) against `--gc` and the grace deletion; a base file gone
 while it is read stops the run (BaseGone, exit 2), which publishes nothing.
@@ -25,13 +26,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline import runs
+from pipeline import runs, shards
 from pipeline import storage as S
 from pipeline.lineage import differences, sha256_of
+from pipeline.shards import NOTE
 from pipeline.storage import Storage
 
 log = logging.getLogger("genrec.nightly")
-NOTE = "carried"  # the column of the notes `split` passes to the actors: a carried shard's summary row (JSON)
 USERS_PER_PARTITION = 200_000  # the join's partitions when incremental.partitions is not set
 
 
@@ -47,6 +48,7 @@ class Base:
     run_id: str
     stems: list[str]  # its shards (each has a users and a recommendations file)
     users: int  # its users with a list
+    decoded_on: dict  # the dtypes and devices its lists were decoded in and on (`lineage.decoded_on`)
 
     def record(self) -> dict:
         return {"base": self.uri, "base_run_id": self.run_id}
@@ -87,8 +89,10 @@ def choose_base(cfg, parts: dict) -> tuple[Base | None, dict]:
     if diff:
         why = [f"{part} differs from the base's" for part in diff]
         return None, {**record, "mode": "full", "parts_differ": diff, "full_because": why}
-    stems = [name.removesuffix(".parquet") for name in run.manifest["files"]["users"]]
-    base = Base(run.uri, run.run_id, stems, int(run.manifest["counts"]["users_ok"]))
+    shards = {name.removesuffix(".parquet") for name in run.manifest["files"].get("metrics", [])}
+    stems = sorted(shards & {name.removesuffix(".parquet") for name in run.manifest["files"]["users"]})
+    decoded_on = run.manifest["lineage"].get("decoded_on") or {}
+    base = Base(run.uri, run.run_id, stems, int(run.manifest["counts"]["users_ok"]), decoded_on)
     return base, {**record, "mode": "carry", "base_fingerprint": sha256_of(base_parts)}
 
 
@@ -145,7 +149,7 @@ def _read(base: str, table: str, stem: str, columns: list[str], storage: Storage
             raise
         raise BaseGone(
             f"incremental base {base}: {uri} is gone (deleted while this run read it); this run stops and publishes "
-            "nothing. Rerun it (--resume latest): it carries from the newest published run it can read"
+            "nothing. Run the night again: a new run carries from the newest published run it can read"
         ) from None
 
 
@@ -198,9 +202,12 @@ def carry(ds, plan, a, base: Base, schema: pa.Schema):
 
 
 def split(block: pa.Table, carry: Carry) -> pa.Table:
-    """Ray Data map over the join's partitions: the carried rows (not a duplicate, an input hash equal to the base's)
+    """Ray Data map over the join's output blocks: the carried rows (not a duplicate, an input hash equal to the base's)
     written as one shard, the rest passed on (with `in_base`: the base holds a list for the user) followed by the
     carried shard's note (pos -1, NOTE: its summary row)."""
+    if "pos" not in block.column_names:  # a partition that holds base users and no pending row
+        return pending_schema(carry).empty_table()
+    block = one_row_per_position(block)
     same = pc.fill_null(pc.equal(block["input_hash"], block["base_hash"]), False)
     carried = pc.and_(same, pc.invert(block["duplicate"]))
     out = block.filter(pc.invert(carried))
@@ -221,30 +228,40 @@ def split(block: pa.Table, carry: Carry) -> pa.Table:
     return out.append_column(NOTE, note)
 
 
+def pending_schema(carry: Carry) -> pa.Schema:
+    """What `split` passes on: the read rows, `in_base` and the notes' column."""
+    return carry.schema.append(pa.field("in_base", pa.bool_())).append(pa.field(NOTE, pa.string()))
+
+
+def one_row_per_position(block: pa.Table) -> pa.Table:
+    """The join's rows, one per input row: a base that lists a user twice would give its row twice (its shards were
+    written by another version, or by hand); such a row is kept once, without the base's list (it is decoded)."""
+    pos = block["pos"].to_numpy()
+    if len(np.unique(pos)) == len(pos):
+        return block
+    order = np.argsort(pos, kind="stable")
+    first = np.r_[True, pos[order][1:] != pos[order][:-1]]  # [N] in pos order
+    repeated = np.zeros(len(pos), bool)
+    repeated[order] = ~first | np.r_[~first[1:], False]  # both the first and the later copies
+    keep = np.sort(order[first])
+    base = [c for c in block.column_names if c.startswith("base_")]
+    cleared = {c: pc.if_else(pa.array(repeated), pa.nulls(len(pos), block[c].type), block[c]) for c in base}
+    for c, values in cleared.items():
+        block = block.set_column(block.schema.get_field_index(c), c, values)
+    return block.take(pa.array(keep))
+
+
 def write_carried(rows: pa.Table, carry: Carry) -> dict:
     """Carried rows (the read columns, base_items, base_scores) -> their shard written and committed (its
     recommendations copied, its users marked carried) -> its summary row."""
     from operators.outputs import table_schema
-    from pipeline import shards
 
     rows = rows.take(pc.sort_indices(rows["pos"]))
     pos = rows["pos"].to_numpy()
-    shard = f"s{int(pos[0]):012d}"
+    shard, n = f"s{int(pos[0]):012d}", rows.num_rows
     user_type = carry.schema.field("user_id").type
-    items, scores = rows["base_items"].combine_chunks(), rows["base_scores"].combine_chunks()
-    lengths = pc.list_value_length(items).to_numpy(zero_copy_only=False)  # [U]
-    owner = np.repeat(np.arange(rows.num_rows), lengths)  # [R]
-    rank = np.arange(len(owner)) - np.repeat(np.cumsum(lengths) - lengths, lengths) + 1
-    recs = pa.table(
-        {
-            "user_id": rows["user_id"].take(pa.array(owner, pa.int64())),
-            "rank": pa.array(rank.astype(np.int32)),
-            "item_id": pc.list_flatten(items),
-            "score": pc.list_flatten(scores),
-            "mode": pa.array([carry.mode] * len(owner), pa.string()),
-        }
-    ).cast(table_schema("rec", user_type))
-    n = rows.num_rows
+    recs = carried_recommendations(rows, carry.mode).cast(table_schema("rec", user_type))
+    lengths = pc.list_value_length(rows["base_items"]).to_numpy(zero_copy_only=False)  # [U]
     users = pa.table({"user_id": rows["user_id"], "input_hash": rows["input_hash"], "source": ["carried"] * n})
     metric = {
         "run_id": carry.run_id,
@@ -253,21 +270,46 @@ def write_carried(rows: pa.Table, carry: Carry) -> dict:
         "mode": carry.mode,
         "decoder": "carried",
         "k": carry.k,
-        "users_in": n,
-        "users_ok": n,
+        **dict.fromkeys(("users_in", "users_ok", "users_carried"), n),
+        **dict.fromkeys(("users_rejected", "users_non_finite", "users_duplicate", "users_changed"), 0),
         "users_short": int((lengths < carry.k).sum()),
-        "users_rejected": 0,
-        "users_non_finite": 0,
-        "users_duplicate": 0,
-        "users_carried": n,
-        "users_changed": 0,
-        "recommendations": len(owner),
+        "recommendations": recs.num_rows,
         "ranges": shards.ranges_of(pos),
         "committed_at": time.time(),
     }
     rejects = table_schema("reject", user_type).empty_table()
     shards.write_shard(f"{shard}-{carry.attempt}", recs, rejects, metric, carry.run, carry.storage, users)
-    return {"users_in": n, "users_ok": n, "users_rejected": 0, "recommendations": len(owner), "restarted": False}
+    return {"users_in": n, "users_ok": n, "users_rejected": 0, "recommendations": recs.num_rows, "restarted": False}
+
+
+def carried_recommendations(rows: pa.Table, mode: str) -> pa.Table:
+    """Carried rows (user_id, base_items [k], base_scores [k]) -> their recommendations, ranks 1.. in list order."""
+    items, scores = rows["base_items"].combine_chunks(), rows["base_scores"].combine_chunks()
+    lengths = pc.list_value_length(items).to_numpy(zero_copy_only=False)  # [U]
+    owner = np.repeat(np.arange(rows.num_rows), lengths)  # [R]
+    rank = np.arange(len(owner)) - np.repeat(np.cumsum(lengths) - lengths, lengths) + 1  # [R]
+    return pa.table(
+        {
+            "user_id": rows["user_id"].take(pa.array(owner, pa.int64())),
+            "rank": pa.array(rank.astype(np.int32)),
+            "item_id": pc.list_flatten(items),
+            "score": pc.list_flatten(scores),
+            "mode": pa.array([mode] * len(owner), pa.string()),
+        }
+    )
+
+
+def check_decoded_on(base: Base, tonight: dict) -> None:
+    """An incremental run's decoded users must have been decoded in the dtypes and on the devices its base's were
+    (`compute.dtype: auto` and the GPU model show only in the actors): else its carried and decoded lists would mix
+    two precisions, and it is not published (ValueError, exit 2)."""
+    if base.decoded_on.get("dtypes") and tonight.get("dtypes") and base.decoded_on != tonight:
+        raise ValueError(
+            f"incremental: tonight's users were decoded in {tonight['dtypes']} on {tonight['devices']}, the base "
+            f"{base.uri}'s in {base.decoded_on['dtypes']} on {base.decoded_on['devices']}: carried and decoded lists "
+            "would mix the two, so this run is not published. Set compute.dtype (and the GPUs) as the base had them, "
+            "or run the night full (incremental.enabled=false)"
+        )
 
 
 def full_decode_estimate(timings: dict, decoded: int, carried: int) -> float | None:

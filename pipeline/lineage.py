@@ -126,7 +126,29 @@ def fingerprint(
     the decoding settings that shape a list, the dtype (and the engine outside float32), the device kind, the
     software, the kind of user id and how input hashes are computed."""
     d, c = cfg.decoding, cfg.compute
-    decoding = {
+    roles = ["target"] + ["draft"] * (d.mode == "atspeed-relaxed")
+    dtype = "float32" if c.dtype == "auto" and not c.gpus_per_actor else c.dtype  # auto on a CPU: float32
+    return {
+        **{role: {"weights": models[role]["sha256"], "files": models[role]["files"]} for role in roles},
+        "template": sha256_of(template),
+        "catalog": {"index": items_info["sha256"], "kept": sha256_of(kept)},
+        "recommendable": items_info["sets"]["recommendable"],
+        "blocked": items_info["sets"]["blocked"],
+        "decoding": decoding_parts(cfg, history_len, exclude_column),
+        "dtype": dtype,
+        **({"engine": c.engine} if dtype != "float32" else {}),
+        "device": device,
+        "software": {name: _version(name) for name in ("genrec-batch", "torch", "transformers")},
+        "code": code_sha256(),
+        "user_id": id_kind,
+        "input_hash": HASH,
+    }
+
+
+def decoding_parts(cfg, history_len: int, exclude_column: str | None) -> dict:
+    """The decoding settings that shape a list: every mode's, and the sampling modes' and atspeed-relaxed's own."""
+    d = cfg.decoding
+    parts = {
         "mode": d.mode,
         "k": d.k,
         "history_len": history_len,
@@ -135,26 +157,26 @@ def fingerprint(
         "duplicate_items": cfg.duplicate_items,
     }
     if d.mode in ("atspeed-relaxed", "disc"):
-        decoding |= {"seed": d.seed, "temperature": d.temperature}
+        parts |= {"seed": d.seed, "temperature": d.temperature}
     if d.mode == "atspeed-relaxed":
-        decoding |= {"gamma": d.gamma, "draft_beams": d.draft_beams}
+        parts |= {"gamma": d.gamma, "draft_beams": d.draft_beams}
     if d.mode == "disc":
-        decoding |= {"rounds": d.rounds, "top_m": d.top_m}
-    roles = ["target"] + ["draft"] * (d.mode == "atspeed-relaxed")
-    return {
-        **{role: {"weights": models[role]["sha256"], "files": models[role]["files"]} for role in roles},
-        "template": sha256_of(template),
-        "catalog": {"index": items_info["sha256"], "kept": sha256_of(kept)},
-        "recommendable": items_info["sets"]["recommendable"],
-        "blocked": items_info["sets"]["blocked"],
-        "decoding": decoding,
-        "dtype": c.dtype,
-        **({"engine": c.engine} if c.dtype != "float32" else {}),
-        "device": device,
-        "software": {name: _version(name) for name in ("genrec-batch", "torch", "transformers")},
-        "user_id": id_kind,
-        "input_hash": HASH,
-    }
+        parts |= {"rounds": d.rounds, "top_m": d.top_m}
+    return parts
+
+
+def code_sha256() -> str:
+    """The decoders' and the actor's source (decoding/ and operators/): sha256 over each file's path and content, so
+    that a fix to a decoder, the prompts, the exclusions or the validation makes the next night a full one, whatever
+    the package's version says."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for f in sorted([*root.glob("decoding/**/*.py"), *root.glob("operators/**/*.py")]):
+        h.update(f"{f.relative_to(root).as_posix()}\0".encode())
+        h.update(hashlib.sha256(f.read_bytes()).digest())
+    return h.hexdigest()
 
 
 def _version(package: str) -> str | None:
@@ -162,6 +184,12 @@ def _version(package: str) -> str | None:
         return version(package)
     except PackageNotFoundError:
         return None
+
+
+def decoded_on(dtypes, devices) -> dict:
+    """What a run's actors decoded in and on (the metrics' dtype and device columns): `compute.dtype: auto` and the
+    GPU model are known only there. An incremental run publishes only when its decoded users' match its base's."""
+    return {"dtypes": sorted(set(dtypes)), "devices": sorted(set(devices))}
 
 
 def differences(base: dict, parts: dict) -> list[str]:

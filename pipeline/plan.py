@@ -259,6 +259,7 @@ class Plan:
             for r in sorted(set(old.get("models", {})) | set(new["models"]))
             if old.get("model_sha256") == MODEL_SHA256 and old.get("models", {}).get(r) != new["models"].get(r)
         ]
+        out += ["the incremental base"] * (old.get("base") != new.get("base") and "base" in old)
         was = {**DEFAULTS, **resume_config(state.get("config") or {})}  # a field it predates: as if at its default
         keys = sorted(k for k in set(was) | set(self.config) if was.get(k) != self.config.get(k))
         out += [f"the config ({', '.join(keys)})"] * bool(keys)

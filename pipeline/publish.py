@@ -14,8 +14,9 @@ import pyarrow as pa
 
 from operators.outputs import table_schema
 from pipeline import runs, shards, signals
+from pipeline import storage as S
 from pipeline.attempt import Attempt, actor_resources
-from pipeline.carry import full_decode_estimate
+from pipeline.carry import check_decoded_on, full_decode_estimate
 from pipeline.config import Config
 from pipeline.lease import Lease
 from pipeline.lineage import NOT_PARTS, sha256_of
@@ -31,6 +32,8 @@ def tally_shards(plan: Plan, a: Attempt, since: float) -> tuple[dict, dict]:
     cfg = plan.cfg
     stems = shards.attempt_shards(a.run, cfg.storage, a.trusted, a.id)
     files = {name: [f"{stem}.parquet" for stem in stems] for name in runs.TABLES}
+    users = set(S.list_files(runs.table_dir(a.run, "users"), cfg.storage))  # shards resumed from an older version
+    files["users"] = [f for f in files["users"] if f in users]  # have none: their users are never carried
     if not stems:
         files |= write_empty_tables(plan, a.run)
     sums = shards.tally(a.run, cfg.storage, stems, since=since)
@@ -77,19 +80,13 @@ def manifest_of(plan: Plan, a: Attempt, files: dict, sums: dict, timings: dict) 
         "prefix_tokens": len(renderer.prefix_ids),
         "auto": sums["auto"],
         "catalog": catalog_info(plan),
-        "counts": {"input_rows": a.total, **{key: sums[key] for key in COUNTS}, **user_counts(plan, sums)},
-        "lineage": {"fingerprint": plan.lineage, "sha256": sha256_of(plan.lineage), "not_in_it": NOT_PARTS},
+        "counts": counts(plan, a, sums),
+        "lineage": lineage_info(plan, sums),
         "incremental": incremental_info(plan, sums, timings),
         "resume": resume_info(a),
         "duplicates": {"users": 0 if a.duplicates is None else a.duplicates.num_rows, "checked_on": a.checked_on},
         "precision_audit": sums["precision_audit"],
-        "engine": {
-            "name": cfg.compute.engine,
-            "graphs_compiled": sums["graphs_compiled"],
-            "graphs_cold": sums["graphs_cold"],
-            "compile_store": plan.spec.compile_store.root if plan.spec.compile_store else None,
-            "decision": runs.EngineRecord(a.run, cfg.storage).read() if cfg.compute.engine == "auto" else None,
-        },
+        "engine": engine_info(plan, a, sums),
         "exclusions": exclusions_summary(cfg, plan.data.schema, sums["exclusions"]),
         "timings": timings,
         "outputs": {name: runs.table_dir(a.run, name) for name in runs.TABLES},
@@ -97,14 +94,36 @@ def manifest_of(plan: Plan, a: Attempt, files: dict, sums: dict, timings: dict) 
     }
 
 
-def user_counts(plan: Plan, sums: dict) -> dict:
-    """The manifest's counts of users by what became of them: `users` (the users table's rows: the input's users but
-    repeats), decoded (by the actors, rejects included), carried (copied from the base), and of the base's users with
-    a list, those absent from tonight's input (`users_dropped`; 0 without a base)."""
+def engine_info(plan: Plan, a: Attempt, sums: dict) -> dict:
+    """The manifest's `engine`: beam search's engine, its compile totals and store, compute.engine auto's decision."""
+    c = plan.cfg.compute
+    return {
+        "name": c.engine,
+        "graphs_compiled": sums["graphs_compiled"],
+        "graphs_cold": sums["graphs_cold"],
+        "compile_store": plan.spec.compile_store.root if plan.spec.compile_store else None,
+        "decision": runs.EngineRecord(a.run, plan.cfg.storage).read() if c.engine == "auto" else None,
+    }
+
+
+def lineage_info(plan: Plan, sums: dict) -> dict:
+    """The manifest's `lineage`: the run's fingerprint part by part and its sha256, what its lists were decoded in
+    and on (a night that decoded no one: its base's), and the settings left out of the fingerprint, with why."""
+    on = sums["decoded_on"] if sums["decoded_on"]["dtypes"] or not plan.base else plan.base.decoded_on
+    return {"fingerprint": plan.lineage, "sha256": sha256_of(plan.lineage), "decoded_on": on, "not_in_it": NOT_PARTS}
+
+
+def counts(plan: Plan, a: Attempt, sums: dict) -> dict:
+    """The manifest's `counts`: the input's rows, the shards' COUNTS, and users by what became of them: `users` (the
+    users table's rows: the input's users but repeats), decoded (by the actors, rejects included), carried (copied
+    from the base), and of the base's users with a list, those absent from tonight's input (`users_dropped`; 0
+    without a base)."""
     users = sums["users_in"] - sums["users_duplicate"]
     carried = sums["users_carried"]
     base = plan.base.users if plan.base else 0
     return {
+        "input_rows": a.total,
+        **{key: sums[key] for key in COUNTS},
         "users": users,
         "users_decoded": users - carried,
         "users_carried": carried,
@@ -199,6 +218,8 @@ def publish_run(plan: Plan, a: Attempt, manifest: dict, lease: Lease, latest: st
     replaces them), checks the lease again and publishes the run, deleting the runs it superseded past their grace.
     A run that lost the date never writes its manifest over another's, nor publishes."""
     cfg = plan.cfg
+    if plan.base is not None:
+        check_decoded_on(plan.base, manifest["lineage"]["decoded_on"])
     hold_for_test()
     lease.check()
     runs.finish(a.run, manifest, cfg.storage, lease.check)

@@ -155,8 +155,8 @@ def run_time(m: pd.DataFrame, man: dict, users: int, busy: float, wall: float) -
         "decode_wall_s": wall,
         "total_s": float(man["timings"]["total_s"]),
         "busy_s": busy,
-        "users_per_s": users / wall,
-        "users_per_busy_s": users / busy,
+        "users_per_s": users / wall if wall else None,
+        "users_per_busy_s": users / busy if busy else None,  # None: every user was carried
         "phase_s": {p: float(m[p].sum()) for p in PHASES},
     }
 
@@ -240,7 +240,7 @@ def per_actor(m: pd.DataFrame, wall: float) -> list[dict]:
             "batches": int(r.batches),
             "busy_s": float(r.busy_s),
             "busy_fraction": float(r.busy_s / wall) if wall else None,
-            "users_per_s": float(r.users / r.busy_s),
+            "users_per_s": float(r.users / r.busy_s) if r.busy_s else None,
         }
         for a, r in actors.iterrows()
     ]

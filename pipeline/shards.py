@@ -29,7 +29,7 @@ from decoding.stats import BASE_KEYS, PHASES
 from operators.outputs import TABLES, table_schema
 from pipeline import runs
 from pipeline import storage as S
-from pipeline.carry import NOTE
+from pipeline.lineage import decoded_on
 from pipeline.storage import Storage
 from pipeline.units import merge
 
@@ -137,15 +137,14 @@ def begin_attempt(run: str, storage: Storage, attempt: str) -> list[str]:
     return trusted
 
 
-def committed(run: str, storage: Storage, stems: list[str]) -> list[tuple[int, int]]:
-    """The position ranges [(start, end)] the shards `stems` cover, merged."""
+def committed(run: str, storage: Storage, stems: list[str]) -> np.ndarray:
+    """The position ranges [M, 2] the shards `stems` cover, merged: numpy, 16 bytes a range (an incremental run's
+    shards hold about one range per user: the join scatters positions)."""
     ranges = [
-        tuple(r)
+        pc.list_flatten(pc.list_flatten(t["ranges"])).to_numpy().reshape(-1, 2)
         for t in runs.read_files(run, "metrics", storage, ["ranges"], files=stems)
-        for rs in t.column("ranges").to_pylist()
-        for r in rs
     ]
-    return merge(ranges)
+    return merge(np.concatenate(ranges) if ranges else np.zeros((0, 2), np.int64))
 
 
 def attempt_shards(run: str, storage: Storage, trusted: list[str], attempt: str) -> list[str]:
@@ -161,7 +160,7 @@ SUMS = ("users_in", "users_ok", "users_short", "users_rejected", "users_non_fini
 SUMS += ("users_duplicate", "users_carried", "users_changed")
 TIMES = ("actor_ready_at", "committed_at")  # epoch seconds
 TALLIED = [*SUMS, "actor", "batch", "auto", "decode_batch", *TIMES, "dtype", *AUDIT, "audit_max_abs_score_diff"]
-TALLIED += ["audit_device", "audit_skipped"]
+TALLIED += ["audit_device", "audit_skipped", "device"]
 TALLIED += [
     *EXCLUDED,
     "excluded_max",
@@ -202,6 +201,7 @@ class Tally:
     worst: list = field(default_factory=list)  # audit_max_abs_score_diff of every audited batch
     audit_notes: dict = field(default_factory=lambda: {"audit_device": set(), "audit_skipped": set()})
     dtypes: set = field(default_factory=set)
+    devices: set = field(default_factory=set)  # what the decoded shards ran on (a carried shard has none)
     excluded: dict = field(default_factory=lambda: {**dict.fromkeys(EXCLUDED, 0), "excluded_max": 0})
     sizes: list = field(default_factory=list)  # every file's smallest and largest decode_batch
     compile_s: dict = field(default_factory=dict)  # actor -> its compile seconds
@@ -226,6 +226,7 @@ class Tally:
         for key, seen in self.audit_notes.items():
             seen |= {v for v in t[key].to_pylist() if v}
         self.dtypes |= {v for v in t["dtype"].to_pylist() if v}
+        self.devices |= {v for v in t["device"].to_pylist() if v}
         self.sizes += [v.as_py() for v in pc.min_max(t["decode_batch"]).values() if v.as_py() is not None]
         self.graphs += _sum(t["graphs_compiled"])
         self.cold += _sum(t["graphs_cold"])
@@ -259,6 +260,7 @@ class Tally:
             "graphs_compiled": self.graphs,
             "graphs_cold": self.cold,
             "compute_actors": sorted(self.actors),
+            "decoded_on": decoded_on(self.dtypes, self.devices),
         }
 
 
@@ -332,9 +334,6 @@ class ShardRecommender:
         pos = batch["pos"].to_numpy()
         dup = batch["duplicate"].to_numpy(zero_copy_only=False)
         distinct = users_of(batch.filter(pa.array(~dup)), "decoded")
-        changed = (
-            int(pc.sum(batch["in_base"].filter(pa.array(~dup))).as_py() or 0) if "in_base" in batch.column_names else 0
-        )
         extra = [c for c in ("pos", "duplicate", "input_hash", "in_base") if c in batch.column_names]
         out = self.recommender(batch.filter(pa.array(~dup)).drop_columns(extra))
         kind = out["kind"]
@@ -347,24 +346,13 @@ class ShardRecommender:
             users_duplicate=n_dup,
             users_rejected=metric["users_rejected"] + n_dup,
             users_carried=0,
-            users_changed=changed,
+            users_changed=changed(batch, dup),
             ranges=ranges_of(pos),
         )
         user_type = batch.schema.field("user_id").type
         rejects = out.filter(pc.equal(kind, "reject")).select(TABLES["reject"])
-        rejects = rejects.cast(table_schema("reject", user_type))
+        rejects = with_duplicates(rejects.cast(table_schema("reject", user_type)), batch["user_id"], dup)
         metric["committed_at"] = time.time()  # the shard commits with the metrics row written next
-        if n_dup:
-            users = batch["user_id"].filter(pa.array(dup))
-            rejects = pa.concat_tables(
-                [
-                    rejects,
-                    pa.table(
-                        {"user_id": users, "reason": [DUPLICATE[0]] * n_dup, "detail": [DUPLICATE[1]] * n_dup},
-                        schema=rejects.schema,
-                    ),
-                ]
-            )
         recs = out.filter(pc.equal(kind, "rec")).select(TABLES["rec"]).cast(table_schema("rec", user_type))
         write_shard(f"{shard}-{self.attempt}", recs, rejects, metric, self.run, self.storage, distinct)
         self.written[shard] = {
@@ -372,6 +360,26 @@ class ShardRecommender:
         }
         self.written[shard]["restarted"] = restarted()
         return self.written[shard]
+
+
+def changed(batch: pa.Table, dup: np.ndarray) -> int:
+    """Of a batch's first rows of their user (dup [B] bool: the repeats), those whose list the base run holds
+    (`in_base`, an incremental run's; 0 otherwise)."""
+    if "in_base" not in batch.column_names:
+        return 0
+    return int(pc.sum(batch["in_base"].filter(pa.array(~dup))).as_py() or 0)
+
+
+def with_duplicates(rejects: pa.Table, users: pa.ChunkedArray, dup: np.ndarray) -> pa.Table:
+    """A shard's rejects and one `duplicate_user` reject per repeated row (dup [B] bool over `users`)."""
+    n = int(dup.sum())
+    if not n:
+        return rejects
+    repeats = pa.table(
+        {"user_id": users.filter(pa.array(dup)), "reason": [DUPLICATE[0]] * n, "detail": [DUPLICATE[1]] * n},
+        schema=rejects.schema,
+    )
+    return pa.concat_tables([rejects, repeats])
 
 
 def recommender_of(spec: ActorSpec, items: ItemsRef, storage: Storage) -> Recommender:
@@ -424,6 +432,8 @@ def users_schema(user_type: pa.DataType) -> pa.Schema:
     return pa.schema([("user_id", user_type), ("input_hash", pa.binary()), ("source", pa.string())])
 
 
+NOTE = "carried"  # the column of the notes an incremental run's carry passes to the actors (pipeline/carry.py): a
+# carried shard's summary row (JSON)
 SUMMARY = pa.schema(
     [
         ("users_in", _INT),

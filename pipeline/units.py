@@ -48,26 +48,28 @@ def plan_units(data: pads.Dataset) -> list[Unit]:
     return units
 
 
-def merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[list[int]] = []
-    for a, b in sorted(ranges):
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return [tuple(r) for r in out]
+def merge(ranges) -> np.ndarray:
+    """Position ranges [(start, end)] (any order, overlapping or touching) -> the same positions as sorted, disjoint
+    ranges [M, 2] int64."""
+    r = np.asarray(ranges, np.int64).reshape(-1, 2)
+    if not len(r):
+        return r
+    r = r[np.argsort(r[:, 0], kind="stable")]
+    ends = np.maximum.accumulate(r[:, 1])  # [R] the furthest end so far
+    first = np.flatnonzero(np.r_[True, r[1:, 0] > ends[:-1]])  # [M] where a range starts past every earlier end
+    return np.stack([r[first, 0], ends[np.r_[first[1:] - 1, len(r) - 1]]], axis=1)
 
 
-def todo(units: list[Unit], done: list[tuple[int, int]]) -> list[dict]:
-    """The units with positions left to decode, each with the committed ranges inside it (plain dicts: Ray rows)."""
-    starts = np.array([a for a, _ in done], np.int64)
+def todo(units: list[Unit], done) -> list[dict]:
+    """The units with positions left to decode, each with the committed ranges inside it (plain dicts: Ray rows).
+    `done`: committed ranges [(start, end)]; two binary searches per unit."""
+    done = merge(done)  # [M, 2]
     out = []
     for u in units:
         lo, hi = u.offset, u.offset + u.rows
-        i = np.searchsorted(starts, lo, side="right") - 1
-        inside = [(max(a, lo), min(b, hi)) for a, b in done[max(i, 0) :] if a < hi and b > lo]
-        if sum(b - a for a, b in inside) < u.rows:
-            out.append({**asdict(u), "done": json.dumps(inside)})
+        inside = np.clip(done[np.searchsorted(done[:, 1], lo, "right") : np.searchsorted(done[:, 0], hi)], lo, hi)
+        if int((inside[:, 1] - inside[:, 0]).sum()) < u.rows:
+            out.append({**asdict(u), "done": json.dumps(inside.tolist())})
     return out
 
 

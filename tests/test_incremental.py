@@ -4,6 +4,7 @@ runs full naming the part of its fingerprint that changed, resumes after a kill,
 
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -168,13 +169,13 @@ def test_the_input_hash_reads_the_window_and_the_exclusions():
 
 
 def test_an_incremental_night_killed_and_resumed_publishes_every_user_once(world, ray_session_plain, tmp_path):
-    """An incremental night killed after a carried shard and a decoded one: --resume latest carries and decodes the
-    rest, and every user is published once, as a full night lists them."""
+    """An incremental night (16 join partitions: some hold base users and no pending row) killed after two shards:
+    --resume latest carries and decodes the rest, and every user is published once, as a full night lists them."""
     from pipeline.nightly import run_nightly
 
     root, _ = world
     run_nightly(config(root, tmp_path / "out", f"input={root / 'base.parquet'}", f"run_date={BASE_DATE}"))
-    cfg = night_config(root, tmp_path / "out", "incremental.enabled=true", "incremental.partitions=2")
+    cfg = night_config(root, tmp_path / "out", "incremental.enabled=true", "incremental.partitions=16")
     run_nightly(cfg)
     old = killed_run(cfg, keep=2)
     manifest = run_nightly(cfg, resume="latest")
@@ -221,3 +222,64 @@ def test_a_first_night_or_an_older_base_runs_full(world, tmp_path):
     root, _ = world
     record = plan_run(night_config(root, tmp_path / "empty", "incremental.enabled=true")).incremental
     assert record["mode"] == "full" and record["full_because"] == ["no published run to carry from"]
+
+
+def test_a_bfloat16_incremental_night_agrees_with_a_full_one_within_near_ties(world, ray_session_plain, tmp_path):
+    """In bfloat16 a list can depend on the batch it was decoded in: the incremental night (carried users keep the
+    base's lists) and the full night agree user by user up to swaps of items whose scores are within twice the
+    dtype's noise measured here (the largest score difference of an item both nights list for a user), and the share
+    of users with identical lists is reported."""
+    from decoding.metrics import same_within_ties
+    from pipeline.nightly import run_nightly
+
+    root, _ = world
+    extra = ["compute.dtype=bfloat16", "compute.audit_users=0"]
+    run_nightly(config(root, tmp_path / "out", f"input={root / 'base.parquet'}", f"run_date={BASE_DATE}", *extra))
+    run_nightly(night_config(root, tmp_path / "out", "incremental.enabled=true", *extra))
+    run_nightly(night_config(root, tmp_path / "full", *extra))
+    lists = []
+    for out in ("out", "full"):
+        recs = published(night_config(root, tmp_path / out))[0].to_pandas()
+        lists.append(recs.groupby("user_id").agg(items=("item_id", list), scores=("score", list)))
+    a, b = lists
+    assert list(a.index) == list(b.index) and (a["items"].map(len) == b["items"].map(len)).all()
+    items_a, items_b = (torch.tensor(x["items"].tolist()) for x in (a, b))
+    scores_a, scores_b = (torch.tensor(x["scores"].tolist()) for x in (a, b))
+    both = items_a[:, :, None] == items_b[:, None, :]  # [U, K, K]
+    noise = float(torch.where(both, (scores_a[:, :, None] - scores_b[:, None, :]).abs(), 0.0).max())
+    identical = (items_a == items_b).all(1)
+    print(f"bfloat16: {int(identical.sum())} of {len(identical)} users identical, noise {noise:.3g}")
+    assert same_within_ties(items_a, scores_a, items_b, 2 * noise).all()
+
+
+def test_a_night_without_changes_carries_everyone_and_reports_it(world, ray_session_plain, tmp_path):
+    """Tonight's input is the base's: every user carried, nothing decoded; the lists decoded in and on what the base's
+    were (inherited), and the report says so."""
+    from pipeline.nightly import run_nightly
+    from pipeline.report import summarize
+
+    root, _ = world
+    base = run_nightly(config(root, tmp_path / "out", f"input={root / 'base.parquet'}", f"run_date={BASE_DATE}"))
+    cfg = config(root, tmp_path / "out", f"input={root / 'base.parquet'}", f"run_date={NIGHT}")
+    manifest = run_nightly(replace(cfg, incremental=replace(cfg.incremental, enabled=True)))
+    counts = manifest["counts"]
+    assert counts["users_decoded"] == 0 and counts["users_carried"] == base["counts"]["users_ok"] == counts["users_ok"]
+    assert (
+        manifest["lineage"]["decoded_on"]
+        == base["lineage"]["decoded_on"]
+        == {"dtypes": ["float32"], "devices": ["cpu"]}
+    )
+    s = summarize(runs.load_run(runs.date_dir(cfg.output, NIGHT), cfg.storage), 2.5)
+    assert s["incremental"]["users_carried"] == counts["users_carried"] and s["users_ok"] == 0
+
+
+def test_tonights_decoded_users_must_match_the_bases_dtype_and_device():
+    """compute.dtype auto and the GPU model show only in the actors: a night whose decoded users ran in another dtype
+    or on another device than its base's is refused before it publishes, naming both."""
+    from pipeline.carry import Base, check_decoded_on
+
+    base = Base("b", "r", [], 1, {"dtypes": ["float32"], "devices": ["NVIDIA A10G"]})
+    check_decoded_on(base, {"dtypes": ["float32"], "devices": ["NVIDIA A10G"]})
+    check_decoded_on(base, {"dtypes": [], "devices": []})  # nothing decoded tonight: every list is the base's
+    with pytest.raises(ValueError, match=r"decoded in \['bfloat16'\] on \['NVIDIA H100'\]"):
+        check_decoded_on(base, {"dtypes": ["bfloat16"], "devices": ["NVIDIA H100"]})

@@ -736,7 +736,9 @@ def test_a_fenced_attempts_late_shards_are_never_read(world, ray_session, tmp_pa
             schema=table_schema("rec", pa.int64()),
         )
         metric = {"run_id": old, "shard": late[:13], "users_in": 10, "users_ok": 10, "ranges": [[80, 90]]}
-        shards.write_shard(late, recs, table_schema("reject", pa.int64()).empty_table(), metric, run, cfg.storage)
+        listed = shards.users_of(pa.table({"user_id": recs["user_id"].unique()}), "decoded")
+        empty = table_schema("reject", pa.int64()).empty_table()
+        shards.write_shard(late, recs, empty, metric, run, cfg.storage, listed)
         return trusted
 
     monkeypatch.setattr(shards, "begin_attempt", then_a_late_commit)
@@ -751,7 +753,7 @@ def test_a_fenced_attempts_late_shards_are_never_read(world, ray_session, tmp_pa
 def test_a_retried_shard_without_rejects_leaves_no_stale_rejects(tmp_path):
     """A shard's first attempt rejected two users; its retry rejects none: the retry's (empty) rejects file replaces
     the first one, so no user is both recommended and rejected."""
-    from pipeline.shards import write_shard
+    from pipeline.shards import users_of, write_shard
     from pipeline.storage import Storage
 
     run, storage = str(tmp_path / "run"), Storage()
@@ -769,8 +771,9 @@ def test_a_retried_shard_without_rejects_leaves_no_stale_rejects(tmp_path):
         {"user_id": [1, 2], "reason": ["bad", "bad"], "detail": ["x", "x"]}, schema=table_schema("reject", pa.int64())
     )
     metric = {"run_id": "r", "shard": "s000000000000", "users_in": 2, "ranges": [[0, 2]]}
-    write_shard("s000000000000-a", recs.slice(0, 0), rejects, metric, run, storage)
-    write_shard("s000000000000-a", recs, rejects.slice(0, 0), metric, run, storage)  # Ray's retry of the batch
+    users = users_of(pa.table({"user_id": [1, 2]}), "decoded")
+    write_shard("s000000000000-a", recs.slice(0, 0), rejects, metric, run, storage, users)
+    write_shard("s000000000000-a", recs, rejects.slice(0, 0), metric, run, storage, users)  # Ray's retry of the batch
     got = runs.read_table(run, "rejects", storage, files=["s000000000000-a"])
     assert (
         got.num_rows == 0 and runs.read_table(run, "recommendations", storage, files=["s000000000000-a"]).num_rows == 2

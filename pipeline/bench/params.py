@@ -153,6 +153,21 @@ class ScaleParams:
     out: str = "bench-out"
 
 
+@dataclass
+class IncrementalParams:
+    """`bench incremental`: for each size of synthetic users (`nightly-scale`'s world) a base night, then for each
+    share of users `changed` a full and an incremental night on the same input, interleaved `repeats` times, each in
+    its own driver process."""
+
+    users: list[int] = field(default_factory=lambda: [100_000, 1_000_000])
+    changed: list[float] = field(default_factory=lambda: [0.0, 0.1, 0.5, 1.0])
+    repeats: int = 2
+    k: int = 10
+    batch: int = 256
+    cpus: int = 2  # CPUs of the local Ray
+    out: str = "bench-out"
+
+
 @dataclass(kw_only=True)
 class TemplatesParams(Timed):
     """`bench templates`: rendering every Beauty test user with each template, renderer vs tokenizer; then the

@@ -80,6 +80,13 @@ BENCHES = {
         "items:markdown_items",
         CPU,
     ),
+    "incremental": Section(
+        P.IncrementalParams,
+        "incremental nights against full nights: wall seconds, users decoded, carry cost, driver memory",
+        "incremental:run_incremental",
+        "incremental:markdown_incremental",
+        CPU,
+    ),
     "delisted": Section(
         P.DelistedParams,
         "a night with items delisted: taken out of the catalog against left out of the recommendable set",
