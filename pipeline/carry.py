@@ -34,6 +34,7 @@ from pipeline.storage import Storage
 
 log = logging.getLogger("genrec.nightly")
 USERS_PER_PARTITION = 200_000  # the join's partitions when incremental.partitions is not set
+BASE_SHARDS_PER_TASK = 64  # base shards one task reads (their files 16 at a time: object stores are latency bound)
 
 
 class BaseGone(FileNotFoundError):
@@ -89,8 +90,10 @@ def choose_base(cfg, parts: dict) -> tuple[Base | None, dict]:
     if diff:
         why = [f"{part} differs from the base's" for part in diff]
         return None, {**record, "mode": "full", "parts_differ": diff, "full_because": why}
-    shards = {name.removesuffix(".parquet") for name in run.manifest["files"].get("metrics", [])}
-    stems = sorted(shards & {name.removesuffix(".parquet") for name in run.manifest["files"]["users"]})
+    committed = {name.removesuffix(".parquet") for name in run.manifest["files"].get("metrics", [])}
+    stems = sorted(committed & {name.removesuffix(".parquet") for name in run.manifest["files"]["users"]})
+    if not stems:
+        return None, {**record, "mode": "full", "full_because": ["the base has no shard to carry from"]}
     decoded_on = run.manifest["lineage"].get("decoded_on") or {}
     base = Base(run.uri, run.run_id, stems, int(run.manifest["counts"]["users_ok"]), decoded_on)
     return base, {**record, "mode": "carry", "base_fingerprint": sha256_of(base_parts)}
@@ -100,14 +103,9 @@ def key_of(ids: pa.Array) -> pa.Array:
     """User ids -> the join's key: one type per kind of id (int64, large string, large binary), whatever type each
     night's files hold."""
     t = ids.type
-    kind = (
-        pa.int64()
-        if pa.types.is_integer(t)
-        else pa.large_string()
-        if pa.types.is_string(t) or pa.types.is_large_string(t)
-        else pa.large_binary()
-    )
-    return ids.cast(kind)
+    if pa.types.is_integer(t):  # uint64 ids past 2^63: their bits as int64 (one id is one key, every night)
+        return ids.cast(pa.int64(), safe=not pa.types.is_uint64(t))
+    return ids.cast(pa.large_string() if pa.types.is_string(t) or pa.types.is_large_string(t) else pa.large_binary())
 
 
 def with_key(batch: pa.Table) -> pa.Table:
@@ -118,15 +116,21 @@ def with_key(batch: pa.Table) -> pa.Table:
 def read_base(batch: pa.Table, base: str, storage: Storage) -> pa.Table:
     """Ray Data map over the base's shard stems -> one row per base user with a list: key, base_hash, base_items
     [k] int64 and base_scores [k] float32 in rank order. A file gone raises BaseGone naming it."""
-    out = []
-    for stem in batch["stem"].to_pylist():
-        users = _read(base, "users", stem, ["user_id", "input_hash"], storage)
-        recs = _read(base, "recommendations", stem, ["user_id", "rank", "item_id", "score"], storage)
-        lists = user_lists(recs)  # [U] users with a list
-        at = pc.index_in(lists["key"], key_of(users["user_id"]))  # [U] each one's row of the users table
-        lists = lists.append_column("base_hash", users["input_hash"].take(at)).filter(pc.is_valid(at))
-        out.append(lists.select(_view_schema().names))
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(16) as pool:
+        out = list(pool.map(lambda stem: base_shard(base, stem, storage), batch["stem"].to_pylist()))
     return pa.concat_tables(out) if out else _view_schema().empty_table()
+
+
+def base_shard(base: str, stem: str, storage: Storage) -> pa.Table:
+    """One base shard's users with a list (`read_base`'s rows)."""
+    users = _read(base, "users", stem, ["user_id", "input_hash"], storage)
+    recs = _read(base, "recommendations", stem, ["user_id", "rank", "item_id", "score"], storage)
+    lists = user_lists(recs)  # [U] users with a list
+    at = pc.index_in(lists["key"], key_of(users["user_id"]))  # [U] each one's row of the users table
+    lists = lists.append_column("base_hash", users["input_hash"].take(at)).filter(pc.is_valid(at))
+    return lists.select(_view_schema().names)
 
 
 def _view_schema() -> pa.Schema:
@@ -189,9 +193,11 @@ def carry(ds, plan, a, base: Base, schema: pa.Schema):
     import ray
 
     cfg = plan.cfg
-    view = ray.data.from_items([{"stem": s} for s in base.stems] or [{"stem": None}][:0])
-    view = view.map_batches(
-        read_base, batch_size=4, batch_format="pyarrow", fn_kwargs={"base": base.uri, "storage": cfg.storage}
+    view = ray.data.from_items([{"stem": s} for s in base.stems]).map_batches(
+        read_base,
+        batch_size=BASE_SHARDS_PER_TASK,
+        batch_format="pyarrow",
+        fn_kwargs={"base": base.uri, "storage": cfg.storage},
     )
     partitions = cfg.incremental.partitions or max(1, -(-a.left // USERS_PER_PARTITION))
     joined = ds.map_batches(with_key, batch_format="pyarrow").join(view, "left_outer", partitions, on=("key",))
@@ -244,7 +250,7 @@ def one_row_per_position(block: pa.Table) -> pa.Table:
     repeated = np.zeros(len(pos), bool)
     repeated[order] = ~first | np.r_[~first[1:], False]  # both the first and the later copies
     keep = np.sort(order[first])
-    base = [c for c in block.column_names if c.startswith("base_")]
+    base = [c for c in _view_schema().names if c != "key"]
     cleared = {c: pc.if_else(pa.array(repeated), pa.nulls(len(pos), block[c].type), block[c]) for c in base}
     for c, values in cleared.items():
         block = block.set_column(block.schema.get_field_index(c), c, values)
@@ -300,16 +306,21 @@ def carried_recommendations(rows: pa.Table, mode: str) -> pa.Table:
 
 
 def check_decoded_on(base: Base, tonight: dict) -> None:
-    """An incremental run's decoded users must have been decoded in the dtypes and on the devices its base's were
-    (`compute.dtype: auto` and the GPU model show only in the actors): else its carried and decoded lists would mix
-    two precisions, and it is not published (ValueError, exit 2)."""
+    """An incremental run's decoded users must have been decoded in the dtypes, on the devices and (outside float32)
+    by the engines its base's were (`compute.dtype: auto`, the GPU model and `compute.engine: auto` show only in the
+    actors): else its carried and decoded lists would mix two, and it is not published (ValueError, exit 2)."""
     if base.decoded_on.get("dtypes") and tonight.get("dtypes") and base.decoded_on != tonight:
         raise ValueError(
-            f"incremental: tonight's users were decoded in {tonight['dtypes']} on {tonight['devices']}, the base "
-            f"{base.uri}'s in {base.decoded_on['dtypes']} on {base.decoded_on['devices']}: carried and decoded lists "
-            "would mix the two, so this run is not published. Set compute.dtype (and the GPUs) as the base had them, "
-            "or run the night full (incremental.enabled=false)"
+            f"incremental: tonight's users were decoded as {describe_on(tonight)}, the base {base.uri}'s as "
+            f"{describe_on(base.decoded_on)}: carried and decoded lists would mix the two, so this run is not "
+            "published. Set compute.dtype, compute.engine and the GPUs as the base had them, or run the night full "
+            "(incremental.enabled=false)"
         )
+
+
+def describe_on(on: dict) -> str:
+    engines = f" by {on['engines']}" if on.get("engines") else ""
+    return f"{on['dtypes']} on {on['devices']}{engines}"
 
 
 def full_decode_estimate(timings: dict, decoded: int, carried: int) -> float | None:

@@ -362,6 +362,10 @@ def _check_sources(cfg: Config) -> None:
     _need(bool(target), "models.target", "must be set (a local model directory or s3:// prefix)", target)
 
 
+ROW_COLUMNS = ("pos", "duplicate", "input_hash", "in_base", "key", "carried", "base_hash", "base_items", "base_scores")
+# ^ what the nightly adds to the input rows it reads (pipeline/units.py, pipeline/carry.py)
+
+
 def _check_decoding(cfg: Config) -> None:
     """decoding.*, the duplicate-item policy and the draft the mode needs."""
     d = cfg.decoding
@@ -383,9 +387,10 @@ def _check_decoding(cfg: Config) -> None:
     _need(d.temperature > 0, "decoding.temperature", "must be > 0", d.temperature)
     _need(d.exclude in ("none", "history"), "decoding.exclude", "must be none or history", d.exclude)
     _need(
-        bool(d.exclude_column) and d.exclude_column not in ("user_id", "history", "target_items"),
+        bool(d.exclude_column) and d.exclude_column not in ("user_id", "history", "target_items", *ROW_COLUMNS),
         "decoding.exclude_column",
-        "must name an input column other than user_id, history and target_items",
+        f"must name an input column other than user_id, history, target_items and {', '.join(ROW_COLUMNS)} (the "
+        "columns the job adds to the rows it reads)",
         d.exclude_column,
     )
 

@@ -186,10 +186,13 @@ def _version(package: str) -> str | None:
         return None
 
 
-def decoded_on(dtypes, devices) -> dict:
-    """What a run's actors decoded in and on (the metrics' dtype and device columns): `compute.dtype: auto` and the
-    GPU model are known only there. An incremental run publishes only when its decoded users' match its base's."""
-    return {"dtypes": sorted(set(dtypes)), "devices": sorted(set(devices))}
+def decoded_on(dtypes, devices, engines=()) -> dict:
+    """What a run's actors decoded in and on (the metrics' dtype, device and engine columns): `compute.dtype: auto`,
+    the GPU model and `compute.engine: auto`'s choice are known only there (the engine matters outside float32). An
+    incremental run publishes only when its decoded users' match its base's."""
+    dtypes = sorted(set(dtypes))
+    out = {"dtypes": dtypes, "devices": sorted(set(devices))}
+    return out if set(dtypes) <= {"float32"} else {**out, "engines": sorted(set(engines))}
 
 
 def differences(base: dict, parts: dict) -> list[str]:

@@ -340,16 +340,10 @@ def run_fingerprint(cfg: Config, models: dict, inputs: Inputs, items: Items, kin
 
 
 def device_kind(cfg: Config) -> str:
-    """What the actors decode on, as the driver knows it: cpu, or cuda with the compute capability of the driver's
-    GPU (a driver without one: cuda; the actors' devices are in the metrics)."""
-    if not cfg.compute.gpus_per_actor:
-        return "cpu"
-    import torch
-
-    if torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability()
-        return f"cuda sm_{major}{minor} {torch.cuda.get_device_name()}"
-    return "cuda"
+    """What the actors decode on, as the config says: cpu or cuda. Which GPU, and the dtype `auto` resolves to
+    there, only the actors know: the manifest records them (`lineage.decoded_on`) and an incremental night publishes
+    only if its decoded users' match its base's (`carry.check_decoded_on`)."""
+    return "cuda" if cfg.compute.gpus_per_actor else "cpu"
 
 
 def log_incremental(record: dict) -> None:

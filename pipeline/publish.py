@@ -114,10 +114,10 @@ def lineage_info(plan: Plan, sums: dict) -> dict:
 
 
 def counts(plan: Plan, a: Attempt, sums: dict) -> dict:
-    """The manifest's `counts`: the input's rows, the shards' COUNTS, and users by what became of them: `users` (the
-    users table's rows: the input's users but repeats), decoded (by the actors, rejects included), carried (copied
-    from the base), and of the base's users with a list, those absent from tonight's input (`users_dropped`; 0
-    without a base)."""
+    """The manifest's `counts`: the input's rows, the shards' COUNTS, and users by what became of them: `users`
+    (the input's rows less repeated ids; the users table leaves rows without an id out too), decoded (by the actors,
+    rejects included), carried (copied from the base), and of the base's users with a list, those absent from
+    tonight's input (`users_dropped`; 0 without a base)."""
     users = sums["users_in"] - sums["users_duplicate"]
     carried = sums["users_carried"]
     base = plan.base.users if plan.base else 0

@@ -366,10 +366,27 @@ def read_files(
             if listed
             else [f for f in S.list_files(folder, storage) if f.endswith(".parquet") and not f.startswith(".")]
         )
-    read = functools.partial(S.read_parquet, storage=storage, columns=list(columns) if columns else None)
+    read = functools.partial(read_columns, storage=storage, columns=list(columns) if columns else None)
     with ThreadPoolExecutor(in_flight) as pool:
         for i in range(0, len(names), in_flight):
             yield from pool.map(read, [S.join(folder, f) for f in names[i : i + in_flight]])
+
+
+def read_columns(uri: str, storage: Storage, columns: list[str] | None) -> pa.Table:
+    """One file's `columns`; a column a file written by an older version lacks reads as nulls (a resume across an
+    upgrade tallies the shards committed before it)."""
+    try:
+        return S.read_parquet(uri, storage, columns)
+    except pa.ArrowInvalid as e:
+        if columns is None or "No match for FieldRef" not in str(e):
+            raise
+    table = S.read_parquet(uri, storage)
+    have = [c for c in columns if c in table.column_names]
+    out = table.select(have)
+    for c in columns:
+        if c not in have:
+            out = out.append_column(c, pa.nulls(table.num_rows))
+    return out.select(columns)
 
 
 def read_table(run: str, name: str, storage: Storage, columns=None, files: list[str] | None = None) -> pa.Table:

@@ -160,7 +160,7 @@ SUMS = ("users_in", "users_ok", "users_short", "users_rejected", "users_non_fini
 SUMS += ("users_duplicate", "users_carried", "users_changed")
 TIMES = ("actor_ready_at", "committed_at")  # epoch seconds
 TALLIED = [*SUMS, "actor", "batch", "auto", "decode_batch", *TIMES, "dtype", *AUDIT, "audit_max_abs_score_diff"]
-TALLIED += ["audit_device", "audit_skipped", "device"]
+TALLIED += ["audit_device", "audit_skipped", "device", "engine"]
 TALLIED += [
     *EXCLUDED,
     "excluded_max",
@@ -202,6 +202,7 @@ class Tally:
     audit_notes: dict = field(default_factory=lambda: {"audit_device": set(), "audit_skipped": set()})
     dtypes: set = field(default_factory=set)
     devices: set = field(default_factory=set)  # what the decoded shards ran on (a carried shard has none)
+    engines: set = field(default_factory=set)  # the engines whose lists they published
     excluded: dict = field(default_factory=lambda: {**dict.fromkeys(EXCLUDED, 0), "excluded_max": 0})
     sizes: list = field(default_factory=list)  # every file's smallest and largest decode_batch
     compile_s: dict = field(default_factory=dict)  # actor -> its compile seconds
@@ -227,6 +228,7 @@ class Tally:
             seen |= {v for v in t[key].to_pylist() if v}
         self.dtypes |= {v for v in t["dtype"].to_pylist() if v}
         self.devices |= {v for v in t["device"].to_pylist() if v}
+        self.engines |= {v for v in t["engine"].to_pylist() if v}
         self.sizes += [v.as_py() for v in pc.min_max(t["decode_batch"]).values() if v.as_py() is not None]
         self.graphs += _sum(t["graphs_compiled"])
         self.cold += _sum(t["graphs_cold"])
@@ -260,7 +262,7 @@ class Tally:
             "graphs_compiled": self.graphs,
             "graphs_cold": self.cold,
             "compute_actors": sorted(self.actors),
-            "decoded_on": decoded_on(self.dtypes, self.devices),
+            "decoded_on": decoded_on(self.dtypes, self.devices, self.engines),
         }
 
 

@@ -154,6 +154,16 @@ def test_a_changed_part_makes_a_full_night_that_names_it(world, ray_session_plai
     assert same.incremental["mode"] == "carry"  # how users are cut into shards is not a part
 
 
+def test_user_ids_of_every_integer_type_key_the_join():
+    """uint64 ids past 2^63 and int32 ids key the join as int64, strings as one string type, whatever each night's
+    files hold."""
+    from pipeline.carry import key_of
+
+    assert key_of(pa.array([2**63 + 5, 3], pa.uint64())).to_pylist() == [-(2**63) + 5, 3]
+    assert key_of(pa.array([7], pa.int32())).type == pa.int64()
+    assert key_of(pa.array(["a"], pa.string())).equals(key_of(pa.array(["a"], pa.large_string())))
+
+
 def test_the_input_hash_reads_the_window_and_the_exclusions():
     """A change inside the prompt's window or the exclusion list changes a user's hash; one outside the window does not,
     unless the whole history is excluded; rows that are not lists of ids have none."""
@@ -281,5 +291,5 @@ def test_tonights_decoded_users_must_match_the_bases_dtype_and_device():
     base = Base("b", "r", [], 1, {"dtypes": ["float32"], "devices": ["NVIDIA A10G"]})
     check_decoded_on(base, {"dtypes": ["float32"], "devices": ["NVIDIA A10G"]})
     check_decoded_on(base, {"dtypes": [], "devices": []})  # nothing decoded tonight: every list is the base's
-    with pytest.raises(ValueError, match=r"decoded in \['bfloat16'\] on \['NVIDIA H100'\]"):
-        check_decoded_on(base, {"dtypes": ["bfloat16"], "devices": ["NVIDIA H100"]})
+    with pytest.raises(ValueError, match=r"decoded as \['bfloat16'\] on \['NVIDIA H100'\] by \['compiled'\]"):
+        check_decoded_on(base, {"dtypes": ["bfloat16"], "devices": ["NVIDIA H100"], "engines": ["compiled"]})
