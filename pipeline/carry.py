@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,8 +34,9 @@ from pipeline.shards import NOTE
 from pipeline.storage import Storage
 
 log = logging.getLogger("genrec.nightly")
-USERS_PER_PARTITION = 200_000  # the join's partitions when incremental.partitions is not set
-BASE_SHARDS_PER_TASK = 64  # base shards one task reads (their files 16 at a time: object stores are latency bound)
+USERS_PER_PARTITION = 500_000  # the join's partitions when incremental.partitions is not set (each partition is one
+# aggregator process of Ray Data's hash shuffle)
+BASE_SHARDS_PER_TASK = 256  # base shards one task reads, as one dataset of their files (a task costs more than a file)
 
 
 class BaseGone(FileNotFoundError):
@@ -116,19 +118,10 @@ def with_key(batch: pa.Table) -> pa.Table:
 def read_base(batch: pa.Table, base: str, storage: Storage) -> pa.Table:
     """Ray Data map over the base's shard stems -> one row per base user with a list: key, base_hash, base_items
     [k] int64 and base_scores [k] float32 in rank order. A file gone raises BaseGone naming it."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(16) as pool:
-        out = list(pool.map(lambda stem: base_shard(base, stem, storage), batch["stem"].to_pylist()))
-    return pa.concat_tables(out) if out else _view_schema().empty_table()
-
-
-def base_shard(base: str, stem: str, storage: Storage) -> pa.Table:
-    """One base shard's users with a list (`read_base`'s rows)."""
-    users = _read(base, "users", stem, ["user_id", "input_hash"], storage)
-    recs = _read(base, "recommendations", stem, ["user_id", "rank", "item_id", "score"], storage)
-    lists = user_lists(recs)  # [U] users with a list
-    at = pc.index_in(lists["key"], key_of(users["user_id"]))  # [U] each one's row of the users table
+    stems = batch["stem"].to_pylist()
+    users = _read(base, "users", stems, ["user_id", "input_hash"], storage)
+    lists = user_lists(_read(base, "recommendations", stems, ["user_id", "rank", "item_id", "score"], storage))
+    at = pc.index_in(lists["key"], key_of(users["user_id"]))  # [U] each listed user's row of the users table
     lists = lists.append_column("base_hash", users["input_hash"].take(at)).filter(pc.is_valid(at))
     return lists.select(_view_schema().names)
 
@@ -144,26 +137,53 @@ def _view_schema() -> pa.Schema:
     )
 
 
-def _read(base: str, table: str, stem: str, columns: list[str], storage: Storage) -> pa.Table:
-    uri = S.join(runs.table_dir(base, table), f"{stem}.parquet")
+def _read(base: str, table: str, stems: list[str], columns: list[str], storage: Storage) -> pa.Table:
+    """One table's files of the base's shards `stems`, scanned as one dataset (threads, many files at a time)."""
+    import pyarrow.dataset as pads
+
+    fs, root = S.filesystem(base, storage)
+    paths = [f"{root}/{table}/{stem}.parquet" for stem in stems]
     try:
-        return S.read_parquet(uri, storage, columns)
+        return S.retrying(
+            lambda: pads.dataset(paths, format="parquet", filesystem=fs).to_table(columns=columns),
+            storage,
+            f"GET {S.join(base, table)}",
+        )
     except OSError:
-        if S.exists(uri, storage):
+        gone = next(
+            (s for s in stems if not S.exists(S.join(runs.table_dir(base, table), f"{s}.parquet"), storage)), None
+        )
+        if gone is None:
             raise
         raise BaseGone(
-            f"incremental base {base}: {uri} is gone (deleted while this run read it); this run stops and publishes "
-            "nothing. Run the night again: a new run carries from the newest published run it can read"
+            f"incremental base {base}: {S.join(runs.table_dir(base, table), f'{gone}.parquet')} is gone (deleted "
+            "while this run read it); this run stops and publishes nothing. Run the night again: a new run carries "
+            "from the newest published run it can read"
         ) from None
 
 
-def user_lists(recs: pa.Table) -> pa.Table:
-    """A shard's recommendations (user_id, rank, item_id, score) -> one row per user: key, base_items, base_scores,
-    in rank order."""
-    recs = recs.sort_by([("user_id", "ascending"), ("rank", "ascending")])
+def list_starts(recs: pa.Table, checked: bool = True) -> np.ndarray | None:
+    """Where each user's rows begin [U]; `checked`: None unless every user's rows are together, ranks 1, 2, .."""
+    if not recs.num_rows:
+        return np.zeros(0, np.int64)
     ids = recs["user_id"].combine_chunks()
-    n = len(ids)
-    starts = np.flatnonzero(np.r_[True, ~pc.equal(ids[1:], ids[:-1]).to_numpy(zero_copy_only=False)]) if n else []
+    new = np.r_[True, ~pc.equal(ids[1:], ids[:-1]).to_numpy(zero_copy_only=False)]  # [R] a user's first row
+    starts = np.flatnonzero(new)
+    if not checked:
+        return starts
+    rank = recs["rank"].to_numpy()
+    ok = (rank[new] == 1).all() and (np.diff(rank)[~new[1:]] == 1).all()
+    return starts if ok and pc.count_distinct(ids.take(pa.array(starts))).as_py() == len(starts) else None
+
+
+def user_lists(recs: pa.Table) -> pa.Table:
+    """Shards' recommendations (user_id, rank, item_id, score) -> one row per user: key, base_items, base_scores,
+    in rank order. Shards are written a user's ranks 1, 2, .. together; anything else is sorted first."""
+    starts = list_starts(recs)
+    if starts is None:
+        recs = recs.sort_by([("user_id", "ascending"), ("rank", "ascending")])
+        starts = list_starts(recs, checked=False)
+    ids, n = recs["user_id"].combine_chunks(), recs.num_rows
     offsets = pa.array(np.r_[starts, n].astype(np.int32))
     return pa.table(
         {
@@ -207,12 +227,13 @@ def carry(ds, plan, a, base: Base, schema: pa.Schema):
     return joined.map_batches(split, batch_size=None, batch_format="pyarrow", fn_kwargs={"carry": spec})
 
 
-def split(block: pa.Table, carry: Carry) -> pa.Table:
-    """Ray Data map over the join's output blocks: the carried rows (not a duplicate, an input hash equal to the base's)
-    written as one shard, the rest passed on (with `in_base`: the base holds a list for the user) followed by the
-    carried shard's note (pos -1, NOTE: its summary row)."""
+def split(block: pa.Table, carry: Carry) -> Iterator[pa.Table]:
+    """Ray Data map over the join's output blocks: the rows to decode (with `in_base`: the base holds a list for the
+    user), yielded first so that the actors start on them; then the carried rows (not a duplicate, an input hash equal
+    to the base's) written as one shard, and its note (pos -1, NOTE: its summary row)."""
+    schema = pending_schema(carry)
     if "pos" not in block.column_names:  # a partition that holds base users and no pending row
-        return pending_schema(carry).empty_table()
+        return
     block = one_row_per_position(block)
     same = pc.fill_null(pc.equal(block["input_hash"], block["base_hash"]), False)
     carried = pc.and_(same, pc.invert(block["duplicate"]))
@@ -223,15 +244,14 @@ def split(block: pa.Table, carry: Carry) -> pa.Table:
         from pipeline.units import by_length
 
         out = by_length(out)
+    if out.num_rows:
+        yield out.append_column(NOTE, pa.nulls(out.num_rows, pa.string()))
     rows = block.filter(carried)
-    note = pa.nulls(out.num_rows, pa.string())
     if rows.num_rows:
         summary = write_carried(rows.select([*carry.schema.names, "base_items", "base_scores"]), carry)
-        extra = {n: pa.nulls(1, out.schema.field(n).type) for n in out.schema.names}
-        extra |= {"pos": pa.array([-1], pa.int64()), "duplicate": pa.array([False]), "in_base": pa.array([False])}
-        out = pa.concat_tables([out, pa.table(extra, schema=out.schema)])
-        note = pa.concat_arrays([note, pa.array([json.dumps(summary)])])
-    return out.append_column(NOTE, note)
+        note = {n: pa.nulls(1, schema.field(n).type) for n in schema.names}
+        note |= {"pos": pa.array([-1], pa.int64()), "duplicate": pa.array([False]), "in_base": pa.array([False])}
+        yield pa.table({**note, NOTE: pa.array([json.dumps(summary)])}, schema=schema)
 
 
 def pending_schema(carry: Carry) -> pa.Schema:

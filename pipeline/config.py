@@ -107,7 +107,7 @@ class Incremental:
     pin_s: float = 86400.0  # the base is pinned against --gc and the grace deletion while the run reads it; a run
     # that dies keeps the pin this long (a run that ends removes it)
     partitions: int | None = None  # the join's partitions (each joined by one task, each partition's carried users one
-    # shard); None: one per 200,000 pending users
+    # shard); None: one per 500,000 pending users
 
 
 @dataclass

@@ -168,7 +168,7 @@ def test_an_outage_longer_than_the_budget_exits_4_and_resumes_at_once(cluster):
     its shard write fails for storage.retry_s, Ray runs the batch again BATCH_RETRIES times, then exit 4 with one
     `error:` line naming the store, the URI and the cause. The store is back while the job stops, so the lease is
     released; `--resume latest` (with a larger budget: a resume may change it) takes it at once and publishes. Until
-    the outage each committed shard cost the store exactly its three PUTs."""
+    the outage each committed shard cost the store exactly its four PUTs."""
     world, s3, proxy, head = cluster
     out = "outage"
     proxy.fault, proxy.requests[:] = None, []
@@ -193,13 +193,13 @@ def test_an_outage_longer_than_the_budget_exits_4_and_resumes_at_once(cluster):
     assert lease["expires"] == 0  # released
     failed_run = lease["run_id"]
     assert runs.latest_run(s3.uri(out), DATE, storage) is None  # nothing published
-    # what the shards committed before the outage cost: their three PUTs, nothing else (no directory requests)
+    # what the shards committed before the outage cost: their four PUTs, nothing else (no directory requests)
     stems = {
         m.group(1) for _, target in requests if (m := re.search(r"/metrics/(s\d{12}-[0-9a-f]{8})\.parquet$", target))
     }
     assert len(stems) >= 8
     for stem in stems:
-        assert sorted(method for method, target in requests if stem in target) == ["PUT"] * 3
+        assert sorted(method for method, target in requests if stem in target) == ["PUT"] * 4
     assert not [r for r in requests if r[0] == "PUT" and r[1].endswith("/")]  # no directory markers at all
     resumed = time.monotonic()
     rc, stdout, log = Driver(
@@ -215,5 +215,5 @@ def test_an_outage_longer_than_the_budget_exits_4_and_resumes_at_once(cluster):
     print(
         f"\noutage: the job gave up {gave_up - down:.1f} s after the store went away ({n_retries} retries logged); "
         f"the resume published in {time.monotonic() - resumed:.1f} s (decode {manifest['timings']['decode_s']:.1f} s); "
-        f"{len(stems)} shards before the outage, 3 PUTs each and no other request"
+        f"{len(stems)} shards before the outage, 4 PUTs each and no other request"
     )

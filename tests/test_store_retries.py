@@ -1,5 +1,5 @@
 """The object store's retry policy (pipeline/storage.py) on a real SeaweedFS behind a proxy that counts the requests
-and injects faults (tests/servers.py StoreProxy): a shard costs its three PUTs; transient errors (throttling, reset
+and injects faults (tests/servers.py StoreProxy): a shard costs its four PUTs; transient errors (throttling, reset
 connections) are retried until they pass and only then; permanent ones (access denied, no such bucket, a failed
 condition) fail at the first request; a conditional put whose answer was lost is recognised as the caller's own; a
 store down for longer than storage.retry_s ends in StoreUnavailable naming the store, the URI and the cause; the lease
@@ -79,22 +79,23 @@ def shard_tables(n_users: int):
     return recs, table_schema("reject", pa.int64()).empty_table()
 
 
-def test_a_shard_costs_its_three_puts(store, proxy):
-    """write_shard on S3 sends the recommendations, the rejects and the metrics row, one PUT each, in that order
-    (the metrics file, the commit, last), and no other request: no directory markers, bucket probes or multipart
-    uploads (before: 27 requests a shard)."""
-    from pipeline.shards import write_shard
+def test_a_shard_costs_its_four_puts(store, proxy):
+    """write_shard on S3 sends the recommendations, the rejects, the users and the metrics row, one PUT each, in that
+    order (the metrics file, the commit, last), and no other request: no directory markers, bucket probes or
+    multipart uploads."""
+    from pipeline.shards import users_of, write_shard
 
     s3, _ = store
     storage, run = storage_of(proxy), s3.uri("count", "run_date=2026-11-21", "run_id=R")
     recs, rejects = shard_tables(5)
     for i in range(3):
-        write_shard(f"s{i:012d}-a", recs, rejects, {"run_id": "R", "shard": f"s{i:012d}", "users_in": 5}, run, storage)
+        metric = {"run_id": "R", "shard": f"s{i:012d}", "users_in": 5}
+        write_shard(f"s{i:012d}-a", recs, rejects, metric, run, storage, users_of(recs.select(["user_id"]), "decoded"))
     prefix = f"/{s3.bucket}/count/run_date%3D2026-11-21/run_id%3DR"
     assert proxy.requests == [
         ("PUT", f"{prefix}/{table}/s{i:012d}-a.parquet")
         for i in range(3)
-        for table in ("recommendations", "rejects", "metrics")
+        for table in ("recommendations", "rejects", "users", "metrics")
     ]
     stems = [f"s{i:012d}-a" for i in range(3)]
     assert runs.read_table(run, "recommendations", storage, files=stems).num_rows == 15
