@@ -3,7 +3,7 @@ night publishes (float32: the same lists, scores within float32's reordering bou
 runs full naming the part of its fingerprint that changed, resumes after a kill, and stops on a base that vanished."""
 
 import json
-import time
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,7 +16,7 @@ import torch
 from pipeline import runs
 from pipeline.lineage import input_hashes
 from tests.helpers import float32_atol
-from tests.test_nightly import config, killed_run, make_world
+from tests.test_nightly import config, make_world
 
 BASE_DATE, NIGHT = "2026-11-21", "2026-11-22"
 
@@ -32,7 +32,12 @@ def ray_session_plain():
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    root = make_world(tmp_path_factory.mktemp("incremental"), n_users=120)
+    return build_world(tmp_path_factory.mktemp("incremental"))
+
+
+def build_world(root: Path) -> tuple[Path, dict]:
+    """Tiny models, a base night's input (histories, exclusion lists) and tonight's -> (root, who tonight decodes)."""
+    root = make_world(root, n_users=120)
     rng = np.random.default_rng(3)
     t = pq.read_table(root / "data" / "test.parquet").select(["user_id", "history"])
     items = pq.read_table(root / "data" / "items.parquet").column("item_id").to_numpy()
@@ -42,6 +47,27 @@ def world(tmp_path_factory):
     night, expected = tonight(t, items, rng)
     pq.write_table(night, root / "night.parquet", row_group_size=40)
     return root, expected
+
+
+@pytest.fixture(scope="module")
+def base_night(world, ray_session_plain, tmp_path_factory):
+    """The base night published once -> its output root and manifest."""
+    out = tmp_path_factory.mktemp("base") / "out"
+    return out, run_base(world[0], out)
+
+
+def run_base(root: Path, out: Path) -> dict:
+    """The base night (the default settings: beam, float32) under `out` -> its manifest."""
+    from pipeline.nightly import run_nightly
+
+    return run_nightly(config(root, out, f"input={root / 'base.parquet'}", f"run_date={BASE_DATE}"))
+
+
+def based(base_night, tmp_path: Path) -> Path:
+    """A copy of the base night's output root, for one test to write tonight's nights into."""
+    out = tmp_path / "out"
+    shutil.copytree(base_night[0], out)
+    return out
 
 
 def tonight(t: pa.Table, items: np.ndarray, rng) -> tuple[pa.Table, dict]:
@@ -123,13 +149,12 @@ def test_an_incremental_night_equals_a_full_night(world, ray_session_plain, tmp_
     assert reasons["reason"].to_pylist() == ["duplicate_user"]
 
 
-def test_a_changed_part_makes_a_full_night_that_names_it(world, ray_session_plain, tmp_path):
+def test_a_changed_part_makes_a_full_night_that_names_it(world, base_night, tmp_path):
     """After a base night: a changed catalog, model, template or setting plans a full night naming the part."""
-    from pipeline.nightly import run_nightly
     from pipeline.plan import plan_run
 
     root, _ = world
-    run_nightly(config(root, tmp_path / "out", f"input={root / 'base.parquet'}", f"run_date={BASE_DATE}"))
+    based(base_night, tmp_path)
     tonight_cfg = night_config(root, tmp_path / "out", "incremental.enabled=true")
     assert plan_run(tonight_cfg).incremental["mode"] == "carry"
     catalog = pq.read_table(root / "data" / "items.parquet")
@@ -178,53 +203,6 @@ def test_the_input_hash_reads_the_window_and_the_exclusions():
     assert input_hashes(h, None, 3, False)[0] != window[0]
 
 
-def test_an_incremental_night_killed_and_resumed_publishes_every_user_once(world, ray_session_plain, tmp_path):
-    """An incremental night (16 join partitions: some hold base users and no pending row) killed after two shards:
-    --resume latest carries and decodes the rest, and every user is published once, as a full night lists them."""
-    from pipeline.nightly import run_nightly
-
-    root, _ = world
-    run_nightly(config(root, tmp_path / "out", f"input={root / 'base.parquet'}", f"run_date={BASE_DATE}"))
-    cfg = night_config(root, tmp_path / "out", "incremental.enabled=true", "incremental.partitions=16")
-    run_nightly(cfg)
-    old = killed_run(cfg, keep=2)
-    manifest = run_nightly(cfg, resume="latest")
-    assert manifest["run_id"] == old and manifest["resume"]["resumed"]
-    run_nightly(night_config(root, tmp_path / "full"))
-    a, users, _ = published(cfg)
-    b, _, _ = published(night_config(root, tmp_path / "full"))
-    assert_same_lists(a, b)
-    assert users["user_id"].to_pylist() and len(set(users["user_id"].to_pylist())) == users.num_rows
-
-
-def test_a_base_deleted_mid_run_stops_the_night_and_publishes_nothing(world, ray_session_plain, tmp_path):
-    """The base's files deleted after the plan found it: the run stops with BaseGone (exit 2) naming it; nothing is
-    published for the night. While a run holds its pin, --gc leaves a superseded base alone."""
-    from pipeline.carry import BaseGone
-    from pipeline.nightly import run_nightly
-    from pipeline.plan import plan_run
-
-    root, _ = world
-    base = config(root, tmp_path / "out", f"input={root / 'base.parquet'}", f"run_date={BASE_DATE}")
-    run_nightly(base)
-    cfg = night_config(root, tmp_path / "out", "incremental.enabled=true")
-    plan = plan_run(cfg)
-    for f in (Path(plan.base.uri) / "users").glob("*.parquet"):
-        f.unlink()
-    with pytest.raises(BaseGone, match=f"incremental base {plan.base.uri}"):
-        run_nightly(cfg, plan=plan)
-    assert runs.latest_run(cfg.output, NIGHT, cfg.storage) is None
-
-    old = plan.base.uri
-    runs.pin(old, "a-reader", time.time() + 600, cfg.storage)
-    again = run_nightly(base)  # the base's date rerun: the old base is superseded
-    assert again["run_id"] not in old
-    assert runs.collect(base.output, base.storage, grace_s=0) == [] and Path(old).is_dir()
-    for pin in (Path(old) / "_PINS").iterdir():
-        pin.write_text(json.dumps({"by": "a-reader", "until": time.time() - 1}))
-    assert runs.collect(base.output, base.storage, grace_s=0) == [Path(old).name.removeprefix("run_id=")]
-
-
 def test_a_first_night_or_an_older_base_runs_full(world, tmp_path):
     """No published run to carry from: a full night that says why."""
     from pipeline.plan import plan_run
@@ -262,14 +240,15 @@ def test_a_bfloat16_incremental_night_agrees_with_a_full_one_within_near_ties(wo
     assert same_within_ties(items_a, scores_a, items_b, 2 * noise).all()
 
 
-def test_a_night_without_changes_carries_everyone_and_reports_it(world, ray_session_plain, tmp_path):
+def test_a_night_without_changes_carries_everyone_and_reports_it(world, base_night, tmp_path):
     """Tonight's input is the base's: every user carried, nothing decoded; the lists decoded in and on what the base's
     were (inherited), and the report says so."""
     from pipeline.nightly import run_nightly
     from pipeline.report import summarize
 
     root, _ = world
-    base = run_nightly(config(root, tmp_path / "out", f"input={root / 'base.parquet'}", f"run_date={BASE_DATE}"))
+    based(base_night, tmp_path)
+    base = base_night[1]
     cfg = config(root, tmp_path / "out", f"input={root / 'base.parquet'}", f"run_date={NIGHT}")
     manifest = run_nightly(replace(cfg, incremental=replace(cfg.incremental, enabled=True)))
     counts = manifest["counts"]
