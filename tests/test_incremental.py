@@ -113,7 +113,7 @@ def assert_same_lists(a: pa.Table, b: pa.Table) -> None:
     shape may differ by (`float32_atol`: the batch a user is decoded in changes the kernels' accumulation order)."""
     for column in ("user_id", "rank", "item_id", "mode"):
         assert a[column].equals(b[column]), column
-    sa, sb = (torch.from_numpy(t["score"].to_numpy()) for t in (a, b))
+    sa, sb = (torch.tensor(t["score"].to_numpy()) for t in (a, b))
     assert (sa - sb).abs().max() <= float32_atol(sa, sb)
 
 
