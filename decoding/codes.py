@@ -108,3 +108,12 @@ def semantic_id_matrix(table: pa.Table, name: str = "items.parquet", column: str
     if len(negative):
         raise ValueError(f"{name}: column {column!r} has negative codes in rows {format_rows(negative)}")
     return sid
+
+
+def ragged_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenation of arange(s, s + n) for each (s, n): [sum(lengths)] int64, no Python loop."""
+    starts = np.asarray(starts, dtype=np.int64)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    total = int(lengths.sum())
+    out_starts = np.cumsum(lengths) - lengths  # [R] where each range begins in the output
+    return np.repeat(starts - out_starts, lengths) + np.arange(total, dtype=np.int64)

@@ -82,6 +82,7 @@ def main(argv=None) -> int:
     if args.config is None and not args.gc and (missing := demo_missing(cfg)):
         print(f"error: {missing}", file=sys.stderr)
         return 2
+    from pipeline.nightly import exit_code
     from pipeline.signals import STOP, Interrupted, stop_note
 
     STOP.install()
@@ -115,21 +116,6 @@ def run(cfg, args) -> dict:
     connect_ray()
     manifest = run_nightly(cfg, args.resume, plan)
     return {k: manifest[k] for k in ("run_id", "run_date", "status", "counts", "resume", "timings", "outputs")}
-
-
-def exit_code(e: Exception) -> int | None:
-    """The documented exit code of an error (docs/nightly.md#exit-codes), None for anything else (a traceback, 1)."""
-    from pipeline.follow import Stalled
-    from pipeline.lease import LeaseHeld, LeaseLost
-    from pipeline.storage import StoreUnavailable
-
-    codes = [
-        ((LeaseHeld, LeaseLost), 3),
-        ((FileNotFoundError, ValueError, PermissionError), 2),
-        ((StoreUnavailable,), 4),
-        ((Stalled,), 5),
-    ]
-    return next((code for kinds, code in codes if isinstance(e, kinds)), None)
 
 
 def stopped(e, args) -> None:

@@ -9,7 +9,8 @@ import pyarrow as pa
 import torch
 
 from decoding.catalog import Catalog, Exclusions
-from operators.prompts import ragged_arrays, ragged_ranges
+from decoding.codes import ragged_ranges
+from operators.prompts import ragged_arrays
 from operators.spec import Decoding
 
 

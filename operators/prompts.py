@@ -22,19 +22,10 @@ import pyarrow as pa
 import torch
 
 from decoding.catalog import ItemTokens
-from decoding.codes import format_rows
+from decoding.codes import format_rows, ragged_ranges
 from decoding.templates import PromptTemplate
 
 # ---------------------------------------------------------------- ragged helpers
-
-
-def ragged_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenation of arange(s, s + n) for each (s, n): [sum(lengths)] int64, no Python loop."""
-    starts = np.asarray(starts, dtype=np.int64)
-    lengths = np.asarray(lengths, dtype=np.int64)
-    total = int(lengths.sum())
-    out_starts = np.cumsum(lengths) - lengths  # [R] where each range begins in the output
-    return np.repeat(starts - out_starts, lengths) + np.arange(total, dtype=np.int64)
 
 
 def ragged_arrays(histories) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

@@ -15,6 +15,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from decoding.codes import ragged_ranges
+
 HASH = "blake2b-128/window+exclusions/v1"  # how `input_hashes` reads a row: a part of the fingerprint
 
 NOT_PARTS = {  # settings a list does not depend on, and why (docs/output.md#incremental-runs)
@@ -86,12 +88,6 @@ def _ragged(lists: pa.Array) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return values, offsets[:-1] - offsets[0], np.where(nulls, 0, np.diff(offsets))
 
 
-def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """The concatenation of arange(s, s + n) for each (s, n) -> [sum(lengths)] int64."""
-    out_starts = np.cumsum(lengths) - lengths
-    return np.repeat(starts - out_starts, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
-
-
 def _words(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
     """Ragged parts (values [T], starts [B], lengths [B]) -> each row's words, every part as its length then its
     values, rows one after another [sum(size)] int64, and each row's word count size [B]."""
@@ -100,7 +96,7 @@ def _words(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> tuple[np.n
     out = np.empty(int(size.sum()), np.int64)
     for values, starts, n in parts:
         out[at] = n
-        out[_ranges(at + 1, n)] = values[_ranges(starts, n)]
+        out[ragged_ranges(at + 1, n)] = values[ragged_ranges(starts, n)]
         at = at + 1 + n
     return out, size
 

@@ -157,3 +157,18 @@ def execute(plan: Plan, run_id: str, resumed: bool, lease: Lease, latest: str | 
 def collect_garbage(cfg: Config) -> list[str]:
     """`--gc`: deletes the runs of every date superseded more than runs.grace_s ago."""
     return runs.collect(cfg.output, cfg.storage, cfg.runs.grace_s)
+
+
+def exit_code(e: Exception) -> int | None:
+    """The documented exit code of an error (docs/nightly.md#exit-codes), None for anything else (a traceback, 1)."""
+    from pipeline.follow import Stalled
+    from pipeline.lease import LeaseHeld, LeaseLost
+    from pipeline.storage import StoreUnavailable
+
+    codes = [
+        ((LeaseHeld, LeaseLost), 3),
+        ((FileNotFoundError, ValueError, PermissionError), 2),
+        ((StoreUnavailable,), 4),
+        ((Stalled,), 5),
+    ]
+    return next((code for kinds, code in codes if isinstance(e, kinds)), None)

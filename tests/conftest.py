@@ -91,6 +91,16 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.fixture(scope="module")
+def ray_session_plain():
+    """A local Ray of 2 CPUs for the module's tests, without fault injection."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
 def compile_cache():
     """The module compiles into COMPILE_CACHE, as the nightly's actor does; TORCHINDUCTOR_CACHE_DIR is restored
     when the module is done."""

@@ -22,15 +22,6 @@ BASE_DATE, NIGHT = "2026-11-21", "2026-11-22"
 
 
 @pytest.fixture(scope="module")
-def ray_session_plain():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def world(tmp_path_factory):
     return build_world(tmp_path_factory.mktemp("incremental"))
 

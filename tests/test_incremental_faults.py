@@ -28,15 +28,6 @@ def world(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def ray_session_plain():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def base_night(world, ray_session_plain, tmp_path_factory):
     out = tmp_path_factory.mktemp("base") / "out"
     return out, run_base(world[0], out)

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from decoding.catalog import Catalog, ItemTokens
+from decoding.codes import ragged_ranges
 from decoding.templates import PRESETS, PromptTemplate, get_template, read_template, write_template
-from operators.prompts import Renderer, catalog_probes, ragged_ranges
+from operators.prompts import Renderer, catalog_probes
 from operators.validate import validate
 from pipeline.prepare import build_tokenizer
 from tests.helpers import bpe_tokenizer

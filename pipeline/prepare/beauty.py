@@ -9,8 +9,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from decoding.codes import format_rows, semantic_id_matrix
-from operators.prompts import ragged_arrays, ragged_ranges
+from decoding.codes import format_rows, ragged_ranges, semantic_id_matrix
+from operators.prompts import ragged_arrays
 from pipeline.prepare.contract import SHOWN, PrepareSummary, Source, check_mismatches, code_tokens_array, write_source
 from pipeline.prepare.splits import SPLITS, Interactions, sorted_unique
 

@@ -9,7 +9,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from operators.prompts import ragged_arrays, ragged_ranges
+from decoding.codes import ragged_ranges
+from operators.prompts import ragged_arrays
 
 # How the evaluation splits are built from the time-ordered train / valid / test interactions (the AtSpeed paper's
 # protocol, its code's data.py): written into prepare.json and quoted by jobs.evaluate and the training reports.

@@ -23,10 +23,11 @@ from transformers import get_cosine_schedule_with_warmup
 
 from decoding.beam import beam_search
 from decoding.catalog import Catalog, ItemTokens
+from decoding.codes import ragged_ranges
 from decoding.metrics import recall_ndcg
 from decoding.models import load_model
 from decoding.templates import PromptTemplate, write_template
-from operators.prompts import Renderer, catalog_probes, ragged_ranges
+from operators.prompts import Renderer, catalog_probes
 from pipeline.evaluate import split_protocol
 from pipeline.storage import Storage, sha256_file
 
