@@ -15,7 +15,7 @@ import pyarrow as pa
 
 from pipeline import cluster, runs, shards, units
 from pipeline import storage as S
-from pipeline.carry import carry
+from pipeline.carry import Lookup, carried_shards, start_indexes
 from pipeline.config import Compute
 from pipeline.follow import follow
 from pipeline.items import ItemsRef, Sources
@@ -124,22 +124,39 @@ def find_duplicates(plan: Plan) -> tuple[pa.Table | None, str]:
 
 
 def decode_pending(plan: Plan, a: Attempt, lease: Lease) -> tuple[int, cluster.Watch | None]:
-    """One streaming Ray Data execution over the attempt's pending units -> (the shards it wrote, the watch of its
-    nodes); (0, None) if none is pending."""
+    """The streaming Ray Data execution over the attempt's pending units, and in an incremental run the carry's
+    beside it (pipeline/carry.py) -> (the shards they wrote, the watch of its nodes); (0, None) if none is pending."""
     if not a.work:
         return 0, None
-    rows, schema = read_pending(plan, a)
-    if plan.base is not None:
-        rows = carry(rows, plan, a, plan.base, schema)
-    return follow(recommend(rows, plan, a), a.left, plan.cfg.runs, lease)
+    read = read_args(plan, a)
+    if plan.base is None:
+        return follow([recommend(read_pending(plan, a, read), plan, a)], a.left, plan.cfg.runs, lease)
+    indexes = start_indexes(plan.base, plan.cfg.incremental.base_shards_per_task, a.work, a.total, read)
+    decode = recommend(read_pending(plan, a, {**read, "lookup": Lookup(indexes.fate)}), plan, a)
+    return follow([decode, carried_shards(plan, a, plan.base, indexes)], a.left, plan.cfg.runs, lease)
 
 
-def read_pending(plan: Plan, a: Attempt):
+def read_args(plan: Plan, a: Attempt) -> dict:
+    """What a read task needs (`units.read_retrying`): the input's columns the nightly reads, the duplicates, how
+    to hash each row's inputs."""
+    cfg = plan.cfg
+    columns = input_columns(cfg, plan.data.schema)
+    column = cfg.decoding.exclude_column if cfg.decoding.exclude_column in columns else None
+    return {
+        "fs": plan.fs,
+        "columns": columns,
+        "duplicates": a.duplicates,
+        "hashing": units.Hashing(plan.inputs.renderer.max_items, column, cfg.decoding.exclude == "history"),
+        "storage": cfg.storage,
+        "uri": cfg.input,
+    }
+
+
+def read_pending(plan: Plan, a: Attempt, read: dict):
     """The pending units -> their rows (user_id, history and the exclusion column if present; pos; duplicates
-    flagged; input_hash), one read task per unit, and the rows' schema."""
+    flagged; input_hash; in an incremental run those not carried, with `in_base`), one read task per unit."""
     import ray
 
-    cfg = plan.cfg
     ds = ray.data.from_items(a.work)
     # Store errors: a call that still fails after storage.retry_s raises StoreUnavailable, itself (not wrapped). A read
     # task's ends the job (exit 4); a shard's is an application error Ray retries on the same actor (retry_exceptions),
@@ -148,29 +165,14 @@ def read_pending(plan: Plan, a: Attempt):
     ds.context.raise_original_map_exception = True
     ds.context.actor_task_retry_on_errors = [S.StoreUnavailable]
     cluster.share(ds.context)
-    columns = input_columns(cfg, plan.data.schema)
-    column = cfg.decoding.exclude_column if cfg.decoding.exclude_column in columns else None
-    hashing = units.Hashing(plan.inputs.renderer.max_items, column, cfg.decoding.exclude == "history")
-    schema = pa.schema([plan.data.schema.field(c) for c in columns])
-    schema = schema.append(pa.field("pos", pa.int64())).append(pa.field("duplicate", pa.bool_()))
-    schema = schema.append(pa.field("input_hash", pa.binary()))
     # Ray Data fuses these read tasks with `recommend`'s repartition (same resources: 1 CPU each, cluster.READ_CPUS),
     # so every unit is read and cut into blocks by one task; the actor pool leaves that CPU free (cluster.fits)
-    rows = ds.map_batches(
+    return ds.map_batches(
         units.read_retrying,  # a read task's process imports pipeline.units: pyarrow and storage, never torch
         batch_size=1,
         batch_format="pyarrow",
-        fn_kwargs={
-            "fs": plan.fs,
-            "columns": columns,
-            "duplicates": a.duplicates,
-            "order": cfg.compute.order_by_length and plan.base is None,  # a carry orders what it passes on
-            "hashing": hashing,
-            "storage": cfg.storage,
-            "uri": cfg.input,
-        },
+        fn_kwargs={**read, "order": plan.cfg.compute.order_by_length},
     )
-    return rows, schema
 
 
 def recommend(ds, plan: Plan, a: Attempt):

@@ -3,13 +3,14 @@ base), every other user decoded.
 
 Every run records its fingerprint (pipeline/lineage.py: every input but the users' own) in its manifest and each
 user's input hash in its `users` table. A run with `incremental` on picks a base (`choose_base`: by default the newest
-published run of its output root up to its date); when the two fingerprints are equal, its pending rows are joined
-with the base's users by user id (`carry`: a Ray Data hash join, every partition joined on its own node, nothing
-about users on the driver). A row whose input hash equals the base's is carried: `split` writes the carried users of
-each block of the join's output (a partition, or part of one) as one shard (their recommendations copied from the
-base, `users` rows marked carried) and passes the other rows on to the recommender actors, with one note per carried
-shard for the driver's progress. When the fingerprints differ, the run is a full one and its manifest names the
-parts that differ.
+published run of its output root up to its date); when the two fingerprints are equal:
+- `start_index`: Ray tasks read the base's users with a list into one table sorted by key (`Index`: key hash, key,
+  input hash), an object in Ray's store; the driver holds its reference only;
+- the read tasks look each row up in it (`Lookup`): the decode's read tasks pass on the rows that are not carried,
+  at once, to the recommender actors; a second execution, beside the decode (`carried_shards`), reads the carried
+  rows again, joins them with the base's lists by key (a Ray Data hash join, every partition on its own node) and
+  writes each join block as one carried shard (recommendations copied, `users` rows marked carried).
+When the fingerprints differ, the run is a full one and its manifest names the parts that differ.
 
 While a run reads its base, the base is pinned (`runs.pin`) against `--gc` and the grace deletion; a base file gone
 while it is read stops the run (BaseGone, exit 2), which publishes nothing.
@@ -17,10 +18,8 @@ while it is read stops the run (BaseGone, exit 2), which publishes nothing.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,13 +29,9 @@ import pyarrow.compute as pc
 from pipeline import runs, shards
 from pipeline import storage as S
 from pipeline.lineage import differences, sha256_of
-from pipeline.shards import NOTE
 from pipeline.storage import Storage
 
 log = logging.getLogger("genrec.nightly")
-USERS_PER_PARTITION = 500_000  # the join's partitions when incremental.partitions is not set (each partition is one
-# aggregator process of Ray Data's hash shuffle)
-BASE_SHARDS_PER_TASK = 256  # base shards one task reads, as one dataset of their files (a task costs more than a file)
 
 
 class BaseGone(FileNotFoundError):
@@ -110,31 +105,10 @@ def key_of(ids: pa.Array) -> pa.Array:
     return ids.cast(pa.large_string() if pa.types.is_string(t) or pa.types.is_large_string(t) else pa.large_binary())
 
 
-def with_key(batch: pa.Table) -> pa.Table:
-    """Ray Data map: the pending rows with their join key."""
-    return batch.append_column("key", key_of(batch["user_id"]))
-
-
-def read_base(batch: pa.Table, base: str, storage: Storage) -> pa.Table:
-    """Ray Data map over the base's shard stems -> one row per base user with a list: key, base_hash, base_items
-    [k] int64 and base_scores [k] float32 in rank order. A file gone raises BaseGone naming it."""
-    stems = batch["stem"].to_pylist()
-    users = _read(base, "users", stems, ["user_id", "input_hash"], storage)
-    lists = user_lists(_read(base, "recommendations", stems, ["user_id", "rank", "item_id", "score"], storage))
-    at = pc.index_in(lists["key"], key_of(users["user_id"]))  # [U] each listed user's row of the users table
-    lists = lists.append_column("base_hash", users["input_hash"].take(at)).filter(pc.is_valid(at))
-    return lists.select(_view_schema().names)
-
-
-def _view_schema() -> pa.Schema:
-    return pa.schema(
-        [
-            ("key", pa.int64()),
-            ("base_hash", pa.binary()),
-            ("base_items", pa.list_(pa.int64())),
-            ("base_scores", pa.list_(pa.float32())),
-        ]
-    )
+def base_lists(base: str, stems: list[str], storage: Storage) -> pa.Table:
+    """The base's shards `stems` -> one row per user with a list: key, base_items [k] int64 and base_scores [k]
+    float32 in rank order. A file gone raises BaseGone naming it."""
+    return user_lists(_read(base, "recommendations", stems, ["user_id", "rank", "item_id", "score"], storage), base)
 
 
 def _read(base: str, table: str, stems: list[str], columns: list[str], storage: Storage) -> pa.Table:
@@ -162,27 +136,31 @@ def _read(base: str, table: str, stems: list[str], columns: list[str], storage: 
         ) from None
 
 
-def list_starts(recs: pa.Table, checked: bool = True) -> np.ndarray | None:
-    """Where each user's rows begin [U]; `checked`: None unless every user's rows are together, ranks 1, 2, .."""
+def list_starts(recs: pa.Table) -> np.ndarray | None:
+    """Where each user's rows begin [U]; None unless every user's rows are together, ranks 1, 2, .."""
     if not recs.num_rows:
         return np.zeros(0, np.int64)
     ids = recs["user_id"].combine_chunks()
     new = np.r_[True, ~pc.equal(ids[1:], ids[:-1]).to_numpy(zero_copy_only=False)]  # [R] a user's first row
     starts = np.flatnonzero(new)
-    if not checked:
-        return starts
     rank = recs["rank"].to_numpy()
     ok = (rank[new] == 1).all() and (np.diff(rank)[~new[1:]] == 1).all()
     return starts if ok and pc.count_distinct(ids.take(pa.array(starts))).as_py() == len(starts) else None
 
 
-def user_lists(recs: pa.Table) -> pa.Table:
+def user_lists(recs: pa.Table, base: str) -> pa.Table:
     """Shards' recommendations (user_id, rank, item_id, score) -> one row per user: key, base_items, base_scores,
-    in rank order. Shards are written a user's ranks 1, 2, .. together; anything else is sorted first."""
+    in rank order. Shards are written a user's ranks 1, 2, .. together; anything else is sorted first, and ranks
+    that are not 1, 2, .. then (a user listed twice) raise ValueError naming the base."""
     starts = list_starts(recs)
     if starts is None:
         recs = recs.sort_by([("user_id", "ascending"), ("rank", "ascending")])
-        starts = list_starts(recs, checked=False)
+        starts = list_starts(recs)
+        if starts is None:
+            raise ValueError(
+                f"incremental base {base}: a user's recommendations are not ranks 1, 2, .. of one list (the run was "
+                "written by hand or by another tool); run this night full (incremental.enabled=false)"
+            )
     ids, n = recs["user_id"].combine_chunks(), recs.num_rows
     offsets = pa.array(np.r_[starts, n].astype(np.int32))
     return pa.table(
@@ -194,87 +172,209 @@ def user_lists(recs: pa.Table) -> pa.Table:
     )
 
 
+def key_hash(keys: pa.Array) -> np.ndarray:
+    """Join keys (`key_of`) -> what an index sorts them by [N] int64: an integer key itself, a string or bytes key
+    the first 8 bytes of its blake2b (keys that share a hash are told apart by `find`). A null key hashes to 0."""
+    if pa.types.is_int64(keys.type):
+        return pc.fill_null(keys, 0).to_numpy(zero_copy_only=False)
+    from hashlib import blake2b
+
+    values = (v if isinstance(v, bytes) else (v or "").encode() for v in keys.to_pylist())
+    return np.frombuffer(b"".join(blake2b(v, digest_size=8).digest() for v in values), "<i8").copy()
+
+
+def sorted_by_key(t: pa.Table) -> pa.Table:
+    """Rows with `key` (no nulls) -> an index: `h` (`key_hash`) added, sorted by it, one chunk; `unique`: no other
+    row has the key (a user listed twice by a base: never carried)."""
+    t = t.combine_chunks()
+    if not t.num_rows:
+        return t.append_column("h", pa.array([], pa.int64())).append_column("unique", pa.array([], pa.bool_()))
+    t = t.append_column("h", pa.array(key_hash(t["key"].combine_chunks())))
+    t = t.take(pa.array(np.argsort(t["h"].to_numpy(), kind="stable"))).combine_chunks()
+    return t.append_column("unique", pa.array(find(t["key"].combine_chunks(), t, first=False) >= 0))
+
+
+def find(keys: pa.Array, index: pa.Table, first: bool = True) -> np.ndarray:
+    """keys [N] (`key_of`) -> the row of `index` (`sorted_by_key`) holding each key [N], -1 where none holds it;
+    `first`: the first of several rows with the key (else -1 for such a key). Keys sharing a hash are compared one
+    by one (a base user listed twice, or blake2b's 64 bits colliding: never in a hot loop)."""
+    n = len(keys)
+    out = np.full(n, -1, np.int64)
+    if not n or not index.num_rows:
+        return out
+    h, hs = key_hash(keys), index["h"].combine_chunks().to_numpy()  # [N], [U] sorted
+    lo, hi = np.searchsorted(hs, h, "left"), np.searchsorted(hs, h, "right")  # [N] the rows of each key's hash
+    valid = pc.is_valid(keys).to_numpy(zero_copy_only=False)
+    one = np.flatnonzero(valid & (hi - lo == 1))
+    same = pc.equal(index["key"].combine_chunks().take(pa.array(lo[one])), keys.take(pa.array(one)))
+    out[one[pc.fill_null(same, False).to_numpy(zero_copy_only=False)]] = lo[one]
+    for i in np.flatnonzero(valid & (hi - lo > 1)):
+        held = [j for j in range(lo[i], hi[i]) if index["key"][j] == keys[i]]
+        out[i] = held[0] if held and (first or len(held) == 1) else -1
+    return out
+
+
+def index_part(part: int, stems: list[str], base: str, storage: Storage) -> pa.Table:
+    """Ray task: the base's shards `stems` (its `part`-th group) -> their users with a list: key, base_hash, part."""
+    users = _read(base, "users", stems, ["user_id", "input_hash"], storage)
+    listed = pc.unique(_read(base, "recommendations", stems, ["user_id"], storage)["user_id"].combine_chunks())
+    users = users.filter(pc.and_(pc.is_valid(users["user_id"]), pc.is_in(users["user_id"], listed)))
+    keys = key_of(users["user_id"].combine_chunks())
+    return pa.table({"key": keys, "base_hash": users["input_hash"], "part": pa.array([part] * len(keys), pa.int32())})
+
+
+def tonight_part(units: pa.Table, storage: Storage, uri: str, **read) -> pa.Table:
+    """Ray task: pending units -> their rows' key, user_id, pos and input_hash, but the repeats and rows without an
+    id (`units.read_units`' rows: what the decode's read tasks see)."""
+    from pipeline.units import read_retrying
+
+    t = read_retrying(units, storage, uri, **read)
+    t = t.filter(pc.and_(pc.invert(t["duplicate"]), pc.is_valid(t["user_id"])))
+    return pa.table({"key": key_of(t["user_id"].combine_chunks()), **{c: t[c] for c in CARRIED_COLUMNS}})
+
+
+def merge(*parts: pa.Table) -> pa.Table:
+    """Ray task: index parts -> one index (`sorted_by_key`)."""
+    return sorted_by_key(pa.concat_tables(parts))
+
+
+CARRIED, IN_BASE = 2, 1  # an input position's fate in an incremental run (`decide`; 0: a user the base lacks)
+
+
+def decide(index: pa.Table, tonight: pa.Table, total: int) -> np.ndarray:
+    """Ray task: the two indexes -> each input position's fate [total] int8: CARRIED (not a repeat, listed once by
+    the base, with the same input hash), IN_BASE (decoded; the base holds a list for the user) or 0."""
+    state = np.zeros(total, np.int8)
+    at = find(tonight["key"].combine_chunks(), index)  # [T] each pending user's row of the base's index
+    found = np.flatnonzero(at >= 0)
+    taken = pa.array(at[found])
+    same = pc.and_(
+        pc.equal(index["base_hash"].take(taken), tonight["input_hash"].take(pa.array(found))),
+        index["unique"].take(taken),
+    )
+    pos = tonight["pos"].to_numpy()[found]  # [F]
+    state[pos] = IN_BASE
+    state[pos[pc.fill_null(same, False).to_numpy(zero_copy_only=False)]] = CARRIED
+    return state
+
+
+@dataclass(frozen=True)
+class Indexes:
+    """An incremental run's indexes, objects in Ray's store (the driver holds their references, never their rows):
+    the base's users with a list (key, base_hash, part: the group of its shards, `parts`), tonight's pending users
+    (key, user_id, pos, input_hash) and each input position's fate (`decide`)."""
+
+    base: object
+    tonight: object
+    fate: object
+
+
+def start_indexes(base: Base, per_task: int, work: list[dict], total: int, read: dict) -> Indexes:
+    """Ray tasks build the indexes (`per_task` base shards, or one input unit, a task; then one merge
+    each; then `decide`) -> their references, at once: the tasks that read them wait for them. `read`:
+    `units.read_retrying`'s arguments (storage, uri, fs, columns, duplicates, hashing)."""
+    import ray
+
+    base_part, night_part, merged = ray.remote(index_part), ray.remote(tonight_part), ray.remote(merge)
+    night = {**read, "duplicates": ray.put(read["duplicates"])}  # stored once, each task reads it
+    groups = enumerate(parts(base, per_task))
+    index = merged.remote(*(base_part.remote(i, g, base.uri, read["storage"]) for i, g in groups))
+    tonight = merged.remote(*(night_part.remote(pa.Table.from_pylist([u]), **night) for u in work))
+    return Indexes(index, tonight, ray.remote(decide).remote(index, tonight, total))
+
+
+def parts(base: Base, n: int) -> list[list[str]]:
+    """The base's shards in groups of `n` (incremental.base_shards_per_task): what one task reads."""
+    return [base.stems[i : i + n] for i in range(0, len(base.stems), n)]
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """What the decode's read tasks keep of their rows (with `pos`) in an incremental run: those not carried, with
+    `in_base`."""
+
+    fate: object  # `Indexes.fate`
+
+    def keep(self, rows: pa.Table) -> pa.Table:
+        import ray
+
+        fate = ray.get(self.fate)[rows["pos"].to_numpy()]  # [N]
+        kept = fate != CARRIED
+        return rows.filter(pa.array(kept)).append_column("in_base", pa.array(fate[kept] == IN_BASE))
+
+
+CARRIED_COLUMNS = ("user_id", "pos", "input_hash")  # what a carried shard writes of tonight's row
+
+
 @dataclass(frozen=True)
 class Carry:
-    """What `split` needs, small and inline: where the run writes, what its rows are."""
+    """What `carry_part` needs, small and inline: where the run writes, what its rows are."""
 
     run: str  # the run folder
     run_id: str
     attempt: str
     storage: Storage
-    schema: pa.Schema  # the read rows' columns and types (the join hands them back in its own)
+    base: str  # the base run's folder
+    user_type: pa.DataType  # the input's user ids
     mode: str
     k: int
-    order: bool  # the pending rows by history length (compute.order_by_length)
+    indexes: Indexes
 
 
-def carry(ds, plan, a, base: Base, schema: pa.Schema):
-    """The pending rows (Ray Data) -> those to decode, the carried ones written as shards (`split`)."""
+def carried_shards(plan, a, base: Base, indexes: Indexes):
+    """The base's shards, incremental.base_shards_per_task a task (Ray Data) -> their users that tonight carries,
+    written as one shard a task (`carry_part`) -> its summary row (shards.SUMMARY): a function that returns that
+    dataset once the indexes are built (`follow.stream`)."""
     import ray
 
     cfg = plan.cfg
-    view = ray.data.from_items([{"stem": s} for s in base.stems]).map_batches(
-        read_base,
-        batch_size=BASE_SHARDS_PER_TASK,
-        batch_format="pyarrow",
-        fn_kwargs={"base": base.uri, "storage": cfg.storage},
-    )
-    partitions = cfg.incremental.partitions or max(1, -(-a.left // USERS_PER_PARTITION))
-    joined = ds.map_batches(with_key, batch_format="pyarrow").join(view, "left_outer", partitions, on=("key",))
     spec = Carry(
-        a.run, a.run_id, a.id, cfg.storage, schema, cfg.decoding.mode, cfg.decoding.k, cfg.compute.order_by_length
+        a.run,
+        a.run_id,
+        a.id,
+        cfg.storage,
+        base.uri,
+        plan.data.schema.field("user_id").type,
+        cfg.decoding.mode,
+        cfg.decoding.k,
+        indexes,
     )
-    return joined.map_batches(split, batch_size=None, batch_format="pyarrow", fn_kwargs={"carry": spec})
+    groups = parts(base, cfg.incremental.base_shards_per_task)
+    ds = ray.data.from_items([{"part": i, "stems": g} for i, g in enumerate(groups)])
+    ds = ds.map_batches(carry_part, batch_size=1, batch_format="pyarrow", fn_kwargs={"carry": spec})
+
+    def ready():  # the execution starts once both indexes are built: no task of it waits holding a worker
+        ray.wait([indexes.base, indexes.tonight], num_returns=2, fetch_local=False)
+        return ds
+
+    return ready
 
 
-def split(block: pa.Table, carry: Carry) -> Iterator[pa.Table]:
-    """Ray Data map over the join's output blocks: the rows to decode (with `in_base`: the base holds a list for the
-    user), yielded first so that the actors start on them; then the carried rows (not a duplicate, an input hash equal
-    to the base's) written as one shard, and its note (pos -1, NOTE: its summary row)."""
-    schema = pending_schema(carry)
-    if "pos" not in block.column_names:  # a partition that holds base users and no pending row
-        return
-    block = one_row_per_position(block)
-    same = pc.fill_null(pc.equal(block["input_hash"], block["base_hash"]), False)
-    carried = pc.and_(same, pc.invert(block["duplicate"]))
-    out = block.filter(pc.invert(carried))
-    in_base = pc.is_valid(out["base_hash"])
-    out = out.select(carry.schema.names).cast(carry.schema).append_column("in_base", in_base)
-    if carry.order:
-        from pipeline.units import by_length
+def carry_part(batch: pa.Table, carry: Carry) -> pa.Table:
+    """Ray Data map over the groups of the base's shards (`parts`): a group's users that its part of the base's
+    index holds once, that tonight's pending users hold, with the same input hash (what `decide` carries) ->
+    written as one shard -> its summary row (none when none is carried)."""
+    import ray
 
-        out = by_length(out)
-    if out.num_rows:
-        yield out.append_column(NOTE, pa.nulls(out.num_rows, pa.string()))
-    rows = block.filter(carried)
-    if rows.num_rows:
-        summary = write_carried(rows.select([*carry.schema.names, "base_items", "base_scores"]), carry)
-        note = {n: pa.nulls(1, schema.field(n).type) for n in schema.names}
-        note |= {"pos": pa.array([-1], pa.int64()), "duplicate": pa.array([False]), "in_base": pa.array([False])}
-        yield pa.table({**note, NOTE: pa.array([json.dumps(summary)])}, schema=schema)
+    from pipeline.shards import SUMMARY
 
-
-def pending_schema(carry: Carry) -> pa.Schema:
-    """What `split` passes on: the read rows, `in_base` and the notes' column."""
-    return carry.schema.append(pa.field("in_base", pa.bool_())).append(pa.field(NOTE, pa.string()))
-
-
-def one_row_per_position(block: pa.Table) -> pa.Table:
-    """The join's rows, one per input row: a base that lists a user twice would give its row twice (its shards were
-    written by another version, or by hand); such a row is kept once, without the base's list (it is decoded)."""
-    pos = block["pos"].to_numpy()
-    if len(np.unique(pos)) == len(pos):
-        return block
-    order = np.argsort(pos, kind="stable")
-    first = np.r_[True, pos[order][1:] != pos[order][:-1]]  # [N] in pos order
-    repeated = np.zeros(len(pos), bool)
-    repeated[order] = ~first | np.r_[~first[1:], False]  # both the first and the later copies
-    keep = np.sort(order[first])
-    base = [c for c in _view_schema().names if c != "key"]
-    cleared = {c: pc.if_else(pa.array(repeated), pa.nulls(len(pos), block[c].type), block[c]) for c in base}
-    for c, values in cleared.items():
-        block = block.set_column(block.schema.get_field_index(c), c, values)
-    return block.take(pa.array(keep))
+    part = batch["part"][0].as_py()
+    view = base_lists(carry.base, batch["stems"][0].as_py(), carry.storage)  # [U] key, base_items, base_scores
+    index, tonight = ray.get([carry.indexes.base, carry.indexes.tonight])
+    keys = view["key"].combine_chunks()
+    listed, night = find(keys, index), find(keys, tonight)  # [U], [U]
+    ok = np.flatnonzero((listed >= 0) & (night >= 0))
+    at, there = pa.array(listed[ok]), pa.array(night[ok])
+    same = pc.equal(tonight["input_hash"].take(there), index["base_hash"].take(at))
+    here = pc.and_(index["unique"].take(at), pc.equal(index["part"].take(at), part))
+    ok = ok[pc.fill_null(pc.and_(same, here), False).to_numpy(zero_copy_only=False)]
+    if not len(ok):
+        return SUMMARY.empty_table()
+    rows = tonight.select(list(CARRIED_COLUMNS)).take(pa.array(night[ok]))
+    lists = view.select(["base_items", "base_scores"]).take(pa.array(ok))
+    columns = [*rows.columns, *lists.columns]
+    summary = write_carried(pa.Table.from_arrays(columns, [*rows.column_names, *lists.column_names]), carry)
+    return pa.Table.from_pylist([summary], schema=SUMMARY)
 
 
 def write_carried(rows: pa.Table, carry: Carry) -> dict:
@@ -285,10 +385,11 @@ def write_carried(rows: pa.Table, carry: Carry) -> dict:
     rows = rows.take(pc.sort_indices(rows["pos"]))
     pos = rows["pos"].to_numpy()
     shard, n = f"s{int(pos[0]):012d}", rows.num_rows
-    user_type = carry.schema.field("user_id").type
+    user_type = carry.user_type
     recs = carried_recommendations(rows, carry.mode).cast(table_schema("rec", user_type))
     lengths = pc.list_value_length(rows["base_items"]).to_numpy(zero_copy_only=False)  # [U]
-    users = pa.table({"user_id": rows["user_id"], "input_hash": rows["input_hash"], "source": ["carried"] * n})
+    ids = rows["user_id"].cast(user_type)
+    users = pa.table({"user_id": ids, "input_hash": rows["input_hash"], "source": ["carried"] * n})
     metric = {
         "run_id": carry.run_id,
         "shard": shard,
@@ -320,7 +421,7 @@ def carried_recommendations(rows: pa.Table, mode: str) -> pa.Table:
             "rank": pa.array(rank.astype(np.int32)),
             "item_id": pc.list_flatten(items),
             "score": pc.list_flatten(scores),
-            "mode": pa.array([mode] * len(owner), pa.string()),
+            "mode": pa.repeat(pa.scalar(mode, pa.string()), len(owner)),
         }
     )
 

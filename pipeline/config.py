@@ -106,8 +106,8 @@ class Incremental:
     # run); None: the newest published run of this output dated on or before run_date
     pin_s: float = 86400.0  # the base is pinned against --gc and the grace deletion while the run reads it; a run
     # that dies keeps the pin this long (a run that ends removes it)
-    partitions: int | None = None  # the join's partitions (each joined by one task, each partition's carried users one
-    # shard); None: one per 500,000 pending users
+    base_shards_per_task: int = 256  # the base's shards one carry task reads (its index part, then its users that
+    # tonight carries, written as one shard): more, fewer and larger tasks
 
 
 @dataclass
@@ -496,7 +496,8 @@ def _check_runs(r: Runs) -> None:
 
 def _check_incremental(i: Incremental) -> None:
     _need(i.pin_s > 0, "incremental.pin_s", "must be > 0 seconds", i.pin_s)
-    _need(i.partitions is None or i.partitions >= 1, "incremental.partitions", "must be >= 1 (or null)", i.partitions)
+    n = i.base_shards_per_task
+    _need(n >= 1, "incremental.base_shards_per_task", "must be >= 1", n)
 
 
 def _check_storage(s: Storage) -> None:

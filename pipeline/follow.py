@@ -1,4 +1,4 @@
-"""The driver following a decode: the execution's summary rows streamed on a thread of their own, progress and ETA,
+"""The driver following a decode: the executions' summary rows streamed on threads of their own, progress and ETA,
 what a stalled run waits for, the nodes lost and joined, the lease; a stop shuts the execution down first."""
 
 from __future__ import annotations
@@ -27,20 +27,34 @@ class Stalled(Exception):
     another compute.num_actors, decodes the rest."""
 
 
-def stream(ds) -> queue.Queue:
-    """The execution's summary rows, consumed by a thread of their own -> a queue of tables, then None (the end) or
-    the exception that ended it: the driver keeps watching while nothing commits."""
+def stream(executions: list, stopped: threading.Event) -> queue.Queue:
+    """The executions' summary rows (each a Ray Data dataset, or a function that returns one once its inputs are
+    ready), each execution consumed by a thread of its own -> a queue of tables, then None
+    (every execution ended) or the first exception that ended one: the driver keeps watching while nothing commits.
+    Once `stopped` is set, a thread leaves its execution at its next row (one that started late is shut down so)."""
     rows: queue.Queue = queue.Queue()
+    left = [len(executions)]
+    lock = threading.Lock()
 
-    def pump() -> None:
+    def pump(ds) -> None:
         try:
+            ds = ds() if callable(ds) else ds  # an execution that waits for its inputs first
+            if stopped.is_set():
+                return
             for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+                if stopped.is_set():
+                    return
                 rows.put(batch)
-            rows.put(None)
         except BaseException as e:  # handed to the driver's thread, which raises it
             rows.put(e)
+            return
+        with lock:
+            left[0] -= 1
+            if not left[0]:
+                rows.put(None)
 
-    threading.Thread(target=pump, name="genrec-shards", daemon=True).start()
+    for i, ds in enumerate(executions):
+        threading.Thread(target=pump, args=(ds,), name=f"genrec-shards-{i}", daemon=True).start()
     return rows
 
 
@@ -98,14 +112,16 @@ def next_summary(rows: queue.Queue):
     return batch
 
 
-def follow(ds, total: int, r: Runs, lease: Lease) -> tuple[int, cluster.Watch]:
-    """Streams the execution: one summary row per written shard, logged as `Progress`; every node lost or joined and
-    each loss's recovery (`cluster.Watch`). Raises Stalled (`Progress`), LeaseLost if the lease is lost, Interrupted
-    on a signal, having shut the execution down first (no task is submitted after) -> (shards written, the watch)."""
-    p = Progress(total, r)
+def follow(executions: list, total: int, r: Runs, lease: Lease) -> tuple[int, cluster.Watch]:
+    """Streams the executions (Ray Data datasets): one summary row per written shard, logged as `Progress`; every
+    node lost or joined and each loss's recovery (`cluster.Watch`). Raises Stalled (`Progress`), LeaseLost if the
+    lease is lost, Interrupted on a signal, having shut the executions down first (no task is submitted after) ->
+    (shards written, the watch)."""
+    p, stopped = Progress(total, r), threading.Event()
     last_poll = p.t0
     try:
-        rows, watch = stream(ds), cluster.Watch()  # inside: a signal while they start shuts the execution down too
+        # inside: a signal while they start shuts the executions down too
+        rows, watch = stream(executions, stopped), cluster.Watch()
         while (batch := next_summary(rows)) is not None:
             now = time.perf_counter()
             if batch is not False:
@@ -118,6 +134,7 @@ def follow(ds, total: int, r: Runs, lease: Lease) -> tuple[int, cluster.Watch]:
                 watch.poll(p.t0)
             p.check(now)
     except BaseException as e:
+        stopped.set()
         cluster.stop_executions(e)
         raise
     log.info("decoded %d users in %d shards, %.1f s", p.users, p.shards, time.perf_counter() - p.t0)

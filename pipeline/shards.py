@@ -304,18 +304,11 @@ class ShardRecommender:
         self.gave_up: dict[str, int] = {}  # shard -> its StoreUnavailable errors on this actor
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        """One batch -> its shard committed -> its summary row (and those of the carried shards whose notes the batch
-        holds: pipeline/carry.py). A StoreUnavailable is Ray's to retry (the actors' retry_exceptions: Ray runs the
-        task again on this actor) until this shard has had BATCH_RETRIES + 1 of them here; then StoreGaveUp, which Ray
-        does not retry. A lost actor's tasks are retried on its restart, without limit: that is a system failure,
-        which no application retry count spends."""
-        notes = []
-        if NOTE in batch.column_names:
-            noted = pc.is_valid(batch[NOTE])
-            notes = [json.loads(v) for v in batch[NOTE].filter(noted).to_pylist()]
-            batch = batch.filter(pc.invert(noted)).drop_columns([NOTE])
-        rows = [self.shard(batch)] if batch.num_rows else []
-        return pa.Table.from_pylist(rows + notes, schema=SUMMARY)
+        """One batch -> its shard committed -> its summary row. A StoreUnavailable is Ray's to retry (the actors'
+        retry_exceptions: Ray runs the task again on this actor) until this shard has had BATCH_RETRIES + 1 of them
+        here; then StoreGaveUp, which Ray does not retry. A lost actor's tasks are retried on its restart, without
+        limit: that is a system failure, which no application retry count spends."""
+        return pa.Table.from_pylist([self.shard(batch)], schema=SUMMARY)
 
     def shard(self, batch: pa.Table) -> dict:
         shard = f"s{int(pc.min(batch['pos']).as_py()):012d}"
@@ -434,8 +427,6 @@ def users_schema(user_type: pa.DataType) -> pa.Schema:
     return pa.schema([("user_id", user_type), ("input_hash", pa.binary()), ("source", pa.string())])
 
 
-NOTE = "carried"  # the column of the notes an incremental run's carry passes to the actors (pipeline/carry.py): a
-# carried shard's summary row (JSON)
 SUMMARY = pa.schema(
     [
         ("users_in", _INT),

@@ -108,11 +108,13 @@ def read_units(
     duplicates: pa.Table | None = None,
     order: bool = False,
     hashing: Hashing | None = None,
+    lookup=None,
 ) -> pa.Table:
     """Ray Data map over units (rows of `todo`, "done" as JSON): the rows still to decode, with `pos`, a `duplicate`
     flag (the user id was seen at an earlier position) and, with `hashing`, each row's `input_hash`
-    (pipeline/lineage.py); `order`: each unit's rows by history length (`by_length`), so that the shards cut from
-    them hold users of like prompt lengths."""
+    (pipeline/lineage.py); `lookup` (an incremental run's `carry.Lookup`): the rows it keeps, the carried ones or the
+    rest; `order`: each unit's rows by history length (`by_length`), so that the shards cut from them hold users of
+    like prompt lengths."""
     tables = []
     for unit in batch.to_pylist():
         unit["done"] = json.loads(unit["done"])
@@ -125,6 +127,8 @@ def read_units(
             first = pc.take(duplicates["first"], at)
             dup = pc.fill_null(pc.not_equal(first, t["pos"]), False)  # a repeat of an earlier row's user id
         t = t.append_column("duplicate", dup)
+        if lookup is not None:
+            t = lookup.keep(t)
         if hashing is not None:
             t = t.append_column("input_hash", hashing.of(t))
         tables.append(by_length(t) if order else t)

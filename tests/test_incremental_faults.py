@@ -34,13 +34,13 @@ def base_night(world, ray_session_plain, tmp_path_factory):
 
 
 def test_an_incremental_night_killed_and_resumed_publishes_every_user_once(world, base_night, tmp_path):
-    """An incremental night (16 join partitions: some hold base users and no pending row) killed after two shards:
+    """An incremental night (a carry task per base shard: many carried shards) killed after two shards:
     --resume latest carries and decodes the rest, and every user is published once, as a full night lists them."""
     from pipeline.nightly import run_nightly
 
     root, _ = world
     based(base_night, tmp_path)
-    cfg = night_config(root, tmp_path / "out", "incremental.enabled=true", "incremental.partitions=16")
+    cfg = night_config(root, tmp_path / "out", "incremental.enabled=true", "incremental.base_shards_per_task=1")
     run_nightly(cfg)
     old = killed_run(cfg, keep=2)
     manifest = run_nightly(cfg, resume="latest")
