@@ -10,7 +10,7 @@ DATA    ?= data/beauty
 TORCH_INDEX ?=
 PIP      = $(BIN)/pip install -q -c constraints.txt
 
-.PHONY: install browser demo models nightly bench bench-gpu report docs lint test test-faults test-kernels test-oldest clean
+.PHONY: install browser redis demo models nightly bench bench-gpu report docs lint test test-faults test-kernels test-oldest clean
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -27,6 +27,12 @@ SUDO    ?= $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 browser:
 	@command -v chromium >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends chromium >/dev/null; }
+
+# Debian's redis-server and redis-cli, for the tests that serve runs from a real Redis (skipped where it is missing,
+# but in CI: GENREC_REQUIRE_REDIS=1)
+redis:
+	@command -v redis-server >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends redis-server >/dev/null; }
 
 $(DATA)/items.parquet: $(BIN)/.installed
 	$(BIN)/python -m jobs.prepare_data --out $(DATA)

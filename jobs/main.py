@@ -21,6 +21,7 @@ COMMANDS = {
     "train-draft": ("jobs.train_draft", "train a draft aligned with a target (AtSpeed-S / -R, KD, SFT)"),
     "template": ("jobs.template", "give a model directory its prompt template, checked against its tokenizer"),
     "upload-model": ("jobs.upload_model", "check a model folder, upload it to s3:// with its checksums, verify it"),
+    "export": ("jobs.export", "serve a published run from Redis behind an atomic version switch, with rollback"),
     "show": ("jobs.show", "a published run's summary and the files of its tables (what readers read)"),
     "evaluate": ("jobs.evaluate", "Recall@K and NDCG@K of a published run against the input's targets"),
     "report": ("jobs.report", "the cost and throughput report of a published run (Markdown, HTML, figures)"),

@@ -9,7 +9,9 @@ storage.retry_s (one `error:` line naming the store, the URI and the cause; the 
 it); 5 when no shard committed for runs.stall_exit_s (one `error:` line saying what the run waited for; the lease is
 released): resume it, perhaps with another compute.num_actors; 6 when SIGTERM (`ray job stop`, a pod's eviction) or
 SIGINT stopped it (one `stopped:` line; the decode shut down, the interruption recorded in the run's _RUN.json, the
-lease released): `--resume latest` continues it. A run that fails or is killed keeps what it
+lease released): `--resume latest` continues it; 7 when the run is published but its export to serving.url failed
+(one `error:` line; readers of the store still see the version before: `genrec-batch export` retries it). A run that
+fails or is killed keeps what it
 committed: `--resume RUN_ID` (or `--resume latest`: the date's newest unfinished run, else a new one) decodes only
 the rest.
 `--incremental [BASE]` carries every user whose inputs are unchanged since BASE (by default the newest published run
@@ -104,7 +106,7 @@ def main(argv=None) -> int:
 
 def run(cfg, args) -> dict:
     """--gc, or the nightly run (checked before Ray starts, then on the cluster) -> what main prints."""
-    from pipeline.nightly import check_run, collect_garbage, run_nightly
+    from pipeline.nightly import check_run, collect_garbage, run_nightly, serve
     from pipeline.plan import plan_run
     from pipeline.signals import connect_ray
 
@@ -115,7 +117,9 @@ def run(cfg, args) -> dict:
     plan = plan_run(cfg)  # before Ray: a missing input, catalog or model is refused here
     connect_ray()
     manifest = run_nightly(cfg, args.resume, plan)
-    return {k: manifest[k] for k in ("run_id", "run_date", "status", "counts", "resume", "timings", "outputs")}
+    summary = {k: manifest[k] for k in ("run_id", "run_date", "status", "counts", "resume", "timings", "outputs")}
+    served = serve(cfg, manifest)
+    return summary | ({"serving": served} if served else {})
 
 
 def stopped(e, args) -> None:

@@ -26,7 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline import runs, shards
+from pipeline import cluster, runs, shards
 from pipeline import storage as S
 from pipeline.lineage import differences, sha256_of
 from pipeline.storage import Storage
@@ -341,6 +341,8 @@ def carried_shards(plan, a, base: Base, indexes: Indexes):
     )
     groups = parts(base, cfg.incremental.base_shards_per_task)
     ds = ray.data.from_items([{"part": i, "stems": g} for i, g in enumerate(groups)])
+    ds.context.raise_original_map_exception = True  # BaseGone, a bad base: their exit codes (nightly.exit_code)
+    cluster.share(ds.context)
     ds = ds.map_batches(carry_part, batch_size=1, batch_format="pyarrow", fn_kwargs={"carry": spec})
 
     def ready():  # the execution starts once both indexes are built: no task of it waits holding a worker

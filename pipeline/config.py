@@ -111,6 +111,30 @@ class Incremental:
 
 
 @dataclass
+class Serving:
+    url: str | None = None  # redis:// or rediss://host:port/db: once a run is published the nightly exports it there
+    # behind an atomic version switch (docs/output.md#serving-from-redis); None: no export. The ACL user and password
+    # from REDIS_USERNAME and REDIS_PASSWORD, or the URL (the manifest records it without the password)
+    namespace: str = "genrec"  # the keys' namespace: readers read {namespace}:current, then the user's key
+    keep: int = 2  # previous versions kept for `genrec-batch export --rollback`; older ones are removed
+    retry_s: float = 300.0  # transient Redis errors are retried this long, then the export gives up (exit 7)
+    writers: int = 4  # Ray tasks writing lists at once
+    allow_eviction: bool = False  # export into a Redis whose maxmemory-policy may evict keys (else refused)
+    allow_no_persistence: bool = False  # export into a Redis with neither RDB snapshots nor appendonly (else refused)
+
+
+def masked_url(url: str | None) -> str | None:
+    """A URL without its password: what logs and manifests show."""
+    import urllib.parse
+
+    u = urllib.parse.urlsplit(url or "")
+    if u.password is None:
+        return url
+    netloc = f"{u.username or ''}:***@{u.hostname}" + (f":{u.port}" if u.port else "")
+    return urllib.parse.urlunsplit((u.scheme, netloc, u.path, u.query, u.fragment))
+
+
+@dataclass
 class Config:
     input: str = ""  # histories parquet: file, folder or s3:// URI
     catalog: str = ""  # the item index (items.parquet: item_id, semantic_id): every item a history may name,
@@ -135,9 +159,13 @@ class Config:
     storage: Storage = field(default_factory=Storage)
     runs: Runs = field(default_factory=Runs)
     incremental: Incremental = field(default_factory=Incremental)
+    serving: Serving = field(default_factory=Serving)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The config as the manifest and _RUN.json record it: serving.url without its password."""
+        out = asdict(self)
+        out["serving"]["url"] = masked_url(self.serving.url)
+        return out
 
 
 def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
@@ -261,6 +289,7 @@ SECTIONS = {
     "storage": Storage,
     "runs": Runs,
     "incremental": Incremental,
+    "serving": Serving,
 }  # the config's sections, by name
 
 
@@ -326,6 +355,7 @@ def validate(cfg: Config) -> None:
     _check_runs(cfg.runs)
     _check_storage(cfg.storage)
     _check_incremental(cfg.incremental)
+    check_serving(cfg.serving)
 
 
 def _need(cond: bool, name: str, what: str, value) -> None:
@@ -492,6 +522,21 @@ def _check_runs(r: Runs) -> None:
         "must be >= 0 (0: always the Ray aggregation)",
         r.duplicates_driver_mb,
     )
+
+
+def check_serving(v: Serving) -> None:
+    """A serving section that cannot be exported to -> ValueError naming the setting."""
+    if v.url is None:
+        return
+    import urllib.parse
+
+    scheme = urllib.parse.urlsplit(v.url).scheme
+    _need(scheme in ("redis", "rediss"), "serving.url", "must be redis:// or rediss://", masked_url(v.url))
+    named = re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", v.namespace) is not None
+    _need(named, "serving.namespace", "must be 1 to 64 of A-Z a-z 0-9 _ . -", v.namespace)
+    _need(v.keep >= 0, "serving.keep", "must be >= 0", v.keep)
+    _need(v.retry_s >= 0, "serving.retry_s", "must be >= 0 seconds", v.retry_s)
+    _need(v.writers >= 1, "serving.writers", "must be >= 1", v.writers)
 
 
 def _check_incremental(i: Incremental) -> None:

@@ -27,7 +27,7 @@ NOT_PARTS = {  # settings a list does not depend on, and why (docs/output.md#inc
     "compute.order_by_length": "the order users are decoded in; outputs are in the input order either way",
     "compute.engine (in float32)": "the compiled engine returns the eager engine's lists exactly",
     "compute.audit_users": "the precision audit re-decodes users beside the run; it never changes a list",
-    "compute.compile_cache, models.cache_dir, storage, runs": "where files are kept and how the job runs",
+    "compute.compile_cache, models.cache_dir, storage, runs, serving": "where files are kept and how the job runs",
     "models.target and models.draft URIs": "a model is its content: the sha256 of its weights and its other files",
     "decoding.draft_beams, gamma, auto_trials (but atspeed-relaxed)": (
         "beam search and strict speculation return beam search's lists whatever the draft does"

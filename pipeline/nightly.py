@@ -154,6 +154,30 @@ def execute(plan: Plan, run_id: str, resumed: bool, lease: Lease, latest: str | 
         raise
 
 
+class ExportFailed(Exception):
+    """The run is published, but its export to the serving store failed (exit 7): `genrec-batch export` retries it;
+    readers of the store still see the version before."""
+
+
+def serve(cfg: Config, manifest: dict) -> dict | None:
+    """A published run exported to serving.url (pipeline/serving.py) -> the export's record; None without a serving
+    store. Any failure raises ExportFailed naming the run and the cause."""
+    if not cfg.serving.url:
+        return None
+    from pipeline import serving
+    from pipeline.output import open_run
+
+    run = runs.run_dir(cfg.output, cfg.run_date, manifest["run_id"])
+    try:
+        return serving.export(open_run(run, cfg.storage), cfg.serving).record()
+    except Exception as e:
+        raise ExportFailed(
+            f"run {manifest['run_id']} is published, its export to {serving.masked(cfg.serving.url)} failed: {e}. "
+            f"Readers of the store see the version before. Retry: genrec-batch export {run} --to URL "
+            f"--namespace {cfg.serving.namespace}"
+        ) from e
+
+
 def collect_garbage(cfg: Config) -> list[str]:
     """`--gc`: deletes the runs of every date superseded more than runs.grace_s ago."""
     return runs.collect(cfg.output, cfg.storage, cfg.runs.grace_s)
@@ -170,5 +194,6 @@ def exit_code(e: Exception) -> int | None:
         ((FileNotFoundError, ValueError, PermissionError), 2),
         ((StoreUnavailable,), 4),
         ((Stalled,), 5),
+        ((ExportFailed,), 7),
     ]
     return next((code for kinds, code in codes if isinstance(e, kinds)), None)

@@ -268,9 +268,10 @@ class Plan:
 
 def resume_config(config: dict) -> dict:
     """The part of a config (`Config.to_dict()`) that the decoded rows depend on: all but how the job runs (`runs`,
+    `serving`: where the published run is exported,
     `storage.retry_s`: a run that gave up on the store resumes with a larger budget; the pool's size and CPUs,
     RESUME_FREE_COMPUTE: a run that stalled resumes on the cluster it has)."""
-    out = {k: v for k, v in config.items() if k != "runs"}
+    out = {k: v for k, v in config.items() if k not in ("runs", "serving")}
     if isinstance(out.get("incremental"), dict):
         out["incremental"] = {k: v for k, v in out["incremental"].items() if k != "pin_s"}
     if isinstance(out.get("storage"), dict):

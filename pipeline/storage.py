@@ -122,43 +122,43 @@ def store_name(storage: Storage) -> str:
     return storage.endpoint or f"S3 ({storage.region})"
 
 
-def retrying(call: Callable[[], T], storage: Storage, what: str, budget_s: float | None = None) -> T:
+def retrying(
+    call: Callable[[], T],
+    storage: Storage | None,
+    what: str,
+    budget_s: float | None = None,
+    store: tuple[str, Callable[[BaseException], bool], str] | None = None,
+) -> T:
     """call() -> its result, tried again while it fails transiently, for budget_s (default storage.retry_s) from the
     first try; then StoreUnavailable naming the store, `what` (the request and its URI) and the last cause. A
     permanent error is raised at once. An attempt in flight when the budget ends is not cut short (at most the SDK's
-    timeouts more). Only for calls that may run twice: reads, whole-object puts, conditional puts (`put_if`)."""
+    timeouts more). Only for calls that may run twice: reads, whole-object puts, conditional puts (`put_if`).
+    `store`: another store's (name, transient, the budget's setting), e.g. a Redis (pipeline/serving.py); default
+    the object store's."""
+    name, is_transient, setting = store or (f"object store {store_name(storage)}", transient, "storage.retry_s")
     budget = storage.retry_s if budget_s is None else budget_s
     start = time.monotonic()
     for attempt in itertools.count():
         try:
             result = call()
         except Exception as e:
-            if not transient(e):
+            if not is_transient(e):
                 raise
             waited = time.monotonic() - start
             cause = " ".join(str(e).split()) or type(e).__name__
             if waited >= budget:
                 down = StoreUnavailable(
-                    f"object store {store_name(storage)} unavailable: {what} failed for "
-                    f"{waited:.0f} s ({attempt + 1} tries; storage.retry_s = {budget:g}): "
-                    f"{cause}"
+                    f"{name} unavailable: {what} failed for {waited:.0f} s ({attempt + 1} tries; {setting} = "
+                    f"{budget:g}): {cause}"
                 )
                 log.error("giving up: %s", down)
                 raise down from e
             delay = min(random.uniform(0, min(BACKOFF_S[1], BACKOFF_S[0] * 2**attempt)), budget - waited)
-            log.warning(
-                "store %s: %s failed (%s); retry %d in %.1f s", store_name(storage), what, cause, attempt + 1, delay
-            )
+            log.warning("%s: %s failed (%s); retry %d in %.1f s", name, what, cause, attempt + 1, delay)
             time.sleep(delay)
         else:
             if attempt:
-                log.warning(
-                    "store %s: %s succeeded after %d retries, %.1f s",
-                    store_name(storage),
-                    what,
-                    attempt,
-                    time.monotonic() - start,
-                )
+                log.warning("%s: %s succeeded after %d retries, %.1f s", name, what, attempt, time.monotonic() - start)
             return result
 
 

@@ -154,6 +154,22 @@ class ScaleParams:
 
 
 @dataclass
+class ExportParams:
+    """`bench export`: a nightly of `users` synthetic users (`nightly-scale`'s world) at each K, exported into a local
+    redis-server (append-only file, fsync every second) `repeats` times, each into its own namespace: users/s and
+    MB/s of list values, and Redis's memory per user (its used_memory before and after the first export)."""
+
+    users: list[int] = field(default_factory=lambda: [100_000])
+    ks: list[int] = field(default_factory=lambda: [10, 50])
+    k_users: int = 20_000  # users of the nights at K other than the first (memory per user only)
+    repeats: int = 3
+    writers: int = 2
+    batch: int = 256
+    cpus: int = 2  # CPUs of the local Ray
+    out: str = "bench-out"
+
+
+@dataclass
 class IncrementalParams:
     """`bench incremental`: for each size of synthetic users (`nightly-scale`'s world) a base night, then for each
     share of users `changed` a full and an incremental night on the same input, interleaved `repeats` times, each in

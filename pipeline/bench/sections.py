@@ -87,6 +87,13 @@ BENCHES = {
         "incremental:markdown_incremental",
         CPU,
     ),
+    "export": Section(
+        P.ExportParams,
+        "a published run exported into a local Redis: users/s, MB/s, memory per user at K 10 and K 50",
+        "export:run_export",
+        "export:markdown_export",
+        CPU,
+    ),
     "delisted": Section(
         P.DelistedParams,
         "a night with items delisted: taken out of the catalog against left out of the recommendable set",

@@ -1,0 +1,82 @@
+"""Serve a published run from Redis: `genrec-batch export RUN --to redis://HOST:PORT/DB [--namespace NS]`, or
+`genrec-batch export --rollback --to redis://...` (docs/output.md#serving-from-redis).
+
+RUN is an output root (its newest date's published run), `<output>/run_date=D` or a run folder, local or s3://.
+Every user's list is written under the run's own version, counted against the manifest, then the namespace's pointer
+is switched to it by a compare-and-set against the version the export started from; the previous `--keep` versions
+stay for `--rollback`, older ones are removed. An export killed or failed part-way leaves the pointer where it was;
+run it again: it writes only the shards not yet written, then switches. `rediss://` for TLS; the ACL user and
+password come from the URL or REDIS_USERNAME and REDIS_PASSWORD, and are never printed.
+
+Exit codes: 0 switched (or the run already was the current version; the result on stdout as JSON); 2 a bad run,
+URL or namespace, or a store that could silently drop keys (an evicting maxmemory-policy, or no persistence) unless
+--allow-eviction / --allow-no-persistence; 3 another export switched the pointer first (this one's version is
+removed; readers see the other's); 4 Redis or the object store stayed unavailable for --retry-s (one `error:` line;
+the pointer is unchanged: run it again).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from jobs.cli import storage_args
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m jobs.export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("run", metavar="RUN", nargs="?", help="output root, run_date= folder or run folder")
+    p.add_argument("--to", required=True, metavar="URL", help="redis:// or rediss://[user:password@]host:port/db")
+    p.add_argument("--namespace", default="genrec", help="the keys' namespace (default genrec)")
+    p.add_argument("--keep", type=int, default=2, help="previous versions kept for --rollback (default 2)")
+    p.add_argument("--rollback", action="store_true", help="point readers back at the previous version")
+    p.add_argument("--writers", type=int, default=4, help="Ray tasks writing at once (default 4)")
+    p.add_argument("--retry-s", type=float, default=300.0, help="how long transient Redis errors are retried")
+    p.add_argument("--allow-eviction", action="store_true", help="export into a store whose policy may evict")
+    p.add_argument("--allow-no-persistence", action="store_true", help="export into a store that does not persist")
+    storage_args(p)
+    args = p.parse_args(argv)
+    if (args.run is None) != args.rollback:
+        p.error("give RUN, or --rollback alone")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from pipeline import serving
+    from pipeline.config import Serving
+    from pipeline.output import open_run
+    from pipeline.storage import Storage, StoreUnavailable
+
+    t = Serving(
+        args.to, args.namespace, args.keep, args.retry_s, args.writers, args.allow_eviction, args.allow_no_persistence
+    )
+    try:
+        if args.rollback:
+            was, now = serving.rollback(t)
+            print(json.dumps({"namespace": t.namespace, "rolled_back": was, "current": now}))
+            return 0
+        run = open_run(args.run, Storage(args.endpoint, args.region))
+        from pipeline.signals import connect_ray
+
+        connect_ray()
+        print(json.dumps(serving.export(run, t).record(), indent=2))
+        return 0
+    except serving.Raced as e:
+        print(f"refused: {e}", file=sys.stderr)
+        return 3
+    except StoreUnavailable as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 4
+    except (FileNotFoundError, ValueError, PermissionError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,255 @@
+"""Serving published runs from a real Redis (Debian's redis-server, started by the tests on loopback): an export
+switches the namespace's pointer only once every user is written, every user reads back its run's list through the
+documented protocol (pointer, then key), rollback and removal of old versions, a store that could drop keys refused,
+Redis killed mid-export (the previous version stays whole, a rerun resumes and switches), two exports racing (one
+wins, the other exits 3), a 3-node Redis Cluster, and the nightly's own export after it publishes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline import runs, serving
+from pipeline.config import Serving
+from pipeline.output import open_run
+from tests.redis_server import RedisServer, require_redis, start_cluster
+from tests.test_nightly import config, make_world
+
+DAY1, DAY2 = "2026-11-21", "2026-11-22"
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory, ray_session_plain):
+    """Two published nights of one output, their lists different (day 2's histories end in another item) ->
+    (world, output root, day 1's run folder, day 2's)."""
+    from pipeline.nightly import run_nightly
+
+    require_redis()
+    root = make_world(tmp_path_factory.mktemp("serving"), n_users=120)
+    t = pq.read_table(root / "data" / "test.parquet")
+    h = t["history"].combine_chunks()
+    values = h.values.to_numpy().copy()
+    values[h.offsets.to_numpy()[1:] - 1] = np.roll(values[h.offsets.to_numpy()[1:] - 1], 1)
+    day2 = t.set_column(t.schema.get_field_index("history"), "history", pa.ListArray.from_arrays(h.offsets, values))
+    pq.write_table(day2, root / "day2.parquet")
+    out = root / "out"
+    a = run_nightly(config(root, out, f"run_date={DAY1}"))
+    b = run_nightly(config(root, out, f"run_date={DAY2}", f"input={root / 'day2.parquet'}"))
+    return root, out, runs.run_dir(str(out), DAY1, a["run_id"]), runs.run_dir(str(out), DAY2, b["run_id"])
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    server = RedisServer(tmp_path / "redis").start()
+    yield server
+    server.stop()
+
+
+def lists_of(run: str) -> tuple[dict, list]:
+    """A published run's lists {user_id: [(rank, item_id, score)]} and its input's user ids."""
+    recs = open_run(run).table("recommendations").sort_by([("user_id", "ascending"), ("rank", "ascending")])
+    out: dict = {}
+    for u, r, i, s in zip(*(recs[c].to_pylist() for c in ("user_id", "rank", "item_id", "score")), strict=True):
+        out.setdefault(u, []).append((r, i, float(np.float32(s))))
+    users = open_run(run).table("users")["user_id"].to_pylist()
+    return out, users
+
+
+def assert_serves(client, namespace: str, run: str) -> None:
+    """Every user of the run reads back, through `serving.Reader`, exactly its list; a user without one gets None."""
+    lists, users = lists_of(run)
+    reader = serving.Reader(client, namespace)
+    assert reader.version() == open_run(run).run_id
+    assert lists and set(lists) <= set(users)
+    for user in users:
+        assert reader.get(user) == lists.get(user), user
+    assert reader.get(10**12) is None
+
+
+def target(url: str, **kw) -> Serving:
+    return Serving(url, **{"namespace": "recs", **kw})
+
+
+def test_an_export_switches_and_every_user_reads_back_its_list(two_runs, redis_server):
+    _, _, a, b = two_runs
+    client = redis_server.client()
+    assert serving.Reader(client, "recs").get(1) is None  # no version yet: no list
+    first = serving.export(open_run(a), target(redis_server.url))
+    assert first.switched and first.previous is None and first.users == open_run(a).manifest["counts"]["users_ok"]
+    assert_serves(client, "recs", a)
+    second = serving.export(open_run(b), target(redis_server.url))
+    assert second.previous == open_run(a).run_id and second.bytes > 0
+    assert_serves(client, "recs", b)
+    assert serving.versions(client, target(redis_server.url)) == [open_run(b).run_id, open_run(a).run_id]
+    again = serving.export(open_run(b), target(redis_server.url))  # the current version again: nothing to do
+    assert not again.switched
+
+
+def test_rollback_points_back_and_removes_the_rolled_back_version(two_runs, redis_server):
+    _, _, a, b = two_runs
+    t = target(redis_server.url)
+    for run in (a, b):
+        serving.export(open_run(run), t)
+    was, now = serving.rollback(t)
+    assert (was, now) == (open_run(b).run_id, open_run(a).run_id)
+    client = redis_server.client()
+    assert_serves(client, "recs", a)
+    assert not list(client.scan_iter(match=f"recs:{was}:*".encode()))
+    with pytest.raises(serving.Refused, match="no previous version"):
+        serving.rollback(t)
+
+
+def test_versions_beyond_keep_are_removed(two_runs, redis_server):
+    _, _, a, b = two_runs
+    t = target(redis_server.url, keep=0)
+    serving.export(open_run(a), t)
+    client = redis_server.client()
+    old = open_run(a).run_id
+    assert list(client.scan_iter(match=f"recs:{old}:*".encode()))
+    done = serving.export(open_run(b), t)
+    assert done.removed == [old]
+    assert not list(client.scan_iter(match=f"recs:{old}:*".encode())) and not client.exists(f"{{recs}}:done:{old}")
+    assert serving.versions(client, t) == [open_run(b).run_id]
+    assert_serves(client, "recs", b)
+
+
+def export_cli(run: str, url: str, *extra: str, env: dict | None = None, **popen) -> subprocess.Popen:
+    """`genrec-batch export` in its own process, a driver of the tests' Ray cluster."""
+    import ray
+
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address, **(env or {})}
+    cmd = [sys.executable, "-m", "jobs.export", run, "--to", url, "--namespace", "recs", *extra]
+    return subprocess.Popen(cmd, env=env, text=True, **popen)
+
+
+def test_a_store_that_could_drop_keys_is_refused(two_runs, redis_server):
+    _, _, a, _ = two_runs
+    client = redis_server.client()
+    client.config_set("maxmemory-policy", "allkeys-lru")
+    p = export_cli(a, redis_server.url, stderr=subprocess.PIPE)
+    assert p.wait(120) == 2 and "maxmemory-policy allkeys-lru" in p.stderr.read()
+    assert client.dbsize() == 0
+    client.config_set("maxmemory-policy", "noeviction")
+    client.config_set("appendonly", "no")
+    with pytest.raises(serving.Refused, match="appendonly no"):
+        serving.export(open_run(a), target(redis_server.url))
+    assert client.dbsize() == 0
+    serving.export(open_run(a), target(redis_server.url, allow_no_persistence=True))  # the operator opted in
+    assert_serves(client, "recs", a)
+
+
+def wait_for(check, what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_redis_killed_mid_export_keeps_the_previous_version_whole_and_a_rerun_switches(two_runs, redis_server):
+    """Day 1 is served; day 2's export (one writer) is paused from outside once its first shard is recorded, then
+    Redis is killed (SIGKILL): the export gives up (exit 4), Redis restarts from its append-only file and still
+    serves day 1 whole; a rerun writes only the shards not yet recorded, and switches."""
+    _, _, a, b = two_runs
+    serving.export(open_run(a), target(redis_server.url))
+    client = redis_server.client()
+    done = f"{{recs}}:done:{open_run(b).run_id}"
+    p = export_cli(b, redis_server.url, "--writers", "1", "--retry-s", "2", stderr=subprocess.PIPE)
+    wait_for(lambda: client.hlen(done) >= 1, "the export's first shard")
+    client.execute_command("CLIENT", "PAUSE", "60000", "WRITE")
+    shards = len(open_run(b).manifest["files"]["recommendations"])
+    assert client.hlen(done) < shards and client.get("{recs}:current").decode() == open_run(a).run_id
+    redis_server.kill()
+    assert p.wait(120) == 4 and "unavailable" in p.stderr.read()
+    redis_server.start()
+    client = redis_server.client()
+    assert_serves(client, "recs", a)  # the previous version, whole
+    again = serving.export(open_run(b), target(redis_server.url))
+    assert again.switched and again.resumed_shards >= 1 and again.users == open_run(b).manifest["counts"]["users_ok"]
+    assert_serves(client, "recs", b)
+
+
+def test_two_racing_exports_one_wins_and_the_other_exits_3(two_runs, redis_server, tmp_path):
+    """Both exports read the pointer (none) while Redis holds writes (CLIENT PAUSE WRITE, from outside); released,
+    both write their versions and try to switch from none: one does, the other exits 3 with its version removed."""
+    _, _, a, b = two_runs
+    client = redis_server.client()
+    client.execute_command("CLIENT", "PAUSE", "120000", "WRITE")
+    logs = [tmp_path / "a.log", tmp_path / "b.log"]
+    procs = [
+        export_cli(run, redis_server.url, stderr=log.open("w"), stdout=subprocess.DEVNULL)
+        for run, log in zip((a, b), logs, strict=True)
+    ]
+    wait_for(lambda: all("already written) to" in log.read_text() for log in logs), "both exports to start")
+    client.execute_command("CLIENT", "UNPAUSE")
+    codes = [p.wait(180) for p in procs]
+    assert sorted(codes) == [0, 3], [log.read_text()[-2000:] for log in logs]
+    winner, loser = (a, b) if codes[0] == 0 else (b, a)
+    assert "another export switched" in logs[codes.index(3)].read_text()
+    assert_serves(client, "recs", winner)
+    assert not list(client.scan_iter(match=f"recs:{open_run(loser).run_id}:*".encode()))
+
+
+def test_a_redis_cluster_serves_every_user_from_keys_over_every_node(two_runs, tmp_path):
+    """A 3-node Redis Cluster on loopback: the users' keys spread over the nodes' slots; the pointer and the list
+    read through a cluster client; rollback."""
+    from redis.cluster import RedisCluster
+
+    _, _, a, b = two_runs
+    servers = start_cluster(tmp_path / "cluster")
+    try:
+        t = target(servers[0].url)
+        for run in (a, b):
+            serving.export(open_run(run), t)
+        client = RedisCluster.from_url(servers[0].url)
+        assert_serves(client, "recs", b)
+        assert all(s.client().dbsize() > 0 for s in servers)  # keys on every node
+        serving.rollback(t)
+        assert_serves(client, "recs", a)
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def test_the_nightly_exports_after_it_publishes_and_never_records_the_password(two_runs, tmp_path, caplog):
+    from pipeline.nightly import run_nightly, serve
+
+    root, _, _, _ = two_runs
+    server = RedisServer(tmp_path / "redis", password="s3cret-pw").start()
+    try:
+        url = server.url
+        cfg = config(root, tmp_path / "out", f"serving.url={url}", "serving.namespace=nightly")
+        manifest = run_nightly(cfg)
+        record = serve(cfg, manifest)
+        assert record["switched"] and record["run_id"] == manifest["run_id"] and "s3cret" not in record["url"]
+        run = runs.run_dir(cfg.output, cfg.run_date, manifest["run_id"])
+        assert "s3cret" not in (Path(run) / "manifest.json").read_text() and "s3cret" not in caplog.text
+        import redis
+
+        assert_serves(redis.Redis.from_url(url), "nightly", run)
+    finally:
+        server.stop()
+    from pipeline.nightly import ExportFailed, exit_code
+
+    with pytest.raises(ExportFailed, match="is published") as e:  # the store is gone: exit 7, the run stays published
+        serve(config(root, tmp_path / "out", f"serving.url={url}", "serving.retry_s=0.5"), manifest)
+    assert exit_code(e.value) == 7 and "s3cret" not in str(e.value)
+
+
+def test_a_list_value_round_trips_and_a_foreign_value_is_refused():
+    items, scores = np.array([5, 2**40, -1]), np.array([0.5, -1.25, 3.0], np.float32)
+    value = serving.encode(items, scores)
+    assert len(value) == 3 + 12 * 3
+    assert serving.decode(value) == [(1, 5, 0.5), (2, 2**40, -1.25), (3, -1, 3.0)]
+    with pytest.raises(ValueError, match="format"):
+        serving.decode(b"\x02" + value[1:])
+    assert serving.Keys("ns").user("r1", 7) == b"ns:r1:7" and serving.Keys("ns").user("r1", "a:b") == b"ns:r1:a:b"
+    assert json.loads(json.dumps(serving.masked("rediss://u:p@h:1/0"))) == "rediss://u:***@h:1/0"
