@@ -133,6 +133,20 @@ fresh process):
 A CPU actor holds about 120 bytes per item: the constraint index and the item map. A GPU actor holds the item map
 alone on the host (24 bytes per item at L = 4: 0.5 GiB at 20M items) and the index on its GPU (about 90 bytes per
 item). The peak is the build's, at the actor's start: size a node's host memory for its actors starting together.
+
+## Redis
+
+A run served from Redis ([output.md](output.md#serving-from-redis)) holds, per user with a list, its value (3 + 12 K
+bytes), its key (`<namespace>:<run_id>:<user_id>`: about 30 bytes plus the id's digits) and Redis's per-key overhead.
+Measured by `python -m jobs.bench export` (redis-server 7.0.15, [benchmarks.md](benchmarks.md#export-to-redis)):
+
+| K | value, bytes per user | Redis memory, bytes per user | 10M users | 100M users |
+|---:|---:|---:|---:|---:|
+| 10 | 123 | 253 | 2.4 GiB | 24 GiB |
+| 50 | 603 | 764 | 7.1 GiB | 71 GiB |
+
+Redis holds the current version, the `serving.keep` previous ones (default 2) and, during an export, the one being
+written: size `maxmemory` for `keep + 2` versions, e.g. 10M users at K 10 with the default `keep`: about 10 GiB.
 """
 
 
