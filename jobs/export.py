@@ -9,10 +9,11 @@ run it again: it writes only the shards not yet written, then switches. `rediss:
 password come from the URL or REDIS_USERNAME and REDIS_PASSWORD, and are never printed.
 
 Exit codes: 0 switched (or the run already was the current version; the result on stdout as JSON); 2 a bad run,
-URL or namespace, or a store that could silently drop keys (an evicting maxmemory-policy, or no persistence) unless
---allow-eviction / --allow-no-persistence; 3 another export switched the pointer first (this one's version is
-removed; readers see the other's); 4 Redis or the object store stayed unavailable for --retry-s (one `error:` line;
-the pointer is unchanged: run it again).
+URL or namespace, a run older than the one served (unless --allow-older), a store that could silently drop keys (an
+evicting maxmemory-policy, or no persistence) unless --allow-eviction / --allow-no-persistence, or an error Redis
+gives that trying again does not mend (a refused password or permission, out of memory); 3 another export or a
+rollback changed the pointer first (this one's version is removed; readers see the other's); 4 Redis or the object
+store stayed unavailable for --retry-s (one `error:` line; the pointer is unchanged: run it again).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--retry-s", type=float, default=300.0, help="how long transient Redis errors are retried")
     p.add_argument("--allow-eviction", action="store_true", help="export into a store whose policy may evict")
     p.add_argument("--allow-no-persistence", action="store_true", help="export into a store that does not persist")
+    p.add_argument("--allow-older", action="store_true", help="export a run of an earlier date than the current one")
     storage_args(p)
     args = p.parse_args(argv)
     if (args.run is None) != args.rollback:
@@ -48,13 +50,22 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from redis.exceptions import RedisError
+
     from pipeline import serving
     from pipeline.config import Serving
     from pipeline.output import open_run
     from pipeline.storage import Storage, StoreUnavailable
 
     t = Serving(
-        args.to, args.namespace, args.keep, args.retry_s, args.writers, args.allow_eviction, args.allow_no_persistence
+        args.to,
+        args.namespace,
+        args.keep,
+        args.retry_s,
+        args.writers,
+        args.allow_eviction,
+        args.allow_no_persistence,
+        args.allow_older,
     )
     try:
         if args.rollback:
@@ -73,7 +84,7 @@ def main(argv=None) -> int:
     except StoreUnavailable as e:
         print(f"error: {e}", file=sys.stderr)
         return 4
-    except (FileNotFoundError, ValueError, PermissionError) as e:
+    except (FileNotFoundError, ValueError, PermissionError, RedisError) as e:  # RedisError: refused, not transient
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -108,7 +108,7 @@ def key_of(ids: pa.Array) -> pa.Array:
 def base_lists(base: str, stems: list[str], storage: Storage) -> pa.Table:
     """The base's shards `stems` -> one row per user with a list: key, base_items [k] int64 and base_scores [k]
     float32 in rank order. A file gone raises BaseGone naming it."""
-    return user_lists(_read(base, "recommendations", stems, ["user_id", "rank", "item_id", "score"], storage), base)
+    return user_lists(_read(base, "recommendations", stems, ["user_id", "rank", "item_id", "score"], storage))
 
 
 def _read(base: str, table: str, stems: list[str], columns: list[str], storage: Storage) -> pa.Table:
@@ -148,19 +148,14 @@ def list_starts(recs: pa.Table) -> np.ndarray | None:
     return starts if ok and pc.count_distinct(ids.take(pa.array(starts))).as_py() == len(starts) else None
 
 
-def user_lists(recs: pa.Table, base: str) -> pa.Table:
+def user_lists(recs: pa.Table) -> pa.Table:
     """Shards' recommendations (user_id, rank, item_id, score) -> one row per user: key, base_items, base_scores,
-    in rank order. Shards are written a user's ranks 1, 2, .. together; anything else is sorted first, and ranks
-    that are not 1, 2, .. then (a user listed twice) raise ValueError naming the base."""
+    in rank order. Shards are written a user's ranks 1, 2, .. together; anything else is sorted first."""
     starts = list_starts(recs)
-    if starts is None:
+    if starts is None:  # a user in pieces (never carried: `index_part`) is one row here, of all its pieces
         recs = recs.sort_by([("user_id", "ascending"), ("rank", "ascending")])
-        starts = list_starts(recs)
-        if starts is None:
-            raise ValueError(
-                f"incremental base {base}: a user's recommendations are not ranks 1, 2, .. of one list (the run was "
-                "written by hand or by another tool); run this night full (incremental.enabled=false)"
-            )
+        ids = recs["user_id"].combine_chunks()
+        starts = np.flatnonzero(np.r_[True, ~pc.equal(ids[1:], ids[:-1]).to_numpy(zero_copy_only=False)])
     ids, n = recs["user_id"].combine_chunks(), recs.num_rows
     offsets = pa.array(np.r_[starts, n].astype(np.int32))
     return pa.table(
@@ -207,7 +202,8 @@ def find(keys: pa.Array, index: pa.Table, first: bool = True) -> np.ndarray:
     valid = pc.is_valid(keys).to_numpy(zero_copy_only=False)
     one = np.flatnonzero(valid & (hi - lo == 1))
     same = pc.equal(index["key"].combine_chunks().take(pa.array(lo[one])), keys.take(pa.array(one)))
-    out[one[pc.fill_null(same, False).to_numpy(zero_copy_only=False)]] = lo[one]
+    held = pc.fill_null(same, False).to_numpy(zero_copy_only=False)  # [O] another key of the same hash: not held
+    out[one[held]] = lo[one][held]
     for i in np.flatnonzero(valid & (hi - lo > 1)):
         held = [j for j in range(lo[i], hi[i]) if index["key"][j] == keys[i]]
         out[i] = held[0] if held and (first or len(held) == 1) else -1
@@ -215,10 +211,17 @@ def find(keys: pa.Array, index: pa.Table, first: bool = True) -> np.ndarray:
 
 
 def index_part(part: int, stems: list[str], base: str, storage: Storage) -> pa.Table:
-    """Ray task: the base's shards `stems` (its `part`-th group) -> their users with a list: key, base_hash, part."""
+    """Ray task: the base's shards `stems` (its `part`-th group) -> their users with a list: key, base_hash, part. A
+    user whose recommendations lie in pieces (in two shards, or apart in one: a run written by hand or another tool)
+    is given twice, so that it is never carried (`sorted_by_key`'s `unique`): it is decoded."""
     users = _read(base, "users", stems, ["user_id", "input_hash"], storage)
-    listed = pc.unique(_read(base, "recommendations", stems, ["user_id"], storage)["user_id"].combine_chunks())
+    recs = _read(base, "recommendations", stems, ["user_id", "rank"], storage)
+    ids, first = recs["user_id"].combine_chunks(), pc.equal(recs["rank"], 1).to_numpy(zero_copy_only=False)
+    runs_of = ids.filter(pa.array(np.r_[True, ~pc.equal(ids[1:], ids[:-1]).to_numpy(zero_copy_only=False)] | first))
+    listed, pieces = pc.unique(runs_of), pc.value_counts(runs_of)  # [L], each user's runs of rows
+    pieces = pieces.field("values").filter(pc.greater(pieces.field("counts"), 1))
     users = users.filter(pc.and_(pc.is_valid(users["user_id"]), pc.is_in(users["user_id"], listed)))
+    users = pa.concat_tables([users, users.filter(pc.is_in(users["user_id"], pieces))])
     keys = key_of(users["user_id"].combine_chunks())
     return pa.table({"key": keys, "base_hash": users["input_hash"], "part": pa.array([part] * len(keys), pa.int32())})
 
@@ -345,8 +348,11 @@ def carried_shards(plan, a, base: Base, indexes: Indexes):
     cluster.share(ds.context)
     ds = ds.map_batches(carry_part, batch_size=1, batch_format="pyarrow", fn_kwargs={"carry": spec})
 
-    def ready():  # the execution starts once both indexes are built: no task of it waits holding a worker
-        ray.wait([indexes.base, indexes.tonight], num_returns=2, fetch_local=False)
+    def ready(stopped):  # the execution starts once both indexes are built: no task of it waits holding a worker
+        refs = [indexes.base, indexes.tonight]
+        while len(ray.wait(refs, num_returns=2, timeout=1.0, fetch_local=False)[0]) < 2:
+            if stopped.is_set():
+                return None
         return ds
 
     return ready

@@ -117,21 +117,30 @@ class Serving:
     # from REDIS_USERNAME and REDIS_PASSWORD, or the URL (the manifest records it without the password)
     namespace: str = "genrec"  # the keys' namespace: readers read {namespace}:current, then the user's key
     keep: int = 2  # previous versions kept for `genrec-batch export --rollback`; older ones are removed
-    retry_s: float = 300.0  # transient Redis errors are retried this long, then the export gives up (exit 7)
+    retry_s: float = 300.0  # transient Redis errors are retried this long, then the export gives up (the nightly: exit
+    # 7; `genrec-batch export`: exit 4)
     writers: int = 4  # Ray tasks writing lists at once
     allow_eviction: bool = False  # export into a Redis whose maxmemory-policy may evict keys (else refused)
     allow_no_persistence: bool = False  # export into a Redis with neither RDB snapshots nor appendonly (else refused)
+    allow_older: bool = False  # export a run of an earlier date than the one readers are served (else refused)
 
 
 def masked_url(url: str | None) -> str | None:
-    """A URL without its password: what logs and manifests show."""
+    """A URL without its secrets (the password, and any query parameter naming one): what logs and manifests show."""
     import urllib.parse
 
-    u = urllib.parse.urlsplit(url or "")
-    if u.password is None:
+    if not url:
         return url
-    netloc = f"{u.username or ''}:***@{u.hostname}" + (f":{u.port}" if u.port else "")
-    return urllib.parse.urlunsplit((u.scheme, netloc, u.path, u.query, u.fragment))
+    u = urllib.parse.urlsplit(url)
+    netloc = u.netloc
+    if u.password is not None:
+        netloc = f"{u.username or ''}:***@{u.hostname}" + (f":{u.port}" if u.port else "")
+    secret = re.compile(r"pass|auth|token|secret|key|cred", re.I)
+    query = urllib.parse.urlencode(
+        [(k, "***" if secret.search(k) else v) for k, v in urllib.parse.parse_qsl(u.query, keep_blank_values=True)],
+        safe="*",
+    )
+    return urllib.parse.urlunsplit((u.scheme, netloc, u.path, query, u.fragment))
 
 
 @dataclass

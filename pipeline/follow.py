@@ -28,9 +28,10 @@ class Stalled(Exception):
 
 
 def stream(executions: list, stopped: threading.Event) -> queue.Queue:
-    """The executions' summary rows (each a Ray Data dataset, or a function that returns one once its inputs are
-    ready), each execution consumed by a thread of its own -> a queue of tables, then None
-    (every execution ended) or the first exception that ended one: the driver keeps watching while nothing commits.
+    """The executions' summary rows (each a Ray Data dataset, or a function of `stopped` that returns one once its
+    inputs are ready, None if stopped first), each execution consumed by a thread of its own -> a queue of tables,
+    then None (every execution ended) or the first exception that ended one: the driver keeps watching while nothing
+    commits.
     Once `stopped` is set, a thread leaves its execution at its next row (one that started late is shut down so)."""
     rows: queue.Queue = queue.Queue()
     left = [len(executions)]
@@ -38,8 +39,8 @@ def stream(executions: list, stopped: threading.Event) -> queue.Queue:
 
     def pump(ds) -> None:
         try:
-            ds = ds() if callable(ds) else ds  # an execution that waits for its inputs first
-            if stopped.is_set():
+            ds = ds(stopped) if callable(ds) else ds  # an execution that waits for its inputs first (None: stopped)
+            if ds is None or stopped.is_set():
                 return
             for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
                 if stopped.is_set():

@@ -1,17 +1,22 @@
-"""A published run served from Redis (docs/output.md#serving-from-redis): each user's list under a key of the run's
-own version, one pointer per namespace naming the version readers use, switched only once every user of the run is
-written and counted against its manifest, by a compare-and-set (a Lua script) against the version the export started
-from; the previous `keep` versions stay for `--rollback`, older ones are unlinked after the switch.
+"""A published run served from Redis (docs/output.md#serving-from-redis): each user's list under a key of a version
+of its own (`<run_id>.<nonce>`: every export of a run that is not resumed writes a new one), one pointer per namespace
+naming the version readers use, switched only once every user of the run is written and counted against its
+manifest, by a compare-and-set (a Lua script) against the version the export started from; the previous `keep`
+versions stay for `--rollback`, older ones are removed after the switch.
 
-Keys (`ns`: serving.namespace; `{ns}` in braces is a Redis Cluster hash tag: the control keys share one slot, so
-one script switches them together, while the users' keys spread over every slot):
-    {ns}:current              the version readers use (a run id); absent: none yet
+Keys (`ns`: serving.namespace; `{ns}` in braces is a Redis Cluster hash tag: the control keys share one slot, so one
+script reads and changes them together, while the users' keys spread over every slot):
+    {ns}:current              the version readers use; absent: none yet
     {ns}:versions             the versions switched to, newest first (a list): the current one, then the kept ones
-    {ns}:done:<run_id>        the run's exported shards (a hash: shard -> users written), for a rerun to resume
-    <ns>:<run_id>:<user_id>   a user's list (`encode`): integer ids in decimal, string ids as UTF-8, bytes as bytes
+    {ns}:dates                each version switched to -> its run's date (a hash)
+    {ns}:pending              run id -> the version an unfinished export of it writes (a hash: a rerun resumes it)
+    {ns}:done:<version>       the version's shards written (a hash: shard -> users); `__removed__` once removed
+    {ns}:removing             versions whose keys are being unlinked (a set: the next trim finishes them)
+    <ns>:<version>:<user_id>  a user's list (`encode`): integer ids in decimal, string ids as UTF-8, bytes as bytes
 
-A reader (`Reader`) reads the pointer, then the user's key of that version: a user the version does not hold gets
-None ("no list"), never another version's list.
+A version is removed in two steps: one script takes it out of the versions and marks its done hash removed (so no
+script can point readers at it again), then its keys are unlinked. A reader (`Reader`) reads the pointer, then the
+user's key of that version: a user the version does not hold gets None ("no list"), never another version's list.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import re
 import struct
 import time
 import urllib.parse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
@@ -39,22 +44,53 @@ SAFE_POLICIES = ("noeviction",)  # a maxmemory-policy that never drops a key
 USERS_PER_PIPELINE = 1000  # SETs a writer sends in one round trip
 UNLINK_BATCH = 1000  # keys one UNLINK deletes when a version is removed
 
+REMOVED = "__removed__"  # the done hash's mark of a removed version (kept TOMBSTONE_S, then it expires)
+TOMBSTONE_S = 7 * 86400
+
 SWITCH = """
 local now = redis.call('GET', KEYS[1])
+if now == ARGV[2] then return {2, now} end
 if (now or '') ~= ARGV[1] then return {0, now or ''} end
+if redis.call('HEXISTS', KEYS[5], ARGV[7]) == 1 then return {3, ''} end
+local total = 0
+for _, v in ipairs(redis.call('HVALS', KEYS[5])) do total = total + tonumber(v) end
+if redis.call('HLEN', KEYS[5]) ~= tonumber(ARGV[4]) or total ~= tonumber(ARGV[5]) then return {4, ''} end
 redis.call('SET', KEYS[1], ARGV[2])
 redis.call('LREM', KEYS[2], 0, ARGV[2])
 redis.call('LPUSH', KEYS[2], ARGV[2])
+if redis.call('HGET', KEYS[3], ARGV[3]) == ARGV[2] then redis.call('HDEL', KEYS[3], ARGV[3]) end
+redis.call('HSET', KEYS[4], ARGV[2], ARGV[6])
 return {1, now or ''}
-"""  # compare-and-set the pointer (KEYS[1]) from ARGV[1] ('' : none) to ARGV[2], which heads the versions (KEYS[2])
+"""  # KEYS current, versions, pending, dates, done:V; ARGV expected ('': none), V, run id, shards, users, run date,
+# REMOVED -> {1: switched | 2: V already current | 0: another version is (its name) | 3: V removed | 4: V incomplete}
+
+REMOVE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return 0 end
+redis.call('HSET', KEYS[5], ARGV[4], '1')
+redis.call('EXPIRE', KEYS[5], tonumber(ARGV[3]))
+redis.call('LREM', KEYS[2], 0, ARGV[1])
+if redis.call('HGET', KEYS[3], ARGV[2]) == ARGV[1] then redis.call('HDEL', KEYS[3], ARGV[2]) end
+redis.call('HDEL', KEYS[4], ARGV[1])
+redis.call('SADD', KEYS[6], ARGV[1])
+return 1
+"""  # KEYS current, versions, pending, dates, done:V, removing; ARGV V, its run id, TOMBSTONE_S, REMOVED -> 1, or 0
+# when V is current (not removed). Running it twice does what running it once does.
 
 ROLLBACK = """
 local now = redis.call('GET', KEYS[1])
-if (now or '') ~= ARGV[1] then return 0 end
+if now == ARGV[2] and redis.call('HEXISTS', KEYS[5], ARGV[5]) == 1 then return 1 end
+if now ~= ARGV[1] or not redis.call('LPOS', KEYS[2], ARGV[2]) then return 0 end
+if redis.call('HEXISTS', KEYS[7], ARGV[5]) == 1 then return 0 end
 redis.call('SET', KEYS[1], ARGV[2])
+redis.call('HSET', KEYS[5], ARGV[5], '1')
+redis.call('EXPIRE', KEYS[5], tonumber(ARGV[4]))
 redis.call('LREM', KEYS[2], 0, ARGV[1])
+if redis.call('HGET', KEYS[3], ARGV[3]) == ARGV[1] then redis.call('HDEL', KEYS[3], ARGV[3]) end
+redis.call('HDEL', KEYS[4], ARGV[1])
+redis.call('SADD', KEYS[6], ARGV[1])
 return 1
-"""  # the pointer (KEYS[1]) from ARGV[1] back to ARGV[2], the rolled-back version dropped from the versions (KEYS[2])
+"""  # KEYS current, versions, pending, dates, done:cur, removing, done:prev; ARGV cur, prev, cur's run id,
+# TOMBSTONE_S, REMOVED -> 1: the pointer on prev and cur removed (also when a retry finds it done), 0: it moved
 
 
 class Refused(ValueError):
@@ -70,22 +106,48 @@ class Raced(RuntimeError):
 class Keys:
     ns: str
 
+    def control(self, name: str) -> str:
+        return f"{{{self.ns}}}:{name}"
+
     @property
     def current(self) -> str:
-        return f"{{{self.ns}}}:current"
+        return self.control("current")
 
-    @property
-    def versions(self) -> str:
-        return f"{{{self.ns}}}:versions"
+    def done(self, version: str) -> str:
+        return self.control(f"done:{version}")
 
-    def done(self, run_id: str) -> str:
-        return f"{{{self.ns}}}:done:{run_id}"
+    def prefix(self, version: str) -> bytes:
+        return f"{self.ns}:{version}:".encode()
 
-    def prefix(self, run_id: str) -> bytes:
-        return f"{self.ns}:{run_id}:".encode()
+    def user(self, version: str, user_id) -> bytes:
+        return self.prefix(version) + id_bytes(user_id)
 
-    def user(self, run_id: str, user_id) -> bytes:
-        return self.prefix(run_id) + id_bytes(user_id)
+    def scripted(self, *done: str) -> list[str]:
+        """The keys the scripts take: current, versions, pending, dates, the done hashes given, removing."""
+        return [self.current, *(self.control(n) for n in ("versions", "pending", "dates")), *map(self.done, done)]
+
+
+def run_of(version: str) -> str:
+    """A version (`<run_id>.<nonce>`) -> its run id."""
+    return version.rsplit(".", 1)[0]
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """The ACL user and password the URL lacks, from REDIS_USERNAME and REDIS_PASSWORD on the driver: handed to the
+    writer tasks in memory (never printed: no repr of the password)."""
+
+    username: str | None = field(default=None, repr=False)
+    password: str | None = field(default=None, repr=False)
+
+    @classmethod
+    def of(cls, url: str) -> Credentials:
+        u = urllib.parse.urlsplit(url)
+        user = None if u.username else os.environ.get("REDIS_USERNAME") or None
+        return cls(user, None if u.password else os.environ.get("REDIS_PASSWORD") or None)
+
+    def kwargs(self) -> dict:
+        return {k: v for k, v in (("username", self.username), ("password", self.password)) if v}
 
 
 def id_bytes(user_id) -> bytes:
@@ -99,28 +161,28 @@ def id_bytes(user_id) -> bytes:
     raise TypeError(f"a user id is an integer, a string or bytes, not {type(user_id).__name__}")
 
 
-def connect(t: Serving):
+def connect(t: Serving, creds: Credentials | None = None):
     """A client of the store (redis.Redis, or redis.cluster.RedisCluster when the server runs in cluster mode):
-    credentials from the URL, else REDIS_USERNAME and REDIS_PASSWORD."""
+    credentials from the URL, else `creds` (default: REDIS_USERNAME and REDIS_PASSWORD here)."""
     import redis
     from redis.cluster import RedisCluster
 
-    env = {k: v for k, v in (("username", "REDIS_USERNAME"), ("password", "REDIS_PASSWORD")) if os.environ.get(v)}
-    u = urllib.parse.urlsplit(t.url)
-    creds = {k: os.environ[v] for k, v in env.items() if getattr(u, k) is None}
-    one = redis.Redis.from_url(t.url, socket_timeout=30, socket_connect_timeout=10, **creds)
+    extra = (creds or Credentials.of(t.url)).kwargs()
+    one = redis.Redis.from_url(t.url, socket_timeout=30, socket_connect_timeout=10, **extra)
     cluster = retrying(lambda: one.info("cluster").get("cluster_enabled") == 1, t, "INFO cluster")
     if not cluster:
         return one
     one.close()
-    return RedisCluster.from_url(t.url, socket_timeout=30, socket_connect_timeout=10, **creds)
+    return RedisCluster.from_url(t.url, socket_timeout=30, socket_connect_timeout=10, **extra)
 
 
 def transient(e: BaseException) -> bool:
     """Whether a Redis error may pass if the call is tried again: a lost or refused connection, a timeout, a server
-    loading its data, a cluster failing over or resharding."""
+    loading its data, a cluster failing over or resharding. Not a refused password or permission."""
     import redis.exceptions as rx
 
+    if isinstance(e, (rx.AuthenticationError, rx.AuthenticationWrongNumberOfArgsError, rx.NoPermissionError)):
+        return False
     kinds = (rx.ConnectionError, rx.TimeoutError, rx.BusyLoadingError, rx.TryAgainError, rx.ClusterDownError)
     kinds += (rx.MasterDownError, rx.ReadOnlyError)
     return isinstance(e, kinds)
@@ -132,42 +194,45 @@ def retrying(call, t: Serving, what: str):
     return S.retrying(call, None, what, t.retry_s, (f"Redis {masked(t.url)}", transient, "serving.retry_s"))
 
 
+def per_node(client, command: str, *args) -> list[dict]:
+    """INFO or CONFIG GET from every primary (a cluster) or the server -> one reply per node."""
+    from redis.cluster import RedisCluster
+
+    if isinstance(client, RedisCluster):
+        reply = getattr(client, command)(*args, target_nodes=RedisCluster.PRIMARIES)
+        return list(reply.values()) if all(isinstance(v, dict) for v in reply.values()) else [reply]
+    return [getattr(client, command)(*args)]
+
+
 def check_store(client, t: Serving) -> dict:
-    """Refused unless the store keeps what it is given, on every node: its maxmemory-policy never evicts (else
+    """Refused unless the store keeps what it is given, on every primary: its maxmemory-policy never evicts (else
     serving.allow_eviction), and it persists, by RDB snapshots or an append-only file (else
     serving.allow_no_persistence) -> what was found."""
-    found = {"maxmemory_policy": set(), "appendonly": set(), "save": set()}
-    for memory in nodes(retrying(lambda: client.info("memory"), t, "INFO memory")):
-        found["maxmemory_policy"].add(memory.get("maxmemory_policy", "unknown"))
-    evicting = found["maxmemory_policy"] - set(SAFE_POLICIES)
+    import redis.exceptions as rx
+
+    memory = retrying(lambda: per_node(client, "info", "memory"), t, "INFO memory")
+    policies = {m.get("maxmemory_policy", "unknown") for m in memory}
+    evicting = policies - set(SAFE_POLICIES)
     if evicting and not t.allow_eviction:
         raise Refused(
             f"Redis {masked(t.url)}: maxmemory-policy {', '.join(sorted(evicting))} may evict the lists of a version "
             "readers use; set it to noeviction (CONFIG SET maxmemory-policy noeviction), or opt in with "
             "serving.allow_eviction=true"
         )
-    for persistence in nodes(retrying(lambda: client.info("persistence"), t, "INFO persistence")):
-        found["appendonly"].add(int(persistence.get("aof_enabled", 0)) == 1)
+    persistence = retrying(lambda: per_node(client, "info", "persistence"), t, "INFO persistence")
     try:
-        saves = nodes(retrying(lambda: client.config_get("save"), t, "CONFIG GET save"))
-        found["save"] = {str(c.get("save", "")) for c in saves}
-    except Exception:  # a managed Redis may refuse CONFIG: its snapshots are unknown here
-        found["save"] = {"unknown"}
-    if (False in found["appendonly"]) and ("" in found["save"] or "unknown" in found["save"]):
-        if not t.allow_no_persistence:
-            raise Refused(
-                f"Redis {masked(t.url)} may not persist (appendonly no; RDB save points "
-                f"{' / '.join(repr(v) for v in sorted(found['save']))}): a restart would lose every version; turn on "
-                "appendonly or RDB snapshots (docs/deploy.md#redis), or opt in with serving.allow_no_persistence=true"
-            )
-    return {k: sorted(v, key=str) for k, v in found.items()}
-
-
-def nodes(reply) -> list[dict]:
-    """A reply -> one dict per node (a cluster client answers INFO and CONFIG GET per node: {node: reply})."""
-    if isinstance(reply, dict) and reply and all(isinstance(v, dict) for v in reply.values()):
-        return list(reply.values())
-    return [reply]
+        saves = [str(c.get("save", "")) for c in retrying(lambda: per_node(client, "config_get", "save"), t, "CONFIG")]
+    except rx.ResponseError:  # a managed Redis may refuse CONFIG: its snapshots are unknown here
+        saves = ["unknown"] * len(persistence)
+    kept = [int(p.get("aof_enabled", 0)) == 1 or save not in ("", "unknown") for p, save in zip(persistence, saves)]
+    if not all(kept) and not t.allow_no_persistence:
+        raise Refused(
+            f"Redis {masked(t.url)} may not persist ({sum(not k for k in kept)} of {len(kept)} nodes with appendonly "
+            f"no and RDB save points {' / '.join(sorted(set(map(repr, saves))))}): a restart would lose every "
+            "version; turn on appendonly or RDB snapshots (docs/deploy.md#12-serve-from-redis), or opt in with "
+            "serving.allow_no_persistence=true"
+        )
+    return {"maxmemory_policy": sorted(policies), "appendonly": [int(p.get("aof_enabled", 0)) for p in persistence]}
 
 
 def encode(items: np.ndarray, scores: np.ndarray) -> bytes:
@@ -205,10 +270,10 @@ class Reader:
         return decode(value) if value is not None else None
 
 
-def write_shard(batch: pa.Table, t: Serving, run_id: str, storage) -> pa.Table:
+def write_shard(batch: pa.Table, t: Serving, version: str, creds: Credentials, storage) -> pa.Table:
     """Ray Data map over the run's recommendation files (one a row: `file`, `shard`): the file's users written (one
     SET each, USERS_PER_PIPELINE a round trip, each round trip retried as a whole), then the shard recorded in the
-    run's done hash -> (shard, users, bytes)."""
+    version's done hash -> (shard, users, bytes)."""
     from pipeline.carry import list_starts
 
     uri, shard = batch["file"][0].as_py(), batch["shard"][0].as_py()
@@ -223,18 +288,17 @@ def write_shard(batch: pa.Table, t: Serving, run_id: str, storage) -> pa.Table:
     ids = recs["user_id"].combine_chunks().take(pa.array(starts)).to_pylist()  # [U]
     items = recs["item_id"].combine_chunks().cast(pa.int64()).to_numpy()
     scores = pc.cast(recs["score"].combine_chunks(), pa.float32()).to_numpy(zero_copy_only=False)
-    keys, client = Keys(t.namespace), connect(t)
+    keys, client = Keys(t.namespace), connect(t, creds)
     written = 0
     try:
         for lo in range(0, len(ids), USERS_PER_PIPELINE):
-            chunk = range(lo, min(lo + USERS_PER_PIPELINE, len(ids)))
             values = [
-                (keys.user(run_id, ids[u]), encode(items[starts[u] : ends[u]], scores[starts[u] : ends[u]]))
-                for u in chunk
+                (keys.user(version, ids[u]), encode(items[starts[u] : ends[u]], scores[starts[u] : ends[u]]))
+                for u in range(lo, min(lo + USERS_PER_PIPELINE, len(ids)))
             ]
-            retrying(lambda v=values: _set_all(client, v), t, f"SET {len(values)} lists of {run_id}")
+            retrying(lambda v=values: _set_all(client, v), t, f"SET {len(values)} lists of {version}")
             written += sum(len(v) for _, v in values)
-        retrying(lambda: client.hset(keys.done(run_id), shard, len(ids)), t, f"HSET {keys.done(run_id)}")
+        retrying(lambda: client.hset(keys.done(version), shard, len(ids)), t, f"HSET {keys.done(version)}")
     finally:
         client.close()
     return pa.table({"shard": [shard], "users": [len(ids)], "bytes": [written]})
@@ -249,18 +313,20 @@ def _set_all(client, values: list[tuple[bytes, bytes]]) -> None:
 
 @dataclass(frozen=True)
 class Export:
-    """What an export did (`export`'s return; the nightly's manifest records it under `serving`)."""
+    """What an export did (`export`'s return; the nightly prints it under `serving`)."""
 
     url: str  # without its password
     namespace: str
     run_id: str
+    version: str  # the version its lists are under
     previous: str | None  # the version the pointer named before
-    switched: bool  # False: the run was already the current version
+    switched: bool  # False: the run already was the current version
     users: int
     bytes: int
     resumed_shards: int  # shards an earlier export of the run had written
     seconds: float
     removed: list[str]  # versions removed after the switch
+    removal_error: str | None = None  # a removal that failed after the switch (the next export's trim finishes it)
 
     def record(self) -> dict:
         from dataclasses import asdict
@@ -269,78 +335,119 @@ class Export:
 
 
 def export(run, t: Serving) -> Export:
-    """A published run (pipeline.output.PublishedRun) -> its lists written under its version, counted against its
-    manifest, the pointer switched to it (compare-and-set against the version found at the start), versions beyond
-    `keep` previous ones removed. Raises Refused (exit 2), Raced (exit 3), StoreUnavailable (exit 4)."""
+    """A published run (pipeline.output.PublishedRun) -> its lists written under a version of its own (an unfinished
+    export's, resumed), counted against its manifest, the pointer switched to it (compare-and-set against the
+    version found at the start), versions beyond `keep` previous ones removed. Raises Refused (exit 2), Raced
+    (exit 3), StoreUnavailable (exit 4); a removal that fails after the switch is recorded, not raised."""
+    import uuid
+
     import ray
 
     check_serving(t)
-    start = time.perf_counter()
-    client, keys, run_id = connect(t), Keys(t.namespace), run.run_id
+    start, creds = time.perf_counter(), Credentials.of(t.url)
+    client, keys, run_id = connect(t, creds), Keys(t.namespace), run.run_id
     try:
         check_store(client, t)
         previous = _str(retrying(lambda: client.get(keys.current), t, f"GET {keys.current}"))
-        if previous == run_id:
+        if previous and run_of(previous) == run_id:
             log.info("export: %s is already the current version of %s at %s", run_id, t.namespace, masked(t.url))
-            return Export(masked(t.url), t.namespace, run_id, previous, False, 0, 0, 0, 0.0, [])
+            return Export(masked(t.url), t.namespace, run_id, previous, previous, False, 0, 0, 0, 0.0, [])
+        check_newer(client, t, keys, previous, run.run_date)
+        log.info("export: run %s to %s namespace %s, whose version is %s", run_id, masked(t.url), t.namespace, previous)
+        pending = keys.control("pending")
+        retrying(lambda: client.hsetnx(pending, run_id, f"{run_id}.{uuid.uuid4().hex[:8]}"), t, f"HSETNX {pending}")
+        version = _str(retrying(lambda: client.hget(pending, run_id), t, f"HGET {pending}"))
         expected = int(run.manifest["counts"]["users_ok"])
-        files = {
-            name.removesuffix(".parquet"): f
-            for name, f in zip(run.manifest["files"]["recommendations"], run.files("recommendations"), strict=True)
-        }
-        done = {
-            k.decode(): int(v) for k, v in retrying(lambda: client.hgetall(keys.done(run_id)), t, "HGETALL").items()
-        }
+        names = run.manifest["files"]["recommendations"]
+        files = {n.removesuffix(".parquet"): f for n, f in zip(names, run.files("recommendations"), strict=True)}
+        done = written(client, t, version)
         todo = [{"file": f, "shard": s} for s, f in files.items() if s not in done]
         log.info(
-            "export: run %s (%d users, %d shards, %d already written) to %s namespace %s",
-            run_id,
-            expected,
-            len(files),
-            len(files) - len(todo),
-            masked(t.url),
-            t.namespace,
+            "export: run %s as version %s: %d users, %d shards, %d already written",
+            *(run_id, version, expected, len(files), len(files) - len(todo)),
         )
-        users, size = 0, 0
+        size = 0
         if todo:
             ds = ray.data.from_items(todo).map_batches(
                 write_shard,
                 batch_size=1,
                 batch_format="pyarrow",
                 concurrency=t.writers,
-                fn_kwargs={"t": t, "run_id": run_id, "storage": run.storage},
+                fn_kwargs={"t": t, "version": version, "creds": creds, "storage": run.storage},
             )
             ds.context.raise_original_map_exception = True
             for b in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
-                users += int(pc.sum(b["users"]).as_py() or 0)
                 size += int(pc.sum(b["bytes"]).as_py() or 0)
-        done = {
-            k.decode(): int(v) for k, v in retrying(lambda: client.hgetall(keys.done(run_id)), t, "HGETALL").items()
-        }
-        counted = sum(done[s] for s in files if s in done)
+        done = written(client, t, version)
+        counted = sum(done.get(s, 0) for s in files)
         if set(files) - set(done) or counted != expected:
-            raise RuntimeError(
-                f"export of {run_id}: {counted} users in {len(set(files) & set(done))} of {len(files)} shards written, "
-                f"the manifest has {expected}: the pointer is not switched"
+            raise Refused(
+                f"export of {run_id}: its files hold {counted} users with a list in {len(set(files) & set(done))} of "
+                f"{len(files)} shards, its manifest says {expected}: the pointer is not switched"
             )
-        ok, now = retrying(
-            lambda: client.eval(SWITCH, 2, keys.current, keys.versions, previous or "", run_id), t, "switch"
-        )
-        if not ok:
-            remove_version(client, t, run_id)
+        switch = keys.scripted(version)
+        args = (previous or "", version, run_id, len(files), expected, run.run_date, REMOVED)
+        outcome, now = retrying(lambda: client.eval(SWITCH, len(switch), *switch, *args), t, "switch")
+        if outcome == 0 or outcome == 3:
+            remove_version(client, t, version)
             raise Raced(
-                f"export of {run_id}: another export switched {keys.current} to {_str(now) or 'nothing'} after this "
-                "one "
-                f"started from {previous or 'nothing'}; this export's version is removed, readers see the other's"
+                f"export of {run_id}: another export or a rollback changed {keys.current} (now "
+                f"{_str(now) or 'none'}) after this one started from {previous or 'none'}; this export's version "
+                "is removed, readers see the other's"
             )
-        log.info("export: %s now reads %s (was %s)", keys.current, run_id, previous or "nothing")
-        removed = trim(client, t)
+        if outcome == 4:
+            raise Refused(f"export of {run_id}: version {version}'s shards changed before the switch; run it again")
+        log.info("export: %s now reads %s (was %s)", keys.current, version, previous or "nothing")
+        removed, error = [], None
+        try:
+            removed = trim(client, t)
+        except Exception as e:  # the switch stands; the next export's trim finishes the removal
+            error = f"{type(e).__name__}: {e}"
+            log.warning(
+                "export: switched to %s, but removing old versions failed (%s); the next export retries", version, error
+            )
         took = time.perf_counter() - start
         return Export(
-            masked(t.url), t.namespace, run_id, previous, True, counted, size, len(files) - len(todo), took, removed
+            masked(t.url),
+            t.namespace,
+            run_id,
+            version,
+            previous,
+            True,
+            counted,
+            size,
+            len(files) - len(todo),
+            took,
+            removed,
+            error,
         )
     finally:
         client.close()
+
+
+def check_newer(client, t: Serving, keys: Keys, current: str | None, run_date: str) -> None:
+    """Refused when the current version's run is of a later date than the run's (readers would go back a night),
+    unless serving.allow_older."""
+    if current is None or t.allow_older:
+        return
+    dates = keys.control("dates")
+    date = _str(retrying(lambda: client.hget(dates, current), t, f"HGET {dates}"))
+    if date and date > run_date:
+        raise Refused(
+            f"the current version of {t.namespace} serves run_date {date}, later than this run's {run_date}: readers "
+            "would go back; opt in with serving.allow_older=true (--allow-older), or roll back (--rollback)"
+        )
+
+
+def written(client, t: Serving, version: str) -> dict[str, int]:
+    """A version's done hash (shard -> users); Raced when the version was removed meanwhile."""
+    done = {
+        k.decode(): int(v)
+        for k, v in retrying(lambda: client.hgetall(Keys(t.namespace).done(version)), t, "HGETALL").items()
+    }
+    if REMOVED in done:
+        raise Raced(f"version {version} was removed while this export wrote it (a rollback or another export); rerun")
+    return done
 
 
 def _str(v) -> str | None:
@@ -349,37 +456,52 @@ def _str(v) -> str | None:
 
 def versions(client, t: Serving) -> list[str]:
     """The versions switched to, newest first: the current one, then the kept ones."""
-    keys = Keys(t.namespace)
-    return [v.decode() for v in retrying(lambda: client.lrange(keys.versions, 0, -1), t, f"LRANGE {keys.versions}")]
+    name = Keys(t.namespace).control("versions")
+    return [v.decode() for v in retrying(lambda: client.lrange(name, 0, -1), t, f"LRANGE {name}")]
 
 
 def trim(client, t: Serving) -> list[str]:
-    """The versions beyond the current one and `keep` previous ones, removed (their keys unlinked, then they leave
-    the list) -> their run ids."""
-    old = versions(client, t)[t.keep + 1 :]
-    for run_id in old:
-        remove_version(client, t, run_id)
-        retrying(lambda r=run_id: client.lrem(Keys(t.namespace).versions, 0, r), t, "LREM")
-    return old
+    """The versions beyond the current one and `keep` previous ones removed, and any removal left unfinished ->
+    the versions whose keys were unlinked."""
+    for version in versions(client, t)[t.keep + 1 :]:
+        remove_version(client, t, version, unlink=False)
+    removing = Keys(t.namespace).control("removing")
+    left = sorted(v.decode() for v in retrying(lambda: client.smembers(removing), t, f"SMEMBERS {removing}"))
+    for version in left:
+        unlink_version(client, t, version)
+    return left
 
 
-def remove_version(client, t: Serving, run_id: str) -> int:
-    """A version's keys unlinked (SCAN by its prefix, UNLINK_BATCH at a time; every primary of a cluster) and its
-    done hash -> keys removed. Never the current version's."""
+def remove_version(client, t: Serving, version: str, unlink: bool = True) -> bool:
+    """A version taken out of the versions and marked removed (`REMOVE`: never again switched or rolled back to),
+    then, with `unlink`, its keys unlinked -> False when it is the current version (nothing done)."""
     keys = Keys(t.namespace)
-    if _str(retrying(lambda: client.get(keys.current), t, "GET")) == run_id:
-        raise Refused(f"version {run_id} is the current one of {t.namespace}: not removed")
-    pattern = re.sub(rb"([*?\[\]\\])", rb"\\\1", keys.prefix(run_id)) + b"*"
-    n, batch = 0, []
-    for key in client.scan_iter(match=pattern, count=UNLINK_BATCH):
-        batch.append(key)
-        if len(batch) >= UNLINK_BATCH:
-            n += retrying(lambda b=batch: _unlink(client, b), t, "UNLINK")
-            batch = []
-    if batch:
-        n += retrying(lambda b=batch: _unlink(client, b), t, "UNLINK")
-    retrying(lambda: client.delete(keys.done(run_id)), t, "DEL")
-    log.info("export: version %s of %s removed (%d keys)", run_id, t.namespace, n)
+    names = [*keys.scripted(version), keys.control("removing")]
+    args = (version, run_of(version), TOMBSTONE_S, REMOVED)
+    if not retrying(lambda: client.eval(REMOVE, len(names), *names, *args), t, f"remove {version}"):
+        return False
+    if unlink:
+        unlink_version(client, t, version)
+    return True
+
+
+def unlink_version(client, t: Serving, version: str) -> int:
+    """A removed version's keys unlinked (SCAN by its prefix, UNLINK_BATCH at a time; every primary of a cluster; the
+    whole scan tried again on a transient error), then it leaves the removing set -> keys unlinked."""
+    keys = Keys(t.namespace)
+    pattern = re.sub(rb"([*?\[\]\\])", rb"\\\1", keys.prefix(version)) + b"*"
+
+    def scan() -> int:
+        n, batch = 0, []
+        for key in client.scan_iter(match=pattern, count=UNLINK_BATCH):
+            batch.append(key)
+            if len(batch) >= UNLINK_BATCH:
+                n, batch = n + _unlink(client, batch), []
+        return n + (_unlink(client, batch) if batch else 0)
+
+    n = retrying(scan, t, f"SCAN and UNLINK {pattern.decode()}")
+    retrying(lambda: client.srem(keys.control("removing"), version), t, "SREM")
+    log.info("export: version %s of %s removed (%d keys)", version, t.namespace, n)
     return n
 
 
@@ -391,8 +513,8 @@ def _unlink(client, batch: list[bytes]) -> int:
 
 
 def rollback(t: Serving) -> tuple[str, str]:
-    """The pointer moved back to the previous kept version (compare-and-set), the rolled-back version removed ->
-    (from, to). Refused when there is no previous version."""
+    """The pointer moved back to the previous kept version (`ROLLBACK`, a compare-and-set), the rolled-back version
+    removed -> (from, to). Refused when there is no previous version, Raced when the pointer moved meanwhile."""
     check_serving(t)
     client, keys = connect(t), Keys(t.namespace)
     try:
@@ -400,11 +522,12 @@ def rollback(t: Serving) -> tuple[str, str]:
         now = _str(retrying(lambda: client.get(keys.current), t, "GET"))
         if len(kept) < 2 or kept[0] != now:
             raise Refused(f"namespace {t.namespace} at {masked(t.url)}: no previous version to roll back to ({kept})")
-        ok = retrying(lambda: client.eval(ROLLBACK, 2, keys.current, keys.versions, kept[0], kept[1]), t, "rollback")
-        if not ok:
+        names = [*keys.scripted(kept[0]), keys.control("removing"), keys.done(kept[1])]
+        args = (kept[0], kept[1], run_of(kept[0]), TOMBSTONE_S, REMOVED)
+        if not retrying(lambda: client.eval(ROLLBACK, len(names), *names, *args), t, "rollback"):
             raise Raced(f"namespace {t.namespace}: the pointer moved during the rollback; nothing changed")
-        remove_version(client, t, kept[0])
         log.info("export: %s rolled back from %s to %s", keys.current, kept[0], kept[1])
+        unlink_version(client, t, kept[0])
         return kept[0], kept[1]
     finally:
         client.close()

@@ -252,9 +252,17 @@ def write_parquet(table: pa.Table, uri: str, storage: Storage) -> None:
     """One parquet file, encoded once and written whole (`write_bytes`). Floating-point columns are not dictionary
     encoded: scores rarely repeat, and trying costs more than the rest of the encoding."""
     sink = pa.BufferOutputStream()
-    floats = (pa.types.is_floating(f.type) for f in table.schema)
-    pq.write_table(table, sink, use_dictionary=[f.name for f, x in zip(table.schema, floats, strict=True) if not x])
+    pq.write_table(table, sink, use_dictionary=[p for f in table.schema for p in _leaves(f.name, f.type)])
     write_bytes(uri, sink.getvalue(), storage)
+
+
+def _leaves(path: str, kind: pa.DataType) -> list[str]:
+    """A column's leaf paths as parquet names them (`a.list.element`, `s.x`), but its floating-point ones."""
+    if pa.types.is_struct(kind):
+        return [p for i in range(kind.num_fields) for p in _leaves(f"{path}.{kind.field(i).name}", kind.field(i).type)]
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
+        return _leaves(f"{path}.list.element", kind.value_type)
+    return [] if pa.types.is_floating(kind) else [path]
 
 
 def read_parquet(uri: str, storage: Storage, columns=None) -> pa.Table:

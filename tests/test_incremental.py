@@ -263,3 +263,39 @@ def test_tonights_decoded_users_must_match_the_bases_dtype_and_device():
     check_decoded_on(base, {"dtypes": [], "devices": []})  # nothing decoded tonight: every list is the base's
     with pytest.raises(ValueError, match=r"decoded as \['bfloat16'\] on \['NVIDIA H100'\] by \['compiled'\]"):
         check_decoded_on(base, {"dtypes": ["bfloat16"], "devices": ["NVIDIA H100"], "engines": ["compiled"]})
+
+
+def test_keys_that_share_a_hash_are_told_apart_and_a_user_listed_twice_is_decoded(monkeypatch):
+    """The indexes sort string ids by a 64-bit hash; here every id of one length shares one (a collision for each),
+    and the base lists "dd" twice: each pending user finds its own base row or none, and only users the base lists
+    once with the same input hash are carried."""
+    import pyarrow.compute as pc
+
+    from pipeline import carry
+
+    monkeypatch.setattr(
+        carry, "key_hash", lambda keys: pc.fill_null(pc.utf8_length(keys), 0).to_numpy().astype(np.int64)
+    )
+    h = [bytes([i]) * 16 for i in range(8)]
+    base = carry.sorted_by_key(
+        pa.table(
+            {
+                "key": pa.array(["a", "bb", "cc", "dd", "dd"], pa.large_string()),
+                "base_hash": [h[0], h[1], h[2], h[3], h[3]],
+            }
+        )
+    )
+    keys = pa.array(["b", "cc", "zz", "a", None, "dd"], pa.large_string())
+    at = carry.find(keys, base)
+    assert [base["key"][int(i)].as_py() if i >= 0 else None for i in at] == [None, "cc", None, "a", None, "dd"]
+    tonight = carry.sorted_by_key(
+        pa.table(
+            {
+                "key": pa.array(["b", "cc", "zz", "a", "dd"], pa.large_string()),
+                "pos": pa.array([0, 1, 2, 3, 4], pa.int64()),
+                "input_hash": [h[0], h[2], h[5], h[7], h[3]],
+            }
+        )
+    )
+    fate = carry.decide(base, tonight, 5)
+    assert fate.tolist() == [0, carry.CARRIED, 0, carry.IN_BASE, carry.IN_BASE]  # "dd": listed twice, decoded

@@ -6,7 +6,6 @@ wins, the other exits 3), a 3-node Redis Cluster, and the nightly's own export a
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -68,7 +67,7 @@ def assert_serves(client, namespace: str, run: str) -> None:
     """Every user of the run reads back, through `serving.Reader`, exactly its list; a user without one gets None."""
     lists, users = lists_of(run)
     reader = serving.Reader(client, namespace)
-    assert reader.version() == open_run(run).run_id
+    assert serving.run_of(reader.version()) == open_run(run).run_id
     assert lists and set(lists) <= set(users)
     for user in users:
         assert reader.get(user) == lists.get(user), user
@@ -87,11 +86,16 @@ def test_an_export_switches_and_every_user_reads_back_its_list(two_runs, redis_s
     assert first.switched and first.previous is None and first.users == open_run(a).manifest["counts"]["users_ok"]
     assert_serves(client, "recs", a)
     second = serving.export(open_run(b), target(redis_server.url))
-    assert second.previous == open_run(a).run_id and second.bytes > 0
+    assert second.previous == first.version and second.bytes > 0
     assert_serves(client, "recs", b)
-    assert serving.versions(client, target(redis_server.url)) == [open_run(b).run_id, open_run(a).run_id]
+    assert serving.versions(client, target(redis_server.url)) == [second.version, first.version]
     again = serving.export(open_run(b), target(redis_server.url))  # the current version again: nothing to do
     assert not again.switched
+    with pytest.raises(serving.Refused, match="later than this run's"):  # readers would go back a night
+        serving.export(open_run(a), target(redis_server.url))
+    older = serving.export(open_run(a), target(redis_server.url, allow_older=True))
+    assert older.switched and older.version not in (first.version, second.version)  # a version of its own
+    assert_serves(client, "recs", a)
 
 
 def test_rollback_points_back_and_removes_the_rolled_back_version(two_runs, redis_server):
@@ -100,7 +104,7 @@ def test_rollback_points_back_and_removes_the_rolled_back_version(two_runs, redi
     for run in (a, b):
         serving.export(open_run(run), t)
     was, now = serving.rollback(t)
-    assert (was, now) == (open_run(b).run_id, open_run(a).run_id)
+    assert (serving.run_of(was), serving.run_of(now)) == (open_run(b).run_id, open_run(a).run_id)
     client = redis_server.client()
     assert_serves(client, "recs", a)
     assert not list(client.scan_iter(match=f"recs:{was}:*".encode()))
@@ -111,14 +115,13 @@ def test_rollback_points_back_and_removes_the_rolled_back_version(two_runs, redi
 def test_versions_beyond_keep_are_removed(two_runs, redis_server):
     _, _, a, b = two_runs
     t = target(redis_server.url, keep=0)
-    serving.export(open_run(a), t)
+    old = serving.export(open_run(a), t).version
     client = redis_server.client()
-    old = open_run(a).run_id
     assert list(client.scan_iter(match=f"recs:{old}:*".encode()))
     done = serving.export(open_run(b), t)
-    assert done.removed == [old]
-    assert not list(client.scan_iter(match=f"recs:{old}:*".encode())) and not client.exists(f"{{recs}}:done:{old}")
-    assert serving.versions(client, t) == [open_run(b).run_id]
+    assert done.removed == [old] and not list(client.scan_iter(match=f"recs:{old}:*".encode()))
+    assert client.hexists(f"{{recs}}:done:{old}", serving.REMOVED)  # marked: never switched or rolled back to
+    assert serving.versions(client, t) == [done.version]
     assert_serves(client, "recs", b)
 
 
@@ -159,21 +162,27 @@ def test_redis_killed_mid_export_keeps_the_previous_version_whole_and_a_rerun_sw
     Redis is killed (SIGKILL): the export gives up (exit 4), Redis restarts from its append-only file and still
     serves day 1 whole; a rerun writes only the shards not yet recorded, and switches."""
     _, _, a, b = two_runs
-    serving.export(open_run(a), target(redis_server.url))
+    first = serving.export(open_run(a), target(redis_server.url))
     client = redis_server.client()
-    done = f"{{recs}}:done:{open_run(b).run_id}"
     p = export_cli(b, redis_server.url, "--writers", "1", "--retry-s", "2", stderr=subprocess.PIPE)
-    wait_for(lambda: client.hlen(done) >= 1, "the export's first shard")
+
+    def started() -> bool:
+        version = client.hget("{recs}:pending", open_run(b).run_id)
+        return version is not None and client.hlen(f"{{recs}}:done:{version.decode()}") >= 1
+
+    wait_for(started, "the export's first shard")
     client.execute_command("CLIENT", "PAUSE", "60000", "WRITE")
+    version = client.hget("{recs}:pending", open_run(b).run_id).decode()
     shards = len(open_run(b).manifest["files"]["recommendations"])
-    assert client.hlen(done) < shards and client.get("{recs}:current").decode() == open_run(a).run_id
+    assert client.hlen(f"{{recs}}:done:{version}") < shards and client.get("{recs}:current").decode() == first.version
     redis_server.kill()
     assert p.wait(120) == 4 and "unavailable" in p.stderr.read()
     redis_server.start()
     client = redis_server.client()
     assert_serves(client, "recs", a)  # the previous version, whole
     again = serving.export(open_run(b), target(redis_server.url))
-    assert again.switched and again.resumed_shards >= 1 and again.users == open_run(b).manifest["counts"]["users_ok"]
+    assert again.switched and again.resumed_shards >= 1 and again.version == version
+    assert again.users == open_run(b).manifest["counts"]["users_ok"]
     assert_serves(client, "recs", b)
 
 
@@ -188,14 +197,14 @@ def test_two_racing_exports_one_wins_and_the_other_exits_3(two_runs, redis_serve
         export_cli(run, redis_server.url, stderr=log.open("w"), stdout=subprocess.DEVNULL)
         for run, log in zip((a, b), logs, strict=True)
     ]
-    wait_for(lambda: all("already written) to" in log.read_text() for log in logs), "both exports to start")
+    wait_for(lambda: all("whose version is None" in log.read_text() for log in logs), "both exports to start")
     client.execute_command("CLIENT", "UNPAUSE")
     codes = [p.wait(180) for p in procs]
     assert sorted(codes) == [0, 3], [log.read_text()[-2000:] for log in logs]
     winner, loser = (a, b) if codes[0] == 0 else (b, a)
-    assert "another export switched" in logs[codes.index(3)].read_text()
+    assert "another export or a rollback changed" in logs[codes.index(3)].read_text()
     assert_serves(client, "recs", winner)
-    assert not list(client.scan_iter(match=f"recs:{open_run(loser).run_id}:*".encode()))
+    assert not list(client.scan_iter(match=f"recs:{open_run(loser).run_id}.*".encode()))
 
 
 def test_a_redis_cluster_serves_every_user_from_keys_over_every_node(two_runs, tmp_path):
@@ -251,5 +260,10 @@ def test_a_list_value_round_trips_and_a_foreign_value_is_refused():
     assert serving.decode(value) == [(1, 5, 0.5), (2, 2**40, -1.25), (3, -1, 3.0)]
     with pytest.raises(ValueError, match="format"):
         serving.decode(b"\x02" + value[1:])
-    assert serving.Keys("ns").user("r1", 7) == b"ns:r1:7" and serving.Keys("ns").user("r1", "a:b") == b"ns:r1:a:b"
-    assert json.loads(json.dumps(serving.masked("rediss://u:p@h:1/0"))) == "rediss://u:***@h:1/0"
+    assert (
+        serving.Keys("ns").user("r1.x", 7) == b"ns:r1.x:7" and serving.Keys("ns").user("r1.x", "a:b") == b"ns:r1.x:a:b"
+    )
+    assert serving.run_of("20261121T000000Z-abc123.0f1e2d3c") == "20261121T000000Z-abc123"
+    assert serving.masked("rediss://u:p@h:1/0") == "rediss://u:***@h:1/0"
+    assert serving.masked("redis://h:1/0?password=p&db=0") == "redis://h:1/0?password=***&db=0"
+    assert "p" not in repr(serving.Credentials("u", "p")).replace("Credentials", "")
