@@ -339,10 +339,6 @@ def export(run, t: Serving) -> Export:
     export's, resumed), counted against its manifest, the pointer switched to it (compare-and-set against the
     version found at the start), versions beyond `keep` previous ones removed. Raises Refused (exit 2), Raced
     (exit 3), StoreUnavailable (exit 4); a removal that fails after the switch is recorded, not raised."""
-    import uuid
-
-    import ray
-
     check_serving(t)
     start, creds = time.perf_counter(), Credentials.of(t.url)
     client, keys, run_id = connect(t, creds), Keys(t.namespace), run.run_id
@@ -354,75 +350,94 @@ def export(run, t: Serving) -> Export:
             return Export(masked(t.url), t.namespace, run_id, previous, previous, False, 0, 0, 0, 0.0, [])
         check_newer(client, t, keys, previous, run.run_date)
         log.info("export: run %s to %s namespace %s, whose version is %s", run_id, masked(t.url), t.namespace, previous)
-        pending = keys.control("pending")
-        retrying(lambda: client.hsetnx(pending, run_id, f"{run_id}.{uuid.uuid4().hex[:8]}"), t, f"HSETNX {pending}")
-        version = _str(retrying(lambda: client.hget(pending, run_id), t, f"HGET {pending}"))
-        expected = int(run.manifest["counts"]["users_ok"])
+        version = version_of(client, t, run_id)
         names = run.manifest["files"]["recommendations"]
         files = {n.removesuffix(".parquet"): f for n, f in zip(names, run.files("recommendations"), strict=True)}
-        done = written(client, t, version)
-        todo = [{"file": f, "shard": s} for s, f in files.items() if s not in done]
-        log.info(
-            "export: run %s as version %s: %d users, %d shards, %d already written",
-            *(run_id, version, expected, len(files), len(files) - len(todo)),
-        )
-        size = 0
-        if todo:
-            ds = ray.data.from_items(todo).map_batches(
-                write_shard,
-                batch_size=1,
-                batch_format="pyarrow",
-                concurrency=t.writers,
-                fn_kwargs={"t": t, "version": version, "creds": creds, "storage": run.storage},
-            )
-            ds.context.raise_original_map_exception = True
-            for b in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
-                size += int(pc.sum(b["bytes"]).as_py() or 0)
-        done = written(client, t, version)
-        counted = sum(done.get(s, 0) for s in files)
-        if set(files) - set(done) or counted != expected:
-            raise Refused(
-                f"export of {run_id}: its files hold {counted} users with a list in {len(set(files) & set(done))} of "
-                f"{len(files)} shards, its manifest says {expected}: the pointer is not switched"
-            )
-        switch = keys.scripted(version)
-        args = (previous or "", version, run_id, len(files), expected, run.run_date, REMOVED)
-        outcome, now = retrying(lambda: client.eval(SWITCH, len(switch), *switch, *args), t, "switch")
-        if outcome == 0 or outcome == 3:
-            remove_version(client, t, version)
-            raise Raced(
-                f"export of {run_id}: another export or a rollback changed {keys.current} (now "
-                f"{_str(now) or 'none'}) after this one started from {previous or 'none'}; this export's version "
-                "is removed, readers see the other's"
-            )
-        if outcome == 4:
-            raise Refused(f"export of {run_id}: version {version}'s shards changed before the switch; run it again")
-        log.info("export: %s now reads %s (was %s)", keys.current, version, previous or "nothing")
-        removed, error = [], None
-        try:
-            removed = trim(client, t)
-        except Exception as e:  # the switch stands; the next export's trim finishes the removal
-            error = f"{type(e).__name__}: {e}"
-            log.warning(
-                "export: switched to %s, but removing old versions failed (%s); the next export retries", version, error
-            )
+        resumed, size = write_version(run, t, version, files, creds, client)
+        users = counted(client, t, run, version, files)
+        switch(client, t, run, version, previous, len(files), users)
+        removed, error = trim_after_switch(client, t, version)
         took = time.perf_counter() - start
-        return Export(
-            masked(t.url),
-            t.namespace,
-            run_id,
-            version,
-            previous,
-            True,
-            counted,
-            size,
-            len(files) - len(todo),
-            took,
-            removed,
-            error,
-        )
+        url = masked(t.url)
+        return Export(url, t.namespace, run_id, version, previous, True, users, size, resumed, took, removed, error)
     finally:
         client.close()
+
+
+def version_of(client, t: Serving, run_id: str) -> str:
+    """The version an export of `run_id` writes: an unfinished export's (`{ns}:pending`), else a new one."""
+    import uuid
+
+    pending = Keys(t.namespace).control("pending")
+    retrying(lambda: client.hsetnx(pending, run_id, f"{run_id}.{uuid.uuid4().hex[:8]}"), t, f"HSETNX {pending}")
+    return _str(retrying(lambda: client.hget(pending, run_id), t, f"HGET {pending}"))
+
+
+def write_version(run, t: Serving, version: str, files: dict, creds: Credentials, client) -> tuple[int, int]:
+    """The run's shards the version's done hash lacks, written by Ray tasks (`write_shard`, serving.writers at once)
+    -> (shards an earlier export had written, bytes of list values written now)."""
+    import ray
+
+    done = written(client, t, version)
+    todo = [{"file": f, "shard": s} for s, f in files.items() if s not in done]
+    log.info("export: version %s: %d shards, %d already written", version, len(files), len(files) - len(todo))
+    if not todo:
+        return len(files), 0
+    ds = ray.data.from_items(todo).map_batches(
+        write_shard,
+        batch_size=1,
+        batch_format="pyarrow",
+        concurrency=t.writers,
+        fn_kwargs={"t": t, "version": version, "creds": creds, "storage": run.storage},
+    )
+    ds.context.raise_original_map_exception = True
+    size = sum(int(pc.sum(b["bytes"]).as_py() or 0) for b in ds.iter_batches(batch_size=None, batch_format="pyarrow"))
+    return len(files) - len(todo), size
+
+
+def counted(client, t: Serving, run, version: str, files: dict) -> int:
+    """The users the version's done hash counts -> their number; Refused unless it holds every shard of the run and
+    as many users with a list as its manifest says."""
+    done, expected = written(client, t, version), int(run.manifest["counts"]["users_ok"])
+    users = sum(done.get(s, 0) for s in files)
+    if set(files) - set(done) or users != expected:
+        raise Refused(
+            f"export of {run.run_id}: its files hold {users} users with a list in {len(set(files) & set(done))} of "
+            f"{len(files)} shards, its manifest says {expected}: the pointer is not switched"
+        )
+    return users
+
+
+def switch(client, t: Serving, run, version: str, previous: str | None, shards: int, users: int) -> None:
+    """The pointer from `previous` to `version` (`SWITCH`); Raced (this export's version removed) when another
+    export or a rollback moved it first, or removed the version."""
+    keys = Keys(t.namespace)
+    names = keys.scripted(version)
+    args = (previous or "", version, run.run_id, shards, users, run.run_date, REMOVED)
+    outcome, now = retrying(lambda: client.eval(SWITCH, len(names), *names, *args), t, "switch")
+    if outcome in (0, 3):
+        remove_version(client, t, version)
+        raise Raced(
+            f"export of {run.run_id}: another export or a rollback changed {keys.current} (now {_str(now) or 'none'}) "
+            f"after this one started from {previous or 'none'}; this export's version is removed, readers see the "
+            "other's"
+        )
+    if outcome == 4:
+        raise Refused(f"export of {run.run_id}: version {version}'s shards changed before the switch; run it again")
+    log.info("export: %s now reads %s (was %s)", keys.current, version, previous or "nothing")
+
+
+def trim_after_switch(client, t: Serving, version: str) -> tuple[list[str], str | None]:
+    """`trim` once the pointer names `version` -> (versions removed, the error that cut it short: the switch stands,
+    and the next export's trim finishes the removal)."""
+    try:
+        return trim(client, t), None
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+        log.warning(
+            "export: switched to %s; removing old versions failed (%s), the next export retries", version, error
+        )
+        return [], error
 
 
 def check_newer(client, t: Serving, keys: Keys, current: str | None, run_date: str) -> None:
