@@ -50,7 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from redis.exceptions import RedisError
+    from redis.exceptions import RedisClusterException, RedisError
 
     from pipeline import serving
     from pipeline.config import Serving
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     except StoreUnavailable as e:
         print(f"error: {e}", file=sys.stderr)
         return 4
-    except (FileNotFoundError, ValueError, PermissionError, RedisError) as e:  # RedisError: refused, not transient
+    except (FileNotFoundError, ValueError, PermissionError, RedisError, RedisClusterException) as e:  # not transient
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -66,6 +66,7 @@ return {1, now or ''}
 
 REMOVE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return 0 end
+if ARGV[5] == 'unlisted' and redis.call('LPOS', KEYS[2], ARGV[1]) then return 0 end
 redis.call('HSET', KEYS[5], ARGV[4], '1')
 redis.call('EXPIRE', KEYS[5], tonumber(ARGV[3]))
 redis.call('LREM', KEYS[2], 0, ARGV[1])
@@ -73,8 +74,16 @@ if redis.call('HGET', KEYS[3], ARGV[2]) == ARGV[1] then redis.call('HDEL', KEYS[
 redis.call('HDEL', KEYS[4], ARGV[1])
 redis.call('SADD', KEYS[6], ARGV[1])
 return 1
-"""  # KEYS current, versions, pending, dates, done:V, removing; ARGV V, its run id, TOMBSTONE_S, REMOVED -> 1, or 0
-# when V is current (not removed). Running it twice does what running it once does.
+"""  # KEYS current, versions, pending, dates, done:V, removing; ARGV V, its run id, TOMBSTONE_S, REMOVED, 'unlisted'
+# (only a version never switched to) or '' -> 1, or 0 when V is current, or listed with 'unlisted' (not removed).
+# Running it twice does what running it once does.
+
+PENDING = """
+local v = redis.call('HGET', KEYS[1], ARGV[1])
+if v then return v end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+return ARGV[2]
+"""  # KEYS pending; ARGV run id, a new version -> the version an export of the run writes (an unfinished one's)
 
 ROLLBACK = """
 local now = redis.call('GET', KEYS[1])
@@ -292,6 +301,8 @@ def write_shard(batch: pa.Table, t: Serving, version: str, creds: Credentials, s
     written = 0
     try:
         for lo in range(0, len(ids), USERS_PER_PIPELINE):
+            if retrying(lambda: client.hexists(keys.done(version), REMOVED), t, "HEXISTS"):
+                raise Raced(f"version {version} was removed while this export wrote it (a rollback or another export)")
             values = [
                 (keys.user(version, ids[u]), encode(items[starts[u] : ends[u]], scores[starts[u] : ends[u]]))
                 for u in range(lo, min(lo + USERS_PER_PIPELINE, len(ids)))
@@ -355,7 +366,7 @@ def export(run, t: Serving) -> Export:
         files = {n.removesuffix(".parquet"): f for n, f in zip(names, run.files("recommendations"), strict=True)}
         resumed, size = write_version(run, t, version, files, creds, client)
         users = counted(client, t, run, version, files)
-        switch(client, t, run, version, previous, len(files), users)
+        version = switch(client, t, run, version, previous, len(files), users)
         removed, error = trim_after_switch(client, t, version)
         took = time.perf_counter() - start
         url = masked(t.url)
@@ -368,9 +379,8 @@ def version_of(client, t: Serving, run_id: str) -> str:
     """The version an export of `run_id` writes: an unfinished export's (`{ns}:pending`), else a new one."""
     import uuid
 
-    pending = Keys(t.namespace).control("pending")
-    retrying(lambda: client.hsetnx(pending, run_id, f"{run_id}.{uuid.uuid4().hex[:8]}"), t, f"HSETNX {pending}")
-    return _str(retrying(lambda: client.hget(pending, run_id), t, f"HGET {pending}"))
+    pending, new = Keys(t.namespace).control("pending"), f"{run_id}.{uuid.uuid4().hex[:8]}"
+    return _str(retrying(lambda: client.eval(PENDING, 1, pending, run_id, new), t, f"version of {run_id}"))
 
 
 def write_version(run, t: Serving, version: str, files: dict, creds: Credentials, client) -> tuple[int, int]:
@@ -408,15 +418,22 @@ def counted(client, t: Serving, run, version: str, files: dict) -> int:
     return users
 
 
-def switch(client, t: Serving, run, version: str, previous: str | None, shards: int, users: int) -> None:
-    """The pointer from `previous` to `version` (`SWITCH`); Raced (this export's version removed) when another
-    export or a rollback moved it first, or removed the version."""
+def switch(client, t: Serving, run, version: str, previous: str | None, shards: int, users: int) -> str:
+    """The pointer from `previous` to `version` (`SWITCH`) -> the version readers now use: `version`, or another
+    export's of the same run that switched first. Raced (this export's version removed) when another export or a
+    rollback moved it to another run, or removed the version."""
     keys = Keys(t.namespace)
     names = keys.scripted(version)
     args = (previous or "", version, run.run_id, shards, users, run.run_date, REMOVED)
     outcome, now = retrying(lambda: client.eval(SWITCH, len(names), *names, *args), t, "switch")
     if outcome in (0, 3):
-        remove_version(client, t, version)
+        try:  # only a version never switched to: one that was (a retried switch, an export of the same run) is kept
+            remove_version(client, t, version, unlisted=True)
+        except Exception as e:
+            log.warning("export: could not remove version %s (%s); the next export's trim does", version, e)
+        if _str(now) and run_of(_str(now)) == run.run_id:  # an export of the same run switched first: its lists
+            log.info("export: %s already reads run %s (version %s)", keys.current, run.run_id, _str(now))
+            return _str(now)
         raise Raced(
             f"export of {run.run_id}: another export or a rollback changed {keys.current} (now {_str(now) or 'none'}) "
             f"after this one started from {previous or 'none'}; this export's version is removed, readers see the "
@@ -425,6 +442,7 @@ def switch(client, t: Serving, run, version: str, previous: str | None, shards: 
     if outcome == 4:
         raise Refused(f"export of {run.run_id}: version {version}'s shards changed before the switch; run it again")
     log.info("export: %s now reads %s (was %s)", keys.current, version, previous or "nothing")
+    return version
 
 
 def trim_after_switch(client, t: Serving, version: str) -> tuple[list[str], str | None]:
@@ -487,12 +505,13 @@ def trim(client, t: Serving) -> list[str]:
     return left
 
 
-def remove_version(client, t: Serving, version: str, unlink: bool = True) -> bool:
+def remove_version(client, t: Serving, version: str, unlink: bool = True, unlisted: bool = False) -> bool:
     """A version taken out of the versions and marked removed (`REMOVE`: never again switched or rolled back to),
-    then, with `unlink`, its keys unlinked -> False when it is the current version (nothing done)."""
+    then, with `unlink`, its keys unlinked -> False when it is the current version, or with `unlisted` one that was
+    switched to (nothing done)."""
     keys = Keys(t.namespace)
     names = [*keys.scripted(version), keys.control("removing")]
-    args = (version, run_of(version), TOMBSTONE_S, REMOVED)
+    args = (version, run_of(version), TOMBSTONE_S, REMOVED, "unlisted" if unlisted else "")
     if not retrying(lambda: client.eval(REMOVE, len(names), *names, *args), t, f"remove {version}"):
         return False
     if unlink:
@@ -542,7 +561,10 @@ def rollback(t: Serving) -> tuple[str, str]:
         if not retrying(lambda: client.eval(ROLLBACK, len(names), *names, *args), t, "rollback"):
             raise Raced(f"namespace {t.namespace}: the pointer moved during the rollback; nothing changed")
         log.info("export: %s rolled back from %s to %s", keys.current, kept[0], kept[1])
-        unlink_version(client, t, kept[0])
+        try:
+            unlink_version(client, t, kept[0])
+        except Exception as e:  # the rollback stands; the next export's trim unlinks the rest
+            log.warning("export: rolled back; unlinking %s failed (%s), the next export's trim does", kept[0], e)
         return kept[0], kept[1]
     finally:
         client.close()

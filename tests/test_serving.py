@@ -101,11 +101,14 @@ def test_an_export_switches_and_every_user_reads_back_its_list(two_runs, redis_s
 def test_rollback_points_back_and_removes_the_rolled_back_version(two_runs, redis_server):
     _, _, a, b = two_runs
     t = target(redis_server.url)
-    for run in (a, b):
-        serving.export(open_run(run), t)
+    first, _ = (serving.export(open_run(run), t) for run in (a, b))
+    client = redis_server.client()
+    with pytest.raises(serving.Raced):  # a late switch to day 1's version (a retry, a second export of day 1)
+        shards = len(open_run(a).manifest["files"]["recommendations"])
+        serving.switch(client, t, open_run(a), first.version, None, shards, first.users)
+    assert first.version in serving.versions(client, t)  # a kept version is never removed by a lost switch
     was, now = serving.rollback(t)
     assert (serving.run_of(was), serving.run_of(now)) == (open_run(b).run_id, open_run(a).run_id)
-    client = redis_server.client()
     assert_serves(client, "recs", a)
     assert not list(client.scan_iter(match=f"recs:{was}:*".encode()))
     with pytest.raises(serving.Refused, match="no previous version"):
