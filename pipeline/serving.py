@@ -64,9 +64,7 @@ return {1, now or ''}
 """  # KEYS current, versions, pending, dates, done:V; ARGV expected ('': none), V, run id, shards, users, run date,
 # REMOVED -> {1: switched | 2: V already current | 0: another version is (its name) | 3: V removed | 4: V incomplete}
 
-REMOVE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return 0 end
-if ARGV[5] == 'unlisted' and redis.call('LPOS', KEYS[2], ARGV[1]) then return 0 end
+MARK_REMOVED = """
 redis.call('HSET', KEYS[5], ARGV[4], '1')
 redis.call('EXPIRE', KEYS[5], tonumber(ARGV[3]))
 redis.call('LREM', KEYS[2], 0, ARGV[1])
@@ -74,9 +72,18 @@ if redis.call('HGET', KEYS[3], ARGV[2]) == ARGV[1] then redis.call('HDEL', KEYS[
 redis.call('HDEL', KEYS[4], ARGV[1])
 redis.call('SADD', KEYS[6], ARGV[1])
 return 1
-"""  # KEYS current, versions, pending, dates, done:V, removing; ARGV V, its run id, TOMBSTONE_S, REMOVED, 'unlisted'
-# (only a version never switched to) or '' -> 1, or 0 when V is current, or listed with 'unlisted' (not removed).
-# Running it twice does what running it once does.
+"""  # version ARGV[1] (run ARGV[2]) marked removed (ARGV[4], expiring after ARGV[3] s) in its done hash KEYS[5], out of
+# the versions KEYS[2], pending KEYS[3] and dates KEYS[4], into removing KEYS[6]: REMOVE's and ROLLBACK's end
+
+REMOVE = (
+    """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return 0 end
+if ARGV[5] == 'unlisted' and redis.call('LPOS', KEYS[2], ARGV[1]) then return 0 end
+"""
+    + MARK_REMOVED
+)  # KEYS current, versions, pending, dates, done:V, removing; ARGV V, its run id, TOMBSTONE_S,
+# REMOVED, 'unlisted' (only a version never switched to) or '' -> 1, or 0 when V is current, or listed with
+# 'unlisted' (not removed). Running it twice does what running it once does.
 
 PENDING = """
 local v = redis.call('HGET', KEYS[1], ARGV[1])
@@ -85,21 +92,17 @@ redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 return ARGV[2]
 """  # KEYS pending; ARGV run id, a new version -> the version an export of the run writes (an unfinished one's)
 
-ROLLBACK = """
+ROLLBACK = (
+    """
 local now = redis.call('GET', KEYS[1])
-if now == ARGV[2] and redis.call('HEXISTS', KEYS[5], ARGV[5]) == 1 then return 1 end
-if now ~= ARGV[1] or not redis.call('LPOS', KEYS[2], ARGV[2]) then return 0 end
-if redis.call('HEXISTS', KEYS[7], ARGV[5]) == 1 then return 0 end
-redis.call('SET', KEYS[1], ARGV[2])
-redis.call('HSET', KEYS[5], ARGV[5], '1')
-redis.call('EXPIRE', KEYS[5], tonumber(ARGV[4]))
-redis.call('LREM', KEYS[2], 0, ARGV[1])
-if redis.call('HGET', KEYS[3], ARGV[3]) == ARGV[1] then redis.call('HDEL', KEYS[3], ARGV[3]) end
-redis.call('HDEL', KEYS[4], ARGV[1])
-redis.call('SADD', KEYS[6], ARGV[1])
-return 1
-"""  # KEYS current, versions, pending, dates, done:cur, removing, done:prev; ARGV cur, prev, cur's run id,
-# TOMBSTONE_S, REMOVED -> 1: the pointer on prev and cur removed (also when a retry finds it done), 0: it moved
+if now == ARGV[5] and redis.call('HEXISTS', KEYS[5], ARGV[4]) == 1 then return 1 end
+if now ~= ARGV[1] or not redis.call('LPOS', KEYS[2], ARGV[5]) then return 0 end
+if redis.call('HEXISTS', KEYS[7], ARGV[4]) == 1 then return 0 end
+redis.call('SET', KEYS[1], ARGV[5])
+"""
+    + MARK_REMOVED
+)  # KEYS current, versions, pending, dates, done:cur, removing, done:prev; ARGV cur, its run id,
+# TOMBSTONE_S, REMOVED, prev -> 1: the pointer on prev and cur removed (also when a retry finds it done), 0: it moved
 
 
 class Refused(ValueError):
@@ -557,7 +560,7 @@ def rollback(t: Serving) -> tuple[str, str]:
         if len(kept) < 2 or kept[0] != now:
             raise Refused(f"namespace {t.namespace} at {masked(t.url)}: no previous version to roll back to ({kept})")
         names = [*keys.scripted(kept[0]), keys.control("removing"), keys.done(kept[1])]
-        args = (kept[0], kept[1], run_of(kept[0]), TOMBSTONE_S, REMOVED)
+        args = (kept[0], run_of(kept[0]), TOMBSTONE_S, REMOVED, kept[1])
         if not retrying(lambda: client.eval(ROLLBACK, len(names), *names, *args), t, "rollback"):
             raise Raced(f"namespace {t.namespace}: the pointer moved during the rollback; nothing changed")
         log.info("export: %s rolled back from %s to %s", keys.current, kept[0], kept[1])
