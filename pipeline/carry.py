@@ -136,12 +136,17 @@ def _read(base: str, table: str, stems: list[str], columns: list[str], storage: 
         ) from None
 
 
+def first_rows(ids: pa.Array) -> np.ndarray:
+    """Rows' user ids [R] -> where a run of one user's rows begins [R] bool."""
+    return np.r_[True, ~pc.equal(ids[1:], ids[:-1]).to_numpy(zero_copy_only=False)] if len(ids) else np.zeros(0, bool)
+
+
 def list_starts(recs: pa.Table) -> np.ndarray | None:
     """Where each user's rows begin [U]; None unless every user's rows are together, ranks 1, 2, .."""
     if not recs.num_rows:
         return np.zeros(0, np.int64)
     ids = recs["user_id"].combine_chunks()
-    new = np.r_[True, ~pc.equal(ids[1:], ids[:-1]).to_numpy(zero_copy_only=False)]  # [R] a user's first row
+    new = first_rows(ids)  # [R]
     starts = np.flatnonzero(new)
     rank = recs["rank"].to_numpy()
     ok = (rank[new] == 1).all() and (np.diff(rank)[~new[1:]] == 1).all()
@@ -155,7 +160,7 @@ def user_lists(recs: pa.Table) -> pa.Table:
     if starts is None:  # a user in pieces (never carried: `index_part`) is one row here, of all its pieces
         recs = recs.sort_by([("user_id", "ascending"), ("rank", "ascending")])
         ids = recs["user_id"].combine_chunks()
-        starts = np.flatnonzero(np.r_[True, ~pc.equal(ids[1:], ids[:-1]).to_numpy(zero_copy_only=False)])
+        starts = np.flatnonzero(first_rows(ids))
     ids, n = recs["user_id"].combine_chunks(), recs.num_rows
     offsets = pa.array(np.r_[starts, n].astype(np.int32))
     return pa.table(
@@ -217,7 +222,7 @@ def index_part(part: int, stems: list[str], base: str, storage: Storage) -> pa.T
     users = _read(base, "users", stems, ["user_id", "input_hash"], storage)
     recs = _read(base, "recommendations", stems, ["user_id", "rank"], storage)
     ids, first = recs["user_id"].combine_chunks(), pc.equal(recs["rank"], 1).to_numpy(zero_copy_only=False)
-    runs_of = ids.filter(pa.array(np.r_[True, ~pc.equal(ids[1:], ids[:-1]).to_numpy(zero_copy_only=False)] | first))
+    runs_of = ids.filter(pa.array(first_rows(ids) | first))
     listed, pieces = pc.unique(runs_of), pc.value_counts(runs_of)  # [L], each user's runs of rows
     pieces = pieces.field("values").filter(pc.greater(pieces.field("counts"), 1))
     users = users.filter(pc.and_(pc.is_valid(users["user_id"]), pc.is_in(users["user_id"], listed)))
