@@ -1,5 +1,8 @@
 """Serve a published run from Redis: `genrec-batch export RUN --to redis://HOST:PORT/DB [--namespace NS]`, or
-`genrec-batch export --rollback --to redis://...` (docs/output.md#serving-from-redis).
+`genrec-batch export --rollback --to redis://...` (docs/output.md#serving-from-redis); or commit it to a Delta table:
+`genrec-batch export RUN --to delta+s3://bucket/prefix` (or delta+/local/path; docs/output.md#reading-the-lists-as-a-
+delta-table), one commit that replaces the run's date's rows, made once: a run already committed, or no longer its
+date's published run, is left as it is (the JSON result says `skipped`).
 
 RUN is an output root (its newest date's published run), `<output>/run_date=D` or a run folder, local or s3://.
 Every user's list is written under the run's own version, counted against the manifest, then the namespace's pointer
@@ -31,7 +34,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         prog="python -m jobs.export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("run", metavar="RUN", nargs="?", help="output root, run_date= folder or run folder")
-    p.add_argument("--to", required=True, metavar="URL", help="redis:// or rediss://[user:password@]host:port/db")
+    p.add_argument(
+        "--to", required=True, metavar="URL", help="redis:// or rediss://[user:password@]host:port/db, or delta+URI"
+    )
+    p.add_argument("--rows-per-file", type=int, default=2_000_000, help="delta: rows in each data file (2,000,000)")
     p.add_argument("--namespace", default="genrec", help="the keys' namespace (default genrec)")
     p.add_argument("--keep", type=int, default=2, help="previous versions kept for --rollback (default 2)")
     p.add_argument("--rollback", action="store_true", help="point readers back at the previous version")
@@ -44,6 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if (args.run is None) != args.rollback:
         p.error("give RUN, or --rollback alone")
+    if args.rollback and args.to.startswith("delta+"):
+        p.error("--rollback is for Redis; a Delta table keeps its history (RESTORE, or read an earlier version)")
     return args
 
 
@@ -67,6 +75,8 @@ def main(argv=None) -> int:
         args.allow_no_persistence,
         args.allow_older,
     )
+    if args.to.startswith("delta+"):
+        return commit(args)
     try:
         if args.rollback:
             was, now = serving.rollback(t)
@@ -85,6 +95,29 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 4
     except (FileNotFoundError, ValueError, PermissionError, RedisError, RedisClusterException) as e:  # not transient
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def commit(args) -> int:
+    """--to delta+URI: the run committed to the table (pipeline/tables.py) -> the exit code."""
+    from pipeline import tables
+    from pipeline.config import Table, check_table
+    from pipeline.output import open_run
+    from pipeline.signals import connect_ray
+    from pipeline.storage import Storage, StoreUnavailable
+
+    try:
+        t = Table(args.to, args.rows_per_file, args.writers)
+        check_table(t)
+        run = open_run(args.run, Storage(args.endpoint, args.region, args.retry_s), allow_unpublished=True)
+        connect_ray()
+        print(json.dumps(tables.commit_run(run, t).record(), indent=2))
+        return 0
+    except StoreUnavailable as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 4
+    except (FileNotFoundError, ValueError, PermissionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

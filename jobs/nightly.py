@@ -106,7 +106,7 @@ def main(argv=None) -> int:
 
 def run(cfg, args) -> dict:
     """--gc, or the nightly run (checked before Ray starts, then on the cluster) -> what main prints."""
-    from pipeline.nightly import check_run, collect_garbage, run_nightly, serve
+    from pipeline.nightly import after_publish, check_run, collect_garbage, run_nightly
     from pipeline.plan import plan_run
     from pipeline.signals import connect_ray
 
@@ -114,12 +114,11 @@ def run(cfg, args) -> dict:
         return {"deleted": collect_garbage(cfg)}
     if args.check:  # no lease, no Ray, nothing written: the exit code the run would have had
         return check_run(cfg, args.resume)
-    plan = plan_run(cfg)  # before Ray: a missing input, catalog or model is refused here
+    plan = plan_run(cfg, args.resume)  # before Ray: a missing input, catalog or model is refused here
     connect_ray()
     manifest = run_nightly(cfg, args.resume, plan)
     summary = {k: manifest[k] for k in ("run_id", "run_date", "status", "counts", "resume", "timings", "outputs")}
-    served = serve(cfg, manifest)
-    return summary | ({"serving": served} if served else {})
+    return summary | after_publish(cfg, manifest)
 
 
 def stopped(e, args) -> None:

@@ -117,7 +117,7 @@ def find_duplicates(plan: Plan) -> tuple[pa.Table | None, str]:
     """`units.find_duplicates` over the whole input, tried again as a whole while the store fails transiently."""
     cfg = plan.cfg
     return S.retrying(
-        lambda: units.find_duplicates(plan.units, plan.fs, cfg.runs.duplicates_driver_mb),
+        lambda: units.find_duplicates(plan.units, plan.fs, cfg.runs.duplicates_driver_mb, cfg.columns.user_id),
         cfg.storage,
         f"read the user ids of {cfg.input}",
     )
@@ -215,9 +215,10 @@ def engine_auto_inputs(plan: Plan, a: Attempt) -> dict:
     if c.engine != "auto":
         return {}
     n = c.engine_trial_max * plan.spec.warm_users
-    column = plan.cfg.decoding.exclude_column
-    columns = ["user_id", "history"] + ([column] if column and column in plan.data.schema.names else [])
-    trial = S.retrying(lambda: plan.data.head(n, columns=columns), plan.cfg.storage, f"read {plan.cfg.input}")
+    columns = input_columns(plan.cfg, plan.data.schema)
+    read = list(dict.fromkeys(columns.values()))
+    head = S.retrying(lambda: plan.data.head(n, columns=read), plan.cfg.storage, f"read {plan.cfg.input}")
+    trial = units.renamed(head, columns)
     return {"engine_record": runs.EngineRecord(a.run, plan.cfg.storage), "trial_users": trial}
 
 

@@ -342,7 +342,7 @@ def carried_shards(plan, a, base: Base, indexes: Indexes):
         a.id,
         cfg.storage,
         base.uri,
-        plan.data.schema.field("user_id").type,
+        plan.user_type,
         cfg.decoding.mode,
         cfg.decoding.k,
         indexes,

@@ -125,6 +125,21 @@ class Serving:
     allow_older: bool = False  # export a run of an earlier date than the one readers are served (else refused)
 
 
+@dataclass
+class Columns:
+    user_id: str = "user_id"  # the input's column holding each user's id (integers, strings or binary)
+    history: str = "history"  # the input's column holding each user's history (a list of item ids, oldest first)
+
+
+@dataclass
+class Table:
+    uri: str | None = None  # delta+s3://bucket/prefix or delta+/local/path: once a run is published, its
+    # recommendations are committed to this Delta table, partitioned by run_date, in one commit that replaces the
+    # date's rows (docs/output.md#reading-the-lists-as-a-delta-table); None: no table
+    rows_per_file: int = 2_000_000  # rows in each data file the commit adds (readers open fewer, larger files)
+    writers: int = 4  # Ray tasks writing the table's files at once
+
+
 def masked_url(url: str | None) -> str | None:
     """A URL without its secrets (the password, and any query parameter naming one): what logs and manifests show."""
     import urllib.parse
@@ -145,7 +160,11 @@ def masked_url(url: str | None) -> str | None:
 
 @dataclass
 class Config:
-    input: str = ""  # histories parquet: file, folder or s3:// URI
+    input: str = ""  # histories: parquet (file, folder or s3:// URI), or a Delta table: delta+s3://bucket/prefix or
+    # delta+/local/path, read at one version (input_version)
+    input_version: int | None = None  # a Delta input's version; None: the newest when the run starts. A resume reads
+    # the version its run started on
+    columns: Columns = field(default_factory=Columns)  # the input's columns that hold the user id and the history
     catalog: str = ""  # the item index (items.parquet: item_id, semantic_id): every item a history may name,
     # tonight's and every earlier one users still hold; prompts render from it. Only an item it lacks is unknown_item
     recommendable: str | None = None  # the items a list may hold: a parquet of item ids (column item_id; file, folder
@@ -169,6 +188,7 @@ class Config:
     runs: Runs = field(default_factory=Runs)
     incremental: Incremental = field(default_factory=Incremental)
     serving: Serving = field(default_factory=Serving)
+    table: Table = field(default_factory=Table)
 
     def to_dict(self) -> dict:
         """The config as the manifest and _RUN.json record it: serving.url without its password."""
@@ -207,7 +227,7 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
 
 DATED = ("input", "catalog", "recommendable", "blocked", "output")  # the paths {run_date} is filled in
 UNDATED = ("models.target", "models.draft", "models.template", "models.cache_dir", "compute.compile_cache")
-UNDATED += ("incremental.base",)
+UNDATED += ("incremental.base", "table.uri")
 
 
 def fill_dates(cfg: Config) -> Config:
@@ -299,6 +319,8 @@ SECTIONS = {
     "runs": Runs,
     "incremental": Incremental,
     "serving": Serving,
+    "columns": Columns,
+    "table": Table,
 }  # the config's sections, by name
 
 
@@ -365,6 +387,7 @@ def validate(cfg: Config) -> None:
     _check_storage(cfg.storage)
     _check_incremental(cfg.incremental)
     check_serving(cfg.serving)
+    _check_tables(cfg)
 
 
 def _need(cond: bool, name: str, what: str, value) -> None:
@@ -379,6 +402,9 @@ def _check_sources(cfg: Config) -> None:
         if uri is None:
             continue
         _need(bool(uri), name, "must be set (a local path or an s3:// URI)", uri)
+        if name == "input" and uri.startswith(DELTA):
+            uri = uri.removeprefix(DELTA)
+            _need(bool(uri), name, "must name the table after delta+ (delta+s3://bucket/prefix, delta+/path)", uri)
         _need("://" not in uri or uri.startswith("s3://"), name, "must be a local path or an s3:// URI", uri)
     _need(
         not (cfg.recommendable and cfg.recommendable_column),
@@ -546,6 +572,33 @@ def check_serving(v: Serving) -> None:
     _need(v.keep >= 0, "serving.keep", "must be >= 0", v.keep)
     _need(v.retry_s >= 0, "serving.retry_s", "must be >= 0 seconds", v.retry_s)
     _need(v.writers >= 1, "serving.writers", "must be >= 1", v.writers)
+
+
+DELTA = "delta+"  # a URI that names a Delta table: delta+s3://bucket/prefix, delta+/local/path
+
+
+def _check_tables(cfg: Config) -> None:
+    """input_version, columns and table: a version needs a Delta input, the columns two distinct names, the output
+    table a Delta URI (`check_table`)."""
+    v, c = cfg.input_version, cfg.columns
+    _need(v is None or cfg.input.startswith(DELTA), "input_version", f"needs a Delta input ({DELTA}...)", v)
+    _need(v is None or v >= 0, "input_version", "must be >= 0", v)
+    for name in ("user_id", "history"):
+        _need(bool(getattr(c, name)), f"columns.{name}", "must name an input column", getattr(c, name))
+    _need(c.user_id != c.history, "columns.history", f"must differ from columns.user_id ({c.user_id})", c.history)
+    column = cfg.decoding.exclude_column
+    _need(column not in (c.user_id, c.history), "decoding.exclude_column", "must differ from columns.*", column)
+    check_table(cfg.table)
+
+
+def check_table(t: Table) -> None:
+    """A table section that cannot be committed to -> ValueError naming the setting."""
+    if t.uri is not None:
+        where = t.uri.removeprefix(DELTA)
+        named = t.uri.startswith(DELTA) and bool(where) and ("://" not in where or where.startswith("s3://"))
+        _need(named, "table.uri", f"must be a Delta table: {DELTA}s3://bucket/prefix or {DELTA}/local/path", t.uri)
+    _need(t.rows_per_file >= 1, "table.rows_per_file", "must be >= 1", t.rows_per_file)
+    _need(t.writers >= 1, "table.writers", "must be >= 1", t.writers)
 
 
 def _check_incremental(i: Incremental) -> None:

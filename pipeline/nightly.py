@@ -38,7 +38,7 @@ def check_run(cfg: Config, resume: str | None = None) -> dict:
     schema, the items, the models and their checksums, the template against the catalog, an actor's own checks, the
     output store's conditional writes) and, with `resume`, which run would be resumed -> a summary. No lease, no Ray,
     nothing decoded or written (the store check's scratch objects are deleted); a failure raises as the run would."""
-    plan = plan_run(cfg)
+    plan = plan_run(cfg, resume)
     run = None
     if resume:
         finished = finished_unpublished(plan) if resume == "latest" else None
@@ -47,7 +47,12 @@ def check_run(cfg: Config, resume: str | None = None) -> dict:
     return {
         "check": "passed",
         "run_date": cfg.run_date,
-        "input": {"uri": cfg.input, "files": len(plan.data.files), "rows": sum(u.rows for u in plan.units)},
+        "input": {
+            "uri": cfg.input,
+            **({"version": plan.input_version} if plan.input_version is not None else {}),
+            "files": len(plan.data.files),
+            "rows": sum(u.rows for u in plan.units),
+        },
         "items": {k: info[k] for k in ("items", "recommendable", "blocked", "not_recommendable")},
         "models": {role: {"uri": m["uri"], "sha256": m["sha256"]} for role, m in plan.models.items()},
         "template": plan.inputs.renderer.template.name,
@@ -62,7 +67,7 @@ def run_nightly(cfg: Config, resume: str | None = None, plan: Plan | None = None
     cluster (ray.init() done) -> the manifest. Raises LeaseHeld if another run holds the date, LeaseLost if this run
     lost it (or another run published the date) before publishing."""
     signals.STOP.reset()
-    plan = plan or plan_run(cfg)
+    plan = plan or plan_run(cfg, resume)
     finished = finished_unpublished(plan) if resume == "latest" else None
     if finished:
         return publish_finished(plan, finished)
@@ -178,6 +183,48 @@ def serve(cfg: Config, manifest: dict) -> dict | None:
         ) from e
 
 
+class TableCommitFailed(Exception):
+    """The run is published, but its commit to the Delta table failed (exit 8): `genrec-batch export RUN --to
+    delta+URI` retries it; the table's readers still see the date's rows before."""
+
+
+def commit_table(cfg: Config, manifest: dict) -> dict | None:
+    """A published run committed to table.uri (pipeline/tables.py) -> the commit's record; None without a table.
+    Any failure raises TableCommitFailed naming the run and the cause."""
+    if not cfg.table.uri:
+        return None
+    from pipeline import tables
+    from pipeline.output import open_run
+
+    run = runs.run_dir(cfg.output, cfg.run_date, manifest["run_id"])
+    try:  # a run superseded since it published is not committed (tables.commit_run says so), never an error
+        return tables.commit_run(open_run(run, cfg.storage, allow_unpublished=True), cfg.table).record()
+    except Exception as e:
+        raise TableCommitFailed(
+            f"run {manifest['run_id']} is published, its commit to the table {cfg.table.uri} failed: {e}. Readers "
+            f"of the table see the date's rows before. Retry: genrec-batch export {run} --to {cfg.table.uri}"
+        ) from e
+
+
+def after_publish(cfg: Config, manifest: dict) -> dict:
+    """A published run committed to its table, then exported to its serving store -> {"table": ..., "serving": ...}
+    (the ones configured). Both are tried; then the first failure is raised (TableCommitFailed, exit 8;
+    ExportFailed, exit 7), the run staying published."""
+    done, failed = {}, []
+    for name, step in (("table", commit_table), ("serving", serve)):
+        try:
+            record = step(cfg, manifest)
+        except (TableCommitFailed, ExportFailed) as e:
+            log.error("%s", e)
+            failed.append(e)
+            continue
+        if record is not None:
+            done[name] = record
+    if failed:
+        raise failed[0]
+    return done
+
+
 def collect_garbage(cfg: Config) -> list[str]:
     """`--gc`: deletes the runs of every date superseded more than runs.grace_s ago."""
     return runs.collect(cfg.output, cfg.storage, cfg.runs.grace_s)
@@ -195,5 +242,6 @@ def exit_code(e: Exception) -> int | None:
         ((StoreUnavailable,), 4),
         ((Stalled,), 5),
         ((ExportFailed,), 7),
+        ((TableCommitFailed,), 8),
     ]
     return next((code for kinds, code in codes if isinstance(e, kinds)), None)

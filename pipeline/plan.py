@@ -22,7 +22,7 @@ from decoding.stats import timed
 from decoding.templates import TEMPLATE_FILE, PromptTemplate, get_template, read_template
 from operators.recommender import Inputs, prepare
 from operators.spec import ActorSpec
-from pipeline import runs, units
+from pipeline import runs, tables, units
 from pipeline import storage as S
 from pipeline.carry import Base, choose_base
 from pipeline.config import Config
@@ -37,10 +37,54 @@ RESUME_FREE_COMPUTE = ("num_actors", "cpus_per_actor", "threads_per_actor", "bat
 # ^ not in the rows: how the users are cut into shards and slices, never what a user gets
 
 
-def open_input(cfg: Config) -> tuple[pads.Dataset, object, str, str]:
-    """The histories as a pyarrow dataset, its filesystem, path and kind of user id (`id_kind`); every file's footer
-    is read here, so a corrupt file fails fast, named."""
-    fs, path = S.filesystem(cfg.input, cfg.storage)
+def open_input(cfg: Config, version: int | None = None) -> tuple[pads.Dataset, object, str, str, int | None]:
+    """The histories as a pyarrow dataset, its filesystem, path, kind of user id (`id_kind`) and, for a Delta input,
+    the table version read (`version`, None: the newest); every file's footer is read here, so a corrupt file fails
+    fast, named."""
+    snapshot = None
+    if tables.is_delta(cfg.input):
+        columns = list(input_columns(cfg, pa.schema([])).values())
+        snapshot = tables.snapshot(cfg.input, cfg.storage, version, columns)
+    fs, path = S.filesystem(tables.location(cfg.input), cfg.storage)
+    if snapshot is not None:
+        schema = None if snapshot.files else snapshot.schema  # an empty table: no file to read the schema from
+        data = S.retrying(
+            lambda: pads.dataset(snapshot.files, filesystem=fs, format="parquet", schema=schema),
+            cfg.storage,
+            f"open {cfg.input} version {snapshot.version}",
+        )
+    else:
+        data = open_parquet(cfg, fs, path)
+    kinds = {}  # each file's user_id type
+    user, history = cfg.columns.user_id, cfg.columns.history
+    for fragment in data.get_fragments():
+        try:
+            S.retrying(fragment.ensure_complete_metadata, cfg.storage, f"read the footer of {fragment.path}")
+        except (OSError, pa.ArrowInvalid) as e:
+            raise ValueError(f"input file {fragment.path}: corrupt or not parquet ({e})") from None
+        names = fragment.physical_schema.names
+        missing = [c for c in (user, history) if c not in names]
+        if missing:
+            raise ValueError(f"input file {fragment.path}: missing column(s) {missing} (has {names}){mapped(cfg)}")
+        kinds[fragment.path] = id_kind(fragment.physical_schema.field(user).type, fragment.path)
+    if len(set(kinds.values())) > 1:
+        shown = "; ".join(f"{kind} in {path}" for path, kind in sorted(kinds.items(), key=lambda x: x[1])[:4])
+        raise ValueError(f"input {cfg.input}: {user} is {shown}: one kind of id in every file (an id is one user)")
+    if not kinds and snapshot is not None and user in data.schema.names:
+        kinds[""] = id_kind(data.schema.field(user).type, cfg.input)
+    return data, fs, path, next(iter(kinds.values()), "integer"), snapshot.version if snapshot else None
+
+
+def mapped(cfg: Config) -> str:
+    """What an error on the input's columns adds when the config renames them."""
+    c = cfg.columns
+    renamed = (c.user_id, c.history) != ("user_id", "history")
+    return f" (columns.user_id {c.user_id}, columns.history {c.history})" if renamed else ""
+
+
+def open_parquet(cfg: Config, fs, path: str) -> pads.Dataset:
+    """A parquet input (a file, a folder, an s3:// prefix) as a pyarrow dataset; refused naming it when it is not
+    there, not readable, or the store refuses access."""
     try:
         info = S.retrying(lambda: fs.get_file_info(path), cfg.storage, f"HEAD {cfg.input}")
     except OSError as e:
@@ -53,24 +97,9 @@ def open_input(cfg: Config) -> tuple[pads.Dataset, object, str, str]:
     if info.type == pafs.FileType.NotFound:
         raise FileNotFoundError(f"input {cfg.input} not found")
     try:
-        data = S.retrying(lambda: pads.dataset(path, filesystem=fs, format="parquet"), cfg.storage, f"LIST {cfg.input}")
+        return S.retrying(lambda: pads.dataset(path, filesystem=fs, format="parquet"), cfg.storage, f"LIST {cfg.input}")
     except (OSError, pa.ArrowInvalid) as e:
         raise ValueError(f"input {cfg.input}: not readable as parquet ({e})") from None
-    kinds = {}  # each file's user_id type
-    for fragment in data.get_fragments():
-        try:
-            S.retrying(fragment.ensure_complete_metadata, cfg.storage, f"read the footer of {fragment.path}")
-        except (OSError, pa.ArrowInvalid) as e:
-            raise ValueError(f"input file {fragment.path}: corrupt or not parquet ({e})") from None
-        names = fragment.physical_schema.names
-        missing = {"user_id", "history"} - set(names)
-        if missing:
-            raise ValueError(f"input file {fragment.path}: missing column(s) {sorted(missing)} (has {names})")
-        kinds[fragment.path] = id_kind(fragment.physical_schema.field("user_id").type, fragment.path)
-    if len(set(kinds.values())) > 1:
-        shown = "; ".join(f"{kind} in {path}" for path, kind in sorted(kinds.items(), key=lambda x: x[1])[:4])
-        raise ValueError(f"input {cfg.input}: user_id is {shown}: one kind of id in every file (an id is one user)")
-    return data, fs, path, next(iter(kinds.values()), "integer")
 
 
 def id_kind(kind: pa.DataType, uri: str) -> str:
@@ -224,6 +253,12 @@ class Plan:
     lineage: dict  # the run's fingerprint: every input of a list but the user's own (pipeline/lineage.py)
     base: Base | None  # incremental: the run it carries users from (None: a full run)
     incremental: dict  # the manifest's `incremental` record (carry.choose_base)
+    input_version: int | None = None  # a Delta input: the table version read
+
+    @property
+    def user_type(self) -> pa.DataType:
+        """The input's user id type."""
+        return self.data.schema.field(self.cfg.columns.user_id).type
 
     @property
     def fingerprint(self) -> str:
@@ -247,6 +282,8 @@ class Plan:
             if old.get("input", {}).get(f) != new["input"].get(f)
         ]
         out += ["the input's row groups"] * (old.get("row_groups") != new["row_groups"])
+        was, now = old.get("input_version"), new.get("input_version")
+        out += [f"the input table's version ({was} then, {now} now)"] * (was != now)
         out += [f"the catalog {self.cfg.catalog}"] * (old.get("catalog") != new["catalog"])
         sources = Sources.of(self.cfg)
         out += [
@@ -268,10 +305,10 @@ class Plan:
 
 def resume_config(config: dict) -> dict:
     """The part of a config (`Config.to_dict()`) that the decoded rows depend on: all but how the job runs (`runs`,
-    `serving`: where the published run is exported,
+    `serving` and `table`: where the published run is exported; `input_version`: the identity's own,
     `storage.retry_s`: a run that gave up on the store resumes with a larger budget; the pool's size and CPUs,
     RESUME_FREE_COMPUTE: a run that stalled resumes on the cluster it has)."""
-    out = {k: v for k, v in config.items() if k not in ("runs", "serving")}
+    out = {k: v for k, v in config.items() if k not in ("runs", "serving", "table", "input_version")}
     if isinstance(out.get("incremental"), dict):
         out["incremental"] = {k: v for k, v in out["incremental"].items() if k != "pin_s"}
     if isinstance(out.get("storage"), dict):
@@ -288,14 +325,18 @@ MODEL_SHA256 = "weights-sha256-v2"  # how a model's sha256 is computed (S.weight
 # are another version's, whose models are not compared
 
 
-def content_identity(cfg: Config, data: pads.Dataset, fs, plan_units: list, models: dict, items: Items) -> dict:
-    """Each input file's content identity (S3: ETag and size; locally the sha256 of its bytes), the input's row groups,
+def content_identity(
+    cfg: Config, data: pads.Dataset, fs, plan_units: list, models: dict, items: Items, version: int | None
+) -> dict:
+    """Each input file's content identity (S3: ETag and size; locally the sha256 of its bytes), a Delta input's
+    version (`input_version`, None for parquet), the input's row groups,
     the catalog's identity, the recommendable set's and the block list's (sha256 of their ids) and every model's
     sha256."""
     cat_fs, cat_path = S.filesystem(cfg.catalog, cfg.storage)
     rows = [(u.path, u.row_group, u.rows) for u in plan_units]
     return {
         "input": {f: S.content_id(f, fs, cfg.storage) for f in sorted(data.files)},
+        "input_version": version,
         "row_groups": hashlib.sha256(json.dumps(rows).encode()).hexdigest(),
         "catalog": S.content_id(cat_path, cat_fs, cfg.storage),
         "items": items.identity,
@@ -304,14 +345,15 @@ def content_identity(cfg: Config, data: pads.Dataset, fs, plan_units: list, mode
     }
 
 
-def plan_run(cfg: Config) -> Plan:
-    """Every check that needs no Ray: credentials, input, the items (catalog, recommendable set, block list), models,
-    template, the actor's own checks, the output store's conditional writes (`S.check_conditional_writes`). A missing
-    input, catalog, item set or model raises FileNotFoundError naming it ("... not found")."""
-    for uri in (cfg.output, cfg.input, cfg.catalog, cfg.recommendable, cfg.blocked):
+def plan_run(cfg: Config, resume: str | None = None) -> Plan:
+    """Every check that needs no Ray: credentials, input (a Delta input at the version `pinned_version` names for
+    `resume`), the items (catalog, recommendable set, block list), models, template, the actor's own checks, the
+    output store's conditional writes (`S.check_conditional_writes`). A missing input, catalog, item set or model
+    raises FileNotFoundError naming it ("... not found")."""
+    for uri in (cfg.output, tables.location(cfg.input), cfg.catalog, cfg.recommendable, cfg.blocked, cfg.table.uri):
         if uri:
-            S.check_access(uri, cfg.storage)
-    data, fs, _, kind = open_input(cfg)
+            S.check_access(tables.location(uri), cfg.storage)
+    data, fs, _, kind, version = open_input_pinned(cfg, resume)
     items = read_items(Sources.of(cfg), cfg.storage)
     log_items(items.info)
     models = resolve_models(cfg)
@@ -320,14 +362,51 @@ def plan_run(cfg: Config) -> Plan:
     inputs = prepare(replace(spec, fetch=heads.__getitem__))  # what an actor would refuse fails here, before any work
     plan_units, clock = units.plan_units(data), Clock()
     with clock.phase("input_identity"):
-        identity = content_identity(cfg, data, fs, plan_units, models, items)
+        identity = content_identity(cfg, data, fs, plan_units, models, items, version)
     S.check_conditional_writes(cfg.output, cfg.storage)  # what the lease and _LATEST rest on, before the lease
+    table = tables.location(cfg.table.uri or "")
+    if S.is_s3(table) and not S.is_s3(cfg.output):  # delta-rs's commits rest on them too (one store: checked above)
+        S.check_conditional_writes(table, cfg.storage)
     parts = run_fingerprint(cfg, models, inputs, items, kind, data.schema)
     base, incremental = choose_base(cfg, parts)
     identity["base"] = base.uri if base else None  # a resume carries from the base its run started with
     log_incremental(incremental)
     seconds = clock.seconds["input_identity_s"]
-    return Plan(cfg, data, fs, plan_units, items, models, spec, inputs, identity, seconds, parts, base, incremental)
+    plan = Plan(cfg, data, fs, plan_units, items, models, spec, inputs, identity, seconds, parts, base, incremental)
+    plan.input_version = version
+    return plan
+
+
+def open_input_pinned(cfg: Config, resume: str | None) -> tuple:
+    """`open_input` at the version `pinned_version` names; a resume whose version is gone is refused naming it and
+    the way on (FileNotFoundError: exit 2)."""
+    run_id, version = pinned_version(cfg, resume)
+    try:
+        return open_input(cfg, version)
+    except FileNotFoundError as e:
+        if run_id is None or cfg.input_version is not None:
+            raise
+        raise FileNotFoundError(
+            f"--resume: run {run_id} started on {cfg.input} version {version}, which cannot be read now: {e}. "
+            "Start a new run (without --resume): it reads the table's newest version"
+        ) from None
+
+
+def pinned_version(cfg: Config, resume: str | None) -> tuple[str | None, int | None]:
+    """The Delta input version a run reads -> (the run whose start pinned it, or None; the version, None: the
+    newest). input_version when set; else a resume's, the version its run started on (`--resume latest`: the
+    date's newest complete, unpublished run, else its newest unfinished one); else None."""
+    if not tables.is_delta(cfg.input) or cfg.input_version is not None or not resume:
+        return None, cfg.input_version
+    if resume == "latest":
+        found = runs.complete_unpublished(cfg.output, cfg.run_date, cfg.storage)
+        found = found or runs.unfinished(cfg.output, cfg.run_date, cfg.storage)
+        if not found:
+            return None, None
+        resume = found[0]
+    state = runs.state_of(runs.run_dir(cfg.output, cfg.run_date, resume), cfg.storage) or {}
+    version = (state.get("identity") or {}).get("input_version")
+    return (resume, version) if version is not None else (None, None)
 
 
 def run_fingerprint(cfg: Config, models: dict, inputs: Inputs, items: Items, kind: str, schema: pa.Schema) -> dict:
@@ -437,8 +516,9 @@ def finished_unpublished(plan: Plan) -> str | None:
     return None
 
 
-def input_columns(cfg: Config, schema: pa.Schema) -> list[str]:
-    """The input columns the actors read: user_id, history and the exclusion column when the input has it."""
-    return ["user_id", "history"] + (
-        [cfg.decoding.exclude_column] if cfg.decoding.exclude_column in schema.names else []
-    )
+def input_columns(cfg: Config, schema: pa.Schema) -> dict[str, str]:
+    """The input columns the actors read, {name in the rows: the input's column}: user_id and history (named by
+    `columns`), and the exclusion column when the input has it."""
+    out = {"user_id": cfg.columns.user_id, "history": cfg.columns.history}
+    column = cfg.decoding.exclude_column
+    return out | ({column: column} if column in schema.names else {})

@@ -46,7 +46,7 @@ def tally_shards(plan: Plan, a: Attempt, since: float) -> tuple[dict, dict]:
 
 def write_empty_tables(plan: Plan, run: str) -> dict:
     """Empty, typed recommendations, rejects and users tables (a run without a shard) -> their files."""
-    user_type = plan.data.schema.field("user_id").type
+    user_type = plan.user_type
     empty = {
         "recommendations": table_schema("rec", user_type).empty_table(),
         "rejects": table_schema("reject", user_type).empty_table(),
@@ -67,6 +67,7 @@ def manifest_of(plan: Plan, a: Attempt, files: dict, sums: dict, timings: dict) 
         "run_date": cfg.run_date,
         "status": "succeeded",
         "config": cfg.to_dict(),
+        "input": {"uri": cfg.input, "version": plan.input_version, "files": len(plan.data.files)},
         "actors": {
             "count": len(sums["compute_actors"]) or a.pool.initial,
             "pool": asdict(a.pool),

@@ -101,16 +101,22 @@ def read_retrying(batch: pa.Table, storage, uri: str, **kwargs) -> pa.Table:
     return S.retrying(lambda: read_units(batch, **kwargs), storage, f"read {uri}")
 
 
+def renamed(t: pa.Table, columns: dict[str, str]) -> pa.Table:
+    """An input table's columns -> {name in the rows: the input's column} under their names in the rows."""
+    return pa.table({name: t[column] for name, column in columns.items()})
+
+
 def read_units(
     batch: pa.Table,
     fs,
-    columns: list[str],
+    columns: dict[str, str],
     duplicates: pa.Table | None = None,
     order: bool = False,
     hashing: Hashing | None = None,
     lookup=None,
 ) -> pa.Table:
-    """Ray Data map over units (rows of `todo`, "done" as JSON): the rows still to decode, with `pos`, a `duplicate`
+    """Ray Data map over units (rows of `todo`, "done" as JSON): the rows still to decode (`columns`: {name in the
+    rows: the input's column}, `plan.input_columns`), with `pos`, a `duplicate`
     flag (the user id was seen at an earlier position) and, with `hashing`, each row's `input_hash`
     (pipeline/lineage.py); `lookup` (an incremental run's `carry.Lookup`): the rows it keeps, the carried ones or the
     rest; `order`: each unit's rows by history length (`by_length`), so that the shards cut from them hold users of
@@ -118,7 +124,9 @@ def read_units(
     tables = []
     for unit in batch.to_pylist():
         unit["done"] = json.loads(unit["done"])
-        t = pq.ParquetFile(unit["path"], filesystem=fs).read_row_group(unit["row_group"], columns=columns)
+        read = list(dict.fromkeys(columns.values()))
+        t = pq.ParquetFile(unit["path"], filesystem=fs).read_row_group(unit["row_group"], columns=read)
+        t = renamed(t, columns)
         pos = positions(unit)
         t = t.take(pa.array(pos - unit["offset"])).append_column("pos", pa.array(pos))
         dup = pa.array(np.zeros(t.num_rows, bool))
@@ -147,17 +155,19 @@ def by_length(t: pa.Table) -> pa.Table:
     return t.take(pc.sort_indices(key, sort_keys=[("length", "ascending"), ("pos", "ascending")]))
 
 
-def find_duplicates(units: list[Unit], fs, budget_mb: float = 1024) -> tuple[pa.Table | None, str]:
+def find_duplicates(
+    units: list[Unit], fs, budget_mb: float = 1024, user: str = "user_id"
+) -> tuple[pa.Table | None, str]:
     """The user ids seen more than once in the whole input, with the position of their first row [user_id, first]
     (None: no duplicates), and where they were found: "driver" when the id column (uncompressed, with positions and
     the hash table: `id_bytes`) takes at most `budget_mb`, read and grouped by pyarrow in this process (milliseconds
-    per million rows); else "ray", an aggregation over the cluster."""
-    if id_bytes(units, fs) <= budget_mb * 2**20:
-        return duplicates_on_driver(units, fs), "driver"
-    return duplicates_on_ray(units, fs), "ray"
+    per million rows); else "ray", an aggregation over the cluster. `user`: the input's user id column."""
+    if id_bytes(units, fs, user) <= budget_mb * 2**20:
+        return duplicates_on_driver(units, fs, user), "driver"
+    return duplicates_on_ray(units, fs, user), "ray"
 
 
-def id_bytes(units: list[Unit], fs) -> int:
+def id_bytes(units: list[Unit], fs, user: str = "user_id") -> int:
     """Working memory of the driver-side check, from the footers: 3 x (the user_id column's uncompressed size + 8-byte
     positions), for the ids, the positions and pyarrow's hash grouping."""
     total = 0
@@ -165,18 +175,18 @@ def id_bytes(units: list[Unit], fs) -> int:
         meta = pq.ParquetFile(path, filesystem=fs).metadata
         for u in group:
             rg = meta.row_group(u.row_group)
-            col = next(rg.column(j) for j in range(rg.num_columns) if rg.column(j).path_in_schema == "user_id")
+            col = next(rg.column(j) for j in range(rg.num_columns) if rg.column(j).path_in_schema == user)
             total += col.total_uncompressed_size + 8 * u.rows
     return 3 * total
 
 
-def duplicates_on_driver(units: list[Unit], fs) -> pa.Table | None:
+def duplicates_on_driver(units: list[Unit], fs, user: str = "user_id") -> pa.Table | None:
     """`find_duplicates` in this process: every row group's user_id column with its positions, grouped by pyarrow."""
     tables = []
     for path, group in itertools.groupby(units, key=lambda u: u.path):
         f = pq.ParquetFile(path, filesystem=fs)
         for u in group:
-            ids = f.read_row_group(u.row_group, columns=["user_id"])["user_id"]
+            ids = f.read_row_group(u.row_group, columns=[user])[user]
             tables.append(pa.table({"user_id": ids, "pos": np.arange(u.offset, u.offset + u.rows, dtype=np.int64)}))
     if not tables:
         return None
@@ -185,14 +195,14 @@ def duplicates_on_driver(units: list[Unit], fs) -> pa.Table | None:
     return pa.table({"user_id": found["user_id"], "first": found["pos_min"]}) if found.num_rows else None
 
 
-def duplicates_on_ray(units: list[Unit], fs) -> pa.Table | None:
+def duplicates_on_ray(units: list[Unit], fs, user: str = "user_id") -> pa.Table | None:
     """`find_duplicates` as a Ray Data aggregation (inputs whose ids do not fit the driver's budget)."""
     import ray
     from ray.data.aggregate import Count, Min
     from ray.data.expressions import col
 
     ids = ray.data.from_items(todo(units, [])).map_batches(
-        read_units, batch_size=1, batch_format="pyarrow", fn_kwargs={"fs": fs, "columns": ["user_id"]}
+        read_units, batch_size=1, batch_format="pyarrow", fn_kwargs={"fs": fs, "columns": {"user_id": user}}
     )
     rows = sum(u.rows for u in units)
     grouped = ids.groupby("user_id", num_partitions=max(1, min(64, rows // 500_000 + 1))).aggregate(

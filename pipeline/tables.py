@@ -1,0 +1,414 @@
+"""Lakehouse tables, in Delta Lake through delta-rs (`deltalake`): histories read at one table version, and a
+published run's recommendations committed to a table partitioned by run_date (docs/architecture.md says why Delta).
+
+Input. `input: delta+URI` names a Delta table. The plan pins one version (input_version; else a resume's, the version
+its run started on, _RUN.json `identity.input_version`; else the newest) and reads that version's data files as it
+reads parquet: their row groups are the run's units, the files in sorted order, so a resume cuts the same positions.
+A version whose log or files are gone (expired, vacuumed) is refused naming it (FileNotFoundError: exit 2), as is a
+table whose version needs what reading its files does not apply (deletion vectors, column mapping).
+
+Output. `table.uri`, or `genrec-batch export RUN --to delta+URI`. After the run is published, Ray tasks copy its
+recommendation files into the table's folder `run_date=D/` (table.rows_per_file rows a file, each row with its
+run_id), then the driver commits them in one Delta transaction: an overwrite whose predicate is run_date = D, so the
+date's earlier rows go out in the same commit. The commit info records the run (genrec_batch.run_id). Two app
+transactions fence it: one per date (two commits of one date conflict: the later one reloads and checks again) and
+one per run (a commit tried again after an answer was lost finds it made). Only the date's published run (_LATEST)
+is committed: a run superseded since is skipped, its successor commits itself.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.fs as pafs
+
+from pipeline import runs
+from pipeline import storage as S
+from pipeline.config import DELTA, Table
+from pipeline.storage import Storage
+
+log = logging.getLogger("genrec.tables")
+
+RUN_ID = "genrec_batch.run_id"  # the commit info's key naming the run a commit published
+PARTITION = "run_date"
+READABLE = frozenset({"timestampNtz", "v2Checkpoint", "vacuumProtocolCheck"})  # reader features that change nothing
+# about reading a version's files as they are (deletion vectors and column mapping do)
+CONFLICT_TRIES = 20  # commits of one table that lost to another (they reload and try again)
+
+
+def is_delta(uri: str | None) -> bool:
+    return bool(uri) and uri.startswith(DELTA)
+
+
+def location(uri: str) -> str:
+    """delta+s3://b/p -> s3://b/p; delta+/path -> /path."""
+    return uri.removeprefix(DELTA)
+
+
+def storage_options(storage: Storage) -> dict[str, str]:
+    """delta-rs's object-store settings from the storage section and the environment. Credentials come from the
+    environment (AWS_ACCESS_KEY_ID, ...), as for the product's other S3 clients."""
+    endpoint = storage.endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    options = {"AWS_REGION": storage.region, "timeout": f"{S.REQUEST_S:g}s", "connect_timeout": f"{S.CONNECT_S:g}s"}
+    if endpoint:
+        options["AWS_ENDPOINT_URL"] = endpoint
+        if endpoint.startswith("http://"):
+            options["AWS_ALLOW_HTTP"] = "true"
+    return options
+
+
+TRANSIENT_WORDS = (
+    "connection refused",
+    "connection reset",
+    "connection closed",
+    "broken pipe",
+    "timed out",
+    "timeout",
+    "error sending request",
+    "service unavailable",
+    "slowdown",
+    "slow down",
+    "internal server error",
+    "bad gateway",
+    "gateway timeout",
+)
+
+
+def transient(e: BaseException) -> bool:
+    """A delta-rs error worth trying again: the object store's own transient errors, or delta-rs's words for them."""
+    if S.transient(e):
+        return True
+    text = str(e).lower()
+    return not isinstance(e, FileNotFoundError) and any(w in text for w in TRANSIENT_WORDS)
+
+
+def retrying(call, storage: Storage, what: str):
+    """`storage.retrying` with delta-rs's transient errors."""
+    store = (f"object store {S.store_name(storage)}", transient, "storage.retry_s")
+    return S.retrying(call, storage, what, store=store)
+
+
+def load(uri: str, storage: Storage, version: int | None = None):
+    """The Delta table at `uri` (a delta+ URI) at `version` (None: the newest) -> deltalake.DeltaTable.
+    FileNotFoundError naming it when there is no table, or the version's log is gone or never was."""
+    from deltalake import DeltaTable
+    from deltalake.exceptions import TableNotFoundError
+
+    where = location(uri)
+    at = "" if version is None else f" version {version}"
+    try:
+        return retrying(
+            lambda: DeltaTable(where, version=version, storage_options=storage_options(storage)),
+            storage,
+            f"read the log of Delta table {uri}{at}",
+        )
+    except TableNotFoundError:
+        raise FileNotFoundError(f"{uri}: no Delta table there (no _delta_log)") from None
+    except S.StoreUnavailable:
+        raise
+    except Exception as e:
+        if version is None:
+            raise ValueError(f"{uri}: not readable as a Delta table ({' '.join(str(e).split())})") from None
+        raise FileNotFoundError(
+            f"{uri}: version {version} cannot be read; its log entries are gone (expired) or it was never written "
+            f"({' '.join(str(e).split())[:300]})"
+        ) from None
+
+
+# ------------------------------------------------------------------ input: one version's files
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A Delta input pinned to a version: what the plan reads."""
+
+    uri: str  # delta+...
+    version: int
+    files: list[str]  # its data files, as the input's filesystem names them, sorted (the units' scan order)
+    schema: pa.Schema  # the table's schema at that version (an empty table has no file to read it from)
+
+
+def snapshot(uri: str, storage: Storage, version: int | None, columns: list[str]) -> Snapshot:
+    """The input table at `version` (None: the newest) -> its Snapshot. Refused naming the table and version: a
+    version that cannot be read (FileNotFoundError), one whose files are gone (vacuumed: FileNotFoundError), one
+    that needs a reader feature or holds `columns` (the ones the run reads) as partition columns (ValueError)."""
+    table = load(uri, storage, version)
+    version = table.version()
+    check_readable(table, uri, version, columns)
+    fs, _ = S.filesystem(location(uri), storage)
+    files = sorted(path_of(f, storage) for f in table.file_uris())
+    infos = S.retrying(lambda: fs.get_file_info(files), storage, f"HEAD the files of {uri} version {version}")
+    gone = [i.path for i in infos if i.type == pafs.FileType.NotFound]
+    if gone:
+        raise FileNotFoundError(
+            f"input {uri} version {version}: {len(gone)} of its {len(files)} data files are gone (the table was "
+            f"vacuumed past this version), e.g. {gone[0]}"
+        )
+    return Snapshot(uri, version, files, table.schema().to_arrow())
+
+
+def path_of(file_uri: str, storage: Storage) -> str:
+    """A data file's URI as delta-rs gives it (s3://..., file:///..., /...) -> its path in the input's filesystem."""
+    if file_uri.startswith("file://"):
+        file_uri = file_uri.removeprefix("file://")
+    return S.filesystem(file_uri, storage)[1]
+
+
+def check_readable(table, uri: str, version: int, columns: list[str]) -> None:
+    """A version whose rows are its files' rows, and whose columns the run reads are in its files."""
+    protocol, metadata = table.protocol(), table.metadata()
+    features = set(protocol.reader_features or []) - READABLE
+    mapping = metadata.configuration.get("delta.columnMapping.mode", "none")
+    if features or protocol.min_reader_version == 2 and mapping != "none":
+        named = sorted(features) or [f"columnMapping ({mapping})"]
+        raise ValueError(
+            f"input {uri} version {version} needs the reader feature(s) {', '.join(named)}, which reading its "
+            "files as they are does not apply (deleted rows, renamed columns). Rewrite the table without them, or "
+            "export the version to parquet and read that"
+        )
+    partitioned = sorted(set(columns) & set(metadata.partition_columns))
+    if partitioned:
+        raise ValueError(
+            f"input {uri}: column(s) {partitioned} are partition columns of the table; the user id, history and "
+            "exclusion columns must be data columns"
+        )
+
+
+# ------------------------------------------------------------------ output: a published run committed
+
+
+@dataclass(frozen=True)
+class Commit:
+    """What a commit of a published run did (the nightly prints it under `table`)."""
+
+    table: str  # delta+...
+    run_id: str
+    run_date: str
+    version: int | None  # the table version that holds the run; None: skipped
+    files: int  # data files added
+    rows: int
+    seconds: float
+    skipped: str | None = None  # why nothing was committed now (already committed, superseded)
+
+    def record(self) -> dict:
+        return asdict(self)
+
+
+def commit_run(run, t: Table) -> Commit:
+    """A published run (pipeline.output.PublishedRun) -> its recommendations committed to the Delta table t.uri (see
+    the module docstring); created partitioned by run_date if absent. Raises StoreUnavailable (the store gave out
+    for storage.retry_s), ValueError (a table whose schema is not the run's, a run that is not its date's
+    published run)."""
+    start, storage = time.perf_counter(), run.storage
+    schema = table_schema(run)
+    done = committed_version(t.uri, storage, run.run_id)
+    if done is not None:
+        return Commit(t.uri, run.run_id, run.run_date, done, 0, 0, time.perf_counter() - start, "already committed")
+    why = runs.unpublished(run.uri, storage)
+    if why is not None:
+        return Commit(t.uri, run.run_id, run.run_date, None, 0, 0, time.perf_counter() - start, f"not published: {why}")
+    created = create(t.uri, storage, schema)
+    check_schema(created, t.uri, schema)
+    adds = write_files(run, t, schema)
+    version, skipped = commit(run, t, adds, schema)
+    rows = sum(json.loads(a.stats)["numRecords"] for a in adds)
+    took = time.perf_counter() - start
+    log.info("table %s: run %s of %s committed as version %s (%d files, %d rows, %.1f s)", t.uri, run.run_id,
+             run.run_date, version, len(adds), rows, took)  # fmt: skip
+    return Commit(t.uri, run.run_id, run.run_date, version, len(adds), rows, took, skipped)
+
+
+def run_app(run_id: str) -> str:
+    return f"genrec-batch/run/{run_id}"
+
+
+def date_app(run_date: str) -> str:
+    return f"genrec-batch/{PARTITION}/{run_date}"
+
+
+def committed_version(uri: str, storage: Storage, run_id: str, table=None) -> int | None:
+    """The table version whose commit made `run_id`'s rows, if one did (its app transaction), else None."""
+    try:
+        table = table or load(uri, storage)
+    except FileNotFoundError:
+        return None
+    if table.transaction_version(run_app(run_id)) is None:
+        return None
+    for entry in table.history():  # newest first
+        if entry.get(RUN_ID) == run_id:
+            return int(entry["version"])
+    return table.version()  # its commit entry is beyond the history delta-rs kept
+
+
+def table_schema(run) -> pa.Schema:
+    """The table's schema for a run: run_date (the partition), run_id, then the run's recommendation columns, in
+    types Delta has (`delta_type`)."""
+    recs = run.dataset("recommendations").schema
+    fields = [pa.field(f.name, delta_type(f.type), nullable=True) for f in recs if f.name not in (PARTITION, "run_id")]
+    return pa.schema([pa.field(PARTITION, pa.string()), pa.field("run_id", pa.string()), *fields])
+
+
+def delta_type(kind: pa.DataType) -> pa.DataType:
+    """An arrow type -> the one the table stores: dictionaries decoded, unsigned integers widened (uint64 as
+    decimal(20, 0): Delta has no unsigned types, and no narrower type holds every uint64), large strings plain."""
+    t = pa.types
+    if t.is_dictionary(kind):
+        return delta_type(kind.value_type)
+    if t.is_unsigned_integer(kind):
+        return {8: pa.int16(), 16: pa.int32(), 32: pa.int64()}.get(kind.bit_width, pa.decimal128(20, 0))
+    if t.is_large_string(kind):
+        return pa.string()
+    if t.is_large_binary(kind) or t.is_fixed_size_binary(kind):
+        return pa.binary()
+    return kind
+
+
+def create(uri: str, storage: Storage, schema: pa.Schema):
+    """The table, created empty and partitioned by run_date if there is none (idempotent) -> its DeltaTable."""
+    from deltalake import DeltaTable
+
+    retrying(
+        lambda: DeltaTable.create(
+            location(uri),
+            schema=schema,
+            mode="ignore",
+            partition_by=[PARTITION],
+            name="recommendations",
+            description="genrec-batch: each run_date's published recommendation lists",
+            storage_options=storage_options(storage),
+        ),
+        storage,
+        f"create Delta table {uri}",
+    )
+    return load(uri, storage)
+
+
+def check_schema(table, uri: str, schema: pa.Schema) -> None:
+    """A table whose columns or partitioning are not the run's -> ValueError naming the difference."""
+    have = table.schema().to_arrow()
+    mine = {f.name: f.type for f in schema}
+    theirs = {f.name: f.type for f in have}
+    if table.metadata().partition_columns != [PARTITION] or mine != theirs:
+        raise ValueError(
+            f"table {uri}: its columns {describe(have)} partitioned by {table.metadata().partition_columns} are not "
+            f"the run's {describe(schema)} partitioned by ['{PARTITION}']: commit to another table, or migrate it"
+        )
+
+
+def describe(schema: pa.Schema) -> str:
+    return "(" + ", ".join(f"{f.name} {f.type}" for f in schema) + ")"
+
+
+def write_files(run, t: Table, schema: pa.Schema) -> list:
+    """The run's recommendation files copied into the table's folder by Ray tasks (table.writers at once), about
+    table.rows_per_file rows a file -> their AddActions. The files' names are the run's and the group's, so a task
+    run again writes the same file."""
+    import ray
+    from deltalake.transaction import AddAction
+
+    files = run.files("recommendations")
+    rows = int(run.manifest["counts"]["recommendations"])
+    per = max(1, round(t.rows_per_file / max(rows / max(len(files), 1), 1)))  # recommendation files per table file
+    groups = [{"part": i, "files": json.dumps(files[lo : lo + per])} for i, lo in enumerate(range(0, len(files), per))]
+    ds = ray.data.from_items(groups).map_batches(
+        write_part,
+        batch_size=1,
+        batch_format="pyarrow",
+        concurrency=min(t.writers, max(len(groups), 1)),
+        fn_kwargs={"uri": t.uri, "run_id": run.run_id, "run_date": run.run_date, "schema": schema,
+                   "storage": run.storage},
+    )  # fmt: skip
+    ds.context.raise_original_map_exception = True
+    written = pa.concat_tables(list(ds.iter_batches(batch_size=None, batch_format="pyarrow"))) if groups else None
+    if written is None or not written.num_rows:
+        return []
+    now = int(time.time() * 1000)
+    return [
+        AddAction(r["path"], r["size"], {PARTITION: run.run_date}, now, True, r["stats"])
+        for r in written.sort_by("path").to_pylist()
+        if r["rows"]
+    ]
+
+
+def write_part(batch: pa.Table, uri: str, run_id: str, run_date: str, schema: pa.Schema, storage: Storage):
+    """Ray Data map over groups of a run's recommendation files (one a row): the group's rows, each with its
+    run_id, in the table's types, written as one parquet file under run_date=D/ -> (path in the table, size, rows,
+    Delta stats)."""
+    part, files = batch["part"][0].as_py(), json.loads(batch["files"][0].as_py())
+    data = [S.read_parquet(f, storage) for f in files]
+    rows = pa.concat_tables([conform(d, run_id, schema) for d in data]) if data else schema.empty_table()
+    rows = rows.drop_columns([PARTITION])
+    path = f"{PARTITION}={run_date}/part-{run_id}-{part:05d}.parquet"
+    target = S.join(location(uri), path)
+    S.write_parquet(rows, target, storage)
+    fs, where = S.filesystem(target, storage)
+    size = S.retrying(lambda: fs.get_file_info(where).size, storage, f"HEAD {target}")
+    return pa.table({"path": [path], "size": [size], "rows": [rows.num_rows], "stats": [stats_of(rows)]})
+
+
+def conform(t: pa.Table, run_id: str, schema: pa.Schema) -> pa.Table:
+    """A run's recommendation rows -> the table's columns and types (run_date is the file's partition value)."""
+    n = t.num_rows
+    added = {PARTITION: pa.nulls(n, pa.string()), "run_id": pa.array([run_id] * n, pa.string())}
+    return pa.table([added[f.name] if f.name in added else t[f.name].cast(f.type) for f in schema], schema=schema)
+
+
+def stats_of(t: pa.Table) -> str:
+    """A data file's Delta statistics: numRecords, and per integer column its min, max and null count (the columns
+    readers skip files by: user_id, rank, item_id)."""
+    low, high, nulls = {}, {}, {}
+    for name in t.column_names:
+        column = t[name]
+        nulls[name] = column.null_count
+        if pa.types.is_integer(column.type) and column.null_count < len(column):
+            found = pc.min_max(column).as_py()
+            low[name], high[name] = found["min"], found["max"]
+    return json.dumps({"numRecords": t.num_rows, "minValues": low, "maxValues": high, "nullCount": nulls})
+
+
+def commit(run, t: Table, adds: list, schema: pa.Schema) -> tuple[int | None, str | None]:
+    """One Delta transaction: `adds` in, the date's earlier rows out (overwrite where run_date = D), the commit info
+    naming the run, the date's and the run's app transactions -> (the table version, None), or (None, why) when the
+    run was superseded before its commit. A commit that lost to another's reloads and checks again."""
+    from deltalake.exceptions import CommitFailedError
+    from deltalake.transaction import CommitProperties, Transaction
+
+    storage = run.storage
+    for _ in range(CONFLICT_TRIES):
+        table = load(t.uri, storage)
+        done = committed_version(t.uri, storage, run.run_id, table)
+        if done is not None:
+            return done, None
+        why = runs.unpublished(run.uri, storage)
+        if why is not None:
+            return None, f"not published: {why}"
+        sequence = (table.transaction_version(date_app(run.run_date)) or 0) + 1
+        properties = CommitProperties(
+            custom_metadata={RUN_ID: run.run_id, "genrec_batch.run": run.uri, "genrec_batch.run_date": run.run_date},
+            app_transactions=[Transaction(date_app(run.run_date), sequence), Transaction(run_app(run.run_id), 1)],
+            max_commit_retries=0,  # a conflict comes back here: the run is checked again on the table it lost to
+        )
+        try:
+            retrying(
+                lambda table=table, properties=properties: table.create_write_transaction(
+                    adds,
+                    mode="overwrite",
+                    schema=schema,
+                    partition_by=[PARTITION],
+                    partition_filters=[(PARTITION, "=", run.run_date)],
+                    commit_properties=properties,
+                ),
+                storage,
+                f"commit run {run.run_id} to Delta table {t.uri}",
+            )
+        except CommitFailedError as e:
+            log.warning("table %s: the commit of run %s lost to another (%s); checking again", t.uri, run.run_id, e)
+            continue
+        return committed_version(t.uri, storage, run.run_id), None
+    raise S.StoreUnavailable(f"table {t.uri}: the commit of run {run.run_id} lost to others {CONFLICT_TRIES} times")
