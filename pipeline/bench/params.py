@@ -170,6 +170,23 @@ class ExportParams:
 
 
 @dataclass
+class TableParams:
+    """`bench table`: a nightly of `users` synthetic users (`nightly-scale`'s world) at K `k`, its published run then
+    committed to a fresh local Delta table (pipeline/tables.py) `repeats` times, each commit followed by a re-commit
+    of the same run into the same table (a no-op: already committed): seconds, rows/s, the table's files, against
+    the nightly's own seconds; the table read back once per size against the run's rows."""
+
+    users: list[int] = field(default_factory=lambda: [1_000_000])
+    k: int = 10
+    repeats: int = 3
+    rows_per_file: int = 2_000_000  # table.rows_per_file
+    writers: int = 4  # table.writers
+    batch: int = 256
+    cpus: int = 2  # CPUs of the local Ray
+    out: str = "bench-out"
+
+
+@dataclass
 class IncrementalParams:
     """`bench incremental`: for each size of synthetic users (`nightly-scale`'s world) a base night, then for each
     share of users `changed` a full and an incremental night on the same input, interleaved `repeats` times, each in

@@ -94,6 +94,13 @@ BENCHES = {
         "export:markdown_export",
         CPU,
     ),
+    "table": Section(
+        P.TableParams,
+        "a published run committed to a fresh local Delta table: seconds, rows/s, files, against the nightly's own",
+        "table:run_table",
+        "table:markdown_table",
+        CPU,
+    ),
     "delisted": Section(
         P.DelistedParams,
         "a night with items delisted: taken out of the catalog against left out of the recommendable set",

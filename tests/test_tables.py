@@ -1,0 +1,207 @@
+"""Delta Lake tables on a real S3 server (SeaweedFS): histories read from a table at one version, its columns named by
+the config; a published run committed to a table partitioned by run_date, read back whole by delta-rs and by pyarrow,
+a rerun of the date replacing the date's rows in one commit; versions that cannot be read refused, exit 2."""
+
+import json
+import os
+
+import pyarrow as pa
+import pyarrow.dataset as pads
+import pyarrow.parquet as pq
+import pytest
+
+from jobs import export
+from jobs import nightly as nightly_job
+from pipeline import tables
+from pipeline.config import load_config
+from pipeline.output import open_run
+from pipeline.storage import Storage
+from tests.servers import seaweedfs
+from tests.test_nightly import direct_beam_search, make_world
+
+DATE, OTHER_DATE = "2026-11-21", "2026-11-20"
+K = 5
+
+
+@pytest.fixture(scope="module")
+def lake(tmp_path_factory):
+    """SeaweedFS, a local Ray whose workers get its credentials, the test world, and a Delta history table on the
+    store whose columns are named customer and items (two appends: version 1, two files)."""
+    import ray
+
+    root = tmp_path_factory.mktemp("lake")
+    world = make_world(root / "world", n_users=60)
+    with seaweedfs(root / "s3") as s3:
+        saved = dict(os.environ)
+        os.environ.update(s3.env())
+        ray.init(num_cpus=2, include_dashboard=False)
+        try:
+            storage = Storage(s3.endpoint)
+            users = pq.read_table(world / "data" / "test.parquet")
+            renamed = users.rename_columns(
+                [{"user_id": "customer", "history": "items"}.get(n, n) for n in users.column_names]
+            )
+            history = s3.uri("lake", "histories")
+            write(history, renamed.slice(0, 25), storage, "overwrite")
+            write(history, renamed.slice(25), storage, "append")
+            yield world, s3, storage, history, users
+        finally:
+            ray.shutdown()
+            os.environ.clear()
+            os.environ.update(saved)
+
+
+def write(uri: str, t: pa.Table, storage: Storage, mode: str) -> None:
+    from deltalake import write_deltalake
+
+    write_deltalake(uri, t, mode=mode, storage_options=tables.storage_options(storage))
+
+
+def settings(world, s3, history: str, out: str, *extra) -> list[str]:
+    return [
+        f"input=delta+{history}",
+        "columns.user_id=customer",
+        "columns.history=items",
+        f"catalog={world / 'data' / 'items.parquet'}",
+        f"output={out}",
+        f"models.target={world / 'target'}",
+        f"decoding.k={K}",
+        "compute.batch_size=16",
+        f"run_date={DATE}",
+        f"models.cache_dir={world / 'cache'}",
+        f"storage.endpoint={s3.endpoint}",
+        *extra,
+    ]
+
+
+def night(items: list[str]) -> tuple[dict, dict]:
+    """One nightly run in this process, then its commit -> (manifest, what after_publish did)."""
+    from pipeline.nightly import after_publish, run_nightly
+
+    cfg = load_config(None, items)
+    manifest = run_nightly(cfg)
+    return manifest, after_publish(cfg, manifest)
+
+
+def rows(t: pa.Table) -> list[tuple]:
+    return sorted(zip(*(t[c].to_pylist() for c in ("user_id", "rank", "item_id", "score")), strict=True))
+
+
+def test_a_night_from_a_delta_table_commits_its_lists_and_a_rerun_replaces_its_date_in_one_commit(lake, tmp_path):
+    """The input table's newest version (1) is read with its columns renamed; every user's list is beam search's on
+    the table's histories. The run's commit reads back equal to the published run with delta-rs's reader and with
+    pyarrow over the files the log names (its run_date from the Hive-style paths); a rerun of the date replaces the
+    date's rows in one commit (history: an overwrite naming the run), leaving another date's rows; committing a run
+    again does nothing; a table whose columns are not the run's is refused, exit 2."""
+    from deltalake import DeltaTable
+
+    world, s3, storage, history, users = lake
+    out, table = s3.uri("lake", "out"), f"delta+{s3.uri('lake', 'recommendations')}"
+    items = settings(world, s3, history, out, f"table.uri={table}", "table.rows_per_file=120")
+    other, _ = night([*items, f"run_date={OTHER_DATE}"])  # another date's run first
+    manifest, done = night(items)
+    assert manifest["input"] == {"uri": f"delta+{history}", "version": 1, "files": 2}
+    run = open_run(f"{out}/run_date={DATE}", storage)
+    published = run.table("recommendations")
+    ref, _ = direct_beam_search(world, users["history"].to_pylist(), k=K)
+    want = dict(zip(users["user_id"].to_pylist(), ref.item_ids.tolist(), strict=True))
+    got = published.to_pandas().sort_values(["user_id", "rank"]).groupby("user_id").item_id.apply(list).to_dict()
+    assert got == want
+
+    commit = done["table"]
+    assert commit["run_id"] == manifest["run_id"] and commit["rows"] == published.num_rows == len(users) * K
+    assert commit["files"] == -(-published.num_rows // 120) and commit["skipped"] is None
+    options = tables.storage_options(storage)
+    dt = DeltaTable(tables.location(table), storage_options=options)
+    assert dt.version() == commit["version"] and dt.metadata().partition_columns == ["run_date"]
+    read = dt.to_pyarrow_table(filters=[("run_date", "=", DATE)])
+    assert rows(read) == rows(published) and set(read["run_id"].to_pylist()) == {manifest["run_id"]}
+    fs = s3.filesystem()
+    files = [tables.path_of(f, storage) for f in dt.file_uris()]
+    by_pyarrow = pads.dataset(files, filesystem=fs, format="parquet", partitioning="hive").to_table()
+    assert sorted(by_pyarrow["run_date"].unique().to_pylist()) == [OTHER_DATE, DATE]
+    assert rows(by_pyarrow.filter(pads.field("run_date") == DATE)) == rows(published)
+
+    again, redone = night(items)  # a rerun of the date: its rows replace the first run's, in one commit
+    assert again["run_id"] != manifest["run_id"]
+    dt = DeltaTable(tables.location(table), storage_options=options)
+    assert dt.version() == commit["version"] + 1 == redone["table"]["version"]
+    last = dt.history(1)[0]
+    assert last["operation"] == "WRITE" and last["operationParameters"]["mode"] == "Overwrite"
+    assert last[tables.RUN_ID] == again["run_id"]
+    now = dt.to_pyarrow_table()
+    assert set(now.filter(pads.field("run_date") == DATE)["run_id"].to_pylist()) == {again["run_id"]}
+    assert rows(now.filter(pads.field("run_date") == DATE)) == rows(
+        open_run(f"{out}/run_date={DATE}", storage).table("recommendations")
+    )
+    assert set(now.filter(pads.field("run_date") == OTHER_DATE)["run_id"].to_pylist()) == {other["run_id"]}
+    assert DeltaTable(tables.location(table), version=commit["version"], storage_options=options).to_pyarrow_table(
+        filters=[("run_date", "=", DATE)]
+    )["run_id"].unique().to_pylist() == [manifest["run_id"]]  # time travel: the first run's rows
+
+    run_dir = f"{out}/run_date={DATE}/run_id={again['run_id']}"
+    assert export.main([run_dir, "--to", table, "--endpoint", s3.endpoint]) == 0  # committed already: nothing done
+    assert DeltaTable(tables.location(table), storage_options=options).version() == dt.version()
+    old = f"{out}/run_date={DATE}/run_id={manifest['run_id']}"
+    assert export.main([old, "--to", table, "--endpoint", s3.endpoint]) == 0  # superseded: never committed over
+    assert DeltaTable(tables.location(table), storage_options=options).version() == dt.version()
+
+    write(s3.uri("lake", "foreign"), pa.table({"x": [1]}), storage, "overwrite")
+    assert export.main([run_dir, "--to", f"delta+{s3.uri('lake', 'foreign')}", "--endpoint", s3.endpoint]) == 2
+
+
+def test_a_pinned_input_version_reads_that_version_and_one_gone_is_refused(lake, tmp_path, capsys):
+    """input_version pins an older version (its users, not the newest's); a version the log no longer has, or whose
+    files were vacuumed, is refused before any work, naming the table and the version: exit 2."""
+    from deltalake import DeltaTable
+
+    from pipeline.plan import plan_run
+
+    world, s3, storage, _, users = lake
+    uri = s3.uri("lake", "pinned")
+    first = users.rename_columns([{"user_id": "customer", "history": "items"}.get(n, n) for n in users.column_names])
+    write(uri, first.slice(0, 10), storage, "overwrite")  # version 0: 10 users
+    write(uri, first.slice(10, 30), storage, "overwrite")  # version 1: 30 others
+    items = settings(world, s3, uri, s3.uri("lake", "pinned-out"))
+    assert sum(u.rows for u in plan_run(load_config(None, items)).units) == 30
+    plan = plan_run(load_config(None, [*items, "input_version=0"]))
+    assert plan.input_version == 0 and sum(u.rows for u in plan.units) == 10
+    assert plan.identity["input_version"] == 0
+
+    DeltaTable(uri, storage_options=tables.storage_options(storage)).vacuum(
+        retention_hours=0, enforce_retention_duration=False, dry_run=False
+    )
+    for version, words in ((0, "vacuumed"), (7, "cannot be read")):
+        with pytest.raises(FileNotFoundError, match=rf"version {version}.*{words}|{words}.*version {version}"):
+            plan_run(load_config(None, [*items, f"input_version={version}"]))
+        config = tmp_path / f"v{version}.json"
+        config.write_text(json.dumps({}))
+        flags = [x for item in [*items, f"input_version={version}"] for x in ("--set", item)]
+        assert nightly_job.main(["--check", "--config", str(config), *flags]) == 2
+        assert f"version {version}" in capsys.readouterr().err
+
+
+def test_a_delta_input_is_checked_like_parquet(lake, tmp_path):
+    """Columns the config names that the table lacks, a user id column the table partitions by, and settings that
+    need a Delta input or a Delta output are refused naming them."""
+    from pipeline.plan import plan_run
+
+    world, s3, storage, _, users = lake
+    items = settings(world, s3, s3.uri("lake", "histories"), s3.uri("lake", "checked-out"))
+    with pytest.raises(ValueError, match=r"missing column\(s\) \['client'\].*columns.user_id client"):
+        plan_run(load_config(None, [*items, "columns.user_id=client"]))
+    parted = s3.uri("lake", "partitioned")
+    from deltalake import write_deltalake
+
+    t = users.rename_columns([{"history": "items"}.get(n, n) for n in users.column_names]).slice(0, 5)
+    write_deltalake(parted, t, partition_by=["user_id"], storage_options=tables.storage_options(storage))
+    with pytest.raises(ValueError, match=r"\['user_id'\] are partition columns"):
+        plan_run(load_config(None, [*settings(world, s3, parted, s3.uri("lake", "x")), "columns.user_id=user_id"]))
+    for bad, words in (
+        ([f"input={world / 'data' / 'test.parquet'}", "input_version=3"], "input_version needs a Delta input"),
+        (["table.uri=s3://bucket/recs"], "table.uri must be a Delta table"),
+        (["columns.history=customer"], "columns.history must differ"),
+        (["input=delta+"], "must name the table after delta+"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            load_config(None, [*items, *bad])
