@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import time
+import urllib.parse
 from dataclasses import asdict, dataclass
 
 import pyarrow as pa
@@ -142,7 +143,7 @@ def snapshot(uri: str, storage: Storage, version: int | None, columns: list[str]
     version = table.version()
     check_readable(table, uri, version, columns)
     fs, _ = S.filesystem(location(uri), storage)
-    files = sorted(path_of(f, storage) for f in table.file_uris())
+    files = data_files(table, uri, storage)
     infos = S.retrying(lambda: fs.get_file_info(files), storage, f"HEAD the files of {uri} version {version}")
     gone = [i.path for i in infos if i.type == pafs.FileType.NotFound]
     if gone:
@@ -153,11 +154,17 @@ def snapshot(uri: str, storage: Storage, version: int | None, columns: list[str]
     return Snapshot(uri, version, files, table.schema().to_arrow())
 
 
-def path_of(file_uri: str, storage: Storage) -> str:
-    """A data file's URI as delta-rs gives it (s3://..., file:///..., /...) -> its path in the input's filesystem."""
-    if file_uri.startswith("file://"):
-        file_uri = file_uri.removeprefix("file://")
-    return S.filesystem(file_uri, storage)[1]
+def data_files(table, uri: str, storage: Storage) -> list[str]:
+    """A version's data files as the input's filesystem names them, sorted. Read from the log's add actions: their
+    paths are URI-encoded, relative to the table's root (or absolute URIs, as a shallow clone writes), so each is
+    decoded once, then joined to the root as configured."""
+    paths = pa.table(table.get_add_actions(flatten=True))["path"].to_pylist()
+    root = location(uri)
+    out = []
+    for path in map(urllib.parse.unquote, paths):
+        absolute = "://" in path or path.startswith("/")
+        out.append(S.filesystem(path.removeprefix("file://") if absolute else S.join(root, path), storage)[1])
+    return sorted(out)
 
 
 def check_readable(table, uri: str, version: int, columns: list[str]) -> None:

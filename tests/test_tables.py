@@ -117,7 +117,7 @@ def test_a_night_from_a_delta_table_commits_its_lists_and_a_rerun_replaces_its_d
     read = dt.to_pyarrow_table(filters=[("run_date", "=", DATE)])
     assert rows(read) == rows(published) and set(read["run_id"].to_pylist()) == {manifest["run_id"]}
     fs = s3.filesystem()
-    files = [tables.path_of(f, storage) for f in dt.file_uris()]
+    files = tables.data_files(dt, table, storage)
     by_pyarrow = pads.dataset(files, filesystem=fs, format="parquet", partitioning="hive").to_table()
     assert sorted(by_pyarrow["run_date"].unique().to_pylist()) == [OTHER_DATE, DATE]
     assert rows(by_pyarrow.filter(pads.field("run_date") == DATE)) == rows(published)
@@ -197,6 +197,11 @@ def test_a_delta_input_is_checked_like_parquet(lake, tmp_path):
     write_deltalake(parted, t, partition_by=["user_id"], storage_options=tables.storage_options(storage))
     with pytest.raises(ValueError, match=r"\['user_id'\] are partition columns"):
         plan_run(load_config(None, [*settings(world, s3, parted, s3.uri("lake", "x")), "columns.user_id=user_id"]))
+    spaced = tmp_path / "a lake" / "histories"  # a space in the root, characters the log URI-encodes in the paths
+    t = users.slice(0, 3).append_column("region", pa.array(["São Paulo", "a b", "x%y"]))
+    write_deltalake(str(spaced), t, partition_by=["region"])
+    snap = tables.snapshot(f"delta+{spaced}", storage, None, ["user_id", "history"])
+    assert len(snap.files) == 3 and all(os.path.isfile(f) for f in snap.files)
     for bad, words in (
         ([f"input={world / 'data' / 'test.parquet'}", "input_version=3"], "input_version needs a Delta input"),
         (["table.uri=s3://bucket/recs"], "table.uri must be a Delta table"),
