@@ -145,6 +145,7 @@ def read_args(plan: Plan, a: Attempt) -> dict:
     return {
         "fs": plan.fs,
         "columns": columns,
+        "schema": plan.data.schema,
         "duplicates": a.duplicates,
         "hashing": units.Hashing(plan.inputs.renderer.max_items, column, cfg.decoding.exclude == "history"),
         "storage": cfg.storage,

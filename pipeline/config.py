@@ -136,7 +136,8 @@ class Table:
     uri: str | None = None  # delta+s3://bucket/prefix or delta+/local/path: once a run is published, its
     # recommendations are committed to this Delta table, partitioned by run_date, in one commit that replaces the
     # date's rows (docs/output.md#reading-the-lists-as-a-delta-table); None: no table
-    rows_per_file: int = 2_000_000  # rows in each data file the commit adds (readers open fewer, larger files)
+    rows_per_file: int = 2_000_000  # rows in each data file the commit adds, about (whole shards of the run each):
+    # readers open fewer, larger files
     writers: int = 4  # Ray tasks writing the table's files at once
 
 

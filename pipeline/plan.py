@@ -43,13 +43,12 @@ def open_input(cfg: Config, version: int | None = None) -> tuple[pads.Dataset, o
     fast, named."""
     snapshot = None
     if tables.is_delta(cfg.input):
-        columns = list(input_columns(cfg, pa.schema([])).values())
+        columns = [cfg.columns.user_id, cfg.columns.history, cfg.decoding.exclude_column]
         snapshot = tables.snapshot(cfg.input, cfg.storage, version, columns)
     fs, path = S.filesystem(tables.location(cfg.input), cfg.storage)
     if snapshot is not None:
-        schema = None if snapshot.files else snapshot.schema  # an empty table: no file to read the schema from
-        data = S.retrying(
-            lambda: pads.dataset(snapshot.files, filesystem=fs, format="parquet", schema=schema),
+        data = S.retrying(  # the table's schema: a column added later (schema evolution) is in it, not in old files
+            lambda: pads.dataset(snapshot.files, filesystem=fs, format="parquet", schema=snapshot.schema),
             cfg.storage,
             f"open {cfg.input} version {snapshot.version}",
         )
@@ -346,14 +345,27 @@ def content_identity(
 
 
 def plan_run(cfg: Config, resume: str | None = None) -> Plan:
-    """Every check that needs no Ray: credentials, input (a Delta input at the version `pinned_version` names for
-    `resume`), the items (catalog, recommendable set, block list), models, template, the actor's own checks, the
-    output store's conditional writes (`S.check_conditional_writes`). A missing input, catalog, item set or model
-    raises FileNotFoundError naming it ("... not found")."""
+    """Every check that needs no Ray (`plan_at`). A Delta input without input_version is read at the version of the
+    run `resume` continues, if that run can continue (`pinned_versions`); else at its newest version."""
+    for run_id, version in pinned_versions(cfg, resume):
+        plan = plan_at(cfg, version, run_id)
+        state = runs.state_of(runs.run_dir(cfg.output, cfg.run_date, run_id), cfg.storage) or {}
+        changed = plan.changes(state)
+        if resume != "latest" or not changed:
+            return plan  # an explicit --resume RUN_ID that changed is refused by `resume_id`, naming what
+        log.warning("--resume latest: run %s (input version %s) cannot continue: %s", run_id, version, changed)
+    return plan_at(cfg, cfg.input_version, None)
+
+
+def plan_at(cfg: Config, version: int | None, pinned_by: str | None) -> Plan:
+    """Every check that needs no Ray: credentials, input (a Delta input at `version`, None: the newest; `pinned_by`:
+    the run whose start pinned it), the items (catalog, recommendable set, block list), models, template, the
+    actor's own checks, the output store's conditional writes (`S.check_conditional_writes`). A missing input,
+    catalog, item set or model raises FileNotFoundError naming it ("... not found")."""
     for uri in (cfg.output, tables.location(cfg.input), cfg.catalog, cfg.recommendable, cfg.blocked, cfg.table.uri):
         if uri:
             S.check_access(tables.location(uri), cfg.storage)
-    data, fs, _, kind, version = open_input_pinned(cfg, resume)
+    data, fs, _, kind, version = open_input_pinned(cfg, version, pinned_by)
     items = read_items(Sources.of(cfg), cfg.storage)
     log_items(items.info)
     models = resolve_models(cfg)
@@ -377,36 +389,38 @@ def plan_run(cfg: Config, resume: str | None = None) -> Plan:
     return plan
 
 
-def open_input_pinned(cfg: Config, resume: str | None) -> tuple:
-    """`open_input` at the version `pinned_version` names; a resume whose version is gone is refused naming it and
-    the way on (FileNotFoundError: exit 2)."""
-    run_id, version = pinned_version(cfg, resume)
+def open_input_pinned(cfg: Config, version: int | None, pinned_by: str | None) -> tuple:
+    """`open_input` at `version`; one a resumed run pinned (`pinned_by`) that is gone is refused naming it and the
+    way on (FileNotFoundError: exit 2)."""
     try:
         return open_input(cfg, version)
     except FileNotFoundError as e:
-        if run_id is None or cfg.input_version is not None:
+        if pinned_by is None:
             raise
         raise FileNotFoundError(
-            f"--resume: run {run_id} started on {cfg.input} version {version}, which cannot be read now: {e}. "
+            f"--resume: run {pinned_by} started on {cfg.input} version {version}, which cannot be read now: {e}. "
             "Start a new run (without --resume): it reads the table's newest version"
         ) from None
 
 
-def pinned_version(cfg: Config, resume: str | None) -> tuple[str | None, int | None]:
-    """The Delta input version a run reads -> (the run whose start pinned it, or None; the version, None: the
-    newest). input_version when set; else a resume's, the version its run started on (`--resume latest`: the
-    date's newest complete, unpublished run, else its newest unfinished one); else None."""
+def pinned_versions(cfg: Config, resume: str | None) -> list[tuple[str, int]]:
+    """The runs a resume may continue, with the Delta input version each started on [(run id, version)], in the
+    order the resume tries them: `--resume RUN_ID` that run; `--resume latest` the date's complete, unpublished runs
+    (newest first: one that can is published without decoding), then its newest unfinished run. [] for a parquet
+    input, with input_version set, or without a resume."""
     if not tables.is_delta(cfg.input) or cfg.input_version is not None or not resume:
-        return None, cfg.input_version
+        return []
+    found = [resume]
     if resume == "latest":
         found = runs.complete_unpublished(cfg.output, cfg.run_date, cfg.storage)
-        found = found or runs.unfinished(cfg.output, cfg.run_date, cfg.storage)
-        if not found:
-            return None, None
-        resume = found[0]
-    state = runs.state_of(runs.run_dir(cfg.output, cfg.run_date, resume), cfg.storage) or {}
-    version = (state.get("identity") or {}).get("input_version")
-    return (resume, version) if version is not None else (None, None)
+        found += runs.unfinished(cfg.output, cfg.run_date, cfg.storage)[:1]
+    out = []
+    for run_id in found:
+        state = runs.state_of(runs.run_dir(cfg.output, cfg.run_date, run_id), cfg.storage) or {}
+        version = (state.get("identity") or {}).get("input_version")
+        if version is not None:
+            out.append((run_id, version))
+    return out
 
 
 def run_fingerprint(cfg: Config, models: dict, inputs: Inputs, items: Items, kind: str, schema: pa.Schema) -> dict:

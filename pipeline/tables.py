@@ -81,17 +81,34 @@ TRANSIENT_WORDS = (
 )
 
 
-def transient(e: BaseException) -> bool:
-    """A delta-rs error worth trying again: the object store's own transient errors, or delta-rs's words for them."""
+DENIED_WORDS = (
+    "privileges",
+    "access denied",
+    "accessdenied",
+    "forbidden",
+    "invalidaccesskeyid",
+    "signaturedoesnotmatch",
+)
+
+
+def transient(e: BaseException, uri: str = "") -> bool:
+    """A delta-rs error worth trying again: the object store's own transient errors, or delta-rs's words for them in
+    its message (the table's own URI left out: a path may hold any word)."""
+    from deltalake.exceptions import CommitFailedError, TableNotFoundError
+
     if S.transient(e):
         return True
-    text = str(e).lower()
-    return not isinstance(e, FileNotFoundError) and any(w in text for w in TRANSIENT_WORDS)
+    if isinstance(e, (FileNotFoundError, PermissionError, TableNotFoundError, CommitFailedError)):
+        return False
+    text = str(e).replace(uri, "").replace(location(uri) if uri else "", "").lower()
+    return any(w in text for w in TRANSIENT_WORDS)
 
 
-def retrying(call, storage: Storage, what: str):
-    """`storage.retrying` with delta-rs's transient errors."""
-    store = (f"object store {S.store_name(storage)}", transient, "storage.retry_s")
+def retrying(call, storage: Storage, what: str, uri: str):
+    """`storage.retrying` with delta-rs's transient errors (`uri`: the table's)."""
+    where = location(uri)
+    name = f"object store {S.store_name(storage)}" if S.is_s3(where) else f"the filesystem of {where}"
+    store = (name, lambda e: transient(e, uri), "storage.retry_s")
     return S.retrying(call, storage, what, store=store)
 
 
@@ -108,12 +125,18 @@ def load(uri: str, storage: Storage, version: int | None = None):
             lambda: DeltaTable(where, version=version, storage_options=storage_options(storage)),
             storage,
             f"read the log of Delta table {uri}{at}",
+            uri,
         )
     except TableNotFoundError:
         raise FileNotFoundError(f"{uri}: no Delta table there (no _delta_log)") from None
     except S.StoreUnavailable:
         raise
     except Exception as e:
+        if any(w in str(e).lower() for w in DENIED_WORDS):
+            raise PermissionError(
+                f"{uri}: the object store refused access ({' '.join(str(e).split())[:300]}); check the credentials "
+                "in the environment and storage.endpoint"
+            ) from None
         if version is None:
             raise ValueError(f"{uri}: not readable as a Delta table ({' '.join(str(e).split())})") from None
         raise FileNotFoundError(
@@ -138,7 +161,8 @@ class Snapshot:
 def snapshot(uri: str, storage: Storage, version: int | None, columns: list[str]) -> Snapshot:
     """The input table at `version` (None: the newest) -> its Snapshot. Refused naming the table and version: a
     version that cannot be read (FileNotFoundError), one whose files are gone (vacuumed: FileNotFoundError), one
-    that needs a reader feature or holds `columns` (the ones the run reads) as partition columns (ValueError)."""
+    that needs a reader feature or holds `columns` (the user id, history and exclusion columns) as partition
+    columns (ValueError)."""
     table = load(uri, storage, version)
     version = table.version()
     check_readable(table, uri, version, columns)
@@ -151,7 +175,7 @@ def snapshot(uri: str, storage: Storage, version: int | None, columns: list[str]
             f"input {uri} version {version}: {len(gone)} of its {len(files)} data files are gone (the table was "
             f"vacuumed past this version), e.g. {gone[0]}"
         )
-    return Snapshot(uri, version, files, table.schema().to_arrow())
+    return Snapshot(uri, version, files, pa.schema(table.schema().to_arrow()))
 
 
 def data_files(table, uri: str, storage: Storage) -> list[str]:
@@ -292,6 +316,7 @@ def create(uri: str, storage: Storage, schema: pa.Schema):
         ),
         storage,
         f"create Delta table {uri}",
+        uri,
     )
     return load(uri, storage)
 
@@ -301,6 +326,8 @@ def check_schema(table, uri: str, schema: pa.Schema) -> None:
     have = table.schema().to_arrow()
     mine = {f.name: f.type for f in schema}
     theirs = {f.name: f.type for f in have}
+    if table.metadata().configuration.get("delta.appendOnly", "false").lower() == "true":
+        raise ValueError(f"table {uri} is append-only (delta.appendOnly): a rerun could not replace its date's rows")
     if table.metadata().partition_columns != [PARTITION] or mine != theirs:
         raise ValueError(
             f"table {uri}: its columns {describe(have)} partitioned by {table.metadata().partition_columns} are not "
@@ -413,8 +440,11 @@ def commit(run, t: Table, adds: list, schema: pa.Schema) -> tuple[int | None, st
                 ),
                 storage,
                 f"commit run {run.run_id} to Delta table {t.uri}",
+                t.uri,
             )
         except CommitFailedError as e:
+            if load(t.uri, storage).version() == table.version():  # nobody else committed: delta-rs refused it
+                raise ValueError(f"table {t.uri}: the commit of run {run.run_id} was refused: {e}") from None
             log.warning("table %s: the commit of run %s lost to another (%s); checking again", t.uri, run.run_id, e)
             continue
         return committed_version(t.uri, storage, run.run_id), None

@@ -101,6 +101,17 @@ def read_retrying(batch: pa.Table, storage, uri: str, **kwargs) -> pa.Table:
     return S.retrying(lambda: read_units(batch, **kwargs), storage, f"read {uri}")
 
 
+def with_nulls(t: pa.Table, columns: list[str], schema: pa.Schema | None) -> pa.Table:
+    """A row group's columns -> with those of `columns` that its file lacks as nulls of the input's type (`schema`:
+    a table's schema, which a column added after the file was written is in)."""
+    missing = [c for c in columns if c not in t.column_names]
+    if missing and schema is None:
+        raise KeyError(f"column(s) {missing} not in the input file")
+    for c in missing:
+        t = t.append_column(schema.field(c), pa.nulls(t.num_rows, schema.field(c).type))
+    return t
+
+
 def renamed(t: pa.Table, columns: dict[str, str]) -> pa.Table:
     """An input table's columns -> {name in the rows: the input's column} under their names in the rows."""
     return pa.table({name: t[column] for name, column in columns.items()})
@@ -114,9 +125,11 @@ def read_units(
     order: bool = False,
     hashing: Hashing | None = None,
     lookup=None,
+    schema: pa.Schema | None = None,
 ) -> pa.Table:
     """Ray Data map over units (rows of `todo`, "done" as JSON): the rows still to decode (`columns`: {name in the
-    rows: the input's column}, `plan.input_columns`), with `pos`, a `duplicate`
+    rows: the input's column}, `plan.input_columns`; `schema`: the input's, for a column a file lacks: nulls), with
+    `pos`, a `duplicate`
     flag (the user id was seen at an earlier position) and, with `hashing`, each row's `input_hash`
     (pipeline/lineage.py); `lookup` (an incremental run's `carry.Lookup`): the rows it keeps, the carried ones or the
     rest; `order`: each unit's rows by history length (`by_length`), so that the shards cut from them hold users of
@@ -125,7 +138,9 @@ def read_units(
     for unit in batch.to_pylist():
         unit["done"] = json.loads(unit["done"])
         read = list(dict.fromkeys(columns.values()))
-        t = pq.ParquetFile(unit["path"], filesystem=fs).read_row_group(unit["row_group"], columns=read)
+        f = pq.ParquetFile(unit["path"], filesystem=fs)
+        t = with_nulls(f.read_row_group(unit["row_group"], columns=[c for c in read if c in f.schema_arrow.names]),
+                       read, schema)  # fmt: skip
         t = renamed(t, columns)
         pos = positions(unit)
         t = t.take(pa.array(pos - unit["offset"])).append_column("pos", pa.array(pos))

@@ -210,3 +210,48 @@ def test_a_delta_input_is_checked_like_parquet(lake, tmp_path):
     ):
         with pytest.raises(ValueError, match=words):
             load_config(None, [*items, *bad])
+
+
+def test_a_resume_reads_its_runs_version_only_when_that_run_continues(lake):
+    """`--resume latest` plans on the version its unfinished run started on when that run can continue; when it
+    cannot (its config changed) the new run it starts reads the newest version. A column added by schema evolution
+    is read, as nulls in the files older than it; an empty table is read as no users."""
+    from deltalake import DeltaTable
+
+    from pipeline import units
+    from pipeline.attempt import start_run
+    from pipeline.plan import input_columns, plan_at, plan_run
+
+    world, s3, storage, _, users = lake
+    uri = s3.uri("lake", "evolving")
+    first = users.rename_columns([{"user_id": "customer", "history": "items"}.get(n, n) for n in users.column_names])
+    first = first.select(["customer", "items"])
+    write(uri, first.slice(0, 10), storage, "overwrite")  # version 0: 10 users, no exclusion column
+    later = first.slice(10, 5).append_column("exclude_items", pa.array([[1]] * 5, pa.list_(pa.int64())))
+    from deltalake import write_deltalake
+
+    write_deltalake(uri, later, mode="append", schema_mode="merge", storage_options=tables.storage_options(storage))
+    items = settings(world, s3, uri, s3.uri("lake", "evolving-out"))
+    cfg = load_config(None, [*items, "input_version=0"])
+    old = plan_at(cfg, 0, None)
+    start_run(old, "20261121T000000Z-000000", f"{cfg.output}/run_date={DATE}/run_id=20261121T000000Z-000000")
+    resumed = plan_run(load_config(None, items), "latest")
+    assert resumed.input_version == 0 and sum(u.rows for u in resumed.units) == 10
+    new = plan_run(load_config(None, [*items, "decoding.k=4"]), "latest")  # that run cannot continue: the newest
+    assert new.input_version == 1 and sum(u.rows for u in new.units) == 15
+
+    columns = input_columns(new.cfg, new.data.schema)
+    assert columns == {"user_id": "customer", "history": "items", "exclude_items": "exclude_items"}
+    read = [
+        units.read_units(pa.table({k: [v] for k, v in unit.items()}), new.fs, columns, schema=new.data.schema)
+        for unit in units.todo(new.units, [])
+    ]
+    got = pa.concat_tables(read)
+    ids = first["customer"].to_pylist()
+    want = {**dict.fromkeys(ids[:10]), **{u: [1] for u in ids[10:15]}}  # the files are read in their names' order
+    assert dict(zip(got["user_id"].to_pylist(), got["exclude_items"].to_pylist(), strict=True)) == want
+
+    empty = s3.uri("lake", "empty")
+    DeltaTable.create(empty, schema=first.schema, storage_options=tables.storage_options(storage))
+    plan = plan_run(load_config(None, settings(world, s3, empty, s3.uri("lake", "empty-out"))))
+    assert plan.units == [] and plan.input_version == 0
