@@ -24,7 +24,7 @@ from pipeline import runs, signals
 from pipeline import storage as S
 from pipeline.attempt import decode_pending, record_interruption, start_attempt
 from pipeline.carry import BaseGone
-from pipeline.config import Config
+from pipeline.config import Config, masked_url
 from pipeline.lease import Lease
 from pipeline.plan import Clock, Plan, finished_unpublished, plan_run, resume_id
 from pipeline.publish import manifest_of, publish_run, tally_shards, timings
@@ -218,11 +218,25 @@ def after_publish(cfg: Config, manifest: dict) -> dict:
             log.error("%s", e)
             failed.append(e)
             continue
+        except Interrupted as e:  # exit 6, its `stopped:` line saying what is left (signals.stop_note)
+            e.after_publish = f"run {manifest['run_id']} is published; {undone(cfg, manifest, name)}"
+            raise
         if record is not None:
             done[name] = record
+    if len(failed) == 2:
+        raise TableCommitFailed(f"{failed[0]}; and {failed[1]}") from failed[0]  # exit 8, both causes named
     if failed:
         raise failed[0]
     return done
+
+
+def undone(cfg: Config, manifest: dict, step: str) -> str:
+    """What a signal left undone after the publish, from `step` on, with the commands that do it."""
+    run = runs.run_dir(cfg.output, cfg.run_date, manifest["run_id"])
+    table = f"genrec-batch export {run} --to {cfg.table.uri}"
+    serving = f"genrec-batch export {run} --to {masked_url(cfg.serving.url)} --namespace {cfg.serving.namespace}"
+    left = ([table] if step == "table" else []) + ([serving] if cfg.serving.url else [])
+    return "nothing is left to do" if not left else "left to do (not a resume): " + "; ".join(left)
 
 
 def collect_garbage(cfg: Config) -> list[str]:

@@ -115,6 +115,8 @@ def stop_note(e: BaseException, resume: bool) -> str | None:
         "unknown": "the lease may be held (a put of it was cut short and the store could not be asked): it expires "
         "after runs.lease_s, then `--resume latest` takes it over",
     }[getattr(e, "lease_state", "none")]
+    if isinstance(e, Interrupted) and getattr(e, "after_publish", None):
+        return f"stopped: {e}; {e.after_publish}"
     if isinstance(e, Interrupted):
         more = "" if resume else " (it decodes only what is not committed)"
         return f"stopped: {e}; {held} and the decode shut down: `--resume latest` continues the run{more}"

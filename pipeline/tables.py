@@ -341,8 +341,11 @@ def describe(schema: pa.Schema) -> str:
 
 def write_files(run, t: Table, schema: pa.Schema) -> list:
     """The run's recommendation files copied into the table's folder by Ray tasks (table.writers at once), about
-    table.rows_per_file rows a file -> their AddActions. The files' names are the run's and the group's, so a task
-    run again writes the same file."""
+    table.rows_per_file rows a file -> their AddActions. The files' names hold the run, this call (a task run again
+    writes the same file; two commits of one run at once never write over each other's, which a version may name)
+    and the group."""
+    import uuid
+
     import ray
     from deltalake.transaction import AddAction
 
@@ -356,7 +359,7 @@ def write_files(run, t: Table, schema: pa.Schema) -> list:
         batch_format="pyarrow",
         concurrency=min(t.writers, max(len(groups), 1)),
         fn_kwargs={"uri": t.uri, "run_id": run.run_id, "run_date": run.run_date, "schema": schema,
-                   "storage": run.storage},
+                   "storage": run.storage, "nonce": uuid.uuid4().hex[:8]},
     )  # fmt: skip
     ds.context.raise_original_map_exception = True
     written = pa.concat_tables(list(ds.iter_batches(batch_size=None, batch_format="pyarrow"))) if groups else None
@@ -370,15 +373,19 @@ def write_files(run, t: Table, schema: pa.Schema) -> list:
     ]
 
 
-def write_part(batch: pa.Table, uri: str, run_id: str, run_date: str, schema: pa.Schema, storage: Storage):
+def write_part(
+    batch: pa.Table, uri: str, run_id: str, run_date: str, schema: pa.Schema, storage: Storage, nonce: str
+) -> pa.Table:
     """Ray Data map over groups of a run's recommendation files (one a row): the group's rows, each with its
-    run_id, in the table's types, written as one parquet file under run_date=D/ -> (path in the table, size, rows,
-    Delta stats)."""
+    run_id, in the table's types, written as one parquet file under run_date=D/ (none for a group without a row)
+    -> (path in the table, size, rows, Delta stats)."""
     part, files = batch["part"][0].as_py(), json.loads(batch["files"][0].as_py())
     data = [S.read_parquet(f, storage) for f in files]
     rows = pa.concat_tables([conform(d, run_id, schema) for d in data]) if data else schema.empty_table()
     rows = rows.drop_columns([PARTITION])
-    path = f"{PARTITION}={run_date}/part-{run_id}-{part:05d}.parquet"
+    path = f"{PARTITION}={run_date}/part-{run_id}-{nonce}-{part:05d}.parquet"
+    if not rows.num_rows:
+        return pa.table({"path": [path], "size": [0], "rows": [0], "stats": [""]})
     target = S.join(location(uri), path)
     S.write_parquet(rows, target, storage)
     fs, where = S.filesystem(target, storage)

@@ -255,3 +255,40 @@ def test_a_resume_reads_its_runs_version_only_when_that_run_continues(lake):
     DeltaTable.create(empty, schema=first.schema, storage_options=tables.storage_options(storage))
     plan = plan_run(load_config(None, settings(world, s3, empty, s3.uri("lake", "empty-out"))))
     assert plan.units == [] and plan.input_version == 0
+
+
+def test_after_the_publish_a_failure_or_a_signal_names_what_is_left(monkeypatch):
+    """The table commit and the serving export are both tried: both failing is exit 8 naming both causes; a signal
+    during the commit stops the job (exit 6), its `stopped:` line saying the run is published and which commands
+    finish it, never a resume (which would decode the date again)."""
+    import signal
+
+    from pipeline import nightly
+    from pipeline.nightly import ExportFailed, TableCommitFailed, after_publish, exit_code
+    from pipeline.signals import Interrupted, stop_note
+
+    cfg = load_config(None, ["input=x", "catalog=x", "output=/o", "models.target=x", "run_date=2026-11-21"])
+    cfg.table.uri, cfg.serving.url = "delta+/t", "redis://:secret@h:6379/0"
+    manifest = {"run_id": "R"}
+
+    def fail(what, kind):
+        def step(cfg, manifest):
+            raise kind(f"{what} failed")
+
+        return step
+
+    monkeypatch.setattr(nightly, "commit_table", fail("the commit", TableCommitFailed))
+    monkeypatch.setattr(nightly, "serve", fail("the export", ExportFailed))
+    with pytest.raises(TableCommitFailed, match="the commit failed; and the export failed") as caught:
+        after_publish(cfg, manifest)
+    assert exit_code(caught.value) == 8
+
+    def stopped(cfg, manifest):
+        raise Interrupted(signal.SIGTERM)
+
+    monkeypatch.setattr(nightly, "commit_table", stopped)
+    with pytest.raises(Interrupted) as caught:
+        after_publish(cfg, manifest)
+    note = stop_note(caught.value, resume=False)
+    assert "run R is published" in note and "genrec-batch export /o/run_date=2026-11-21/run_id=R --to delta+/t" in note
+    assert "--namespace genrec" in note and "secret" not in note and "--resume" not in note
