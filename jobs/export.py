@@ -58,6 +58,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return commit(args) if args.to.startswith("delta+") else export(args)
+
+
+def export(args) -> int:
+    """--to redis://...: the run exported (or --rollback) -> the exit code."""
     from redis.exceptions import RedisClusterException, RedisError
 
     from pipeline import serving
@@ -65,18 +70,8 @@ def main(argv=None) -> int:
     from pipeline.output import open_run
     from pipeline.storage import Storage, StoreUnavailable
 
-    t = Serving(
-        args.to,
-        args.namespace,
-        args.keep,
-        args.retry_s,
-        args.writers,
-        args.allow_eviction,
-        args.allow_no_persistence,
-        args.allow_older,
-    )
-    if args.to.startswith("delta+"):
-        return commit(args)
+    flags = (args.keep, args.retry_s, args.writers, args.allow_eviction, args.allow_no_persistence, args.allow_older)
+    t = Serving(args.to, args.namespace, *flags)
     try:
         if args.rollback:
             was, now = serving.rollback(t)

@@ -418,7 +418,6 @@ def commit(run, t: Table, adds: list, schema: pa.Schema) -> tuple[int | None, st
     naming the run, the date's and the run's app transactions -> (the table version, None), or (None, why) when the
     run was superseded before its commit. A commit that lost to another's reloads and checks again."""
     from deltalake.exceptions import CommitFailedError
-    from deltalake.transaction import CommitProperties, Transaction
 
     storage = run.storage
     for _ in range(CONFLICT_TRIES):
@@ -429,12 +428,7 @@ def commit(run, t: Table, adds: list, schema: pa.Schema) -> tuple[int | None, st
         why = runs.unpublished(run.uri, storage)
         if why is not None:
             return None, f"not published: {why}"
-        sequence = (table.transaction_version(date_app(run.run_date)) or 0) + 1
-        properties = CommitProperties(
-            custom_metadata={RUN_ID: run.run_id, "genrec_batch.run": run.uri, "genrec_batch.run_date": run.run_date},
-            app_transactions=[Transaction(date_app(run.run_date), sequence), Transaction(run_app(run.run_id), 1)],
-            max_commit_retries=0,  # a conflict comes back here: the run is checked again on the table it lost to
-        )
+        properties = commit_properties(run, table)
         try:
             retrying(
                 lambda table=table, properties=properties: table.create_write_transaction(
@@ -456,3 +450,17 @@ def commit(run, t: Table, adds: list, schema: pa.Schema) -> tuple[int | None, st
             continue
         return committed_version(t.uri, storage, run.run_id), None
     raise S.StoreUnavailable(f"table {t.uri}: the commit of run {run.run_id} lost to others {CONFLICT_TRIES} times")
+
+
+def commit_properties(run, table):
+    """A run's commit: its info naming the run; the date's app transaction (the next of its sequence: two commits of
+    the date from one version conflict) and the run's (a commit tried again finds itself made); no retry by
+    delta-rs (a conflict comes back to `commit`: the run is checked again on the table it lost to)."""
+    from deltalake.transaction import CommitProperties, Transaction
+
+    sequence = (table.transaction_version(date_app(run.run_date)) or 0) + 1
+    return CommitProperties(
+        custom_metadata={RUN_ID: run.run_id, "genrec_batch.run": run.uri, "genrec_batch.run_date": run.run_date},
+        app_transactions=[Transaction(date_app(run.run_date), sequence), Transaction(run_app(run.run_id), 1)],
+        max_commit_retries=0,
+    )

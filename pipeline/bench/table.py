@@ -118,20 +118,11 @@ def fmt_count(s: dict) -> str:
 
 
 def markdown_table(result: dict) -> str:
-    a = result["args"]
-    head = [
-        "users",
-        "recommendation rows",
-        "run files",
-        "table files",
-        "commit, s",
-        "re-commit (no-op), s",
-        "rows/s",
-        "nightly total, s (decode, s)",
-        "commit / nightly total",
-        "same rows",
-    ]
-    rows = [
+    return "## Commit to a Delta table\n\n" + section_text(result) + "\n\n" + table(HEAD, rows_of(result)) + "\n"
+
+
+def rows_of(result: dict) -> list[list[str]]:
+    return [
         [
             f"{r['users']:,}",
             f"{r['recommendations']:,}",
@@ -146,7 +137,11 @@ def markdown_table(result: dict) -> str:
         ]
         for r in result["rows"]
     ]
-    text = (
+
+
+def section_text(result: dict) -> str:
+    a = result["args"]
+    return (
         f"deltalake {result['deltalake']}, K {a['k']}, table.rows_per_file {a['rows_per_file']:,}, table.writers "
         f"{a['writers']}, local Ray with {a['cpus']} CPUs. Each size: one nightly of synthetic users "
         "(`nightly-scale`'s world, a tiny Llama, one CPU actor), then `tables.commit_run` of its published run into "
@@ -161,4 +156,17 @@ def markdown_table(result: dict) -> str:
         "(`deltalake.DeltaTable(path).to_pyarrow_table()`) holds as many rows as the run and the same "
         "(user_id, rank, item_id) rows."
     )
-    return "## Commit to a Delta table\n\n" + text + "\n\n" + table(head, rows) + "\n"
+
+
+HEAD = [
+    "users",
+    "recommendation rows",
+    "run files",
+    "table files",
+    "commit, s",
+    "re-commit (no-op), s",
+    "rows/s",
+    "nightly total, s (decode, s)",
+    "commit / nightly total",
+    "same rows",
+]
