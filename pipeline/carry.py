@@ -4,12 +4,14 @@ base), every other user decoded.
 Every run records its fingerprint (pipeline/lineage.py: every input but the users' own) in its manifest and each
 user's input hash in its `users` table. A run with `incremental` on picks a base (`choose_base`: by default the newest
 published run of its output root up to its date); when the two fingerprints are equal:
-- `start_index`: Ray tasks read the base's users with a list into one table sorted by key (`Index`: key hash, key,
-  input hash), an object in Ray's store; the driver holds its reference only;
-- the read tasks look each row up in it (`Lookup`): the decode's read tasks pass on the rows that are not carried,
-  at once, to the recommender actors; a second execution, beside the decode (`carried_shards`), reads the carried
-  rows again, joins them with the base's lists by key (a Ray Data hash join, every partition on its own node) and
-  writes each join block as one carried shard (recommendations copied, `users` rows marked carried).
+- `start_indexes`: Ray tasks build three objects in Ray's store, the driver holding their references only: the
+  base's users with a list (`index_part` per group of base shards, then `merge`: sorted by key), tonight's pending
+  users (`tonight_part` per input unit, then `merge`) and each input position's fate (`decide`: CARRIED, IN_BASE);
+- the decode's read tasks keep the positions not carried (`Lookup`) and pass them on to the recommender actors at
+  once; beside the decode, a second execution (`carried_shards`), one task per group of base shards, copies that
+  group's carried users' lists into one carried shard (`carry_part`: recommendations copied, `users` rows marked
+  carried). No shuffle and no join: both sides apply the same rule, so the decoded and carried positions are exact
+  complements.
 When the fingerprints differ, the run is a full one and its manifest names the parts that differ.
 
 While a run reads its base, the base is pinned (`runs.pin`) against `--gc` and the grace deletion; a base file gone

@@ -26,7 +26,8 @@ K = 5
 @pytest.fixture(scope="module")
 def lake(tmp_path_factory):
     """SeaweedFS, a local Ray whose workers get its credentials, the test world, and a Delta history table on the
-    store whose columns are named customer and items (two appends: version 1, two files)."""
+    store whose columns are named customer and items (three appends: version 2, three files; the last one user
+    whose history names an item the catalog lacks)."""
     import ray
 
     root = tmp_path_factory.mktemp("lake")
@@ -44,6 +45,9 @@ def lake(tmp_path_factory):
             history = s3.uri("lake", "histories")
             write(history, renamed.slice(0, 25), storage, "overwrite")
             write(history, renamed.slice(25), storage, "append")
+            unknown = renamed.slice(0, 1).set_column(0, "customer", pa.array([10**6], renamed["customer"].type))
+            unknown = unknown.set_column(1, "items", pa.array([[999_999]], renamed["items"].type))
+            write(history, unknown, storage, "append")  # version 2: a user whose history names an unknown item
             yield world, s3, storage, history, users
         finally:
             ray.shutdown()
@@ -88,11 +92,12 @@ def rows(t: pa.Table) -> list[tuple]:
 
 
 def test_a_night_from_a_delta_table_commits_its_lists_and_a_rerun_replaces_its_date_in_one_commit(lake, tmp_path):
-    """The input table's newest version (1) is read with its columns renamed; every user's list is beam search's on
-    the table's histories. The run's commit reads back equal to the published run with delta-rs's reader and with
-    pyarrow over the files the log names (its run_date from the Hive-style paths); a rerun of the date replaces the
-    date's rows in one commit (history: an overwrite naming the run), leaving another date's rows; committing a run
-    again does nothing; a table whose columns are not the run's is refused, exit 2."""
+    """The input table's newest version (2) is read with its columns renamed; every user's list is beam search's on
+    the table's histories, and a user whose history names an unknown item is a reject. The run's commit reads back
+    equal to the published run with delta-rs's reader and with pyarrow over the files the log names (its run_date
+    from the Hive-style paths); a rerun of the date replaces the date's rows in one commit (history: an overwrite
+    naming the run), leaving another date's rows; committing a run again does nothing; a table whose columns are not
+    the run's is refused, exit 2."""
     from deltalake import DeltaTable
 
     world, s3, storage, history, users = lake
@@ -100,7 +105,9 @@ def test_a_night_from_a_delta_table_commits_its_lists_and_a_rerun_replaces_its_d
     items = settings(world, s3, history, out, f"table.uri={table}", "table.rows_per_file=120")
     other, _ = night([*items, f"run_date={OTHER_DATE}"])  # another date's run first
     manifest, done = night(items)
-    assert manifest["input"] == {"uri": f"delta+{history}", "version": 1, "files": 2}
+    assert manifest["input"] == {"uri": f"delta+{history}", "version": 2, "files": 3}
+    rejects = open_run(f"{out}/run_date={DATE}", storage).table("rejects")
+    assert rejects["user_id"].to_pylist() == [10**6] and rejects["reason"].to_pylist() == ["unknown_item"]
     run = open_run(f"{out}/run_date={DATE}", storage)
     published = run.table("recommendations")
     ref, _ = direct_beam_search(world, users["history"].to_pylist(), k=K)

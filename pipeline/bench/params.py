@@ -171,10 +171,10 @@ class ExportParams:
 
 @dataclass
 class TableParams:
-    """`bench table`: a nightly of `users` synthetic users (`nightly-scale`'s world) at K `k`, its published run then
-    committed to a fresh local Delta table (pipeline/tables.py) `repeats` times, each commit followed by a re-commit
-    of the same run into the same table (a no-op: already committed): seconds, rows/s, the table's files, against
-    the nightly's own seconds; the table read back once per size against the run's rows."""
+    """`bench table`: `repeats` nightlies of `users` synthetic users (`nightly-scale`'s world) at K `k`, each
+    published run then committed to a fresh local Delta table (pipeline/tables.py) and re-committed (a no-op:
+    already committed): seconds of the publish step, the commit and the re-commit side by side, rows/s, the table's
+    files, the nightly's total; the table read back once per size against the run's rows."""
 
     users: list[int] = field(default_factory=lambda: [1_000_000])
     k: int = 10

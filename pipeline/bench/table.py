@@ -1,10 +1,11 @@
-"""table: a published run committed to a Delta table. For each size, a nightly of synthetic users (`nightly-scale`'s
-world, a tiny model, one CPU actor, as `bench export` builds its run), then `tables.commit_run` (the nightly's own
-`table.uri` step, and `genrec-batch export RUN --to delta+URI`'s) into a fresh local table, `repeats` times, each
-commit followed by a re-commit of the same run into the same table (a no-op: `already committed`): seconds of each
-(medians, min-max), rows/s, the files the commit added, against the nightly's own seconds (its manifest's
-`timings`: total_s until the manifest, decode_s; the manifest holds no figure for the publish itself). Once per
-size, the first table read back whole (`deltalake.DeltaTable(path).to_pyarrow_table()`) against the run's rows."""
+"""table: a published run committed to a Delta table, against the publish it follows. For each size, `repeats`
+nightlies of synthetic users (`nightly-scale`'s world, a tiny model, one CPU actor, as `bench export` builds its run),
+each followed by `tables.commit_run` of its run (the nightly's own `table.uri` step, and `genrec-batch export RUN
+--to delta+URI`'s) into a fresh local table, then a re-commit into the same table (a no-op: `already committed`):
+seconds of the nightly's publish step (`publish_run`: the lease checked, the manifest, _SUCCESS, _LATEST), of the
+commit and of the re-commit, side by side per night (medians, min-max), rows/s, the files the commit added, and the
+nightly's total. Once per size, the first table read back whole (`deltalake.DeltaTable(path).to_pyarrow_table()`)
+against the run's rows."""
 
 from __future__ import annotations
 
@@ -35,9 +36,9 @@ def run_table(p: TableParams) -> dict:
 
 def published_run(p: TableParams, n: int):
     """A nightly of n users on `nightly-scale`'s world, as `bench export` runs it -> (the PublishedRun, its manifest,
-    the nightly's wall seconds in this process: planning, decoding, the manifest, _SUCCESS and _LATEST)."""
+    the seconds of its publish step: the nightly's own `publish_run` call, timed around it)."""
+    from pipeline import nightly
     from pipeline.config import load_config
-    from pipeline.nightly import run_nightly
     from pipeline.output import open_run
 
     scale = ScaleParams(users=[n], k=p.k, batch=p.batch, cpus=p.cpus, out=p.out)
@@ -45,24 +46,32 @@ def published_run(p: TableParams, n: int):
     out = root / f"out-table-k{p.k}"
     shutil.rmtree(out, ignore_errors=True)
     cfg = load_config(None, [*overrides(scale, root), f"output={out}", "compute.num_actors=1"])
-    t0 = time.perf_counter()
-    manifest = run_nightly(cfg)
-    wall = time.perf_counter() - t0
+    publish, seconds = nightly.publish_run, []
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        publish(*args, **kwargs)
+        seconds.append(time.perf_counter() - start)
+
+    nightly.publish_run = timed
+    try:
+        manifest = nightly.run_nightly(cfg)
+    finally:
+        nightly.publish_run = publish
     run = open_run(str(runs_dir(out, manifest)), cfg.storage, allow_unpublished=True)
-    return run, manifest, wall
+    return run, manifest, seconds[0]
 
 
 def bench_one(p: TableParams, n: int) -> dict:
-    """A nightly of n users, committed `repeats` times into fresh tables, each followed by a no-op re-commit -> the
-    row."""
+    """`repeats` nightlies of n users, each committed into a fresh table, then re-committed (a no-op) -> the row."""
     from pipeline import tables
     from pipeline.config import DELTA, Table
 
-    run, manifest, nightly_wall = published_run(p, n)
     folder = Path(p.out).resolve() / "table" / f"users-{n}"
     shutil.rmtree(folder, ignore_errors=True)
-    commits, recommits, records = [], [], []
+    nights, same = [], None
     for i in range(p.repeats):
+        run, manifest, publish_s = published_run(p, n)
         t = Table(uri=f"{DELTA}{folder / f'table-{i}'}", rows_per_file=p.rows_per_file, writers=p.writers)
         done = tables.commit_run(run, t)
         again = tables.commit_run(run, t)
@@ -70,27 +79,27 @@ def bench_one(p: TableParams, n: int) -> dict:
             raise RuntimeError(f"bench table: the commit into {t.uri} committed nothing ({done.skipped})")
         if again.skipped != "already committed" or again.version != done.version:
             raise RuntimeError(f"bench table: the re-commit into {t.uri} was not a no-op ({again.record()})")
-        commits.append(done.seconds)
-        recommits.append(again.seconds)
-        records.append({"commit": done.record(), "recommit": again.record()})
-    first = records[0]["commit"]
-    timings = manifest["timings"]
+        same = same_rows(run, tables.location(t.uri)) if same is None else same
+        nights.append({"publish_s": publish_s, "timings": manifest["timings"], "counts": manifest["counts"],
+                       "files": len(run.files("recommendations")), "commit": done.record(),
+                       "recommit": again.record()})  # fmt: skip
+    commits = [x["commit"]["seconds"] for x in nights]
+    first = nights[0]
     return {
-        "users": int(manifest["counts"]["users_ok"]),
+        "users": int(first["counts"]["users_ok"]),
         "k": p.k,
-        "recommendations": int(manifest["counts"]["recommendations"]),
-        "run_files": len(run.files("recommendations")),
-        "table_files": first["files"],
-        "table_rows": first["rows"],
+        "recommendations": int(first["counts"]["recommendations"]),
+        "run_files": first["files"],
+        "table_files": first["commit"]["files"],
+        "publish_s": spread([x["publish_s"] for x in nights]),
         "commit_s": spread(commits),
-        "recommit_s": spread(recommits),
-        "rows_per_s": spread([first["rows"] / s for s in commits]),
-        "nightly_total_s": timings["total_s"],
-        "nightly_decode_s": timings["decode_s"],
-        "nightly_wall_s": nightly_wall,
-        "commit_over_nightly_total": spread([s / timings["total_s"] for s in commits]),
-        "same_rows": same_rows(run, tables.location(records[0]["commit"]["table"])),
-        "commits": records,
+        "recommit_s": spread([x["recommit"]["seconds"] for x in nights]),
+        "rows_per_s": spread([x["commit"]["rows"] / x["commit"]["seconds"] for x in nights]),
+        "commit_over_publish": spread([x["commit"]["seconds"] / x["publish_s"] for x in nights]),
+        "nightly_total_s": spread([x["timings"]["total_s"] for x in nights]),
+        "commit_over_nightly_total": spread([x["commit"]["seconds"] / x["timings"]["total_s"] for x in nights]),
+        "same_rows": same,
+        "nights": nights,
     }
 
 
@@ -126,12 +135,13 @@ def rows_of(result: dict) -> list[list[str]]:
         [
             f"{r['users']:,}",
             f"{r['recommendations']:,}",
-            f"{r['run_files']:,}",
-            f"{r['table_files']:,}",
+            f"{r['run_files']:,} / {r['table_files']:,}",
+            fmt_spread(r["publish_s"], 3),
             fmt_spread(r["commit_s"], 2),
             fmt_spread(r["recommit_s"], 3),
             fmt_count(r["rows_per_s"]),
-            f"{r['nightly_total_s']:.1f} ({r['nightly_decode_s']:.1f})",
+            fmt_spread(r["commit_over_publish"], 1),
+            fmt_spread(r["nightly_total_s"], 1),
             fmt_spread(r["commit_over_nightly_total"], 3),
             "yes" if r["same_rows"] else "**NO**",
         ]
@@ -143,16 +153,14 @@ def section_text(result: dict) -> str:
     a = result["args"]
     return (
         f"deltalake {result['deltalake']}, K {a['k']}, table.rows_per_file {a['rows_per_file']:,}, table.writers "
-        f"{a['writers']}, local Ray with {a['cpus']} CPUs. Each size: one nightly of synthetic users "
-        "(`nightly-scale`'s world, a tiny Llama, one CPU actor), then `tables.commit_run` of its published run into "
-        f"a fresh local Delta table, {a['repeats']} times (medians, min-max), each followed by a re-commit of the "
-        "same run into the same table, which finds its app transaction and commits nothing (`already committed`); "
-        "the first commit also starts Ray Data's first dataset of the process (the JSON keeps every repeat). "
-        "A commit: the run's publication checked, the table created, Ray tasks copying the run's recommendation "
-        "files into the table's files, one Delta transaction on the driver. The manifest's `timings` hold no figure "
-        "for the publish (manifest, `_SUCCESS`, `_LATEST`), so the commit is set against the nightly's own "
-        "`timings.total_s` (from the start to the manifest; decode s, its decode phase, in brackets); the JSON also "
-        "keeps the nightly's wall seconds in the bench's process. Same rows: the first table read back whole "
+        f"{a['writers']}, local Ray with {a['cpus']} CPUs. Each size: {a['repeats']} nightlies of synthetic users "
+        "(`nightly-scale`'s world, a tiny Llama, one CPU actor), each followed at once by `tables.commit_run` of its "
+        "published run into a fresh local Delta table and a re-commit into the same table, which finds its app "
+        "transaction and commits nothing (`already committed`): medians, min-max over the nights, each ratio taken "
+        "within one night. Publish: the nightly's own publish step (`publish_run`: the lease checked, the manifest, "
+        "`_SUCCESS`, `_LATEST`). Commit: the run's publication checked, the table created, Ray tasks copying the "
+        "run's recommendation files into the table's files, one Delta transaction on the driver. Nightly total: "
+        "`timings.total_s`, from the start to the manifest. Same rows: the first table read back whole "
         "(`deltalake.DeltaTable(path).to_pyarrow_table()`) holds as many rows as the run and the same "
         "(user_id, rank, item_id) rows."
     )
@@ -161,12 +169,13 @@ def section_text(result: dict) -> str:
 HEAD = [
     "users",
     "recommendation rows",
-    "run files",
-    "table files",
+    "run files / table files",
+    "publish, s",
     "commit, s",
     "re-commit (no-op), s",
     "rows/s",
-    "nightly total, s (decode, s)",
+    "commit / publish",
+    "nightly total, s",
     "commit / nightly total",
     "same rows",
 ]
