@@ -138,7 +138,7 @@ def decode_pending(plan: Plan, a: Attempt, lease: Lease) -> tuple[int, cluster.W
 
 def read_args(plan: Plan, a: Attempt) -> dict:
     """What a read task needs (`units.read_retrying`): the input's columns the nightly reads, the duplicates, how
-    to hash each row's inputs."""
+    to hash each row's inputs, the code it must run."""
     cfg = plan.cfg
     columns = input_columns(cfg, plan.data.schema)
     column = cfg.decoding.exclude_column if cfg.decoding.exclude_column in columns else None
@@ -150,6 +150,7 @@ def read_args(plan: Plan, a: Attempt) -> dict:
         "hashing": units.Hashing(plan.inputs.renderer.max_items, column, cfg.decoding.exclude == "history"),
         "storage": cfg.storage,
         "uri": cfg.input,
+        "code": plan.identity["code"]["sha256"],
     }
 
 
@@ -202,6 +203,7 @@ def recommend(ds, plan: Plan, a: Attempt):
             "run": a.run,
             "storage": cfg.storage,
             "attempt": a.id,
+            "code": plan.identity["code"]["sha256"],
         },
         compute=a.pool.strategy(),
         **actor_resources(c),

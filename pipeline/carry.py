@@ -30,7 +30,7 @@ import pyarrow.compute as pc
 
 from pipeline import cluster, runs, shards
 from pipeline import storage as S
-from pipeline.lineage import differences, sha256_of
+from pipeline.lineage import check_code, differences, sha256_of
 from pipeline.storage import Storage
 
 log = logging.getLogger("genrec.nightly")
@@ -329,6 +329,7 @@ class Carry:
     mode: str
     k: int
     indexes: Indexes
+    code: str = ""  # the driver's code identity (`lineage.check_code`)
 
 
 def carried_shards(plan, a, base: Base, indexes: Indexes):
@@ -348,6 +349,7 @@ def carried_shards(plan, a, base: Base, indexes: Indexes):
         cfg.decoding.mode,
         cfg.decoding.k,
         indexes,
+        plan.identity["code"]["sha256"],
     )
     groups = parts(base, cfg.incremental.base_shards_per_task)
     ds = ray.data.from_items([{"part": i, "stems": g} for i, g in enumerate(groups)])
@@ -373,6 +375,7 @@ def carry_part(batch: pa.Table, carry: Carry) -> pa.Table:
 
     from pipeline.shards import SUMMARY
 
+    check_code(carry.code, "a carry task")
     part = batch["part"][0].as_py()
     view = base_lists(carry.base, batch["stems"][0].as_py(), carry.storage)  # [U] key, base_items, base_scores
     index, tonight = ray.get([carry.indexes.base, carry.indexes.tonight])

@@ -7,9 +7,14 @@ Nothing here imports torch: the input hashes are computed by the nightly's read 
 
 from __future__ import annotations
 
+import fnmatch
+import functools
 import hashlib
+import importlib.util
 import json
-from importlib.metadata import PackageNotFoundError, version
+import tomllib
+from importlib.metadata import PackageNotFoundError, distribution, version
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -120,7 +125,8 @@ def fingerprint(
     the models (the draft only in atspeed-relaxed, whose lists depend on its proposals), the template, the items
     (the index's content and which of a shared semantic ID's items it keeps, the recommendable set, the block list),
     the decoding settings that shape a list, the dtype (and the engine outside float32), the device kind, the
-    software, the kind of user id and how input hashes are computed."""
+    software, the code (`code_identity`: every module of genrec-batch), the kind of user id and how input hashes are
+    computed."""
     d, c = cfg.decoding, cfg.compute
     roles = ["target"] + ["draft"] * (d.mode == "atspeed-relaxed")
     dtype = "float32" if c.dtype == "auto" and not c.gpus_per_actor else c.dtype  # auto on a CPU: float32
@@ -135,7 +141,7 @@ def fingerprint(
         **({"engine": c.engine} if dtype != "float32" else {}),
         "device": device,
         "software": {name: _version(name) for name in ("genrec-batch", "torch", "transformers")},
-        "code": code_sha256(),
+        "code": code_identity()["sha256"],
         "user_id": id_kind,
         "input_hash": HASH,
     }
@@ -161,18 +167,80 @@ def decoding_parts(cfg, history_len: int, exclude_column: str | None) -> dict:
     return parts
 
 
-def code_sha256() -> str:
-    """The decoders' and the actor's source (decoding/ and operators/): sha256 over each file's path and content, so
-    that a fix to a decoder, the prompts, the exclusions or the validation makes the next night a full one, whatever
-    the package's version says."""
-    from pathlib import Path
+DISTRIBUTION = "genrec-batch"
 
-    root = Path(__file__).resolve().parents[1]
+
+@functools.cache
+def code_identity() -> dict:
+    """The code this process runs, as it imports it: genrec-batch's version and the sha256 of every Python file of
+    its top-level packages (`code_packages`: decoding, operators, pipeline, jobs, ... whichever the package has),
+    each file by its path inside its package and its content. Any module can change a list (reading and validating
+    rows, the items, the input hashes, the shards, the decoders), so a change to any of them, installed or edited in
+    place, whatever the version says, makes the next night a full one and refuses a resume. Read from the files
+    where this process finds the packages (a source tree, an editable or a wheel install, a Ray job's working_dir):
+    the same code gives the same identity on every node. Computed once a process: its modules are loaded once."""
     h = hashlib.sha256()
-    for f in sorted([*root.glob("decoding/**/*.py"), *root.glob("operators/**/*.py")]):
-        h.update(f"{f.relative_to(root).as_posix()}\0".encode())
-        h.update(hashlib.sha256(f.read_bytes()).digest())
-    return h.hexdigest()
+    for name in code_packages():
+        spec = importlib.util.find_spec(name)
+        for folder in (spec.submodule_search_locations or []) if spec else []:
+            for f in sorted(Path(folder).rglob("*.py")):
+                h.update(f"{name}/{f.relative_to(folder).as_posix()}\0".encode())
+                h.update(hashlib.sha256(f.read_bytes()).digest())
+    return {"version": _project()[1] or _version(DISTRIBUTION), "sha256": h.hexdigest()}
+
+
+def code_packages() -> list[str]:
+    """genrec-batch's top-level packages, from the package itself, never a list kept here: in a source tree (a
+    checkout, an editable install, a job's working_dir) the build's own rule, pyproject.toml's
+    [tool.setuptools.packages.find] include, over the folders beside this package; in a wheel install the
+    distribution's top_level.txt, which that rule wrote."""
+    root, _ = _project()
+    if root is not None:
+        include = _pyproject(root).get("tool", {}).get("setuptools", {}).get("packages", {}).get("find", {})
+        patterns = include.get("include", ["*"])
+        return sorted(
+            d.name
+            for d in root.iterdir()
+            if d.is_dir() and d.name.isidentifier() and any(fnmatch.fnmatchcase(d.name, p) for p in patterns)
+        )
+    try:
+        listed = distribution(DISTRIBUTION).read_text("top_level.txt") or ""
+    except PackageNotFoundError:
+        listed = ""
+    return sorted(set(listed.split()) | {__name__.partition(".")[0]})
+
+
+def _project() -> tuple[Path | None, str | None]:
+    """The source tree this package lies in (the folder above it, when its pyproject.toml names genrec-batch) and
+    the version it gives; (None, None) in a wheel install."""
+    root = Path(__file__).resolve().parents[1]
+    project = _pyproject(root).get("project", {})
+    return (root, project.get("version")) if project.get("name") == DISTRIBUTION else (None, None)
+
+
+def _pyproject(root: Path) -> dict:
+    path = root / "pyproject.toml"
+    return tomllib.loads(path.read_text()) if path.is_file() else {}
+
+
+def describe_code(code: dict | None) -> str:
+    """A code identity (`code_identity`) in words: `0.1.0, source 1a2b3c4d5e6f`."""
+    return f"{code['version']}, source {code['sha256'][:12]}" if code else "not recorded"
+
+
+def check_code(expected: str, where: str) -> None:
+    """A Ray task or actor's check that it runs the code the driver planned with (`code_identity`'s sha256): a node
+    that runs other code (another image, a stale install, a working_dir that shadows it) would give other lists
+    than the plan's fingerprint says; refused (ValueError) naming the node and both."""
+    found = code_identity()["sha256"]
+    if expected and found != expected:
+        import socket
+
+        raise ValueError(
+            f"{where} on node {socket.gethostname()} runs other genrec-batch code (source {found[:12]}) than the "
+            f"driver planned the run with ({expected[:12]}): every node must run the driver's code (the same image, "
+            "or the job's working_dir on every node)"
+        )
 
 
 def _version(package: str) -> str | None:
@@ -206,8 +274,6 @@ def differences(base: dict, parts: dict) -> list[str]:
 def model_files_sha256(model_dir: str) -> str:
     """A model folder's files but its weights (config, tokenizer, generation config): sha256 over their names and
     contents, sorted by name. With the weights' sha256, what the model is."""
-    from pathlib import Path
-
     h = hashlib.sha256()
     for f in sorted(Path(model_dir).iterdir()):
         skip = f.name.startswith(".") or f.suffix == ".safetensors" or f.name == "sha256sums.json"

@@ -27,7 +27,7 @@ from pipeline import storage as S
 from pipeline.carry import Base, choose_base
 from pipeline.config import Config
 from pipeline.items import Items, Sources, read_items
-from pipeline.lineage import fingerprint, model_files_sha256
+from pipeline.lineage import code_identity, describe_code, fingerprint, model_files_sha256
 from pipeline.models import compile_store
 
 log = logging.getLogger("genrec.nightly")
@@ -120,18 +120,16 @@ def id_kind(kind: pa.DataType, uri: str) -> str:
 
 
 def code_version() -> str:
+    """The manifest's `code_version`: the git commit of the checkout genrec-batch runs from, when its source tree is
+    that checkout (never a repository a wheel install happens to lie in), else `genrec-batch <version>`. What the
+    code is, edits included, is `lineage.code_identity` (the fingerprint's `code`)."""
+    root = Path(__file__).resolve().parents[1]
     try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=Path(__file__).resolve().parent,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        from importlib.metadata import version
-
-        return f"genrec-batch {version('genrec-batch')}"
+        run = subprocess.run(["git", "rev-parse", "--show-toplevel", "HEAD"], capture_output=True, text=True, cwd=root)
+        top, head = run.stdout.split() if run.returncode == 0 else ("", "")
+    except (OSError, ValueError):
+        top, head = "", ""
+    return head if top and Path(top).resolve() == root else f"genrec-batch {code_identity()['version']}"
 
 
 def resolve_models(cfg: Config) -> dict:
@@ -262,7 +260,7 @@ class Plan:
     @property
     def fingerprint(self) -> str:
         """What a resume must find unchanged: the config (but `runs`), the input's row groups and the content of the
-        input files, the catalog, the recommendable set, the block list and the models."""
+        input files, the catalog, the recommendable set, the block list, the models and the code."""
         return hashlib.sha256(json.dumps([self.config, self.identity], default=str).encode()).hexdigest()
 
     @property
@@ -296,6 +294,8 @@ class Plan:
             if old.get("model_sha256") == MODEL_SHA256 and old.get("models", {}).get(r) != new["models"].get(r)
         ]
         out += ["the incremental base"] * (old.get("base") != new.get("base") and "base" in old)
+        was, now = old.get("code"), new["code"]
+        out += [f"the code (genrec-batch {describe_code(was)} then, {describe_code(now)} now)"] * (was != now)
         was = {**DEFAULTS, **resume_config(state.get("config") or {})}  # a field it predates: as if at its default
         keys = sorted(k for k in set(was) | set(self.config) if was.get(k) != self.config.get(k))
         out += [f"the config ({', '.join(keys)})"] * bool(keys)
@@ -329,8 +329,8 @@ def content_identity(
 ) -> dict:
     """Each input file's content identity (S3: ETag and size; locally the sha256 of its bytes), a Delta input's
     version (`input_version`, None for parquet), the input's row groups,
-    the catalog's identity, the recommendable set's and the block list's (sha256 of their ids) and every model's
-    sha256."""
+    the catalog's identity, the recommendable set's and the block list's (sha256 of their ids), every model's
+    sha256 and the code's (`lineage.code_identity`: a run's shards are all decoded by one code)."""
     cat_fs, cat_path = S.filesystem(cfg.catalog, cfg.storage)
     rows = [(u.path, u.row_group, u.rows) for u in plan_units]
     return {
@@ -341,6 +341,7 @@ def content_identity(
         "items": items.identity,
         "models": {role: m["sha256"] for role, m in models.items()},
         "model_sha256": MODEL_SHA256,
+        "code": code_identity(),
     }
 
 

@@ -29,7 +29,7 @@ from decoding.stats import BASE_KEYS, PHASES
 from operators.outputs import TABLES, table_schema
 from pipeline import runs
 from pipeline import storage as S
-from pipeline.lineage import decoded_on
+from pipeline.lineage import check_code, decoded_on
 from pipeline.storage import Storage
 from pipeline.units import merge
 
@@ -297,7 +297,8 @@ class ShardRecommender:
     rejects, the rest to the Recommender; the actor writes the shard itself (no output rows cross the object store)
     and returns one summary row for the driver's progress."""
 
-    def __init__(self, spec: ActorSpec, items: ItemsRef, run: str, storage: Storage, attempt: str):
+    def __init__(self, spec: ActorSpec, items: ItemsRef, run: str, storage: Storage, attempt: str, code: str = ""):
+        check_code(code, "a recommender actor")  # `code`: the driver's (lineage.code_identity), before any work
         self.recommender = recommender_of(spec, items, storage)
         self.run, self.storage, self.attempt = run, storage, attempt
         self.written: dict[str, dict] = {}  # shard -> its summary row: the batches this actor committed

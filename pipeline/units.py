@@ -23,7 +23,7 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
 from pipeline import storage as S
-from pipeline.lineage import input_hashes
+from pipeline.lineage import check_code, input_hashes
 
 
 @dataclass(frozen=True)
@@ -95,9 +95,11 @@ class Hashing:
         return input_hashes(t["history"], column, self.history_len, self.whole_history)
 
 
-def read_retrying(batch: pa.Table, storage, uri: str, **kwargs) -> pa.Table:
+def read_retrying(batch: pa.Table, storage, uri: str, code: str = "", **kwargs) -> pa.Table:
     """`read_units` with its reads tried again as a whole while the store fails transiently (the nightly's read
-    tasks: their processes import this module, pyarrow and storage's, not the decoders)."""
+    tasks: their processes import this module, pyarrow and storage's, not the decoders); `code`: the driver's code
+    identity, which this node's must be (`lineage.check_code`: the input hashes are computed here)."""
+    check_code(code, "a read task")
     return S.retrying(lambda: read_units(batch, **kwargs), storage, f"read {uri}")
 
 

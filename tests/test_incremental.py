@@ -3,20 +3,25 @@ night publishes (float32: the same lists, scores within float32's reordering bou
 runs full naming the part of its fingerprint that changed, resumes after a kill, and stops on a base that vanished."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+import yaml
 
 from pipeline import runs
 from pipeline.lineage import input_hashes
 from tests.helpers import float32_atol
-from tests.test_nightly import config, make_world
+from tests.test_nightly import config, killed_run, make_world
 
 BASE_DATE, NIGHT = "2026-11-21", "2026-11-22"
 
@@ -299,3 +304,72 @@ def test_keys_that_share_a_hash_are_told_apart_and_a_user_listed_twice_is_decode
     )
     fate = carry.decide(base, tonight, 5)
     assert fate.tolist() == [0, carry.CARRIED, 0, carry.IN_BASE, carry.IN_BASE]  # "dd": listed twice, decoded
+
+
+# ---------------------------------------------------------------- other code
+
+
+def changed_tree(root: Path) -> Path:
+    """A copy of genrec-batch's packages (and pyproject.toml) whose pipeline/items.py does not apply the block list:
+    other code, as a fix to any module makes it."""
+    from pipeline.lineage import code_packages
+
+    repo = Path(__file__).resolve().parents[1]
+    for name in code_packages():
+        shutil.copytree(repo / name, root / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(repo / "pyproject.toml", root)
+    items = root / "pipeline" / "items.py"
+    text = items.read_text()
+    assert text.count("served = listed & ~blocked") == 1
+    items.write_text(text.replace("served = listed & ~blocked", "served = listed"))
+    return root
+
+
+def run_from(tree: Path, cfg) -> subprocess.CompletedProcess:
+    """`python -m jobs.nightly` with `cfg` from `tree` (its PYTHONPATH and working directory: Ray puts the driver's
+    working directory first on its workers' path), a driver of the module's Ray."""
+    import ray
+
+    (tree / "night.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
+    env = {**os.environ, "PYTHONPATH": str(tree), "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    cmd = [sys.executable, "-m", "jobs.nightly", "--config", str(tree / "night.yaml")]
+    return subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_a_night_of_other_code_is_neither_carried_nor_resumed(world, base_night, ray_session_plain, tmp_path, capsys):
+    """The base night's date run by code whose pipeline/items.py does not apply the block list, with the base night's
+    most listed item blocked: it lists that item. Tonight, with the same settings and this code, runs full naming
+    `code` alone. That run stopped after 3 shards: `--resume RUN_ID` under this code is refused (exit 2) naming the
+    code then and now; `--resume latest` starts a new run, which lists the blocked item nowhere."""
+    from jobs import nightly
+    from pipeline.lineage import code_identity
+    from pipeline.nightly import run_nightly
+    from pipeline.plan import plan_run
+
+    root, _ = world
+    recs = published(config(root, base_night[0], f"run_date={BASE_DATE}"))[0]
+    blocked = int(pd.Series(recs["item_id"].to_numpy()).value_counts().index[0])
+    cfg = config(root, tmp_path / "out", f"input={root / 'base.parquet'}", f"run_date={BASE_DATE}")
+    cfg = replace(cfg, blocked_items=[blocked])
+    done = run_from(changed_tree(tmp_path / "changed"), cfg)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert blocked in published(cfg)[0]["item_id"].to_pylist()  # the other code ran
+    tonight = plan_run(night_config(root, tmp_path / "out", "incremental.enabled=true", f"blocked_items=[{blocked}]"))
+    assert tonight.incremental["mode"] == "full" and tonight.incremental["parts_differ"] == ["code"]
+
+    old = killed_run(cfg, keep=3)
+    was = json.loads((Path(runs.run_dir(cfg.output, BASE_DATE, old)) / "_RUN.json").read_text())["identity"]["code"]
+    now = code_identity()
+    assert was["sha256"] != now["sha256"]
+    (tmp_path / "night.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
+    code = nightly.main(["--config", str(tmp_path / "night.yaml"), "--check", "--resume", old])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(
+        f"error: --resume {old}: the code (genrec-batch {was['version']}, source {was['sha256'][:12]} then, "
+        f"{now['version']}, source {now['sha256'][:12]} now) changed since the run started"
+    ), err
+    assert "Start a new run instead (--resume latest does)" in err
+    manifest = run_nightly(cfg, resume="latest")
+    assert manifest["run_id"] != old and not manifest["resume"]["resumed"]
+    assert blocked not in published(cfg)[0]["item_id"].to_pylist()
+    assert (Path(runs.run_dir(cfg.output, BASE_DATE, old)) / "_SUPERSEDED").is_file()
