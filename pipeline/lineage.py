@@ -229,18 +229,27 @@ def describe_code(code: dict | None) -> str:
 
 
 def check_code(expected: str, where: str) -> None:
-    """A Ray task or actor's check that it runs the code the driver planned with (`code_identity`'s sha256): a node
-    that runs other code (another image, a stale install, a working_dir that shadows it) would give other lists
-    than the plan's fingerprint says; refused (ValueError) naming the node and both."""
-    found = code_identity()["sha256"]
-    if expected and found != expected:
-        import socket
+    """A Ray task's check that it runs the code the driver planned with (`code_identity`'s sha256): a node that runs
+    other code (another image, a stale install, a working_dir that shadows it) would give other lists than the
+    plan's fingerprint says. Refused (ValueError, `code_refusal`)."""
+    refused = code_refusal(expected, where)
+    if refused:
+        raise ValueError(refused)
 
-        raise ValueError(
-            f"{where} on node {socket.gethostname()} runs other genrec-batch code (source {found[:12]}) than the "
-            f"driver planned the run with ({expected[:12]}): every node must run the driver's code (the same image, "
-            "or the job's working_dir on every node)"
-        )
+
+def code_refusal(expected: str, where: str) -> str | None:
+    """Why `where` must not run here (this node's code is not `expected`, the driver's), naming the node and both;
+    None when it is (or nothing is expected)."""
+    found = code_identity()["sha256"]
+    if not expected or found == expected:
+        return None
+    import socket
+
+    return (
+        f"{where} on node {socket.gethostname()} runs other genrec-batch code (source {found[:12]}) than the driver "
+        f"planned the run with ({expected[:12]}): every node must run the driver's code (the same image, or the job's "
+        "working_dir on every node)"
+    )
 
 
 def _version(package: str) -> str | None:

@@ -29,7 +29,7 @@ from decoding.stats import BASE_KEYS, PHASES
 from operators.outputs import TABLES, table_schema
 from pipeline import runs
 from pipeline import storage as S
-from pipeline.lineage import check_code, decoded_on
+from pipeline.lineage import code_refusal, decoded_on
 from pipeline.storage import Storage
 from pipeline.units import merge
 
@@ -298,8 +298,10 @@ class ShardRecommender:
     and returns one summary row for the driver's progress."""
 
     def __init__(self, spec: ActorSpec, items: ItemsRef, run: str, storage: Storage, attempt: str, code: str = ""):
-        check_code(code, "a recommender actor")  # `code`: the driver's (lineage.code_identity), before any work
-        self.recommender = recommender_of(spec, items, storage)
+        # `code`: the driver's (lineage.code_identity). Other code here is refused at the first batch, before any
+        # decoding: a task's error reaches the driver as itself (exit 2), a constructor's as ActorDiedError
+        self.refused = code_refusal(code, "a recommender actor")
+        self.recommender = None if self.refused else recommender_of(spec, items, storage)
         self.run, self.storage, self.attempt = run, storage, attempt
         self.written: dict[str, dict] = {}  # shard -> its summary row: the batches this actor committed
         self.gave_up: dict[str, int] = {}  # shard -> its StoreUnavailable errors on this actor
@@ -309,6 +311,8 @@ class ShardRecommender:
         retry_exceptions: Ray runs the task again on this actor) until this shard has had BATCH_RETRIES + 1 of them
         here; then StoreGaveUp, which Ray does not retry. A lost actor's tasks are retried on its restart, without
         limit: that is a system failure, which no application retry count spends."""
+        if self.refused:
+            raise ValueError(self.refused)
         return pa.Table.from_pylist([self.shard(batch)], schema=SUMMARY)
 
     def shard(self, batch: pa.Table) -> dict:

@@ -373,3 +373,44 @@ def test_a_night_of_other_code_is_neither_carried_nor_resumed(world, base_night,
     assert manifest["run_id"] != old and not manifest["resume"]["resumed"]
     assert blocked not in published(cfg)[0]["item_id"].to_pylist()
     assert (Path(runs.run_dir(cfg.output, BASE_DATE, old)) / "_SUPERSEDED").is_file()
+
+
+def test_every_task_refuses_other_code_than_the_drivers(world, ray_session_plain, tmp_path, monkeypatch):
+    """A node that runs other code than the driver planned with: its read tasks, carry tasks and recommender actors
+    refuse to work, naming the node; an actor's refusal reaches the driver as itself, a ValueError (exit 2), at its
+    first batch, before it decodes anything."""
+    from pipeline import attempt, carry, units
+    from pipeline.lineage import code_identity
+    from pipeline.nightly import exit_code, run_nightly
+    from pipeline.plan import plan_run
+    from pipeline.shards import ShardRecommender
+
+    other = "f" * 64
+    with pytest.raises(ValueError, match=f"a read task on node .* runs other genrec-batch code .*\\({other[:12]}\\)"):
+        units.read_retrying(pa.table({"path": ["x"]}), None, "in", code=other)
+    with pytest.raises(ValueError, match="a carry task on node"):
+        carry.carry_part(pa.table({"part": [0]}), carry.Carry(*[None] * 9, code=other))
+    actor = ShardRecommender(None, None, "", None, "", code=other)  # nothing loaded
+    with pytest.raises(ValueError, match="a recommender actor on node"):
+        actor(pa.table({"pos": [0]}))
+
+    root, _ = world
+    cfg = config(root, tmp_path / "out", f"input={root / 'base.parquet'}")
+    plan = plan_run(cfg)
+    plan.identity["code"] = {**plan.identity["code"], "sha256": other}
+    real = attempt.read_args
+    monkeypatch.setattr(attempt, "read_args", lambda p, a: {**real(p, a), "code": code_identity()["sha256"]})
+    with pytest.raises(ValueError, match="a recommender actor on node") as e:
+        run_nightly(cfg, plan=plan)
+    assert exit_code(e.value) == 2
+
+
+def test_the_code_is_every_package_of_the_source_tree_or_the_wheel(monkeypatch):
+    """The packages whose files make the code identity: in a source tree those its pyproject.toml packages, in a
+    wheel install (no pyproject.toml beside them) those the installed distribution lists; the same here."""
+    from pipeline import lineage
+
+    tree = lineage.code_packages()
+    assert {"decoding", "operators", "pipeline", "jobs"} <= set(tree) and "tests" not in tree
+    monkeypatch.setattr(lineage, "_project", lambda: (None, None))
+    assert lineage.code_packages() == tree
