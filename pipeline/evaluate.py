@@ -57,8 +57,9 @@ def read_targets(input_uri: str, storage: Storage, targets: str = "all") -> pa.T
     """The input's (user_id, target_items) of the users that have targets, one row per user (the first); targets
     "unseen": each user's history items removed from its targets first (TARGETS)."""
     fs, path = S.filesystem(input_uri, storage)
-    try:
-        data = pads.dataset(path, filesystem=fs, format="parquet")
+    read = ["user_id", "target_items", "history"]
+    try:  # every file's columns, as the nightly reads its input (`S.unified_dataset`)
+        data = S.unified_dataset(pads.dataset(path, filesystem=fs, format="parquet"), f"input {input_uri}", read)
     except (OSError, pa.ArrowInvalid) as e:
         raise ValueError(f"input {input_uri}: not readable as parquet ({e})") from None
     if "target_items" not in data.schema.names:

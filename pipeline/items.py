@@ -176,16 +176,20 @@ def read_ids(uri: str, storage: Storage, what: str) -> np.ndarray:
 
 
 def _read(uri: str, storage: Storage, what: str, columns: list[str]) -> pa.Table:
-    """`columns` of a parquet file or folder, `item_id` read as int64 whatever integer type each file holds (a
-    folder's files may differ). Missing: FileNotFoundError; not parquet, a column missing, ids not integers or
-    beyond int64: ValueError naming it."""
+    """`columns` of a parquet file or folder (read as the input is: every file's schema unified,
+    `S.unified_dataset`), `item_id` read as int64 whatever integer type each file holds. Missing: FileNotFoundError;
+    not parquet, a column missing or of two types, ids not integers or beyond int64: ValueError naming it."""
     import pyarrow.dataset as pads
 
     if not S.exists(uri, storage):
         raise FileNotFoundError(f"{what} {uri} not found")
     fs, path = S.filesystem(uri, storage)
     try:
-        data = S.retrying(lambda: pads.dataset(path, filesystem=fs, format="parquet"), storage, f"LIST {uri}")
+        data = S.retrying(
+            lambda: S.unified_dataset(pads.dataset(path, filesystem=fs, format="parquet"), f"{what} {uri}", columns),
+            storage,
+            f"LIST {uri}",
+        )
     except (OSError, pa.ArrowInvalid) as e:
         raise ValueError(f"{what} {uri}: cannot be read as parquet ({e})") from None
     missing = [c for c in columns if c not in data.schema.names]

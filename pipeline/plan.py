@@ -40,7 +40,8 @@ RESUME_FREE_COMPUTE = ("num_actors", "cpus_per_actor", "threads_per_actor", "bat
 def open_input(cfg: Config, version: int | None = None) -> tuple[pads.Dataset, object, str, str, int | None]:
     """The histories as a pyarrow dataset, its filesystem, path, kind of user id (`id_kind`) and, for a Delta input,
     the table version read (`version`, None: the newest); every file's footer is read here, so a corrupt file fails
-    fast, named."""
+    fast, named. Its schema is the table's (Delta) or every file's unified (`S.unified_schema`: an exclusion column
+    in some files only is read, as nulls where a file lacks it; a column the run reads with two types is refused)."""
     snapshot = None
     if tables.is_delta(cfg.input):
         columns = [cfg.columns.user_id, cfg.columns.history, cfg.decoding.exclude_column]
@@ -56,7 +57,8 @@ def open_input(cfg: Config, version: int | None = None) -> tuple[pads.Dataset, o
         data = open_parquet(cfg, fs, path)
     kinds = {}  # each file's user_id type
     user, history = cfg.columns.user_id, cfg.columns.history
-    for fragment in data.get_fragments():
+    fragments = list(data.get_fragments())
+    for fragment in fragments:
         try:
             S.retrying(fragment.ensure_complete_metadata, cfg.storage, f"read the footer of {fragment.path}")
         except (OSError, pa.ArrowInvalid) as e:
@@ -71,6 +73,8 @@ def open_input(cfg: Config, version: int | None = None) -> tuple[pads.Dataset, o
         raise ValueError(f"input {cfg.input}: {user} is {shown}: one kind of id in every file (an id is one user)")
     if not kinds and snapshot is not None and user in data.schema.names:
         kinds[""] = id_kind(data.schema.field(user).type, cfg.input)
+    if snapshot is None:  # every file's columns, not the first file's: a column a file lacks reads as nulls
+        data = S.unified_dataset(data, f"input {cfg.input}", [user, history, cfg.decoding.exclude_column])
     return data, fs, path, next(iter(kinds.values()), "integer"), snapshot.version if snapshot else None
 
 

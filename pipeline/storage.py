@@ -271,6 +271,79 @@ def read_parquet(uri: str, storage: Storage, columns=None) -> pa.Table:
     return retrying(lambda: pq.read_table(path, filesystem=fs, columns=columns), storage, f"GET {uri}")
 
 
+def unified_dataset(data, what: str, read=()):
+    """A pyarrow dataset of parquet files (its footers read) -> the same files under their unified schema
+    (`unified_schema`), which every read of them casts to: a column a file lacks reads as nulls."""
+    import pyarrow.dataset as pads
+
+    fragments = list(data.get_fragments())
+    return pads.FileSystemDataset(fragments, unified_schema(fragments, what, read), data.format, data.filesystem)
+
+
+def unified_schema(fragments: list, what: str, read=()) -> pa.Schema:
+    """The schema of several parquet files from every file's own (its footer), never the first file's alone: a
+    column some files lack is in it; a column whose files differ only in width or offsets takes the widest (int32
+    and int64, list and large_list, string and large_string: pyarrow's permissive promotion, where no value is lost).
+    A column `read` whose files hold two kinds of value (an integer and a string, a list and a string, uint64 and
+    a signed integer) is refused, ValueError naming `what`, two of its files and their types; such a column that is
+    not read is left out."""
+    seen: dict[str, dict[pa.DataType, str]] = {}  # column -> each type it has -> the first file holding it so
+    for fragment in fragments:
+        for f in fragment.physical_schema:
+            seen.setdefault(f.name, {}).setdefault(f.type, fragment.path)
+    fields = []
+    for name, kinds in seen.items():
+        kind, clash = _widest(list(kinds))
+        if clash is None:
+            fields.append(pa.field(name, kind))
+        elif name in read:
+            a, b = clash
+            raise ValueError(
+                f"{what}: column {name!r} is {a} in {kinds[a]} and {b} in {kinds[b]}; its files must hold one type "
+                "(cast it where they are written)"
+            )
+    return pa.schema(fields)
+
+
+def _widest(kinds: list[pa.DataType]) -> tuple[pa.DataType | None, tuple | None]:
+    """A column's types -> (the type each widens to, None), or (None, two of them that do not unify)."""
+    for i, a in enumerate(kinds):
+        for b in kinds[i + 1 :]:
+            if _unified([a, b]) is None:
+                return None, (a, b)
+    out = _unified(kinds)
+    return (out, None) if out is not None else (None, (kinds[0], kinds[-1]))
+
+
+def _unified(kinds: list[pa.DataType]) -> pa.DataType | None:
+    """pyarrow's permissive promotion of `kinds` when each widens into it without loss (`_widens`), else None."""
+    try:
+        out = pa.unify_schemas([pa.schema([("c", k)]) for k in kinds], promote_options="permissive").field("c").type
+    except (pa.ArrowTypeError, pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        return None
+    return out if all(_widens(k, out) for k in kinds) else None
+
+
+def _widens(src: pa.DataType, dst: pa.DataType) -> bool:
+    """Whether every value of type `src` is one of `dst`: the same kind of value, as wide or wider."""
+    t = pa.types
+    if src == dst or t.is_null(src):
+        return True
+    if t.is_integer(src) and t.is_integer(dst):
+        if t.is_signed_integer(src) == t.is_signed_integer(dst):
+            return src.bit_width <= dst.bit_width
+        return t.is_unsigned_integer(src) and src.bit_width < dst.bit_width
+    if t.is_floating(src) and t.is_floating(dst):
+        return src.bit_width <= dst.bit_width
+    for kind in ((t.is_string, t.is_large_string), (t.is_binary, t.is_large_binary)):
+        if any(k(src) for k in kind) and any(k(dst) for k in kind):
+            return True
+    lists = (t.is_list, t.is_large_list)
+    if any(k(src) for k in lists) and any(k(dst) for k in lists):
+        return _widens(src.value_type, dst.value_type)
+    return False
+
+
 class TooLarge(ValueError):
     """An object larger than its reader's bound: not read whole."""
 

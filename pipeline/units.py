@@ -103,15 +103,18 @@ def read_retrying(batch: pa.Table, storage, uri: str, code: str = "", **kwargs) 
     return S.retrying(lambda: read_units(batch, **kwargs), storage, f"read {uri}")
 
 
-def with_nulls(t: pa.Table, columns: list[str], schema: pa.Schema | None) -> pa.Table:
-    """A row group's columns -> with those of `columns` that its file lacks as nulls of the input's type (`schema`:
-    a table's schema, which a column added after the file was written is in)."""
+def conformed(t: pa.Table, columns: list[str], schema: pa.Schema | None) -> pa.Table:
+    """A row group's columns -> in the input's types (`schema`: a table's schema, or every file's unified), those of
+    `columns` that its file lacks as nulls: every file's rows in one schema."""
     missing = [c for c in columns if c not in t.column_names]
     if missing and schema is None:
         raise KeyError(f"column(s) {missing} not in the input file")
     for c in missing:
         t = t.append_column(schema.field(c), pa.nulls(t.num_rows, schema.field(c).type))
-    return t
+    if schema is None:
+        return t
+    kinds = [schema.field(c).type if c in schema.names else t.schema.field(c).type for c in t.column_names]
+    return t.cast(pa.schema([pa.field(c, k) for c, k in zip(t.column_names, kinds)]))
 
 
 def renamed(t: pa.Table, columns: dict[str, str]) -> pa.Table:
@@ -130,19 +133,18 @@ def read_units(
     schema: pa.Schema | None = None,
 ) -> pa.Table:
     """Ray Data map over units (rows of `todo`, "done" as JSON): the rows still to decode (`columns`: {name in the
-    rows: the input's column}, `plan.input_columns`; `schema`: the input's, for a column a file lacks: nulls), with
-    `pos`, a `duplicate`
-    flag (the user id was seen at an earlier position) and, with `hashing`, each row's `input_hash`
-    (pipeline/lineage.py); `lookup` (an incremental run's `carry.Lookup`): the rows it keeps, the carried ones or the
-    rest; `order`: each unit's rows by history length (`by_length`), so that the shards cut from them hold users of
-    like prompt lengths."""
+    rows: the input's column}, `plan.input_columns`; `schema`: the input's, which each file's rows are cast to, a
+    column a file lacks read as nulls), with `pos`, a `duplicate` flag (the user id was seen at an earlier position)
+    and, with `hashing`, each row's `input_hash` (pipeline/lineage.py); `lookup` (an incremental run's
+    `carry.Lookup`): the rows it keeps, the carried ones or the rest; `order`: each unit's rows by history length
+    (`by_length`), so that the shards cut from them hold users of like prompt lengths."""
     tables = []
     for unit in batch.to_pylist():
         unit["done"] = json.loads(unit["done"])
         read = list(dict.fromkeys(columns.values()))
         f = pq.ParquetFile(unit["path"], filesystem=fs)
-        t = with_nulls(f.read_row_group(unit["row_group"], columns=[c for c in read if c in f.schema_arrow.names]),
-                       read, schema)  # fmt: skip
+        t = conformed(f.read_row_group(unit["row_group"], columns=[c for c in read if c in f.schema_arrow.names]),
+                      read, schema)  # fmt: skip
         t = renamed(t, columns)
         pos = positions(unit)
         t = t.take(pa.array(pos - unit["offset"])).append_column("pos", pa.array(pos))
@@ -207,7 +209,8 @@ def duplicates_on_driver(units: list[Unit], fs, user: str = "user_id") -> pa.Tab
             tables.append(pa.table({"user_id": ids, "pos": np.arange(u.offset, u.offset + u.rows, dtype=np.int64)}))
     if not tables:
         return None
-    grouped = pa.concat_tables(tables).group_by("user_id").aggregate([("pos", "count"), ("pos", "min")])
+    ids = pa.concat_tables(tables, promote_options="permissive")  # the files' id types, widened
+    grouped = ids.group_by("user_id").aggregate([("pos", "count"), ("pos", "min")])
     found = grouped.filter(pc.greater(grouped["pos_count"], 1))
     return pa.table({"user_id": found["user_id"], "first": found["pos_min"]}) if found.num_rows else None
 

@@ -421,3 +421,46 @@ def test_nightly_with_exclude_history_and_an_exclusion_column(ray_world, tmp_pat
         ev = evaluate(f"{tmp_path / 'out'}", cfg.storage, targets=targets, out=str(tmp_path / f"ev-{targets}"))
         assert ev["exclusions"] == manifest["exclusions"] and ev["targets"]["mode"] == targets
         assert "decoding.exclude: history" in (tmp_path / f"ev-{targets}" / "evaluation.md").read_text()
+
+
+def test_an_input_folder_reads_the_exclusion_column_of_every_file(ray_world, tmp_path):
+    """A folder whose first file lacks the exclusion column and whose second holds it: the second file's users never
+    get an item they excluded (each excludes the 5 items beam search gives it), the first file's get beam search's
+    lists, and the manifest records the column. The same column with two types in two files is refused, naming both
+    files and both types (exit 2), before any work."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipeline.nightly import exit_code, run_nightly
+    from pipeline.plan import plan_run
+    from tests.test_nightly import config, direct_beam_search, read_run
+
+    world = ray_world
+    users = pq.read_table(world / "data" / "test.parquet").select(["user_id", "history"])
+    ref, _ = direct_beam_search(world, users["history"].to_pylist())
+    half = users.num_rows // 2
+    excluded = pa.array([None] * half + ref.item_ids[half:].tolist(), pa.list_(pa.int64()))
+    (tmp_path / "in").mkdir()
+    pq.write_table(users.slice(0, half), tmp_path / "in" / "part-0.parquet")
+    pq.write_table(users.append_column("exclude_items", excluded).slice(half), tmp_path / "in" / "part-1.parquet")
+    cfg = config(world, tmp_path / "out", f"input={tmp_path / 'in'}")
+    manifest = run_nightly(cfg)
+    assert manifest["exclusions"]["column"] == "exclude_items" and manifest["exclusions"]["users"] == users.num_rows
+    recs = read_run(cfg)[1]["recommendations"].to_pandas().sort_values(["user_id", "rank"])
+    got = recs.groupby("user_id").item_id.apply(list).to_dict()
+    ids = users["user_id"].to_pylist()
+    assert all(got[u] == ref.item_ids[i].tolist() for i, u in enumerate(ids[:half]))
+    assert all(
+        len(got[u]) == 5 and not set(got[u]) & set(ref.item_ids[i].tolist()) for i, u in enumerate(ids) if i >= half
+    )
+
+    texts = pa.array([None] * users.num_rows, pa.string())
+    pq.write_table(users.append_column("exclude_items", texts).slice(half), tmp_path / "in" / "part-1.parquet")
+    pq.write_table(users.append_column("exclude_items", excluded).slice(0, half), tmp_path / "in" / "part-0.parquet")
+    with pytest.raises(ValueError) as e:
+        plan_run(cfg)
+    parts = [tmp_path / "in" / f"part-{i}.parquet" for i in (0, 1)]
+    assert exit_code(e.value) == 2 and str(e.value) == (
+        f"input {tmp_path / 'in'}: column 'exclude_items' is list<element: int64> in {parts[0]} and string in "
+        f"{parts[1]}; its files must hold one type (cast it where they are written)"
+    )
