@@ -405,3 +405,15 @@ def test_chromium_renders_the_report_with_its_plots(runs, tmp_path):
     assert colour((31, 119, 180)) > 5000 and colour((255, 127, 14)) > 5000  # matplotlib's first two series colours
     assert (shot.sum(-1) < 150).sum() > 5000  # dark text: the tables and headings rendered
     assert Path(tmp_path / "r" / "report.html").is_file()
+
+
+def test_evaluation_reads_the_targets_of_every_file_of_a_folder(tmp_path):
+    """An input folder whose first file has no target_items: the second file's targets are read (the files' schemas
+    unified), and the first file's users have none."""
+    from pipeline.evaluate import read_targets
+
+    (tmp_path / "in").mkdir()
+    pq.write_table(pa.table({"user_id": [1, 2], "history": [[1], [2]]}), tmp_path / "in" / "part-0.parquet")
+    second = pa.table({"user_id": [3], "history": [[3]], "target_items": pa.array([[30, 31]], pa.list_(pa.int32()))})
+    pq.write_table(second, tmp_path / "in" / "part-1.parquet")
+    assert read_targets(str(tmp_path / "in"), LOCAL).to_pylist() == [{"user_id": 3, "target_items": [30, 31]}]
