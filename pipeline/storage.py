@@ -456,12 +456,36 @@ def create(uri: str, data: bytes, storage: Storage) -> bool:
 
 def content_id(path: str, fs: pafs.FileSystem, storage: Storage) -> str:
     """A file's content identity: on S3 its ETag (the store's digest of the bytes, read with a HEAD), locally the
-    sha256 of its bytes. `path` is the filesystem's own (`bucket/key` on S3)."""
+    sha256 of its bytes; a folder's (a catalog or item set written as a folder of parquet files) the sha256 of its
+    files' names and identities, the files pyarrow reads as its dataset (`folder_id`). `path` is the filesystem's
+    own (`bucket/key` on S3)."""
     if isinstance(fs, pafs.LocalFileSystem):
-        return "sha256:" + sha256_file(Path(path))
+        return folder_id(path, fs, storage) if Path(path).is_dir() else "sha256:" + sha256_file(Path(path))
+    import botocore.exceptions
+
     bucket, key = path.split("/", 1)
-    head = retrying(lambda: s3_client(storage).head_object(Bucket=bucket, Key=key), storage, f"HEAD s3://{path}")
+    try:
+        head = retrying(lambda: s3_client(storage).head_object(Bucket=bucket, Key=key), storage, f"HEAD s3://{path}")
+    except botocore.exceptions.ClientError as e:  # no such object: a folder (a prefix), or nothing
+        if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") != 404:
+            raise
+        info = retrying(lambda: fs.get_file_info(path), storage, f"HEAD s3://{path}/")
+        if info.type != pafs.FileType.Directory:
+            raise FileNotFoundError(f"s3://{path} not found") from None
+        return folder_id(path, fs, storage)
     return f"etag:{head['ETag'].strip(chr(34))}:{head['ContentLength']}"
+
+
+def folder_id(path: str, fs: pafs.FileSystem, storage: Storage) -> str:
+    """A folder's content identity: the sha256 of each of its files' path inside it and content identity, over the
+    files a pyarrow dataset of it reads (names starting with `.` or `_`, such as Spark's _SUCCESS, left out)."""
+    import pyarrow.dataset as pads
+
+    files = retrying(lambda: pads.dataset(path, filesystem=fs, format="parquet").files, storage, f"LIST {path}")
+    h = hashlib.sha256()
+    for f in sorted(files):
+        h.update(f"{f.removeprefix(path.rstrip('/') + '/')}\0{content_id(f, fs, storage)}\n".encode())
+    return f"folder:{h.hexdigest()}"
 
 
 def _listing(uri: str, storage: Storage) -> list:

@@ -169,6 +169,50 @@ def test_the_items_are_read_with_their_sets_and_counts(tmp_path):
         read_items(Sources(index, blocked=str(tmp_path / "floats.parquet")), st)
 
 
+def test_a_catalog_and_item_sets_written_as_folders(tmp_path):
+    """A catalog, a recommendable set and a block list each written as a folder of parquet files, as Spark writes
+    them (part files and a _SUCCESS; item ids int32 in one file, int64 in the other): each reads as one table, and
+    the catalog is identified by its files' contents: `--check` passes, an actor finds what the driver recorded, and
+    a rewritten file is a changed catalog, which an actor and a resume refuse."""
+    from pipeline.config import load_config
+    from pipeline.items import ItemsRef, Sources
+    from pipeline.nightly import check_run
+    from pipeline.plan import plan_run
+    from tests.test_nightly import make_world
+
+    world = make_world(tmp_path / "world", n_users=8)
+    items = pq.read_table(world / "data" / "items.parquet")
+    ids = items["item_id"].to_numpy()
+    for name, parts in {
+        "catalog": [items.slice(0, 50), items.slice(50)],
+        "recommendable": [pa.table({"item_id": ids[:60].astype(np.int32)}), pa.table({"item_id": ids[60:100]})],
+        "blocked": [pa.table({"item_id": ids[:2]}), pa.table({"item_id": pa.array([ids[-1]], pa.int32())})],
+    }.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "_SUCCESS").write_text("")
+        for i, part in enumerate(parts):
+            pq.write_table(part, tmp_path / name / f"part-{i:05d}.parquet")
+    cfg = load_config(
+        None,
+        [
+            f"input={world / 'data' / 'test.parquet'}",
+            f"output={tmp_path / 'out'}",
+            f"models.target={world / 'target'}",
+            *(f"{name}={tmp_path / name}" for name in ("catalog", "recommendable", "blocked")),
+        ],
+    )
+    assert check_run(cfg)["items"] == {"items": 150, "recommendable": 98, "blocked": 2, "not_recommendable": 50}
+    plan = plan_run(cfg)
+    assert plan.identity["catalog"].startswith("folder:")
+    ref = ItemsRef(Sources.of(cfg), plan.identity["catalog"], plan.items.identity)
+    assert ref.read(cfg.storage).table.num_rows == 150
+    pq.write_table(items.slice(50).take([1, 0, *range(2, 100)]), tmp_path / "catalog" / "part-00001.parquet")
+    with pytest.raises(ValueError, match=f"catalog {tmp_path / 'catalog'} changed during the run"):
+        ref.read(cfg.storage)
+    state = {"identity": plan.identity, "config": cfg.to_dict()}
+    assert plan_run(cfg).changes(state) == [f"the catalog {tmp_path / 'catalog'}"]
+
+
 # ---------------------------------------------------------------- the nightly
 
 
