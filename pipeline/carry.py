@@ -56,8 +56,7 @@ class Base:
 
 def newest_run(output: str, run_date: str, storage: Storage) -> str | None:
     """The newest published run of `output` dated on or before `run_date` (its folder), or None."""
-    dates = [c.removeprefix("run_date=") for c in S.list_children(output, storage) if c.startswith("run_date=")]
-    for date in sorted((d for d in dates if d <= run_date), reverse=True):
+    for date in reversed([d for d in runs.dates(output, storage) if d <= run_date]):
         run = runs.latest_run(output, date, storage)
         if run is not None:
             return run

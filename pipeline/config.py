@@ -177,8 +177,9 @@ class Config:
     # item_id); ids the catalog lacks are counted, not fatal
     blocked_items: list[int] = field(default_factory=list)  # more item ids no list may hold (with blocked)
     output: str = ""  # output root (local folder or s3://bucket/prefix)
-    run_date: str = ""  # YYYY-MM-DD; default: today (UTC). {run_date} in input, catalog, recommendable, blocked and
-    # output is filled with it before anything is read
+    run_date: str = ""  # exactly YYYY-MM-DD (another spelling of a day, 2026-W48-3 or 20261125, is refused); default:
+    # today (UTC). {run_date} in input, catalog, recommendable, blocked and output is filled with it before anything
+    # is read
     duplicate_items: str = (
         "first"  # catalog items sharing a semantic ID: first (keep the first, report the rest) | error
     )
@@ -198,12 +199,23 @@ class Config:
         return out
 
 
+class Loader(yaml.SafeLoader):
+    """YAML as a config is read: safe, and a date or time is its text (run_date is checked as it is written,
+    `checked_date`, never as a datetime the parser made of it, or failed to)."""
+
+
+Loader.yaml_implicit_resolvers = {
+    first: [(tag, pattern) for tag, pattern in resolvers if tag != "tag:yaml.org,2002:timestamp"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+
+
 def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
     """YAML file (optional) + `a.b=value` overrides (values parsed as YAML) -> a validated Config."""
     raw: dict = {}
     if path:
         try:
-            raw = yaml.safe_load(read_text(path, overrides or [])) or {}
+            raw = yaml.load(read_text(path, overrides or []), Loader=Loader) or {}
         except yaml.YAMLError as e:
             raise ValueError(f"config file {path} is not valid YAML: {e}") from None
         if not isinstance(raw, dict):
@@ -218,7 +230,7 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ValueError(f"--set {key}: {part} is not a section")
-        node[parts[-1]] = yaml.safe_load(value) if value.strip() else None
+        node[parts[-1]] = yaml.load(value, Loader=Loader) if value.strip() else None
     cfg = _build(Config, raw, "")
     if not cfg.run_date:
         cfg.run_date = dt.datetime.now(dt.UTC).date().isoformat()
@@ -270,6 +282,21 @@ def scheduled_date(job_id: str) -> str:
     return when.date().isoformat()
 
 
+def checked_date(value: str, what: str) -> str:
+    """A run date, exactly YYYY-MM-DD (a day of the calendar) -> itself; any other spelling of a day (ISO's week date
+    2026-W48-3 and basic form 20261125, which Python's date.fromisoformat reads too; a time) is refused, ValueError
+    naming `what`, the value and that day as it is written: a day names one folder `run_date=D`, one lease, one
+    Delta partition and one place in the order of the dates (compared as strings), so it has one spelling."""
+    try:
+        day = dt.date.fromisoformat(value) if isinstance(value, str) else None
+    except ValueError:
+        day = None
+    if day is not None and day.isoformat() == value:
+        return value
+    spelled = f" (that day is written {day.isoformat()})" if day else ""
+    raise ValueError(f"{what} must be a date YYYY-MM-DD, got {value!r}{spelled}")
+
+
 def env_storage() -> Storage:
     """The object store as the environment names it: AWS_ENDPOINT_URL (none: AWS S3) and AWS_REGION."""
     return Storage(
@@ -302,7 +329,7 @@ def demo_missing(cfg: Config) -> str | None:
     """The first local file or folder of the demo config's own that this run reads and that is missing, with the
     command that makes it; None when all are there. One line, for a user who ran `genrec-batch nightly` with no
     --config. A path changed with --set is left to the run's own checks (they name it)."""
-    demo = _build(Config, yaml.safe_load(DEMO_CONFIG.read_text()), "")
+    demo = _build(Config, yaml.load(DEMO_CONFIG.read_text(), Loader=Loader), "")
     reads = {"input": True, "catalog": True, "target": True, "draft": cfg.decoding.uses_draft}
     for name, read in reads.items():
         path = getattr(cfg.models if name in ("target", "draft") else cfg, name)
@@ -364,8 +391,8 @@ def _typed(value, kind: str, name: str):
         _need(integers, name, "must be a list of integers", value)
         _need(all(-(2**63) <= v < 2**63 for v in value), name, "must hold int64 item ids", value)
         return value
-    if isinstance(value, dt.date) and base == "str":
-        return value.isoformat()  # YAML reads 2026-11-21 as a date
+    if isinstance(value, int) and not isinstance(value, bool) and name == "run_date":
+        return str(value)  # YAML reads 20261125 as a number: checked as the date spelling it is (`checked_date`)
     ok = {
         "str": isinstance(value, str),
         "int": isinstance(value, int) and not isinstance(value, bool),
@@ -420,10 +447,7 @@ def _check_sources(cfg: Config) -> None:
         "must name a boolean column of the catalog",
         column,
     )
-    try:
-        dt.date.fromisoformat(cfg.run_date)
-    except ValueError:
-        _need(False, "run_date", "must be a date YYYY-MM-DD", cfg.run_date)
+    checked_date(cfg.run_date, "config: run_date")
     target = cfg.models.target
     _need(bool(target), "models.target", "must be set (a local model directory or s3:// prefix)", target)
 

@@ -40,6 +40,7 @@ import pandas as pd
 import pyarrow as pa
 
 from pipeline import storage as S
+from pipeline.config import checked_date
 from pipeline.storage import Storage
 
 TABLES = ("recommendations", "rejects", "users", "metrics")
@@ -319,24 +320,41 @@ def unpublished(run: str, storage: Storage) -> str | None:
     return f"superseded by run {json.loads(marker)['by']}" if marker is not None else None
 
 
+def dates(output: str, storage: Storage) -> list[str]:
+    """The dates of an output's `run_date=D` folders, in order. A folder whose D is not spelled YYYY-MM-DD
+    (`checked_date`: made by hand, or by a version that took other spellings) is no date of the layout: left out,
+    and logged."""
+    out = []
+    for child in S.list_children(output, storage):
+        if child.startswith("run_date="):
+            try:
+                out.append(checked_date(child.removeprefix("run_date="), "run_date"))
+            except ValueError as e:
+                log.warning("%s is left out: %s", S.join(output, child), e)
+    return sorted(out)
+
+
 def resolve(uri: str, storage: Storage, allow_unpublished: bool = False) -> str:
     """A run folder, `<output>/run_date=D` or `<output>` -> the folder of a complete, published run. A run folder
-    must be its date's published run (`unpublished`: else ValueError) unless `allow_unpublished`; complete always."""
+    must be its date's published run (`unpublished`: else ValueError) unless `allow_unpublished`; complete always.
+    A date D given (a `run_date=D` folder, or a run folder's) must be spelled YYYY-MM-DD (`checked_date`)."""
     uri = uri.rstrip("/")
     run = uri
     if S.read_bytes(S.join(uri, "manifest.json"), storage) is None:
         parent, _, name = uri.rpartition("/")
         if name.startswith("run_date="):
-            run = latest_run(parent, name.removeprefix("run_date="), storage)
+            run = latest_run(parent, checked_date(name.removeprefix("run_date="), f"{uri}: run_date"), storage)
         else:
-            dates = sorted(c for c in S.list_children(uri, storage) if c.startswith("run_date="))
-            runs = [latest_run(uri, d.removeprefix("run_date="), storage) for d in reversed(dates)]
+            runs = [latest_run(uri, d, storage) for d in reversed(dates(uri, storage))]
             run = next((r for r in runs if r), None)
         if run is None:
             raise FileNotFoundError(
                 f"{uri}: no published run (expected a run folder with manifest.json, a run_date= "
                 "folder with _LATEST, or an output root)"
             )
+    folder = run.rpartition("/")[0].rpartition("/")[2]
+    if folder.startswith("run_date="):
+        checked_date(folder.removeprefix("run_date="), f"run {run}: run_date")
     if S.read_bytes(S.join(run, "_SUCCESS"), storage) is None:
         raise ValueError(f"run {run}: no _SUCCESS marker; the run is incomplete or failed and is not read")
     why = None if allow_unpublished else unpublished(run, storage)

@@ -143,3 +143,70 @@ def test_the_demo_config_names_the_command_that_makes_what_it_misses(tmp_path, m
     assert "genrec-batch train-draft" in demo("decoding.mode=atspeed-strict")
     assert demo("decoding.mode=atspeed-strict", "models.draft=elsewhere/draft") is None
     assert demo("input=data/office/test.parquet", "models.target=~/nowhere") is None
+
+
+def test_a_run_date_has_one_spelling(tmp_path, capsys):
+    """run_date is exactly YYYY-MM-DD, from a config file, --set or --run-date-of: other spellings of a day that
+    Python's date parser reads (ISO week dates, the basic form, a time), an impossible day or another format are
+    refused naming the value and the day's spelling (exit 2), before anything is read."""
+    from jobs import nightly
+    from pipeline.config import scheduled_date
+
+    for value, day in [("2026-W48-3", "2026-11-25"), ("2026W483", "2026-11-25"), ("20261125", "2026-11-25")]:
+        with pytest.raises(ValueError) as e:
+            load_config(None, [*BASE, f"run_date={value}"])
+        assert str(e.value) == (
+            f"config: run_date must be a date YYYY-MM-DD, got '{value}' (that day is written {day})"
+        )
+    for value in ("2026-11-25T00:00", "2026-02-30", "25.11.2026"):
+        with pytest.raises(ValueError, match=f"config: run_date must be a date YYYY-MM-DD, got '{value}'$"):
+            load_config(None, [*BASE, f"run_date={value}"])
+    f = tmp_path / "c.yaml"
+    f.write_text("run_date: 20261125\n")
+    with pytest.raises(ValueError, match="got '20261125'"):
+        load_config(str(f), BASE)
+    f.write_text("run_date: 2026-11-25\n")
+    assert load_config(str(f), BASE).run_date == "2026-11-25"
+    assert nightly.main([*(x for s in BASE for x in ("--set", s)), "--set", "run_date=2026-W48-3", "--check"]) == 2
+    assert "run_date must be a date YYYY-MM-DD, got '2026-W48-3'" in capsys.readouterr().err
+    day = scheduled_date("nightly-29395200-abcde")  # a RayCronJob's RayJob: minutes since the epoch
+    assert day == "2025-11-21" and load_config(None, [*BASE, f"run_date={day}"]).run_date == day
+
+
+def test_readers_take_a_run_date_spelled_one_way(tmp_path, capsys):
+    """show, export, report, evaluate and an incremental base given `run_date=D` refuse a D not spelled YYYY-MM-DD
+    (exit 2, naming it); a run folder under such a folder too; an output root's newest date leaves such folders out
+    (`2026-W48-3` would sort after every YYYY-MM-DD)."""
+    import json
+
+    from jobs import evaluate, export, report, show
+    from pipeline import runs
+    from pipeline.carry import choose_base, newest_run
+    from pipeline.storage import Storage
+
+    out = tmp_path / "out"
+    for day in ("2026-11-24", "2026-W48-3"):
+        run = out / f"run_date={day}" / "run_id=r"
+        run.mkdir(parents=True)
+        (run / "manifest.json").write_text(json.dumps({"run_id": "r", "run_date": day}))
+        (run / "_SUCCESS").write_text("")
+        (run.parent / "_LATEST").write_text(json.dumps({"run_id": "r"}))
+    st = Storage()
+    assert runs.resolve(str(out), st) == str(out / "run_date=2026-11-24" / "run_id=r")
+    assert newest_run(str(out), "2026-11-30", st) == str(out / "run_date=2026-11-24" / "run_id=r")
+    with pytest.raises(ValueError, match=r"run_date must be a date YYYY-MM-DD, got '2026-W48-3' \(that day is"):
+        runs.resolve(str(out / "run_date=2026-W48-3" / "run_id=r"), st)
+    given = str(out / "run_date=20261125")
+    for main, args in [
+        (show.main, [given]),
+        (export.main, [given, "--to", "redis://127.0.0.1:1"]),
+        (export.main, [given, "--to", f"delta+{tmp_path / 'table'}"]),
+        (report.main, ["--run", given]),
+        (evaluate.main, ["--run", given]),
+    ]:
+        assert main(args) == 2, args
+        err = capsys.readouterr().err
+        assert f"error: {given}: run_date must be a date YYYY-MM-DD, got '20261125'" in err, (args, err)
+    cfg = load_config(None, [*BASE, f"output={out}", "incremental.enabled=true", f"incremental.base={given}"])
+    with pytest.raises(FileNotFoundError, match=f"incremental base {given}: .* got '20261125'"):
+        choose_base(cfg, {})
