@@ -262,7 +262,7 @@ def _version(package: str) -> str | None:
 def decoded_on(dtypes, devices, engines=()) -> dict:
     """What a run's actors decoded in and on (the metrics' dtype, device and engine columns): `compute.dtype: auto`,
     the GPU model and `compute.engine: auto`'s choice are known only there (the engine matters outside float32). An
-    incremental run publishes only when its decoded users' match its base's."""
+    incremental run publishes only when its decoded users' are among its base's (`carry.check_decoded_on`)."""
     dtypes = sorted(set(dtypes))
     out = {"dtypes": dtypes, "devices": sorted(set(devices))}
     return out if set(dtypes) <= {"float32"} else {**out, "engines": sorted(set(engines))}

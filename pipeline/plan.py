@@ -441,7 +441,7 @@ def run_fingerprint(cfg: Config, models: dict, inputs: Inputs, items: Items, kin
 def device_kind(cfg: Config) -> str:
     """What the actors decode on, as the config says: cpu or cuda. Which GPU, and the dtype `auto` resolves to
     there, only the actors know: the manifest records them (`lineage.decoded_on`) and an incremental night publishes
-    only if its decoded users' match its base's (`carry.check_decoded_on`)."""
+    only if its decoded users' are among its base's (`carry.check_decoded_on`)."""
     return "cuda" if cfg.compute.gpus_per_actor else "cpu"
 
 

@@ -19,7 +19,7 @@ from pipeline.attempt import Attempt, actor_resources
 from pipeline.carry import check_decoded_on, full_decode_estimate
 from pipeline.config import Config
 from pipeline.lease import Lease
-from pipeline.lineage import NOT_PARTS, sha256_of
+from pipeline.lineage import NOT_PARTS, decoded_on, sha256_of
 from pipeline.plan import Clock, Plan, code_version
 
 log = logging.getLogger("genrec.nightly")
@@ -109,8 +109,10 @@ def engine_info(plan: Plan, a: Attempt, sums: dict) -> dict:
 
 def lineage_info(plan: Plan, sums: dict) -> dict:
     """The manifest's `lineage`: the run's fingerprint part by part and its sha256, what its lists were decoded in
-    and on (a night that decoded no one: its base's), and the settings left out of the fingerprint, with why."""
-    on = sums["decoded_on"] if sums["decoded_on"]["dtypes"] or not plan.base else plan.base.decoded_on
+    and on (its decoded users', and where it carried users its base's: a carried list is the base's), and the
+    settings left out of the fingerprint, with why."""
+    on, base = sums["decoded_on"], plan.base.decoded_on if plan.base and sums["users_carried"] else {}
+    on = decoded_on(*([*on.get(k, []), *base.get(k, [])] for k in ("dtypes", "devices", "engines")))
     return {"fingerprint": plan.lineage, "sha256": sha256_of(plan.lineage), "decoded_on": on, "not_in_it": NOT_PARTS}
 
 

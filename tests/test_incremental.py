@@ -270,6 +270,36 @@ def test_tonights_decoded_users_must_match_the_bases_dtype_and_device():
         check_decoded_on(base, {"dtypes": ["bfloat16"], "devices": ["NVIDIA H100"], "engines": ["compiled"]})
 
 
+def test_a_night_decoded_on_some_of_its_bases_gpu_models_publishes():
+    """A base decoded on a cluster of two GPU models: tonight's few users decoded on one of them mix nothing the base
+    did not (published); a GPU model, dtype or engine the base never used is refused."""
+    from pipeline.carry import Base, check_decoded_on
+
+    both = {"dtypes": ["float32"], "devices": ["NVIDIA A10G", "NVIDIA H100"]}
+    base = Base("b", "r", [], 1, both)
+    for tonight in ({"dtypes": ["float32"], "devices": ["NVIDIA H100"]}, both):
+        check_decoded_on(base, tonight)
+    with pytest.raises(ValueError, match=r"decoded as \['float32'\] on \['NVIDIA L4'\]"):
+        check_decoded_on(base, {"dtypes": ["float32"], "devices": ["NVIDIA L4"]})
+    half = Base("b", "r", [], 1, {"dtypes": ["bfloat16"], "devices": ["NVIDIA H100"], "engines": ["compiled"]})
+    check_decoded_on(half, {"dtypes": ["bfloat16"], "devices": ["NVIDIA H100"], "engines": ["compiled"]})
+    with pytest.raises(ValueError, match=r"by \['compiled', 'eager'\]"):
+        check_decoded_on(half, {"dtypes": ["bfloat16"], "devices": ["NVIDIA H100"], "engines": ["compiled", "eager"]})
+    from types import SimpleNamespace
+
+    from pipeline.publish import lineage_info
+
+    h100 = {"dtypes": ["float32"], "devices": ["NVIDIA H100"]}  # the manifest: the carried lists' models too
+    assert (
+        lineage_info(SimpleNamespace(base=base, lineage={}), {"decoded_on": h100, "users_carried": 3})["decoded_on"]
+        == both
+    )
+    assert (
+        lineage_info(SimpleNamespace(base=base, lineage={}), {"decoded_on": h100, "users_carried": 0})["decoded_on"]
+        == h100
+    )
+
+
 def test_keys_that_share_a_hash_are_told_apart_and_a_user_listed_twice_is_decoded(monkeypatch):
     """The indexes sort string ids by a 64-bit hash; here every id of one length shares one (a collision for each),
     and the base lists "dd" twice: each pending user finds its own base row or none, and only users the base lists
