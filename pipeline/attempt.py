@@ -117,7 +117,9 @@ def find_duplicates(plan: Plan) -> tuple[pa.Table | None, str]:
     """`units.find_duplicates` over the whole input, tried again as a whole while the store fails transiently."""
     cfg = plan.cfg
     return S.retrying(
-        lambda: units.find_duplicates(plan.units, plan.fs, cfg.runs.duplicates_driver_mb, cfg.columns.user_id),
+        lambda: units.find_duplicates(
+            plan.units, plan.fs, cfg.runs.duplicates_driver_mb, cfg.columns.user_id, plan.data.schema
+        ),
         cfg.storage,
         f"read the user ids of {cfg.input}",
     )

@@ -175,15 +175,16 @@ def by_length(t: pa.Table) -> pa.Table:
 
 
 def find_duplicates(
-    units: list[Unit], fs, budget_mb: float = 1024, user: str = "user_id"
+    units: list[Unit], fs, budget_mb: float = 1024, user: str = "user_id", schema: pa.Schema | None = None
 ) -> tuple[pa.Table | None, str]:
     """The user ids seen more than once in the whole input, with the position of their first row [user_id, first]
     (None: no duplicates), and where they were found: "driver" when the id column (uncompressed, with positions and
     the hash table: `id_bytes`) takes at most `budget_mb`, read and grouped by pyarrow in this process (milliseconds
-    per million rows); else "ray", an aggregation over the cluster. `user`: the input's user id column."""
+    per million rows); else "ray", an aggregation over the cluster. `user`: the input's user id column; `schema`:
+    the input's, whose id type every file's ids are read in (`conformed`)."""
     if id_bytes(units, fs, user) <= budget_mb * 2**20:
-        return duplicates_on_driver(units, fs, user), "driver"
-    return duplicates_on_ray(units, fs, user), "ray"
+        return duplicates_on_driver(units, fs, user, schema), "driver"
+    return duplicates_on_ray(units, fs, user, schema), "ray"
 
 
 def id_bytes(units: list[Unit], fs, user: str = "user_id") -> int:
@@ -199,30 +200,32 @@ def id_bytes(units: list[Unit], fs, user: str = "user_id") -> int:
     return 3 * total
 
 
-def duplicates_on_driver(units: list[Unit], fs, user: str = "user_id") -> pa.Table | None:
+def duplicates_on_driver(units: list[Unit], fs, user: str = "user_id", schema=None) -> pa.Table | None:
     """`find_duplicates` in this process: every row group's user_id column with its positions, grouped by pyarrow."""
     tables = []
     for path, group in itertools.groupby(units, key=lambda u: u.path):
         f = pq.ParquetFile(path, filesystem=fs)
         for u in group:
-            ids = f.read_row_group(u.row_group, columns=[user])[user]
+            ids = conformed(f.read_row_group(u.row_group, columns=[user]), [user], schema)[user]
             tables.append(pa.table({"user_id": ids, "pos": np.arange(u.offset, u.offset + u.rows, dtype=np.int64)}))
     if not tables:
         return None
-    ids = pa.concat_tables(tables, promote_options="permissive")  # the files' id types, widened
-    grouped = ids.group_by("user_id").aggregate([("pos", "count"), ("pos", "min")])
+    grouped = pa.concat_tables(tables).group_by("user_id").aggregate([("pos", "count"), ("pos", "min")])
     found = grouped.filter(pc.greater(grouped["pos_count"], 1))
     return pa.table({"user_id": found["user_id"], "first": found["pos_min"]}) if found.num_rows else None
 
 
-def duplicates_on_ray(units: list[Unit], fs, user: str = "user_id") -> pa.Table | None:
+def duplicates_on_ray(units: list[Unit], fs, user: str = "user_id", schema=None) -> pa.Table | None:
     """`find_duplicates` as a Ray Data aggregation (inputs whose ids do not fit the driver's budget)."""
     import ray
     from ray.data.aggregate import Count, Min
     from ray.data.expressions import col
 
     ids = ray.data.from_items(todo(units, [])).map_batches(
-        read_units, batch_size=1, batch_format="pyarrow", fn_kwargs={"fs": fs, "columns": {"user_id": user}}
+        read_units,
+        batch_size=1,
+        batch_format="pyarrow",
+        fn_kwargs={"fs": fs, "columns": {"user_id": user}, "schema": schema},
     )
     rows = sum(u.rows for u in units)
     grouped = ids.groupby("user_id", num_partitions=max(1, min(64, rows // 500_000 + 1))).aggregate(

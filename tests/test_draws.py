@@ -235,3 +235,32 @@ def test_one_kind_of_user_id_in_every_file(world, tmp_path):
     pq.write_table(users.set_column(0, "user_id", pc.cast(users["user_id"], pa.string())), tmp_path / "mixed" / "b.pq")
     with pytest.raises(ValueError, match=r"user_id is integer in .*a.parquet; string in .*b.pq: one kind of id"):
         plan_run(load_config(None, [f"input={tmp_path / 'mixed'}", *cfg_rest(world, tmp_path)]))
+
+
+def test_a_folder_of_two_integer_id_widths_reads_as_one(world, tmp_path):
+    """int32 ids in one file and int64 in another, one user in both: the input's ids are int64, every file's rows are
+    read as int64 (the read tasks, the duplicate search, which finds the user seen twice); uint64 ids beside int64
+    ones are refused, naming both files (no integer type holds both)."""
+    import json
+
+    from pipeline.config import load_config
+    from pipeline.plan import plan_run
+    from pipeline.units import find_duplicates, read_units, todo
+
+    users = pq.read_table(world / "data" / "test.parquet").select(["user_id", "history"])
+    (tmp_path / "in").mkdir()
+    narrow = users.slice(0, 6).set_column(0, "user_id", pc.cast(users["user_id"][:6], pa.int32()))
+    pq.write_table(narrow, tmp_path / "in" / "a.parquet")
+    pq.write_table(pa.concat_tables([users.slice(6), users.slice(0, 1)]), tmp_path / "in" / "b.parquet")
+    plan = plan_run(load_config(None, [f"input={tmp_path / 'in'}", *cfg_rest(world, tmp_path)]))
+    assert plan.user_type == pa.int64()
+    found, _ = find_duplicates(plan.units, plan.fs, schema=plan.data.schema)
+    assert found.to_pylist() == [{"user_id": users["user_id"][0].as_py(), "first": 0}]
+    batch = pa.Table.from_pylist([{**u, "done": json.dumps(u["done"])} for u in todo(plan.units, [])])
+    rows = read_units(batch, plan.fs, {"user_id": "user_id", "history": "history"}, found, schema=plan.data.schema)
+    assert rows.schema.field("user_id").type == pa.int64() and rows["duplicate"].to_pylist() == [False] * 12 + [True]
+    pq.write_table(
+        users.set_column(0, "user_id", pc.cast(users["user_id"], pa.uint64())), tmp_path / "in" / "a.parquet"
+    )
+    with pytest.raises(ValueError, match=r"column 'user_id' is uint64 in .*a.parquet and int64 in .*b.parquet"):
+        plan_run(load_config(None, [f"input={tmp_path / 'in'}", *cfg_rest(world, tmp_path)]))
