@@ -327,9 +327,7 @@ def beam_search(
         tie_gap=tie_gap,
         **note,
     )
-    return Recommendations(
-        item_ids=catalog.item_of_node(node) if depth == catalog.code_len else torch.full_like(node, -1),
-        token_ids=torch.where(alive[:, :, None], tokens, -1),
-        scores=torch.where(alive, score, NEG_INF),
-        stats=stats,
-    )
+    tokens, score = torch.where(alive[:, :, None], tokens, -1), torch.where(alive, score, NEG_INF)
+    if depth == catalog.code_len:
+        return Recommendations.of(catalog, node, tokens, score, stats, exclude)
+    return Recommendations(torch.full_like(node, -1), tokens, score, stats)

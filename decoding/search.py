@@ -31,6 +31,18 @@ class Recommendations:
     stats: dict = field(default_factory=dict)  # the base keys of decoding/stats.py, plus the mode's extras
 
     @classmethod
+    def of(cls, catalog, node: torch.Tensor, tokens: torch.Tensor, scores: torch.Tensor, stats: dict, exclude=None):
+        """A decoder's semantic IDs per user, best first: leaves node [B, K] (-1 = none), their tokens [B, K, L] and
+        scores [B, K] -> the users' lists (`Catalog.listing`: the items each semantic ID names for its user, under
+        `exclude`), each item with its semantic ID's tokens and score. stats stay per semantic ID."""
+        item, source = catalog.listing(node, exclude)  # [B, K]
+        live, at = source >= 0, source.clamp(min=0)
+        tokens = tokens.gather(1, at[:, :, None].expand(-1, -1, tokens.shape[2]))
+        return cls(
+            item, torch.where(live[:, :, None], tokens, -1), torch.where(live, scores.gather(1, at), NEG_INF), stats
+        )
+
+    @classmethod
     def concat(cls, parts: list[Recommendations]) -> Recommendations:
         """Consecutive slices of one batch's users, decoded one after the other -> one result, as if decoded at once:
         rows concatenated; per-user stats ([B, ...] tensors) concatenated, other tensors (histograms) summed; phases,
