@@ -140,8 +140,8 @@ def duplicate_policy(policy: str) -> tuple[str, str | None]:
 
 
 def column_rank(table, column: str, source: str) -> np.ndarray:
-    """A catalog table's column -> each row's rank by it [N] int64 (0 first): highest value first, null and NaN last,
-    ties by item id (lowest first), the order in which `by:COLUMN` and `expand:COLUMN` list a semantic ID's items.
+    """A catalog table's column -> each row's rank by it [N] int64 (0 first): highest value first, null and NaN (no
+    value) last, ties by item id (lowest first), the order in which `by:COLUMN` and `expand:COLUMN` list a semantic ID's items.
     A column the table lacks, or one whose values have no order (text, lists), is refused, naming it."""
     if column not in table.column_names:
         raise ValueError(f"{source}: missing column {column!r}, which duplicate_items orders items by")
@@ -150,8 +150,12 @@ def column_rank(table, column: str, source: str) -> np.ndarray:
         raise ValueError(
             f"{source}: column {column!r} (duplicate_items) must hold numbers, dates, times or booleans, got {kind}"
         )
-    keys = [(column, "descending", "at_end"), ("item_id", "ascending", "at_end")]
-    order = pc.sort_indices(table.select(list(dict.fromkeys([column, "item_id"]))), sort_keys=keys).to_numpy()
+    values = table.column(column)
+    if pa.types.is_floating(kind):  # NaN is no value, as null is
+        values = pc.if_else(pc.is_nan(values), pa.scalar(None, kind), values)
+    keys = [("value", "descending", "at_end"), ("item_id", "ascending", "at_end")]
+    order = pc.sort_indices(pa.table({"value": values, "item_id": table.column("item_id")}), sort_keys=keys)
+    order = order.to_numpy()
     rank = np.empty(len(order), np.int64)
     rank[order] = np.arange(len(order))
     return rank
