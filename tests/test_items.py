@@ -268,6 +268,7 @@ def test_a_night_with_delisted_blocked_and_added_items(ray_world, tmp_path):
     from pipeline.nightly import run_nightly
     from pipeline.output import describe, open_run
     from pipeline.plan import plan_run
+    from pipeline.report import catalog_text
     from tests.test_nightly import killed_run
 
     world, date = ray_world, "2026-11-26"
@@ -310,6 +311,8 @@ def test_a_night_with_delisted_blocked_and_added_items(ray_world, tmp_path):
     assert info["duplicates"] == {"policy": "by:popularity", **shared, "dropped": 0, "items": []}
     ahead = {new for new, was in n["twins"].items() if was in set(n["served"].tolist())}  # ahead of a listed twin
     assert shared["shared_semantic_ids"] > 10 and set(recs.item_id) & ahead  # where `first` would list the old one
+    said = catalog_text({"mode": "beam", "run_id": manifest["run_id"], "catalog": info})  # the report's words
+    assert f"`by:popularity`: {shared['shared_semantic_ids']} semantic IDs name {shared['items_sharing']}" in said
     assert info["blocked"] + info["recommendable"] + info["not_recommendable"] == items
     assert info["not_recommendable"] == len(n["delisted"]) and info["recommendable_set"]["unknown_ids"] == 1
     assert info["block_list"]["ids"] == 8 and info["block_list"]["unknown_ids"] == 1
