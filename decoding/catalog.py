@@ -330,7 +330,14 @@ class Catalog:
 
     def row_of(self, position: torch.Tensor) -> torch.Tensor:
         """Positions in `listed` [M] (>= 0) -> the semantic ID (row of `tokens`) that lists each [M]."""
-        return torch.searchsorted(self.group_ptr, position, right=True) - 1
+        return position if len(self.listed) == len(self) else self._row[position]
+
+    @cached_property
+    def _row(self) -> torch.Tensor:
+        """[P] the semantic ID of each position in `listed` (a gather is many times faster than a binary search per
+        position): computed once per catalog (and device) that lists several items for one semantic ID."""
+        rows = torch.arange(len(self), device=self.device)
+        return torch.repeat_interleave(rows, torch.diff(self.group_ptr), output_size=len(self.listed))
 
     @cached_property
     def _by_id(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -448,10 +455,11 @@ class Exclusions:
         # a stable sort of non-negative integers is a radix sort on the CPU (unknown ids sort last, then drop)
         key = torch.sort(torch.where(at >= 0, user * p + at, users * p), stable=True).values
         items = torch.unique_consecutive(key[: key.numel() - int((at < 0).sum())])  # [E] distinct, sorted
-        row = catalog.row_of(items % p)  # [E] each item's semantic ID: a group's positions are consecutive
-        leaf, hits = torch.unique_consecutive(items // p * g + leaves_at + row, return_counts=True)
-        row = leaf % g - leaves_at  # [M'] each (user, semantic ID) with an excluded item
-        leaves = leaf[hits == catalog.group_ptr[row + 1] - catalog.group_ptr[row]]  # all of its items excluded
+        leaves = items // p * g + leaves_at + catalog.row_of(items % p)  # [E] sorted: a group's positions are one run
+        if p != len(catalog):  # semantic IDs of several items: a leaf closes once all of its items are excluded
+            leaves, hits = torch.unique_consecutive(leaves, return_counts=True)  # [M'] (user, semantic ID) pairs
+            row = leaves % g - leaves_at
+            leaves = leaves[hits == catalog.group_ptr[row + 1] - catalog.group_ptr[row]]
         closed, who, node = [leaves], leaves // g, leaves % g
         for _ in range(catalog.code_len):  # level by level up to the root: nodes are numbered in prefix order, so the
             # parents of a level's sorted closed keys come sorted, and equal ones adjacent

@@ -141,8 +141,8 @@ def duplicate_policy(policy: str) -> tuple[str, str | None]:
 
 def column_rank(table, column: str, source: str) -> np.ndarray:
     """A catalog table's column -> each row's rank by it [N] int64 (0 first): highest value first, null and NaN (no
-    value) last, ties by item id (lowest first), the order in which `by:COLUMN` and `expand:COLUMN` list a semantic ID's items.
-    A column the table lacks, or one whose values have no order (text, lists), is refused, naming it."""
+    value) last, ties by item id (lowest first), the order in which `by:COLUMN` and `expand:COLUMN` list a semantic
+    ID's items. A column the table lacks, or one whose values have no order (text, lists), is refused, naming it."""
     if column not in table.column_names:
         raise ValueError(f"{source}: missing column {column!r}, which duplicate_items orders items by")
     kind = table.schema.field(column).type
