@@ -137,32 +137,8 @@ class Catalog:
         rows = torch.arange(n) if rows is None else rows
         rows = rows[_policy_order(on_duplicate, _as_order(order, n), item_ids, rows)]  # [N'] a group's items in order
         input_row = rows[_lexsort(token_ids[rows], vocab_size)]  # [N'], stable: groups keep the policy's order
-        tokens, ids = token_ids[input_row], item_ids[input_row]
-        first = _first_rows(tokens)  # [N'] each semantic ID's first row
-        size = torch.diff(torch.cat([first.nonzero().flatten(), torch.tensor([len(first)])]))  # [N''] items per ID
-        shared = (int((size > 1).sum()), int(size[size > 1].sum()))
-        if on_duplicate in ("error", "first"):
-            tokens, ids, duplicates = first_of_each(tokens, ids, input_row, on_duplicate)
-            groups = {"group_ptr": torch.arange(len(ids) + 1), "listed": ids, "duplicates": duplicates}
-        else:
-            groups = {"group_ptr": torch.cat([first.nonzero().flatten(), torch.tensor([len(ids)])]), "listed": ids}
-            tokens, ids = tokens[first], ids[first]
-        node_ptr, edge_tok, edge_key, level_start, max_children, leaf_count = _csr(tokens, vocab_size)
-        cat = cls(
-            item_ids=ids,
-            tokens=tokens,
-            vocab_size=int(vocab_size),
-            node_ptr=node_ptr,
-            edge_tok=edge_tok,
-            edge_key=edge_key,
-            level_start=level_start,
-            max_children=max_children,
-            leaf_count=leaf_count,
-            item_tokens=item_tokens,
-            expand=on_duplicate == "expand",
-            shared=shared,
-            **groups,
-        )
+        tokens, ids, groups = _groups(token_ids[input_row], item_ids[input_row], input_row, on_duplicate)
+        cat = cls(ids, tokens, vocab_size, *_csr(tokens, vocab_size), item_tokens, **groups)
         return cat.to(device) if device is not None else cat
 
     @classmethod
@@ -623,6 +599,21 @@ def _first_rows(tokens: torch.Tensor) -> torch.Tensor:
     first = torch.ones(len(tokens), dtype=torch.bool)
     first[1:] = (tokens[1:] != tokens[:-1]).any(1)
     return first
+
+
+def _groups(tokens: torch.Tensor, item_ids: torch.Tensor, input_row: torch.Tensor, on_duplicate: str):
+    """Rows sorted by semantic ID, each semantic ID's items in the policy's order: tokens [N, L], item ids [N], input
+    rows [N] -> (each semantic ID's tokens [N', L] and first item [N'], the catalog's fields of its groups: group_ptr,
+    listed, expand, shared, and under `first` the duplicates it dropped)."""
+    first = _first_rows(tokens)  # [N]
+    ptr = torch.cat([first.nonzero().flatten(), torch.tensor([len(first)])])  # [N' + 1]
+    size = ptr.diff()  # [N'] items per semantic ID
+    info = {"expand": on_duplicate == "expand", "shared": (int((size > 1).sum()), int(size[size > 1].sum()))}
+    if on_duplicate in ("by", "expand"):
+        return tokens[first], item_ids[first], {"group_ptr": ptr, "listed": item_ids, **info}
+    tokens, item_ids, duplicates = first_of_each(tokens, item_ids, input_row, on_duplicate)
+    one = {"group_ptr": torch.arange(len(item_ids) + 1), "listed": item_ids, "duplicates": duplicates}
+    return tokens, item_ids, {**one, **info}
 
 
 def first_of_each(tokens: torch.Tensor, item_ids: torch.Tensor, input_row: torch.Tensor, on_duplicate: str):
