@@ -91,10 +91,10 @@ def users(world):
 
 
 def exclusion_lists(world, top: torch.Tensor) -> list[list[int]]:
-    """Per user, from its unrestricted top semantic IDs top [8, K, L]: none; the best item of each of its top 3 (a
-    shared one then names its next item); every item of its top one (no longer a candidate) and the best of its
-    second; 40 random items; all but 3 items (fewer than K left); items that are not recommendable and ids the
-    catalog lacks; all but the last item of each of its top 5; none."""
+    """Per user, from its unrestricted top semantic IDs top [8, K, L]: none; the best item of each of its first 3
+    that name several items (each then names its next item); every item of its top one (no longer a candidate) and
+    the best of its second; 40 random items; all but 3 items (fewer than K left); items that are not recommendable and
+    ids the catalog lacks; all but the last item of each of its top 5; none."""
     g = np.random.default_rng(3)
     groups = world["groups"]
     sid = lambda u, j: groups[tuple(top[u, j].tolist())]  # noqa: E731
@@ -102,7 +102,7 @@ def exclusion_lists(world, top: torch.Tensor) -> list[list[int]]:
     left = set(g.choice(listed, 3, replace=False).tolist())
     return [
         [],
-        [sid(1, j)[0] for j in range(3)],
+        [sid(1, j)[0] for j in range(K) if len(sid(1, j)) > 1][:3],
         sid(2, 0) + sid(2, 1)[:1],
         g.choice(listed, 40).tolist(),
         [i for i in listed if i not in left],
@@ -157,7 +157,7 @@ def test_beam_search_lists_what_the_reference_lists(world, users):
     assert torch.equal(rec["expand"].item_ids, items) and torch.equal(rec["expand"].scores, scores)
     sids = [[tuple(t) for t in row] for row in rec["by"].token_ids.tolist()]
     assert not set(sids[2]) & {tuple(t) for t in users["top"][2, :1].tolist()}  # wholly excluded: gone
-    assert (rec["by"].item_ids[4, 3:] == -1).all() and (rec["by"].item_ids[4, :3] >= 0).all()  # 3 items left
+    assert rec["expand"].item_ids[4].tolist()[3:] == [-1, -1] and (rec["expand"].item_ids[4, :3] >= 0).all()  # 3 left
     named = [
         (i, groups[sid][0]) for r, row in zip(rec["by"].item_ids.tolist(), sids) for i, sid in zip(r, row) if i >= 0
     ]
