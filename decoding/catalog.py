@@ -91,7 +91,7 @@ class Catalog:
     listed: torch.Tensor  # [P] int64: the items a list may hold, grouped by semantic ID, each group best first
     expand: bool = False  # a semantic ID lists every item it may (`expand`), else the first (`first`, `by`)
     duplicates: list[tuple[int, int]] = field(default_factory=list)  # (dropped item, kept item) sharing one semantic ID
-    shared: tuple[int, int] = (0, 0)  # semantic IDs of more than one recommendable item, and the items they name
+    collisions: tuple[int, int] = (0, 0)  # semantic IDs of more than one recommendable item, and the items they name
 
     # ---------------------------------------------------------------- construction
 
@@ -608,7 +608,7 @@ def _groups(tokens: torch.Tensor, item_ids: torch.Tensor, input_row: torch.Tenso
     first = _first_rows(tokens)  # [N]
     ptr = torch.cat([first.nonzero().flatten(), torch.tensor([len(first)])])  # [N' + 1]
     size = ptr.diff()  # [N'] items per semantic ID
-    info = {"expand": on_duplicate == "expand", "shared": (int((size > 1).sum()), int(size[size > 1].sum()))}
+    info = {"expand": on_duplicate == "expand", "collisions": (int((size > 1).sum()), int(size[size > 1].sum()))}
     if on_duplicate in ("by", "expand"):
         return tokens[first], item_ids[first], {"group_ptr": ptr, "listed": item_ids, **info}
     tokens, item_ids, duplicates = first_of_each(tokens, item_ids, input_row, on_duplicate)

@@ -154,8 +154,8 @@ def catalog_info(plan: Plan) -> dict:
         "indexed": len(catalog),
         "duplicates": {
             "policy": plan.cfg.duplicate_items,
-            "shared_semantic_ids": catalog.shared[0],  # semantic IDs of more than one item a list may hold
-            "items_sharing": catalog.shared[1],  # the items behind them
+            "shared_semantic_ids": catalog.collisions[0],  # semantic IDs of more than one item a list may hold
+            "items_sharing": catalog.collisions[1],  # the items behind them
             "dropped": len(catalog.duplicates),
             "items": [{"item_id": d, "kept": k} for d, k in catalog.duplicates],
         },

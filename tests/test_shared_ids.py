@@ -66,7 +66,7 @@ def test_the_policies_and_their_order(world):
     assert {tuple(r): listed[ptr[i] : ptr[i + 1]] for i, r in enumerate(by.tokens.tolist())} == groups
     assert len(by) == len(groups) < 90 and by.item_ids.tolist() == [listed[p] for p in ptr[:-1]]
     sizes = np.array([len(v) for v in groups.values()])
-    assert by.shared == (int((sizes > 1).sum()), int(sizes[sizes > 1].sum())) and by.shared[0] > 20
+    assert by.collisions == (int((sizes > 1).sum()), int(sizes[sizes > 1].sum())) and by.collisions[0] > 20
     table = pa.table({"item_id": [5, 3, 9, 4, 8], "p": pa.array([2.0, None, 2.0, math.nan, 7.0])})
     assert column_rank(table, "p", "c").tolist() == [1, 3, 2, 4, 0]  # 8 (7.0), 5 and 9 (2.0), then 3 and 4 (none)
     with pytest.raises(ValueError, match="c: missing column 'q', which duplicate_items orders items by"):
