@@ -232,7 +232,9 @@ def beam_search(
 ) -> Recommendations:
     """input_ids, attention_mask [B, S] left-padded (continuing `prefix` when given) -> the top-k catalog items per
     user (per user over the catalog minus its `exclude`d items, when given: a user with fewer than k left gets what is
-    left, padded). `steps` < L stops early: token_ids are then the top-k prefixes [B, k, steps] and item_ids are -1.
+    left, padded). The search is over semantic IDs; where one names several items, the top-k semantic IDs become the
+    user's list as `Catalog.listing` says (duplicate_items by: one item each; expand: each item, cut at k).
+    `steps` < L stops early: token_ids are then the top-k prefixes [B, k, steps] and item_ids are -1.
     do_sample: sampling-based beam search, each step draws k (beam, token) pairs without replacement with
     probability proportional to exp(sequence log-prob / temperature) (the reference for relaxed speculation);
     the final k are returned by score, descending. The tree keeps every node (at most k per level: no compaction
@@ -327,9 +329,7 @@ def beam_search(
         tie_gap=tie_gap,
         **note,
     )
-    return Recommendations(
-        item_ids=catalog.item_of_node(node) if depth == catalog.code_len else torch.full_like(node, -1),
-        token_ids=torch.where(alive[:, :, None], tokens, -1),
-        scores=torch.where(alive, score, NEG_INF),
-        stats=stats,
-    )
+    tokens, score = torch.where(alive[:, :, None], tokens, -1), torch.where(alive, score, NEG_INF)
+    if depth == catalog.code_len:
+        return Recommendations.of(catalog, node, tokens, score, stats, exclude)
+    return Recommendations(torch.full_like(node, -1), tokens, score, stats)

@@ -11,9 +11,14 @@ catalog's device, and two structures are derived from them:
   (ascending). Beam search walks the trie by node id, beams at different levels expand in one call
   (speculative decoding needs that), and `allowed_next` gathers whole child ranges at once.
 
+Items that share a semantic ID (`duplicate_items`): the index holds each semantic ID once, and its items as a CSR
+group (`group_ptr`, `listed`) in the policy's order: `first` keeps one item per semantic ID, `by:COLUMN` and `expand`
+keep them all, best first. A decoder searches semantic IDs; `listing` turns each user's semantic IDs into its list
+(`by`: the first item of each that the user may take; `expand`: every such item, one entry each).
+
 Per-user exclusions (`Exclusions`, one batch's): the trie nodes each user may not reach, closed bottom-up (a leaf
-excluded, a node all of whose children are closed), as sorted keys user * G + node per level; every decoder drops a
-closed child where its candidates are made (`decoding.beam.children`).
+all of whose items are excluded, a node all of whose children are closed), as sorted keys user * G + node per level;
+every decoder drops a closed child where its candidates are made (`decoding.beam.children`).
 
 No Python loop runs over rows, beams or users; loops run over the L levels or log2(N) bisection steps.
 """
@@ -21,13 +26,14 @@ No Python loop runs over rows, beams or users; loops run over the L levels or lo
 from __future__ import annotations
 
 import bisect
+import hashlib
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import numpy as np
 import torch
 
-from decoding.codes import code_token, code_token_ids, format_rows, semantic_id_matrix
+from decoding.codes import code_token, code_token_ids, column_rank, duplicate_policy, format_rows, semantic_id_matrix
 
 
 @dataclass
@@ -69,7 +75,7 @@ class ItemTokens:
 
 @dataclass
 class Catalog:
-    item_ids: torch.Tensor  # [N] int64, in the order of `tokens`
+    item_ids: torch.Tensor  # [N] int64, in the order of `tokens`: the first listed item of each semantic ID
     tokens: torch.Tensor  # [N, L] int64, rows sorted lexicographically, unique
     vocab_size: int
     node_ptr: torch.Tensor  # [G + 1] int64: node g's children are edges node_ptr[g] .. node_ptr[g + 1] - 1
@@ -80,7 +86,12 @@ class Catalog:
     leaf_count: torch.Tensor  # [G] int64: items under each node
     item_tokens: ItemTokens  # every input item (the item index: those not recommendable and those dropped as
     # duplicates included) -> its token ids, what prompts are rendered with
+    group_ptr: torch.Tensor  # [N + 1] int64: semantic ID r (row r of `tokens`) lists items listed[group_ptr[r] ..
+    # group_ptr[r + 1] - 1]
+    listed: torch.Tensor  # [P] int64: the items a list may hold, grouped by semantic ID, each group best first
+    expand: bool = False  # a semantic ID lists every item it may (`expand`), else the first (`first`, `by`)
     duplicates: list[tuple[int, int]] = field(default_factory=list)  # (dropped item, kept item) sharing one semantic ID
+    collisions: tuple[int, int] = (0, 0)  # semantic IDs of more than one recommendable item, and the items they name
 
     # ---------------------------------------------------------------- construction
 
@@ -93,15 +104,17 @@ class Catalog:
         on_duplicate: str = "error",
         device: torch.device | str | None = None,
         recommendable=None,
+        order=None,
     ) -> Catalog:
         """item_ids [N]; token_ids [N, L] (tensor, array or list of rows; ragged rows are an error); recommendable
         [N] bool: the items a list may hold (None: every item). The index holds the recommendable items only; every
         item stays in `item_tokens`, since histories may name any of them. Items that share a semantic ID:
         on_duplicate="error" refuses any two of the catalog, recommendable or not (whether the catalog is valid does
         not change with tonight's set); "first": the first recommendable one keeps it in the index, and the other
-        recommendable ones are listed in `duplicates`."""
-        if on_duplicate not in ("error", "first"):
-            raise ValueError(f"on_duplicate must be 'error' or 'first', got {on_duplicate!r}")
+        recommendable ones are listed in `duplicates`; "by" and "expand": the semantic ID keeps every recommendable
+        item, in `order` [N] (lower first, e.g. a column's rank; None: by item id), ties by input row."""
+        if on_duplicate not in ("error", "first", "by", "expand"):
+            raise ValueError(f"on_duplicate must be error, first, by or expand, got {on_duplicate!r}")
         vocab_size = int(vocab_size)  # a Python int: vocab_size ** L must not wrap (numpy integers do)
         token_ids = _as_matrix(token_ids)
         item_ids = torch.as_tensor(item_ids, dtype=torch.int64).reshape(-1)
@@ -121,25 +134,11 @@ class Catalog:
         if rows is not None and on_duplicate == "error":  # the policy is the item index's, not tonight's subset's
             everything = _lexsort(token_ids, vocab_size)
             first_of_each(token_ids[everything], item_ids[everything], everything, on_duplicate)
-        if rows is not None:
-            item_ids, token_ids = item_ids[rows], token_ids[rows]
-        order = _lexsort(token_ids, vocab_size)  # [N'], stable: equal rows keep input order
-        input_row = order if rows is None else rows[order]
-        tokens, item_ids, duplicates = first_of_each(token_ids[order], item_ids[order], input_row, on_duplicate)
-        node_ptr, edge_tok, edge_key, level_start, max_children, leaf_count = _csr(tokens, vocab_size)
-        cat = cls(
-            item_ids,
-            tokens,
-            int(vocab_size),
-            node_ptr,
-            edge_tok,
-            edge_key,
-            level_start,
-            max_children,
-            leaf_count,
-            item_tokens,
-            duplicates,
-        )
+        rows = torch.arange(n) if rows is None else rows
+        rows = rows[_policy_order(on_duplicate, _as_order(order, n), item_ids, rows)]  # [N'] a group's items in order
+        input_row = rows[_lexsort(token_ids[rows], vocab_size)]  # [N'], stable: groups keep the policy's order
+        tokens, ids, groups = _groups(token_ids[input_row], item_ids[input_row], input_row, on_duplicate)
+        cat = cls(ids, tokens, vocab_size, *_csr(tokens, vocab_size), item_tokens, **groups)
         return cat.to(device) if device is not None else cat
 
     @classmethod
@@ -149,7 +148,8 @@ class Catalog:
         import pyarrow.dataset as pads  # the one file this module reads, outside any decoding path
 
         data = pads.dataset(path, format="parquet")
-        table = data.to_table(columns=[c for c in ("item_id", "semantic_id") if c in data.schema.names])
+        wanted = ("item_id", "semantic_id", duplicate_policy(on_duplicate)[1])
+        table = data.to_table(columns=[c for c in wanted if c in data.schema.names])
         return cls.from_table(table, tokenizer, on_duplicate, device, str(path), code_token)
 
     @classmethod
@@ -163,10 +163,12 @@ class Catalog:
         code_token=code_token,
         recommendable=None,
     ) -> Catalog:
-        """The one parser of a catalog table (`item_id`, `semantic_id`), read from anywhere: the index (of the
-        `recommendable` rows [N] bool, None: all) and the item-to-tokens map of prompts (every row), from one pass
-        over the semantic IDs. code_token(level, code) names the code tokens (a prompt template's `code`); every one
-        the catalog needs must be in the tokenizer."""
+        """The one parser of a catalog table (`item_id`, `semantic_id`, and the column a `by:` or `expand:` policy
+        names), read from anywhere: the index (of the `recommendable` rows [N] bool, None: all) and the item-to-tokens
+        map of prompts (every row), from one pass over the semantic IDs. on_duplicate: a policy (`duplicate_policy`).
+        code_token(level, code) names the code tokens (a prompt template's `code`); every one the catalog needs must
+        be in the tokenizer."""
+        kind, column = duplicate_policy(on_duplicate)
         if "item_id" not in table.column_names:
             raise ValueError(f"{source}: missing column 'item_id' (has {table.column_names})")
         if table.column("item_id").null_count:
@@ -178,14 +180,16 @@ class Catalog:
         except ValueError as e:
             raise ValueError(f"{source}: {e}") from None
         item_ids = table.column("item_id").to_numpy().astype(np.int64)
+        order = column_rank(table, column, source) if column else None
         try:
             return cls.from_token_ids(
                 torch.from_numpy(item_ids),
                 torch.from_numpy(token_ids),
                 len(tokenizer),
-                on_duplicate,
+                kind,
                 device,
                 recommendable,
+                order,
             )
         except ValueError as e:
             raise ValueError(f"{source}: {e}") from None
@@ -200,11 +204,22 @@ class Catalog:
             edge_tok=self.edge_tok.to(device),
             edge_key=self.edge_key.to(device),
             leaf_count=self.leaf_count.to(device),
+            group_ptr=self.group_ptr.to(device),
+            listed=self.listed.to(device),
         )
 
     @property
     def code_len(self) -> int:
         return self.tokens.shape[1]
+
+    def listing_sha256(self) -> str:
+        """What a list draws from besides the index's item ids and semantic IDs: the items each semantic ID lists, in
+        order (the duplicate policy's outcome: `first`'s kept item, the order `by:` and `expand:` take from their
+        column), and whether it lists all of them (`expand`). sha256 over little-endian int64s."""
+        h = hashlib.sha256(np.array([self.expand, len(self)], dtype="<i8").tobytes())
+        h.update(self.group_ptr.cpu().numpy().astype("<i8").tobytes())
+        h.update(self.listed.cpu().numpy().astype("<i8").tobytes())
+        return h.hexdigest()
 
     @property
     def device(self) -> torch.device:
@@ -276,18 +291,68 @@ class Catalog:
         return torch.cat([root, self.edge_key // self.vocab_size])
 
     def leaf_of(self, item_ids: torch.Tensor) -> torch.Tensor:
-        """Item ids [M] -> their leaf nodes [M]; -1 for an id the index does not hold (not in the catalog, or dropped
-        for sharing another item's semantic ID: that item is a different one)."""
-        ids, rows = self._by_id
+        """Item ids [M] -> their leaf nodes [M]; -1 for an id the index does not hold (not in the catalog, not
+        recommendable, or dropped by `first` for sharing another item's semantic ID: that item is a different one)."""
+        at = self.position_of(item_ids)  # [M]
+        return torch.where(at >= 0, self.level_start[self.code_len] + self.row_of(at), -1)
+
+    def position_of(self, item_ids: torch.Tensor) -> torch.Tensor:
+        """Item ids [M] -> their positions in `listed` [M]; -1 for an id the index does not list."""
+        ids, where = self._by_id
         query, order = torch.sort(torch.as_tensor(item_ids, dtype=torch.int64).to(self.device), stable=True)
-        at = torch.searchsorted(ids, query).clamp(max=len(self) - 1)  # [M] walk the ids in order: cache-friendly
-        leaf = torch.where(ids[at] == query, self.level_start[self.code_len] + rows[at], -1)
-        return torch.empty_like(leaf).scatter_(0, order, leaf)
+        at = torch.searchsorted(ids, query).clamp(max=len(ids) - 1)  # [M] walk the ids in order: cache-friendly
+        found = torch.where(ids[at] == query, where[at], -1)
+        return torch.empty_like(found).scatter_(0, order, found)
+
+    def row_of(self, position: torch.Tensor) -> torch.Tensor:
+        """Positions in `listed` [M] (>= 0) -> the semantic ID (row of `tokens`) that lists each [M]."""
+        return position if len(self.listed) == len(self) else self._row[position]
+
+    @cached_property
+    def _row(self) -> torch.Tensor:
+        """[P] the semantic ID of each position in `listed` (a gather is many times faster than a binary search per
+        position): computed once per catalog (and device) that lists several items for one semantic ID."""
+        rows = torch.arange(len(self), device=self.device)
+        return torch.repeat_interleave(rows, torch.diff(self.group_ptr), output_size=len(self.listed))
 
     @cached_property
     def _by_id(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(item ids sorted [N], the catalog row of each [N]): computed once per catalog (and device)."""
-        return torch.sort(self.item_ids)
+        """(listed item ids sorted [P], the position of each in `listed` [P]): computed once per catalog (and
+        device)."""
+        return torch.sort(self.listed)
+
+    # ---------------------------------------------------------------- a user's list from its semantic IDs
+
+    def listing(self, node: torch.Tensor, exclude: Exclusions | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each user's semantic IDs, best first: leaves node [B, K] (-1 = none; row b is `exclude`'s row b) -> the
+        user's list: item ids [B, K] and the column of `node` each comes from [B, K] (-1 and -1 past its end). A
+        semantic ID names the first of its items (in the policy's order) that its user may take: one that `exclude`
+        does not exclude; with `expand` every such item, one entry each, semantic IDs in turn, the list cut at K
+        entries. A decoder never returns a closed leaf, so each semantic ID names at least one item. No Python loop:
+        of each group only the positions that can matter are gathered, all at once (the first `need` items, 1 or K,
+        and as many more as the user excludes in the group)."""
+        b, k = node.shape
+        if not self.expand and len(self.listed) == len(self):  # one item per semantic ID: its leaf's
+            return self.item_of_node(node), torch.where(node >= 0, torch.arange(k, device=node.device), -1)
+        row = torch.where(node >= 0, node - self.level_start[self.code_len], -1)  # [B, K]
+        start = self.group_ptr[row.clamp(min=0)]  # [B, K]
+        size = torch.where(row >= 0, self.group_ptr[row + 1] - start, 0)  # [B, K]
+        skip = exclude.within(start, size) if exclude is not None else torch.zeros_like(size)  # [B, K]
+        take = torch.minimum(size, (k if self.expand else 1) + skip).flatten()  # [B K]
+        seg = torch.repeat_interleave(torch.arange(b * k, device=node.device), take)  # [T] entry -> (user, column)
+        begin = take.cumsum(0) - take  # [B K] each segment's first entry
+        pos = start.flatten()[seg] + torch.arange(len(seg), device=node.device) - begin[seg]  # [T] in `listed`
+        ok = ~exclude.has(seg // k, pos) if exclude is not None else torch.ones_like(pos, dtype=torch.bool)  # [T]
+        group = begin[seg - seg % k] if self.expand else begin[seg]  # [T] the first entry of its user / segment
+        count = ok.long().cumsum(0)
+        rank = count - (count - ok.long())[group] - 1  # [T] the entry's place among its user's / segment's items
+        keep = ok & (rank < k if self.expand else rank == 0)
+        slot = seg // k * k + rank if self.expand else seg  # [T] where a kept entry goes in the flat [B K] list
+        items = torch.full((b * k,), -1, dtype=torch.int64, device=node.device)
+        source = torch.full_like(items, -1)
+        items[slot[keep]] = self.listed[pos[keep]]
+        source[slot[keep]] = seg[keep] % k
+        return items.view(b, k), source.view(b, k)
 
     # ---------------------------------------------------------------- PPV: binary search in sorted rows
 
@@ -333,35 +398,44 @@ class Catalog:
 @dataclass
 class Exclusions:
     """One batch's per-user exclusions (items a user must not be recommended) as the trie nodes they close: a node is
-    closed for a user once every item under it is excluded (an excluded leaf closes itself; a node closes when all its
-    children are closed), and no decoder ever makes a closed node a candidate. Per level t = 0 .. L, the sorted keys
-    user * G + node of the closed nodes; the excluded items under any node (what DISC adds to the items its draws
-    exclude) are counted against `leaf_count` on demand (`counts`). `rows` says which user each row of a decoder's
-    tensors stands for: selecting users (a slice of the batch, finished users leaving) gathers rows and leaves the
-    keys alone. Built once per batch on the catalog's device with one sort (of the (user, item) pairs), then linear
-    passes, one per level; no Python loop over users or items."""
+    closed for a user once every item under it is excluded (a leaf, a semantic ID, closes when all its listed items
+    are; a node closes when all its children are closed), and no decoder ever makes a closed node a candidate. Per
+    level t = 0 .. L, the sorted keys user * G + node of the closed nodes; the closed leaves under any node (what DISC
+    adds to the semantic IDs its draws exclude) are counted against `leaf_count` on demand (`counts`). The excluded
+    items themselves (`items`) decide which items of an open semantic ID its user's list names
+    (`Catalog.listing`). `rows` says which user each row of a decoder's tensors stands for: selecting users (a
+    slice of the batch, finished users leaving) gathers rows and leaves the keys alone. Built once per batch on the
+    catalog's device with one sort (of the (user, item) pairs), then linear passes, one per level; no Python loop
+    over users or items."""
 
-    leaves: torch.Tensor  # [M] int64, sorted, unique: user * G + leaf, each user's distinct excluded items
+    leaves: torch.Tensor  # [M] int64, sorted, unique: user * G + leaf, each user's closed semantic IDs
     closed: list[torch.Tensor]  # per level t = 0 .. L: [C_t] int64, sorted: user * G + node of its closed nodes
     rows: torch.Tensor  # [A] int64: the user (0 .. B - 1) of each row
     nodes: int  # G, the catalog's trie nodes
     level_start: list[int]  # the catalog's: level t's nodes are level_start[t] .. level_start[t + 1] - 1
     parent: torch.Tensor  # [G] the catalog's parent of each node (counts walk the paths up)
+    items: torch.Tensor  # [E] int64, sorted, unique: user * P + position in catalog.listed, each user's excluded items
+    positions: int  # P, the catalog's listed items
 
     @classmethod
     def from_items(cls, catalog: Catalog, user, item_ids, users: int) -> Exclusions:
-        """Pairs (user [M] in 0 .. users - 1, item id [M]): repeats count once; ids the index does not hold are
+        """Pairs (user [M] in 0 .. users - 1, item id [M]): repeats count once; ids the index does not list are
         ignored (they cannot be recommended anyway)."""
         user = torch.as_tensor(user, dtype=torch.int64).to(catalog.device).reshape(-1)
-        leaf = catalog.leaf_of(torch.as_tensor(item_ids, dtype=torch.int64).reshape(-1))  # [M]
-        if user.shape != leaf.shape:
-            raise ValueError(f"user has {user.numel()} entries but item_ids {leaf.numel()}")
+        at = catalog.position_of(torch.as_tensor(item_ids, dtype=torch.int64).reshape(-1))  # [M]
+        if user.shape != at.shape:
+            raise ValueError(f"user has {user.numel()} entries but item_ids {at.numel()}")
         if user.numel() and not (0 <= int(user.min()) and int(user.max()) < users):
             raise ValueError(f"users must lie in [0, {users}), got {int(user.min())} .. {int(user.max())}")
-        g = catalog.num_nodes
+        g, p, leaves_at = catalog.num_nodes, len(catalog.listed), catalog.level_start[catalog.code_len]
         # a stable sort of non-negative integers is a radix sort on the CPU (unknown ids sort last, then drop)
-        key = torch.sort(torch.where(leaf >= 0, user * g + leaf, users * g), stable=True).values
-        leaves = torch.unique_consecutive(key[: key.numel() - int((leaf < 0).sum())])  # [M'] distinct, sorted
+        key = torch.sort(torch.where(at >= 0, user * p + at, users * p), stable=True).values
+        items = torch.unique_consecutive(key[: key.numel() - int((at < 0).sum())])  # [E] distinct, sorted
+        leaves = items // p * g + leaves_at + catalog.row_of(items % p)  # [E] sorted: a group's positions are one run
+        if p != len(catalog):  # semantic IDs of several items: a leaf closes once all of its items are excluded
+            leaves, hits = torch.unique_consecutive(leaves, return_counts=True)  # [M'] (user, semantic ID) pairs
+            row = leaves % g - leaves_at
+            leaves = leaves[hits == catalog.group_ptr[row + 1] - catalog.group_ptr[row]]
         closed, who, node = [leaves], leaves // g, leaves % g
         for _ in range(catalog.code_len):  # level by level up to the root: nodes are numbered in prefix order, so the
             # parents of a level's sorted closed keys come sorted, and equal ones adjacent
@@ -371,9 +445,8 @@ class Exclusions:
             shut = (shut_children == catalog.num_children(parent[first])).nonzero().flatten()  # all children closed
             closed.insert(0, up[shut])
             who, node = who[first[shut]], parent[first[shut]]
-        return cls(
-            leaves, closed, torch.arange(users, device=catalog.device), g, list(catalog.level_start), catalog.parent
-        )
+        rows = torch.arange(users, device=catalog.device)
+        return cls(leaves, closed, rows, g, list(catalog.level_start), catalog.parent, items, p)
 
     @classmethod
     def none(cls, catalog: Catalog, users: int) -> Exclusions:
@@ -382,8 +455,8 @@ class Exclusions:
 
     @cached_property
     def counts(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per level t = 0 .. L: (sorted keys user * G + node of the nodes on an excluded item's path [E_t], the
-        user's excluded items under each [E_t]), from the leaves up (computed on first use: DISC's)."""
+        """Per level t = 0 .. L: (sorted keys user * G + node of the nodes on a closed leaf's path [E_t], the user's
+        closed leaves under each [E_t]), from the leaves up (computed on first use: DISC's)."""
         g = self.nodes
         key, count = self.leaves, torch.ones_like(self.leaves)
         out = [(key, count)]
@@ -401,6 +474,7 @@ class Exclusions:
             closed=[c.to(device) for c in self.closed],
             rows=self.rows.to(device),
             parent=self.parent.to(device),
+            items=self.items.to(device),
         )
 
     def select(self, rows: torch.Tensor) -> Exclusions:
@@ -412,8 +486,8 @@ class Exclusions:
         return self.rows[: node.shape[0]].view(-1, *([1] * (node.dim() - 1))) * self.nodes + node.clamp(min=0)
 
     def excluded(self, node: torch.Tensor) -> torch.Tensor:
-        """node [A', ...] (row r of the first A' rows; -1 = none) -> the row's user's excluded items under it [A', ...]
-        (0 for none)."""
+        """node [A', ...] (row r of the first A' rows; -1 = none) -> the row's user's closed leaves (semantic IDs all
+        of whose items are excluded) under it [A', ...] (0 for none)."""
         query = self._keys(node)
         total = sum(count_at(k, c, query) for k, c in self.counts)  # a node is of one level only
         return torch.where(node >= 0, total, 0)
@@ -438,9 +512,21 @@ class Exclusions:
         return live.index_put_(where, ~shut)
 
     def per_user(self) -> torch.Tensor:
-        """[A] each row's excluded items that the index holds (distinct)."""
-        first = self.rows * self.nodes
-        return torch.searchsorted(self.leaves, first + self.nodes) - torch.searchsorted(self.leaves, first)
+        """[A] each row's excluded items that the index lists (distinct)."""
+        first = self.rows * self.positions
+        return torch.searchsorted(self.items, first + self.positions) - torch.searchsorted(self.items, first)
+
+    def within(self, start: torch.Tensor, size: torch.Tensor) -> torch.Tensor:
+        """Runs of positions in catalog.listed start, size [A', ...] (row r of the first A' rows) -> how many of each
+        run the row's user excludes [A', ...]."""
+        first = self.rows[: start.shape[0]].view(-1, *([1] * (start.dim() - 1))) * self.positions + start
+        return torch.searchsorted(self.items, first + size) - torch.searchsorted(self.items, first)
+
+    def has(self, row: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """row [T] (of the current rows), position in catalog.listed [T] -> bool [T]: the row's user excludes it."""
+        if not self.items.numel():
+            return torch.zeros_like(position, dtype=torch.bool)
+        return found_in(self.items, self.rows[row] * self.positions + position)
 
 
 def count_at(key: torch.Tensor, count: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
@@ -489,13 +575,53 @@ def _recommendable_rows(recommendable, n: int) -> torch.Tensor | None:
     return None if keep.all() else keep.nonzero().flatten()
 
 
+def _as_order(order, n: int) -> torch.Tensor | None:
+    """order [N] (any numbers, lower first; None: none) -> a tensor [N], refused when it does not match the catalog."""
+    if order is None:
+        return None
+    order = torch.as_tensor(np.asarray(order)).reshape(-1)
+    if order.numel() != n:
+        raise ValueError(f"order has {order.numel()} entries but the catalog {n} items")
+    return order
+
+
+def _policy_order(kind: str, order: torch.Tensor | None, item_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The index's rows [N'] (ascending) -> the permutation [N'] of them in the order a semantic ID lists its items:
+    input order (first, error), else by `order` [N] (lower first; None: none), ties by item id (lowest first)."""
+    if kind in ("first", "error"):
+        return torch.arange(len(rows))
+    perm = torch.sort(item_ids[rows], stable=True).indices  # [N']
+    return perm if order is None else perm[torch.sort(order[rows[perm]], stable=True).indices]
+
+
+def _first_rows(tokens: torch.Tensor) -> torch.Tensor:
+    """Rows sorted by semantic ID [N, L] -> [N] bool: the first row of each semantic ID."""
+    first = torch.ones(len(tokens), dtype=torch.bool)
+    first[1:] = (tokens[1:] != tokens[:-1]).any(1)
+    return first
+
+
+def _groups(tokens: torch.Tensor, item_ids: torch.Tensor, input_row: torch.Tensor, on_duplicate: str):
+    """Rows sorted by semantic ID, each semantic ID's items in the policy's order: tokens [N, L], item ids [N], input
+    rows [N] -> (each semantic ID's tokens [N', L] and first item [N'], the catalog's fields of its groups: group_ptr,
+    listed, expand, shared, and under `first` the duplicates it dropped)."""
+    first = _first_rows(tokens)  # [N]
+    ptr = torch.cat([first.nonzero().flatten(), torch.tensor([len(first)])])  # [N' + 1]
+    size = ptr.diff()  # [N'] items per semantic ID
+    info = {"expand": on_duplicate == "expand", "collisions": (int((size > 1).sum()), int(size[size > 1].sum()))}
+    if on_duplicate in ("by", "expand"):
+        return tokens[first], item_ids[first], {"group_ptr": ptr, "listed": item_ids, **info}
+    tokens, item_ids, duplicates = first_of_each(tokens, item_ids, input_row, on_duplicate)
+    one = {"group_ptr": torch.arange(len(item_ids) + 1), "listed": item_ids, "duplicates": duplicates}
+    return tokens, item_ids, {**one, **info}
+
+
 def first_of_each(tokens: torch.Tensor, item_ids: torch.Tensor, input_row: torch.Tensor, on_duplicate: str):
     """Rows sorted by semantic ID tokens [N, L], their item ids [N] and input rows [N] -> (the first row of each
     semantic ID's tokens and item id, [(dropped item, kept item)]); on_duplicate "error": a shared semantic ID is
     refused, naming the input rows and items."""
     n = len(tokens)
-    first = torch.ones(n, dtype=torch.bool)
-    first[1:] = (tokens[1:] != tokens[:-1]).any(1)  # [N] first row of each semantic ID
+    first = _first_rows(tokens)  # [N]
     if first.all():
         return tokens, item_ids, []
     dup = (~first).nonzero().flatten()
@@ -505,7 +631,8 @@ def first_of_each(tokens: torch.Tensor, item_ids: torch.Tensor, input_row: torch
             f"{dup.numel()} items share a semantic ID with another item, e.g. input rows "
             f"{format_rows(input_row[dup])} repeat rows {format_rows(input_row[kept])} "
             f"(item ids {format_rows(item_ids[dup])} vs {format_rows(item_ids[kept])}); "
-            "pass on_duplicate='first' to keep the first item of each semantic ID"
+            "choose a duplicate policy (duplicate_items): first keeps the first item, by:COLUMN the one with the "
+            "highest value of a catalog column, expand every item"
         )
     return tokens[first], item_ids[first], list(zip(item_ids[dup].tolist(), item_ids[kept].tolist()))
 

@@ -1,6 +1,7 @@
 """Semantic-ID code tokens: their names (`<a_47>`: level letter, code) and their token ids.
 
-Shared by the catalog index, prompt building and data preparation. Parses Arrow arrays; opens no file.
+Shared by the catalog index, prompt building and data preparation; and the duplicate policies (`duplicate_items`:
+which items a semantic ID shared by several names, in which order). Parses Arrow arrays; opens no file.
 """
 
 from __future__ import annotations
@@ -117,3 +118,44 @@ def ragged_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     total = int(lengths.sum())
     out_starts = np.cumsum(lengths) - lengths  # [R] where each range begins in the output
     return np.repeat(starts - out_starts, lengths) + np.arange(total, dtype=np.int64)
+
+
+POLICIES = "first | error | by:COLUMN | expand | expand:COLUMN"  # duplicate_items, in words
+ORDERED = (pa.types.is_integer, pa.types.is_floating, pa.types.is_decimal, pa.types.is_temporal, pa.types.is_boolean)
+
+
+def duplicate_policy(policy: str) -> tuple[str, str | None]:
+    """A duplicate_items policy -> (kind: first, error, by or expand; the catalog column that orders the items of one
+    semantic ID, highest value first, or None: by item id, lowest first). Refused (ValueError) unless one of
+    POLICIES: `by` needs its column, `expand` may name one."""
+    kind, colon, column = str(policy).partition(":")
+    named = kind == "by" or (kind == "expand" and colon)  # a policy that orders by a column must name one
+    if (
+        kind not in ("first", "error", "by", "expand")
+        or (named and not column)
+        or (kind in ("first", "error") and colon)
+    ):
+        raise ValueError(f"duplicate_items must be one of {POLICIES}, got {policy!r}")
+    return kind, column or None
+
+
+def column_rank(table, column: str, source: str) -> np.ndarray:
+    """A catalog table's column -> each row's rank by it [N] int64 (0 first): highest value first, null and NaN (no
+    value) last, ties by item id (lowest first), the order in which `by:COLUMN` and `expand:COLUMN` list a semantic
+    ID's items. A column the table lacks, or one whose values have no order (text, lists), is refused, naming it."""
+    if column not in table.column_names:
+        raise ValueError(f"{source}: missing column {column!r}, which duplicate_items orders items by")
+    kind = table.schema.field(column).type
+    if not any(is_(kind) for is_ in ORDERED):
+        raise ValueError(
+            f"{source}: column {column!r} (duplicate_items) must hold numbers, dates, times or booleans, got {kind}"
+        )
+    values = table.column(column)
+    if pa.types.is_floating(kind):  # NaN is no value, as null is
+        values = pc.if_else(pc.is_nan(values), pa.scalar(None, kind), values)
+    keys = [("value", "descending", "at_end"), ("item_id", "ascending", "at_end")]
+    order = pc.sort_indices(pa.table({"value": values, "item_id": table.column("item_id")}), sort_keys=keys)
+    order = order.to_numpy()
+    rank = np.empty(len(order), np.int64)
+    rank[order] = np.arange(len(order))
+    return rank

@@ -592,12 +592,10 @@ def compiled_beam_search(
         compile_s=engine.compile_s - compile_s,
         graphs_compiled=engine.graphs - graphs,
     )
-    return Recommendations(
-        item_ids=catalog.item_of_node(node) if depth == catalog.code_len else torch.full_like(node, -1),
-        token_ids=torch.where(alive[:, :, None], tokens, -1),
-        scores=torch.where(alive, score, NEG_INF),
-        stats=stats,
-    )
+    tokens, score = torch.where(alive[:, :, None], tokens, -1), torch.where(alive, score, NEG_INF)
+    if depth == catalog.code_len:
+        return Recommendations.of(catalog, node, tokens, score, stats)
+    return Recommendations(torch.full_like(node, -1), tokens, score, stats)
 
 
 def warm_up(

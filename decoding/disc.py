@@ -389,11 +389,13 @@ def recommendations(run: Proposer, draws: Draws, k: int, prompt_len: int) -> Rec
         expanded_nodes=sum(torch.bincount(s.key // g, minlength=b) for s in run.stores),
         non_finite=run.broken,
     )
-    return Recommendations(
-        run.catalog.item_of_node(pick(draws.paths[:, :, -1]).masked_fill(~live, -1)),
+    return Recommendations.of(
+        run.catalog,
+        pick(draws.paths[:, :, -1]).masked_fill(~live, -1),
         pick(draws.tokens).masked_fill(~live[:, :, None], -1),
         pick(draws.score).masked_fill(~live, NEG_INF),
         stats,
+        run.exclude,
     )
 
 

@@ -17,15 +17,48 @@ from decoding.models import returned_cache, with_cache
 
 def cpu_trie(catalog: Catalog, exclude=()) -> dict:
     """prefix tuple -> sorted list of allowed next tokens (what users hand to `prefix_allowed_tokens_fn`), over the
-    catalog's items except the item ids `exclude` (one user's trie: a prefix none of whose items is left is absent)."""
+    catalog's semantic IDs that still list an item outside the item ids `exclude` (one user's trie: a prefix none of
+    whose items is left is absent)."""
+    ptr, listed = catalog.group_ptr.tolist(), catalog.listed.tolist()
+    groups = {tuple(row): listed[ptr[r] : ptr[r + 1]] for r, row in enumerate(catalog.tokens.tolist())}
+    return sid_trie(groups, exclude)
+
+
+def sid_trie(groups: dict, exclude=()) -> dict:
+    """Semantic ID (token tuple) -> its items: the trie (`cpu_trie`) over those with an item outside `exclude`."""
     trie: dict = {}
     skip = {int(i) for i in exclude}
-    for row, item in zip(catalog.tokens.tolist(), catalog.item_ids.tolist()):
-        if item in skip:
+    for row, items in groups.items():
+        if all(i in skip for i in items):
             continue
         for t in range(len(row)):
             trie.setdefault(tuple(row[:t]), set()).add(row[t])
     return {p: sorted(v) for p, v in trie.items()}
+
+
+def sid_groups(item_ids, token_ids, value=None, served=None) -> dict:
+    """The duplicate policies `by:COLUMN` and `expand[:COLUMN]` in plain Python: item ids [N], their semantic IDs
+    (token rows) [N] -> {semantic ID tuple: its items a list may hold (`served`: a set of ids, None: all), highest
+    `value` first (value [N]: numbers, None or NaN lowest; None: none), ties by item id, lowest first}."""
+    value = [None] * len(item_ids) if value is None else list(value)
+    groups: dict = {}
+    for item, row, v in zip(item_ids, token_ids, value):
+        if served is None or item in served:
+            groups.setdefault(tuple(row), []).append((v is None or v != v, 0 if v is None or v != v else -v, item))
+    return {sid: [item for *_, item in sorted(entries)] for sid, entries in groups.items()}
+
+
+def listed_items(tokens, scores, groups: dict, exclude=(), k: int = 0, expand: bool = False) -> tuple[list, list]:
+    """One user's semantic IDs, best first (tokens: token tuples, scores: numbers), in plain Python -> the user's
+    list (items, scores): each semantic ID's first item outside `exclude` (`by`), or every such item, one entry
+    each (`expand`), each with its semantic ID's score, cut at k entries (0: no cut)."""
+    items, out = [], []
+    for sid, score in zip(tokens, scores):
+        left = [i for i in groups[tuple(sid)] if i not in set(exclude)]
+        for item in left if expand else left[:1]:
+            items.append(item)
+            out.append(score)
+    return (items[:k], out[:k]) if k else (items, out)
 
 
 def with_answer(trie: dict, answer: list[int]) -> dict:

@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from decoding.draws import Generator, gumbel
 from decoding.head import Head
 from decoding.stats import PHASES
+
+if TYPE_CHECKING:
+    from decoding.catalog import Catalog, Exclusions
 
 NEG_INF = float("-inf")
 SUMMED = (*PHASES, "target_forwards", "draft_forwards", "target_tokens", "draft_tokens")  # Recommendations.concat
@@ -29,6 +33,18 @@ class Recommendations:
     token_ids: torch.Tensor  # [B, k, L] int64, -1 on padding
     scores: torch.Tensor  # [B, k] float32, sorted descending, -inf on padding
     stats: dict = field(default_factory=dict)  # the base keys of decoding/stats.py, plus the mode's extras
+
+    @classmethod
+    def of(cls, catalog: Catalog, node, tokens, scores, stats: dict, exclude: Exclusions | None = None):
+        """A decoder's semantic IDs per user, best first: leaves node [B, K] (-1 = none), their tokens [B, K, L] and
+        scores [B, K] -> the users' lists (`Catalog.listing`: the items each semantic ID names for its user, under
+        `exclude`), each item with its semantic ID's tokens and score. stats stay per semantic ID."""
+        item, source = catalog.listing(node, exclude)  # [B, K]
+        live, at = source >= 0, source.clamp(min=0)
+        tokens = tokens.gather(1, at[:, :, None].expand(-1, -1, tokens.shape[2]))
+        return cls(
+            item, torch.where(live[:, :, None], tokens, -1), torch.where(live, scores.gather(1, at), NEG_INF), stats
+        )
 
     @classmethod
     def concat(cls, parts: list[Recommendations]) -> Recommendations:

@@ -383,7 +383,7 @@ def speculative_beam_search(
         accepted_hist=accepted_hist,
         non_finite=broken,
     )
-    return Recommendations(catalog.item_of_node(out.node), out.tokens, out.score, stats)
+    return Recommendations.of(catalog, out.node, out.tokens, out.score, stats, exclude)
 
 
 def check_arguments(

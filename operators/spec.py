@@ -47,13 +47,13 @@ class ActorSpec:
 
     run_id: str
     target: str  # model directory (with its tokenizer): a local path, or a URI that `fetch` turns into one
-    catalog: pa.Table  # item_id, semantic_id: the item index, read once by the graph
+    catalog: pa.Table  # item_id, semantic_id (and the column on_duplicate orders by): the item index, read once
     catalog_name: str  # for messages
     recommendable: np.ndarray | None = None  # [N] bool over the catalog's rows: the items a list may hold (the
     # recommendable set less the block list); None: every item
     decoding: Decoding = field(default_factory=Decoding)
     template: PromptTemplate = PRESETS["codes"]  # how the model's prompts are written (resolved by the graph)
-    on_duplicate: str = "first"  # items sharing a semantic ID: "first" keeps the first, "error" refuses the catalog
+    on_duplicate: str = "first"  # items sharing a semantic ID: the duplicate_items policy (decoding.codes.POLICIES)
     draft: str | None = None  # the same, atspeed modes
     fetch: Callable[[str], str] | None = None  # model URI -> local directory on the actor's node (None: local paths)
     gpu: bool = False  # decode on CUDA when the actor has one

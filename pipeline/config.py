@@ -15,6 +15,7 @@ from pathlib import Path
 
 import yaml
 
+from decoding.codes import POLICIES, duplicate_policy
 from operators.spec import MODES, Decoding
 from pipeline import storage as S
 from pipeline.storage import Storage
@@ -180,9 +181,10 @@ class Config:
     run_date: str = ""  # exactly YYYY-MM-DD (another spelling of a day, 2026-W48-3 or 20261125, is refused); default:
     # today (UTC). {run_date} in input, catalog, recommendable, blocked and output is filled with it before anything
     # is read
-    duplicate_items: str = (
-        "first"  # catalog items sharing a semantic ID: first (keep the first, report the rest) | error
-    )
+    duplicate_items: str = "first"  # recommendable items sharing a semantic ID: first (the first item in the
+    # catalog's order, the rest reported) | error (refuse the catalog) | by:COLUMN (the item with the highest value
+    # of a catalog column, e.g. by:popularity; ties: lowest item id) | expand (every item, each its own list entry,
+    # lowest item id first; expand:COLUMN: highest value first). Excluded items are skipped per user (docs/data.md)
     models: Models = field(default_factory=Models)
     decoding: Decoding = field(default_factory=Decoding)
     compute: Compute = field(default_factory=Compute)
@@ -460,7 +462,10 @@ def _check_decoding(cfg: Config) -> None:
     """decoding.*, the duplicate-item policy and the draft the mode needs."""
     d = cfg.decoding
     _need(d.mode in MODES, "decoding.mode", f"must be one of {', '.join(MODES)}", d.mode)
-    _need(cfg.duplicate_items in ("first", "error"), "duplicate_items", "must be first or error", cfg.duplicate_items)
+    try:
+        duplicate_policy(cfg.duplicate_items)
+    except ValueError:
+        _need(False, "duplicate_items", f"must be one of {POLICIES}", cfg.duplicate_items)
     if d.uses_draft:
         _need(bool(cfg.models.draft), "models.draft", f"must be set for decoding.mode {d.mode}", cfg.models.draft)
     for name, value in (

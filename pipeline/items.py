@@ -25,20 +25,20 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from decoding.catalog import argsort_ids
-from decoding.codes import format_rows, semantic_id_matrix
+from decoding.codes import duplicate_policy, format_rows, semantic_id_matrix
 from pipeline import storage as S
 from pipeline.config import Config
 from pipeline.prepare.splits import sorted_unique
 from pipeline.storage import Storage
 
-INDEX_COLUMNS = ["item_id", "semantic_id"]  # what the run reads of the catalog (its other columns stay unread)
+INDEX_COLUMNS = ["item_id", "semantic_id"]  # what the run reads of the catalog, with the column duplicate_items names
 
 
 @dataclass
 class Items:
     """The run's items as read: the index table and which of its rows a list may hold."""
 
-    table: pa.Table  # item_id, semantic_id: the item index, every row
+    table: pa.Table  # the item index, every row: its `index_columns`
     served: np.ndarray | None  # [N] bool over the table's rows: recommendable and not blocked (None: every row)
     info: dict  # the manifest's record of them (`describe`)
 
@@ -87,10 +87,14 @@ class Sources:
     recommendable_column: str | None = None
     blocked: str | None = None
     blocked_items: tuple[int, ...] = ()
+    order_column: str | None = None  # the catalog column duplicate_items orders a semantic ID's items by
 
     @classmethod
     def of(cls, cfg: Config) -> Sources:
-        return cls(cfg.catalog, cfg.recommendable, cfg.recommendable_column, cfg.blocked, tuple(cfg.blocked_items))
+        order = duplicate_policy(cfg.duplicate_items)[1]
+        return cls(
+            cfg.catalog, cfg.recommendable, cfg.recommendable_column, cfg.blocked, tuple(cfg.blocked_items), order
+        )
 
     def named(self, what: str) -> str:
         """The source of the recommendable set or the block list, in words."""
@@ -116,7 +120,7 @@ def read_items(src: Sources, storage: Storage, record: bool = True) -> Items:
     unknown = 0  # ids of the recommendable set the index lacks
     if src.recommendable_column:
         listed = _column_mask(table, src.recommendable_column, src.catalog)  # [N]
-        table, in_set = table.select(INDEX_COLUMNS), index[listed[order]]
+        table, in_set = table.select(index_columns(src)), index[listed[order]]
     elif src.recommendable:
         given = read_ids(src.recommendable, storage, "recommendable")  # [R] sorted, distinct
         listed, known = np.empty(len(ids), bool), member(index, given)  # [N], [R]
@@ -153,10 +157,16 @@ def member(sorted_ids: np.ndarray, ids: np.ndarray) -> np.ndarray:
     return sorted_ids[at] == ids
 
 
+def index_columns(src: Sources) -> list[str]:
+    """The catalog's columns the index is built from: item_id, semantic_id and the column duplicate_items orders
+    a semantic ID's items by (when it names one)."""
+    return list(dict.fromkeys(INDEX_COLUMNS + [c for c in [src.order_column] if c]))
+
+
 def read_catalog(src: Sources, storage: Storage) -> pa.Table:
-    """The catalog's item_id and semantic_id (and the recommendable column, when named); item ids integers, never
-    null (the index's other checks are the catalog parser's: decoding.catalog.Catalog.from_table)."""
-    columns = INDEX_COLUMNS + [c for c in [src.recommendable_column] if c and c not in INDEX_COLUMNS]
+    """The catalog's index columns (`index_columns`; and the recommendable column, when named); item ids integers,
+    never null (the index's other checks are the catalog parser's: decoding.catalog.Catalog.from_table)."""
+    columns = list(dict.fromkeys(index_columns(src) + [c for c in [src.recommendable_column] if c]))
     table = _read(src.catalog, storage, "catalog", columns)
     ids = table.column("item_id")
     if ids.null_count:

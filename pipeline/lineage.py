@@ -116,14 +116,15 @@ def fingerprint(
     template: dict,
     history_len: int,
     items_info: dict,
-    kept: list,
+    listed: str,
     id_kind: str,
     exclude_column: str | None,
     device: str,
 ) -> dict:
     """Everything but a user's own inputs that decides its list, part by part (`NOT_PARTS`: what is left out and why):
     the models (the draft only in atspeed-relaxed, whose lists depend on its proposals), the template, the items
-    (the index's content and which of a shared semantic ID's items it keeps, the recommendable set, the block list),
+    (the index's content, the items each semantic ID lists in the duplicate policy's order, `listed`:
+    Catalog.listing_sha256, so a changed `by:` column changes it; the recommendable set, the block list),
     the decoding settings that shape a list, the dtype (and the engine outside float32), the device kind, the
     software, the code (`code_identity`: every module of genrec-batch), the kind of user id and how input hashes are
     computed."""
@@ -133,7 +134,7 @@ def fingerprint(
     return {
         **{role: {"weights": models[role]["sha256"], "files": models[role]["files"]} for role in roles},
         "template": sha256_of(template),
-        "catalog": {"index": items_info["sha256"], "kept": sha256_of(kept)},
+        "catalog": {"index": items_info["sha256"], "listed": listed},
         "recommendable": items_info["sets"]["recommendable"],
         "blocked": items_info["sets"]["blocked"],
         "decoding": decoding_parts(cfg, history_len, exclude_column),

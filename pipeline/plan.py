@@ -431,10 +431,9 @@ def pinned_versions(cfg: Config, resume: str | None) -> list[tuple[str, int]]:
 def run_fingerprint(cfg: Config, models: dict, inputs: Inputs, items: Items, kind: str, schema: pa.Schema) -> dict:
     """The run's fingerprint (`lineage.fingerprint`) from what the plan resolved."""
     column = cfg.decoding.exclude_column if cfg.decoding.exclude_column in schema.names else None
-    kept = [list(pair) for pair in inputs.catalog.duplicates]
     template = inputs.renderer.template.to_dict()
     info = {"sha256": items.info.get("sha256"), "sets": items.identity}
-    args = (template, inputs.renderer.max_items, info, kept, kind, column, device_kind(cfg))
+    args = (template, inputs.renderer.max_items, info, inputs.catalog.listing_sha256(), kind, column, device_kind(cfg))
     return fingerprint(cfg, models, *args)
 
 

@@ -148,13 +148,16 @@ COUNTS = ("users_ok", "users_short", "users_rejected", "users_non_finite", "reco
 def catalog_info(plan: Plan) -> dict:
     """The manifest's `catalog`: the item index, the recommendable set and the block list (`items.describe`: sources,
     sizes, content hashes, the index's partition into recommendable, blocked and not recommendable items), the items
-    the constraint index holds, and the duplicate-semantic-ID policy with the items it dropped."""
+    the constraint index holds, and the duplicate-semantic-ID policy: the semantic IDs that name more than one item
+    a list may hold, the items behind them, and those it dropped (`first`)."""
     catalog = plan.inputs.catalog
     return {
         **{key: value for key, value in plan.items.info.items() if key != "sets"},
         "indexed": len(catalog),
         "duplicates": {
             "policy": plan.cfg.duplicate_items,
+            "shared_semantic_ids": catalog.collisions[0],  # semantic IDs of more than one item a list may hold
+            "items_sharing": catalog.collisions[1],  # the items behind them
             "dropped": len(catalog.duplicates),
             "items": [{"item_id": d, "kept": k} for d, k in catalog.duplicates],
         },

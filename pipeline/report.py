@@ -597,14 +597,19 @@ def auto_text(s: dict) -> str:
 
 
 def catalog_text(s: dict) -> str:
-    """The catalog a run decoded against and what its duplicate-semantic-ID policy dropped."""
+    """The catalog a run decoded against, the semantic IDs its recommendable items share and what its
+    duplicate-semantic-ID policy dropped."""
     c, d = s["catalog"], s["catalog"]["duplicates"]
     text = (
         f"Catalog of {_label(s)}: {num(c['items'])} items, {num(c['indexed'])} distinct semantic IDs in the index; "
         f"duplicate policy `{d['policy']}`: "
     )
-    if not d["dropped"]:
+    if d.get("shared_semantic_ids"):  # absent from manifests written before the counts
+        text += f"{num(d['shared_semantic_ids'])} semantic IDs name {num(d['items_sharing'])} recommendable items; "
+    elif not d["dropped"]:
         return text + "no item shares a semantic ID."
+    if not d["dropped"]:
+        return text + "none dropped."
     shown = ", ".join(f"{x['item_id']} (kept {x['kept']})" for x in d["items"][:30])
     more = f" and {num(d['dropped'] - 30)} more (manifest.json lists all)" if d["dropped"] > 30 else ""
     return text + f"**{num(d['dropped'])} items dropped** for sharing a semantic ID with a kept item: {shown}{more}."

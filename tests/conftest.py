@@ -47,6 +47,7 @@ NUMERICS = {
     "test_engine",
     "test_exclusions",
     "test_models",
+    "test_shared_ids",
     "test_speculative",
     "test_stats",
     "test_tree",

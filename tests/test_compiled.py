@@ -157,7 +157,8 @@ def test_equals_transformers_and_eager(models, catalog, arch, k, attention):
 def test_an_index_over_the_recommendable_items_runs_in_the_same_graphs(models, catalog):
     """The module's 400 items and 40 more that the unrestricted search ranks, none of them recommendable (or all
     blocked): the index over the recommendable items is the 400-item catalog's, so the compiled engine decodes it in
-    the graphs it already compiled, returns what eager returns over the 400 items alone, and never an extra item."""
+    the graphs it already compiled, returns what eager returns over the 400 items alone, and never an extra item.
+    So does an index whose semantic IDs name several items each (duplicate_items expand), listing them as eager does."""
     model = models["qwen2"]
     taken = {tuple(row) for row in catalog.tokens.tolist()}
     codes, levels = 8, catalog.code_len
@@ -178,6 +179,14 @@ def test_an_index_over_the_recommendable_items_runs_in_the_same_graphs(models, c
         rec = beam_search(model, ids, mask, masked, 10, prefix=PREFIX, engine="compiled")
     assert not (rec.item_ids >= 5000).any() and rec.stats["graphs_compiled"] == 0
     assert_same_as_eager(model, ids, mask, catalog, 10, rec, beam_search(model, ids, mask, catalog, 10, prefix=PREFIX))
+    extra = 7000 + torch.arange(60)  # items sharing semantic IDs with the 400 (duplicate_items expand): the same trie
+    ids_all, tokens = torch.cat([catalog.item_ids, extra]), torch.cat([catalog.tokens, catalog.tokens[::6][:60]])
+    shared = Catalog.from_token_ids(ids_all, tokens, catalog.vocab_size, on_duplicate="expand")
+    with torch.compiler.set_stance("fail_on_recompile"):
+        rec = beam_search(model, ids, mask, shared, 10, prefix=PREFIX, engine="compiled")
+    assert torch.isin(rec.item_ids, extra).any() and rec.stats["graphs_compiled"] == 0
+    ref = beam_search(model, ids, mask, shared, 10, prefix=PREFIX)
+    assert_same_ranking(rec.item_ids, rec.scores, ref.item_ids, ref.scores)
 
 
 def test_a_second_batch_of_the_bucket_compiles_nothing(models, catalog):

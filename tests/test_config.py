@@ -56,6 +56,7 @@ def test_file_plus_overrides(tmp_path):
         ("compute.audit_users=some", "config: compute.audit_users must be an int, got 'some'"),
         ("compute.order_by_length=3", "config: compute.order_by_length must be true or false, got 3"),
         ("runs.duplicates_driver_mb=-1", "runs.duplicates_driver_mb must be >= 0"),
+        ("duplicate_items=by", "config: duplicate_items must be one of first "),
     ],
 )
 def test_errors_name_the_field(override, message):

@@ -161,8 +161,8 @@ def test_exclusions_move_to_another_device_whole(catalog):
     lists = exclusion_lists(catalog, beam_search(model, ids, mask, catalog, 5).item_ids, 5)
     ex = Exclusions.from_items(catalog, *as_pairs(lists), 8).select(torch.arange(2, 8))
     moved = ex.to("meta")
-    assert {t.device.type for t in [moved.leaves, *moved.closed, moved.rows, moved.parent]} == {"meta"}
-    assert (moved.nodes, moved.level_start) == (ex.nodes, ex.level_start)
+    assert {t.device.type for t in [moved.leaves, *moved.closed, moved.rows, moved.parent, moved.items]} == {"meta"}
+    assert (moved.nodes, moved.level_start, moved.positions) == (ex.nodes, ex.level_start, ex.positions)
     copy, rows = ex.to("cpu"), torch.arange(2, 8)
     n = int(mask[rows].sum(1).max())
     a = beam_search(model, ids[rows, -n:], mask[rows, -n:], catalog, 5, exclude=ex)

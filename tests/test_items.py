@@ -4,10 +4,12 @@ lists shorter than k where fewer items are left; dated paths; a resume refused w
 
 import json
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -229,9 +231,11 @@ def ray_world(tmp_path_factory):
 
 
 def night(world: Path, root: Path, date: str) -> dict:
-    """The night's inputs under dated paths: the item index (the world's items and 6 new ones), a recommendable set
-    that delists a third of the items the histories use (and lists an id the index lacks), a block list (a file
-    with an unknown id, and ids in the config), an exclusion column that leaves user 0 two items and user 1 none."""
+    """The night's inputs under dated paths: the item index (the world's items, 6 new ones, and 40 more that share
+    a semantic ID with one of the world's, with a `popularity` column), a recommendable set that delists a third of
+    the items the histories use (and lists an id the index lacks), a block list (a file with an unknown id, and ids
+    in the config, one of them the most popular of a shared semantic ID), an exclusion column that leaves user 0 two
+    items and user 1 none."""
     items = pq.read_table(world / "data" / "items.parquet")
     users = pq.read_table(world / "data" / "test.parquet")
     taken = np.unique(np.concatenate([np.asarray(h[-8:]) for h in users["history"].to_pylist()]))
@@ -240,16 +244,22 @@ def night(world: Path, root: Path, date: str) -> dict:
     used = {tuple(s) for s in items["semantic_id"].to_pylist()}
     fresh = [s for s in ([a, b, c] for a in range(6) for b in range(6) for c in range(6)) if tuple(s) not in used][:6]
     new_ids = np.arange(9_000_000, 9_000_006)
+    twins = rng.choice(items.num_rows, 40, replace=False)  # the world's items whose semantic ID a new item shares
+    sids = pa.array(
+        fresh + [items["semantic_id"][int(i)].as_py() for i in twins], items.schema.field("semantic_id").type
+    )
     index = pa.concat_tables(
         [
             items.select(["item_id", "semantic_id"]),
-            pa.table({"item_id": new_ids, "semantic_id": pa.array(fresh, items.schema.field("semantic_id").type)}),
+            pa.table({"item_id": np.append(new_ids, 8_000_000 + np.arange(40)), "semantic_id": sids}),
         ]
     )
+    index = index.append_column("popularity", pa.array(rng.integers(0, 3, index.num_rows)))  # ties: lowest id first
     ids = index["item_id"].to_numpy()
     recommendable = np.append(np.setdiff1d(ids, delisted), 123456789)  # an id the index lacks
     blocked_file = np.array([*rng.choice(np.setdiff1d(ids, delisted), 4, replace=False), 55555555])
-    blocked_config = [int(new_ids[0]), int(rng.choice(np.setdiff1d(ids, delisted)))]
+    top_twin = 8_000_000 + int(np.argmax(index["popularity"].to_numpy()[-40:]))  # the best item of its semantic ID
+    blocked_config = [int(new_ids[0]), int(rng.choice(np.setdiff1d(ids, delisted))), top_twin]
     served = np.setdiff1d(np.setdiff1d(ids, delisted), np.concatenate([blocked_file, blocked_config]))
     excluded = [None] * users.num_rows
     excluded[0] = np.setdiff1d(served, served[:2]).tolist()  # two items left
@@ -267,16 +277,17 @@ def night(world: Path, root: Path, date: str) -> dict:
         "served": served,
         "blocked_config": blocked_config,
         "excluded": excluded,
+        "twins": dict(zip(8_000_000 + np.arange(40), items["item_id"].to_numpy()[twins])),  # new item -> its twin
     }
 
 
 def expected_lists(world: Path, n: dict, k: int = 5) -> dict:
-    """Beam search over a catalog of the served items alone, prompts rendered from the whole index (delisted items
-    included), user 0's exclusions applied -> {user_id: item ids}."""
+    """Beam search over a catalog of the served items alone (`by:popularity`), prompts rendered from the whole index
+    (delisted items included), user 0's exclusions applied -> {user_id: item ids}."""
     tok = load_tokenizer(world / "target")
-    full = Catalog.from_table(n["index"], tok)
+    full = Catalog.from_table(n["index"], tok, "first")
     keep = np.isin(n["index"]["item_id"].to_numpy(), n["served"])
-    alone = Catalog.from_table(n["index"].filter(pa.array(keep)), tok)
+    alone = Catalog.from_table(n["index"].filter(pa.array(keep)), tok, "by:popularity")
     users = n["users"]
     p = Renderer.compile(PRESETS["codes"].with_max_items(8), tok, catalog_probes(full.item_tokens)).render(
         users["history"], full.item_tokens
@@ -301,6 +312,7 @@ def test_a_night_with_delisted_blocked_and_added_items(ray_world, tmp_path):
     from pipeline.nightly import run_nightly
     from pipeline.output import describe, open_run
     from pipeline.plan import plan_run
+    from pipeline.report import catalog_text
     from tests.test_nightly import killed_run
 
     world, date = ray_world, "2026-11-26"
@@ -318,6 +330,7 @@ def test_a_night_with_delisted_blocked_and_added_items(ray_world, tmp_path):
             "decoding.k=5",
             "compute.batch_size=16",
             f"run_date={date}",
+            "duplicate_items=by:popularity",
         ],
     )
     assert cfg.input == str(tmp_path / date / "h.parquet") and cfg.output == str(tmp_path / "out" / date)
@@ -333,10 +346,20 @@ def test_a_night_with_delisted_blocked_and_added_items(ray_world, tmp_path):
     assert manifest["counts"]["users_ok"] == len(users) - 1 and manifest["counts"]["users_rejected"] == 1
     info = manifest["catalog"]
     served, items = len(n["served"]), n["index"].num_rows
-    assert (info["items"], info["recommendable"], info["indexed"]) == (items, served, served)
+    listed = np.isin(n["index"]["item_id"].to_numpy(), n["served"])
+    per_id = np.array(
+        list(Counter(map(tuple, n["index"].filter(pa.array(listed))["semantic_id"].to_pylist())).values())
+    )
+    assert (info["items"], info["recommendable"], info["indexed"]) == (items, served, len(per_id))
+    shared = {"shared_semantic_ids": int((per_id > 1).sum()), "items_sharing": int(per_id[per_id > 1].sum())}
+    assert info["duplicates"] == {"policy": "by:popularity", **shared, "dropped": 0, "items": []}
+    ahead = {new for new, was in n["twins"].items() if was in set(n["served"].tolist())}  # ahead of a listed twin
+    assert shared["shared_semantic_ids"] > 10 and set(recs.item_id) & ahead  # where `first` would list the old one
+    said = catalog_text({"mode": "beam", "run_id": manifest["run_id"], "catalog": info})  # the report's words
+    assert f"`by:popularity`: {shared['shared_semantic_ids']} semantic IDs name {shared['items_sharing']}" in said
     assert info["blocked"] + info["recommendable"] + info["not_recommendable"] == items
     assert info["not_recommendable"] == len(n["delisted"]) and info["recommendable_set"]["unknown_ids"] == 1
-    assert info["block_list"]["ids"] == 7 and info["block_list"]["unknown_ids"] == 1
+    assert info["block_list"]["ids"] == 8 and info["block_list"]["unknown_ids"] == 1
     assert len(info["sha256"]) == 64 and info["uri"] == cfg.catalog
     shown = describe(run)
     assert f"items     {items:,} in the index" in shown and f"{served:,} recommendable" in shown
@@ -347,8 +370,14 @@ def test_a_night_with_delisted_blocked_and_added_items(ray_world, tmp_path):
     assert plan_run(cfg).changes(state) == [f"the recommendable items ({rec_file})"]
     blocks = tmp_path / f"blocked-{date}.parquet"
     pq.write_table(pa.table({"item_id": [1]}), blocks)
-    assert plan_run(cfg).changes(state)[1] == f"the blocked items ({blocks} + blocked_items (2))"
+    assert plan_run(cfg).changes(state)[1] == f"the blocked items ({blocks} + blocked_items (3))"
     old = killed_run(cfg, keep=1)
     with pytest.raises(ValueError, match=f"--resume {old}: the recommendable items .* changed since the run started"):
         run_nightly(cfg, resume=old)
+    before = plan_run(cfg).lineage["catalog"]
+    pop = pc.subtract(2, n["index"]["popularity"])  # the popularity reversed: shared semantic IDs list other items
+    pq.write_table(n["index"].set_column(2, "popularity", pop), tmp_path / date / "items.parquet")
+    plan = plan_run(cfg)
+    assert plan.lineage["catalog"]["index"] == before["index"] and plan.lineage["catalog"]["listed"] != before["listed"]
+    assert f"the catalog {cfg.catalog}" in plan.changes(state)  # a resume is refused
     shutil.rmtree(tmp_path / "out")

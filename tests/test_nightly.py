@@ -403,7 +403,8 @@ def test_corrupt_file_and_missing_model_fail_without_success(world, ray_session,
 
 def test_models_and_catalogs_an_actor_would_refuse_fail_on_the_driver(world, tmp_path):
     """Refused before Ray does any work (no ray session here: nothing reaches Ray), each naming the cause: a model
-    without a prompt template, a draft reading other prompts, code tokens missing from the tokenizer."""
+    without a prompt template, a draft reading other prompts, code tokens missing from the tokenizer, a column that
+    duplicate_items orders by missing or without an order."""
     from pipeline.nightly import run_nightly
 
     bare = tmp_path / "bare"
@@ -422,6 +423,10 @@ def test_models_and_catalogs_an_actor_would_refuse_fail_on_the_driver(world, tmp
     pq.write_table(pa.Table.from_pylist(items), tmp_path / "items.parquet")
     with pytest.raises(ValueError, match=r"1 code tokens the catalog needs are missing from the tokenizer: <c_17>"):
         run_nightly_with(f"catalog={tmp_path / 'items.parquet'}")
+    with pytest.raises(ValueError, match=r"catalog .*items.parquet: missing column\(s\) \['popularity'\]"):
+        run_nightly_with("duplicate_items=by:popularity")
+    with pytest.raises(ValueError, match="column 'code_tokens' \\(duplicate_items\\) must hold numbers"):
+        run_nightly_with("duplicate_items=expand:code_tokens")
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
 
 
