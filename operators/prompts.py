@@ -1,29 +1,45 @@
-"""Prompts for generative recommenders: user histories -> left-padded token ids, written the way the model's prompt
-template says (decoding/templates.py), with no tokenizer call per user.
+"""Prompts for generative recommenders: users' rows -> left-padded token ids, written the way the model's prompt
+template says (decoding/templates.py), with no tokenizer call per user for what repeats.
 
-A `Renderer` is a template compiled against a tokenizer once: for every history length n = 1 .. max_items, the token
-ids of the n-item prompt with the code tokens left out (its skeleton) and where each item's L code tokens go. The
-skeletons come from tokenizing real prompts, so a batch rendered by filling code token ids into skeletons (numpy,
-no Python loop over users) has exactly the ids of `[bos] + tokenizer(text, add_special_tokens=False)`. Compiling
-checks that the code tokens stay tokens of their own whatever the codes: a tokenizer that would merge text across a
-code token's boundary is refused, never rendered differently.
+A `Renderer` is a template compiled against a tokenizer once (`compile`): its text cut at its atoms (added tokens,
+BOS; operators/text.py), each history placeholder a repeated item pattern whose code tokens are atoms too, and every
+span of text between two atoms classified by what it reads (`Span.kind`):
+
+    const   nothing from data: tokenized at compile time (a system prompt, the text between two items)
+    index   an item's index only: tokenized once per index value ("3. " in LC-Rec's numbered list)
+    item    one item's catalog fields: tokenized once per catalog item, when first met, and kept (a title)
+    each    a user's fields, or several items': tokenized per user, one batch call per batch (a profile, a query)
+
+Rendering a batch assembles each user's ids from these pieces and the items' code tokens with numpy ragged ranges:
+no Python loop over users' tokens. The ids equal the tokenizer's on the rendered text (operators/text.py says how text
+from data stays text); compiling checks that on probe users against the tokenizer itself, so a tokenizer that would
+merge text across a code token's boundary is refused, never rendered differently.
+
+A prompt longer than `max_prompt_tokens` drops its oldest history items until it fits (`too_long: drop_oldest`: the
+histories in the order the prompt writes them, `history` down to one item, the others to none), or is left out
+(`reject`, or when nothing more can be dropped): `Prompts.kept` says which rows were rendered.
 
 For the `codes` template on Amazon Beauty (L = 4, 20 items) a prompt has at most 1 + 20 * 4 = 81 tokens; for `lcrec`
-about 44 + 20 * 7 tokens with a BPE tokenizer.
+about 44 + 20 * 7 tokens with a BPE tokenizer; OpenOneRec's, about 60 + 5 per history item.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
 import torch
 
-from decoding.catalog import ItemTokens
+from decoding.catalog import ItemTokens, argsort_ids
 from decoding.codes import format_rows, ragged_ranges
-from decoding.templates import PromptTemplate
+from decoding.templates import Field, PromptTemplate, parse
+from operators.text import BREAK, TextTokenizer, chat_skeleton, chat_template_text, library_ids, prompt_pieces
+
+TOO_LONG = ("drop_oldest", "reject")
+CODES = "codes"  # an item's code tokens, among a template's symbols
 
 # ---------------------------------------------------------------- ragged helpers
 
@@ -54,14 +70,6 @@ def ragged_arrays(histories) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nda
     return values, starts, lengths, nulls
 
 
-# ---------------------------------------------------------------- prompts
-
-
-class Prompts(NamedTuple):
-    input_ids: torch.Tensor  # [B, S] int64, left-padded with pad_id
-    attention_mask: torch.Tensor  # [B, S] int64, 0 on padding
-
-
 def history_window(histories, history_len: int):
     """The items a prompt uses: the last `history_len` of each history -> (item ids [U], row of each [U],
     items per row [B]). Histories: see `ragged_arrays`."""
@@ -73,75 +81,719 @@ def history_window(histories, history_len: int):
     return items, np.repeat(np.arange(len(lengths)), used), used
 
 
+def as_text(column) -> list[str]:
+    """A column of strings or numbers [B] -> each value as the prompt writes it [B] (numbers as Python writes them;
+    a null: "")."""
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks() if column.num_chunks else pa.array([], column.type)
+    if pa.types.is_dictionary(column.type):
+        column = column.dictionary_decode()
+    if not is_text(column.type):
+        raise ValueError(f"a {column.type} column cannot be written as text (strings, integers, floats, booleans)")
+    strings = pa.types.is_string(column.type) or pa.types.is_large_string(column.type)
+    return [("" if v is None else v if strings else str(v)) for v in column.to_pylist()]
+
+
+def is_text(kind: pa.DataType) -> bool:
+    """Can a column of this type fill a {user:...} or {item:...} placeholder?"""
+    t = pa.types
+    if t.is_dictionary(kind):
+        kind = kind.value_type
+    return (
+        t.is_string(kind) or t.is_large_string(kind) or t.is_integer(kind) or t.is_floating(kind) or t.is_boolean(kind)
+    )
+
+
+# ---------------------------------------------------------------- prompts
+
+
+class Prompts(NamedTuple):
+    input_ids: torch.Tensor  # [B', S] int64, left-padded with pad_id
+    attention_mask: torch.Tensor  # [B', S] int64, 0 on padding
+    kept: np.ndarray | None = None  # [B] bool: the input rows rendered (None: all); the others were too long
+    truncated: np.ndarray | None = None  # [B'] bool: rendered after dropping their oldest history items
+
+
+@dataclass
+class ItemTexts:
+    """The catalog's columns a template writes ({item:COLUMN}), by item id."""
+
+    item_ids: np.ndarray  # [N] int64 sorted
+    columns: dict[str, pa.Array]  # column -> [N] values, row i is item_ids[i]'s
+
+    @classmethod
+    def from_table(cls, table: pa.Table | None, columns: list[str]) -> ItemTexts:
+        if not columns:
+            return cls(np.zeros(0, np.int64), {})
+        missing = [c for c in columns if table is None or c not in table.column_names]
+        if missing:
+            raise ValueError(f"the prompt template writes the catalog's {missing}, which the catalog lacks")
+        ids = table.column("item_id").to_numpy().astype(np.int64)
+        order = argsort_ids(ids)
+        take = pa.array(order)
+        return cls(ids[order], {c: table.column(c).combine_chunks().take(take) for c in columns})
+
+    def rows(self, item_ids: np.ndarray) -> np.ndarray:
+        """item ids [U] -> their rows [U] (every one is in the catalog: histories are validated first)."""
+        return np.minimum(np.searchsorted(self.item_ids, item_ids), max(len(self.item_ids) - 1, 0))
+
+    def values(self, column: str, rows: np.ndarray) -> list[str]:
+        return as_text(self.columns[column].take(pa.array(rows, pa.int64())))
+
+
+class Span(NamedTuple):
+    """Text between two atoms: its parts ("t", text) | ("u", column) | ("i", history, which, column) | ("n", history,
+    which), `which` naming the item: first or last of the history's window, self (this item), prev (the one before)."""
+
+    parts: tuple
+
+    @property
+    def refs(self) -> set:
+        return {(p[1], p[2]) for p in self.parts if p[0] in "in"}
+
+    @property
+    def kind(self) -> str:
+        """const, index, item or each (the module's docstring)."""
+        users, items = any(p[0] == "u" for p in self.parts), {(p[1], p[2]) for p in self.parts if p[0] == "i"}
+        indexes = {(p[1], p[2]) for p in self.parts if p[0] == "n"}
+        if users or len(items) > 1 or (items and indexes):
+            return "each"
+        return "item" if items else "index" if indexes else "const"
+
+
+class Block(NamedTuple):
+    """Atoms back to back: ids [W], -1 - j where an item's level-j code token goes."""
+
+    ids: np.ndarray
+
+
+@dataclass
+class Region:
+    """A history placeholder compiled: the item pattern cut where its text meets atoms."""
+
+    column: str
+    window: int
+    head: list  # text parts of an item before its first atom (they join the text before the history: first item)
+    body: list  # Block and Span pieces from the first atom to the last (refs: self)
+    junction: list  # pieces between two items: the tail of one, the separator, the head of the next (prev, self)
+    tail: list  # text parts after an item's last atom (they join the text after the history: last item)
+
+
+@dataclass
+class Layout:
+    """A batch's prompts as chunks of ids, each a range of one source array, in each user's order."""
+
+    user: np.ndarray  # [C] the chunk's row
+    pos: np.ndarray  # [C] its place among the row's chunks
+    src: np.ndarray  # [C] which source
+    start: np.ndarray  # [C] where in it
+    length: np.ndarray  # [C]
+    sources: list = field(default_factory=list)
+
+    def tokens(self, rows: int) -> np.ndarray:
+        """Tokens of each row [rows]."""
+        return np.bincount(self.user, weights=self.length, minlength=rows).astype(np.int64)
+
+    def without(self, rows: np.ndarray) -> Layout:
+        keep = ~np.isin(self.user, rows)
+        return Layout(
+            self.user[keep], self.pos[keep], self.src[keep], self.start[keep], self.length[keep], self.sources
+        )
+
+    def plus(self, other: Layout) -> Layout:
+        shift = len(self.sources)
+        cat = lambda a, b: np.concatenate([a, b])  # noqa: E731
+        return Layout(
+            cat(self.user, other.user),
+            cat(self.pos, other.pos),
+            cat(self.src, other.src + shift),
+            cat(self.start, other.start),
+            cat(self.length, other.length),
+            self.sources + other.sources,
+        )
+
+
 @dataclass
 class Renderer:
-    """A prompt template compiled against a tokenizer (`compile`), rendering batches of histories (`render`)."""
+    """A prompt template compiled against a tokenizer (`compile`), rendering batches of rows (`render`)."""
 
     template: PromptTemplate
     levels: int  # L code tokens per item
     pad_id: int
-    skeleton: np.ndarray  # [M + 1, T] int64: row n = the n-item prompt's ids, -1 where codes go, then pad_id
-    length: np.ndarray  # [M + 1] int64: tokens of the n-item prompt (BOS included)
-    item_start: np.ndarray  # [M + 1, M] int64: column of item q's first code token in the n-item prompt
     answer: np.ndarray  # [T] int64: the forced tokens after an item's codes, scored (answer_ids; empty: none)
+    text: TextTokenizer
+    top: list  # the prompt's symbols: atom ids, BREAK, ("t", text), Field (user, history)
+    regions: dict[str, Region]
+    item_texts: ItemTexts
+    max_prompt_tokens: int | None = None  # None: no bound
+    too_long: str = "drop_oldest"
+    max_len: int = 0  # tokens of the longest prompt (max_prompt_tokens where the template writes text from data)
+    plans: dict = field(default_factory=dict)  # which histories are written -> the prompt's slots
+    cache: dict = field(default_factory=dict)  # Span -> what it has tokenized (`_evaluate`)
 
     @property
     def max_items(self) -> int:
         return self.template.max_items
 
     @property
-    def max_len(self) -> int:
-        """Tokens of the longest prompt (max_items items)."""
-        return int(self.length[-1])
+    def windows(self) -> dict[str, int]:
+        """{history column: its window}, `history` first."""
+        return {c: r.window for c, r in self.regions.items()}
+
+    @property
+    def user_columns(self) -> list[str]:
+        return self.template.user_columns
 
     @property
     def prefix_ids(self) -> np.ndarray:
-        """The token ids every prompt starts with, whatever its length [P] (BOS and the template's fixed text up to
-        the first item's codes: the part to prefill once, decoding.beam.Prefix)."""
-        rows = [self.skeleton[n, : self.item_start[n, 0]] for n in range(1, self.max_items + 1)]
-        p = min(len(r) for r in rows)
-        same = np.all([r[:p] == rows[0][:p] for r in rows], axis=0)  # [p]
-        return rows[0][: int(np.argmin(same)) if not same.all() else p].copy()
+        """The token ids every prompt starts with (BOS and the template's fixed text up to the first item's codes or
+        the first text from data: the part to prefill once, decoding.beam.Prefix)."""
+        heads = [self._leading(self._plan(p)) for p in self._patterns()]
+        p = min(len(h) for h in heads)
+        same = np.all([h[:p] == heads[0][:p] for h in heads], axis=0) if p else np.ones(0, bool)
+        return heads[0][: int(np.argmin(same)) if not same.all() else p].copy()
 
     @classmethod
-    def compile(cls, template: PromptTemplate, tokenizer, probes: np.ndarray) -> Renderer:
-        """Tokenizes the prompt of every length 1 .. max_items twice, with two different sequences of probe items
-        (probes [P, L]: code token ids of real items, e.g. the catalog's), and keeps where the code tokens land.
-        Refused with a message when the tokenizer does not keep the code tokens apart from the text, or when the
-        template needs a BOS token the tokenizer does not have."""
+    def compile(
+        cls,
+        template: PromptTemplate,
+        tokenizer,
+        probes: np.ndarray,
+        catalog: pa.Table | None = None,
+        model_dir=None,
+        max_prompt_tokens: int | None = None,
+        too_long: str = "drop_oldest",
+    ) -> Renderer:
+        """The template against the tokenizer: its chat template rendered once (a file in `model_dir`, else the
+        tokenizer's), its text cut at atoms, its catalog columns read from `catalog`; checked on probe users (probes
+        [P, L]: code token ids of real items) against the tokenizer on the written text. Refused with a message when
+        the tokenizer does not keep the code tokens apart from the text, the template needs a BOS token the tokenizer
+        lacks, or the chat template changes message content."""
+        if too_long not in TOO_LONG:
+            raise ValueError(f"too_long must be one of {TOO_LONG}, got {too_long!r}")
         probes = np.asarray(probes, dtype=np.int64)
-        pad_id = _pad_id(template, tokenizer)
-        names = np.asarray(tokenizer.convert_ids_to_tokens(probes.ravel().tolist()), dtype=object).reshape(probes.shape)
-        rows = [_skeleton(template, tokenizer, probes, names, n) for n in range(1, template.max_items + 1)]
-        return cls(template, probes.shape[1], pad_id, *_stack(rows, pad_id), answer_ids(template, tokenizer, probes))
+        text = TextTokenizer(tokenizer)
+        chat = chat_template_text(template, tokenizer, model_dir)
+        r = cls(
+            template,
+            probes.shape[1],
+            _pad_id(template, tokenizer),
+            answer_ids(template, tokenizer, probes),
+            text,
+            _top(template, tokenizer, text, chat),
+            {},
+            ItemTexts.from_table(catalog, template.item_columns),
+            max_prompt_tokens,
+            too_long,
+        )
+        r.regions = {c: r._region(c, w) for c, w in template.histories.items()}
+        r.max_len = r._check(tokenizer, chat, probes)
+        return r
 
-    def render(self, histories, items: ItemTokens, skip: int = 0) -> Prompts:
-        """Histories [B] (item ids, oldest first; validated: non-empty, every item used in the catalog, see
-        operators/validate.py) -> left-padded prompts of their last max_items items, without their first `skip`
-        tokens (a shared prefix prefilled elsewhere: see prefix_ids). No Python loop over users."""
-        item_ids, row_of, used = history_window(histories, self.max_items)  # [U], [U], [B]
-        tokens, known = items.lookup(item_ids)  # [U, L]
-        if (used == 0).any() or not known.all():
-            bad = np.union1d(np.flatnonzero(used == 0), row_of[~known])
-            raise ValueError(
-                f"rows {format_rows(bad)} have an empty history or items missing from the catalog: "
-                "validate them first (operators.validate)"
-            )
+    def _region(self, column: str, window: int) -> Region:
+        """A history placeholder: the item pattern's symbols cut at its first and last atom (codes included)."""
+        item = _item_symbols(self.template, self.text, self.template.item)
+        hard = [k for k, x in enumerate(item) if _hard(x)]
+        head, body, tail = item[: hard[0]], item[hard[0] : hard[-1] + 1], item[hard[-1] + 1 :]
+        sep = _item_symbols(self.template, self.text, self.template.separator)
+        junction = [_ref(p, column, "prev") for p in tail] + sep + [_ref(p, column, "self") for p in head]
+        body = [x if _hard(x) else _ref(x, column, "self") for x in body]
+        return Region(column, window, head, self._pieces_of(body), self._pieces_of(junction), tail)
+
+    def _pieces_of(self, symbols: list) -> list:
+        """Symbols -> Blocks (atoms and code tokens back to back) and Spans (text between them)."""
+        out, span = [], []
+        for x in symbols:
+            if _hard(x):
+                if span:
+                    out.append(self._span(tuple(span)))
+                    span = []
+                ids = np.arange(-1, -1 - self.levels, -1) if x == CODES else np.array([x])
+                out.append(Block(ids.astype(np.int64)))
+            else:
+                span.append(x)
+        return _merge(out + ([self._span(tuple(span))] if span else []))
+
+    # ---------------------------------------------------------------- rendering
+
+    def render(self, rows, items: ItemTokens, skip: int = 0) -> Prompts:
+        """Rows (a table with `history`, the template's other history columns and its user columns; or just the
+        histories, item ids oldest first) validated first (operators/validate.py: `history` non-empty, every item a
+        prompt uses in the catalog) -> left-padded prompts of their windows, without their first `skip` tokens (a
+        shared prefix prefilled elsewhere: see prefix_ids); rows too long left out (`Prompts.kept`)."""
         if items.levels != self.levels:
             raise ValueError(f"the catalog has {items.levels} code tokens per item, the renderer {self.levels}")
-        b = len(used)
-        t = self.length[used] - skip  # [B] tokens per prompt
-        width = int(t.max()) if b else 0  # S
-        left = width - t  # [B] left padding
-        input_ids = np.full((b, width), self.pad_id, dtype=np.int64)  # [B, S]
-        row = np.repeat(np.arange(b), t)  # [sum T] the skeleton tokens, row by row
-        col = ragged_ranges(np.zeros(b, np.int64), t)  # [sum T] position within the prompt
-        input_ids[row, left[row] + col] = self.skeleton[used[row], skip + col]
-        q = np.arange(len(item_ids)) - np.repeat(np.cumsum(used) - used, used)  # [U] item index in its window
-        cols = (left[row_of] + self.item_start[used[row_of], q] - skip)[:, None] + np.arange(self.levels)  # [U, L]
-        input_ids[row_of[:, None], cols] = tokens
-        mask = (np.arange(width)[None, :] >= left[:, None]).astype(np.int64)  # [B, S]
-        return Prompts(torch.from_numpy(input_ids), torch.from_numpy(mask))
+        rows = rows if isinstance(rows, pa.Table) else pa.table({"history": _list_array(rows)})
+        batch = Batch(self, rows, items)
+        used = {c: u.copy() for c, u in batch.used.items()}  # [B] items written, per history
+        layout = self._layout(batch, np.arange(rows.num_rows), used)
+        tokens = layout.tokens(rows.num_rows)
+        kept, truncated = np.ones(rows.num_rows, bool), np.zeros(rows.num_rows, bool)
+        if self.max_prompt_tokens is not None:
+            layout, tokens, kept, truncated = self._fit(batch, layout, tokens, used)
+        return self._prompts(layout, tokens, kept, truncated, skip)
+
+    def _prompts(self, layout: Layout, tokens: np.ndarray, kept, truncated, skip: int) -> Prompts:
+        """The chunks of the kept rows -> left-padded ids [B', S] and mask (their first `skip` tokens left out)."""
+        rows = np.flatnonzero(kept)
+        t = tokens[rows] - skip  # [B'] tokens written per row
+        if (t < 0).any():
+            raise ValueError(f"skip {skip} is longer than a prompt ({int(tokens[rows].min())} tokens)")
+        width = int(t.max()) if len(rows) else 0
+        order = np.lexsort((layout.pos, layout.user))  # [C] chunks row by row, in order
+        order = order[kept[layout.user[order]]]
+        start, length, src = layout.start[order], layout.length[order], layout.src[order]
+        at = np.cumsum(length) - length  # [C'] where each chunk goes among the kept rows' tokens, back to back
+        row_start = np.cumsum(tokens[rows]) - tokens[rows]  # [B'] where each row begins among them
+        flat = np.empty(int(tokens[rows].sum()), np.int64)
+        for s, source in enumerate(layout.sources):
+            mine = src == s
+            if mine.any():
+                flat[ragged_ranges(at[mine], length[mine])] = source[ragged_ranges(start[mine], length[mine])]
+        row = np.repeat(np.arange(len(rows)), tokens[rows])
+        col = np.arange(len(flat)) - np.repeat(row_start, tokens[rows])  # [T] place within its row
+        keep = col >= skip
+        ids = np.full((len(rows), width), self.pad_id, np.int64)
+        ids[row[keep], (width - t)[row[keep]] + col[keep] - skip] = flat[keep]
+        mask = (np.arange(width)[None, :] >= (width - t)[:, None]).astype(np.int64)
+        return Prompts(torch.from_numpy(ids), torch.from_numpy(mask), kept, truncated[rows])
+
+    def _fit(self, batch: Batch, layout: Layout, tokens: np.ndarray, used: dict):
+        """Rows longer than max_prompt_tokens: their oldest history items dropped until they fit (drop_oldest), the
+        rest left out -> (layout, tokens, kept [B], truncated [B])."""
+        limit, b = self.max_prompt_tokens, len(tokens)
+        kept, truncated = np.ones(b, bool), np.zeros(b, bool)
+        floor = {c: int(c == "history") for c in used}  # the fewest items each history may keep
+        over = np.flatnonzero(tokens > limit)
+        while len(over):
+            if self.too_long == "reject":
+                kept[over] = False
+                break
+            dropped = self._drop(over, tokens[over] - limit, used, floor)
+            kept[over[~dropped]] = False
+            over = over[dropped]
+            truncated[over] = True
+            if not len(over):
+                break
+            redone = self._layout(batch, over, used)
+            layout = layout.without(over).plus(redone)
+            tokens[over] = redone.tokens(b)[over]
+            over = over[tokens[over] > limit]
+        return layout, tokens, kept, truncated
+
+    def _drop(self, rows: np.ndarray, excess: np.ndarray, used: dict, floor: dict) -> np.ndarray:
+        """Drops the oldest items of the rows' histories, in prompt order, about `excess` tokens' worth (each item at
+        least one token; the layout says the rest) -> [R] bool: a row could drop something."""
+        dropped = np.zeros(len(rows), bool)
+        left = excess.copy()
+        for c in used:
+            n = used[c][rows]
+            can = np.maximum(n - floor[c], 0)
+            cut = np.minimum(can, np.where(dropped, 0, np.maximum(1, left // max(self._item_tokens(c), 1))))
+            used[c][rows] = n - cut
+            dropped |= cut > 0
+            left = np.where(cut > 0, 0, left)
+        return dropped
+
+    def _item_tokens(self, column: str) -> int:
+        """The fewest tokens one more item of this history writes (its atoms; text adds more)."""
+        r = self.regions[column]
+        return sum(len(p.ids) for p in [*r.body, *r.junction] if isinstance(p, Block)) or 1
+
+    # ---------------------------------------------------------------- layout
+
+    def _patterns(self) -> list[tuple]:
+        """Every combination of written histories (the `history` column always holds an item)."""
+        options = [(True,) if c == "history" else (False, True) for c in self.regions]
+        return list(itertools.product(*options))
+
+    def _plan(self, pattern: tuple) -> list:
+        """The prompt's slots when the histories `pattern` says are written (the others write nothing): Block (atoms),
+        Span (text) and Region pieces, in order."""
+        if pattern in self.plans:
+            return self.plans[pattern]
+        out, span = [], []
+
+        def flush():
+            if span:
+                out.append(self._span(tuple(span)))
+                span.clear()
+
+        written = dict(zip(self.regions, pattern))
+        for el in self.top:
+            if isinstance(el, (int, np.integer)):
+                flush()
+                out.append(Block(np.array([el], np.int64)))
+            elif el == BREAK:
+                flush()
+            elif not isinstance(el, Field):
+                span.append(el)
+            elif el.kind == "user":
+                span.append(("u", el.column))
+            elif written[el.column]:
+                r = self.regions[el.column]
+                span += [_ref(p, el.column, "first") for p in r.head]
+                flush()
+                out.append(r)
+                span += [_ref(p, el.column, "last") for p in r.tail]
+        flush()
+        self.plans[pattern] = out = _merge(out)
+        return out
+
+    def _span(self, parts: tuple) -> Span | Block:
+        """A span of text: tokenized now when it reads nothing from data (a Block of its ids)."""
+        merged = []
+        for p in parts:
+            if p[0] == "n" and p[2] == "first":
+                p = ("t", "1")  # the first item's index
+            if merged and p[0] == merged[-1][0] == "t":
+                merged[-1] = ("t", merged[-1][1] + p[1])
+            else:
+                merged.append(p)
+        s = Span(tuple(merged))
+        if s.kind == "const":
+            return Block(np.asarray(self.text.encode([s.parts[0][1]])[0] if s.parts else [], np.int64))
+        return s
+
+    def _leading(self, plan: list) -> np.ndarray:
+        """The ids a plan starts with whatever the rows: its leading atoms and constant text, and the atoms before
+        the first item's codes."""
+        out = []
+        for slot in plan:
+            if isinstance(slot, Region):
+                slot = slot.body[0] if slot.body and isinstance(slot.body[0], Block) else None
+            if not isinstance(slot, Block):
+                break
+            fixed = slot.ids if (slot.ids >= 0).all() else slot.ids[: int(np.argmax(slot.ids < 0))]
+            out.append(fixed)
+            if len(fixed) < len(slot.ids):
+                break
+        return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+    def _layout(self, batch: Batch, rows: np.ndarray, used: dict) -> Layout:
+        """The chunks of `rows` (their histories' last `used` items)."""
+        written = np.stack([used[c][rows] > 0 for c in self.regions], axis=1) if self.regions else None
+        parts = []
+        for pattern in self._patterns():
+            group = rows[(written == np.array(pattern)).all(1)] if written is not None else rows
+            if len(group):
+                parts.append(self._group_layout(batch, group, used, self._plan(pattern)))
+        out = parts[0] if parts else Layout(*(np.zeros(0, np.int64),) * 5)
+        for p in parts[1:]:
+            out = out.plus(p)
+        return out
+
+    def _group_layout(self, batch: Batch, rows: np.ndarray, used: dict, plan: list) -> Layout:
+        """The chunks of rows [G] sharing one plan: per slot, one chunk per row, or per written item and piece."""
+        counts = np.stack(
+            [np.ones(len(rows), np.int64) if not isinstance(s, Region) else used[s.column][rows] * _pieces(s)
+             for s in plan], axis=1,
+        )  # fmt: skip  # [G, S] chunks per row and slot
+        base = np.cumsum(counts, axis=1) - counts  # [G, S] each slot's first chunk's place in its row
+        chunks = []
+        for k, slot in enumerate(plan):
+            if isinstance(slot, Region):
+                chunks += self._region_chunks(batch, rows, used, slot, base[:, k])
+            else:
+                src, start, length = self._evaluate(slot, Occurrences.top(batch, rows, used))
+                chunks.append((rows, base[:, k], src, start, length))
+        return _stack(chunks)
+
+    def _region_chunks(self, batch: Batch, rows: np.ndarray, used: dict, region: Region, base: np.ndarray) -> list:
+        """A history's items in rows [G]: for each written item q, its junction (none before the first) and body
+        pieces."""
+        occ = Occurrences.items(batch, rows, used, region.column)  # [O]
+        per = _pieces(region)
+        first = occ.q == 0
+        out = []
+        for p, piece in enumerate([*region.junction, *region.body]):
+            src, start, length = self._evaluate(piece, occ)
+            if p < len(region.junction):
+                length = np.where(first, 0, length)
+            out.append((rows[occ.row], base[occ.row] + occ.q * per + p, src, start, length))
+        return out
+
+    def _evaluate(self, piece, occ: Occurrences):
+        """A piece at its occurrences [O] -> (source array, starts [O], lengths [O])."""
+        n = len(occ.row)
+        if isinstance(piece, Block):
+            if (piece.ids >= 0).all():
+                return piece.ids, np.zeros(n, np.int64), np.full(n, len(piece.ids), np.int64)
+            matrix = np.repeat(piece.ids[None, :], n, axis=0)  # [O, W]
+            slots = np.flatnonzero(piece.ids < 0)
+            matrix[:, slots] = occ.codes()[:, -1 - piece.ids[slots]]
+            w = matrix.shape[1]
+            return matrix.ravel(), np.arange(n, dtype=np.int64) * w, np.full(n, w, np.int64)
+        if piece.kind == "item":
+            return self._cached(piece, occ)
+        if piece.kind == "index":
+            return self._indexed(piece, occ)
+        return _ragged(self.text.encode_spans(self._strings(piece, lambda p: self._part(p, occ), n)))
+
+    def _part(self, p: tuple, occ: Occurrences) -> str | list[str]:
+        """One part of a span at its occurrences: a text, or the texts [O] it takes there."""
+        if p[0] == "t":
+            return p[1]
+        if p[0] == "u":
+            values = occ.batch.user(p[1])
+            return [values[r] for r in occ.row]
+        if p[0] == "n":
+            return [str(i) for i in occ.index((p[1], p[2])).tolist()]
+        return self.item_texts.values(p[3], self.item_texts.rows(occ.item_ids((p[1], p[2]))))
+
+    def _strings(self, span: Span, part, n: int) -> list[list[tuple[str, bool]]]:
+        """A span's parts at n occurrences, as [(text, trusted)] each; `part(p)` gives a part's text or texts [n]."""
+        trusted = set(self.template.trusted)
+        columns = [(part(p), p[0] in "ui" and p[-1] in trusted) for p in span.parts]
+        return [[(v if isinstance(v, str) else v[i], t) for v, t in columns] for i in range(n)]
+
+    def _cached(self, span: Span, occ: Occurrences):
+        """A span that reads one item's fields: tokenized once per catalog item, kept."""
+        (ref,) = span.refs
+        rows = self.item_texts.rows(occ.item_ids(ref))  # [O] catalog rows
+        n_items = len(self.item_texts.item_ids)
+        start, length, pool = self.cache.get(span) or (np.full(n_items, -1), np.zeros(n_items, np.int64), [])
+        new = np.unique(rows[start[rows] < 0])
+        if len(new):
+            values = lambda p: self.item_texts.values(p[3], new) if p[0] == "i" else p[1]  # noqa: E731
+            src, at, n = _ragged(self.text.encode_spans(self._strings(span, values, len(new))))
+            start[new], length[new] = sum(len(x) for x in pool) + at, n
+            pool = [np.concatenate([*pool, src])]
+        self.cache[span] = (start, length, pool)
+        return (pool[0] if pool else np.zeros(0, np.int64)), start[rows], length[rows]
+
+    def _indexed(self, span: Span, occ: Occurrences):
+        """A span that reads items' indexes only: tokenized once per index value."""
+        refs = sorted(span.refs)
+        keys = np.stack([occ.index(ref) for ref in refs], axis=1)  # [O, R]
+        known = self.cache.setdefault(span, {})
+        for key in {tuple(k) for k in np.unique(keys, axis=0).tolist()} - set(known):
+            values = dict(zip(refs, key))
+            text = "".join(p[1] if p[0] == "t" else str(values[(p[1], p[2])]) for p in span.parts)
+            known[key] = self.text.encode([text])[0]
+        order = sorted(known)
+        src, at, n = _ragged([known[k] for k in order])
+        where = {k: i for i, k in enumerate(order)}
+        pick = np.array([where[tuple(k)] for k in keys.tolist()], np.int64)
+        return src, at[pick], n[pick]
+
+    # ---------------------------------------------------------------- checks
+
+    def _check(self, tokenizer, chat: str | None, probes: np.ndarray) -> int:
+        """Probe users (1, 2 and 3 items from `probes`, shifted by one for other codes; every combination of written
+        histories; "probe" in every text field) rendered here and written out for the tokenizer: refused unless the
+        ids are equal -> the longest prompt: max_prompt_tokens where the template writes text from data, else the
+        longest probe with every window full."""
+        names = np.asarray(tokenizer.convert_ids_to_tokens(probes.ravel().tolist()), dtype=object).reshape(probes.shape)
+        item_ids = np.arange(len(probes), dtype=np.int64)
+        items = ItemTokens.from_arrays(item_ids, probes)
+        table = {"item_id": item_ids, **{c: ["probe"] * len(probes) for c in self.template.item_columns}}
+        probe = Renderer(**{**self.__dict__, "plans": {}, "cache": {}, "max_prompt_tokens": None})
+        probe.item_texts = ItemTexts.from_table(pa.table(table), self.template.item_columns)
+        longest = 0
+        for pattern in self._patterns():
+            for n, shift in ((1, 0), (2, 0), (3, 0), (3, 1)):
+                histories = {
+                    c: [int(i) for i in (np.arange(min(n, w)) + shift + k) % len(probes)] if on else []
+                    for k, ((c, w), on) in enumerate(zip(self.windows.items(), pattern))
+                }
+                got = probe.render(self._probe_rows(histories), items).input_ids[0].tolist()
+                want = self._written(tokenizer, chat, histories, names)
+                if got != want:
+                    raise ValueError(
+                        f"prompt template {self.template.name!r}: the tokenizer does not keep the code tokens (or the "
+                        f"template's added tokens) apart from the text around them ({n}-item probe: rendered "
+                        f"{got[:40]}..., the tokenizer {want[:40]}...); the code tokens must be tokens of their own "
+                        "(tokenizer.add_tokens, the LC-Rec recipe)"
+                    )
+            most = max(self.windows.values(), default=1)
+            full = ItemTokens.from_arrays(np.arange(most), probes[[0]].repeat(most, 0))
+            rows = self._probe_rows(
+                {c: list(range(w)) if on else [] for (c, w), on in zip(self.windows.items(), pattern)}
+            )
+            longest = max(longest, int(probe.render(rows, full).attention_mask.sum()))
+        if self.max_prompt_tokens is None:
+            return longest
+        reads = self.template.user_columns or self.template.item_columns
+        return self.max_prompt_tokens if reads else min(longest, self.max_prompt_tokens)
+
+    def _probe_rows(self, histories: dict) -> pa.Table:
+        """One probe user: these histories, "probe" in every user field."""
+        columns = {c: pa.array([h], pa.list_(pa.int64())) for c, h in histories.items()}
+        return pa.table(columns | {c: pa.array(["probe"]) for c in self.user_columns if c not in columns})
+
+    def _written(self, tokenizer, chat, histories: dict, names: np.ndarray) -> list[int]:
+        """A probe user's prompt written out as text (operators/text.py) and tokenized by the tokenizer."""
+        probe = {k: "probe" for k in self.template.item_columns}
+        written = {
+            c: [self.template.item_text(q + 1, "".join(names[i]), probe) for q, i in enumerate(items)]
+            for c, items in histories.items()
+        }
+        users = {c: "probe" for c in self.user_columns}
+        return library_ids(prompt_pieces(self.template, tokenizer, chat, written, users), tokenizer)
+
+
+class Occurrences(NamedTuple):
+    """Where a piece is written: rows [O] of the batch, once per row (`top`) or once per written item of a history
+    (`items`: q [O] its place in the window, 0 the oldest written)."""
+
+    batch: Batch
+    row: np.ndarray  # [O]
+    q: np.ndarray  # [O] (top: -1)
+    column: str | None  # the history of an item occurrence
+    used: dict  # {history: [B] items written}
+
+    @classmethod
+    def top(cls, batch: Batch, rows: np.ndarray, used: dict) -> Occurrences:
+        return cls(batch, rows, np.full(len(rows), -1), None, used)
+
+    @classmethod
+    def items(cls, batch: Batch, rows: np.ndarray, used: dict, column: str) -> Occurrences:
+        n = used[column][rows]
+        return cls(batch, np.repeat(rows, n), ragged_ranges(np.zeros(len(rows), np.int64), n), column, used)
+
+    def position(self, ref: tuple) -> np.ndarray:
+        """The place in its window [O] of the item `ref` (history, which) names."""
+        column, which = ref
+        if which in ("first", "last"):
+            return np.zeros(len(self.row), np.int64) if which == "first" else self.used[column][self.row] - 1
+        return self.q if which == "self" else self.q - 1
+
+    def index(self, ref: tuple) -> np.ndarray:
+        """The 1-based index the prompt writes for that item [O]."""
+        return self.position(ref) + 1
+
+    def item_ids(self, ref: tuple) -> np.ndarray:
+        """The item ids [O] `ref` names."""
+        return self.batch.item_ids(ref[0], self.row, self.position(ref), self.used)
+
+    def codes(self) -> np.ndarray:
+        """The code token ids [O, L] of each occurrence's own item."""
+        ids = self.item_ids((self.column, "self"))
+        tokens, known = self.batch.items.lookup(ids)
+        if not known.all():
+            raise ValueError(unvalidated(np.unique(self.row[~known])))
+        return tokens
+
+
+class Batch:
+    """One batch's rows as the renderer reads them: each history (values, starts, lengths), the user fields as
+    text."""
+
+    def __init__(self, renderer: Renderer, rows: pa.Table, items: ItemTokens):
+        self.renderer, self.rows, self.items = renderer, rows, items
+        self.histories, self.used = {}, {}  # history -> (values [T], starts [B], lengths [B]); [B] written
+        for c, w in renderer.windows.items():
+            if c not in rows.column_names:
+                raise ValueError(f"the prompt template writes the history {c!r}, which the rows lack")
+            values, starts, lengths, _ = ragged_arrays(rows.column(c))
+            self.histories[c], self.used[c] = (values, starts, lengths), np.minimum(lengths, w)
+            if c == "history" and (lengths == 0).any():
+                raise ValueError(unvalidated(np.flatnonzero(lengths == 0)))
+        self._users: dict[str, list[str]] = {}
+
+    def item_ids(self, column: str, rows: np.ndarray, q: np.ndarray, used: dict) -> np.ndarray:
+        """The item ids [O] at window place q of rows, the window being each history's last `used` items."""
+        values, starts, lengths = self.histories[column]
+        return values[starts[rows] + lengths[rows] - used[column][rows] + q]
+
+    def user(self, column: str) -> list[str]:
+        """A user column as the prompt writes it [B]."""
+        if column not in self._users:
+            if column not in self.rows.column_names:
+                raise ValueError(f"the prompt template writes the column {column!r}, which the rows lack")
+            self._users[column] = as_text(self.rows.column(column))
+        return self._users[column]
+
+
+def unvalidated(rows: np.ndarray) -> str:
+    return (
+        f"rows {format_rows(rows)} have an empty history or items missing from the catalog: validate them first "
+        "(operators.validate)"
+    )
+
+
+# ---------------------------------------------------------------- compiling
+
+
+def _top(template: PromptTemplate, tokenizer, text: TextTokenizer, chat: str | None) -> list:
+    """The prompt's symbols in order: atom ids (BOS, the template text's added tokens), ("t", text), BREAK, and
+    the user and history placeholders (Field)."""
+    if chat is not None:
+        parts = chat_skeleton(template, tokenizer, chat)
+    else:
+        parts = parse(template.instruction) + [BREAK] * bool(template.instruction)
+        parts += parse(template.prefix) + [Field("history", "history")] + parse(template.suffix)
+    out = [tokenizer.bos_token_id] if template.uses_bos(tokenizer) else []
+    for p in parts:
+        if isinstance(p, str) and p != BREAK:
+            out += [a if isinstance(a, int) else ("t", a) for a in text.atoms(p)]
+        else:
+            out.append(p)
+    return out
+
+
+def _item_symbols(template: PromptTemplate, text: TextTokenizer, pattern: str) -> list:
+    """Item-pattern text -> symbols: atom ids, CODES, ("t", text), ("n",) for {index}, ("i", column)."""
+    out = []
+    for p in parse(pattern, "item") if pattern else []:
+        if isinstance(p, str):
+            out += [a if isinstance(a, int) else ("t", a) for a in text.atoms(p)]
+        else:
+            out.append(CODES if p.kind == "codes" else ("n",) if p.kind == "index" else ("i", p.column))
+    return out
+
+
+def _hard(symbol) -> bool:
+    return isinstance(symbol, (int, np.integer)) or symbol == CODES
+
+
+def _ref(part: tuple, column: str, which: str) -> tuple:
+    """An item pattern's text part with the item it reads named: (history, which)."""
+    if part[0] == "i":
+        return ("i", column, which, part[1])
+    if part[0] == "n":
+        return ("n", column, which)
+    return part
+
+
+def _merge(slots: list) -> list:
+    """Consecutive atom Blocks joined (a Block of code tokens is joined too: its -1 - j marks stay)."""
+    out = []
+    for s in slots:
+        if isinstance(s, Block) and out and isinstance(out[-1], Block):
+            out[-1] = Block(np.concatenate([out[-1].ids, s.ids]))
+        elif not (isinstance(s, Block) and not len(s.ids)):
+            out.append(s)
+    return out
+
+
+def _pieces(region: Region) -> int:
+    return len(region.junction) + len(region.body)
+
+
+def _ragged(rows: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Lists of ids [O] -> (their ids back to back, starts [O], lengths [O])."""
+    lengths = np.fromiter((len(r) for r in rows), np.int64, len(rows))
+    flat = np.fromiter(itertools.chain.from_iterable(rows), np.int64, int(lengths.sum()))
+    return flat, np.cumsum(lengths) - lengths, lengths
+
+
+def _stack(chunks: list) -> Layout:
+    """[(rows [O], pos [O], source, starts [O], lengths [O])] -> one Layout."""
+    cat = lambda i: np.concatenate([c[i] for c in chunks]).astype(np.int64, copy=False)  # noqa: E731
+    src = np.concatenate([np.full(len(c[0]), k, np.int64) for k, c in enumerate(chunks)])
+    return Layout(cat(0), cat(1), src, cat(3), cat(4), [c[2] for c in chunks])
+
+
+def _list_array(histories) -> pa.Array:
+    """Histories given as arrow lists, numpy arrays or lists -> a list<int64> array."""
+    if isinstance(histories, (pa.Array, pa.ChunkedArray)):
+        return histories
+    values, starts, lengths, nulls = ragged_arrays(histories)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    flat = values[ragged_ranges(starts, lengths)]
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, pa.int64()), mask=pa.array(nulls))
 
 
 def catalog_probes(items: ItemTokens, count: int = 3) -> np.ndarray:
@@ -162,16 +814,6 @@ def _pad_id(template: PromptTemplate, tokenizer) -> int:
     if pad_id is None:
         raise ValueError("the tokenizer has neither a pad nor an eos token to left-pad prompts with")
     return pad_id
-
-
-def _prompt_ids(template: PromptTemplate, tokenizer, names: np.ndarray) -> np.ndarray:
-    """The n-item prompt of the items whose code tokens are named names [n, L] -> its token ids [T] (BOS when the
-    template asks for it, then the tokenizer's ids of the text)."""
-    items = (template.item.format(index=q + 1, codes="".join(codes)) for q, codes in enumerate(names))
-    text = template.prefix + template.separator.join(items) + template.suffix
-    bos = [tokenizer.bos_token_id] if template.uses_bos(tokenizer) else []
-    instruction = tokenizer(template.instruction, add_special_tokens=False)["input_ids"] if template.instruction else []
-    return np.asarray(bos + instruction + tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
 
 
 def answer_ids(template: PromptTemplate, tokenizer, probes: np.ndarray) -> np.ndarray:
@@ -199,57 +841,3 @@ def answer_ids(template: PromptTemplate, tokenizer, probes: np.ndarray) -> np.nd
         )
     eos = [tokenizer.eos_token_id] if template.answer_eos else []
     return np.asarray([*found.pop(), *eos], dtype=np.int64)
-
-
-def _skeleton(template: PromptTemplate, tokenizer, probes: np.ndarray, names: np.ndarray, n: int):
-    """The n-item prompt, tokenized with two sequences of probe items (probes [P, L], their token names [P, L]) ->
-    (skeleton [T], start of each item's codes [n]); refused unless both give the same (the text's tokens must not
-    depend on the codes)."""
-    shapes = []
-    for shift in (0, 1):
-        pick = (np.arange(n) + shift) % len(probes)  # [n] probe rows
-        ids = _prompt_ids(template, tokenizer, names[pick])
-        shapes.append(_code_slots(ids, probes[pick], np.unique(probes), template, n))
-    if not (np.array_equal(shapes[0][0], shapes[1][0]) and np.array_equal(shapes[0][1], shapes[1][1])):
-        raise ValueError(
-            f"prompt template {template.name!r}: the {n}-item prompt tokenizes differently with "
-            "other codes, so the tokenizer merges text across the code tokens' boundaries; the "
-            "code tokens must be tokens of their own (tokenizer.add_tokens, the LC-Rec recipe)"
-        )
-    return shapes[0]
-
-
-def _stack(rows: list[tuple[np.ndarray, np.ndarray]], pad_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The skeletons and item starts of the 1 .. M-item prompts -> (skeleton [M + 1, T] padded with pad_id, length
-    [M + 1], item_start [M + 1, M]); row 0 is the empty prompt."""
-    m = len(rows)
-    width = max(len(skel) for skel, _ in rows)
-    skeleton = np.full((m + 1, width), pad_id, dtype=np.int64)
-    item_start = np.zeros((m + 1, m), dtype=np.int64)
-    length = np.zeros(m + 1, dtype=np.int64)
-    for n, (skel, starts) in enumerate(rows, start=1):
-        skeleton[n, : len(skel)], length[n], item_start[n, :n] = skel, len(skel), starts
-    return skeleton, length, item_start
-
-
-def _code_slots(ids: np.ndarray, expected: np.ndarray, code_set: np.ndarray, template: PromptTemplate, n: int):
-    """ids [T] of an n-item prompt whose items have code token ids expected [n, L] -> (skeleton [T] with -1 at the
-    code tokens, start of each item's codes [n]); refused unless the codes are there, item by item, whole."""
-    at = np.flatnonzero(np.isin(ids, code_set))  # [n * L] where code tokens are
-    levels = expected.shape[1]
-    starts = at[::levels]  # [n]
-    whole = (
-        len(at) == expected.size
-        and np.array_equal(ids[at], expected.ravel())
-        and np.array_equal(at.reshape(n, levels), starts[:, None] + np.arange(levels))
-    )
-    if not whole:
-        raise ValueError(
-            f"prompt template {template.name!r}: in the {n}-item prompt the tokenizer does not give each "
-            f"code token its own id (expected {expected.size} code tokens in {n} runs of {levels}, found "
-            f"{len(at)}); the code tokens must be tokens of their own (tokenizer.add_tokens, the LC-Rec "
-            "recipe) and the template text must not touch them"
-        )
-    skeleton = ids.copy()
-    skeleton[at] = -1
-    return skeleton, starts
