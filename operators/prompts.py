@@ -181,14 +181,19 @@ class Region:
 
 @dataclass
 class Layout:
-    """A batch's prompts as chunks of ids, each a range of one source array, in each user's order."""
+    """A batch's prompts as chunks of ids, each a range of one source array, in each row's order."""
 
     user: np.ndarray  # [C] the chunk's row
     pos: np.ndarray  # [C] its place among the row's chunks
     src: np.ndarray  # [C] which source
     start: np.ndarray  # [C] where in it
     length: np.ndarray  # [C]
+    region: np.ndarray  # [C] the history it writes an item of (its number in the template; -1: none)
+    q: np.ndarray  # [C] that item's place in the window (0: the oldest written)
+    joint: np.ndarray  # [C] bool: the text joining that item to the one before it
     sources: list = field(default_factory=list)
+
+    ARRAYS = ("user", "pos", "src", "start", "length", "region", "q", "joint")
 
     def tokens(self, rows: int) -> np.ndarray:
         """Tokens of each row [rows]."""
@@ -196,21 +201,21 @@ class Layout:
 
     def without(self, rows: np.ndarray) -> Layout:
         keep = ~np.isin(self.user, rows)
-        return Layout(
-            self.user[keep], self.pos[keep], self.src[keep], self.start[keep], self.length[keep], self.sources
-        )
+        return Layout(*(getattr(self, a)[keep] for a in self.ARRAYS), self.sources)
 
     def plus(self, other: Layout) -> Layout:
-        shift = len(self.sources)
-        cat = lambda a, b: np.concatenate([a, b])  # noqa: E731
-        return Layout(
-            cat(self.user, other.user),
-            cat(self.pos, other.pos),
-            cat(self.src, other.src + shift),
-            cat(self.start, other.start),
-            cat(self.length, other.length),
-            self.sources + other.sources,
-        )
+        shift = {"src": len(self.sources)}
+        arrays = (np.concatenate([getattr(self, a), getattr(other, a) + shift.get(a, 0)]) for a in self.ARRAYS)
+        return Layout(*arrays, self.sources + other.sources)
+
+    def item_tokens(self, rows: np.ndarray, region: int, most: int) -> tuple[np.ndarray, np.ndarray]:
+        """Rows' [R] (sorted) items of one history -> (tokens of each item, its joining text included [R, most];
+        tokens of the text joining it to the one before [R, most])."""
+        mine = (self.region == region) & np.isin(self.user, rows)
+        at = np.searchsorted(rows, self.user[mine]) * most + self.q[mine]
+        whole = np.bincount(at, weights=self.length[mine], minlength=len(rows) * most)
+        joint = np.bincount(at, weights=self.length[mine] * self.joint[mine], minlength=len(rows) * most)
+        return whole.reshape(len(rows), most), joint.reshape(len(rows), most)
 
 
 @dataclass
@@ -363,13 +368,12 @@ class Renderer:
         rest left out -> (layout, tokens, kept [B], truncated [B])."""
         limit, b = self.max_prompt_tokens, len(tokens)
         kept, truncated = np.ones(b, bool), np.zeros(b, bool)
-        floor = {c: int(c == "history") for c in used}  # the fewest items each history may keep
         over = np.flatnonzero(tokens > limit)
         while len(over):
             if self.too_long == "reject":
                 kept[over] = False
                 break
-            dropped = self._drop(over, tokens[over] - limit, used, floor)
+            dropped = self._drop(layout, over, tokens[over] - limit, used)
             kept[over[~dropped]] = False
             over = over[dropped]
             truncated[over] = True
@@ -381,24 +385,27 @@ class Renderer:
             over = over[tokens[over] > limit]
         return layout, tokens, kept, truncated
 
-    def _drop(self, rows: np.ndarray, excess: np.ndarray, used: dict, floor: dict) -> np.ndarray:
-        """Drops the oldest items of the rows' histories, in prompt order, about `excess` tokens' worth (each item at
-        least one token; the layout says the rest) -> [R] bool: a row could drop something."""
-        dropped = np.zeros(len(rows), bool)
-        left = excess.copy()
-        for c in used:
-            n = used[c][rows]
-            can = np.maximum(n - floor[c], 0)
-            cut = np.minimum(can, np.where(dropped, 0, np.maximum(1, left // max(self._item_tokens(c), 1))))
+    def _drop(self, layout: Layout, rows: np.ndarray, excess: np.ndarray, used: dict) -> np.ndarray:
+        """The rows' [R] oldest items dropped, history by history in prompt order (`history` keeps one), the fewest
+        whose tokens (with the text joining the next) cover `excess` [R] -> [R] bool: a row dropped something. The
+        text around the first and last items is not counted: the caller renders again and drops more if needed."""
+        left, dropped = excess.astype(np.int64), np.zeros(len(rows), bool)
+        for h, c in enumerate(self.regions):
+            n = used[c][rows]  # [R]
+            can = np.where(left > 0, n - int(c == "history"), 0)  # [R] items that may go
+            most = int(n.max()) if len(n) else 0
+            if most == 0 or not can.any():
+                continue
+            whole, joint = layout.item_tokens(rows, h, most)  # [R, most]
+            after = np.concatenate([joint[:, 1:], np.zeros((len(rows), 1))], 1)  # the text joining the next item
+            gain = (np.cumsum(whole, axis=1) + after).astype(np.int64)  # [R, most]: tokens the first d + 1 free
+            enough = gain >= left[:, None]
+            d = np.where(enough.any(1), np.argmax(enough, axis=1) + 1, most)
+            cut = np.minimum(d, can)
             used[c][rows] = n - cut
             dropped |= cut > 0
-            left = np.where(cut > 0, 0, left)
+            left = np.where(cut > 0, left - gain[np.arange(len(rows)), np.maximum(cut - 1, 0)], left)
         return dropped
-
-    def _item_tokens(self, column: str) -> int:
-        """The fewest tokens one more item of this history writes (its atoms; text adds more)."""
-        r = self.regions[column]
-        return sum(len(p.ids) for p in [*r.body, *r.junction] if isinstance(p, Block)) or 1
 
     # ---------------------------------------------------------------- layout
 
@@ -478,7 +485,7 @@ class Renderer:
             group = rows[(written == np.array(pattern)).all(1)] if written is not None else rows
             if len(group):
                 parts.append(self._group_layout(batch, group, used, self._plan(pattern)))
-        out = parts[0] if parts else Layout(*(np.zeros(0, np.int64),) * 5)
+        out = parts[0] if parts else Layout(*(np.zeros(0, np.int64),) * 7, np.zeros(0, bool))
         for p in parts[1:]:
             out = out.plus(p)
         return out
@@ -496,21 +503,22 @@ class Renderer:
                 chunks += self._region_chunks(batch, rows, used, slot, base[:, k])
             else:
                 src, start, length = self._evaluate(slot, Occurrences.top(batch, rows, used))
-                chunks.append((rows, base[:, k], src, start, length))
+                chunks.append((rows, base[:, k], src, start, length, -1, -1, False))
         return _stack(chunks)
 
     def _region_chunks(self, batch: Batch, rows: np.ndarray, used: dict, region: Region, base: np.ndarray) -> list:
         """A history's items in rows [G]: for each written item q, its junction (none before the first) and body
         pieces."""
         occ = Occurrences.items(batch, rows, used, region.column)  # [O]
-        per = _pieces(region)
-        first = occ.q == 0
+        local = np.repeat(np.arange(len(rows)), used[region.column][rows])  # [O] each occurrence's row in the group
+        per, h = _pieces(region), list(self.regions).index(region.column)
         out = []
         for p, piece in enumerate([*region.junction, *region.body]):
             src, start, length = self._evaluate(piece, occ)
-            if p < len(region.junction):
-                length = np.where(first, 0, length)
-            out.append((rows[occ.row], base[occ.row] + occ.q * per + p, src, start, length))
+            joint = p < len(region.junction)
+            if joint:
+                length = np.where(occ.q == 0, 0, length)
+            out.append((occ.row, base[local] + occ.q * per + p, src, start, length, h, occ.q, joint))
         return out
 
     def _evaluate(self, piece, occ: Occurrences):
@@ -780,10 +788,13 @@ def _ragged(rows: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def _stack(chunks: list) -> Layout:
-    """[(rows [O], pos [O], source, starts [O], lengths [O])] -> one Layout."""
-    cat = lambda i: np.concatenate([c[i] for c in chunks]).astype(np.int64, copy=False)  # noqa: E731
-    src = np.concatenate([np.full(len(c[0]), k, np.int64) for k, c in enumerate(chunks)])
-    return Layout(cat(0), cat(1), src, cat(3), cat(4), [c[2] for c in chunks])
+    """[(rows [O], pos [O], source, starts [O], lengths [O], region, q, joint)] -> one Layout."""
+    size = [len(c[0]) for c in chunks]
+    cat = lambda i, kind: np.concatenate([np.broadcast_to(c[i], n) for c, n in zip(chunks, size)]).astype(kind)  # noqa: E731
+    src = np.repeat(np.arange(len(chunks)), size)
+    arrays = [cat(0, np.int64), cat(1, np.int64), src, cat(3, np.int64), cat(4, np.int64)]
+    arrays += [cat(5, np.int64), cat(6, np.int64), cat(7, bool)]
+    return Layout(*arrays, [c[2] for c in chunks])
 
 
 def _list_array(histories) -> pa.Array:

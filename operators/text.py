@@ -123,12 +123,13 @@ def chat_skeleton(template: PromptTemplate, tokenizer, chat: str) -> list[str | 
     in order. Rendered three times (two sentinel shapes, and sentinels padded with whitespace); refused unless every
     placeholder comes through once, whole, in order, the text around it the same each time."""
     fields = [p for m in template.messages for p in parse(m["content"]) if isinstance(p, Field)]
-    shapes = [
-        lambda i: f"{SENTINEL[0]}{i}{SENTINEL[1]}",
-        lambda i: f"{SENTINEL[0]}{'x' * (i + 2)}-{i}{SENTINEL[1]}",
-        lambda i: f" \n\t{SENTINEL[0]}{i}{SENTINEL[1]}\n ",
+    bare = lambda i: f"{SENTINEL[0]}{i}{SENTINEL[1]}"  # noqa: E731
+    shapes = [  # (what the content holds, what the split looks for)
+        (bare, bare),
+        ((lambda i: f"{SENTINEL[0]}{'x' * (i + 2)}-{i}{SENTINEL[1]}"),) * 2,
+        (lambda i: f" \n\t{bare(i)}\n ", bare),
     ]
-    found = [_split_render(template, tokenizer, chat, fields, shape) for shape in shapes]
+    found = [_split_render(template, tokenizer, chat, fields, *shape) for shape in shapes]
     last = len(found[2]) - 1
     unpadded = [p if not isinstance(p, str) else _unpad(p, i > 0, i < last) for i, p in enumerate(found[2])]
     if not (found[0] == found[1] == unpadded) or [p for p in found[0] if isinstance(p, Field)] != fields:
@@ -148,9 +149,9 @@ def _unpad(text: str, after: bool, before: bool) -> str | None:
     return text[len(head) : len(text) - len(tail)]
 
 
-def _split_render(template: PromptTemplate, tokenizer, chat: str, fields: list[Field], shape) -> list:
-    """The messages rendered with sentinel `shape(i)` for the i-th placeholder -> text parts and placeholders (a text
-    part between two placeholders kept even when empty, so that every render has the same layout)."""
+def _split_render(template: PromptTemplate, tokenizer, chat: str, fields: list[Field], shape, find) -> list:
+    """The messages rendered with `shape(i)` for the i-th placeholder, split where `find(i)` is -> text parts and
+    placeholders (a text part between two placeholders kept even when empty: every render has the same layout)."""
     counter = itertools.count()
     messages = [
         {
@@ -162,7 +163,7 @@ def _split_render(template: PromptTemplate, tokenizer, chat: str, fields: list[F
     text = render_chat(tokenizer, chat, messages, template.chat_template_kwargs)
     out, at = [], 0
     for i, f in enumerate(fields):
-        s = shape(i)
+        s = find(i)
         k = text.find(s, at)
         if k < 0 or text.count(s) != 1:
             return [None]
