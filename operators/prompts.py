@@ -36,9 +36,9 @@ import torch
 from decoding.catalog import ItemTokens, argsort_ids
 from decoding.codes import format_rows, ragged_ranges
 from decoding.templates import Field, PromptTemplate, parse
+from operators.spec import TOO_LONG
 from operators.text import BREAK, TextTokenizer, chat_skeleton, chat_template_text, library_ids, prompt_pieces
 
-TOO_LONG = ("drop_oldest", "reject")
 CODES = "codes"  # an item's code tokens, among a template's symbols
 
 # ---------------------------------------------------------------- ragged helpers
@@ -232,6 +232,7 @@ class Renderer:
     item_texts: ItemTexts
     max_prompt_tokens: int | None = None  # None: no bound
     too_long: str = "drop_oldest"
+    chat: str | None = None  # the chat template the messages are written with (None: a plain template)
     max_len: int = 0  # tokens of the longest prompt (max_prompt_tokens where the template writes text from data)
     plans: dict = field(default_factory=dict)  # which histories are written -> the prompt's slots
     cache: dict = field(default_factory=dict)  # Span -> what it has tokenized (`_evaluate`)
@@ -290,6 +291,7 @@ class Renderer:
             ItemTexts.from_table(catalog, template.item_columns),
             max_prompt_tokens,
             too_long,
+            chat,
         )
         r.regions = {c: r._region(c, w) for c, w in template.histories.items()}
         r.max_len = r._check(tokenizer, chat, probes)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from operators.spec import MODES, Decoding
+from operators.spec import MODES, TOO_LONG, Decoding
 from pipeline import storage as S
 from pipeline.storage import Storage
 
@@ -452,6 +452,13 @@ def _check_decoding(cfg: Config) -> None:
     _need(d.top_m is None or d.top_m >= 1, "decoding.top_m", "must be >= 1 or null", d.top_m)
     _need(d.temperature > 0, "decoding.temperature", "must be > 0", d.temperature)
     _need(d.exclude in ("none", "history"), "decoding.exclude", "must be none or history", d.exclude)
+    _need(
+        d.max_prompt_tokens is None or d.max_prompt_tokens >= 1,
+        "decoding.max_prompt_tokens",
+        "must be >= 1 or null",
+        d.max_prompt_tokens,
+    )
+    _need(d.too_long in TOO_LONG, "decoding.too_long", f"must be {' or '.join(TOO_LONG)}", d.too_long)
     _need(
         bool(d.exclude_column) and d.exclude_column not in ("user_id", "history", "target_items", *ROW_COLUMNS),
         "decoding.exclude_column",

@@ -87,10 +87,12 @@ class Sources:
     recommendable_column: str | None = None
     blocked: str | None = None
     blocked_items: tuple[int, ...] = ()
+    columns: tuple[str, ...] = ()  # the catalog's columns the prompt template writes ({item:COLUMN}), read too
 
     @classmethod
-    def of(cls, cfg: Config) -> Sources:
-        return cls(cfg.catalog, cfg.recommendable, cfg.recommendable_column, cfg.blocked, tuple(cfg.blocked_items))
+    def of(cls, cfg: Config, columns=()) -> Sources:
+        given = (cfg.catalog, cfg.recommendable, cfg.recommendable_column, cfg.blocked, tuple(cfg.blocked_items))
+        return cls(*given, tuple(columns))
 
     def named(self, what: str) -> str:
         """The source of the recommendable set or the block list, in words."""
@@ -116,7 +118,7 @@ def read_items(src: Sources, storage: Storage, record: bool = True) -> Items:
     unknown = 0  # ids of the recommendable set the index lacks
     if src.recommendable_column:
         listed = _column_mask(table, src.recommendable_column, src.catalog)  # [N]
-        table, in_set = table.select(INDEX_COLUMNS), index[listed[order]]
+        table, in_set = table.select(INDEX_COLUMNS + list(src.columns)), index[listed[order]]
     elif src.recommendable:
         given = read_ids(src.recommendable, storage, "recommendable")  # [R] sorted, distinct
         listed, known = np.empty(len(ids), bool), member(index, given)  # [N], [R]
@@ -154,9 +156,11 @@ def member(sorted_ids: np.ndarray, ids: np.ndarray) -> np.ndarray:
 
 
 def read_catalog(src: Sources, storage: Storage) -> pa.Table:
-    """The catalog's item_id and semantic_id (and the recommendable column, when named); item ids integers, never
-    null (the index's other checks are the catalog parser's: decoding.catalog.Catalog.from_table)."""
-    columns = INDEX_COLUMNS + [c for c in [src.recommendable_column] if c and c not in INDEX_COLUMNS]
+    """The catalog's item_id and semantic_id (and the recommendable column, when named, and the columns the prompt
+    template writes); item ids integers, never null (the index's other checks are the catalog parser's:
+    decoding.catalog.Catalog.from_table)."""
+    named = [src.recommendable_column, *src.columns]
+    columns = INDEX_COLUMNS + list(dict.fromkeys(c for c in named if c and c not in INDEX_COLUMNS))
     table = _read(src.catalog, storage, "catalog", columns)
     ids = table.column("item_id")
     if ids.null_count:
