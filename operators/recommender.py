@@ -201,7 +201,8 @@ class Recommender:
         recs = recommendation_table(users, items, decoded.scores, d.mode)
         wall = time.perf_counter() - t0 - decoded.audit.get("audit_s", 0.0)  # the audit is reported as its own cost
         counts = batch_counts(batch.num_rows, items, broken, rejects.num_rows, recs.num_rows, prompts, self.prefix_len)
-        fit = {"users_truncated": int(prompts.truncated.sum()), "users_too_long": int((~prompts.kept).sum())}
+        fit = {"users_prompted": len(prompts.input_ids), "users_truncated": int(prompts.truncated.sum())}
+        fit["users_too_long"] = int((~prompts.kept).sum())
         metric = {**self._metric_row(counts, wall, decoded), **excluded, **fit}
         self.batches += 1
         return output_table(recs, rejects, metric, batch.schema.field("user_id").type)
