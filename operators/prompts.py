@@ -178,6 +178,16 @@ class Region:
     junction: list  # pieces between two items: the tail of one, the separator, the head of the next (prev, self)
     tail: list  # text parts after an item's last atom (they join the text after the history: last item)
 
+    @property
+    def fused(self) -> bool:
+        """Is every written item the same atoms around its codes, back to back (OpenOneRec's
+        `<|sid_begin|>{codes}<|sid_end|>`)? Then a row's items are one chunk."""
+        return not self.junction and len(self.body) == 1 and isinstance(self.body[0], Block)
+
+    def item_width(self) -> int:
+        """Tokens of one item of a fused history."""
+        return len(self.body[0].ids)
+
 
 @dataclass
 class Layout:
@@ -349,19 +359,19 @@ class Renderer:
         width = int(t.max()) if len(rows) else 0
         order = np.lexsort((layout.pos, layout.user))  # [C] chunks row by row, in order
         order = order[kept[layout.user[order]]]
-        start, length, src = layout.start[order], layout.length[order], layout.src[order]
-        at = np.cumsum(length) - length  # [C'] where each chunk goes among the kept rows' tokens, back to back
-        row_start = np.cumsum(tokens[rows]) - tokens[rows]  # [B'] where each row begins among them
-        flat = np.empty(int(tokens[rows].sum()), np.int64)
-        for s, source in enumerate(layout.sources):
-            mine = src == s
-            if mine.any():
-                flat[ragged_ranges(at[mine], length[mine])] = source[ragged_ranges(start[mine], length[mine])]
-        row = np.repeat(np.arange(len(rows)), tokens[rows])
-        col = np.arange(len(flat)) - np.repeat(row_start, tokens[rows])  # [T] place within its row
-        keep = col >= skip
+        user, start, length, src = layout.user[order], layout.start[order], layout.length[order], layout.src[order]
+        new_row = np.cumsum(kept) - 1  # [B] each kept row's place among them
+        at = np.cumsum(length) - length  # [C'] each chunk's first token among the kept rows' tokens, back to back
+        at -= (np.cumsum(tokens[rows]) - tokens[rows])[new_row[user]]  # ... within its row
+        cut = np.clip(skip - at, 0, length)  # [C'] its tokens inside the skipped prefix
+        start, length, at = start + cut, length - cut, at + cut - skip
+        dest = new_row[user] * width + (width - t)[new_row[user]] + at  # [C'] where its first token goes
         ids = np.full((len(rows), width), self.pad_id, np.int64)
-        ids[row[keep], (width - t)[row[keep]] + col[keep] - skip] = flat[keep]
+        flat = ids.reshape(-1)
+        for s, source in enumerate(layout.sources):
+            mine = (src == s) & (length > 0)
+            if mine.any():
+                flat[ragged_ranges(dest[mine], length[mine])] = source[ragged_ranges(start[mine], length[mine])]
         mask = (np.arange(width)[None, :] >= (width - t)[:, None]).astype(np.int64)
         return Prompts(torch.from_numpy(ids), torch.from_numpy(mask), kept, truncated[rows])
 
@@ -398,7 +408,10 @@ class Renderer:
             most = int(n.max()) if len(n) else 0
             if most == 0 or not can.any():
                 continue
-            whole, joint = layout.item_tokens(rows, h, most)  # [R, most]
+            if self.regions[c].fused:
+                whole, joint = np.full((len(rows), most), self.regions[c].item_width()), np.zeros((len(rows), most))
+            else:
+                whole, joint = layout.item_tokens(rows, h, most)  # [R, most]
             after = np.concatenate([joint[:, 1:], np.zeros((len(rows), 1))], 1)  # the text joining the next item
             gain = (np.cumsum(whole, axis=1) + after).astype(np.int64)  # [R, most]: tokens the first d + 1 free
             enough = gain >= left[:, None]
@@ -495,7 +508,7 @@ class Renderer:
     def _group_layout(self, batch: Batch, rows: np.ndarray, used: dict, plan: list) -> Layout:
         """The chunks of rows [G] sharing one plan: per slot, one chunk per row, or per written item and piece."""
         counts = np.stack(
-            [np.ones(len(rows), np.int64) if not isinstance(s, Region) else used[s.column][rows] * _pieces(s)
+            [np.ones(len(rows), np.int64) if not isinstance(s, Region) or s.fused else used[s.column][rows] * _pieces(s)
              for s in plan], axis=1,
         )  # fmt: skip  # [G, S] chunks per row and slot
         base = np.cumsum(counts, axis=1) - counts  # [G, S] each slot's first chunk's place in its row
@@ -512,8 +525,13 @@ class Renderer:
         """A history's items in rows [G]: for each written item q, its junction (none before the first) and body
         pieces."""
         occ = Occurrences.items(batch, rows, used, region.column)  # [O]
-        local = np.repeat(np.arange(len(rows)), used[region.column][rows])  # [O] each occurrence's row in the group
+        n = used[region.column][rows]  # [G]
+        local = np.repeat(np.arange(len(rows)), n)  # [O] each occurrence's row in the group
         per, h = _pieces(region), list(self.regions).index(region.column)
+        if region.fused:  # every item the same atoms around its codes: one chunk per row, its items back to back
+            src, _, w = self._evaluate(region.body[0], occ)
+            first = np.cumsum(n) - n  # [G] each row's first occurrence
+            return [(rows, base, src, first * w[:1].sum(), n * w[:1].sum(), h, -1, False)]
         out = []
         for p, piece in enumerate([*region.junction, *region.body]):
             src, start, length = self._evaluate(piece, occ)
