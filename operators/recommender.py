@@ -86,11 +86,7 @@ def prepare(spec: ActorSpec, device: torch.device | str = "cpu") -> Inputs:
         code_token=spec.template.code,
         recommendable=spec.recommendable,
     )
-    template = spec.template.with_max_items(spec.decoding.history_len)
-    probes = catalog_probes(catalog.item_tokens)
-    answer = len(answer_ids(template, tokenizer, probes))
-    bound = spec.decoding.max_prompt_tokens or prompt_bound(configs.values(), catalog.code_len + answer)
-    renderer = Renderer.compile(template, tokenizer, probes, spec.catalog, target, bound, spec.decoding.too_long)
+    renderer = compile_renderer(spec, tokenizer, catalog, target, configs.values())
     if len(renderer.answer) and spec.decoding.mode != "beam":
         raise ValueError(
             f"prompt template {renderer.template.name!r} scores the tokens after an item's codes (answer_suffix "
@@ -109,6 +105,25 @@ def prepare(spec: ActorSpec, device: torch.device | str = "cpu") -> Inputs:
             f"{vocab['target']}: a draft must share its target's tokenizer"
         )
     return Inputs(target, draft, tokenizer, catalog, renderer)
+
+
+def rendered(renderer: Renderer, batch: pa.Table, items, d, skip: int) -> tuple[pa.Table, pa.Table, Prompts]:
+    """A batch -> (its valid rows whose prompt fits, the rejects, those rows' prompts without their first `skip`
+    tokens): operators/validate.py's rules, then the renderer's bound (prompt_too_long)."""
+    good, rejects = validate(batch, items, renderer.windows, d.exclude_column, renderer.user_columns)
+    prompts = renderer.render(good, items, skip)
+    good, rejects = fitted(good, rejects, prompts.kept, renderer.max_prompt_tokens)
+    return good, rejects, prompts
+
+
+def compile_renderer(spec: ActorSpec, tokenizer, catalog: Catalog, target: str, configs) -> Renderer:
+    """The spec's template (decoding.history_len its window) compiled against the tokenizer, the catalog and the
+    model directory (its chat template), prompts bounded by decoding.max_prompt_tokens or `prompt_bound`."""
+    template = spec.template.with_max_items(spec.decoding.history_len)
+    probes = catalog_probes(catalog.item_tokens)
+    answer = len(answer_ids(template, tokenizer, probes))
+    bound = spec.decoding.max_prompt_tokens or prompt_bound(configs, catalog.code_len + answer)
+    return Renderer.compile(template, tokenizer, probes, spec.catalog, target, bound, spec.decoding.too_long)
 
 
 def prompt_bound(configs, answer: int) -> int | None:
@@ -189,10 +204,7 @@ class Recommender:
         fault_injection(self.batches)
         t0 = time.perf_counter()
         d = self.spec.decoding
-        r = self.renderer
-        good, rejects = validate(batch, self.catalog.item_tokens, r.windows, d.exclude_column, r.user_columns)
-        prompts = r.render(good, self.catalog.item_tokens, self.prefix_len)
-        good, rejects = fitted(good, rejects, prompts.kept, r.max_prompt_tokens)
+        good, rejects, prompts = rendered(self.renderer, batch, self.catalog.item_tokens, d, self.prefix_len)
         users = good.column("user_id")
         exclude, excluded = batch_exclusions(good, self.catalog, d)
         decoded = self._decode_batch(prompts, users, exclude)
@@ -201,9 +213,7 @@ class Recommender:
         recs = recommendation_table(users, items, decoded.scores, d.mode)
         wall = time.perf_counter() - t0 - decoded.audit.get("audit_s", 0.0)  # the audit is reported as its own cost
         counts = batch_counts(batch.num_rows, items, broken, rejects.num_rows, recs.num_rows, prompts, self.prefix_len)
-        fit = {"users_prompted": len(prompts.input_ids), "users_truncated": int(prompts.truncated.sum())}
-        fit["users_too_long"] = int((~prompts.kept).sum())
-        metric = {**self._metric_row(counts, wall, decoded), **excluded, **fit}
+        metric = {**self._metric_row(counts, wall, decoded), **excluded, **prompts.fit_counts()}
         self.batches += 1
         return output_table(recs, rejects, metric, batch.schema.field("user_id").type)
 

@@ -34,9 +34,8 @@ DEMO_STEPS = {  # what the demo config reads -> the command that makes it (from 
 class Models:
     target: str = ""  # local directory or s3:// prefix
     draft: str | None = None  # needed by the atspeed modes
-    template: str | None = (
-        None  # prompt template: a preset (codes, lcrec, minionerec) or a local JSON file; None: the target's
-    )
+    template: str | None = None  # prompt template: a preset (codes, lcrec, minionerec, openonerec) or a JSON file;
+    # None: the target's
     cache_dir: str = "~/.cache/genrec-batch/models"  # where s3:// models are copied, once per node
 
 

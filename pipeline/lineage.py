@@ -65,19 +65,23 @@ def input_hashes(
         v, s, n = _ragged(lists)
         kept = np.minimum(n, window)
         parts.append((v, s + n - kept, kept))
+    out = _digests(parts, _text_bytes(texts, len(bad)))
+    return pc.if_else(pa.array(bad), pa.nulls(len(bad), pa.binary()), out) if bad.any() else out
+
+
+def _digests(parts: list, extra: list[bytes]) -> pa.Array:
+    """Each row's ragged parts (`_words`) and its extra bytes -> blake2b-128 of them [B] binary."""
     words, size = _words(parts)  # [sum(size)] int64, [B]
     ends = np.cumsum(size) * 8
     raw = memoryview(words.astype("<i8").tobytes())
-    extra = _text_bytes(texts, len(size))
     blake2b = hashlib.blake2b
-    out = pa.array(
+    return pa.array(
         [
             blake2b(raw[a:b].tobytes() + x if x else raw[a:b], digest_size=16).digest()
             for a, b, x in zip((ends - size * 8).tolist(), ends.tolist(), extra)
         ],
         pa.binary(),
     )
-    return pc.if_else(pa.array(bad), pa.nulls(len(bad), pa.binary()), out) if bad.any() else out
 
 
 def _text_bytes(texts: list[pa.Array], rows: int) -> list[bytes]:

@@ -88,7 +88,7 @@ def run_shapes(p: TemplatesParams, tok) -> dict:
     renderer's per-item caches filled by it, as a night fills them on its first batches)."""
     rng = np.random.default_rng(p.seed)
     catalog = synthetic_catalog(tok, rng)
-    timings, methods, tokens, rendered = {}, {}, {}, {}
+    timings, methods, rendered = {}, {}, {}
     for name in p.shapes:
         template = SHAPES[name]
         cat = Catalog.from_table(catalog, tok, on_duplicate="first", code_token=template.code)
@@ -106,25 +106,26 @@ def run_shapes(p: TemplatesParams, tok) -> dict:
             cpu = time.process_time()
             methods[name]()
             timings[name].append(time.process_time() - cpu)
-    out = {}
-    for name in p.shapes:
-        renderer, rows, cat = rendered[name]
-        prompts = renderer.render(rows, cat.item_tokens)
-        tokens[name] = float(prompts.attention_mask.sum(1).float().mean())
-        mine, theirs = Timing(timings[f"{name} renderer"]), Timing(timings[f"{name} tokenizer"])
-        users = rows.num_rows
-        out[name] = {
-            "template": SHAPES[name].to_dict(),
-            "users": users,
-            "prompt_tokens_mean": tokens[name],
-            "renderer_users_per_core_s": mine.per(lambda s, u=users: u / s),
-            "tokenizer_users_per_core_s": theirs.per(lambda s, u=users: u / s),
-            "tokenizer_tokens_per_core_s": theirs.per(lambda s, t=tokens[name] * users: t / s),
-            "speedup": ratio(theirs, mine),
-            "renderer_cpu_s": mine.to_dict(),
-            "tokenizer_cpu_s": theirs.to_dict(),
-        }
+    out = {name: shape_result(name, *rendered[name], timings) for name in p.shapes}
     return {"text_vocab": len(tok), "items": ITEMS, "shapes": out}
+
+
+def shape_result(name: str, renderer: Renderer, rows: pa.Table, cat: Catalog, timings: dict) -> dict:
+    """One shape's figures: its prompts' mean tokens, users (and tokens) per CPU second of each method, speed-up."""
+    tokens = float(renderer.render(rows, cat.item_tokens).attention_mask.sum(1).float().mean())
+    mine, theirs = Timing(timings[f"{name} renderer"]), Timing(timings[f"{name} tokenizer"])
+    users = rows.num_rows
+    return {
+        "template": SHAPES[name].to_dict(),
+        "users": users,
+        "prompt_tokens_mean": tokens,
+        "renderer_users_per_core_s": mine.per(lambda s: users / s),
+        "tokenizer_users_per_core_s": theirs.per(lambda s: users / s),
+        "tokenizer_tokens_per_core_s": theirs.per(lambda s: tokens * users / s),
+        "speedup": ratio(theirs, mine),
+        "renderer_cpu_s": mine.to_dict(),
+        "tokenizer_cpu_s": theirs.to_dict(),
+    }
 
 
 def synthetic_catalog(tok, rng) -> pa.Table:

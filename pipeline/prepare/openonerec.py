@@ -114,23 +114,13 @@ def prepare_openonerec(source, out_dir, pid2sid: Path | None = None, history_len
     missing = [c for c in ("uid", "split", HISTORY, TARGET) if c not in meta.column_names]
     if missing:
         raise ValueError(f"{metadata}: missing column(s) {missing} (has {meta.column_names})")
-    test = meta.filter(pc.not_equal(meta["split"], 0))
-    train = meta.filter(pc.equal(meta["split"], 0))
     tables, report = {}, {"dropped": {}, "history_length": {}}
-    for split, rows in (("test", test), ("train", train)):
-        history, dropped = known_window(rows[HISTORY], pids, history_len)
-        target, dropped_target = known_window(rows[TARGET], pids, None)
-        report["dropped"][split] = {"history": dropped, "target": dropped_target}
-        report["history_length"][split] = length_summary(pc.list_value_length(history).to_numpy().tolist())
-        user = rows["uid"].cast(pa.int64())
-        if split == "train":
-            joined = [h + t for h, t in zip(history.to_pylist(), target.to_pylist())]
-            tables[split] = pa.table({"user_id": user, "history": pa.array(joined, pa.list_(pa.int64()))})
-        else:
-            rest = [c for c in rows.column_names if c not in ("uid", "split", HISTORY, TARGET)]
-            tables[split] = pa.table(
-                {"user_id": user, "history": history, "target_items": target, **{c: rows[c] for c in rest}}
-            )
+    for split, rows in (
+        ("test", meta.filter(pc.not_equal(meta["split"], 0))),
+        ("train", meta.filter(pc.equal(meta["split"], 0))),
+    ):
+        tables[split], dropped, lengths = split_table(rows, pids, history_len, split == "train")
+        report["dropped"][split], report["history_length"][split] = dropped, lengths
     tables["valid"] = tables["test"].slice(0, 0)
     popularity = item_popularity(meta, pids)
     items = items_table(pids, codes, int(codes.max()) + 1).append_column("popularity", pa.array(popularity))
@@ -148,6 +138,22 @@ def prepare_openonerec(source, out_dir, pid2sid: Path | None = None, history_len
     write_contract(out_dir, items, build_tokenizer(codes.shape[1], int(codes.max()) + 1), [tables], lambda: doc)
     dropped = {s: doc["unknown_pids_left_out"].get(s, {}).get("history", 0) for s in SPLITS}
     return summarize(out_dir, doc, int(codes.max()) + 1, history_len, dropped_interactions=dropped)
+
+
+def split_table(rows: pa.Table, pids: np.ndarray, history_len: int, train: bool) -> tuple[pa.Table, dict, dict]:
+    """One split's rows -> (its table: user_id, history and target_items with every other column, or for train one
+    sequence each; the pids left out of histories and targets; the histories' lengths)."""
+    history, dropped = known_window(rows[HISTORY], pids, history_len)
+    target, dropped_target = known_window(rows[TARGET], pids, None)
+    lengths = length_summary(pc.list_value_length(history).to_numpy().tolist())
+    user = rows["uid"].cast(pa.int64())
+    if train:
+        joined = [h + t for h, t in zip(history.to_pylist(), target.to_pylist())]
+        table = pa.table({"user_id": user, "history": pa.array(joined, pa.list_(pa.int64()))})
+    else:
+        rest = [c for c in rows.column_names if c not in ("uid", "split", HISTORY, TARGET)]
+        table = pa.table({"user_id": user, "history": history, "target_items": target, **{c: rows[c] for c in rest}})
+    return table, {"history": dropped, "target": dropped_target}, lengths
 
 
 def item_popularity(meta: pa.Table, pids: np.ndarray) -> np.ndarray:
