@@ -238,19 +238,15 @@ class Program:
         return [[(v if isinstance(v, str) else v[i], t) for v, t in columns] for i in range(n)]
 
     def _cached(self, span: Span, occ: Occurrences):
-        """A span that reads one item's fields: tokenized once per catalog item, kept."""
+        """A span that reads one item's fields: tokenized once per catalog item, kept (ItemCache)."""
         (ref,) = span.refs
         rows = self.item_texts.rows(occ.item_ids(ref))  # [O] catalog rows
-        n_items = len(self.item_texts.item_ids)
-        start, length, pool = self.cache.get(span) or (np.full(n_items, -1), np.zeros(n_items, np.int64), [])
-        new = np.unique(rows[start[rows] < 0])
+        cache = self.cache.setdefault(span, ItemCache.empty(len(self.item_texts.item_ids)))
+        new = np.unique(rows[cache.start[rows] < 0])
         if len(new):
             values = lambda p: self.item_texts.values(p[3], new) if p[0] == "i" else p[1]  # noqa: E731
-            src, at, n = ragged_ids(self.text.encode_spans(self._strings(span, values, len(new))))
-            start[new], length[new] = sum(len(x) for x in pool) + at, n
-            pool = [np.concatenate([*pool, src])]
-        self.cache[span] = (start, length, pool)
-        return (pool[0] if pool else np.zeros(0, np.int64)), start[rows], length[rows]
+            cache.add(new, *ragged_ids(self.text.encode_spans(self._strings(span, values, len(new)))))
+        return cache.ids, cache.start[rows], cache.length[rows]
 
     def _indexed(self, span: Span, occ: Occurrences):
         """A span that reads items' indexes only: tokenized once per index value."""
@@ -266,3 +262,32 @@ class Program:
         where = {k: i for i, k in enumerate(order)}
         pick = np.array([where[tuple(k)] for k in keys.tolist()], np.int64)
         return src, at[pick], n[pick]
+
+
+@dataclass
+class ItemCache:
+    """A span's ids for each catalog item it has met: back to back in a buffer that doubles when full (a night's
+    batches add the items they meet first; nothing is copied per batch)."""
+
+    start: np.ndarray  # [N] where each item's ids begin (-1: not met yet)
+    length: np.ndarray  # [N]
+    buffer: np.ndarray  # [capacity] int64
+    used: int = 0
+
+    @classmethod
+    def empty(cls, items: int) -> ItemCache:
+        return cls(np.full(items, -1, np.int64), np.zeros(items, np.int64), np.zeros(1024, np.int64))
+
+    @property
+    def ids(self) -> np.ndarray:
+        return self.buffer[: self.used]
+
+    def add(self, rows: np.ndarray, ids: np.ndarray, at: np.ndarray, lengths: np.ndarray) -> None:
+        """Items `rows` [R] with their ids back to back (starting at `at` [R], `lengths` [R])."""
+        if self.used + len(ids) > len(self.buffer):
+            grown = np.zeros(max(2 * len(self.buffer), self.used + len(ids)), np.int64)
+            grown[: self.used] = self.buffer[: self.used]
+            self.buffer = grown
+        self.buffer[self.used : self.used + len(ids)] = ids
+        self.start[rows], self.length[rows] = self.used + at, lengths
+        self.used += len(ids)

@@ -91,8 +91,9 @@ class Renderer:
 
     @property
     def windows(self) -> dict[str, int]:
-        """{history column: its window}, `history` first."""
-        return self.program.windows
+        """{history column: its window}: `history` first (validated and hashed whether the template writes it or
+        not), then the other histories the template writes."""
+        return {"history": self.template.max_items, **self.program.windows}
 
     @property
     def user_columns(self) -> list[str]:

@@ -22,8 +22,6 @@ import json
 import re
 from pathlib import Path
 
-import numpy as np
-
 from decoding.templates import Field, PromptTemplate, parse
 
 BREAK = "break"  # a boundary the template tokenizes across never (the instruction's end)
@@ -49,7 +47,7 @@ class TextTokenizer:
         self.full, self.plain = backend, Tokenizer.from_str(json.dumps(raw))
         self.plain.no_padding()
         self.plain.no_truncation()
-        self.added = np.array(sorted(tokenizer.added_tokens_decoder), dtype=np.int64)  # [A] every added token's id
+        self.added = set(tokenizer.added_tokens_decoder)  # every added token's id
 
     def atoms(self, text: str) -> list[str | int]:
         """Text the template (or a trusted field) writes -> its parts: text (str) and the added tokens the

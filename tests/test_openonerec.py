@@ -9,6 +9,7 @@ import importlib.util
 import json
 import os
 import sys
+from fnmatch import fnmatch
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,8 +24,10 @@ from decoding.templates import read_template
 from jobs.prepare_data import main as prepare_data
 from jobs.template import main as template_cli
 from operators.prompts import Renderer, catalog_probes
+from pipeline.lineage import model_files_sha256
 from pipeline.prepare import build_chat_tokenizer
 from pipeline.prepare.contract import CHATML
+from pipeline.storage import HEAD_FILES
 
 LEVELS, CODES, PIDS = 3, 12, 90
 PEER = os.environ.get("GENREC_PEER_OPENONEREC")  # a checkout of github Kuaishou-OneRec/OpenOneRec
@@ -158,6 +161,11 @@ def test_the_prompt_is_their_video_prompt_token_for_token(imported, model_dir):
                      catalog_name="items", template=template)  # fmt: skip
     inputs = prepare(spec)
     assert inputs.renderer.max_prompt_tokens == 512 - LEVELS and inputs.renderer.chat == CHATML
+    # the chat template is part of the model: its files' sha256, and what a driver reads of an s3:// model
+    before = model_files_sha256(model)
+    (model / template.chat_template).write_text(CHATML.replace("/no_think", "/nothink"))
+    assert model_files_sha256(model) != before and any(fnmatch(template.chat_template, f) for f in HEAD_FILES)
+    (model / template.chat_template).write_text(CHATML)
 
 
 @pytest.mark.skipif(not PEER, reason="GENREC_PEER_OPENONEREC names no checkout of github Kuaishou-OneRec/OpenOneRec")

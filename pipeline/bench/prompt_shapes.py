@@ -30,35 +30,20 @@ LEVELS, CODES, ITEMS = 3, 256, 50_000
 SYSTEM = "你是一个智能推荐助手，能够根据用户的浏览历史预测用户可能感兴趣的下一个内容。"
 CHAT = dict(bos=False, code_token="<s_{level}_{code}>", chat_template_kwargs={"enable_thinking": False})
 CHAT |= dict(item="<|sid_begin|>{codes}<|sid_end|>", generation_prefix="<|sid_begin|>")
+HISTORY_ONLY = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "浏览历史：\n{history}\n请推荐。"}]
+PROFILE = "用户画像：\n{user:profile}\n\n视频：{history}\n商品：{history:goods}\n请预测。"
 SHAPES = {
-    "300": PromptTemplate(
-        name="300",
-        messages=[
-            {"role": "system", "content": SYSTEM},
-            {"role": "user", "content": "浏览历史：\n{history}\n请推荐。"},
-        ],
-        max_items=50,
-        **CHAT,
-    ),
+    "300": PromptTemplate(name="300", messages=HISTORY_ONLY, max_items=50, **CHAT),
     "openonerec": PromptTemplate(
         name="openonerec-like",
-        messages=[
-            {"role": "system", "content": SYSTEM},
-            {
-                "role": "user",
-                "content": "用户画像：\n{user:profile}\n\n视频：{history}\n商品：{history:goods}\n请预测。",
-            },
-        ],
+        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": PROFILE}],
         max_items=256,
         windows={"goods": 100},
         **CHAT,
     ),
     "titles": PromptTemplate(
         name="titles",
-        messages=[
-            {"role": "system", "content": SYSTEM},
-            {"role": "user", "content": "浏览历史：\n{history}\n请推荐。"},
-        ],
+        messages=HISTORY_ONLY,
         max_items=100,
         **{**CHAT, "item": "<|sid_begin|>{codes}<|sid_end|> {item:title}\n"},
     ),
