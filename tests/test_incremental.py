@@ -332,9 +332,11 @@ def test_a_prompt_reads_the_columns_its_template_names_and_nothing_else_carries_
 
 
 def test_a_night_that_changes_only_a_user_text_field_decodes_only_those_users(world, ray_session_plain, tmp_path):
-    """A template writing each user's profile: tonight changes 6 users' profiles and nothing else; the incremental
-    night decodes those 6 and carries every other user."""
+    """A template writing each user's profile, prompts bounded by decoding.max_prompt_tokens: tonight changes 6
+    users' profiles and nothing else; the incremental night decodes those 6 and carries every other user. The base
+    night counts the prompts it cut to fit in its manifest, and its report shows prompt tokens per user."""
     from pipeline.nightly import run_nightly
+    from pipeline.report import summarize
 
     root, _ = world
     base = pq.read_table(root / "base.parquet")
@@ -346,8 +348,13 @@ def test_a_night_that_changes_only_a_user_text_field_decodes_only_those_users(wo
     pq.write_table(base.append_column("profile", pa.array(profiles)), tmp_path / "night.parquet")
     template = tmp_path / "template.json"
     template.write_text(json.dumps({"name": "profiled", "prefix": "{user:profile} ", "max_items": 8}))
-    extra = [f"models.template={template}", "decoding.exclude=none"]
-    run_nightly(config(root, tmp_path / "out", f"input={tmp_path / 'base.parquet'}", f"run_date={BASE_DATE}", *extra))
+    extra = [f"models.template={template}", "decoding.exclude=none", "decoding.max_prompt_tokens=22"]
+    extra += ["compute.batch_size=64"]
+    base_cfg = config(root, tmp_path / "out", f"input={tmp_path / 'base.parquet'}", f"run_date={BASE_DATE}", *extra)
+    counts = run_nightly(base_cfg)["counts"]
+    assert counts["users_truncated"] > 0 and counts["users_too_long"] == 0
+    s = summarize(runs.load_run(runs.date_dir(base_cfg.output, BASE_DATE), base_cfg.storage), 2.5)
+    assert 10 < s["prompt_tokens_per_user"] <= 22 and s["users_truncated"] == counts["users_truncated"]
     cfg = config(root, tmp_path / "out", f"input={tmp_path / 'night.parquet'}", f"run_date={NIGHT}", *extra)
     manifest = run_nightly(replace(cfg, incremental=replace(cfg.incremental, enabled=True)))
     _, users, _ = published(cfg)
