@@ -244,3 +244,31 @@ def test_a_chat_prompt_decodes_what_transformers_beam_search_returns(world):
     torch.testing.assert_close(ours.scores, scores, atol=atol, rtol=0)
     clear = ours.stats["tie_gap"] > 2 * atol
     assert clear.sum() >= 6 and torch.equal(ours.item_ids[clear], items[clear])
+
+
+def test_every_history_a_prompt_writes_is_validated_like_history(world):
+    """goods ({history:goods}): an id of its window the catalog lacks, or a null id, is unknown_item naming goods; a
+    list of strings is bad_type naming it; null or empty goods write no items; an unknown id outside its window of 4
+    is not read."""
+    from operators.validate import validate
+
+    tok, catalog, _, _ = world
+    renderer, cat = compiled(world, CHAT)
+    known = catalog["item_id"].to_pylist()
+    goods = [[known[0], 5], [known[1], None], None, [], [8, *known[:4]]]
+    rows = pa.table(
+        {
+            "user_id": range(5),
+            "history": pa.array([[known[2]]] * 5, pa.list_(pa.int64())),
+            "goods": pa.array(goods, pa.list_(pa.int64())),
+            **{c: ["x"] * 5 for c in ("profile", "query", "segment")},
+        }
+    )
+    good, rejects = validate(rows, cat.item_tokens, renderer.windows, "exclude_items", renderer.user_columns)
+    assert rejects.to_pylist() == [
+        {"user_id": 0, "reason": "unknown_item", "detail": "item ids not in catalog: 5 (in goods)"},
+        {"user_id": 1, "reason": "unknown_item", "detail": "item ids not in catalog: -1 (in goods)"},
+    ]
+    assert good["user_id"].to_pylist() == [2, 3, 4] and renderer.render(good, cat.item_tokens).kept.all()
+    strings = rows.set_column(2, "goods", pa.array([["a"]] * 5, pa.list_(pa.string())))
+    assert {r["reason"] for r in validate(strings, cat.item_tokens, renderer.windows)[1].to_pylist()} == {"bad_type"}
