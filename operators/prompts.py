@@ -84,6 +84,8 @@ class Renderer:
     too_long: str = "drop_oldest"
     chat: str | None = None  # the chat template the messages are written with (None: a plain template)
     max_len: int = 0  # tokens of the longest prompt (max_prompt_tokens where the template writes text from data)
+    full_len: int = 0  # tokens of a prompt with every window full and a short text in each field (the compiled
+    # engine's warm bucket: a template's text from data has no length until it is read)
 
     @property
     def max_items(self) -> int:
@@ -133,7 +135,10 @@ class Renderer:
         r = cls(
             template, probes.shape[1], _pad_id(template, tokenizer), answer, program, max_prompt_tokens, too_long, chat
         )
-        r.max_len = r._check(tokenizer, chat, probes)
+        full = r._check(tokenizer, chat, probes)
+        reads = template.user_columns or template.item_columns  # text from data: no length until it is read
+        bound = max_prompt_tokens if max_prompt_tokens is not None else full
+        r.max_len, r.full_len = bound if reads else min(full, bound), min(full, bound)
         return r
 
     def render(self, rows, items: ItemTokens, skip: int = 0) -> Prompts:
@@ -229,8 +234,7 @@ class Renderer:
     def _check(self, tokenizer, chat: str | None, probes: np.ndarray) -> int:
         """Probe users (1, 2 and 3 items from `probes`, shifted by one for other codes; every combination of written
         histories; "probe" in every text field) rendered here and written out for the tokenizer: refused unless the
-        ids are equal -> the longest prompt: max_prompt_tokens where the template writes text from data, else the
-        longest probe with every window full."""
+        ids are equal -> the tokens of the longest probe, every window full."""
         names = np.asarray(tokenizer.convert_ids_to_tokens(probes.ravel().tolist()), dtype=object).reshape(probes.shape)
         item_ids = np.arange(len(probes), dtype=np.int64)
         items = ItemTokens.from_arrays(item_ids, probes)
@@ -260,10 +264,7 @@ class Renderer:
                 {c: list(range(w)) if on else [] for (c, w), on in zip(self.windows.items(), pattern)}
             )
             longest = max(longest, int(probe.render(rows, full).attention_mask.sum()))
-        if self.max_prompt_tokens is None:
-            return longest
-        reads = self.template.user_columns or self.template.item_columns
-        return self.max_prompt_tokens if reads else min(longest, self.max_prompt_tokens)
+        return longest
 
     def _probe_rows(self, histories: dict) -> pa.Table:
         """One probe user: these histories, "probe" in every user field."""

@@ -191,8 +191,8 @@ class Recommender:
 
     def warm_shape(self) -> tuple[int, int]:
         """The users and prompt tokens the compiled engine's bucket is compiled for: the decode batch x the longest
-        prompt."""
-        prompt = self.renderer.max_len - self.prefix_len
+        prompt (with text from data: a full prompt with short texts; longer batches get buckets of their own)."""
+        prompt = self.renderer.full_len - self.prefix_len
         return min(self.spec.warm_users, self.fits("beam", prompt, self.target, None) or self.spec.warm_users), prompt
 
     def warm_up(self) -> None:
