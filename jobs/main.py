@@ -16,7 +16,10 @@ import sys
 # subcommand -> (module, one-line purpose)
 COMMANDS = {
     "nightly": ("jobs.nightly", "run the nightly job: every user's top-K, published to local or s3:// storage"),
-    "prepare": ("jobs.prepare_data", "import histories and a catalog (Amazon Beauty, LC-Rec, MiniOneRec, synthetic)"),
+    "prepare": (
+        "jobs.prepare_data",
+        "import histories and a catalog (Amazon Beauty, LC-Rec, MiniOneRec, OpenOneRec, synthetic)",
+    ),
     "train-target": ("jobs.train_target", "train the target generative recommender on semantic-ID tokens"),
     "train-draft": ("jobs.train_draft", "train a draft aligned with a target (AtSpeed-S / -R, KD, SFT)"),
     "template": ("jobs.template", "give a model directory its prompt template, checked against its tokenizer"),

@@ -5,6 +5,9 @@ AtSpeed layout: an index JSON mapping item ids to code tokens, e.g. `beauty.LCRe
 from 1 where their index counts from 0: `--id-offset -1`),
 `python -m jobs.prepare_data --format minionerec --source DIR --out DIR [--category NAME]` (MiniOneRec's layout, its
 repository or data/Amazon: index/, info/, train|valid|test/ CSVs; every CSV row a unit keyed `<user_id>#<row>`),
+`python -m jobs.prepare_data --format openonerec --source DIR --out DIR [--pid2sid FILE]` (OpenOneRec's RecIF release:
+onerec_bench_release.parquet and video_ad_pid2sid.parquet; every row a user, histories of pids as their video prompt
+writes them, the items' popularity beside their semantic IDs),
 or `python -m jobs.prepare_data --synthetic --users N --items M [--levels 4 --codes 256 --seed 0] --out DIR`.
 
 Add `--allow-mismatch` to import a source whose item ids or semantic ids disagree with its index (refused otherwise,
@@ -24,6 +27,7 @@ from pathlib import Path
 
 from jobs.cli import positive, synthetic_flags
 from pipeline.prepare import BEAUTY_SOURCE, prepare_beauty, prepare_lcrec, prepare_minionerec, write_synthetic
+from pipeline.prepare.openonerec import HIST_MAX_LEN, prepare_openonerec
 
 DEFAULT_SOURCE = BEAUTY_SOURCE
 
@@ -34,7 +38,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     source_flags(p)
     p.add_argument("--out", type=Path, default=Path("data/beauty"), help="output folder, default %(default)s")
-    p.add_argument("--history-len", type=positive, default=20, help="items per prompt, default %(default)s")
+    p.add_argument(
+        "--history-len", type=positive, default=None, help="items per prompt, default 20 (openonerec: their 512)"
+    )
     synthetic_flags(p)
     args = p.parse_args(argv)
     check_args(p, args)
@@ -45,11 +51,13 @@ def source_flags(p: argparse.ArgumentParser) -> None:
     """The source's format and folder, and the LC-Rec layout's index, id offset and code-token naming."""
     p.add_argument(
         "--format",
-        choices=["beauty", "lcrec", "minionerec"],
+        choices=["beauty", "lcrec", "minionerec", "openonerec"],
         default="beauty",
         help="beauty: items/train/valid/test.parquet; lcrec: *.index.json + sequential_*.txt; minionerec: "
-        "index/<Category>.index.json + info/ + train|valid|test/<Category>_*.csv",
+        "index/<Category>.index.json + info/ + train|valid|test/<Category>_*.csv; openonerec: "
+        "onerec_bench_release.parquet + video_ad_pid2sid.parquet",
     )
+    p.add_argument("--pid2sid", type=Path, default=None, help="openonerec: the pid2sid parquet (default: beside)")
     p.add_argument("--category", default=None, help="minionerec: the category, e.g. Office_Products (default: the one)")
     p.add_argument(
         "--source", type=Path, default=None, help=f"the source folder (default for --format beauty: {DEFAULT_SOURCE})"
@@ -89,7 +97,13 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error(f"--items {args.items} > codes**levels = {args.codes**args.levels}")
     elif args.users is not None or args.items is not None:
         p.error("--users / --items need --synthetic")
-    if args.format in ("lcrec", "minionerec") and args.source is None:
+    if args.format != "openonerec" and args.pid2sid is not None:
+        p.error("--pid2sid needs --format openonerec")
+    if args.format == "openonerec" and args.allow_mismatch:
+        p.error("--allow-mismatch: an openonerec import counts the pids pid2sid lacks (their prompts skip them)")
+    if args.history_len is None:
+        args.history_len = HIST_MAX_LEN if args.format == "openonerec" else 20
+    if args.format in ("lcrec", "minionerec", "openonerec") and args.source is None:
         p.error(f"--format {args.format} needs --source DIR")
     if args.format != "minionerec" and args.category is not None:
         p.error("--category needs --format minionerec")
@@ -138,6 +152,8 @@ def prepare(args: argparse.Namespace):
             id_offset=args.id_offset,
             allow_mismatch=args.allow_mismatch,
         )
+    if args.format == "openonerec":
+        return prepare_openonerec(args.source, args.out, args.pid2sid, args.history_len)
     if args.format == "minionerec":
         return prepare_minionerec(
             args.source, args.out, args.category, code_token=args.code_token, allow_mismatch=args.allow_mismatch

@@ -325,10 +325,13 @@ def trial_prompts(r) -> tuple | None:
     t = r.spec.trial_users
     if t is None:
         return None
-    good, _ = validate(t, r.catalog.item_tokens, r.renderer.max_items, r.spec.decoding.exclude_column)
-    if not good.num_rows:
+    renderer = r.renderer
+    good, _ = validate(
+        t, r.catalog.item_tokens, renderer.windows, r.spec.decoding.exclude_column, renderer.user_columns
+    )
+    p = renderer.render(good, r.catalog.item_tokens, r.prefix_len) if good.num_rows else None
+    if p is None or not len(p.input_ids):
         return None
-    p = r.renderer.render(good.column("history"), r.catalog.item_tokens, r.prefix_len)
     return p.input_ids.to(r.device), p.attention_mask.to(r.device)
 
 

@@ -1,20 +1,31 @@
-"""Prompts for generative recommenders: user histories -> left-padded token ids, written the way the model's prompt
-template says (decoding/templates.py), with no tokenizer call per user.
+"""Prompts for generative recommenders: users' rows -> left-padded token ids, written the way the model's prompt
+template says (decoding/templates.py), with no tokenizer call per user for what repeats.
 
-A `Renderer` is a template compiled against a tokenizer once: for every history length n = 1 .. max_items, the token
-ids of the n-item prompt with the code tokens left out (its skeleton) and where each item's L code tokens go. The
-skeletons come from tokenizing real prompts, so a batch rendered by filling code token ids into skeletons (numpy,
-no Python loop over users) has exactly the ids of `[bos] + tokenizer(text, add_special_tokens=False)`. Compiling
-checks that the code tokens stay tokens of their own whatever the codes: a tokenizer that would merge text across a
-code token's boundary is refused, never rendered differently.
+A `Renderer` is a template compiled against a tokenizer once (`compile`): its text cut at its atoms (added tokens,
+BOS; operators/text.py), each history placeholder a repeated item pattern whose code tokens are atoms too, and every
+span of text between two atoms classified by what it reads (`Span.kind`):
+
+    const   nothing from data: tokenized at compile time (a system prompt, the text between two items)
+    index   an item's index only: tokenized once per index value ("3. " in LC-Rec's numbered list)
+    item    one item's catalog fields: tokenized once per catalog item, when first met, and kept (a title)
+    each    a user's fields, or several items': tokenized per user, one batch call per batch (a profile, a query)
+
+Rendering a batch assembles each user's ids from these pieces and the items' code tokens with numpy ragged ranges:
+no Python loop over users' tokens. The ids equal the tokenizer's on the rendered text (operators/text.py says how text
+from data stays text); compiling checks that on probe users against the tokenizer itself, so a tokenizer that would
+merge text across a code token's boundary is refused, never rendered differently.
+
+A prompt longer than `max_prompt_tokens` drops its oldest history items until it fits (`too_long: drop_oldest`: the
+histories in the order the prompt writes them, `history` down to one item, the others to none), or is left out
+(`reject`, or when nothing more can be dropped): `Prompts.kept` says which rows were rendered.
 
 For the `codes` template on Amazon Beauty (L = 4, 20 items) a prompt has at most 1 + 20 * 4 = 81 tokens; for `lcrec`
-about 44 + 20 * 7 tokens with a BPE tokenizer.
+about 44 + 20 * 7 tokens with a BPE tokenizer; OpenOneRec's, about 60 + 5 per history item.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -22,126 +33,253 @@ import pyarrow as pa
 import torch
 
 from decoding.catalog import ItemTokens
-from decoding.codes import format_rows, ragged_ranges
+from decoding.codes import ragged_ranges
 from decoding.templates import PromptTemplate
+from operators.prompt_parts import (
+    Batch,
+    ItemTexts,
+    Layout,
+    as_text,
+    history_window,
+    is_text,
+    list_array,
+    ragged_arrays,
+    top_symbols,
+)
+from operators.prompt_program import Program
+from operators.spec import TOO_LONG
+from operators.text import TextTokenizer, chat_template_text, library_ids, prompt_pieces
 
-# ---------------------------------------------------------------- ragged helpers
-
-
-def ragged_arrays(histories) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """A batch of histories -> (values [T] int64, starts [B], lengths [B], nulls [B] bool).
-
-    Accepts a pyarrow (chunked) list array (zero-copy, no loop) or any sequence of
-    int arrays / lists / None (e.g. the object column of a Ray numpy batch).
-    """
-    if isinstance(histories, pa.ChunkedArray):
-        histories = histories.combine_chunks() if histories.num_chunks else pa.array([], pa.list_(pa.int64()))
-    if isinstance(histories, (pa.ListArray, pa.LargeListArray)):
-        offsets = histories.offsets.to_numpy().astype(np.int64)  # [B + 1]
-        nulls = histories.is_null().to_numpy(zero_copy_only=False)
-        lengths = np.where(nulls, 0, np.diff(offsets))
-        values = histories.values
-        if values.null_count:  # a null item id -> -1, reported as an unknown item
-            values = values.fill_null(-1)
-        values = values.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
-        return values, offsets[:-1], lengths, nulls
-    rows = list(histories)
-    nulls = np.array([h is None for h in rows], dtype=bool)
-    arrays = [np.zeros(0, np.int64) if h is None else np.asarray(h, dtype=np.int64).ravel() for h in rows]
-    lengths = np.array([len(a) for a in arrays], dtype=np.int64)
-    values = np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
-    starts = np.cumsum(lengths) - lengths
-    return values, starts, lengths, nulls
-
-
-# ---------------------------------------------------------------- prompts
+__all__ = ["Prompts", "Renderer", "answer_ids", "as_text", "catalog_probes", "history_window", "is_text"]
+__all__ += ["ragged_arrays"]  # with history_window, as_text, is_text: their home is operators/prompt_parts.py
 
 
 class Prompts(NamedTuple):
-    input_ids: torch.Tensor  # [B, S] int64, left-padded with pad_id
-    attention_mask: torch.Tensor  # [B, S] int64, 0 on padding
+    input_ids: torch.Tensor  # [B', S] int64, left-padded with pad_id
+    attention_mask: torch.Tensor  # [B', S] int64, 0 on padding
+    kept: np.ndarray | None = None  # [B] bool: the input rows rendered (None: all); the others were too long
+    truncated: np.ndarray | None = None  # [B'] bool: rendered after dropping their oldest history items
 
-
-def history_window(histories, history_len: int):
-    """The items a prompt uses: the last `history_len` of each history -> (item ids [U], row of each [U],
-    items per row [B]). Histories: see `ragged_arrays`."""
-    if history_len <= 0:
-        raise ValueError(f"history_len must be positive, got {history_len}")
-    values, starts, lengths, _ = ragged_arrays(histories)  # [T], [B], [B]
-    used = np.minimum(lengths, history_len)  # [B]
-    items = values[ragged_ranges(starts + lengths - used, used)]  # [U]
-    return items, np.repeat(np.arange(len(lengths)), used), used
+    def fit_counts(self) -> dict:
+        """The metrics' users_prompted, users_truncated and users_too_long."""
+        kept = self.kept if self.kept is not None else np.ones(len(self.input_ids), bool)
+        truncated = int(self.truncated.sum()) if self.truncated is not None else 0
+        return {
+            "users_prompted": len(self.input_ids),
+            "users_truncated": truncated,
+            "users_too_long": int((~kept).sum()),
+        }
 
 
 @dataclass
 class Renderer:
-    """A prompt template compiled against a tokenizer (`compile`), rendering batches of histories (`render`)."""
+    """A prompt template compiled against a tokenizer (`compile`), rendering batches of rows (`render`)."""
 
     template: PromptTemplate
     levels: int  # L code tokens per item
     pad_id: int
-    skeleton: np.ndarray  # [M + 1, T] int64: row n = the n-item prompt's ids, -1 where codes go, then pad_id
-    length: np.ndarray  # [M + 1] int64: tokens of the n-item prompt (BOS included)
-    item_start: np.ndarray  # [M + 1, M] int64: column of item q's first code token in the n-item prompt
     answer: np.ndarray  # [T] int64: the forced tokens after an item's codes, scored (answer_ids; empty: none)
+    program: Program  # the template's pieces, plans and what its spans tokenized (operators/prompt_program.py)
+    max_prompt_tokens: int | None = None  # None: no bound
+    too_long: str = "drop_oldest"
+    chat: str | None = None  # the chat template the messages are written with (None: a plain template)
+    max_len: int = 0  # tokens of the longest prompt (max_prompt_tokens where the template writes text from data)
+    full_len: int = 0  # tokens of a prompt with every window full and a short text in each field (the compiled
+    # engine's warm bucket: a template's text from data has no length until it is read)
 
     @property
     def max_items(self) -> int:
         return self.template.max_items
 
     @property
-    def max_len(self) -> int:
-        """Tokens of the longest prompt (max_items items)."""
-        return int(self.length[-1])
+    def windows(self) -> dict[str, int]:
+        """{history column: its window}: `history` first (validated and hashed whether the template writes it or
+        not), then the other histories the template writes."""
+        return {"history": self.template.max_items, **self.program.windows}
+
+    @property
+    def user_columns(self) -> list[str]:
+        return self.template.user_columns
 
     @property
     def prefix_ids(self) -> np.ndarray:
-        """The token ids every prompt starts with, whatever its length [P] (BOS and the template's fixed text up to
-        the first item's codes: the part to prefill once, decoding.beam.Prefix)."""
-        rows = [self.skeleton[n, : self.item_start[n, 0]] for n in range(1, self.max_items + 1)]
-        p = min(len(r) for r in rows)
-        same = np.all([r[:p] == rows[0][:p] for r in rows], axis=0)  # [p]
-        return rows[0][: int(np.argmin(same)) if not same.all() else p].copy()
+        """The token ids every prompt starts with (BOS and the template's fixed text up to the first item's codes or
+        the first text from data: the part to prefill once, decoding.beam.Prefix)."""
+        return self.program.prefix_ids
 
     @classmethod
-    def compile(cls, template: PromptTemplate, tokenizer, probes: np.ndarray) -> Renderer:
-        """Tokenizes the prompt of every length 1 .. max_items twice, with two different sequences of probe items
-        (probes [P, L]: code token ids of real items, e.g. the catalog's), and keeps where the code tokens land.
-        Refused with a message when the tokenizer does not keep the code tokens apart from the text, or when the
-        template needs a BOS token the tokenizer does not have."""
+    def compile(
+        cls,
+        template: PromptTemplate,
+        tokenizer,
+        probes: np.ndarray,
+        catalog: pa.Table | None = None,
+        model_dir=None,
+        max_prompt_tokens: int | None = None,
+        too_long: str = "drop_oldest",
+    ) -> Renderer:
+        """The template against the tokenizer: its chat template rendered once (a file in `model_dir`, else the
+        tokenizer's), its text cut at atoms, its catalog columns read from `catalog`; checked on probe users (probes
+        [P, L]: code token ids of real items) against the tokenizer on the written text. Refused with a message when
+        the tokenizer does not keep the code tokens apart from the text, the template needs a BOS token the tokenizer
+        lacks, or the chat template changes message content."""
+        if too_long not in TOO_LONG:
+            raise ValueError(f"too_long must be one of {TOO_LONG}, got {too_long!r}")
         probes = np.asarray(probes, dtype=np.int64)
-        pad_id = _pad_id(template, tokenizer)
-        names = np.asarray(tokenizer.convert_ids_to_tokens(probes.ravel().tolist()), dtype=object).reshape(probes.shape)
-        rows = [_skeleton(template, tokenizer, probes, names, n) for n in range(1, template.max_items + 1)]
-        return cls(template, probes.shape[1], pad_id, *_stack(rows, pad_id), answer_ids(template, tokenizer, probes))
+        text = TextTokenizer(tokenizer)
+        chat = chat_template_text(template, tokenizer, model_dir)
+        top = top_symbols(template, tokenizer, text, chat)
+        program = Program(template, probes.shape[1], text, top, ItemTexts.from_table(catalog, template.item_columns))
+        program.compile_regions()
+        answer = answer_ids(template, tokenizer, probes)
+        r = cls(
+            template, probes.shape[1], _pad_id(template, tokenizer), answer, program, max_prompt_tokens, too_long, chat
+        )
+        full = r._check(tokenizer, chat, probes)
+        reads = template.user_columns or template.item_columns  # text from data: no length until it is read
+        bound = max_prompt_tokens if max_prompt_tokens is not None else full
+        r.max_len, r.full_len = bound if reads else min(full, bound), min(full, bound)
+        return r
 
-    def render(self, histories, items: ItemTokens, skip: int = 0) -> Prompts:
-        """Histories [B] (item ids, oldest first; validated: non-empty, every item used in the catalog, see
-        operators/validate.py) -> left-padded prompts of their last max_items items, without their first `skip`
-        tokens (a shared prefix prefilled elsewhere: see prefix_ids). No Python loop over users."""
-        item_ids, row_of, used = history_window(histories, self.max_items)  # [U], [U], [B]
-        tokens, known = items.lookup(item_ids)  # [U, L]
-        if (used == 0).any() or not known.all():
-            bad = np.union1d(np.flatnonzero(used == 0), row_of[~known])
-            raise ValueError(
-                f"rows {format_rows(bad)} have an empty history or items missing from the catalog: "
-                "validate them first (operators.validate)"
-            )
+    def render(self, rows, items: ItemTokens, skip: int = 0) -> Prompts:
+        """Rows (a table with `history`, the template's other history columns and its user columns; or just the
+        histories, item ids oldest first) validated first (operators/validate.py: `history` non-empty, every item a
+        prompt uses in the catalog) -> left-padded prompts of their windows, without their first `skip` tokens (a
+        shared prefix prefilled elsewhere: see prefix_ids); rows too long left out (`Prompts.kept`)."""
         if items.levels != self.levels:
             raise ValueError(f"the catalog has {items.levels} code tokens per item, the renderer {self.levels}")
-        b = len(used)
-        t = self.length[used] - skip  # [B] tokens per prompt
-        width = int(t.max()) if b else 0  # S
-        left = width - t  # [B] left padding
-        input_ids = np.full((b, width), self.pad_id, dtype=np.int64)  # [B, S]
-        row = np.repeat(np.arange(b), t)  # [sum T] the skeleton tokens, row by row
-        col = ragged_ranges(np.zeros(b, np.int64), t)  # [sum T] position within the prompt
-        input_ids[row, left[row] + col] = self.skeleton[used[row], skip + col]
-        q = np.arange(len(item_ids)) - np.repeat(np.cumsum(used) - used, used)  # [U] item index in its window
-        cols = (left[row_of] + self.item_start[used[row_of], q] - skip)[:, None] + np.arange(self.levels)  # [U, L]
-        input_ids[row_of[:, None], cols] = tokens
-        mask = (np.arange(width)[None, :] >= left[:, None]).astype(np.int64)  # [B, S]
-        return Prompts(torch.from_numpy(input_ids), torch.from_numpy(mask))
+        rows = rows if isinstance(rows, pa.Table) else pa.table({"history": list_array(rows)})
+        batch = Batch(self.program.windows, rows, items)
+        used = {c: u.copy() for c, u in batch.used.items()}  # [B] items written, per history
+        layout = self.program.layout(batch, np.arange(rows.num_rows), used)
+        tokens = layout.tokens(rows.num_rows)
+        kept, truncated = np.ones(rows.num_rows, bool), np.zeros(rows.num_rows, bool)
+        if self.max_prompt_tokens is not None:
+            layout, tokens, kept, truncated = self._fit(batch, layout, tokens, used)
+        return self._prompts(layout, tokens, kept, truncated, skip)
+
+    def _prompts(self, layout: Layout, tokens: np.ndarray, kept, truncated, skip: int) -> Prompts:
+        """The chunks of the kept rows -> left-padded ids [B', S] and mask (their first `skip` tokens left out)."""
+        rows = np.flatnonzero(kept)
+        t = tokens[rows] - skip  # [B'] tokens written per row
+        if (t < 0).any():
+            raise ValueError(f"skip {skip} is longer than a prompt ({int(tokens[rows].min())} tokens)")
+        width = int(t.max()) if len(rows) else 0
+        order = np.lexsort((layout.pos, layout.user))  # [C] chunks row by row, in order
+        order = order[kept[layout.user[order]]]
+        user, start, length, src = layout.user[order], layout.start[order], layout.length[order], layout.src[order]
+        new_row = np.cumsum(kept) - 1  # [B] each kept row's place among them
+        at = np.cumsum(length) - length  # [C'] each chunk's first token among the kept rows' tokens, back to back
+        at -= (np.cumsum(tokens[rows]) - tokens[rows])[new_row[user]]  # ... within its row
+        cut = np.clip(skip - at, 0, length)  # [C'] its tokens inside the skipped prefix
+        start, length, at = start + cut, length - cut, at + cut - skip
+        dest = new_row[user] * width + (width - t)[new_row[user]] + at  # [C'] where its first token goes
+        ids = np.full((len(rows), width), self.pad_id, np.int64)
+        flat = ids.reshape(-1)
+        for s, source in enumerate(layout.sources):
+            mine = (src == s) & (length > 0)
+            if mine.any():
+                flat[ragged_ranges(dest[mine], length[mine])] = source[ragged_ranges(start[mine], length[mine])]
+        mask = (np.arange(width)[None, :] >= (width - t)[:, None]).astype(np.int64)
+        return Prompts(torch.from_numpy(ids), torch.from_numpy(mask), kept, truncated[rows])
+
+    def _fit(self, batch: Batch, layout: Layout, tokens: np.ndarray, used: dict):
+        """Rows longer than max_prompt_tokens: their oldest history items dropped until they fit (drop_oldest), the
+        rest left out -> (layout, tokens, kept [B], truncated [B])."""
+        limit, b = self.max_prompt_tokens, len(tokens)
+        kept, truncated = np.ones(b, bool), np.zeros(b, bool)
+        over = np.flatnonzero(tokens > limit)
+        while len(over):
+            if self.too_long == "reject":
+                kept[over] = False
+                break
+            dropped = self._drop(layout, over, tokens[over] - limit, used)
+            kept[over[~dropped]] = False
+            over = over[dropped]
+            truncated[over] = True
+            if not len(over):
+                break
+            redone = self.program.layout(batch, over, used)
+            layout = layout.without(over).plus(redone)
+            tokens[over] = redone.tokens(b)[over]
+            over = over[tokens[over] > limit]
+        return layout, tokens, kept, truncated
+
+    def _drop(self, layout: Layout, rows: np.ndarray, excess: np.ndarray, used: dict) -> np.ndarray:
+        """The rows' [R] oldest items dropped, history by history in prompt order (`history` keeps one), the fewest
+        whose tokens (with the text joining the next) cover `excess` [R] -> [R] bool: a row dropped something. The
+        text around the first and last items is not counted: the caller renders again and drops more if needed."""
+        left, dropped = excess.astype(np.int64), np.zeros(len(rows), bool)
+        for h, c in enumerate(self.program.regions):
+            n = used[c][rows]  # [R]
+            can = np.where(left > 0, n - int(c == "history"), 0)  # [R] items that may go
+            most = int(n.max()) if len(n) else 0
+            if most == 0 or not can.any():
+                continue
+            region = self.program.regions[c]
+            if region.fused:
+                whole, joint = np.full((len(rows), most), region.item_width()), np.zeros((len(rows), most))
+            else:
+                whole, joint = layout.item_tokens(rows, h, most)  # [R, most]
+            after = np.concatenate([joint[:, 1:], np.zeros((len(rows), 1))], 1)  # the text joining the next item
+            gain = (np.cumsum(whole, axis=1) + after).astype(np.int64)  # [R, most]: tokens the first d + 1 free
+            enough = gain >= left[:, None]
+            d = np.where(enough.any(1), np.argmax(enough, axis=1) + 1, most)
+            cut = np.minimum(d, can)
+            used[c][rows] = n - cut
+            dropped |= cut > 0
+            left = np.where(cut > 0, left - gain[np.arange(len(rows)), np.maximum(cut - 1, 0)], left)
+        return dropped
+
+    def _check(self, tokenizer, chat: str | None, probes: np.ndarray) -> int:
+        """Probe users (1, 2 and 3 items from `probes`, shifted by one for other codes; every combination of written
+        histories; "probe" in every text field) rendered here and written out for the tokenizer: refused unless the
+        ids are equal -> the tokens of the longest probe, every window full."""
+        names = np.asarray(tokenizer.convert_ids_to_tokens(probes.ravel().tolist()), dtype=object).reshape(probes.shape)
+        item_ids = np.arange(len(probes), dtype=np.int64)
+        items = ItemTokens.from_arrays(item_ids, probes)
+        table = {"item_id": item_ids, **{c: ["probe"] * len(probes) for c in self.template.item_columns}}
+        texts = ItemTexts.from_table(pa.table(table), self.template.item_columns)
+        program = replace(self.program, item_texts=texts, plans={}, cache={})
+        probe = replace(self, program=program, max_prompt_tokens=None)
+        longest = 0
+        for pattern in self.program.patterns():
+            for n, shift in ((1, 0), (2, 0), (3, 0), (3, 1)):
+                histories = {
+                    c: [int(i) for i in (np.arange(min(n, w)) + shift + k) % len(probes)] if on else []
+                    for k, ((c, w), on) in enumerate(zip(self.windows.items(), pattern))
+                }
+                got = probe.render(self._probe_rows(histories), items).input_ids[0].tolist()
+                want = self._written(tokenizer, chat, histories, names)
+                if got != want:
+                    raise ValueError(
+                        f"prompt template {self.template.name!r}: the tokenizer does not keep the code tokens (or the "
+                        f"template's added tokens) apart from the text around them ({n}-item probe: rendered "
+                        f"{got[:40]}..., the tokenizer {want[:40]}...); the code tokens must be tokens of their own "
+                        "(tokenizer.add_tokens, the LC-Rec recipe)"
+                    )
+            most = max(self.windows.values(), default=1)
+            full = ItemTokens.from_arrays(np.arange(most), probes[[0]].repeat(most, 0))
+            rows = self._probe_rows(
+                {c: list(range(w)) if on else [] for (c, w), on in zip(self.windows.items(), pattern)}
+            )
+            longest = max(longest, int(probe.render(rows, full).attention_mask.sum()))
+        return longest
+
+    def _probe_rows(self, histories: dict) -> pa.Table:
+        """One probe user: these histories, "probe" in every user field."""
+        columns = {c: pa.array([h], pa.list_(pa.int64())) for c, h in histories.items()}
+        return pa.table(columns | {c: pa.array(["probe"]) for c in self.user_columns if c not in columns})
+
+    def _written(self, tokenizer, chat, histories: dict, names: np.ndarray) -> list[int]:
+        """A probe user's prompt written out as text (operators/text.py) and tokenized by the tokenizer."""
+        probe = {k: "probe" for k in self.template.item_columns}
+        written = {
+            c: [self.template.item_text(q + 1, "".join(names[i]), probe) for q, i in enumerate(items)]
+            for c, items in histories.items()
+        }
+        users = {c: "probe" for c in self.user_columns}
+        return library_ids(prompt_pieces(self.template, tokenizer, chat, written, users), tokenizer)
 
 
 def catalog_probes(items: ItemTokens, count: int = 3) -> np.ndarray:
@@ -162,16 +300,6 @@ def _pad_id(template: PromptTemplate, tokenizer) -> int:
     if pad_id is None:
         raise ValueError("the tokenizer has neither a pad nor an eos token to left-pad prompts with")
     return pad_id
-
-
-def _prompt_ids(template: PromptTemplate, tokenizer, names: np.ndarray) -> np.ndarray:
-    """The n-item prompt of the items whose code tokens are named names [n, L] -> its token ids [T] (BOS when the
-    template asks for it, then the tokenizer's ids of the text)."""
-    items = (template.item.format(index=q + 1, codes="".join(codes)) for q, codes in enumerate(names))
-    text = template.prefix + template.separator.join(items) + template.suffix
-    bos = [tokenizer.bos_token_id] if template.uses_bos(tokenizer) else []
-    instruction = tokenizer(template.instruction, add_special_tokens=False)["input_ids"] if template.instruction else []
-    return np.asarray(bos + instruction + tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
 
 
 def answer_ids(template: PromptTemplate, tokenizer, probes: np.ndarray) -> np.ndarray:
@@ -199,57 +327,3 @@ def answer_ids(template: PromptTemplate, tokenizer, probes: np.ndarray) -> np.nd
         )
     eos = [tokenizer.eos_token_id] if template.answer_eos else []
     return np.asarray([*found.pop(), *eos], dtype=np.int64)
-
-
-def _skeleton(template: PromptTemplate, tokenizer, probes: np.ndarray, names: np.ndarray, n: int):
-    """The n-item prompt, tokenized with two sequences of probe items (probes [P, L], their token names [P, L]) ->
-    (skeleton [T], start of each item's codes [n]); refused unless both give the same (the text's tokens must not
-    depend on the codes)."""
-    shapes = []
-    for shift in (0, 1):
-        pick = (np.arange(n) + shift) % len(probes)  # [n] probe rows
-        ids = _prompt_ids(template, tokenizer, names[pick])
-        shapes.append(_code_slots(ids, probes[pick], np.unique(probes), template, n))
-    if not (np.array_equal(shapes[0][0], shapes[1][0]) and np.array_equal(shapes[0][1], shapes[1][1])):
-        raise ValueError(
-            f"prompt template {template.name!r}: the {n}-item prompt tokenizes differently with "
-            "other codes, so the tokenizer merges text across the code tokens' boundaries; the "
-            "code tokens must be tokens of their own (tokenizer.add_tokens, the LC-Rec recipe)"
-        )
-    return shapes[0]
-
-
-def _stack(rows: list[tuple[np.ndarray, np.ndarray]], pad_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The skeletons and item starts of the 1 .. M-item prompts -> (skeleton [M + 1, T] padded with pad_id, length
-    [M + 1], item_start [M + 1, M]); row 0 is the empty prompt."""
-    m = len(rows)
-    width = max(len(skel) for skel, _ in rows)
-    skeleton = np.full((m + 1, width), pad_id, dtype=np.int64)
-    item_start = np.zeros((m + 1, m), dtype=np.int64)
-    length = np.zeros(m + 1, dtype=np.int64)
-    for n, (skel, starts) in enumerate(rows, start=1):
-        skeleton[n, : len(skel)], length[n], item_start[n, :n] = skel, len(skel), starts
-    return skeleton, length, item_start
-
-
-def _code_slots(ids: np.ndarray, expected: np.ndarray, code_set: np.ndarray, template: PromptTemplate, n: int):
-    """ids [T] of an n-item prompt whose items have code token ids expected [n, L] -> (skeleton [T] with -1 at the
-    code tokens, start of each item's codes [n]); refused unless the codes are there, item by item, whole."""
-    at = np.flatnonzero(np.isin(ids, code_set))  # [n * L] where code tokens are
-    levels = expected.shape[1]
-    starts = at[::levels]  # [n]
-    whole = (
-        len(at) == expected.size
-        and np.array_equal(ids[at], expected.ravel())
-        and np.array_equal(at.reshape(n, levels), starts[:, None] + np.arange(levels))
-    )
-    if not whole:
-        raise ValueError(
-            f"prompt template {template.name!r}: in the {n}-item prompt the tokenizer does not give each "
-            f"code token its own id (expected {expected.size} code tokens in {n} runs of {levels}, found "
-            f"{len(at)}); the code tokens must be tokens of their own (tokenizer.add_tokens, the LC-Rec "
-            "recipe) and the template text must not touch them"
-        )
-    skeleton = ids.copy()
-    skeleton[at] = -1
-    return skeleton, starts

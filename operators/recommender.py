@@ -31,7 +31,7 @@ from decoding.compiled import device_tag
 from decoding.disc import disc_sample
 from decoding.draws import UserDraws, user_seeds
 from decoding.memory import trim_host_heap
-from decoding.models import check_window, load_config, load_model, load_tokenizer
+from decoding.models import attention_window, check_window, load_config, load_model, load_tokenizer
 from decoding.speculative import speculative_beam_search
 from decoding.stats import PHASES
 from operators.audit import PrecisionAudit, float32_need
@@ -49,9 +49,9 @@ from operators.outputs import (
     padding_metrics,
     recommendation_table,
 )
-from operators.prompts import Prompts, Renderer, catalog_probes
+from operators.prompts import Prompts, Renderer, answer_ids, catalog_probes
 from operators.spec import ActorSpec
-from operators.validate import validate
+from operators.validate import fitted, validate
 
 FAIL_AFTER_ENV = "GENREC_TEST_FAIL_AFTER"  # tests only: "N:/path/marker" exits the actor once, after N batches
 log = logging.getLogger("genrec.actor")
@@ -76,6 +76,7 @@ def prepare(spec: ActorSpec, device: torch.device | str = "cpu") -> Inputs:
     target = fetch(spec.target)
     draft = fetch(spec.draft) if spec.decoding.uses_draft else None
     tokenizer = load_tokenizer(target)
+    configs = {role: load_config(path) for role, path in (("target", target), ("draft", draft)) if path is not None}
     catalog = Catalog.from_table(
         spec.catalog,
         tokenizer,
@@ -85,9 +86,7 @@ def prepare(spec: ActorSpec, device: torch.device | str = "cpu") -> Inputs:
         code_token=spec.template.code,
         recommendable=spec.recommendable,
     )
-    renderer = Renderer.compile(
-        spec.template.with_max_items(spec.decoding.history_len), tokenizer, catalog_probes(catalog.item_tokens)
-    )
+    renderer = compile_renderer(spec, tokenizer, catalog, target, configs.values())
     if len(renderer.answer) and spec.decoding.mode != "beam":
         raise ValueError(
             f"prompt template {renderer.template.name!r} scores the tokens after an item's codes (answer_suffix "
@@ -95,17 +94,45 @@ def prepare(spec: ActorSpec, device: torch.device | str = "cpu") -> Inputs:
             f"set decoding.mode to beam (it is {spec.decoding.mode})"
         )
     vocab = {}
-    for role, path in (("target", target), ("draft", draft)):
-        if path is not None:
-            config = load_config(path)
-            check_window(config, renderer.max_len + catalog.code_len, f"models.{role} {path}")
-            vocab[role] = config.vocab_size
+    for role, config in configs.items():
+        check_window(
+            config, renderer.max_len + catalog.code_len, f"models.{role} {target if role == 'target' else draft}"
+        )
+        vocab[role] = config.vocab_size
     if len(set(vocab.values())) > 1:
         raise ValueError(
             f"models.draft {draft}: vocabulary of {vocab['draft']} tokens, the target's has "
             f"{vocab['target']}: a draft must share its target's tokenizer"
         )
     return Inputs(target, draft, tokenizer, catalog, renderer)
+
+
+def rendered(renderer: Renderer, batch: pa.Table, items, d, skip: int) -> tuple[pa.Table, pa.Table, Prompts]:
+    """A batch -> (its valid rows whose prompt fits, the rejects, those rows' prompts without their first `skip`
+    tokens): operators/validate.py's rules, then the renderer's bound (prompt_too_long)."""
+    good, rejects = validate(batch, items, renderer.windows, d.exclude_column, renderer.user_columns)
+    prompts = renderer.render(good, items, skip)
+    good, rejects = fitted(good, rejects, prompts.kept, renderer.max_prompt_tokens)
+    return good, rejects, prompts
+
+
+def compile_renderer(spec: ActorSpec, tokenizer, catalog: Catalog, target: str, configs) -> Renderer:
+    """The spec's template (decoding.history_len its window) compiled against the tokenizer, the catalog and the
+    model directory (its chat template), prompts bounded by decoding.max_prompt_tokens or `prompt_bound`."""
+    template = spec.template.with_max_items(spec.decoding.history_len)
+    probes = catalog_probes(catalog.item_tokens)
+    answer = len(answer_ids(template, tokenizer, probes))
+    bound = spec.decoding.max_prompt_tokens or prompt_bound(configs, catalog.code_len + answer)
+    return Renderer.compile(template, tokenizer, probes, spec.catalog, target, bound, spec.decoding.too_long)
+
+
+def prompt_bound(configs, answer: int) -> int | None:
+    """decoding.max_prompt_tokens' default: the models' context (max_position_embeddings, or a shorter attention
+    window) less the `answer` tokens (an item's code tokens and the template's forced ones); None when no model
+    says."""
+    spans = [attention_window(c) or getattr(c, "max_position_embeddings", None) for c in configs]
+    spans = [s for s in spans if s]
+    return min(spans) - answer if spans else None
 
 
 class Recommender:
@@ -164,8 +191,8 @@ class Recommender:
 
     def warm_shape(self) -> tuple[int, int]:
         """The users and prompt tokens the compiled engine's bucket is compiled for: the decode batch x the longest
-        prompt."""
-        prompt = self.renderer.max_len - self.prefix_len
+        prompt (with text from data: a full prompt with short texts; longer batches get buckets of their own)."""
+        prompt = self.renderer.full_len - self.prefix_len
         return min(self.spec.warm_users, self.fits("beam", prompt, self.target, None) or self.spec.warm_users), prompt
 
     def warm_up(self) -> None:
@@ -177,17 +204,16 @@ class Recommender:
         fault_injection(self.batches)
         t0 = time.perf_counter()
         d = self.spec.decoding
-        good, rejects = validate(batch, self.catalog.item_tokens, self.renderer.max_items, d.exclude_column)
+        good, rejects, prompts = rendered(self.renderer, batch, self.catalog.item_tokens, d, self.prefix_len)
         users = good.column("user_id")
         exclude, excluded = batch_exclusions(good, self.catalog, d)
-        prompts = self.renderer.render(good.column("history"), self.catalog.item_tokens, self.prefix_len)
         decoded = self._decode_batch(prompts, users, exclude)
         items, broken = decoded.items, decoded.broken
         rejects = pa.concat_tables([rejects, non_finite_rejects(users, broken), no_items_rejects(users, items, broken)])
         recs = recommendation_table(users, items, decoded.scores, d.mode)
         wall = time.perf_counter() - t0 - decoded.audit.get("audit_s", 0.0)  # the audit is reported as its own cost
         counts = batch_counts(batch.num_rows, items, broken, rejects.num_rows, recs.num_rows, prompts, self.prefix_len)
-        metric = {**self._metric_row(counts, wall, decoded), **excluded}
+        metric = {**self._metric_row(counts, wall, decoded), **excluded, **prompts.fit_counts()}
         self.batches += 1
         return output_table(recs, rejects, metric, batch.schema.field("user_id").type)
 

@@ -14,6 +14,7 @@ import pyarrow as pa
 from decoding.templates import PRESETS, PromptTemplate
 
 MODES = ("beam", "atspeed-strict", "atspeed-relaxed", "disc", "auto")
+TOO_LONG = ("drop_oldest", "reject")  # what a prompt longer than decoding.max_prompt_tokens gets
 
 
 @dataclass
@@ -35,6 +36,11 @@ class Decoding:
     exclude: str = "none"  # none | history: never recommend an item of the user's whole history (every mode, exact)
     exclude_column: str = "exclude_items"  # optional input list<int64> column: more items per user to exclude (either
     # exclude mode; ids the catalog does not hold are ignored and counted; a row that is not a list of ids: rejected)
+    max_prompt_tokens: int | None = None  # the most tokens a prompt may hold (None: the model's context,
+    # max_position_embeddings, less an item's code tokens and the template's answer tokens)
+    too_long: str = "drop_oldest"  # a longer prompt: drop_oldest (its oldest history items dropped until it fits: the
+    # histories in the order the prompt writes them, history down to one item, the others to none; still too long:
+    # rejected) | reject (rejected as prompt_too_long); either is counted in the manifest
 
     @property
     def uses_draft(self) -> bool:

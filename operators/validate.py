@@ -2,11 +2,15 @@
 
 Reasons, in order of precedence (a row gets the first that applies):
     missing_user_id   user_id is null
-    bad_type          history is not a list of integer item ids
+    bad_type          history, or another history the prompt template writes ({history:COLUMN}), is not a list of
+                      integer item ids (the detail names the column)
     bad_exclude_items the exclusion column (`exclude_items` by default), when the input has it, is not a list of integer
                       item ids (null: nothing excluded; ids the catalog does not hold are ignored, not rejected)
-    empty_history     history is null or has no items
-    unknown_item      an item the prompt would use (the last `history_len`) is not in the catalog; the detail lists them
+    empty_history     history is null or has no items (another history may be null or empty: it writes no items)
+    unknown_item      an item a prompt would use (the last `history_len` of history, each other history's window) is
+                      not in the catalog, or is null; the detail lists them (and names the column, for another history)
+    prompt_too_long   after rendering (`fitted`): the prompt is longer than decoding.max_prompt_tokens, with as few
+                      history items as decoding.too_long allows
 Duplicate user ids are a rule across batches: the nightly graph applies it (`duplicates` finds them).
 """
 
@@ -24,21 +28,34 @@ _INT_LIST = pa.list_(pa.int64())
 
 
 def validate(
-    batch: pa.Table, items: ItemTokens, history_len: int, exclude_column: str = "exclude_items"
+    batch: pa.Table,
+    items: ItemTokens,
+    history_len: int | dict[str, int],
+    exclude_column: str = "exclude_items",
+    carry: list[str] | tuple = (),
 ) -> tuple[pa.Table, pa.Table]:
     """A histories batch (user_id, history, optionally `exclude_column`) -> (good rows: user_id, history list<int64>
-    and, when the batch has it, exclude_column list<int64>; rejects: user_id, reason, detail). Vectorised: Python runs
-    only over the rejected rows' details (and over the rows of a column that does not cast to lists of integers)."""
+    and, when the batch has it, exclude_column list<int64>; rejects: user_id, reason, detail). `history_len`: the
+    window of `history`, or {history column: window} for every history a prompt writes (`history` first; the others
+    carried as list<int64>); `carry`: more columns kept as they are (the template's user fields). Vectorised: Python
+    runs only over the rejected rows' details (and over the rows of a column that does not cast to lists of
+    integers)."""
+    windows = history_len if isinstance(history_len, dict) else {"history": history_len}
     users = batch.column("user_id").combine_chunks()
-    history, bad_type = _as_int_lists(batch.column("history").combine_chunks(), "history")
+    lists = {c: _as_int_lists(batch.column(c).combine_chunks(), c) for c in windows}
+    history = lists["history"][0]
     exclude, bad_exclude = _exclusion_lists(batch, exclude_column)
     reasons = Reasons(len(users))
     reasons.mark(np.flatnonzero(users.is_null().to_numpy(zero_copy_only=False)), "missing_user_id", "user_id is null")
-    reasons.mark_each(bad_type, "bad_type")
+    for c in windows:
+        reasons.mark_each(lists[c][1], "bad_type")
     reasons.mark_each(bad_exclude, "bad_exclude_items")
     _mark_empty(reasons, history)
-    _mark_unknown(reasons, history, items, history_len)
-    columns = {"history": history, **({exclude_column: exclude} if exclude is not None else {})}
+    for c, w in windows.items():
+        _mark_unknown(reasons, lists[c][0], items, w, "" if c == "history" else f" (in {c})")
+    columns = {c: lists[c][0] for c in windows}
+    columns |= {exclude_column: exclude} if exclude is not None else {}
+    columns |= {c: batch.column(c).combine_chunks() for c in carry if c not in columns}
     return reasons.split(users, columns)
 
 
@@ -88,9 +105,9 @@ def _mark_empty(reasons: Reasons, history: pa.Array) -> None:
     reasons.mark(np.flatnonzero(empty), "empty_history", "history has no items")
 
 
-def _mark_unknown(reasons: Reasons, history: pa.Array, items: ItemTokens, history_len: int) -> None:
-    """Rows whose prompt window (the last history_len items) holds an item the catalog does not: the detail lists
-    them."""
+def _mark_unknown(reasons: Reasons, history: pa.Array, items: ItemTokens, history_len: int, where: str = "") -> None:
+    """Rows whose prompt window (the last history_len items) holds an item the catalog does not (or a null id): the
+    detail lists them (`where`: which history, when not `history`)."""
     used_items, row_of, _ = history_window(history, history_len)  # [U], [U]
     known = items.lookup(used_items)[1]
     unknown_row, unknown_id = row_of[~known], used_items[~known]
@@ -98,7 +115,7 @@ def _mark_unknown(reasons: Reasons, history: pa.Array, items: ItemTokens, histor
         np.unique(unknown_row),
         "unknown_item",
         lambda rows: [
-            "item ids not in catalog: " + ", ".join(map(str, np.unique(unknown_id[unknown_row == r]).tolist()))
+            "item ids not in catalog: " + ", ".join(map(str, np.unique(unknown_id[unknown_row == r]).tolist())) + where
             for r in rows
         ],
     )
@@ -132,6 +149,19 @@ def _integer(value) -> int:
     if isinstance(value, float) and not value.is_integer():
         raise ValueError
     return int(value)
+
+
+def fitted(good: pa.Table, rejects: pa.Table, kept: np.ndarray, limit: int | None) -> tuple[pa.Table, pa.Table]:
+    """The validated rows whose prompt fits (kept [G] bool, the renderer's) and the rejects with the rest added:
+    prompt_too_long, naming the bound."""
+    if kept.all():
+        return good, rejects
+    users = good.column("user_id").combine_chunks()
+    reasons = Reasons(len(users))
+    why = f"the prompt is longer than decoding.max_prompt_tokens ({limit}) with its fewest history items"
+    reasons.mark(np.flatnonzero(~kept), "prompt_too_long", why)
+    kept_rows, too_long = reasons.split(users, {c: good.column(c) for c in good.column_names if c != "user_id"})
+    return kept_rows, pa.concat_tables([rejects, too_long])
 
 
 def duplicates(user_ids: pa.Array) -> pa.Array:

@@ -141,15 +141,18 @@ def decode_pending(plan: Plan, a: Attempt, lease: Lease) -> tuple[int, cluster.W
 def read_args(plan: Plan, a: Attempt) -> dict:
     """What a read task needs (`units.read_retrying`): the input's columns the nightly reads, the duplicates, how
     to hash each row's inputs, the code it must run."""
-    cfg = plan.cfg
-    columns = input_columns(cfg, plan.data.schema)
+    cfg, renderer = plan.cfg, plan.inputs.renderer
+    columns = input_columns(cfg, plan.data.schema, renderer.template)
     column = cfg.decoding.exclude_column if cfg.decoding.exclude_column in columns else None
+    windows = tuple((c, w) for c, w in renderer.windows.items() if c != "history")
+    texts = tuple(c for c in renderer.user_columns if c not in renderer.windows)
+    hashing = units.Hashing(renderer.max_items, column, cfg.decoding.exclude == "history", windows, texts)
     return {
         "fs": plan.fs,
         "columns": columns,
         "schema": plan.data.schema,
         "duplicates": a.duplicates,
-        "hashing": units.Hashing(plan.inputs.renderer.max_items, column, cfg.decoding.exclude == "history"),
+        "hashing": hashing,
         "storage": cfg.storage,
         "uri": cfg.input,
         "code": plan.identity["code"]["sha256"],
@@ -201,7 +204,9 @@ def recommend(ds, plan: Plan, a: Attempt):
                 target_sha256=plan.identity["models"]["target"],
                 **engine_auto_inputs(plan, a),
             ),
-            "items": ItemsRef(Sources.of(cfg), plan.identity["catalog"], plan.items.identity),
+            "items": ItemsRef(
+                Sources.of(cfg, plan.spec.template.item_columns), plan.identity["catalog"], plan.items.identity
+            ),
             "run": a.run,
             "storage": cfg.storage,
             "attempt": a.id,
@@ -220,7 +225,7 @@ def engine_auto_inputs(plan: Plan, a: Attempt) -> dict:
     if c.engine != "auto":
         return {}
     n = c.engine_trial_max * plan.spec.warm_users
-    columns = input_columns(plan.cfg, plan.data.schema)
+    columns = input_columns(plan.cfg, plan.data.schema, plan.spec.template)
     read = list(dict.fromkeys(columns.values()))
     head = S.retrying(lambda: plan.data.head(n, columns=read), plan.cfg.storage, f"read {plan.cfg.input}")
     trial = units.renamed(head, columns)

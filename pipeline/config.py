@@ -16,11 +16,12 @@ from pathlib import Path
 import yaml
 
 from decoding.codes import POLICIES, duplicate_policy
-from operators.spec import MODES, Decoding
+from operators.spec import MODES, TOO_LONG, Decoding
 from pipeline import storage as S
 from pipeline.storage import Storage
 
 SECRET_WORDS = ("secret", "password", "token", "access_key", "credential")
+NOT_SECRETS = ("max_prompt_tokens",)  # fields that hold one of those words and no credential: a count of tokens
 DEMO_CONFIG = Path(__file__).resolve().parent / "configs" / "demo.yaml"  # the embedded default (package data)
 DEMO_STEPS = {  # what the demo config reads -> the command that makes it (from any folder, as `make demo` does)
     "input": "genrec-batch prepare --out data/beauty",
@@ -35,9 +36,8 @@ DEMO_STEPS = {  # what the demo config reads -> the command that makes it (from 
 class Models:
     target: str = ""  # local directory or s3:// prefix
     draft: str | None = None  # needed by the atspeed modes
-    template: str | None = (
-        None  # prompt template: a preset (codes, lcrec, minionerec) or a local JSON file; None: the target's
-    )
+    template: str | None = None  # prompt template: a preset (codes, lcrec, minionerec, openonerec) or a JSON file;
+    # None: the target's
     cache_dir: str = "~/.cache/genrec-batch/models"  # where s3:// models are copied, once per node
 
 
@@ -358,7 +358,7 @@ def _build(cls, raw: dict, prefix: str):
     known = {f.name: f for f in fields(cls)}
     for key in raw:
         name = f"{prefix}{key}"
-        if any(w in str(key).lower() for w in SECRET_WORDS):
+        if key not in NOT_SECRETS and any(w in str(key).lower() for w in SECRET_WORDS):
             raise ValueError(
                 f"config: {name} looks like a credential; credentials come from the environment "
                 "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) or the cloud's default chain, never the file"
@@ -481,6 +481,13 @@ def _check_decoding(cfg: Config) -> None:
     _need(d.top_m is None or d.top_m >= 1, "decoding.top_m", "must be >= 1 or null", d.top_m)
     _need(d.temperature > 0, "decoding.temperature", "must be > 0", d.temperature)
     _need(d.exclude in ("none", "history"), "decoding.exclude", "must be none or history", d.exclude)
+    _need(
+        d.max_prompt_tokens is None or d.max_prompt_tokens >= 1,
+        "decoding.max_prompt_tokens",
+        "must be >= 1 or null",
+        d.max_prompt_tokens,
+    )
+    _need(d.too_long in TOO_LONG, "decoding.too_long", f"must be {' or '.join(TOO_LONG)}", d.too_long)
     _need(
         bool(d.exclude_column) and d.exclude_column not in ("user_id", "history", "target_items", *ROW_COLUMNS),
         "decoding.exclude_column",

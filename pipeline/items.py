@@ -88,12 +88,18 @@ class Sources:
     blocked: str | None = None
     blocked_items: tuple[int, ...] = ()
     order_column: str | None = None  # the catalog column duplicate_items orders a semantic ID's items by
+    columns: tuple[str, ...] = ()  # the catalog's columns the prompt template writes ({item:COLUMN}), read too
 
     @classmethod
-    def of(cls, cfg: Config) -> Sources:
-        order = duplicate_policy(cfg.duplicate_items)[1]
+    def of(cls, cfg: Config, columns=()) -> Sources:
         return cls(
-            cfg.catalog, cfg.recommendable, cfg.recommendable_column, cfg.blocked, tuple(cfg.blocked_items), order
+            catalog=cfg.catalog,
+            recommendable=cfg.recommendable,
+            recommendable_column=cfg.recommendable_column,
+            blocked=cfg.blocked,
+            blocked_items=tuple(cfg.blocked_items),
+            order_column=duplicate_policy(cfg.duplicate_items)[1],
+            columns=tuple(columns),
         )
 
     def named(self, what: str) -> str:
@@ -120,7 +126,7 @@ def read_items(src: Sources, storage: Storage, record: bool = True) -> Items:
     unknown = 0  # ids of the recommendable set the index lacks
     if src.recommendable_column:
         listed = _column_mask(table, src.recommendable_column, src.catalog)  # [N]
-        table, in_set = table.select(index_columns(src)), index[listed[order]]
+        table, in_set = table.select(list(dict.fromkeys(index_columns(src) + list(src.columns)))), index[listed[order]]
     elif src.recommendable:
         given = read_ids(src.recommendable, storage, "recommendable")  # [R] sorted, distinct
         listed, known = np.empty(len(ids), bool), member(index, given)  # [N], [R]
@@ -164,9 +170,11 @@ def index_columns(src: Sources) -> list[str]:
 
 
 def read_catalog(src: Sources, storage: Storage) -> pa.Table:
-    """The catalog's index columns (`index_columns`; and the recommendable column, when named); item ids integers,
-    never null (the index's other checks are the catalog parser's: decoding.catalog.Catalog.from_table)."""
-    columns = list(dict.fromkeys(index_columns(src) + [c for c in [src.recommendable_column] if c]))
+    """The catalog's index columns (`index_columns`; the recommendable column, when named, and the columns the
+    prompt template writes); item ids integers, never null (the index's other checks are the catalog parser's:
+    decoding.catalog.Catalog.from_table)."""
+    named = [src.recommendable_column, *src.columns]
+    columns = list(dict.fromkeys(index_columns(src) + [c for c in named if c]))
     table = _read(src.catalog, storage, "catalog", columns)
     ids = table.column("item_id")
     if ids.null_count:

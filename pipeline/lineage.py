@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 
 from decoding.codes import ragged_ranges
 
-HASH = "blake2b-128/window+exclusions/v1"  # how `input_hashes` reads a row: a part of the fingerprint
+HASH = "blake2b-128/windows+exclusions+fields/v2"  # how `input_hashes` reads a row: a part of the fingerprint
 
 NOT_PARTS = {  # settings a list does not depend on, and why (docs/output.md#incremental-runs)
     "compute.batch_size, decode_batch, batches_per_task, num_actors, cpus_per_actor, threads_per_actor": (
@@ -40,31 +40,68 @@ NOT_PARTS = {  # settings a list does not depend on, and why (docs/output.md#inc
 }
 
 
-def input_hashes(history: pa.Array, exclude: pa.Array | None, history_len: int, whole_history: bool) -> pa.Array:
+def input_hashes(
+    history: pa.Array,
+    exclude: pa.Array | None,
+    history_len: int,
+    whole_history: bool,
+    others: list[tuple[pa.Array, int]] = (),
+    texts: list[pa.Array] = (),
+) -> pa.Array:
     """Each user's input hash [B] binary (16 bytes; null where the history is not a list of integer ids, or the
-    exclusion column's row holds a null id: such a row is rejected or decoded, never carried): blake2b over what
-    the user's list depends on, each part prefixed by its length: the prompt's window (the last `history_len`
-    items, in order), the whole history when it is excluded (`whole_history`: `decoding.exclude: history`) and the
-    row of the exclusion column `exclude` as given (a null row: nothing). A change outside the window leaves the hash
-    as it was unless the whole history is excluded; a reordered exclusion list changes it (the user is decoded
-    again, with the same list)."""
+    exclusion column's row or another history's window holds a null id: such a row is rejected or decoded, never
+    carried): blake2b over what the user's list depends on, each part prefixed by its length: the prompt's window
+    (the last `history_len` items, in order), the whole history when it is excluded (`whole_history`: `decoding.exclude:
+    history`), the row of the exclusion column `exclude` as given (a null row: nothing), the window of each other
+    history the prompt writes (`others`: (column, window)) and each user field it writes (`texts`: its text, a null
+    apart from an empty one). A change outside the windows leaves the hash as it was unless the whole history is
+    excluded; a reordered exclusion list changes it (the user is decoded again, with the same list)."""
     h, bad = _int_lists(history, null_ok=False)
     values, starts, lengths = _ragged(h)  # [T], [B], [B]
     used = np.minimum(lengths, history_len)  # [B]
     parts = [(values, starts + lengths - used, used)] + [(values, starts, lengths)] * whole_history
     if exclude is not None:
-        e, bad_e = _int_lists(exclude, null_ok=True)
+        lists, bad_e = _int_lists(exclude, null_ok=True)
         bad |= bad_e
-        parts.append(_ragged(e))
+        parts.append(_ragged(lists))
+    for column, window in others:
+        lists, bad_c = _int_lists(column, null_ok=True)
+        bad |= bad_c
+        v, s, n = _ragged(lists)
+        kept = np.minimum(n, window)
+        parts.append((v, s + n - kept, kept))
+    out = _digests(parts, _text_bytes(texts, len(bad)))
+    return pc.if_else(pa.array(bad), pa.nulls(len(bad), pa.binary()), out) if bad.any() else out
+
+
+def _digests(parts: list, extra: list[bytes]) -> pa.Array:
+    """Each row's ragged parts (`_words`) and its extra bytes -> blake2b-128 of them [B] binary."""
     words, size = _words(parts)  # [sum(size)] int64, [B]
     ends = np.cumsum(size) * 8
     raw = memoryview(words.astype("<i8").tobytes())
     blake2b = hashlib.blake2b
-    out = pa.array(
-        [blake2b(raw[a:b], digest_size=16).digest() for a, b in zip((ends - size * 8).tolist(), ends.tolist())],
+    return pa.array(
+        [
+            blake2b(raw[a:b].tobytes() + x if x else raw[a:b], digest_size=16).digest()
+            for a, b, x in zip((ends - size * 8).tolist(), ends.tolist(), extra)
+        ],
         pa.binary(),
     )
-    return pc.if_else(pa.array(bad), pa.nulls(len(bad), pa.binary()), out) if bad.any() else out
+
+
+def _text_bytes(texts: list[pa.Array], rows: int) -> list[bytes]:
+    """User fields [B] each -> per row, each field as its length (8 bytes; -1: null) and its UTF-8 bytes."""
+    out = [b""] * rows
+    for column in texts:
+        column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+        if pa.types.is_dictionary(column.type):
+            column = column.dictionary_decode()
+        values = column.cast(pa.large_string()).to_pylist()
+        out = [
+            x + (b"\xff" * 8 if v is None else len(b := v.encode()).to_bytes(8, "little") + b)
+            for x, v in zip(out, values)
+        ]
+    return out
 
 
 def _int_lists(column: pa.Array, null_ok: bool) -> tuple[pa.Array, np.ndarray]:
@@ -106,6 +143,22 @@ def _words(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> tuple[np.n
     return out, size
 
 
+def catalog_texts_sha256(table: pa.Table, columns: list[str]) -> str | None:
+    """The catalog's columns a prompt template writes, by content: sha256 over each column's name, then its values
+    as text in item id order, each with its length (a null: -1). None when the template writes none."""
+    if not columns:
+        return None
+    order = pa.array(np.argsort(table.column("item_id").to_numpy(), kind="stable"))
+    h = hashlib.sha256()
+    for c in columns:
+        values = table.column(c).combine_chunks().take(order).cast(pa.large_string())
+        lengths = pc.fill_null(pc.binary_length(values), -1).to_numpy(zero_copy_only=False).astype("<i8")
+        h.update(f"{c}\0".encode())
+        h.update(lengths.tobytes())
+        h.update(b"".join(v.encode() for v in pc.fill_null(values, "").to_pylist()))
+    return h.hexdigest()
+
+
 def sha256_of(value) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -122,9 +175,10 @@ def fingerprint(
     device: str,
 ) -> dict:
     """Everything but a user's own inputs that decides its list, part by part (`NOT_PARTS`: what is left out and why):
-    the models (the draft only in atspeed-relaxed, whose lists depend on its proposals), the template, the items
-    (the index's content, the items each semantic ID lists in the duplicate policy's order, `listed`:
-    Catalog.listing_sha256, so a changed `by:` column changes it; the recommendable set, the block list),
+    the models (the draft only in atspeed-relaxed, whose lists depend on its proposals), the template (with the chat
+    template it renders with), the items (the index's content, the catalog columns the template writes, the items
+    each semantic ID lists in the duplicate policy's order, `listed`: Catalog.listing_sha256, so a changed `by:`
+    column changes it; the recommendable set, the block list),
     the decoding settings that shape a list, the dtype (and the engine outside float32), the device kind, the
     software, the code (`code_identity`: every module of genrec-batch), the kind of user id and how input hashes are
     computed."""
@@ -134,7 +188,8 @@ def fingerprint(
     return {
         **{role: {"weights": models[role]["sha256"], "files": models[role]["files"]} for role in roles},
         "template": sha256_of(template),
-        "catalog": {"index": items_info["sha256"], "listed": listed},
+        "catalog": {"index": items_info["sha256"], "listed": listed}
+        | ({"texts": items_info["texts"]} if items_info.get("texts") else {}),
         "recommendable": items_info["sets"]["recommendable"],
         "blocked": items_info["sets"]["blocked"],
         "decoding": decoding_parts(cfg, history_len, exclude_column),
@@ -158,6 +213,8 @@ def decoding_parts(cfg, history_len: int, exclude_column: str | None) -> dict:
         "exclude": d.exclude,
         "exclude_column": exclude_column,
         "duplicate_items": cfg.duplicate_items,
+        "max_prompt_tokens": d.max_prompt_tokens,  # None: the model's context (its config is in the model's files)
+        "too_long": d.too_long,
     }
     if d.mode in ("atspeed-relaxed", "disc"):
         parts |= {"seed": d.seed, "temperature": d.temperature}

@@ -18,7 +18,7 @@ import subprocess
 import tarfile
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -37,11 +37,20 @@ from pipeline.storage import Storage
 log = logging.getLogger("genrec.nightly")
 
 
-def attach_template(model_dir, template: str | PromptTemplate, catalog, max_items: int | None = None) -> dict:
+def attach_template(
+    model_dir, template: str | PromptTemplate, catalog, max_items: int | None = None, chat_template=None
+) -> dict:
     """Writes `template` (a preset, a JSON file or a template) into a local model directory after checking it against
     the model and a catalog (items.parquet): a causal LM, every code token the catalog needs in its tokenizer, the
-    template compiling against the tokenizer -> a summary (the template, its longest prompt in tokens)."""
+    template compiling against the tokenizer -> a summary (the template, its longest prompt in tokens).
+    `chat_template`: a jinja file copied into the model directory first, under the name the template gives it (the
+    template's chat template from then on: part of the model, hashed and uploaded with it)."""
     template = get_template(template).with_max_items(max_items)
+    if chat_template is not None:
+        if not template.messages:
+            raise ValueError(f"--chat-template: prompt template {template.name!r} has no messages to write with it")
+        template = replace(template, chat_template=template.chat_template or Path(chat_template).name)
+        shutil.copyfile(chat_template, Path(model_dir) / template.chat_template)
     renderer = check_renders(model_dir, template, pq.read_table(catalog), str(catalog))
     path = write_template(model_dir, template)
     return {"file": str(path), "template": template.to_dict(), "max_prompt_tokens": renderer.max_len}
@@ -54,7 +63,7 @@ def check_renders(model_dir, template: PromptTemplate, catalog: pa.Table, source
     load_config(model_dir)
     tokenizer = load_tokenizer(model_dir)
     cat = Catalog.from_table(catalog, tokenizer, on_duplicate="first", source=source, code_token=template.code)
-    return Renderer.compile(template, tokenizer, catalog_probes(cat.item_tokens))
+    return Renderer.compile(template, tokenizer, catalog_probes(cat.item_tokens), catalog, model_dir)
 
 
 # ---------------------------------------------------------------- uploading a model to object storage

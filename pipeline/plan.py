@@ -20,14 +20,15 @@ import pyarrow.fs as pafs
 
 from decoding.stats import timed
 from decoding.templates import TEMPLATE_FILE, PromptTemplate, get_template, read_template
+from operators.prompts import is_text
 from operators.recommender import Inputs, prepare
 from operators.spec import ActorSpec
 from pipeline import runs, tables, units
 from pipeline import storage as S
 from pipeline.carry import Base, choose_base
-from pipeline.config import Config
+from pipeline.config import ROW_COLUMNS, Config
 from pipeline.items import Items, Sources, read_items
-from pipeline.lineage import code_identity, describe_code, fingerprint, model_files_sha256
+from pipeline.lineage import catalog_texts_sha256, code_identity, describe_code, fingerprint, model_files_sha256
 from pipeline.models import compile_store
 
 log = logging.getLogger("genrec.nightly")
@@ -220,8 +221,9 @@ def actor_spec(cfg: Config, run_id: str, items: Items, template: PromptTemplate)
 
 def direct_spec(cfg: Config) -> ActorSpec:
     """The spec of the config's actor for a recommender built in this process (the benchmarks' direct calls)."""
-    items = read_items(Sources.of(cfg), cfg.storage, record=False)
-    return actor_spec(cfg, "direct", items, resolve_template(cfg, resolve_models(cfg)))
+    template = resolve_template(cfg, resolve_models(cfg))
+    items = read_items(Sources.of(cfg, template.item_columns), cfg.storage, record=False)
+    return actor_spec(cfg, "direct", items, template)
 
 
 class Clock:
@@ -371,10 +373,12 @@ def plan_at(cfg: Config, version: int | None, pinned_by: str | None) -> Plan:
         if uri:
             S.check_access(tables.location(uri), cfg.storage)
     data, fs, _, kind, version = open_input_pinned(cfg, version, pinned_by)
-    items = read_items(Sources.of(cfg), cfg.storage)
-    log_items(items.info)
     models = resolve_models(cfg)
-    spec = actor_spec(cfg, "", items, resolve_template(cfg, models))
+    template = resolve_template(cfg, models)
+    check_prompt_columns(cfg, template, data.schema)
+    items = read_items(Sources.of(cfg, template.item_columns), cfg.storage)
+    log_items(items.info)
+    spec = actor_spec(cfg, "", items, template)
     heads = {m["uri"]: m["dir"] for m in models.values()}  # the driver's copies: no weights
     inputs = prepare(replace(spec, fetch=heads.__getitem__))  # what an actor would refuse fails here, before any work
     plan_units, clock = units.plan_units(data), Clock()
@@ -429,11 +433,16 @@ def pinned_versions(cfg: Config, resume: str | None) -> list[tuple[str, int]]:
 
 
 def run_fingerprint(cfg: Config, models: dict, inputs: Inputs, items: Items, kind: str, schema: pa.Schema) -> dict:
-    """The run's fingerprint (`lineage.fingerprint`) from what the plan resolved."""
+    """The run's fingerprint (`lineage.fingerprint`) from what the plan resolved: the template with the chat template
+    it renders with, and the catalog columns it writes."""
     column = cfg.decoding.exclude_column if cfg.decoding.exclude_column in schema.names else None
-    template = inputs.renderer.template.to_dict()
-    info = {"sha256": items.info.get("sha256"), "sets": items.identity}
-    args = (template, inputs.renderer.max_items, info, inputs.catalog.listing_sha256(), kind, column, device_kind(cfg))
+    renderer = inputs.renderer
+    template = renderer.template.to_dict()
+    if renderer.chat is not None:
+        template = {"template": template, "chat_template": renderer.chat}
+    texts = catalog_texts_sha256(items.table, renderer.template.item_columns)
+    info = {"sha256": items.info.get("sha256"), "sets": items.identity, **({"texts": texts} if texts else {})}
+    args = (template, renderer.max_items, info, inputs.catalog.listing_sha256(), kind, column, device_kind(cfg))
     return fingerprint(cfg, models, *args)
 
 
@@ -534,9 +543,37 @@ def finished_unpublished(plan: Plan) -> str | None:
     return None
 
 
-def input_columns(cfg: Config, schema: pa.Schema) -> dict[str, str]:
+def input_columns(cfg: Config, schema: pa.Schema, template: PromptTemplate | None = None) -> dict[str, str]:
     """The input columns the actors read, {name in the rows: the input's column}: user_id and history (named by
-    `columns`), and the exclusion column when the input has it."""
+    `columns`), the exclusion column when the input has it, and the other columns the prompt template writes
+    ({history:COLUMN}, {user:COLUMN})."""
     out = {"user_id": cfg.columns.user_id, "history": cfg.columns.history}
     column = cfg.decoding.exclude_column
-    return out | ({column: column} if column in schema.names else {})
+    out |= {column: column} if column in schema.names else {}
+    return out | {c: c for c in (template.input_columns if template else []) if c not in out}
+
+
+def check_prompt_columns(cfg: Config, template: PromptTemplate, schema: pa.Schema) -> None:
+    """The input columns the template writes, refused before any work when the input lacks one (named), when one is
+    not of its kind (a {history:...} column not a list, a {user:...} column not text or numbers) or when its name is
+    one the job gives the rows it reads."""
+    names = schema.names
+    missing = [c for c in template.input_columns if c not in names]
+    if missing:
+        raise ValueError(
+            f"models.template {template.name!r} writes the input's column(s) {missing}, which input {cfg.input} "
+            f"lacks (has {names})"
+        )
+    taken = [c for c in template.input_columns if c in ROW_COLUMNS]
+    if taken:
+        raise ValueError(f"models.template {template.name!r}: input column(s) {taken} are names the job gives its rows")
+    for c in template.input_columns:
+        kind = schema.field(c).type
+        history = c in template.histories
+        if history and not (pa.types.is_list(kind) or pa.types.is_large_list(kind)):
+            raise ValueError(f"models.template writes {{history:{c}}}, but the input's {c} is {kind}, not a list")
+        if not history and not is_text(kind):
+            raise ValueError(
+                f"models.template writes {{user:{c}}}, but the input's {c} is {kind}: strings, integers, floats or "
+                "booleans are written as text"
+            )

@@ -143,6 +143,7 @@ def incremental_info(plan: Plan, sums: dict, timings: dict) -> dict:
 
 
 COUNTS = ("users_ok", "users_short", "users_rejected", "users_non_finite", "recommendations", "batches", "decode_batch")
+COUNTS += ("users_truncated", "users_too_long")  # prompts past decoding.max_prompt_tokens: cut to fit, rejected
 
 
 def catalog_info(plan: Plan) -> dict:

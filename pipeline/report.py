@@ -141,6 +141,11 @@ def run_counts(m: pd.DataFrame, man: dict, users: int) -> dict:
         "prefix_tokens_saved_per_user": per_user(m.prefix_tokens_saved.sum(), users)
         if "prefix_tokens_saved" in m
         else None,
+        "prompt_tokens_per_user": per_user(m.prompt_tokens.sum(), m.users_prompted.sum())
+        if "users_prompted" in m
+        else None,
+        "users_truncated": int(man["counts"].get("users_truncated") or 0),
+        "users_too_long": int(man["counts"].get("users_too_long") or 0),
         "input_rows": int(man["counts"]["input_rows"]),
         "recommendations": int(m.recommendations.sum()),
         "batches": len(m),
@@ -500,6 +505,11 @@ SUMMARY = [  # the summary table's rows: (metric, its cell for one run, the runs
     (
         "prompt template / longest prompt (tokens)",
         lambda s: f"{s['template'] or '-'} / {num(s['max_prompt_tokens'])}",
+        None,
+    ),
+    (
+        "prompt tokens per user (mean) / cut to fit / too long",
+        lambda s: f"{num(s['prompt_tokens_per_user'], 1)} / {num(s['users_truncated'])} / {num(s['users_too_long'])}",
         None,
     ),
     ("prefill tokens saved per user (shared prefix)", lambda s: num(s["prefix_tokens_saved_per_user"], 1), None),

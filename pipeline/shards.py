@@ -61,6 +61,9 @@ METRIC_SCHEMA = pa.schema(
         ("users_duplicate", _INT),
         ("users_carried", _INT),  # of users_ok, users whose list was copied from the base run (pipeline/carry.py)
         ("users_changed", _INT),  # users decoded whose list the base run holds, with other inputs (incremental runs)
+        ("users_prompted", _INT),  # users whose prompt was rendered and decoded (their prompt_tokens)
+        ("users_truncated", _INT),  # of them, prompts that dropped their oldest history items to fit max_prompt_tokens
+        ("users_too_long", _INT),  # of users_rejected, prompt_too_long: no fit (decoding.too_long)
         ("recommendations", _INT),
         ("prompt_tokens", _INT),
         ("prefix_tokens_saved", _INT),
@@ -157,7 +160,7 @@ def attempt_shards(run: str, storage: Storage, trusted: list[str], attempt: str)
 
 
 SUMS = ("users_in", "users_ok", "users_short", "users_rejected", "users_non_finite", "recommendations")
-SUMS += ("users_duplicate", "users_carried", "users_changed")
+SUMS += ("users_duplicate", "users_carried", "users_changed", "users_truncated", "users_too_long")
 TIMES = ("actor_ready_at", "committed_at")  # epoch seconds
 TALLIED = [*SUMS, "actor", "batch", "auto", "decode_batch", *TIMES, "dtype", *AUDIT, "audit_max_abs_score_diff"]
 TALLIED += ["audit_device", "audit_skipped", "device", "engine"]

@@ -876,8 +876,8 @@ def model_sums(uri: str, storage: Storage) -> dict[str, str]:
     return sums
 
 
-HEAD_FILES = ("*.json", "tokenizer*", "*.model", "vocab*", "merges.txt", "*.tiktoken", "chat_template*")
-# ^ what a driver downloads of an s3:// model: its config, tokenizer and template (never weights of any format)
+HEAD_FILES = ("*.json", "tokenizer*", "*.model", "vocab*", "merges.txt", "*.tiktoken", "chat_template*", "*.jinja*")
+# ^ what a driver downloads of an s3:// model: its config, tokenizer, templates and chat templates (never weights)
 
 
 def model_head(uri: str, storage: Storage, dest: Path) -> dict[str, str]:

@@ -89,10 +89,15 @@ class Hashing:
     history_len: int  # the prompt's window: the template's max_items, or decoding.history_len
     exclude_column: str | None  # the exclusion column, when the input has it
     whole_history: bool  # decoding.exclude history: every item of the history is excluded
+    windows: tuple = ()  # ((column, window), ...): the other histories the prompt writes
+    texts: tuple = ()  # the user fields the prompt writes
 
     def of(self, t: pa.Table) -> pa.Array:
         column = t[self.exclude_column] if self.exclude_column else None
-        return input_hashes(t["history"], column, self.history_len, self.whole_history)
+        others = [(t[c], w) for c, w in self.windows]
+        return input_hashes(
+            t["history"], column, self.history_len, self.whole_history, others, [t[c] for c in self.texts]
+        )
 
 
 def read_retrying(batch: pa.Table, storage, uri: str, code: str = "", **kwargs) -> pa.Table:

@@ -147,3 +147,35 @@ def forced_scores(model, input_ids, attention_mask, tokens, head: str = "exact")
         logits = model(input_ids=seq, attention_mask=mask, position_ids=pos).logits.double()
     logp = logits.log_softmax(-1)[:, -code_len - 1 : -1].gather(2, seq[:, -code_len:, None]).squeeze(2)
     return torch.where(real, logp.sum(1).view(b, k), float("-inf"))
+
+
+def reference_ids(pieces: list[tuple[str, str]], tokenizer) -> list[int]:
+    """A prompt's ids by definition, the slow way, from its pieces (operators.text.prompt_pieces: template text, data,
+    trusted data, BOS, the instruction's break): added tokens matched by the tokenizer itself in the template's text
+    and in trusted data only (a piece on its own: data in between breaks a match), found by their offsets; every span
+    between two of them, data included, tokenized by transformers' own pipeline without added tokens
+    (`_encode_without_added_tokens`, what its `sanitize_control_tokens` uses)."""
+    added, ids, span = set(tokenizer.added_tokens_decoder), [], [""]
+
+    def flush():
+        ids.extend(tokenizer._encode_without_added_tokens(span[0]) if span[0] else [])
+        span[0] = ""
+
+    for text, kind in pieces:
+        if kind in ("bos", "break"):
+            flush()
+            ids.extend([tokenizer.bos_token_id] if kind == "bos" else [])
+        elif kind == "data":
+            span[0] += text
+        else:
+            enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            at = 0
+            for token, (a, b) in zip(enc["input_ids"], enc["offset_mapping"]):
+                if token in added:
+                    span[0] += text[at:a]
+                    flush()
+                    ids.append(token)
+                    at = b
+            span[0] += text[at:]
+    flush()
+    return ids

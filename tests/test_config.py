@@ -30,6 +30,8 @@ def test_file_plus_overrides(tmp_path):
         ("decoding.mode=greedy", "decoding.mode must be one of beam, atspeed-strict"),
         ("decoding.mode=atspeed-strict", "models.draft must be set for decoding.mode atspeed-strict"),
         ("decoding.draft_beams=3", "decoding.draft_beams must be >= decoding.k (10)"),
+        ("decoding.max_prompt_tokens=0", "decoding.max_prompt_tokens must be >= 1 or null, got 0"),
+        ("decoding.too_long=cut", "decoding.too_long must be drop_oldest or reject, got 'cut'"),
         ("run_date=21/11/2026", "run_date must be a date YYYY-MM-DD"),
         ("output=gs://bucket/x", "output must be a local path or an s3:// URI"),
         ("storage.endpoint=127.0.0.1:9000", "storage.endpoint must be an http(s):// URL"),

@@ -445,3 +445,66 @@ def test_the_code_is_every_package_of_the_source_tree_or_the_wheel(monkeypatch):
     assert {"decoding", "operators", "pipeline", "jobs"} <= set(tree) and "tests" not in tree
     monkeypatch.setattr(lineage, "_project", lambda: (None, None))
     assert lineage.code_packages() == tree
+
+
+def test_a_prompt_reads_the_columns_its_template_names_and_nothing_else_carries_past_them(world, tmp_path):
+    """A template writing the catalog's titles: the fingerprint holds the titles' content, so a changed title makes a
+    full night naming the catalog, and a resume of a run started on the old titles is refused naming it; a column a
+    template names that the input or the catalog lacks is refused before any work, named."""
+    from pipeline.lineage import differences
+    from pipeline.plan import plan_run
+
+    root, _ = world
+    catalog = pq.read_table(root / "data" / "items.parquet")
+    titles = [f"item {i}" for i in catalog["item_id"].to_pylist()]
+    pq.write_table(catalog.append_column("title", pa.array(titles)), tmp_path / "items.parquet")
+    template = tmp_path / "template.json"
+    template.write_text(json.dumps({"name": "titled", "item": "{codes}{item:title}", "max_items": 8}))
+    cfg = night_config(root, tmp_path / "out", f"catalog={tmp_path / 'items.parquet'}", f"models.template={template}")
+    before = plan_run(cfg)
+    state = {"fingerprint": before.fingerprint, "identity": before.identity, "config": before.config}
+    titles[5] = "another title"
+    pq.write_table(catalog.append_column("title", pa.array(titles)), tmp_path / "items.parquet")
+    after = plan_run(cfg)
+    assert differences(before.lineage, after.lineage) == ["catalog"]
+    assert before.lineage["catalog"]["texts"] != after.lineage["catalog"]["texts"]
+    assert any("the catalog" in c for c in after.changes(state))
+    template.write_text(json.dumps({"name": "branded", "item": "{codes}{item:brand}", "max_items": 8}))
+    with pytest.raises(ValueError, match=r"missing column\(s\) \['brand'\]"):
+        plan_run(cfg)
+    template.write_text(json.dumps({"name": "profiled", "prefix": "{user:profile} ", "max_items": 8}))
+    with pytest.raises(ValueError, match=r"writes the input's column\(s\) \['profile'\], which input .* lacks"):
+        plan_run(cfg)
+
+
+def test_a_night_that_changes_only_a_user_text_field_decodes_only_those_users(world, ray_session_plain, tmp_path):
+    """A template writing each user's profile, prompts bounded by decoding.max_prompt_tokens: tonight changes 6
+    users' profiles and nothing else; the incremental night decodes those 6 and carries every other user. The base
+    night counts the prompts it cut to fit in its manifest, and its report shows prompt tokens per user."""
+    from pipeline.nightly import run_nightly
+    from pipeline.report import summarize
+
+    root, _ = world
+    base = pq.read_table(root / "base.parquet")
+    profiles = [f"likes {u % 5} things" for u in range(base.num_rows)]
+    pq.write_table(base.append_column("profile", pa.array(profiles)), tmp_path / "base.parquet")
+    changed = [3, 17, 40, 41, 77, 100]
+    for i in changed:
+        profiles[i] = "likes <a_1> now" if i % 2 else None
+    pq.write_table(base.append_column("profile", pa.array(profiles)), tmp_path / "night.parquet")
+    template = tmp_path / "template.json"
+    template.write_text(json.dumps({"name": "profiled", "prefix": "{user:profile} ", "max_items": 8}))
+    extra = [f"models.template={template}", "decoding.exclude=none", "decoding.max_prompt_tokens=22"]
+    extra += ["compute.batch_size=64"]
+    base_cfg = config(root, tmp_path / "out", f"input={tmp_path / 'base.parquet'}", f"run_date={BASE_DATE}", *extra)
+    counts = run_nightly(base_cfg)["counts"]
+    assert counts["users_truncated"] > 0 and counts["users_too_long"] == 0
+    s = summarize(runs.load_run(runs.date_dir(base_cfg.output, BASE_DATE), base_cfg.storage), 2.5)
+    assert 10 < s["prompt_tokens_per_user"] <= 22 and s["users_truncated"] == counts["users_truncated"]
+    cfg = config(root, tmp_path / "out", f"input={tmp_path / 'night.parquet'}", f"run_date={NIGHT}", *extra)
+    manifest = run_nightly(replace(cfg, incremental=replace(cfg.incremental, enabled=True)))
+    _, users, _ = published(cfg)
+    source = dict(zip(users["user_id"].to_pylist(), users["source"].to_pylist()))
+    ids = base["user_id"].to_pylist()
+    assert {u for u, s in source.items() if s == "decoded"} == {ids[i] for i in changed}
+    assert manifest["counts"]["users_carried"] == base.num_rows - len(changed)

@@ -199,7 +199,7 @@ def test_a_tokenizer_that_merges_text_into_code_tokens_is_refused(bpe):
     )  # every code token is in the vocabulary ...
     with pytest.raises(ValueError, match="code tokens must be tokens of their own"):  # ... but not kept apart
         Renderer.compile(PRESETS["lcrec"], merging, catalog_probes(catalog.item_tokens))
-    with pytest.raises(ValueError, match=r"1-item prompt .* found 0\)"):  # `<a_0><b_1><c_2>` is one word to it
+    with pytest.raises(ValueError, match=r"1-item probe: rendered .*, the tokenizer \[1, 0\]"):  # one word <unk>
         Renderer.compile(PRESETS["codes"], merging, catalog_probes(catalog.item_tokens))
 
 

@@ -203,10 +203,16 @@ class IncrementalParams:
 
 @dataclass(kw_only=True)
 class TemplatesParams(Timed):
-    """`bench templates`: rendering every Beauty test user with each template, renderer vs tokenizer; then the
+    """`bench templates`: rendering users/s per CPU core of three prompt shapes (`shapes`: about 300 tokens; about
+    2,000 OpenOneRec-like, a chat template around two histories of semantic IDs and a 200-token profile; about 2,000
+    with a title on every history item) on `shape_users` synthetic users, against the tokenizer on each user's
+    text; then (`beauty`) rendering every Beauty test user with each template, renderer vs tokenizer, and the
     nightly job on `users` users with each template on one random Llama (layers x hidden) over a byte-level BPE of
     about `text_vocab` tokens plus the code tokens, one CPU actor of `cpus` CPUs."""
 
+    shapes: list[str] = field(default_factory=lambda: ["300", "openonerec", "titles"])
+    shape_users: int = 1000
+    beauty: bool = True
     templates: list[str] = field(default_factory=lambda: ["codes", "lcrec"])
     users: int = 2000
     layers: int = 2
@@ -401,11 +407,20 @@ CHOICES = {
     "attn": ["sdpa", "eager"],
     "sections": SECTIONS,
     "templates": ["codes", "lcrec"],
+    "shapes": ["300", "openonerec", "titles"],
     "simulate_oom": ["beam_search", "transformers"],
     "engines": ["eager", "compiled"],
     "methods": ["beam_search", "beam_search_compiled", "transformers"],
 }
-LISTS = ("sections", "templates", "simulate_oom", "dtypes", "engines", "methods")  # flags that take several values
+LISTS = (
+    "sections",
+    "templates",
+    "shapes",
+    "simulate_oom",
+    "dtypes",
+    "engines",
+    "methods",
+)  # flags that take several values
 
 
 def field_defaults(cls) -> dict:

@@ -1,7 +1,9 @@
-"""templates: what a prompt template costs. (1) Rendering: ms per 1,000 Amazon Beauty users of every template with the
-renderer (numpy over compiled skeletons) against the tokenizer called on each user's text (what rendering would cost
-without the renderer). (2) The nightly job: users/s of the same model (a random Llama of layers x hidden over a
-byte-level BPE vocabulary plus the Beauty code tokens) with each template, interleaved runs on one local Ray.
+"""templates: what a prompt template costs. (1) Rendering users/s per CPU core at three prompt shapes, 300 and 2,000
+tokens (pipeline/bench/prompt_shapes.py). (2) Rendering: ms per 1,000 Amazon Beauty users of every template with the
+renderer (numpy over compiled spans) against the tokenizer called on each user's text (what rendering would cost
+without the renderer). (3) The nightly job: users/s of the same model (a random Llama of layers x hidden over a
+byte-level BPE vocabulary plus the Beauty code tokens) with each template, interleaved runs on one local Ray. `beauty`
+false: (1) alone.
 """
 
 from __future__ import annotations
@@ -29,12 +31,14 @@ from pipeline.bench.common import (
     ratio,
 )
 from pipeline.bench.params import TemplatesParams
+from pipeline.bench.prompt_shapes import CODES, markdown_shapes, run_shapes
 from pipeline.markdown import table
-from pipeline.prepare import build_text_tokenizer
+from pipeline.prepare import build_chat_tokenizer, build_text_tokenizer
 
 
 def run_templates(p: TemplatesParams) -> dict:
-    return {"templates": bench_templates(p)}
+    out = {"shapes": run_shapes(p, build_chat_tokenizer(3, CODES, vocab_size=p.text_vocab))} if p.shapes else {}
+    return {"templates": out | (bench_templates(p) if p.beauty else {})}
 
 
 def bench_templates(p: TemplatesParams) -> dict:
@@ -160,6 +164,9 @@ def job_row(manifest: dict, t: Timing) -> dict:
 
 def markdown_templates(result: dict) -> str:
     t, env = result["templates"], result["environment"]
+    shapes = markdown_shapes(t["shapes"]) if "shapes" in t else []
+    if "render" not in t:
+        return "\n".join(shapes + ["", footer(env)])
     r, n = t["render"], t["nightly"]
     header = (
         "template | longest prompt (tokens) | mean prompt (tokens) | renderer | tokenizer on the text | "
@@ -177,13 +184,17 @@ def markdown_templates(result: dict) -> str:
         ]
         for name, x in r["templates"].items()
     ]
-    lines = [
-        f"## prompt templates: rendering {r['users']:,} Amazon Beauty users (ms per 1,000 users), byte-level BPE "
-        f"of {t['text_vocab']:,} tokens with the code tokens added, {env['device']}; median (min-max) of "
-        f"{result['args']['repeats']} interleaved repeats",
-        "",
-        table(header, rows, aligned(1, 6)),
-    ]
+    lines = (
+        shapes
+        + [""] * bool(shapes)
+        + [
+            f"## prompt templates: rendering {r['users']:,} Amazon Beauty users (ms per 1,000 users), byte-level BPE "
+            f"of {t['text_vocab']:,} tokens with the code tokens added, {env['device']}; median (min-max) of "
+            f"{result['args']['repeats']} interleaved repeats",
+            "",
+            table(header, rows, aligned(1, 6)),
+        ]
+    )
     return "\n".join(lines + markdown_jobs(n) + ["", footer(env)])
 
 

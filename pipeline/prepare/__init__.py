@@ -17,7 +17,14 @@ import killed part-way never leaves a folder that looks done.
 """
 
 from pipeline.prepare.beauty import BEAUTY_SOURCE, prepare_beauty
-from pipeline.prepare.contract import PrepareSummary, build_text_tokenizer, build_tokenizer, prepared, write_contract
+from pipeline.prepare.contract import (
+    PrepareSummary,
+    build_chat_tokenizer,
+    build_text_tokenizer,
+    build_tokenizer,
+    prepared,
+    write_contract,
+)
 from pipeline.prepare.lcrec import find_lcrec_index, prepare_lcrec
 from pipeline.prepare.minionerec import prepare_minionerec
 from pipeline.prepare.splits import SPLIT_CONVENTION, Interactions, split_tables
@@ -36,6 +43,7 @@ __all__ = [
     "Interactions",
     "PrepareSummary",
     "SyntheticSummary",
+    "build_chat_tokenizer",
     "build_text_tokenizer",
     "build_tokenizer",
     "find_lcrec_index",

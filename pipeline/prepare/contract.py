@@ -173,6 +173,61 @@ def _trained_bpe(style: str, vocab_size: int) -> Tokenizer:
     return raw
 
 
+CHAT_TEXT = [  # CJK, emoji, whitespace and newlines beside the instruction text: what chat prompts hold
+    "你是一个智能推荐助手，能够根据用户的浏览历史预测用户可能感兴趣的下一个内容。",
+    "用户画像：喜欢美食 🍜 和旅行 ✈️，常看 猫咪 🐱 视频。\n\n用户查询：周末去哪儿玩？",
+    "以下是用户的浏览历史：\n请推荐用户可能感兴趣的下一个内容。 Recommend the next video!",
+    "Title: Summer  sale 2024 — 50% off\t(limited)\n\n",
+]
+# A Qwen3-style chat template (ChatML turns; with enable_thinking false the last user turn ends with /no_think and an
+# empty think block opens the answer), written here for tests and benchmarks
+CHATML = (
+    "{%- for m in messages -%}"
+    "{{- '<|im_start|>' + m.role + '\\n' + m.content }}"
+    "{%- if m.role == 'user' and loop.last and enable_thinking is defined and not enable_thinking %}"
+    "{{- '/no_think' }}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and not enable_thinking %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif -%}"
+)
+
+
+def build_chat_tokenizer(levels: int, codes: int, vocab_size: int = 900) -> PreTrainedTokenizerFast:
+    """A tokenizer of the kind OneRec-style models have, for tests and benchmarks of chat templates: Qwen2's split
+    over a byte-level BPE trained here on instruction, CJK and emoji text; the special tokens `<|endoftext|>` (EOS,
+    pad), `<|im_start|>`, `<|im_end|>`; `<think>`, `</think>` added as tokens that are not special (Qwen3's); then,
+    with tokenizer.add_tokens as OpenOneRec adds them, the code tokens `<s_a_0>` .. and `<|sid_begin|>`,
+    `<|sid_end|>`; `CHATML` as its chat template."""
+    from tokenizers import trainers
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    raw.decoder = decoders.ByteLevel()
+    corpus = (INSTRUCTION_TEXT + CHAT_TEXT) * 20
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    raw.train_from_iterator(corpus, trainer)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=raw, eos_token="<|endoftext|>", pad_token="<|endoftext|>", padding_side="left"
+    )
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.add_tokens(["<think>", "</think>"])
+    tok.add_tokens([f"<s_{chr(97 + j)}_{c}>" for j in range(levels) for c in range(codes)] + SID_MARKS)
+    tok.chat_template = CHATML
+    return tok
+
+
+SID_MARKS = ["<|sid_begin|>", "<|sid_end|>"]
+
+
 # ---------------------------------------------------------------- the catalog
 
 
