@@ -4,6 +4,7 @@ a rerun of the date replacing the date's rows in one commit; versions that canno
 
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import pyarrow as pa
 import pyarrow.dataset as pads
@@ -195,8 +196,9 @@ def test_a_delta_input_is_checked_like_parquet(lake, tmp_path):
 
     world, s3, storage, _, users = lake
     items = settings(world, s3, s3.uri("lake", "histories"), s3.uri("lake", "checked-out"))
-    with pytest.raises(ValueError, match=r"missing column\(s\) \['client'\].*columns.user_id client"):
-        plan_run(load_config(None, [*items, "columns.user_id=client"]))
+    for setting, name in (("columns.user_id=client", "client"), ("columns.history=basket", "basket")):
+        with pytest.raises(ValueError, match=rf"^input delta\+\S+ version 2: missing column\(s\) \['{name}'\]"):
+            plan_run(load_config(None, [*items, setting]))  # the table and its version named, no data file
     parted = s3.uri("lake", "partitioned")
     from deltalake import write_deltalake
 
@@ -299,3 +301,59 @@ def test_after_the_publish_a_failure_or_a_signal_names_what_is_left(monkeypatch)
     note = stop_note(caught.value, resume=False)
     assert "run R is published" in note and "genrec-batch export /o/run_date=2026-11-21/run_id=R --to delta+/t" in note
     assert "--namespace genrec" in note and "secret" not in note and "--resume" not in note
+
+
+def test_two_commits_of_one_run_at_once_make_one_version_and_leave_no_orphan(lake, tmp_path):
+    """Two calls commit one published run to a table that does not exist yet, at once (threads released by a
+    barrier): the table is created once (one CREATE TABLE, one table id), the run's rows are in one WRITE, exactly
+    one call reports it committed and the other `skipped`, and the date's folder holds only the files the table
+    names."""
+    import threading
+
+    from deltalake import DeltaTable
+
+    from pipeline.config import Table
+
+    world, s3, storage, history, _ = lake
+    out, uri = s3.uri("lake", "twice-out"), f"delta+{s3.uri('lake', 'twice')}"
+    manifest, _ = night(settings(world, s3, history, out))
+    run = open_run(f"{out}/run_date={DATE}", storage)
+    barrier = threading.Barrier(2)
+
+    def call(_):
+        barrier.wait()
+        return tables.commit_run(run, Table(uri, rows_per_file=120))
+
+    with ThreadPoolExecutor(2) as pool:
+        done = list(pool.map(call, range(2)))
+    assert sorted(c.skipped is None for c in done) == [False, True], done
+    won, lost = sorted(done, key=lambda c: c.skipped is not None)
+    assert won.rows == run.table("recommendations").num_rows and (lost.files, lost.rows) == (0, 0)
+    assert lost.version == won.version and "already committed" in lost.skipped
+    dt = DeltaTable(tables.location(uri), storage_options=tables.storage_options(storage))
+    assert [h["operation"] for h in dt.history()] == ["WRITE", "CREATE TABLE"] and dt.version() == won.version == 1
+    named = {f.rpartition("/")[2] for f in tables.data_files(dt, uri, storage)}
+    held = {o["Key"].rpartition("/")[2] for o in s3.client().list_objects_v2(
+        Bucket=s3.bucket, Prefix=f"lake/twice/run_date={DATE}/")["Contents"]}  # fmt: skip
+    assert held == named and len(named) == won.files
+
+
+def test_tables_created_at_once_are_one_table(tmp_path):
+    """Four calls create one table at once, five times over (delta-rs's own create raced in nearly every round
+    here): every round leaves one CREATE TABLE, version 0."""
+    import threading
+
+    from deltalake import DeltaTable
+
+    schema = pa.schema([("run_date", pa.string()), ("user_id", pa.int64())])
+    for i in range(5):
+        uri, barrier = f"delta+{tmp_path / str(i)}", threading.Barrier(4)
+
+        def call(_, uri=uri, barrier=barrier):
+            barrier.wait()
+            tables.create(uri, Storage(), schema)
+
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(call, range(4)))
+        dt = DeltaTable(tables.location(uri))
+        assert dt.version() == 0 and [h["operation"] for h in dt.history()] == ["CREATE TABLE"]
