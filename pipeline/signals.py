@@ -1,5 +1,6 @@
 """The driver's SIGTERM / SIGINT: one handler for the process (STOP), the blocks a signal waits for (publication, the
-lease's release as the job ends), and the job's `stopped:` line."""
+lease's release as the job ends), and the job's last line: `stopped:`, or the `error:` of the error behind Ray's
+wrappers (`ray_cause`)."""
 
 from __future__ import annotations
 
@@ -123,3 +124,25 @@ def stop_note(e: BaseException, resume: bool) -> str | None:
     if STOP.received:
         return f"stopped: {STOP.received} received while {STOP.during or 'ending'}; {held}"
     return None
+
+
+def ray_cause(e: BaseException) -> BaseException:
+    """The error behind Ray's wrappers, what a command's `error:` line prints and its exit code is chosen by: a task's
+    RayTaskError (the class Ray raises it as, a subclass of its cause's, too), whose text is Ray's coloured task
+    header and the remote traceback, -> its cause; Ray Data's UserCodeException -> the error it wraps. Anything else
+    as it is."""
+    import sys
+
+    ray = sys.modules.get("ray")  # no Ray imported: no Ray error
+    if ray is None:
+        return e
+    from ray.exceptions import RayTaskError, UserCodeException
+
+    seen = set()
+    while id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, RayTaskError) and isinstance(e.cause, BaseException):
+            e = e.cause
+        elif isinstance(e, UserCodeException) and e.__cause__ is not None:
+            e = e.__cause__
+    return e
