@@ -91,9 +91,10 @@ STOP = Stop()  # the process's one handler (jobs/nightly.py installs it)
 def connect_ray() -> None:
     """ray.init (RAY_ADDRESS / a running cluster, else a local one), then the driver's handler again: ray.init puts
     its own SIGTERM handler in place (sys.exit(signum)), so a SIGTERM while it runs is Ray's SystemExit, made
-    Interrupted here, as a signal anywhere else is."""
+    Interrupted here, as a signal anywhere else is. The driver's stderr keeps to its own lines (`plain_ray_logs`)."""
     import ray
 
+    plain_ray_logs()
     try:
         ray.init(ignore_reinit_error=True, log_to_driver=True)
         STOP.install()
@@ -102,6 +103,33 @@ def connect_ray() -> None:
             raise
         STOP.received = signal.Signals(e.code).name
         raise Interrupted(e.code) from None
+
+
+class NoTraceback(logging.Filter):
+    """A console handler's records without their tracebacks, the message kept. The record is the one every handler of
+    its logger gets, one after another: this handler's filter runs after the handlers listed before it (Ray Data's
+    log file) wrote it whole."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.exc_info, record.exc_text = None, None
+        return True
+
+
+def plain_ray_logs() -> None:
+    """What Ray prints on the driver's stderr, beside the job's own lines: the workers' lines without colour codes
+    when stderr is no terminal (RAY_COLOR_PREFIX=0, unless set), and Ray Data's console records without tracebacks:
+    it logs a task's error with its remote traceback before the driver gets the error, whose one `error:` line says
+    it (`ray_cause`); its log file in the Ray session's folder (logs/ray-data) keeps them."""
+    import os
+    import sys
+
+    import ray.data  # noqa: F401 -- configures Ray Data's loggers, whose console handler is filtered here
+
+    if not sys.stderr.isatty():
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+    for handler in logging.getLogger("ray.data").handlers:
+        if type(handler).__name__ == "PlainRayHandler" and not any(isinstance(f, NoTraceback) for f in handler.filters):
+            handler.addFilter(NoTraceback())
 
 
 def stop_note(e: BaseException, resume: bool) -> str | None:

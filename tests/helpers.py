@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import tempfile
 from pathlib import Path
 
@@ -147,3 +148,22 @@ def forced_scores(model, input_ids, attention_mask, tokens, head: str = "exact")
         logits = model(input_ids=seq, attention_mask=mask, position_ids=pos).logits.double()
     logp = logits.log_softmax(-1)[:, -code_len - 1 : -1].gather(2, seq[:, -code_len:, None]).squeeze(2)
     return torch.where(real, logp.sum(1).view(b, k), float("-inf"))
+
+
+LOG_LINE = re.compile(
+    r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}[ \t](DEBUG|INFO|WARNING|ERROR) (\S+: |\S+:\d+ -- )"  # ours | Ray's
+    r"|\([\w()]+ pid=\d+(, ip=[\d.]+)?\) "  # a Ray worker's line, forwarded to the driver
+)
+
+
+def assert_one_error_line(stderr: str, error: str) -> None:
+    """A command's whole stderr: exactly one `error:` line, matching the regular expression `error` whole; every
+    other line a log record (the job's, Ray's or a worker's forwarded), with no traceback, no colour code, no Ray task
+    header and no deprecation anywhere."""
+    lines = stderr.splitlines()
+    errors = [line for line in lines if line.startswith("error:")]
+    assert len(errors) == 1 and re.fullmatch(error, errors[0]), errors or stderr[-3000:]
+    strays = [line for line in lines if not line.startswith("error:") and not LOG_LINE.match(line)]
+    assert not strays, strays[:20]
+    for mark in ("Traceback", "\x1b[", "ray::", 'File "', "deprecated"):
+        assert mark not in stderr, [line for line in lines if mark in line][:5]

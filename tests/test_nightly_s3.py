@@ -633,3 +633,51 @@ def test_the_driver_checks_an_s3_model_without_its_weights(cluster, tmp_path):
         damage()
         with pytest.raises(ValueError, match=f"{weights}: .*{why}"):
             S.model_head(uri, storage, head)
+
+
+def test_a_model_replaced_at_its_prefix_is_fetched_anew_and_an_actor_refuses_the_old_one(cluster, tmp_path):
+    """The node's cache is keyed by content. Four actors of a node fetch M1 at once: one copy, every file checked.
+    The prefix is deleted and M2 uploaded there: an actor of a run planned with M1 refuses it, naming the URI and
+    both digests, before any weight is read; one of a run planned with M2 gets M2, never the cached M1, which stays
+    while an actor uses it and is deleted by the first fetch after that actor is gone."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from dataclasses import replace
+    from functools import partial
+
+    from decoding.templates import PRESETS
+    from operators.recommender import prepare
+    from operators.spec import ActorSpec
+    from pipeline.plan import fetch_model
+    from tests.node import fetched
+
+    world, s3, _, _ = cluster
+    storage, uri, cache = Storage(s3.endpoint), s3.uri("models", "replaced"), str(tmp_path / "cache")
+    m1 = S.upload_model_dir(str(world / "target"), uri, storage)
+    one = S.weights_fingerprint(m1)
+    spawn = multiprocessing.get_context("spawn")
+    queue = spawn.Queue()
+    holder = spawn.Process(target=fetched, args=(uri, cache, s3.endpoint, one, 300, queue))  # an actor of M1, alive
+    holder.start()
+    try:
+        with ProcessPoolExecutor(3, mp_context=spawn) as pool:
+            got = [*pool.map(fetched, [uri] * 3, [cache] * 3, [s3.endpoint] * 3, [one] * 3), queue.get(timeout=60)]
+        assert len({path for path, _ in got}) == 1 and all(files == m1 for _, files in got)
+        old = Path(got[0][0])
+
+        S.delete_tree(uri, storage)
+        m2 = S.upload_model_dir(str(world / "draft"), uri, storage)
+        two = S.weights_fingerprint(m2)
+        assert one != two
+        catalog = pq.read_table(world / "data" / "items.parquet")
+        fetch = partial(fetch_model, cache_dir=cache, storage=storage)
+        spec = ActorSpec("r", uri, catalog, "items", template=PRESETS["codes"].with_max_items(8), fetch=fetch)
+        with pytest.raises(S.ModelChanged, match=rf"model {uri} on node .*: its weights are {two} now, .*{one}"):
+            prepare(replace(spec, target_sha256=one))  # an actor of a run planned with M1
+        new = Path(prepare(replace(spec, target_sha256=two)).target)  # one of a run planned with M2
+        assert new != old and {f.name: S.sha256_file(f) for f in new.iterdir() if f.name[0] != "."} == m2
+        assert old.is_dir()  # M1's actor still uses it
+    finally:
+        holder.terminate()
+        holder.join()
+    assert Path(fetch(uri, two)) == new and not old.exists()  # M1's actor is gone: the next fetch deletes its copy

@@ -3,6 +3,7 @@ the config; a published run committed to a table partitioned by run_date, read b
 a rerun of the date replacing the date's rows in one commit; versions that cannot be read refused, exit 2."""
 
 import json
+import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -324,8 +325,14 @@ def test_two_commits_of_one_run_at_once_make_one_version_and_leave_no_orphan(lak
         barrier.wait()
         return tables.commit_run(run, Table(uri, rows_per_file=120))
 
-    with ThreadPoolExecutor(2) as pool:
-        done = list(pool.map(call, range(2)))
+    logged = Records()
+    logging.getLogger("ray.data").addHandler(logged)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            done = list(pool.map(call, range(2)))
+    finally:
+        logging.getLogger("ray.data").removeHandler(logged)
+    assert not [m for m in logged.messages if "deprecated" in m]  # e.g. map_batches(concurrency=): Ray Data's warning
     assert sorted(c.skipped is None for c in done) == [False, True], done
     won, lost = sorted(done, key=lambda c: c.skipped is not None)
     assert won.rows == run.table("recommendations").num_rows and (lost.files, lost.rows) == (0, 0)
@@ -336,6 +343,17 @@ def test_two_commits_of_one_run_at_once_make_one_version_and_leave_no_orphan(lak
     held = {o["Key"].rpartition("/")[2] for o in s3.client().list_objects_v2(
         Bucket=s3.bucket, Prefix=f"lake/twice/run_date={DATE}/")["Contents"]}  # fmt: skip
     assert held == named and len(named) == won.files
+
+
+class Records(logging.Handler):
+    """The messages a logger's records carry."""
+
+    def __init__(self):
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 def test_tables_created_at_once_are_one_table(tmp_path):
