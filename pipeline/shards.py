@@ -394,7 +394,8 @@ def recommender_of(spec: ActorSpec, items: ItemsRef, storage: Storage) -> Recomm
     from decoding.memory import trim_host_heap
     from operators.recommender import Recommender
 
-    got = items.read(storage)
+    with S.on_node("the items", items.sources.catalog):
+        got = items.read(storage)
     recommender = Recommender(replace(spec, catalog=got.table, recommendable=got.served))
     del got
     pa.default_memory_pool().release_unused()

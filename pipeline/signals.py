@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import signal
 from dataclasses import dataclass
 
@@ -106,13 +107,14 @@ def connect_ray() -> None:
 
 
 class NoTraceback(logging.Filter):
-    """A console handler's records without their tracebacks, the message kept. The record is the one every handler of
-    its logger gets, one after another: this handler's filter runs after the handlers listed before it (Ray Data's
-    log file) wrote it whole."""
+    """A console handler's records without their tracebacks, the message kept; none of the records Ray Data logs
+    as an error leaves its API (`ray.data.exceptions`: the job's `error:` line says it, and they call any error
+    that is not a UDF's own class Ray's "internal"). The record is the one every handler of its logger gets, one after
+    another: this handler's filter runs after the handlers listed before it (Ray Data's log file) wrote it whole."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         record.exc_info, record.exc_text = None, None
-        return True
+        return record.name != "ray.data.exceptions"
 
 
 def plain_ray_logs() -> None:
@@ -173,4 +175,18 @@ def ray_cause(e: BaseException) -> BaseException:
             e = e.cause
         elif isinstance(e, UserCodeException) and e.__cause__ is not None:
             e = e.__cause__
+    return without_retry_context(e)
+
+
+RETRY_CONTEXT = re.compile(r"\nFailed to .+ after \d+/\d+ attempts \(total backoff [\d.]+s\)\.(\n.*)?\Z", re.S)
+
+
+def without_retry_context(e: BaseException) -> BaseException:
+    """An error a Ray Data task raised, without what Ray Data appended to its text (its args) when its retries ran
+    out: "Failed to apply UDF transform after 1/1 attempts ..." and how to configure them."""
+    args = e.args
+    if args and isinstance(args[0], str) and (found := RETRY_CONTEXT.search(args[0])):
+        e.args = (args[0][: found.start()], *args[1:])
+    elif len(args) > 1 and isinstance(args[-1], str) and RETRY_CONTEXT.fullmatch("\n" + args[-1]):
+        e.args = args[:-1]
     return e

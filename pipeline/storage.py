@@ -838,16 +838,22 @@ class ModelChanged(ValueError):
 
 
 class NodeDenied(PermissionError):
-    """A worker node cannot read a model from the object store: no credentials there, or they are refused (exit 9).
-    The driver has its own: every node needs them."""
+    """A worker node cannot read from the object store: no credentials there, or they are refused (exit 9). The
+    driver has its own: every node needs them (`on_node`)."""
 
 
 DENIED_CODES = frozenset({"AccessDenied", "Forbidden", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken"})
 DENIED_CODES |= {"InvalidToken", "TokenRefreshRequired", "AllAccessDisabled"}
 
 
+_ARROW_DENIED = re.compile(
+    r"AWS Error (ACCESS_DENIED|INVALID_ACCESS_KEY_ID|SIGNATURE_DOES_NOT_MATCH|UNRECOGNIZED_CLIENT)"
+)
+
+
 def denied(e: BaseException) -> bool:
-    """Whether a store error says this process has no credentials, or that they are refused."""
+    """Whether a store error says this process has no credentials, or that they are refused (boto3's, or pyarrow's
+    "AWS Error ..." words)."""
     import botocore.exceptions as be
 
     if isinstance(e, (be.NoCredentialsError, be.PartialCredentialsError, be.CredentialRetrievalError)):
@@ -855,7 +861,25 @@ def denied(e: BaseException) -> bool:
     if isinstance(e, be.ClientError):
         status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
         return status == 403 or e.response.get("Error", {}).get("Code") in DENIED_CODES
-    return False
+    return isinstance(e, OSError) and _ARROW_DENIED.search(str(e)) is not None
+
+
+@contextlib.contextmanager
+def on_node(what: str, uri: str):
+    """A worker node's reads of `what` at `uri` (the input, the items, a model): an error saying the node has no
+    credentials, or that they are refused, raises NodeDenied naming the node, the URI and the fix (exit 9)."""
+    try:
+        yield
+    except Exception as e:
+        if not denied(e):
+            raise
+        cause = " ".join(str(e).split()) or type(e).__name__
+        raise NodeDenied(
+            f"node {node_name()} cannot read {what} {uri}: {cause}. Every worker node reads the input, the items and "
+            "the models itself, so each needs the object store's credentials, not only the driver: give the worker "
+            "pods the IAM role (IRSA: their serviceAccountName) or the AWS_* variables (the Secret in the RayJob's "
+            "worker group, or the job's runtime_env env_vars); docs/deploy.md#3-credentials-and-region-one-place"
+        ) from None
 
 
 def node_name() -> str:
@@ -883,21 +907,11 @@ def local_model_dir(uri: str, cache_dir: str, storage: Storage, sha256: str = ""
         if sha256:
             check_model(uri, fingerprint(path), sha256)
         return path
-    try:
+    with on_node("the model", uri):
         sums = model_sums(uri, storage)
         if sha256:
             check_model(uri, weights_fingerprint(sums), sha256)
         return cached_model(uri, sums, Path(cache_dir).expanduser(), storage)
-    except Exception as e:
-        if not denied(e):
-            raise
-        cause = " ".join(str(e).split())
-        raise NodeDenied(
-            f"node {node_name()} cannot read the model {uri}: {cause}. Every worker node reads the models itself, so "
-            "each needs the object store's credentials, not only the driver: give the worker pods the IAM role "
-            "(IRSA: their serviceAccountName) or the AWS_* variables (the Secret in the RayJob's worker group, or "
-            "the job's runtime_env env_vars); docs/deploy.md#3-credentials-and-region-one-place"
-        ) from None
 
 
 def check_model(uri: str, got: str, want: str) -> None:

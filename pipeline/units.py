@@ -98,7 +98,8 @@ class Hashing:
 def read_retrying(batch: pa.Table, storage, uri: str, **kwargs) -> pa.Table:
     """`read_units` with its reads tried again as a whole while the store fails transiently (the nightly's read
     tasks: their processes import this module, pyarrow and storage's, not the decoders)."""
-    return S.retrying(lambda: read_units(batch, **kwargs), storage, f"read {uri}")
+    with S.on_node("the input", uri):
+        return S.retrying(lambda: read_units(batch, **kwargs), storage, f"read {uri}")
 
 
 def with_nulls(t: pa.Table, columns: list[str], schema: pa.Schema | None) -> pa.Table:

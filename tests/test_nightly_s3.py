@@ -3,6 +3,7 @@ and outputs all on s3://; wrong credentials fail clearly and leak no secret; `ra
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -681,3 +682,26 @@ def test_a_model_replaced_at_its_prefix_is_fetched_anew_and_an_actor_refuses_the
         holder.terminate()
         holder.join()
     assert Path(fetch(uri, two)) == new and not old.exists()  # M1's actor is gone: the next fetch deletes its copy
+
+
+def test_worker_nodes_without_credentials_end_the_run_with_one_line_naming_the_node_and_the_fix(cluster, tmp_path):
+    """The driver has the store's credentials, its workers none (the job's runtime env empties AWS_*): the first
+    actor cannot read the s3:// model and the run ends before any decoding, exit 9, its whole stderr one `error:`
+    line naming the node, the URI and the fix; nothing published."""
+    from tests.helpers import assert_one_error_line
+
+    world, s3, head, root = cluster
+    out = tmp_path / "out"
+    items = s3_config(s3, root, f"input={world / 'data' / 'test.parquet'}", f"output={out}")
+    items += [f"catalog={world / 'data' / 'items.parquet'}", "decoding.mode=beam", f"models.cache_dir={tmp_path}"]
+    bare = {name: "" for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")}
+    workers = {"runtime_env": {"env_vars": {**bare, "AWS_EC2_METADATA_DISABLED": "true"}}}
+    env = {**os.environ, "RAY_ADDRESS": head.address, "RAY_JOB_CONFIG_JSON_ENV_VAR": json.dumps(workers)}
+    cmd = [sys.executable, "-m", "jobs.nightly", "--config", str(write_config(tmp_path / "c.yaml", items))]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 9, run.stderr[-3000:]
+    uri = re.escape(s3.uri("models", "target"))
+    assert_one_error_line(run.stderr, rf"error: node \S+ \([\d.]+\) cannot read the model {uri}: Unable to locate "
+                          r"credentials\. Every worker node .*IRSA.*runtime_env env_vars.*")  # fmt: skip
+    assert runs.latest_run(str(out), "2026-11-21", Storage()) is None
+    assert not list(out.rglob("*.parquet"))  # no shard: nothing was decoded
