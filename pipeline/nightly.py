@@ -166,7 +166,8 @@ class ExportFailed(Exception):
 
 def serve(cfg: Config, manifest: dict) -> dict | None:
     """A published run exported to serving.url (pipeline/serving.py) -> the export's record; None without a serving
-    store. Any failure raises ExportFailed naming the run and the cause."""
+    store. A run superseded since it published is not exported (the record says `skipped`: its successor exports
+    itself), as its table commit is not. Any failure raises ExportFailed naming the run and the cause."""
     if not cfg.serving.url:
         return None
     from pipeline import serving
@@ -174,7 +175,7 @@ def serve(cfg: Config, manifest: dict) -> dict | None:
 
     run = runs.run_dir(cfg.output, cfg.run_date, manifest["run_id"])
     try:
-        return serving.export(open_run(run, cfg.storage), cfg.serving).record()
+        return serving.export(open_run(run, cfg.storage, allow_unpublished=True), cfg.serving).record()
     except Exception as e:
         raise ExportFailed(
             f"run {manifest['run_id']} is published, its export to {serving.masked(cfg.serving.url)} failed: "

@@ -378,6 +378,7 @@ class Export:
     seconds: float
     removed: list[str]  # versions removed after the switch (their keys expire serving.grace_s later)
     removal_error: str | None = None  # a removal that failed after the switch (the next export's trim finishes it)
+    skipped: str | None = None  # why the pointer was not switched: the run is no longer its date's published run
 
     def record(self) -> dict:
         from dataclasses import asdict
@@ -388,10 +389,14 @@ class Export:
 def export(run, t: Serving) -> Export:
     """A published run (pipeline.output.PublishedRun) -> its lists written under a version of its own (an unfinished
     export's, resumed), counted against its manifest, the pointer switched to it (compare-and-set against the
-    version found at the start), versions beyond `keep` previous ones removed. Raises Refused (exit 2), Raced
-    (exit 3), StoreUnavailable (exit 4); a removal that fails after the switch is recorded, not raised."""
+    version found at the start), versions beyond `keep` previous ones removed. A run that is not, or no longer, its
+    date's published run (superseded by a later run of its date, which exports itself) is never switched to: the
+    export is `skipped` (its version, if written, removed). Raises Refused (exit 2), Raced (exit 3),
+    StoreUnavailable (exit 4); a removal that fails after the switch is recorded, not raised."""
     check_serving(t)
     start, creds = time.perf_counter(), Credentials.of(t.url)
+    if (why := superseded(run)) is not None:
+        return Export(masked(t.url), t.namespace, run.run_id, "", None, False, 0, 0, 0, 0.0, [], skipped=why)
     client, keys, run_id = connect(t, creds), Keys(t.namespace), run.run_id
     try:
         check_store(client, t)
@@ -406,6 +411,11 @@ def export(run, t: Serving) -> Export:
         files = {n.removesuffix(".parquet"): f for n, f in zip(names, run.files("recommendations"), strict=True)}
         resumed, size = write_version(run, t, version, files, creds, client)
         users = counted(client, t, run, version, files)
+        if (why := superseded(run)) is not None:  # while it wrote: its successor's export is the one to switch
+            remove_version(client, t, version, unlisted=True)
+            took = time.perf_counter() - start
+            return Export(masked(t.url), t.namespace, run_id, version, previous, False, users, size, resumed, took, [],
+                          skipped=why)  # fmt: skip
         version = switch(client, t, run, version, previous, len(files), users)
         removed, error = trim_after_switch(client, t, version)
         took = time.perf_counter() - start
@@ -413,6 +423,16 @@ def export(run, t: Serving) -> Export:
         return Export(url, t.namespace, run_id, version, previous, True, users, size, resumed, took, removed, error)
     finally:
         client.close()
+
+
+def superseded(run) -> str | None:
+    """Why a run is not its date's published run now (`runs.unpublished`), or None."""
+    from pipeline import runs
+
+    why = runs.unpublished(run.uri, run.storage)
+    if why is not None:
+        log.info("export: run %s is not exported: it is not its date's published run (%s)", run.run_id, why)
+    return None if why is None else f"not published: {why}"
 
 
 def version_of(client, t: Serving, run_id: str) -> str:

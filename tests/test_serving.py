@@ -333,3 +333,17 @@ def test_a_list_value_round_trips_and_a_foreign_value_is_refused():
     assert serving.masked("rediss://u:p@h:1/0") == "rediss://u:***@h:1/0"
     assert serving.masked("redis://h:1/0?password=p&db=0") == "redis://h:1/0?password=***&db=0"
     assert "p" not in repr(serving.Credentials("u", "p")).replace("Credentials", "")
+
+
+def test_a_run_superseded_after_it_published_is_skipped_by_its_serve_step(two_runs, redis_server, tmp_path):
+    """A night publishes, and a rerun of its date publishes and exports before the first night's serve step runs:
+    that step skips the superseded run (as its table commit does), never exit 7, and readers keep the rerun's."""
+    from pipeline.nightly import after_publish, run_nightly
+
+    root, _, _, _ = two_runs
+    cfg = config(root, tmp_path / "out", f"serving.url={redis_server.url}", "serving.namespace=recs")
+    first, second = run_nightly(cfg), run_nightly(cfg)
+    assert after_publish(cfg, second)["serving"]["switched"]
+    late = after_publish(cfg, first)["serving"]  # raised ExportFailed (exit 7) before
+    assert not late["switched"] and late["skipped"].startswith("not published: ") and late["run_id"] == first["run_id"]
+    assert_serves(redis_server.client(), "recs", runs.run_dir(cfg.output, cfg.run_date, second["run_id"]))
