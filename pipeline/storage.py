@@ -706,8 +706,8 @@ def model_file_name(uri: str, name: str) -> str:
 def upload_model_dir(local: str, uri: str, storage: Storage) -> dict:
     """Copies a model directory's files (`model_files`) to an s3:// prefix, then its sha256sums.json (last: a prefix
     without it is no model to `local_model_dir`), then reads every object back and checks it against its sha256
-    -> {file name: sha256}. A prefix that already holds another model is refused before anything is written (nodes
-    cache a model by its URI: a new version goes to a new prefix); the same model again is uploaded again.
+    -> {file name: sha256}. A prefix that already holds another model is refused before anything is written (a run
+    in flight would find its model gone: a new version goes to a new prefix); the same model again is uploaded again.
     sha256sums.json is a conditional put over the version read first, so an upload racing another to the prefix
     is refused."""
     files = model_files(local)
@@ -715,8 +715,8 @@ def upload_model_dir(local: str, uri: str, storage: Storage) -> dict:
     held = read_versioned(join(uri, MODEL_SUMS), storage)
     if held is not None and json.loads(held[0]) != sums:
         raise ValueError(
-            f"{uri} already holds another model (its {MODEL_SUMS} differs); nodes keep a model by its URI, so "
-            "upload a new version to a new prefix"
+            f"{uri} already holds another model (its {MODEL_SUMS} differs): runs reading it would refuse a model "
+            "replaced under them; upload a new version to a new prefix"
         )
     bucket, key = split_s3(uri)
     client = s3_client(storage)
@@ -729,8 +729,8 @@ def upload_model_dir(local: str, uri: str, storage: Storage) -> dict:
     # only over the version read above (absent: If-None-Match): of two uploads racing to one prefix one loses here
     if put_if(join(uri, MODEL_SUMS), json.dumps(sums, indent=1).encode(), storage, held and held[1]) is None:
         raise ValueError(
-            f"{join(uri, MODEL_SUMS)} changed while this model was uploaded (another upload to {uri}); nodes keep a "
-            "model by its URI, so upload each model to its own prefix"
+            f"{join(uri, MODEL_SUMS)} changed while this model was uploaded (another upload to {uri}); upload each "
+            "model to its own prefix"
         )
     verify_model_upload(uri, sums, storage)
     return sums
