@@ -375,3 +375,27 @@ def test_tables_created_at_once_are_one_table(tmp_path):
             list(pool.map(call, range(4)))
         dt = DeltaTable(tables.location(uri))
         assert dt.version() == 0 and [h["operation"] for h in dt.history()] == ["CREATE TABLE"]
+
+
+def test_an_error_in_a_ray_task_is_its_cause_on_the_error_line():
+    """What a task raised reaches the `error:` line as itself: Ray's task error (the class Ray raises it as, and the
+    one Ray Data wraps a UDF's in) unwrapped, the retry context Ray Data appends to its text taken off; its exit
+    code the cause's."""
+    import ray.exceptions
+
+    from pipeline import storage as S
+    from pipeline.nightly import exit_code
+    from pipeline.signals import ray_cause
+
+    def raised(e):
+        e.args = (e.args[0] + "\nFailed to apply UDF transform after 1/1 attempts (total backoff 0.0s).\nTo change",)
+        return ray.exceptions.RayTaskError("MapBatches(f)", "Traceback ...", e).as_instanceof_cause()
+
+    denied = raised(S.NodeDenied("node n cannot read the model s3://b/m: Unable to locate credentials"))
+    assert "\x1b[36m" in str(denied) and "pid=" in str(denied)  # what the line printed: Ray's coloured task header
+    assert str(ray_cause(denied)) == "node n cannot read the model s3://b/m: Unable to locate credentials"
+    assert exit_code(ray_cause(denied)) == 9 and exit_code(ray_cause(raised(S.ModelChanged("m")))) == 2
+    wrapped = ray.exceptions.UserCodeException("UDF failed")
+    wrapped.__cause__ = S.StoreUnavailable("Redis r unavailable")
+    assert str(ray_cause(ray.exceptions.RayTaskError("f", "tb", wrapped))) == "Redis r unavailable"
+    assert ray_cause(ValueError("x")).args == ("x",)
