@@ -7,7 +7,9 @@ date's published run, is left as it is (the JSON result says `skipped`).
 RUN is an output root (its newest date's published run), `<output>/run_date=D` or a run folder, local or s3://.
 Every user's list is written under the run's own version, counted against the manifest, then the namespace's pointer
 is switched to it by a compare-and-set against the version the export started from; the previous `--keep` versions
-stay for `--rollback`, older ones are removed. An export killed or failed part-way leaves the pointer where it was;
+stay for `--rollback`, older ones are removed, readable for `--grace-s` more (a reader that read the pointer just
+before keeps its list). A run superseded by a rerun of its date while it is exported is never switched to (the
+result says `skipped`). An export killed or failed part-way leaves the pointer where it was;
 run it again: it writes only the shards not yet written, then switches. `rediss://` for TLS; the ACL user and
 password come from the URL or REDIS_USERNAME and REDIS_PASSWORD, and are never printed.
 

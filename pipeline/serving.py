@@ -579,6 +579,7 @@ def remove_version(client, t: Serving, version: str, unlink: bool = True, unlist
 
 
 def grace_ms(t: Serving) -> int:
+    """serving.grace_s in whole milliseconds (at least one: PEXPIREAT's unit)."""
     return max(1, round(t.grace_s * 1000))
 
 

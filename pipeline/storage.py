@@ -842,10 +842,18 @@ class NodeDenied(PermissionError):
     driver has its own: every node needs them (`on_node`)."""
 
 
-DENIED_CODES = frozenset({"AccessDenied", "Forbidden", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken"})
-DENIED_CODES |= {"InvalidToken", "TokenRefreshRequired", "AllAccessDisabled"}
-
-
+DENIED_CODES = frozenset(
+    {
+        "AccessDenied",
+        "Forbidden",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "ExpiredToken",
+        "InvalidToken",
+        "TokenRefreshRequired",
+        "AllAccessDisabled",
+    }
+)  # S3's error codes for credentials that are missing, wrong or refused
 _ARROW_DENIED = re.compile(
     r"AWS Error (ACCESS_DENIED|INVALID_ACCESS_KEY_ID|SIGNATURE_DOES_NOT_MATCH|UNRECOGNIZED_CLIENT)"
 )
