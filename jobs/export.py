@@ -28,12 +28,12 @@ import json
 import logging
 import sys
 
-from jobs.cli import storage_args
+from jobs.cli import prog, storage_args
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="genrec-batch export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog("jobs.export"), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("run", metavar="RUN", nargs="?", help="output root, run_date= folder or run folder")
     p.add_argument(

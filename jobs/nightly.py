@@ -30,12 +30,13 @@ import logging
 import os
 import sys
 
+from jobs.cli import prog
 from pipeline.config import DEMO_CONFIG, demo_missing, load_config, scheduled_date
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m jobs.nightly", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog("jobs.nightly"), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument(
         "--config",

@@ -669,3 +669,18 @@ def test_the_data_pages_example_passes_the_jobs_own_checks(tmp_path, monkeypatch
     ids = np.array(items.table.column("item_id").to_numpy())  # a writable copy
     good, rejects = validate(data.to_table(), ItemTokens.from_arrays(ids, semantic_id_matrix(items.table)), 20)
     assert rejects.num_rows == 0 and good.column("user_id").to_pylist() == [7, 8]
+
+
+def test_each_command_names_itself_as_it_was_run(capsys):
+    """`genrec-batch SUBCOMMAND --help` says `genrec-batch SUBCOMMAND`, `python -m jobs.X --help` says that."""
+    from jobs import export
+    from jobs.main import main
+
+    for run, name in (
+        (lambda: main(["export", "--help"]), "genrec-batch export"),
+        (lambda: main(["nightly", "--help"]), "genrec-batch nightly"),
+        (lambda: export.main(["--help"]), "python -m jobs.export"),
+    ):
+        with pytest.raises(SystemExit):
+            run()
+        assert capsys.readouterr().out.startswith(f"usage: {name} [-h]")
