@@ -637,7 +637,7 @@ def test_the_driver_checks_an_s3_model_without_its_weights(cluster, tmp_path):
 
 
 def test_a_model_replaced_at_its_prefix_is_fetched_anew_and_an_actor_refuses_the_old_one(cluster, tmp_path):
-    """The node's cache is keyed by content. Four actors of a node fetch M1 at once: one copy, every file checked.
+    """The node's cache is keyed by content. Three actors of a node fetch M1 at once: one copy, every file checked.
     The prefix is deleted and M2 uploaded there: an actor of a run planned with M1 refuses it, naming the URI and
     both digests, before any weight is read; one of a run planned with M2 gets M2, never the cached M1, which stays
     while an actor uses it and is deleted by the first fetch after that actor is gone."""
@@ -661,8 +661,8 @@ def test_a_model_replaced_at_its_prefix_is_fetched_anew_and_an_actor_refuses_the
     holder = spawn.Process(target=fetched, args=(uri, cache, s3.endpoint, one, 300, queue))  # an actor of M1, alive
     holder.start()
     try:
-        with ProcessPoolExecutor(3, mp_context=spawn) as pool:
-            got = [*pool.map(fetched, [uri] * 3, [cache] * 3, [s3.endpoint] * 3, [one] * 3), queue.get(timeout=60)]
+        with ProcessPoolExecutor(2, mp_context=spawn) as pool:
+            got = [*pool.map(fetched, [uri] * 2, [cache] * 2, [s3.endpoint] * 2, [one] * 2), queue.get(timeout=60)]
         assert len({path for path, _ in got}) == 1 and all(files == m1 for _, files in got)
         old = Path(got[0][0])
 
