@@ -42,7 +42,7 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
-from jobs.cli import dataclass_args
+from jobs.cli import dataclass_args, prog
 from pipeline.bench import params as P
 from pipeline.bench.budget import since_process_start
 from pipeline.bench.sections import BENCHES, run_section
@@ -60,7 +60,7 @@ PATHS = {
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m jobs.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog("jobs.bench"), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = p.add_subparsers(dest="bench", required=True)
     for name, section in BENCHES.items():

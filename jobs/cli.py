@@ -7,6 +7,14 @@ import argparse
 import os
 import sys
 
+INVOKED: list[str] = []  # the subcommand `genrec-batch SUBCOMMAND` runs (jobs/main.py), none under `python -m jobs.X`
+
+
+def prog(module: str) -> str:
+    """A job's name in its usage and --help: `genrec-batch SUBCOMMAND` when the installed command runs it, else
+    `python -m jobs.MODULE` (`module`: the job's module, e.g. jobs.export)."""
+    return f"genrec-batch {INVOKED[-1]}" if INVOKED else f"python -m {module}"
+
 
 def _integer(text: str, low: int) -> int:
     try:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jobs.cli import positive, storage_args
+from jobs.cli import positive, prog, storage_args
 from pipeline.storage import Storage
 
 
@@ -21,7 +21,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     from pipeline.evaluate import KS, TARGETS
 
     p = argparse.ArgumentParser(
-        prog="python -m jobs.evaluate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog("jobs.evaluate"), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--run", required=True, help="a run folder, run date folder or output root (local or s3://)")
     p.add_argument("--input", help="histories with target_items (default: the run's input)")

@@ -7,7 +7,9 @@ date's published run, is left as it is (the JSON result says `skipped`).
 RUN is an output root (its newest date's published run), `<output>/run_date=D` or a run folder, local or s3://.
 Every user's list is written under the run's own version, counted against the manifest, then the namespace's pointer
 is switched to it by a compare-and-set against the version the export started from; the previous `--keep` versions
-stay for `--rollback`, older ones are removed. An export killed or failed part-way leaves the pointer where it was;
+stay for `--rollback`, older ones are removed, readable for `--grace-s` more (a reader that read the pointer just
+before keeps its list). A run superseded by a rerun of its date while it is exported is never switched to (the
+result says `skipped`). An export killed or failed part-way leaves the pointer where it was;
 run it again: it writes only the shards not yet written, then switches. `rediss://` for TLS; the ACL user and
 password come from the URL or REDIS_USERNAME and REDIS_PASSWORD, and are never printed.
 
@@ -26,12 +28,12 @@ import json
 import logging
 import sys
 
-from jobs.cli import storage_args
+from jobs.cli import prog, storage_args
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m jobs.export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog("jobs.export"), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("run", metavar="RUN", nargs="?", help="output root, run_date= folder or run folder")
     p.add_argument(
@@ -40,6 +42,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rows-per-file", type=int, default=2_000_000, help="delta: rows in each data file (2,000,000)")
     p.add_argument("--namespace", default="genrec", help="the keys' namespace (default genrec)")
     p.add_argument("--keep", type=int, default=2, help="previous versions kept for --rollback (default 2)")
+    p.add_argument(
+        "--grace-s", type=float, default=60.0, help="a removed version stays readable this long (default 60)"
+    )
     p.add_argument("--rollback", action="store_true", help="point readers back at the previous version")
     p.add_argument("--writers", type=int, default=4, help="Ray tasks writing at once (default 4)")
     p.add_argument("--retry-s", type=float, default=300.0, help="how long transient Redis errors are retried")
@@ -70,8 +75,8 @@ def export(args) -> int:
     from pipeline.output import open_run
     from pipeline.storage import Storage, StoreUnavailable
 
-    flags = (args.keep, args.retry_s, args.writers, args.allow_eviction, args.allow_no_persistence, args.allow_older)
-    t = Serving(args.to, args.namespace, *flags)
+    flags = ("keep", "retry_s", "writers", "allow_eviction", "allow_no_persistence", "allow_older", "grace_s")
+    t = Serving(args.to, args.namespace, **{name: getattr(args, name) for name in flags})
     try:
         if args.rollback:
             was, now = serving.rollback(t)
@@ -83,15 +88,9 @@ def export(args) -> int:
         connect_ray()
         print(json.dumps(serving.export(run, t).record(), indent=2))
         return 0
-    except serving.Raced as e:
-        print(f"refused: {e}", file=sys.stderr)
-        return 3
-    except StoreUnavailable as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 4
-    except (FileNotFoundError, ValueError, PermissionError, RedisError, RedisClusterException) as e:  # not transient
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except Exception as e:
+        not_transient = (FileNotFoundError, ValueError, PermissionError, RedisError, RedisClusterException)
+        return failed(e, [(serving.Raced, 3), (StoreUnavailable, 4), (not_transient, 2)])
 
 
 def commit(args) -> int:
@@ -109,12 +108,22 @@ def commit(args) -> int:
         connect_ray()
         print(json.dumps(tables.commit_run(run, t).record(), indent=2))
         return 0
-    except StoreUnavailable as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 4
-    except (FileNotFoundError, ValueError, PermissionError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except Exception as e:
+        return failed(e, [(StoreUnavailable, 4), ((FileNotFoundError, ValueError, PermissionError), 2)])
+
+
+def failed(e: Exception, codes: list) -> int:
+    """The exit code of the error that ended the command, by the error behind Ray's wrappers (`ray_cause`: a writer
+    task's own, never Ray's task header and remote traceback), the first of `codes` [(kinds, code)] it is, after its
+    one line on stderr (`refused:` for 3, else `error:`); anything else is raised as it is (a traceback, exit 1)."""
+    from pipeline.signals import ray_cause
+
+    cause = ray_cause(e)
+    code = next((code for kinds, code in codes if isinstance(cause, kinds)), None)
+    if code is None:
+        raise e
+    print(f"{'refused' if code == 3 else 'error'}: {cause}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

@@ -75,8 +75,14 @@ def main(argv: list[str] | None = None) -> int:
             f"{usage()}\n\nerror: unknown subcommand {argv[0]!r} (choose from {', '.join(COMMANDS)})", file=sys.stderr
         )
         return 2
+    from jobs.cli import INVOKED
+
     module = importlib.import_module(COMMANDS[argv[0]][0])
-    return module.main(argv[1:])
+    INVOKED.append(argv[0])  # its parser names it `genrec-batch SUBCOMMAND` (jobs.cli.prog)
+    try:
+        return module.main(argv[1:])
+    finally:
+        INVOKED.pop()
 
 
 if __name__ == "__main__":

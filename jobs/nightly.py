@@ -10,10 +10,11 @@ it); 5 when no shard committed for runs.stall_exit_s (one `error:` line saying w
 released): resume it, perhaps with another compute.num_actors; 6 when SIGTERM (`ray job stop`, a pod's eviction) or
 SIGINT stopped it (one `stopped:` line; the decode shut down, the interruption recorded in the run's _RUN.json, the
 lease released): `--resume latest` continues it; 7 when the run is published but its export to serving.url failed
-(one `error:` line; readers of the store still see the version before: `genrec-batch export` retries it). A run that
-fails or is killed keeps what it
-committed: `--resume RUN_ID` (or `--resume latest`: the date's newest unfinished run, else a new one) decodes only
-the rest.
+(one `error:` line; readers of the store still see the version before: `genrec-batch export` retries it); 8 the same
+for its commit to table.uri; 9 when a worker node cannot read a model from the object store (one `error:` line naming
+the node, the URI and the fix: credentials on every worker; nothing published, the lease released). A run that fails
+or is killed keeps what it committed: `--resume RUN_ID` (or `--resume latest`: the date's newest unfinished run,
+else a new one) decodes only the rest.
 `--incremental [BASE]` carries every user whose inputs are unchanged since BASE (by default the newest published run
 of the output) when the two runs' fingerprints agree, and decodes the rest (docs/output.md#incremental-runs).
 `--gc` deletes the runs superseded more than runs.grace_s ago, then exits. `--check` runs every check the driver makes
@@ -29,12 +30,13 @@ import logging
 import os
 import sys
 
+from jobs.cli import prog
 from pipeline.config import DEMO_CONFIG, demo_missing, load_config, scheduled_date
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m jobs.nightly", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog("jobs.nightly"), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument(
         "--config",
@@ -85,7 +87,7 @@ def main(argv=None) -> int:
         print(f"error: {missing}", file=sys.stderr)
         return 2
     from pipeline.nightly import exit_code
-    from pipeline.signals import STOP, Interrupted, stop_note
+    from pipeline.signals import STOP, Interrupted, ray_cause, stop_note
 
     STOP.install()
     try:
@@ -93,10 +95,11 @@ def main(argv=None) -> int:
     except Interrupted as e:
         stopped(e, args)
     except Exception as e:
-        code = exit_code(e)
+        cause = ray_cause(e)  # an error in a Ray task: its own, not Ray's header and remote traceback
+        code = exit_code(cause)
         if code is None:
             raise
-        print(f"{'refused' if code == 3 else 'error'}: {e}", file=sys.stderr)
+        print(f"{'refused' if code == 3 else 'error'}: {cause}", file=sys.stderr)
         if note := stop_note(e, bool(args.resume)):  # a signal that met the job's end keeps this error's code
             print(note, file=sys.stderr)
         return code

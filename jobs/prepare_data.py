@@ -25,7 +25,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from jobs.cli import positive, synthetic_flags
+from jobs.cli import positive, prog, synthetic_flags
 from pipeline.prepare import BEAUTY_SOURCE, prepare_beauty, prepare_lcrec, prepare_minionerec, write_synthetic
 from pipeline.prepare.openonerec import HIST_MAX_LEN, prepare_openonerec
 
@@ -34,7 +34,7 @@ DEFAULT_SOURCE = BEAUTY_SOURCE
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m jobs.prepare_data", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog("jobs.prepare_data"), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     source_flags(p)
     p.add_argument("--out", type=Path, default=Path("data/beauty"), help="output folder, default %(default)s")

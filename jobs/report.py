@@ -15,14 +15,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from jobs.cli import non_negative_float, storage_args
+from jobs.cli import non_negative_float, prog, storage_args
 from pipeline import storage as S
 from pipeline.storage import Storage
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m jobs.report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog("jobs.report"), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--run", required=True, help="the run to report")
     p.add_argument("--compare", help="a second run, side by side (the baseline of the speed-up)")

@@ -13,12 +13,12 @@ import argparse
 import json
 import sys
 
-from jobs.cli import storage_args
+from jobs.cli import prog, storage_args
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m jobs.show", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog("jobs.show"), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("run", metavar="RUN", help="output root, run_date= folder or run folder (path or s3:// URI)")
     p.add_argument("--json", action="store_true", help="print the run's manifest (JSON) instead of the summary")

@@ -14,12 +14,12 @@ import json
 import sys
 
 from decoding.templates import PRESETS
-from jobs.cli import positive
+from jobs.cli import positive, prog
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m jobs.template", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog("jobs.template"), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--model", required=True, help="local model directory (config.json, weights, tokenizer)")
     source = p.add_mutually_exclusive_group(required=True)

@@ -20,13 +20,13 @@ import argparse
 import sys
 
 from decoding.alignment import OBJECTIVES
-from jobs.cli import train_main, training_config
+from jobs.cli import prog, train_main, training_config
 from pipeline.training.draft import PRESETS, DraftConfig, train_draft
 
 
 def parse_args(argv=None) -> DraftConfig:
     p = argparse.ArgumentParser(
-        prog="python -m jobs.train_draft", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog("jobs.train_draft"), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--data", required=True, help="a prepare_data folder")
     p.add_argument("--target", required=True, help="the trained target model directory")

@@ -12,13 +12,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jobs.cli import train_main, training_config
+from jobs.cli import prog, train_main, training_config
 from pipeline.training.target import PRESETS, TargetConfig, train_target
 
 
 def parse_args(argv=None) -> TargetConfig:
     p = argparse.ArgumentParser(
-        prog="python -m jobs.train_target", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog("jobs.train_target"), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--data", required=True, help="a prepare_data folder (items, train, valid, tokenizer/)")
     p.add_argument("--out", required=True, help="output model directory")

@@ -15,12 +15,12 @@ import argparse
 import json
 import sys
 
-from jobs.cli import storage_args
+from jobs.cli import prog, storage_args
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m jobs.upload_model", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog("jobs.upload_model"), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument(
         "local_dir", metavar="LOCAL_DIR", help="the model folder (config.json, weights, tokenizer, template)"

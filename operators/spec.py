@@ -61,7 +61,8 @@ class ActorSpec:
     template: PromptTemplate = PRESETS["codes"]  # how the model's prompts are written (resolved by the graph)
     on_duplicate: str = "first"  # items sharing a semantic ID: the duplicate_items policy (decoding.codes.POLICIES)
     draft: str | None = None  # the same, atspeed modes
-    fetch: Callable[[str], str] | None = None  # model URI -> local directory on the actor's node (None: local paths)
+    fetch: Callable[[str, str], str] | None = None  # (model URI, its sha256 below) -> its local directory on the
+    # actor's node, refused when the model there is not that one (None: local paths, used as they are)
     gpu: bool = False  # decode on CUDA when the actor has one
     decode_batch: int | None = None  # users per decode (None: on CUDA the largest that fits, else the whole shard)
     order_by_length: bool = True  # decode a shard's users in order of prompt length (outputs in the input order)
@@ -78,5 +79,7 @@ class ActorSpec:
     engine_record: object | None = None  # auto: where the run's one decision is recorded (pipeline.runs.EngineRecord)
     compile_cache: str | None = None  # compiled: the node's compile cache directory (None: inductor's default)
     compile_store: object | None = None  # compiled: the cache in object storage (pipeline.models.CompileStore)
-    target_sha256: str = ""  # the target's weights (its compile cache's key)
+    target_sha256: str = ""  # the target's weights as the plan fingerprinted them (its compile cache's key; "": not
+    # checked)
+    draft_sha256: str = ""  # the draft's, the same
     warm_users: int = 1  # compiled: users per decode the actor compiles its bucket for at start

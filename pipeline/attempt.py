@@ -202,6 +202,7 @@ def recommend(ds, plan: Plan, a: Attempt):
                 recommendable=None,
                 users_per_actor=-(-a.left // a.pool.initial),
                 target_sha256=plan.identity["models"]["target"],
+                draft_sha256=plan.identity["models"].get("draft") or "",
                 **engine_auto_inputs(plan, a),
             ),
             "items": ItemsRef(

@@ -124,6 +124,9 @@ class Serving:
     allow_eviction: bool = False  # export into a Redis whose maxmemory-policy may evict keys (else refused)
     allow_no_persistence: bool = False  # export into a Redis with neither RDB snapshots nor appendonly (else refused)
     allow_older: bool = False  # export a run of an earlier date than the one readers are served (else refused)
+    grace_s: float = 60.0  # a version removed (beyond `keep`, rolled back, or losing a switch) stays readable this
+    # long: its keys expire then, so a reader that read the pointer just before still gets its list. Longer than a
+    # reader's two GETs (pointer, then list) with its retries
 
 
 @dataclass
@@ -607,6 +610,7 @@ def check_serving(v: Serving) -> None:
     named = re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", v.namespace) is not None
     _need(named, "serving.namespace", "must be 1 to 64 of A-Z a-z 0-9 _ . -", v.namespace)
     _need(v.keep >= 0, "serving.keep", "must be >= 0", v.keep)
+    _need(v.grace_s > 0, "serving.grace_s", "must be > 0 seconds (longer than a reader's two GETs)", v.grace_s)
     _need(v.retry_s >= 0, "serving.retry_s", "must be >= 0 seconds", v.retry_s)
     _need(v.writers >= 1, "serving.writers", "must be >= 1", v.writers)
 

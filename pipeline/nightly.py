@@ -28,7 +28,7 @@ from pipeline.config import Config, masked_url
 from pipeline.lease import Lease
 from pipeline.plan import Clock, Plan, finished_unpublished, plan_run, resume_id
 from pipeline.publish import manifest_of, publish_run, tally_shards, timings
-from pipeline.signals import Interrupted
+from pipeline.signals import Interrupted, ray_cause
 
 log = logging.getLogger("genrec.nightly")
 
@@ -166,7 +166,8 @@ class ExportFailed(Exception):
 
 def serve(cfg: Config, manifest: dict) -> dict | None:
     """A published run exported to serving.url (pipeline/serving.py) -> the export's record; None without a serving
-    store. Any failure raises ExportFailed naming the run and the cause."""
+    store. A run superseded since it published is not exported (the record says `skipped`: its successor exports
+    itself), as its table commit is not. Any failure raises ExportFailed naming the run and the cause."""
     if not cfg.serving.url:
         return None
     from pipeline import serving
@@ -174,10 +175,11 @@ def serve(cfg: Config, manifest: dict) -> dict | None:
 
     run = runs.run_dir(cfg.output, cfg.run_date, manifest["run_id"])
     try:
-        return serving.export(open_run(run, cfg.storage), cfg.serving).record()
+        return serving.export(open_run(run, cfg.storage, allow_unpublished=True), cfg.serving).record()
     except Exception as e:
         raise ExportFailed(
-            f"run {manifest['run_id']} is published, its export to {serving.masked(cfg.serving.url)} failed: {e}. "
+            f"run {manifest['run_id']} is published, its export to {serving.masked(cfg.serving.url)} failed: "
+            f"{ray_cause(e)}. "
             f"Readers of the store see the version before. Retry: genrec-batch export {run} --to URL "
             f"--namespace {cfg.serving.namespace}"
         ) from e
@@ -201,8 +203,9 @@ def commit_table(cfg: Config, manifest: dict) -> dict | None:
         return tables.commit_run(open_run(run, cfg.storage, allow_unpublished=True), cfg.table).record()
     except Exception as e:
         raise TableCommitFailed(
-            f"run {manifest['run_id']} is published, its commit to the table {cfg.table.uri} failed: {e}. Readers "
-            f"of the table see the date's rows before. Retry: genrec-batch export {run} --to {cfg.table.uri}"
+            f"run {manifest['run_id']} is published, its commit to the table {cfg.table.uri} failed: "
+            f"{ray_cause(e)}. Readers of the table see the date's rows before. Retry: genrec-batch export {run} --to "
+            f"{cfg.table.uri}"
         ) from e
 
 
@@ -245,13 +248,15 @@ def collect_garbage(cfg: Config) -> list[str]:
 
 
 def exit_code(e: Exception) -> int | None:
-    """The documented exit code of an error (docs/nightly.md#exit-codes), None for anything else (a traceback, 1)."""
+    """The documented exit code of an error (docs/nightly.md#exit-codes; one a Ray task raised: its `ray_cause`),
+    None for anything else (a traceback, 1)."""
     from pipeline.follow import Stalled
     from pipeline.lease import LeaseHeld, LeaseLost
-    from pipeline.storage import StoreUnavailable
+    from pipeline.storage import NodeDenied, StoreUnavailable
 
     codes = [
         ((LeaseHeld, LeaseLost), 3),
+        ((NodeDenied,), 9),
         ((FileNotFoundError, ValueError, PermissionError), 2),
         ((StoreUnavailable,), 4),
         ((Stalled,), 5),

@@ -182,9 +182,10 @@ def resolve_template(cfg: Config, models: dict) -> PromptTemplate:
     return template
 
 
-def fetch_model(uri: str, cache_dir: str, storage) -> str:
-    """A model URI -> a local directory on this node (s3:// copied once per node, verified)."""
-    return str(S.local_model_dir(uri, cache_dir, storage))
+def fetch_model(uri: str, sha256: str, cache_dir: str, storage) -> str:
+    """A model URI and the sha256 the plan fingerprinted -> a local directory on this node holding that model
+    (s3:// copied once per node, verified; `S.local_model_dir`), else ModelChanged or NodeDenied."""
+    return str(S.local_model_dir(uri, cache_dir, storage, sha256))
 
 
 def actor_spec(cfg: Config, run_id: str, items: Items, template: PromptTemplate) -> ActorSpec:
@@ -380,7 +381,7 @@ def plan_at(cfg: Config, version: int | None, pinned_by: str | None) -> Plan:
     log_items(items.info)
     spec = actor_spec(cfg, "", items, template)
     heads = {m["uri"]: m["dir"] for m in models.values()}  # the driver's copies: no weights
-    inputs = prepare(replace(spec, fetch=heads.__getitem__))  # what an actor would refuse fails here, before any work
+    inputs = prepare(replace(spec, fetch=lambda uri, _: heads[uri]))  # what an actor would refuse fails here first
     plan_units, clock = units.plan_units(data), Clock()
     with clock.phase("input_identity"):
         identity = content_identity(cfg, data, fs, plan_units, models, items, version)

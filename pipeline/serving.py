@@ -2,7 +2,7 @@
 of its own (`<run_id>.<nonce>`: every export of a run that is not resumed writes a new one), one pointer per namespace
 naming the version readers use, switched only once every user of the run is written and counted against its
 manifest, by a compare-and-set (a Lua script) against the version the export started from; the previous `keep`
-versions stay for `--rollback`, older ones are removed after the switch.
+versions stay for `--rollback`, older ones are removed after the switch, readable for `grace_s` more.
 
 Keys (`ns`: serving.namespace; `{ns}` in braces is a Redis Cluster hash tag: the control keys share one slot, so one
 script reads and changes them together, while the users' keys spread over every slot):
@@ -10,13 +10,20 @@ script reads and changes them together, while the users' keys spread over every 
     {ns}:versions             the versions switched to, newest first (a list): the current one, then the kept ones
     {ns}:dates                each version switched to -> its run's date (a hash)
     {ns}:pending              run id -> the version an unfinished export of it writes (a hash: a rerun resumes it)
-    {ns}:done:<version>       the version's shards written (a hash: shard -> users); `__removed__` once removed
-    {ns}:removing             versions whose keys are being unlinked (a set: the next trim finishes them)
+    {ns}:done:<version>       the version's shards written (a hash: shard -> users); `__removed__` once removed: the
+                              time its keys expire (Unix ms, the server's clock)
+    {ns}:removing             versions being removed (a set: each export's trim passes over them again)
     <ns>:<version>:<user_id>  a user's list (`encode`): integer ids in decimal, string ids as UTF-8, bytes as bytes
 
-A version is removed in two steps: one script takes it out of the versions and marks its done hash removed (so no
-script can point readers at it again), then its keys are unlinked. A reader (`Reader`) reads the pointer, then the
-user's key of that version: a user the version does not hold gets None ("no list"), never another version's list.
+A version is removed in steps. One script takes it out of the versions and marks its done hash removed with the time
+its keys expire, the server's now + grace_s (no script can point readers at it again, and no writer writes it
+again); then its keys are found (SCAN) and given that expiry (PEXPIREAT), so a reader that read the pointer before
+still reads its list for grace_s; the first pass that starts after that time deletes whatever of it is left (UNLINK)
+and ends the removal. A writer checks the mark after each round trip of SETs and expires what it just wrote when it
+finds it, so no key of a removed version outlives it: a writer's keys written before the mark are found by the passes
+(SCAN returns every key that exists throughout it), those written after by the writer itself, or by the last pass if
+the writer died first. A reader (`Reader`) reads the pointer, then the user's key of that version: a user the version
+does not hold gets None ("no list"), never another version's list.
 """
 
 from __future__ import annotations
@@ -42,9 +49,9 @@ log = logging.getLogger("genrec.serving")
 FORMAT = 1  # the first byte of every list value (`encode`)
 SAFE_POLICIES = ("noeviction",)  # a maxmemory-policy that never drops a key
 USERS_PER_PIPELINE = 1000  # SETs a writer sends in one round trip
-UNLINK_BATCH = 1000  # keys one UNLINK deletes when a version is removed
+REMOVE_BATCH = 1000  # keys a removal pass expires or deletes in one round trip
 
-REMOVED = "__removed__"  # the done hash's mark of a removed version (kept TOMBSTONE_S, then it expires)
+REMOVED = "__removed__"  # the done hash's mark of a removed version: when its keys expire (kept TOMBSTONE_S)
 TOMBSTONE_S = 7 * 86400
 
 SWITCH = """
@@ -65,15 +72,18 @@ return {1, now or ''}
 # REMOVED -> {1: switched | 2: V already current | 0: another version is (its name) | 3: V removed | 4: V incomplete}
 
 MARK_REMOVED = """
-redis.call('HSET', KEYS[5], ARGV[4], '1')
+local t = redis.call('TIME')
+local expiry = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[6])
+redis.call('HSETNX', KEYS[5], ARGV[4], string.format('%d', expiry))
 redis.call('EXPIRE', KEYS[5], tonumber(ARGV[3]))
 redis.call('LREM', KEYS[2], 0, ARGV[1])
 if redis.call('HGET', KEYS[3], ARGV[2]) == ARGV[1] then redis.call('HDEL', KEYS[3], ARGV[2]) end
 redis.call('HDEL', KEYS[4], ARGV[1])
 redis.call('SADD', KEYS[6], ARGV[1])
 return 1
-"""  # version ARGV[1] (run ARGV[2]) marked removed (ARGV[4], expiring after ARGV[3] s) in its done hash KEYS[5], out of
-# the versions KEYS[2], pending KEYS[3] and dates KEYS[4], into removing KEYS[6]: REMOVE's and ROLLBACK's end
+"""  # version ARGV[1] (run ARGV[2]) marked removed (ARGV[4] -> when its keys expire: now + ARGV[6] ms, its first
+# removal's) in its done hash KEYS[5] (which expires after ARGV[3] s), out of the versions KEYS[2], pending KEYS[3]
+# and dates KEYS[4], into removing KEYS[6]: REMOVE's and ROLLBACK's end
 
 REMOVE = (
     """
@@ -82,7 +92,7 @@ if ARGV[5] == 'unlisted' and redis.call('LPOS', KEYS[2], ARGV[1]) then return 0 
 """
     + MARK_REMOVED
 )  # KEYS current, versions, pending, dates, done:V, removing; ARGV V, its run id, TOMBSTONE_S,
-# REMOVED, 'unlisted' (only a version never switched to) or '' -> 1, or 0 when V is current, or listed with
+# REMOVED, 'unlisted' (only a version never switched to) or '', grace ms -> 1, or 0 when V is current, or listed with
 # 'unlisted' (not removed). Running it twice does what running it once does.
 
 PENDING = """
@@ -102,7 +112,13 @@ redis.call('SET', KEYS[1], ARGV[5])
 """
     + MARK_REMOVED
 )  # KEYS current, versions, pending, dates, done:cur, removing, done:prev; ARGV cur, its run id,
-# TOMBSTONE_S, REMOVED, prev -> 1: the pointer on prev and cur removed (also when a retry finds it done), 0: it moved
+# TOMBSTONE_S, REMOVED, prev, grace ms -> 1: the pointer on prev and cur removed (also when a retry finds it done), 0:
+# it moved
+
+NOW_MS = """
+local t = redis.call('TIME')
+return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""  # KEYS any key of the slot to ask (a cluster's node) -> the server's time, Unix ms
 
 
 class Refused(ValueError):
@@ -285,7 +301,8 @@ class Reader:
 def write_shard(batch: pa.Table, t: Serving, version: str, creds: Credentials, storage) -> pa.Table:
     """Ray Data map over the run's recommendation files (one a row: `file`, `shard`): the file's users written (one
     SET each, USERS_PER_PIPELINE a round trip, each round trip retried as a whole), then the shard recorded in the
-    version's done hash -> (shard, users, bytes)."""
+    version's done hash -> (shard, users, bytes). The version's removed mark is read before the first round trip and
+    after each: found after one, the keys it wrote are given the version's expiry (`expire_own`), and Raced."""
     from pipeline.carry import list_starts
 
     uri, shard = batch["file"][0].as_py(), batch["shard"][0].as_py()
@@ -303,19 +320,31 @@ def write_shard(batch: pa.Table, t: Serving, version: str, creds: Credentials, s
     keys, client = Keys(t.namespace), connect(t, creds)
     written = 0
     try:
+        expire_own(client, t, version, [])
         for lo in range(0, len(ids), USERS_PER_PIPELINE):
-            if retrying(lambda: client.hexists(keys.done(version), REMOVED), t, "HEXISTS"):
-                raise Raced(f"version {version} was removed while this export wrote it (a rollback or another export)")
             values = [
                 (keys.user(version, ids[u]), encode(items[starts[u] : ends[u]], scores[starts[u] : ends[u]]))
                 for u in range(lo, min(lo + USERS_PER_PIPELINE, len(ids)))
             ]
             retrying(lambda v=values: _set_all(client, v), t, f"SET {len(values)} lists of {version}")
             written += sum(len(v) for _, v in values)
+            expire_own(client, t, version, [key for key, _ in values])
         retrying(lambda: client.hset(keys.done(version), shard, len(ids)), t, f"HSET {keys.done(version)}")
     finally:
         client.close()
     return pa.table({"shard": [shard], "users": [len(ids)], "bytes": [written]})
+
+
+def expire_own(client, t: Serving, version: str, written: list[bytes]) -> None:
+    """A writer's check of its version: when it is marked removed, the keys it just wrote (`written`) are given the
+    version's expiry (at once if that has passed), and Raced; else nothing."""
+    done = Keys(t.namespace).done(version)
+    expiry = retrying(lambda: client.hget(done, REMOVED), t, f"HGET {done}")
+    if expiry is None:
+        return
+    if written:
+        retrying(lambda: _per_key(client, "pexpireat", written, int(expiry)), t, f"PEXPIREAT {len(written)} keys")
+    raise Raced(f"version {version} was removed while this export wrote it (a rollback or another export)")
 
 
 def _set_all(client, values: list[tuple[bytes, bytes]]) -> None:
@@ -323,6 +352,14 @@ def _set_all(client, values: list[tuple[bytes, bytes]]) -> None:
     for key, value in values:
         pipe.set(key, value)
     pipe.execute()
+
+
+def _per_key(client, command: str, keys: list[bytes], *args) -> int:
+    """One command per key in one round trip (a cluster's keys lie in many slots) -> how many it applied to."""
+    pipe = client.pipeline(transaction=False)
+    for key in keys:
+        getattr(pipe, command)(key, *args)
+    return sum(map(int, pipe.execute()))
 
 
 @dataclass(frozen=True)
@@ -339,8 +376,9 @@ class Export:
     bytes: int
     resumed_shards: int  # shards an earlier export of the run had written
     seconds: float
-    removed: list[str]  # versions removed after the switch
+    removed: list[str]  # versions removed after the switch (their keys expire serving.grace_s later)
     removal_error: str | None = None  # a removal that failed after the switch (the next export's trim finishes it)
+    skipped: str | None = None  # why the pointer was not switched: the run is no longer its date's published run
 
     def record(self) -> dict:
         from dataclasses import asdict
@@ -351,10 +389,14 @@ class Export:
 def export(run, t: Serving) -> Export:
     """A published run (pipeline.output.PublishedRun) -> its lists written under a version of its own (an unfinished
     export's, resumed), counted against its manifest, the pointer switched to it (compare-and-set against the
-    version found at the start), versions beyond `keep` previous ones removed. Raises Refused (exit 2), Raced
-    (exit 3), StoreUnavailable (exit 4); a removal that fails after the switch is recorded, not raised."""
+    version found at the start), versions beyond `keep` previous ones removed. A run that is not, or no longer, its
+    date's published run (superseded by a later run of its date, which exports itself) is never switched to: the
+    export is `skipped` (its version, if written, removed). Raises Refused (exit 2), Raced (exit 3),
+    StoreUnavailable (exit 4); a removal that fails after the switch is recorded, not raised."""
     check_serving(t)
     start, creds = time.perf_counter(), Credentials.of(t.url)
+    if (why := superseded(run)) is not None:
+        return Export(masked(t.url), t.namespace, run.run_id, "", None, False, 0, 0, 0, 0.0, [], skipped=why)
     client, keys, run_id = connect(t, creds), Keys(t.namespace), run.run_id
     try:
         check_store(client, t)
@@ -369,6 +411,11 @@ def export(run, t: Serving) -> Export:
         files = {n.removesuffix(".parquet"): f for n, f in zip(names, run.files("recommendations"), strict=True)}
         resumed, size = write_version(run, t, version, files, creds, client)
         users = counted(client, t, run, version, files)
+        if (why := superseded(run)) is not None:  # while it wrote: its successor's export is the one to switch
+            remove_version(client, t, version, unlisted=True)
+            took = time.perf_counter() - start
+            return Export(masked(t.url), t.namespace, run_id, version, previous, False, users, size, resumed, took, [],
+                          skipped=why)  # fmt: skip
         version = switch(client, t, run, version, previous, len(files), users)
         removed, error = trim_after_switch(client, t, version)
         took = time.perf_counter() - start
@@ -376,6 +423,16 @@ def export(run, t: Serving) -> Export:
         return Export(url, t.namespace, run_id, version, previous, True, users, size, resumed, took, removed, error)
     finally:
         client.close()
+
+
+def superseded(run) -> str | None:
+    """Why a run is not its date's published run now (`runs.unpublished`), or None."""
+    from pipeline import runs
+
+    why = runs.unpublished(run.uri, run.storage)
+    if why is not None:
+        log.info("export: run %s is not exported: it is not its date's published run (%s)", run.run_id, why)
+    return None if why is None else f"not published: {why}"
 
 
 def version_of(client, t: Serving, run_id: str) -> str:
@@ -400,7 +457,7 @@ def write_version(run, t: Serving, version: str, files: dict, creds: Credentials
         write_shard,
         batch_size=1,
         batch_format="pyarrow",
-        concurrency=t.writers,
+        compute=ray.data.TaskPoolStrategy(size=t.writers),
         fn_kwargs={"t": t, "version": version, "creds": creds, "storage": run.storage},
     )
     ds.context.raise_original_map_exception = True
@@ -497,61 +554,68 @@ def versions(client, t: Serving) -> list[str]:
 
 
 def trim(client, t: Serving) -> list[str]:
-    """The versions beyond the current one and `keep` previous ones removed, and any removal left unfinished ->
-    the versions whose keys were unlinked."""
-    for version in versions(client, t)[t.keep + 1 :]:
-        remove_version(client, t, version, unlink=False)
+    """The versions beyond the current one and `keep` previous ones removed (readable grace_s more), then a pass over
+    every version being removed (`pass_over`: the ones removed now, and earlier ones whose removal is not over) ->
+    the versions removed now."""
+    removed = [v for v in versions(client, t)[t.keep + 1 :] if remove_version(client, t, v, unlink=False)]
     removing = Keys(t.namespace).control("removing")
-    left = sorted(v.decode() for v in retrying(lambda: client.smembers(removing), t, f"SMEMBERS {removing}"))
-    for version in left:
-        unlink_version(client, t, version)
-    return left
+    for version in sorted(v.decode() for v in retrying(lambda: client.smembers(removing), t, f"SMEMBERS {removing}")):
+        pass_over(client, t, version)
+    return removed
 
 
 def remove_version(client, t: Serving, version: str, unlink: bool = True, unlisted: bool = False) -> bool:
-    """A version taken out of the versions and marked removed (`REMOVE`: never again switched or rolled back to),
-    then, with `unlink`, its keys unlinked -> False when it is the current version, or with `unlisted` one that was
-    switched to (nothing done)."""
+    """A version taken out of the versions and marked removed (`REMOVE`: never again switched or rolled back to, its
+    keys to expire grace_s from now), then, with `unlink`, a pass over its keys (`pass_over`) -> False when it is the
+    current version, or with `unlisted` one that was switched to (nothing done)."""
     keys = Keys(t.namespace)
     names = [*keys.scripted(version), keys.control("removing")]
-    args = (version, run_of(version), TOMBSTONE_S, REMOVED, "unlisted" if unlisted else "")
+    args = (version, run_of(version), TOMBSTONE_S, REMOVED, "unlisted" if unlisted else "", grace_ms(t))
     if not retrying(lambda: client.eval(REMOVE, len(names), *names, *args), t, f"remove {version}"):
         return False
     if unlink:
-        unlink_version(client, t, version)
+        pass_over(client, t, version)
     return True
 
 
-def unlink_version(client, t: Serving, version: str) -> int:
-    """A removed version's keys unlinked (SCAN by its prefix, UNLINK_BATCH at a time; every primary of a cluster; the
-    whole scan tried again on a transient error), then it leaves the removing set -> keys unlinked."""
+def grace_ms(t: Serving) -> int:
+    """serving.grace_s in whole milliseconds (at least one: PEXPIREAT's unit)."""
+    return max(1, round(t.grace_s * 1000))
+
+
+def pass_over(client, t: Serving, version: str) -> bool:
+    """One pass over a removed version's keys (SCAN by its prefix on every primary of a cluster, REMOVE_BATCH keys a
+    round trip, the whole pass tried again on a transient error): before the expiry its mark holds, each key is
+    given that expiry (PEXPIREAT: readers of the version keep their lists until then); a pass that starts after it
+    deletes them (UNLINK) and ends the removal (the version leaves the removing set) -> whether it ended."""
     keys = Keys(t.namespace)
+    done, current = keys.done(version), keys.current
+    expiry = int(retrying(lambda: client.hget(done, REMOVED), t, f"HGET {done}") or 0)  # 0: its mark expired
+    final = retrying(lambda: client.eval(NOW_MS, 1, current), t, "TIME") >= expiry
     pattern = re.sub(rb"([*?\[\]\\])", rb"\\\1", keys.prefix(version)) + b"*"
+    command, args = ("unlink", ()) if final else ("pexpireat", (expiry,))
 
     def scan() -> int:
         n, batch = 0, []
-        for key in client.scan_iter(match=pattern, count=UNLINK_BATCH):
+        for key in client.scan_iter(match=pattern, count=REMOVE_BATCH):
             batch.append(key)
-            if len(batch) >= UNLINK_BATCH:
-                n, batch = n + _unlink(client, batch), []
-        return n + (_unlink(client, batch) if batch else 0)
+            if len(batch) >= REMOVE_BATCH:
+                n, batch = n + _per_key(client, command, batch, *args), []
+        return n + (_per_key(client, command, batch, *args) if batch else 0)
 
-    n = retrying(scan, t, f"SCAN and UNLINK {pattern.decode()}")
-    retrying(lambda: client.srem(keys.control("removing"), version), t, "SREM")
-    log.info("export: version %s of %s removed (%d keys)", version, t.namespace, n)
-    return n
-
-
-def _unlink(client, batch: list[bytes]) -> int:
-    pipe = client.pipeline(transaction=False)
-    for key in batch:
-        pipe.unlink(key)  # one key a command: a cluster's keys lie in many slots
-    return sum(pipe.execute())
+    n = retrying(scan, t, f"SCAN and {command.upper()} {pattern.decode()}")
+    if final:
+        retrying(lambda: client.srem(keys.control("removing"), version), t, "SREM")
+        log.info("export: version %s of %s removed (%d keys deleted)", version, t.namespace, n)
+    else:
+        log.info("export: version %s of %s removed: its %d keys expire in %.0f s", version, t.namespace, n, t.grace_s)
+    return final
 
 
 def rollback(t: Serving) -> tuple[str, str]:
     """The pointer moved back to the previous kept version (`ROLLBACK`, a compare-and-set), the rolled-back version
-    removed -> (from, to). Refused when there is no previous version, Raced when the pointer moved meanwhile."""
+    removed (readable grace_s more) -> (from, to). Refused when there is no previous version, Raced when the pointer
+    moved meanwhile."""
     check_serving(t)
     client, keys = connect(t), Keys(t.namespace)
     try:
@@ -560,14 +624,14 @@ def rollback(t: Serving) -> tuple[str, str]:
         if len(kept) < 2 or kept[0] != now:
             raise Refused(f"namespace {t.namespace} at {masked(t.url)}: no previous version to roll back to ({kept})")
         names = [*keys.scripted(kept[0]), keys.control("removing"), keys.done(kept[1])]
-        args = (kept[0], run_of(kept[0]), TOMBSTONE_S, REMOVED, kept[1])
+        args = (kept[0], run_of(kept[0]), TOMBSTONE_S, REMOVED, kept[1], grace_ms(t))
         if not retrying(lambda: client.eval(ROLLBACK, len(names), *names, *args), t, "rollback"):
             raise Raced(f"namespace {t.namespace}: the pointer moved during the rollback; nothing changed")
         log.info("export: %s rolled back from %s to %s", keys.current, kept[0], kept[1])
         try:
-            unlink_version(client, t, kept[0])
-        except Exception as e:  # the rollback stands; the next export's trim unlinks the rest
-            log.warning("export: rolled back; unlinking %s failed (%s), the next export's trim does", kept[0], e)
+            pass_over(client, t, kept[0])
+        except Exception as e:  # the rollback stands; the next export's trim expires the rest
+            log.warning("export: rolled back; expiring %s failed (%s), the next export's trim does", kept[0], e)
         return kept[0], kept[1]
     finally:
         client.close()

@@ -301,21 +301,30 @@ class ShardRecommender:
     and returns one summary row for the driver's progress."""
 
     def __init__(self, spec: ActorSpec, items: ItemsRef, run: str, storage: Storage, attempt: str, code: str = ""):
-        # `code`: the driver's (lineage.code_identity). Other code here is refused at the first batch, before any
-        # decoding: a task's error reaches the driver as itself (exit 2), a constructor's as ActorDiedError
-        self.refused = code_refusal(code, "a recommender actor")
-        self.recommender = None if self.refused else recommender_of(spec, items, storage)
         self.run, self.storage, self.attempt = run, storage, attempt
         self.written: dict[str, dict] = {}  # shard -> its summary row: the batches this actor committed
         self.gave_up: dict[str, int] = {}  # shard -> its StoreUnavailable errors on this actor
+        # `code`: the driver's (lineage.code_identity): other code here is refused like a model it cannot read
+        other = code_refusal(code, "a recommender actor")
+        self.refused: Exception | None = ValueError(other) if other else None  # why it cannot decode: first batch
+        self.recommender = None
+        if other is None:
+            try:
+                self.recommender = recommender_of(spec, items, storage)
+            except Exception as e:  # noqa: BLE001 -- raised from __call__, where Ray keeps it whole
+                self.refused = S.StoreGaveUp(e.message) if isinstance(e, S.StoreUnavailable) else e
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         """One batch -> its shard committed -> its summary row. A StoreUnavailable is Ray's to retry (the actors'
         retry_exceptions: Ray runs the task again on this actor) until this shard has had BATCH_RETRIES + 1 of them
         here; then StoreGaveUp, which Ray does not retry. A lost actor's tasks are retried on its restart, without
-        limit: that is a system failure, which no application retry count spends."""
-        if self.refused:
-            raise ValueError(self.refused)
+        limit: that is a system failure, which no application retry count spends.
+        An actor that could not start (other code than the driver's, a model it cannot read or that changed, a store
+        that gave out) raises why on its first batch, before decoding any: an error in a task reaches the driver as
+        itself (its exit code, one line), where one in the actor's constructor would reach it as the actor's death,
+        its cause a traceback's text; a store that gave out there is StoreGaveUp, never retried on this actor."""
+        if self.refused is not None:
+            raise self.refused
         return pa.Table.from_pylist([self.shard(batch)], schema=SUMMARY)
 
     def shard(self, batch: pa.Table) -> dict:
@@ -392,7 +401,8 @@ def recommender_of(spec: ActorSpec, items: ItemsRef, storage: Storage) -> Recomm
     from decoding.memory import trim_host_heap
     from operators.recommender import Recommender
 
-    got = items.read(storage)
+    with S.on_node("the items", items.sources.catalog):
+        got = items.read(storage)
     recommender = Recommender(replace(spec, catalog=got.table, recommendable=got.served))
     del got
     pa.default_memory_pool().release_unused()

@@ -1,10 +1,12 @@
 """The driver's SIGTERM / SIGINT: one handler for the process (STOP), the blocks a signal waits for (publication, the
-lease's release as the job ends), and the job's `stopped:` line."""
+lease's release as the job ends), and the job's last line: `stopped:`, or the `error:` of the error behind Ray's
+wrappers (`ray_cause`)."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import signal
 from dataclasses import dataclass
 
@@ -90,9 +92,10 @@ STOP = Stop()  # the process's one handler (jobs/nightly.py installs it)
 def connect_ray() -> None:
     """ray.init (RAY_ADDRESS / a running cluster, else a local one), then the driver's handler again: ray.init puts
     its own SIGTERM handler in place (sys.exit(signum)), so a SIGTERM while it runs is Ray's SystemExit, made
-    Interrupted here, as a signal anywhere else is."""
+    Interrupted here, as a signal anywhere else is. The driver's stderr keeps to its own lines (`plain_ray_logs`)."""
     import ray
 
+    plain_ray_logs()
     try:
         ray.init(ignore_reinit_error=True, log_to_driver=True)
         STOP.install()
@@ -101,6 +104,34 @@ def connect_ray() -> None:
             raise
         STOP.received = signal.Signals(e.code).name
         raise Interrupted(e.code) from None
+
+
+class NoTraceback(logging.Filter):
+    """A console handler's records without their tracebacks, the message kept; none of the records Ray Data logs
+    as an error leaves its API (`ray.data.exceptions`: the job's `error:` line says it, and they call any error
+    that is not a UDF's own class Ray's "internal"). The record is the one every handler of its logger gets, one after
+    another: this handler's filter runs after the handlers listed before it (Ray Data's log file) wrote it whole."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.exc_info, record.exc_text = None, None
+        return record.name != "ray.data.exceptions"
+
+
+def plain_ray_logs() -> None:
+    """What Ray prints on the driver's stderr, beside the job's own lines: the workers' lines without colour codes
+    when stderr is no terminal (RAY_COLOR_PREFIX=0, unless set), and Ray Data's console records without tracebacks:
+    it logs a task's error with its remote traceback before the driver gets the error, whose one `error:` line says
+    it (`ray_cause`); its log file in the Ray session's folder (logs/ray-data) keeps them."""
+    import os
+    import sys
+
+    import ray.data  # noqa: F401 -- configures Ray Data's loggers, whose console handler is filtered here
+
+    if not sys.stderr.isatty():
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+    for handler in logging.getLogger("ray.data").handlers:
+        if type(handler).__name__ == "PlainRayHandler" and not any(isinstance(f, NoTraceback) for f in handler.filters):
+            handler.addFilter(NoTraceback())
 
 
 def stop_note(e: BaseException, resume: bool) -> str | None:
@@ -123,3 +154,39 @@ def stop_note(e: BaseException, resume: bool) -> str | None:
     if STOP.received:
         return f"stopped: {STOP.received} received while {STOP.during or 'ending'}; {held}"
     return None
+
+
+def ray_cause(e: BaseException) -> BaseException:
+    """The error behind Ray's wrappers, what a command's `error:` line prints and its exit code is chosen by: a task's
+    RayTaskError (the class Ray raises it as, a subclass of its cause's, too), whose text is Ray's coloured task
+    header and the remote traceback, -> its cause; Ray Data's UserCodeException -> the error it wraps. Anything else
+    as it is."""
+    import sys
+
+    ray = sys.modules.get("ray")  # no Ray imported: no Ray error
+    if ray is None:
+        return e
+    from ray.exceptions import RayTaskError, UserCodeException
+
+    seen = set()
+    while id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, RayTaskError) and isinstance(e.cause, BaseException):
+            e = e.cause
+        elif isinstance(e, UserCodeException) and e.__cause__ is not None:
+            e = e.__cause__
+    return without_retry_context(e)
+
+
+RETRY_CONTEXT = re.compile(r"\nFailed to .+ after \d+/\d+ attempts \(total backoff [\d.]+s\)\.(\n.*)?\Z", re.S)
+
+
+def without_retry_context(e: BaseException) -> BaseException:
+    """An error a Ray Data task raised, without what Ray Data appended to its text (its args) when its retries ran
+    out: "Failed to apply UDF transform after 1/1 attempts ..." and how to configure them."""
+    args = e.args
+    if args and isinstance(args[0], str) and (found := RETRY_CONTEXT.search(args[0])):
+        e.args = (args[0][: found.start()], *args[1:])
+    elif len(args) > 1 and isinstance(args[-1], str) and RETRY_CONTEXT.fullmatch("\n" + args[-1]):
+        e.args = args[:-1]
+    return e

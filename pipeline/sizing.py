@@ -137,7 +137,8 @@ item). The peak is the build's, at the actor's start: size a node's host memory 
 ## Redis
 
 A run served from Redis ([output.md](output.md#serving-from-redis)) holds, per user with a list, its value (3 + 12 K
-bytes), its key (`<namespace>:<run_id>:<user_id>`: about 30 bytes plus the id's digits) and Redis's per-key overhead.
+bytes), its key (`<namespace>:<run_id>.<nonce>:<user_id>`, the version `<run_id>.<nonce>` 32 characters: about 40 bytes
+plus the id's digits) and Redis's per-key overhead.
 Measured by `python -m jobs.bench export` (redis-server 7.0.15, [benchmarks.md](benchmarks.md#export-to-redis)):
 
 | K | value, bytes per user | Redis memory, bytes per user | 10M users | 100M users |
@@ -146,7 +147,9 @@ Measured by `python -m jobs.bench export` (redis-server 7.0.15, [benchmarks.md](
 | 50 | 603 | 764 | 7.1 GiB | 71 GiB |
 
 Redis holds the current version, the `serving.keep` previous ones (default 2) and, during an export, the one being
-written: size `maxmemory` for `keep + 2` versions, e.g. 10M users at K 10 with the default `keep`: about 10 GiB.
+written; the version an export removes stays for `serving.grace_s` (default 60 s) after its switch, while the one it
+wrote is current: size `maxmemory` for `keep + 2` versions, e.g. 10M users at K 10 with the default `keep`: about 10
+GiB.
 """
 
 

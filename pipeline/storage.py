@@ -803,8 +803,8 @@ def model_file_name(uri: str, name: str) -> str:
 def upload_model_dir(local: str, uri: str, storage: Storage) -> dict:
     """Copies a model directory's files (`model_files`) to an s3:// prefix, then its sha256sums.json (last: a prefix
     without it is no model to `local_model_dir`), then reads every object back and checks it against its sha256
-    -> {file name: sha256}. A prefix that already holds another model is refused before anything is written (nodes
-    cache a model by its URI: a new version goes to a new prefix); the same model again is uploaded again.
+    -> {file name: sha256}. A prefix that already holds another model is refused before anything is written (a run
+    in flight would find its model gone: a new version goes to a new prefix); the same model again is uploaded again.
     sha256sums.json is a conditional put over the version read first, so an upload racing another to the prefix
     is refused."""
     files = model_files(local)
@@ -812,8 +812,8 @@ def upload_model_dir(local: str, uri: str, storage: Storage) -> dict:
     held = read_versioned(join(uri, MODEL_SUMS), storage)
     if held is not None and json.loads(held[0]) != sums:
         raise ValueError(
-            f"{uri} already holds another model (its {MODEL_SUMS} differs); nodes keep a model by its URI, so "
-            "upload a new version to a new prefix"
+            f"{uri} already holds another model (its {MODEL_SUMS} differs): runs reading it would refuse a model "
+            "replaced under them; upload a new version to a new prefix"
         )
     bucket, key = split_s3(uri)
     client = s3_client(storage)
@@ -826,8 +826,8 @@ def upload_model_dir(local: str, uri: str, storage: Storage) -> dict:
     # only over the version read above (absent: If-None-Match): of two uploads racing to one prefix one loses here
     if put_if(join(uri, MODEL_SUMS), json.dumps(sums, indent=1).encode(), storage, held and held[1]) is None:
         raise ValueError(
-            f"{join(uri, MODEL_SUMS)} changed while this model was uploaded (another upload to {uri}); nodes keep a "
-            "model by its URI, so upload each model to its own prefix"
+            f"{join(uri, MODEL_SUMS)} changed while this model was uploaded (another upload to {uri}); upload each "
+            "model to its own prefix"
         )
     verify_model_upload(uri, sums, storage)
     return sums
@@ -930,30 +930,192 @@ def _check_safetensors(client, bucket: str, key: str, uri: str) -> None:
         raise ValueError(f"{uri}: {size} bytes stored, its safetensors header says {8 + n + end}: cut short or padded")
 
 
-def local_model_dir(uri: str, cache_dir: str, storage: Storage) -> Path:
-    """A local directory holding the model: the path itself, or an s3:// prefix copied once per node into the cache
-    (a file lock serialises the actors of one node) and checked against the prefix's sha256sums.json."""
+class ModelChanged(ValueError):
+    """The model an actor would load is not the one the run's plan fingerprinted (exit 2): replaced at its URI since."""
+
+
+class NodeDenied(PermissionError):
+    """A worker node cannot read from the object store: no credentials there, or they are refused (exit 9). The
+    driver has its own: every node needs them (`on_node`)."""
+
+
+DENIED_CODES = frozenset(
+    {
+        "AccessDenied",
+        "Forbidden",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "ExpiredToken",
+        "InvalidToken",
+        "TokenRefreshRequired",
+        "AllAccessDisabled",
+    }
+)  # S3's error codes for credentials that are missing, wrong or refused
+_ARROW_DENIED = re.compile(
+    r"AWS Error (ACCESS_DENIED|INVALID_ACCESS_KEY_ID|SIGNATURE_DOES_NOT_MATCH|UNRECOGNIZED_CLIENT)"
+)
+
+
+def denied(e: BaseException) -> bool:
+    """Whether a store error says this process has no credentials, or that they are refused (boto3's, or pyarrow's
+    "AWS Error ..." words)."""
+    import botocore.exceptions as be
+
+    if isinstance(e, (be.NoCredentialsError, be.PartialCredentialsError, be.CredentialRetrievalError)):
+        return True
+    if isinstance(e, be.ClientError):
+        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return status == 403 or e.response.get("Error", {}).get("Code") in DENIED_CODES
+    return isinstance(e, OSError) and _ARROW_DENIED.search(str(e)) is not None
+
+
+@contextlib.contextmanager
+def on_node(what: str, uri: str):
+    """A worker node's reads of `what` at `uri` (the input, the items, a model): an error saying the node has no
+    credentials, or that they are refused, raises NodeDenied naming the node, the URI and the fix (exit 9)."""
+    try:
+        yield
+    except Exception as e:
+        if not denied(e):
+            raise
+        cause = " ".join(str(e).split()) or type(e).__name__
+        raise NodeDenied(
+            f"node {node_name()} cannot read {what} {uri}: {cause}. Every worker node reads the input, the items and "
+            "the models itself, so each needs the object store's credentials, not only the driver: give the worker "
+            "pods the IAM role (IRSA: their serviceAccountName) or the AWS_* variables (the Secret in the RayJob's "
+            "worker group, or the job's runtime_env env_vars); docs/deploy.md#3-credentials-and-region-one-place"
+        ) from None
+
+
+def node_name() -> str:
+    """This process's node for messages: its host name, and its Ray node's address when it runs in Ray."""
+    import socket
+    import sys
+
+    host = socket.gethostname()
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        return f"{host} ({ray.util.get_node_ip_address()})"
+    return host
+
+
+def local_model_dir(uri: str, cache_dir: str, storage: Storage, sha256: str = "") -> Path:
+    """A local directory holding the model: the path itself, or an s3:// model copied once per node into the cache
+    (`cached_model`). With `sha256` (what the run's plan fingerprinted: `fingerprint`, `weights_fingerprint`) a model
+    whose weights are others now is refused, ModelChanged naming the URI and both digests; an s3:// one before any
+    weight is downloaded. A node whose credentials the store lacks or refuses raises NodeDenied naming the node, the
+    URI and the fix."""
     if not is_s3(uri):
         path = Path(uri).expanduser()
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model directory {uri} not found (no config.json)")
+        if sha256:
+            check_model(uri, fingerprint(path), sha256)
         return path
-    target = Path(cache_dir).expanduser() / hashlib.sha256(uri.encode()).hexdigest()[:16]
-    target.mkdir(parents=True, exist_ok=True)
-    with open(target / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (target / ".complete").is_file():
-            return target
-        bucket, key = split_s3(uri)
-        client = s3_client(storage)
+    with on_node("the model", uri):
         sums = model_sums(uri, storage)
-        for name, digest in sums.items():
-            retrying(
-                lambda: client.download_file(bucket, f"{key.rstrip('/')}/{name}", str(target / name)),
-                storage,
-                f"GET {join(uri, name)}",
-            )
-            if sha256_file(target / name) != digest:
-                raise ValueError(f"model {uri}: {name} does not match its sha256 in sha256sums.json")
-        (target / ".complete").write_text(uri)
-    return target
+        if sha256:
+            check_model(uri, weights_fingerprint(sums), sha256)
+        return cached_model(uri, sums, Path(cache_dir).expanduser(), storage)
+
+
+def check_model(uri: str, got: str, want: str) -> None:
+    """A model's weights digest against the plan's: ModelChanged naming the URI and both when they differ."""
+    if got != want:
+        raise ModelChanged(
+            f"model {uri} on node {node_name()}: its weights are {got} now, the run was planned with {want}: the "
+            "model was replaced at its URI after the run started. Start a new run (it fingerprints the model there "
+            "now); upload each model version to a prefix of its own"
+        )
+
+
+CACHE_LAYOUT = "content-v1"  # models.cache_dir/<layout>/<URI's digest>/<content digest>/: the node's copies
+
+
+def content_digest(sums: dict[str, str]) -> str:
+    """An s3:// model's content identity: the sha256 of its sha256sums.json's entries (every file, by name)."""
+    return hashlib.sha256(json.dumps(sums, sort_keys=True).encode()).hexdigest()
+
+
+_IN_USE: dict[Path, int] = {}  # the cache entries this process uses -> its shared lock on each (held until it exits)
+
+
+def cached_model(uri: str, sums: dict[str, str], cache_dir: Path, storage: Storage) -> Path:
+    """The node's copy of the model `sums` describe, under the cache folder of its URI, keyed by content: a model
+    replaced at the URI is another entry, downloaded anew. This process holds a shared lock on the entry's `.use` file
+    as long as it lives (it uses the files); the first actor of the node fills the entry under an exclusive lock on
+    its `.fill` file, checking every file against its sha256, and the others wait for it. Then the entries of the URI
+    that no process uses (other contents: older models) are deleted (`sweep`)."""
+    root = cache_dir / CACHE_LAYOUT / hashlib.sha256(uri.encode()).hexdigest()[:16]
+    name = content_digest(sums)[:32]
+    entry = root / name
+    root.mkdir(parents=True, exist_ok=True)
+    if entry not in _IN_USE:
+        _IN_USE[entry] = hold(root / f"{name}.use", fcntl.LOCK_SH)
+    with open(root / f"{name}.fill", "a") as fill:
+        fcntl.flock(fill, fcntl.LOCK_EX)
+        if not (entry / ".complete").is_file():
+            download_model(uri, sums, entry, storage)
+    sweep(root, keep=name)
+    return entry
+
+
+def hold(path: Path, how: int) -> int:
+    """A lock taken on `path` (created if absent) -> its descriptor. Retried when the file was deleted or replaced
+    while this process waited (`sweep` deletes a lock file under its exclusive lock): the lock is on the name's file."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, how)
+        try:
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+def download_model(uri: str, sums: dict[str, str], entry: Path, storage: Storage) -> None:
+    """The model's files downloaded into `entry` (emptied first: a fill cut short), each checked against its
+    sha256, then `.complete` written."""
+    shutil.rmtree(entry, ignore_errors=True)
+    entry.mkdir()
+    bucket, key = split_s3(uri)
+    client = s3_client(storage)
+    for name, digest in sums.items():
+        retrying(
+            lambda: client.download_file(bucket, f"{key.rstrip('/')}/{name}", str(entry / name)),
+            storage,
+            f"GET {join(uri, name)}",
+        )
+        if sha256_file(entry / name) != digest:
+            raise ValueError(f"model {uri}: {name} does not match its sha256 in {MODEL_SUMS}")
+    (entry / ".complete").write_text(uri)
+
+
+def sweep(root: Path, keep: str) -> list[str]:
+    """The entries of one URI's cache folder but `keep` that no process uses (their `.use` lock free) deleted, with
+    their lock files -> their names. An entry in use is left for a later actor's sweep."""
+    gone = []
+    for use in sorted(root.glob("*.use")):
+        name = use.name.removesuffix(".use")
+        if name == keep:
+            continue
+        try:
+            fd = os.open(use, os.O_RDWR)
+        except FileNotFoundError:  # another actor's sweep took it
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        try:
+            shutil.rmtree(root / name, ignore_errors=True)
+            (root / f"{name}.fill").unlink(missing_ok=True)
+            use.unlink(missing_ok=True)  # under its lock: a process that opened it before retries (`hold`)
+            gone.append(name)
+        finally:
+            os.close(fd)
+    if gone:
+        log.info("model cache %s: removed %d older model(s) of this URI no process uses", root, len(gone))
+    return gone

@@ -12,8 +12,12 @@ recommendation files into the table's folder `run_date=D/` (table.rows_per_file 
 run_id), then the driver commits them in one Delta transaction: an overwrite whose predicate is run_date = D, so the
 date's earlier rows go out in the same commit. The commit info records the run (genrec_batch.run_id). Two app
 transactions fence it: one per date (two commits of one date conflict: the later one reloads and checks again) and
-one per run (a commit tried again after an answer was lost finds it made). Only the date's published run (_LATEST)
-is committed: a run superseded since is skipped, its successor commits itself.
+one per run (a commit tried again after an answer was lost finds it made). Each call names itself in its commit info
+(genrec_batch.commit, a nonce): a call reports "committed" only when the version that holds the run names it; two
+calls committing one run at once leave one version, and the other call reports `skipped` and deletes the files it
+wrote. Only the date's published run (_LATEST) is committed: a run superseded since is skipped, its successor
+commits itself. A new table is created by one commit of version 0 (never retried over another's creation): two calls
+creating it at once leave one table, one table id.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from pipeline.storage import Storage
 log = logging.getLogger("genrec.tables")
 
 RUN_ID = "genrec_batch.run_id"  # the commit info's key naming the run a commit published
+CALL = "genrec_batch.commit"  # the commit info's key naming the call that made it (a nonce per commit_run)
 PARTITION = "run_date"
 READABLE = frozenset({"timestampNtz", "v2Checkpoint", "vacuumProtocolCheck"})  # reader features that change nothing
 # about reading a version's files as they are (deletion vectors and column mapping do)
@@ -161,11 +166,18 @@ class Snapshot:
 def snapshot(uri: str, storage: Storage, version: int | None, columns: list[str]) -> Snapshot:
     """The input table at `version` (None: the newest) -> its Snapshot. Refused naming the table and version: a
     version that cannot be read (FileNotFoundError), one whose files are gone (vacuumed: FileNotFoundError), one
-    that needs a reader feature or holds `columns` (the user id, history and exclusion columns) as partition
-    columns (ValueError)."""
+    that needs a reader feature, lacks the user id or history column (the first two of `columns`: the user id,
+    history and exclusion columns) or holds `columns` as partition columns (ValueError)."""
     table = load(uri, storage, version)
     version = table.version()
     check_readable(table, uri, version, columns)
+    names = table.schema().to_arrow().names
+    missing = [c for c in columns[:2] if c not in names]
+    if missing:
+        raise ValueError(
+            f"input {uri} version {version}: missing column(s) {missing} (the table has {names}); columns.user_id "
+            "and columns.history name the input's columns"
+        )
     fs, _ = S.filesystem(location(uri), storage)
     files = data_files(table, uri, storage)
     infos = S.retrying(lambda: fs.get_file_info(files), storage, f"HEAD the files of {uri} version {version}")
@@ -233,26 +245,34 @@ class Commit:
 
 def commit_run(run, t: Table) -> Commit:
     """A published run (pipeline.output.PublishedRun) -> its recommendations committed to the Delta table t.uri (see
-    the module docstring); created partitioned by run_date if absent. Raises StoreUnavailable (the store gave out
-    for storage.retry_s), ValueError (a table whose schema is not the run's, a run that is not its date's
-    published run)."""
+    the module docstring); created partitioned by run_date if absent. A call that finds the run committed (before it
+    writes, or by another call while it wrote) or superseded commits nothing, says why (`skipped`) and deletes the
+    files it wrote. Raises StoreUnavailable (the store gave out for storage.retry_s), ValueError (a table whose schema
+    is not the run's, a run that is not its date's published run)."""
+    import uuid
+
     start, storage = time.perf_counter(), run.storage
     schema = table_schema(run)
-    done = committed_version(t.uri, storage, run.run_id)
+    done = committed(t.uri, storage, run.run_id)
     if done is not None:
-        return Commit(t.uri, run.run_id, run.run_date, done, 0, 0, time.perf_counter() - start, "already committed")
+        return Commit(t.uri, run.run_id, run.run_date, done[0], 0, 0, time.perf_counter() - start, "already committed")
     why = runs.unpublished(run.uri, storage)
     if why is not None:
         return Commit(t.uri, run.run_id, run.run_date, None, 0, 0, time.perf_counter() - start, f"not published: {why}")
     created = create(t.uri, storage, schema)
     check_schema(created, t.uri, schema)
-    adds = write_files(run, t, schema)
-    version, skipped = commit(run, t, adds, schema)
+    call = uuid.uuid4().hex[:12]
+    adds = write_files(run, t, schema, call)
+    version, skipped = commit(run, t, adds, schema, call)
+    if skipped is not None:  # another call's files hold the run, or none may: this call's are in no version
+        remove_files(t.uri, adds, storage)
+        log.info("table %s: run %s not committed by this call (%s)", t.uri, run.run_id, skipped)
+        return Commit(t.uri, run.run_id, run.run_date, version, 0, 0, time.perf_counter() - start, skipped)
     rows = sum(json.loads(a.stats)["numRecords"] for a in adds)
     took = time.perf_counter() - start
     log.info("table %s: run %s of %s committed as version %s (%d files, %d rows, %.1f s)", t.uri, run.run_id,
              run.run_date, version, len(adds), rows, took)  # fmt: skip
-    return Commit(t.uri, run.run_id, run.run_date, version, len(adds), rows, took, skipped)
+    return Commit(t.uri, run.run_id, run.run_date, version, len(adds), rows, took, None)
 
 
 def run_app(run_id: str) -> str:
@@ -263,8 +283,9 @@ def date_app(run_date: str) -> str:
     return f"genrec-batch/{PARTITION}/{run_date}"
 
 
-def committed_version(uri: str, storage: Storage, run_id: str, table=None) -> int | None:
-    """The table version whose commit made `run_id`'s rows, if one did (its app transaction), else None."""
+def committed(uri: str, storage: Storage, run_id: str, table=None) -> tuple[int, str | None] | None:
+    """The table version whose commit made `run_id`'s rows and the call that made it (its CALL; None when its commit
+    entry is beyond the history delta-rs kept), if one did (its app transaction), else None."""
     try:
         table = table or load(uri, storage)
     except FileNotFoundError:
@@ -273,8 +294,8 @@ def committed_version(uri: str, storage: Storage, run_id: str, table=None) -> in
         return None
     for entry in table.history():  # newest first
         if entry.get(RUN_ID) == run_id:
-            return int(entry["version"])
-    return table.version()  # its commit entry is beyond the history delta-rs kept
+            return int(entry["version"]), entry.get(CALL)
+    return table.version(), None
 
 
 def table_schema(run) -> pa.Schema:
@@ -301,23 +322,32 @@ def delta_type(kind: pa.DataType) -> pa.DataType:
 
 
 def create(uri: str, storage: Storage, schema: pa.Schema):
-    """The table, created empty and partitioned by run_date if there is none (idempotent) -> its DeltaTable."""
+    """The table, created empty and partitioned by run_date if there is none -> its DeltaTable. The creation is one
+    commit of version 0, never retried by delta-rs: of calls creating the table at once one writes it, the others
+    fail that commit and read the table it made (delta-rs's own retry would commit a second CREATE TABLE, a second
+    table id, as version 1)."""
     from deltalake import DeltaTable
+    from deltalake.exceptions import CommitFailedError
+    from deltalake.transaction import CommitProperties
 
-    retrying(
-        lambda: DeltaTable.create(
-            location(uri),
-            schema=schema,
-            mode="ignore",
-            partition_by=[PARTITION],
-            name="recommendations",
-            description="genrec-batch: each run_date's published recommendation lists",
-            storage_options=storage_options(storage),
-        ),
-        storage,
-        f"create Delta table {uri}",
-        uri,
-    )
+    try:
+        retrying(
+            lambda: DeltaTable.create(
+                location(uri),
+                schema=schema,
+                mode="ignore",
+                partition_by=[PARTITION],
+                name="recommendations",
+                description="genrec-batch: each run_date's published recommendation lists",
+                storage_options=storage_options(storage),
+                commit_properties=CommitProperties(max_commit_retries=0),
+            ),
+            storage,
+            f"create Delta table {uri}",
+            uri,
+        )
+    except CommitFailedError as e:  # another call created it first: theirs is the table
+        log.info("table %s: created by another call meanwhile (%s)", uri, e)
     return load(uri, storage)
 
 
@@ -339,13 +369,11 @@ def describe(schema: pa.Schema) -> str:
     return "(" + ", ".join(f"{f.name} {f.type}" for f in schema) + ")"
 
 
-def write_files(run, t: Table, schema: pa.Schema) -> list:
+def write_files(run, t: Table, schema: pa.Schema, call: str) -> list:
     """The run's recommendation files copied into the table's folder by Ray tasks (table.writers at once), about
-    table.rows_per_file rows a file -> their AddActions. The files' names hold the run, this call (a task run again
+    table.rows_per_file rows a file -> their AddActions. The files' names hold the run, the call (a task run again
     writes the same file; two commits of one run at once never write over each other's, which a version may name)
     and the group."""
-    import uuid
-
     import ray
     from deltalake.transaction import AddAction
 
@@ -357,9 +385,9 @@ def write_files(run, t: Table, schema: pa.Schema) -> list:
         write_part,
         batch_size=1,
         batch_format="pyarrow",
-        concurrency=min(t.writers, max(len(groups), 1)),
+        compute=ray.data.TaskPoolStrategy(size=min(t.writers, max(len(groups), 1))),
         fn_kwargs={"uri": t.uri, "run_id": run.run_id, "run_date": run.run_date, "schema": schema,
-                   "storage": run.storage, "nonce": uuid.uuid4().hex[:8]},
+                   "storage": run.storage, "nonce": call},
     )  # fmt: skip
     ds.context.raise_original_map_exception = True
     written = pa.concat_tables(list(ds.iter_batches(batch_size=None, batch_format="pyarrow"))) if groups else None
@@ -413,22 +441,33 @@ def stats_of(t: pa.Table) -> str:
     return json.dumps({"numRecords": t.num_rows, "minValues": low, "maxValues": high, "nullCount": nulls})
 
 
-def commit(run, t: Table, adds: list, schema: pa.Schema) -> tuple[int | None, str | None]:
+def remove_files(uri: str, adds: list, storage: Storage) -> None:
+    """Deletes data files a call wrote that no version names (`adds`: their AddActions)."""
+    folders: dict[str, list[str]] = {}
+    for a in adds:
+        folder, _, name = a.path.rpartition("/")
+        folders.setdefault(folder, []).append(name)
+    for folder, names in folders.items():
+        S.delete_files(S.join(location(uri), folder), names, storage)
+
+
+def commit(run, t: Table, adds: list, schema: pa.Schema, call: str) -> tuple[int | None, str | None]:
     """One Delta transaction: `adds` in, the date's earlier rows out (overwrite where run_date = D), the commit info
-    naming the run, the date's and the run's app transactions -> (the table version, None), or (None, why) when the
-    run was superseded before its commit. A commit that lost to another's reloads and checks again."""
+    naming the run and the call, the date's and the run's app transactions -> (the table version, None), or (the
+    version, why) when another call committed the run first, or (None, why) when the run was superseded before its
+    commit. A commit that lost to another's reloads and checks again."""
     from deltalake.exceptions import CommitFailedError
 
     storage = run.storage
     for _ in range(CONFLICT_TRIES):
         table = load(t.uri, storage)
-        done = committed_version(t.uri, storage, run.run_id, table)
+        done = committed(t.uri, storage, run.run_id, table)
         if done is not None:
-            return done, None
+            return whose(done, call)
         why = runs.unpublished(run.uri, storage)
         if why is not None:
             return None, f"not published: {why}"
-        properties = commit_properties(run, table)
+        properties = commit_properties(run, table, call)
         try:
             retrying(
                 lambda table=table, properties=properties: table.create_write_transaction(
@@ -448,19 +487,30 @@ def commit(run, t: Table, adds: list, schema: pa.Schema) -> tuple[int | None, st
                 raise ValueError(f"table {t.uri}: the commit of run {run.run_id} was refused: {e}") from None
             log.warning("table %s: the commit of run %s lost to another (%s); checking again", t.uri, run.run_id, e)
             continue
-        return committed_version(t.uri, storage, run.run_id), None
+        return whose(committed(t.uri, storage, run.run_id), call)
     raise S.StoreUnavailable(f"table {t.uri}: the commit of run {run.run_id} lost to others {CONFLICT_TRIES} times")
 
 
-def commit_properties(run, table):
-    """A run's commit: its info naming the run; the date's app transaction (the next of its sequence: two commits of
-    the date from one version conflict) and the run's (a commit tried again finds itself made); no retry by
-    delta-rs (a conflict comes back to `commit`: the run is checked again on the table it lost to)."""
+def whose(done: tuple[int, str | None] | None, call: str) -> tuple[int | None, str | None]:
+    """The version found holding the run (`committed`) -> (it, None) when this call made it, else (it, why not)."""
+    if done is None:
+        raise ValueError("a commit that succeeded is not in the table's history")
+    version, by = done
+    if by == call:
+        return version, None
+    return version, f"already committed by another call (version {version})"
+
+
+def commit_properties(run, table, call: str):
+    """A run's commit: its info naming the run and the call; the date's app transaction (the next of its sequence:
+    two commits of the date from one version conflict) and the run's (a commit tried again finds itself made); no
+    retry by delta-rs (a conflict comes back to `commit`: the run is checked again on the table it lost to)."""
     from deltalake.transaction import CommitProperties, Transaction
 
     sequence = (table.transaction_version(date_app(run.run_date)) or 0) + 1
+    metadata = {RUN_ID: run.run_id, CALL: call, "genrec_batch.run": run.uri, "genrec_batch.run_date": run.run_date}
     return CommitProperties(
-        custom_metadata={RUN_ID: run.run_id, "genrec_batch.run": run.uri, "genrec_batch.run_date": run.run_date},
+        custom_metadata=metadata,
         app_transactions=[Transaction(date_app(run.run_date), sequence), Transaction(run_app(run.run_id), 1)],
         max_commit_retries=0,
     )

@@ -105,7 +105,8 @@ def read_retrying(batch: pa.Table, storage, uri: str, code: str = "", **kwargs) 
     tasks: their processes import this module, pyarrow and storage's, not the decoders); `code`: the driver's code
     identity, which this node's must be (`lineage.check_code`: the input hashes are computed here)."""
     check_code(code, "a read task")
-    return S.retrying(lambda: read_units(batch, **kwargs), storage, f"read {uri}")
+    with S.on_node("the input", uri):
+        return S.retrying(lambda: read_units(batch, **kwargs), storage, f"read {uri}")
 
 
 def conformed(t: pa.Table, columns: list[str], schema: pa.Schema | None) -> pa.Table:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import tempfile
 from pathlib import Path
 
@@ -179,3 +180,23 @@ def reference_ids(pieces: list[tuple[str, str]], tokenizer) -> list[int]:
             span[0] += text[at:]
     flush()
     return ids
+
+
+LOG_LINE = re.compile(
+    r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}[ \t](DEBUG|INFO|WARNING|ERROR) (\S+: |\S+:\d+ -- )"  # ours | Ray's
+    r"|\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} [DIWE] \d+ \d+\] \S+:\d+: "  # Ray's core (C++)
+    r"|\([\w()]+ pid=\d+(, ip=[\d.]+)?\) "  # a Ray worker's line, forwarded to the driver
+)
+
+
+def assert_one_error_line(stderr: str, error: str) -> None:
+    """A command's whole stderr: exactly one `error:` line, matching the regular expression `error` whole; every
+    other line a log record (the job's, Ray's or a worker's forwarded, without a colour code before it), with no
+    traceback, no Ray task header and no deprecation anywhere."""
+    lines = stderr.splitlines()
+    errors = [line for line in lines if line.startswith("error:")]
+    assert len(errors) == 1 and re.fullmatch(error, errors[0]), errors or stderr[-3000:]
+    strays = [line for line in lines if not line.startswith("error:") and not LOG_LINE.match(line)]
+    assert not strays, strays[:20]
+    for mark in ("Traceback", "ray::", 'File "', "deprecated"):
+        assert mark not in stderr, [line for line in lines if mark in line][:5]

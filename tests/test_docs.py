@@ -161,8 +161,9 @@ def test_genrec_batch_lists_its_subcommands_and_versions(capsys):
     out = capsys.readouterr().out
     assert out.startswith("genrec-batch ") and all(f"  {name} " in out for name in ("torch", "transformers", "ray"))
     assert genrec_batch(["nope"]) == 2 and "unknown subcommand 'nope'" in capsys.readouterr().err
-    for name, (module, _) in COMMANDS.items():  # every subcommand is its job's own parser
-        assert help_text([name]) == run_help(importlib.import_module(module))
+    for name, (module, _) in COMMANDS.items():  # every subcommand is its job's own parser, named as it was run
+        words = " ".join(run_help(importlib.import_module(module)).split())
+        assert " ".join(help_text([name]).split()) == words.replace(f"python -m {module} ", f"genrec-batch {name} ", 1)
 
 
 def run_help(module) -> str:
@@ -669,3 +670,18 @@ def test_the_data_pages_example_passes_the_jobs_own_checks(tmp_path, monkeypatch
     ids = np.array(items.table.column("item_id").to_numpy())  # a writable copy
     good, rejects = validate(data.to_table(), ItemTokens.from_arrays(ids, semantic_id_matrix(items.table)), 20)
     assert rejects.num_rows == 0 and good.column("user_id").to_pylist() == [7, 8]
+
+
+def test_each_command_names_itself_as_it_was_run(capsys):
+    """`genrec-batch SUBCOMMAND --help` says `genrec-batch SUBCOMMAND`, `python -m jobs.X --help` says that."""
+    from jobs import export
+    from jobs.main import main
+
+    for run, name in (
+        (lambda: main(["export", "--help"]), "genrec-batch export"),
+        (lambda: main(["nightly", "--help"]), "genrec-batch nightly"),
+        (lambda: export.main(["--help"]), "python -m jobs.export"),
+    ):
+        with pytest.raises(SystemExit):
+            run()
+        assert capsys.readouterr().out.startswith(f"usage: {name} [-h]")

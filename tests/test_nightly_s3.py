@@ -3,6 +3,7 @@ and outputs all on s3://; wrong credentials fail clearly and leak no secret; `ra
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -633,3 +634,74 @@ def test_the_driver_checks_an_s3_model_without_its_weights(cluster, tmp_path):
         damage()
         with pytest.raises(ValueError, match=f"{weights}: .*{why}"):
             S.model_head(uri, storage, head)
+
+
+def test_a_model_replaced_at_its_prefix_is_fetched_anew_and_an_actor_refuses_the_old_one(cluster, tmp_path):
+    """The node's cache is keyed by content. Three actors of a node fetch M1 at once: one copy, every file checked.
+    The prefix is deleted and M2 uploaded there: an actor of a run planned with M1 refuses it, naming the URI and
+    both digests, before any weight is read; one of a run planned with M2 gets M2, never the cached M1, which stays
+    while an actor uses it and is deleted by the first fetch after that actor is gone."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from dataclasses import replace
+    from functools import partial
+
+    from decoding.templates import PRESETS
+    from operators.recommender import prepare
+    from operators.spec import ActorSpec
+    from pipeline.plan import fetch_model
+    from tests.node import fetched
+
+    world, s3, _, _ = cluster
+    storage, uri, cache = Storage(s3.endpoint), s3.uri("models", "replaced"), str(tmp_path / "cache")
+    m1 = S.upload_model_dir(str(world / "target"), uri, storage)
+    one = S.weights_fingerprint(m1)
+    spawn = multiprocessing.get_context("spawn")
+    queue = spawn.Queue()
+    holder = spawn.Process(target=fetched, args=(uri, cache, s3.endpoint, one, 300, queue))  # an actor of M1, alive
+    holder.start()
+    try:
+        with ProcessPoolExecutor(2, mp_context=spawn) as pool:
+            got = [*pool.map(fetched, [uri] * 2, [cache] * 2, [s3.endpoint] * 2, [one] * 2), queue.get(timeout=60)]
+        assert len({path for path, _ in got}) == 1 and all(files == m1 for _, files in got)
+        old = Path(got[0][0])
+
+        S.delete_tree(uri, storage)
+        m2 = S.upload_model_dir(str(world / "draft"), uri, storage)
+        two = S.weights_fingerprint(m2)
+        assert one != two
+        catalog = pq.read_table(world / "data" / "items.parquet")
+        fetch = partial(fetch_model, cache_dir=cache, storage=storage)
+        spec = ActorSpec("r", uri, catalog, "items", template=PRESETS["codes"].with_max_items(8), fetch=fetch)
+        with pytest.raises(S.ModelChanged, match=rf"model {uri} on node .*: its weights are {two} now, .*{one}"):
+            prepare(replace(spec, target_sha256=one))  # an actor of a run planned with M1
+        new = Path(prepare(replace(spec, target_sha256=two)).target)  # one of a run planned with M2
+        assert new != old and {f.name: S.sha256_file(f) for f in new.iterdir() if f.name[0] != "."} == m2
+        assert old.is_dir()  # M1's actor still uses it
+    finally:
+        holder.terminate()
+        holder.join()
+    assert Path(fetch(uri, two)) == new and not old.exists()  # M1's actor is gone: the next fetch deletes its copy
+
+
+def test_worker_nodes_without_credentials_end_the_run_with_one_line_naming_the_node_and_the_fix(cluster, tmp_path):
+    """The driver has the store's credentials, its workers none (the job's runtime env empties AWS_*): the first
+    actor cannot read the s3:// model and the run ends before any decoding, exit 9, its whole stderr one `error:`
+    line naming the node, the URI and the fix; nothing published."""
+    from tests.helpers import assert_one_error_line
+
+    world, s3, head, root = cluster
+    out = tmp_path / "out"
+    items = s3_config(s3, root, f"input={world / 'data' / 'test.parquet'}", f"output={out}")
+    items += [f"catalog={world / 'data' / 'items.parquet'}", "decoding.mode=beam", f"models.cache_dir={tmp_path}"]
+    bare = {name: "" for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")}
+    workers = {"runtime_env": {"env_vars": {**bare, "AWS_EC2_METADATA_DISABLED": "true"}}}
+    env = {**os.environ, "RAY_ADDRESS": head.address, "RAY_JOB_CONFIG_JSON_ENV_VAR": json.dumps(workers)}
+    cmd = [sys.executable, "-m", "jobs.nightly", "--config", str(write_config(tmp_path / "c.yaml", items))]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 9, run.stderr[-3000:]
+    uri = re.escape(s3.uri("models", "target"))
+    assert_one_error_line(run.stderr, rf"error: node \S+ \([\d.]+\) cannot read the model {uri}: Unable to locate "
+                          r"credentials\. Every worker node .*IRSA.*runtime_env env_vars.*")  # fmt: skip
+    assert runs.latest_run(str(out), "2026-11-21", Storage()) is None
+    assert not list(out.rglob("*.parquet"))  # no shard: nothing was decoded

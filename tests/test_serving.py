@@ -20,6 +20,7 @@ import pytest
 from pipeline import runs, serving
 from pipeline.config import Serving
 from pipeline.output import open_run
+from tests.helpers import assert_one_error_line
 from tests.redis_server import RedisServer, require_redis, start_cluster
 from tests.test_nightly import config, make_world
 
@@ -98,34 +99,92 @@ def test_an_export_switches_and_every_user_reads_back_its_list(two_runs, redis_s
     assert_serves(client, "recs", a)
 
 
-def test_rollback_points_back_and_removes_the_rolled_back_version(two_runs, redis_server):
+GRACE_S = 1.0  # the tests' serving.grace_s: a removed version's keys expire this long after its removal
+
+
+def read_by(client, version: str, run: str) -> None:
+    """A reader that read the pointer (`version`) before the version was removed reads every user's list of `run`
+    in it, within the grace."""
+    lists, users = lists_of(run)
+    for user in users:
+        value = client.get(serving.Keys("recs").user(version, user))
+        assert (serving.decode(value) if value is not None else None) == lists.get(user), user
+
+
+def expire_then_end(client, t: Serving, version: str) -> None:
+    """A removed version: each of its keys expires within the grace, none is left once it has passed, and the next
+    trim ends its removal."""
+    keys = list(client.scan_iter(match=f"recs:{version}:*".encode()))
+    assert keys and all(0 < client.pttl(k) <= GRACE_S * 1000 for k in keys)
+    wait_for(lambda: not list(client.scan_iter(match=f"recs:{version}:*".encode())), "the keys' expiry", 10)
+    assert client.sismember("{recs}:removing", version)
+    serving.trim(client, t)
+    assert not client.sismember("{recs}:removing", version)
+
+
+def test_rollback_points_back_and_the_rolled_back_version_stays_readable_for_the_grace(two_runs, redis_server):
     _, _, a, b = two_runs
-    t = target(redis_server.url)
+    t = target(redis_server.url, grace_s=GRACE_S)
     first, _ = (serving.export(open_run(run), t) for run in (a, b))
     client = redis_server.client()
     with pytest.raises(serving.Raced):  # a late switch to day 1's version (a retry, a second export of day 1)
         shards = len(open_run(a).manifest["files"]["recommendations"])
         serving.switch(client, t, open_run(a), first.version, None, shards, first.users)
     assert first.version in serving.versions(client, t)  # a kept version is never removed by a lost switch
+    before = serving.Reader(client, "recs").version()  # a reader reads the pointer just before the rollback
     was, now = serving.rollback(t)
-    assert (serving.run_of(was), serving.run_of(now)) == (open_run(b).run_id, open_run(a).run_id)
+    assert (serving.run_of(was), serving.run_of(now)) == (open_run(b).run_id, open_run(a).run_id) and before == was
+    read_by(client, before, b)  # ... and then its list: still there
     assert_serves(client, "recs", a)
-    assert not list(client.scan_iter(match=f"recs:{was}:*".encode()))
+    expire_then_end(client, t, was)
     with pytest.raises(serving.Refused, match="no previous version"):
         serving.rollback(t)
 
 
-def test_versions_beyond_keep_are_removed(two_runs, redis_server):
+def test_versions_beyond_keep_are_removed_and_keep_0_leaves_readers_their_list(two_runs, redis_server):
     _, _, a, b = two_runs
-    t = target(redis_server.url, keep=0)
+    t = target(redis_server.url, keep=0, grace_s=GRACE_S)
     old = serving.export(open_run(a), t).version
     client = redis_server.client()
-    assert list(client.scan_iter(match=f"recs:{old}:*".encode()))
+    before = serving.Reader(client, "recs").version()  # a reader reads the pointer just before the switch
     done = serving.export(open_run(b), t)
-    assert done.removed == [old] and not list(client.scan_iter(match=f"recs:{old}:*".encode()))
+    assert done.removed == [old] == [before]
+    read_by(client, before, a)  # none kept for rollback, but a reader's list is there for the grace
     assert client.hexists(f"{{recs}}:done:{old}", serving.REMOVED)  # marked: never switched or rolled back to
     assert serving.versions(client, t) == [done.version]
     assert_serves(client, "recs", b)
+    expire_then_end(client, t, old)
+
+
+def test_a_writer_racing_a_removal_leaves_no_key_behind(two_runs, redis_server, monkeypatch):
+    """A version is removed (a lost switch: never read) between a writer's check and its SETs: the writer finds the
+    mark after its round trip and expires what it wrote (Raced). 50 keys a writer that died between its SETs and
+    that check left are deleted by the first trim after the grace."""
+    import pyarrow.dataset as pads
+
+    _, _, a, _ = two_runs
+    t, run = target(redis_server.url, grace_s=GRACE_S), open_run(a)
+    client = redis_server.client()
+    version = serving.version_of(client, t, run.run_id)
+    file, sets = run.files("recommendations")[0], serving._set_all
+
+    def removed_first(c, values):
+        serving.remove_version(client, t, version, unlisted=True)  # the whole removal pass runs before the SETs
+        sets(c, values)
+
+    monkeypatch.setattr(serving, "_set_all", removed_first)
+    with pytest.raises(serving.Raced, match="was removed while this export wrote it"):
+        serving.write_shard(pa.table({"file": [file], "shard": ["s0"]}), t, version, serving.Credentials(), run.storage)
+    users = pads.dataset(file).to_table(columns=["user_id"])["user_id"].unique()
+    keys = [serving.Keys("recs").user(version, u) for u in users.to_pylist()]
+    assert keys and all(0 < client.pttl(k) <= GRACE_S * 1000 for k in keys)
+    dead = [serving.Keys("recs").user(version, 10**9 + i) for i in range(50)]  # a writer that died after its SETs
+    sets(client, [(k, b"x") for k in dead])
+    assert serving.trim(client, t) == [] and client.sismember("{recs}:removing", version)  # within the grace: kept
+    wait_for(lambda: not any(client.exists(k) for k in keys), "the writer's keys' expiry", 10)
+    serving.trim(client, t)
+    assert not list(client.scan_iter(match=f"recs:{version}:*".encode()))
+    assert not client.sismember("{recs}:removing", version)
 
 
 def export_cli(run: str, url: str, *extra: str, env: dict | None = None, **popen) -> subprocess.Popen:
@@ -179,7 +238,10 @@ def test_redis_killed_mid_export_keeps_the_previous_version_whole_and_a_rerun_sw
     shards = len(open_run(b).manifest["files"]["recommendations"])
     assert client.hlen(f"{{recs}}:done:{version}") < shards and client.get("{recs}:current").decode() == first.version
     redis_server.kill()
-    assert p.wait(120) == 4 and "unavailable" in p.stderr.read()
+    assert p.wait(120) == 4  # its one `error:` line the cause itself, no Ray task header or remote traceback
+    port = redis_server.port
+    down = rf"error: Redis redis://127\.0\.0\.1:{port}/0 unavailable: [^\n]+ failed for \d+ s \(\d+ tries; "
+    assert_one_error_line(p.stderr.read(), down + r"serving\.retry_s = 2\): [^\n]+")
     redis_server.start()
     client = redis_server.client()
     assert_serves(client, "recs", a)  # the previous version, whole
@@ -207,7 +269,8 @@ def test_two_racing_exports_one_wins_and_the_other_exits_3(two_runs, redis_serve
     winner, loser = (a, b) if codes[0] == 0 else (b, a)
     assert "another export or a rollback changed" in logs[codes.index(3)].read_text()
     assert_serves(client, "recs", winner)
-    assert not list(client.scan_iter(match=f"recs:{open_run(loser).run_id}.*".encode()))
+    lost = list(client.scan_iter(match=f"recs:{open_run(loser).run_id}.*".encode()))
+    assert all(0 < client.pttl(k) <= 60_000 for k in lost)  # removed: expiring after serving.grace_s (60 s)
 
 
 def test_a_redis_cluster_serves_every_user_from_keys_over_every_node(two_runs, tmp_path):
@@ -270,3 +333,17 @@ def test_a_list_value_round_trips_and_a_foreign_value_is_refused():
     assert serving.masked("rediss://u:p@h:1/0") == "rediss://u:***@h:1/0"
     assert serving.masked("redis://h:1/0?password=p&db=0") == "redis://h:1/0?password=***&db=0"
     assert "p" not in repr(serving.Credentials("u", "p")).replace("Credentials", "")
+
+
+def test_a_run_superseded_after_it_published_is_skipped_by_its_serve_step(two_runs, redis_server, tmp_path):
+    """A night publishes, and a rerun of its date publishes and exports before the first night's serve step runs:
+    that step skips the superseded run (as its table commit does), never exit 7, and readers keep the rerun's."""
+    from pipeline.nightly import after_publish, run_nightly
+
+    root, _, _, _ = two_runs
+    cfg = config(root, tmp_path / "out", f"serving.url={redis_server.url}", "serving.namespace=recs")
+    first, second = run_nightly(cfg), run_nightly(cfg)
+    assert after_publish(cfg, second)["serving"]["switched"]
+    late = after_publish(cfg, first)["serving"]  # raised ExportFailed (exit 7) before
+    assert not late["switched"] and late["skipped"].startswith("not published: ") and late["run_id"] == first["run_id"]
+    assert_serves(redis_server.client(), "recs", runs.run_dir(cfg.output, cfg.run_date, second["run_id"]))

@@ -3,7 +3,9 @@ the config; a published run committed to a table partitioned by run_date, read b
 a rerun of the date replacing the date's rows in one commit; versions that cannot be read refused, exit 2."""
 
 import json
+import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import pyarrow as pa
 import pyarrow.dataset as pads
@@ -195,8 +197,9 @@ def test_a_delta_input_is_checked_like_parquet(lake, tmp_path):
 
     world, s3, storage, _, users = lake
     items = settings(world, s3, s3.uri("lake", "histories"), s3.uri("lake", "checked-out"))
-    with pytest.raises(ValueError, match=r"missing column\(s\) \['client'\].*columns.user_id client"):
-        plan_run(load_config(None, [*items, "columns.user_id=client"]))
+    for setting, name in (("columns.user_id=client", "client"), ("columns.history=basket", "basket")):
+        with pytest.raises(ValueError, match=rf"^input delta\+\S+ version 2: missing column\(s\) \['{name}'\]"):
+            plan_run(load_config(None, [*items, setting]))  # the table and its version named, no data file
     parted = s3.uri("lake", "partitioned")
     from deltalake import write_deltalake
 
@@ -299,3 +302,100 @@ def test_after_the_publish_a_failure_or_a_signal_names_what_is_left(monkeypatch)
     note = stop_note(caught.value, resume=False)
     assert "run R is published" in note and "genrec-batch export /o/run_date=2026-11-21/run_id=R --to delta+/t" in note
     assert "--namespace genrec" in note and "secret" not in note and "--resume" not in note
+
+
+def test_two_commits_of_one_run_at_once_make_one_version_and_leave_no_orphan(lake, tmp_path):
+    """Two calls commit one published run to a table that does not exist yet, at once (threads released by a
+    barrier): the table is created once (one CREATE TABLE, one table id), the run's rows are in one WRITE, exactly
+    one call reports it committed and the other `skipped`, and the date's folder holds only the files the table
+    names."""
+    import threading
+
+    from deltalake import DeltaTable
+
+    from pipeline.config import Table
+
+    world, s3, storage, history, _ = lake
+    out, uri = s3.uri("lake", "twice-out"), f"delta+{s3.uri('lake', 'twice')}"
+    manifest, _ = night(settings(world, s3, history, out))
+    run = open_run(f"{out}/run_date={DATE}", storage)
+    barrier = threading.Barrier(2)
+
+    def call(_):
+        barrier.wait()
+        return tables.commit_run(run, Table(uri, rows_per_file=120))
+
+    logged = Records()
+    logging.getLogger("ray.data").addHandler(logged)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            done = list(pool.map(call, range(2)))
+    finally:
+        logging.getLogger("ray.data").removeHandler(logged)
+    assert not [m for m in logged.messages if "deprecated" in m]  # e.g. map_batches(concurrency=): Ray Data's warning
+    assert sorted(c.skipped is None for c in done) == [False, True], done
+    won, lost = sorted(done, key=lambda c: c.skipped is not None)
+    assert won.rows == run.table("recommendations").num_rows and (lost.files, lost.rows) == (0, 0)
+    assert lost.version == won.version and "already committed" in lost.skipped
+    dt = DeltaTable(tables.location(uri), storage_options=tables.storage_options(storage))
+    assert [h["operation"] for h in dt.history()] == ["WRITE", "CREATE TABLE"] and dt.version() == won.version == 1
+    named = {f.rpartition("/")[2] for f in tables.data_files(dt, uri, storage)}
+    held = {o["Key"].rpartition("/")[2] for o in s3.client().list_objects_v2(
+        Bucket=s3.bucket, Prefix=f"lake/twice/run_date={DATE}/")["Contents"]}  # fmt: skip
+    assert held == named and len(named) == won.files
+
+
+class Records(logging.Handler):
+    """The messages a logger's records carry."""
+
+    def __init__(self):
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_tables_created_at_once_are_one_table(tmp_path):
+    """Four calls create one table at once, five times over (delta-rs's own create raced in nearly every round
+    here): every round leaves one CREATE TABLE, version 0."""
+    import threading
+
+    from deltalake import DeltaTable
+
+    schema = pa.schema([("run_date", pa.string()), ("user_id", pa.int64())])
+    for i in range(5):
+        uri, barrier = f"delta+{tmp_path / str(i)}", threading.Barrier(4)
+
+        def call(_, uri=uri, barrier=barrier):
+            barrier.wait()
+            tables.create(uri, Storage(), schema)
+
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(call, range(4)))
+        dt = DeltaTable(tables.location(uri))
+        assert dt.version() == 0 and [h["operation"] for h in dt.history()] == ["CREATE TABLE"]
+
+
+def test_an_error_in_a_ray_task_is_its_cause_on_the_error_line():
+    """What a task raised reaches the `error:` line as itself: Ray's task error (the class Ray raises it as, and the
+    one Ray Data wraps a UDF's in) unwrapped, the retry context Ray Data appends to its text taken off; its exit
+    code the cause's."""
+    import ray.exceptions
+
+    from pipeline import storage as S
+    from pipeline.nightly import exit_code
+    from pipeline.signals import ray_cause
+
+    def raised(e):
+        e.args = (e.args[0] + "\nFailed to apply UDF transform after 1/1 attempts (total backoff 0.0s).\nTo change",)
+        return ray.exceptions.RayTaskError("MapBatches(f)", "Traceback ...", e).as_instanceof_cause()
+
+    denied = raised(S.NodeDenied("node n cannot read the model s3://b/m: Unable to locate credentials"))
+    assert "\x1b[36m" in str(denied) and "pid=" in str(denied)  # what the line printed: Ray's coloured task header
+    assert str(ray_cause(denied)) == "node n cannot read the model s3://b/m: Unable to locate credentials"
+    assert exit_code(ray_cause(denied)) == 9 and exit_code(ray_cause(raised(S.ModelChanged("m")))) == 2
+    wrapped = ray.exceptions.UserCodeException("UDF failed")
+    wrapped.__cause__ = S.StoreUnavailable("Redis r unavailable")
+    assert str(ray_cause(ray.exceptions.RayTaskError("f", "tb", wrapped))) == "Redis r unavailable"
+    assert ray_cause(ValueError("x")).args == ("x",)
