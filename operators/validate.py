@@ -29,6 +29,15 @@ def validate(
     """A histories batch (user_id, history, optionally `exclude_column`) -> (good rows: user_id, history list<int64>
     and, when the batch has it, exclude_column list<int64>; rejects: user_id, reason, detail). Vectorised: Python runs
     only over the rejected rows' details (and over the rows of a column that does not cast to lists of integers)."""
+    good, rejects, _ = validate_rows(batch, items, history_len, exclude_column)
+    return good, rejects
+
+
+def validate_rows(
+    batch: pa.Table, items: ItemTokens, history_len: int, exclude_column: str = "exclude_items"
+) -> tuple[pa.Table, pa.Table, np.ndarray]:
+    """`validate`, and which of the batch's rows were rejected [B] bool (the good rows and the rejects each keep the
+    batch's order)."""
     users = batch.column("user_id").combine_chunks()
     history, bad_type = _as_int_lists(batch.column("history").combine_chunks(), "history")
     exclude, bad_exclude = _exclusion_lists(batch, exclude_column)
@@ -39,7 +48,7 @@ def validate(
     _mark_empty(reasons, history)
     _mark_unknown(reasons, history, items, history_len)
     columns = {"history": history, **({exclude_column: exclude} if exclude is not None else {})}
-    return reasons.split(users, columns)
+    return *reasons.split(users, columns), reasons.reason != None  # noqa: E711 (object array: elementwise)
 
 
 class Reasons:
