@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import logging
 import re
 import subprocess
 import sys
@@ -216,3 +217,79 @@ def test_the_library_pages_example_runs_as_written(world, ray_session_plain, tmp
         assert list(got.loc[user, "item_ids"]) == kept, user
         dropped += len(items) - len(kept)
     assert dropped  # the rule took items out
+
+
+def test_the_processor_config_is_the_nightlys_fields_checked_alike(world, caplog):
+    """ProcessorConfig: the nightly config's processor fields, with their defaults; checked as the nightly's are
+    (num_actors also as Ray Data LLM's (min, max)), the precision audit refused; a nightly YAML's own fields named and
+    left out; a missing model refused on the driver, named, as the nightly's plan refuses it."""
+    import genrec_batch as gb
+    from pipeline.cluster import actor_pool
+    from pipeline.config import PROCESSOR_FIELDS, Config, processor_config
+
+    cfg = gb.ProcessorConfig(
+        models=gb.Models(target=str(world / "target")), catalog=str(world / "data" / "items.parquet")
+    )
+    assert set(vars(cfg)) == set(PROCESSOR_FIELDS) and cfg.decoding == Config().decoding
+    for concurrency, pool in (((2, 4), (2, 4, 4)), ("2..4", (2, 4, 4)), (3, (1, 3, 3)), ("auto", (1, None, 7))):
+        cfg.compute.num_actors = concurrency
+        assert processor_config(cfg) is cfg
+        assert tuple(vars(actor_pool(cfg.compute, {"CPU": 8}))[k] for k in ("min", "max", "initial")) == pool
+    for wrong, message in (
+        ({"num_actors": (4, 2)}, "compute.num_actors must be an integer >= 1, a range"),
+        ({"num_actors": (0, 2)}, "compute.num_actors"),
+        ({"audit_users": 8}, "compute.audit_users is the nightly's precision audit"),
+    ):
+        bad = gb.ProcessorConfig(**{**vars(cfg), "compute": gb.Compute(**wrong)})
+        with pytest.raises(ValueError, match=re.escape(message)):
+            gb.build_processor(bad)
+    with pytest.raises(ValueError, match="catalog must be set"):
+        gb.build_processor(gb.ProcessorConfig(models=cfg.models))
+    with caplog.at_level(logging.INFO, logger="genrec.processor"):
+        loaded = gb.load_processor_config(
+            None,
+            [
+                f"catalog={cfg.catalog}",
+                f"models.target={cfg.models.target}",
+                "input=x.parquet",
+                "runs.lease_s=60",
+                "compute.num_actors=2..4",
+            ],
+        )
+    assert "the processor ignores the nightly's input, runs" in caplog.text and loaded.compute.num_actors == "2..4"
+    with pytest.raises(FileNotFoundError, match="models.target"):
+        gb.build_processor(gb.ProcessorConfig(models=gb.Models(target=str(world / "none")), catalog=cfg.catalog))
+
+
+def test_a_batch_becomes_its_rows_with_their_lists_or_reasons():
+    """The actor's two ends, without Ray: a dataset's batch -> the recommender's rows (`columns` renamed, Ray Data's
+    tensor columns as lists, refusals naming the column); its decode -> one row per row in, lists where listed."""
+    from operators.recommender import Recommended
+    from pipeline.config import Columns, ProcessorConfig
+    from pipeline.processor import decoder_rows, plain, with_lists
+
+    cfg = ProcessorConfig(columns=Columns(user_id="uid", history="items"))
+    batch = pa.table({"uid": [7, 8, 9], "items": [[1, 2], [3], []], "exclude_items": [[2], None, None], "x": [1, 2, 3]})
+    rows = decoder_rows(batch, cfg)
+    assert rows.column_names == ["user_id", "history", "exclude_items"] and rows["history"] == batch["items"]
+    for table, message in (
+        (batch.drop_columns(["items"]), r"no column\(s\) \['items'\] \(columns.user_id uid, columns.history items\)"),
+        (batch.append_column("scores", pa.array([1, 2, 3])), r"already has column\(s\) \['scores'\]"),
+        (batch.set_column(0, "uid", pa.array([1.0, 2.0, 3.0])), "user ids must be integers, strings or binary"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            decoder_rows(table, cfg)
+    assert decoder_rows(batch.set_column(0, "uid", pa.nulls(3)), cfg).num_rows == 3  # each row a missing_user_id
+    from ray.data._internal.tensor_extensions.arrow import ArrowTensorArray
+
+    ragged = ArrowTensorArray.from_numpy(np.array([np.array([1, 2]), np.array([3])], dtype=object))
+    square = ArrowTensorArray.from_numpy(np.array([[1, 2], [3, 4]]))
+    assert [plain(pa.chunked_array([t])).to_pylist() for t in (ragged, square)] == [[[1, 2], [3]], [[1, 2], [3, 4]]]
+
+    recs = pa.table({"item_id": pa.array([5, 6, 7], pa.int64()), "score": pa.array([-1, -2, -3], pa.float32())})
+    rejects = pa.table({"user_id": [9, 8], "reason": ["empty_history", "no_items"], "detail": ["", ""]})
+    out = Recommended(np.array([0, 1]), np.array([3, 0]), recs, rejects, np.array([2, 1]), {})
+    got = with_lists(batch, out)
+    assert got.column_names == [*batch.column_names, "item_ids", "scores", "reject_reason"]
+    assert got["item_ids"].to_pylist() == [[5, 6, 7], None, None] and got["scores"].type == pa.list_(pa.float32())
+    assert got["reject_reason"].to_pylist() == [None, "no_items", "empty_history"]
