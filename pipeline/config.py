@@ -570,7 +570,7 @@ def _check_compute(c: Compute, d: Decoding) -> None:
     _need(
         c.num_actors == "auto" or (isinstance(c.num_actors, int) and c.num_actors >= 1) or actor_range(c.num_actors),
         "compute.num_actors",
-        "must be an integer >= 1, a range min..max or (min, max) (1 <= min <= max) or auto",
+        "must be an integer >= 1, a range min..max (1 <= min <= max) or auto",
         c.num_actors,
     )
     _need(
