@@ -125,15 +125,17 @@ def processor_config(world, mode: str, *settings):
         catalog=str(world / "data" / "items.parquet"),
         decoding=gb.Decoding(mode="disc", k=K, seed=7),
         compute=gb.Compute(batch_size=5),
+        columns=gb.Columns(user_id="uid", history="items"),  # the pandas frame's names (`as_pandas`)
     )
 
 
 @pytest.mark.parametrize("mode", ["beam", "atspeed-strict", "disc"])
 def test_the_processors_lists_are_the_nightlys(world, histories, ray_session_plain, tmp_path, mode):
     """The same users, models and settings through the nightly (batches of 16, ordered by length) and the processor
-    (batches of 5, in the dataset's order; beam from a Delta table, strict from parquet, DISC seeded from pandas):
-    the same lists, scores within float32's reordering bound; every row out once, in its own row, with its columns,
-    its list or the nightly's reject reason; no user gets an item its exclusion column names."""
+    (batches of 5, in the dataset's order; beam from a Delta table, strict from parquet with a preprocess, DISC seeded
+    from pandas under other column names): the same lists, scores within float32's reordering bound; every row out
+    once, in its own row, with its columns, its list or the nightly's reject reason; no user gets an item its
+    exclusion column names."""
     import ray
 
     import genrec_batch as gb
@@ -149,10 +151,14 @@ def test_the_processors_lists_are_the_nightlys(world, histories, ray_session_pla
         "disc": lambda: ray.data.from_pandas(as_pandas(table)),
     }[mode]()
     extra = ["compute.batch_size=5", "compute.order_by_length=false"] if mode != "disc" else []
-    got = gb.build_processor(processor_config(world, mode, *settings, *extra))(ds).to_pandas()
+    arm = (lambda row: {"arm": row["segment"].upper()}) if mode == "atspeed-strict" else None  # merged into the row
+    got = gb.build_processor(processor_config(world, mode, *settings, *extra), preprocess=arm)(ds).to_pandas()
+    got = got.rename(columns={"uid": "user_id", "items": "history"})
 
-    assert len(got) == table.num_rows and list(got.columns) == [*table.column_names, *gb_outputs()]
+    added = ["arm"] * (arm is not None)
+    assert len(got) == table.num_rows and list(got.columns) == [*table.column_names, *added, *gb_outputs()]
     assert sorted(got.segment) == sorted(table["segment"].to_pylist())  # the user's columns, each row once
+    assert not added or (got.arm == got.segment.str.upper()).all()
     for row in got.itertuples():
         user = None if pd.isna(row.user_id) else int(row.user_id)
         if user in want:
@@ -179,12 +185,12 @@ def gb_outputs() -> list[str]:
 
 
 def as_pandas(table: pa.Table) -> pd.DataFrame:
-    """The histories as a user's pandas frame: nullable integer ids, each history a numpy array (Ray Data makes the
-    column a tensor column), the exclusion lists as Python lists."""
+    """The histories as a user's pandas frame: nullable integer ids (`uid`), each history a numpy array (`items`:
+    Ray Data makes the column a tensor column), the exclusion lists as Python lists."""
     df = table.to_pandas(types_mapper={pa.int64(): pd.Int64Dtype()}.get)
     df["history"] = [np.asarray(h if h is not None else [], np.int64) for h in table["history"].to_pylist()]
     df["exclude_items"] = table["exclude_items"].to_pylist()
-    return df
+    return df.rename(columns={"user_id": "uid", "history": "items"})
 
 
 def test_the_library_pages_example_runs_as_written(world, ray_session_plain, tmp_path):
