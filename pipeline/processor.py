@@ -68,8 +68,11 @@ class Processor:
         return ds
 
     def recommend(self, ds):
-        """The recommender actor pool over the dataset's batches (compute.batch_size rows each): compute.num_actors
-        as the nightly reads it (cluster.actor_pool), each actor's CPUs and GPUs as the nightly's."""
+        """The recommender actor pool over the dataset: compute.num_actors as the nightly reads it
+        (cluster.actor_pool), each actor's CPUs and GPUs as the nightly's. Each call takes compute.batches_per_task
+        batches of compute.batch_size rows, as a nightly task does, and orders their users by history length before
+        it cuts them into decodes (compute.order_by_length; `actor_args`), as a nightly read task orders its row
+        group's: users of like lengths share a decode and its padding."""
         import ray
 
         if not ray.is_initialized():
@@ -77,7 +80,7 @@ class Processor:
         c = self.config.compute
         return ds.map_batches(
             RowRecommender,
-            batch_size=c.batch_size,
+            batch_size=c.batch_size * c.batches_per_task,
             batch_format="pyarrow",
             fn_constructor_kwargs=actor_args(self.config, self.decoder),
             compute=cluster.actor_pool(c, ray.cluster_resources()).strategy(),
@@ -108,6 +111,7 @@ def check(cfg: ProcessorConfig) -> Decoder:
 def actor_args(cfg: ProcessorConfig, decoder: Decoder) -> dict:
     """What each actor is built from: small, inline values (the items are read by each actor, as the nightly's)."""
     fs, path = S.filesystem(cfg.catalog, cfg.storage)
+    c = cfg.compute
     spec = replace(
         decoder.spec,
         run_id="processor",
@@ -115,6 +119,7 @@ def actor_args(cfg: ProcessorConfig, decoder: Decoder) -> dict:
         recommendable=None,
         audit_users=0,  # no metrics table to report it in
         target_sha256=decoder.models["target"]["sha256"],
+        decode_batch=c.decode_batch or (None if c.gpus_per_actor else c.batch_size),  # a nightly shard's on a CPU
     )
     items = ItemsRef(Sources.of(cfg), S.content_id(path, fs, cfg.storage), decoder.items.identity)
     return {"spec": spec, "items": items, "storage": cfg.storage, "config": cfg}
