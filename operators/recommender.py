@@ -193,9 +193,8 @@ class Recommender:
         return output_table(out.recs, out.rejects, out.metric, batch.schema.field("user_id").type)
 
     def recommend(self, batch: pa.Table) -> Recommended:
-        """A histories batch -> its users' recommendations, its rejects with their rows, its metric row: the one
-        decode of a batch, which the nightly's shards (`__call__`) and the processor's rows (pipeline/processor.py)
-        are both made of."""
+        """A histories batch -> its users' recommendations, its rejects with their rows, its metric row: the decode
+        the nightly's shards (`__call__`) and the processor's rows (pipeline/processor.py) are both made of."""
         fault_injection(self.batches)
         t0 = time.perf_counter()
         d = self.spec.decoding
@@ -317,19 +316,20 @@ class Recommender:
             "users_non_finite": int(decoded.broken.sum()),
             "decoder": decoded.mode,
             "engine_note": note,
-            "auto": self._auto_state(),
+            "auto": auto_state(self.auto, self.engine_auto),
             "dtype": self.dtype,
             **decoded.audit,
             **self.compiled.since(self.target, self.batch_engine),
         }
 
-    def _auto_state(self) -> dict | None:
-        """The actor's auto choices so far: decoding.mode auto's (choice, trial users/s, trial batches) and, under
-        "engine", compute.engine auto's (AutoEngine.state)."""
-        state = self.auto.state() if self.auto else {}
-        if self.engine_auto:
-            state["engine"] = self.engine_auto.state()
-        return state or None
+
+def auto_state(auto: AutoMode | None, engine: AutoEngine | None) -> dict | None:
+    """An actor's auto choices so far: decoding.mode auto's (choice, trial users/s, trial batches) and, under
+    "engine", compute.engine auto's (AutoEngine.state)."""
+    state = auto.state() if auto else {}
+    if engine:
+        state["engine"] = engine.state()
+    return state or None
 
 
 def _device_id(device: torch.device) -> str:
