@@ -163,10 +163,7 @@ class ProcessorParams:
     repeats: int = 3
     k: int = 10
     batch: int = 256
-    actors: int = 1
     cpus: int = 2  # CPUs of the local Ray
-    items: int = 3000
-    history_len: int = 20
     out: str = "bench-out"
 
 

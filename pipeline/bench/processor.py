@@ -20,7 +20,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from pipeline.bench.common import Timing, compare, fmt_ratio, fmt_spread, ratio, run_order, spread
-from pipeline.bench.params import ProcessorParams
+from pipeline.bench.params import ProcessorParams, ScaleParams
 from pipeline.bench.scale import overrides, run_driver, world
 from pipeline.markdown import table
 
@@ -40,16 +40,18 @@ def bench_size(p: ProcessorParams, n: int) -> dict:
     """n users: the nightly and the processor, each in its own driver process, interleaved `repeats` times."""
     import ray
 
-    root = world(p, n)
+    scale = ScaleParams(users=[n], k=p.k, batch=p.batch, cpus=p.cpus, out=p.out)  # its world: one CPU actor
+    root = world(scale, n)
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
     runs: dict[str, list[dict]] = {"nightly": [], "processor": []}
     for names in run_order(["nightly", "processor"], p.repeats):
         for name in names:
-            runs[name].append(nightly_run(p, root, env) if name == "nightly" else processor_run(p, root, env))
+            run = nightly_run if name == "nightly" else processor_run
+            runs[name].append(run(scale, root, env))
     return size_row(n, runs)
 
 
-def nightly_run(p: ProcessorParams, root: Path, env: dict) -> dict:
+def nightly_run(p: ScaleParams, root: Path, env: dict) -> dict:
     """One nightly job of the world: its decode seconds, users, and its driver's peak memory."""
     shutil.rmtree(root / "out", ignore_errors=True)
     cmd = [sys.executable, "-m", "jobs.nightly", *(x for o in overrides(p, root) for x in ("--set", o))]
@@ -64,7 +66,7 @@ def nightly_run(p: ProcessorParams, root: Path, env: dict) -> dict:
     }
 
 
-def processor_run(p: ProcessorParams, root: Path, env: dict) -> dict:
+def processor_run(p: ScaleParams, root: Path, env: dict) -> dict:
     """One pipeline through the processor (`drive`, in its own driver process): its seconds, rows, users listed,
     and its driver's peak memory."""
     out = root / "processor-out"
@@ -147,7 +149,7 @@ def markdown_processor(result: dict) -> str:
     return "\n".join(
         [
             f"## the processor against the nightly: synthetic users, tiny Llama (1 layer x 32), k {a['k']}, batch "
-            f"{a['batch']}, {a['actors']} CPU actor(s), local Ray with {a['cpus']} CPUs; median (min-max) of "
+            f"{a['batch']}, one CPU actor, local Ray with {a['cpus']} CPUs; median (min-max) of "
             f"{a['repeats']} interleaved runs of each",
             "",
             table(header, rows, ["right", "center"] + ["right"] * 5),
