@@ -160,7 +160,7 @@ def decoder_rows(batch: pa.Table, cfg: ProcessorConfig) -> pa.Table:
         )
     user = batch.schema.field(cfg.columns.user_id).type
     if user != pa.null():  # a batch whose every id is null: each row is rejected (missing_user_id)
-        id_kind(user, "(the processor's dataset)")
+        id_kind(user, f"(the processor's dataset, columns.user_id {cfg.columns.user_id})")
     rows = units.renamed(batch, columns)
     return pa.table({name: plain(rows[name]) for name in rows.column_names})
 
