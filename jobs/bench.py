@@ -1,4 +1,4 @@
-"""Benchmarks, side by side in one run: `python -m jobs.bench {all,decode,speculative,disc,disc-bias,nightly,
+"""Benchmarks, side by side in one run: `python -m jobs.bench {all,decode,speculative,disc,disc-bias,nightly,processor,
 templates,shapes,compile,gpu,precision,exclude,padding,minionerec,items,delisted} ...`.
 
 Every timed comparison runs its methods interleaved (A B, B A, ...) --repeats times (default 5) after a warm-up run
@@ -15,6 +15,8 @@ Table 1 layout (WS@K walltime speed-up, AS@K accepted steps per verification), a
 disc: ms per user of `disc_sample` (rounds 1..R, exact and PPV) vs `constrained_sample` and `beam_search`.
 disc-bias: DISC's bias: TV / KL / mean valid mass of each sampler's draws against the exact constrained P_S.
 nightly: the nightly Ray job (one actor) vs the recommender called directly on the same batches.
+processor: the processor in a Ray Data pipeline (read_parquet -> processor -> write_parquet) vs the nightly job on the
+same synthetic users, interleaved: users/s, every user once, each driver's peak memory.
 templates: rendering cost of each prompt template (renderer vs tokenizer), and the nightly job's users/s with each.
 shapes: beam_search vs transformers over vocabulary x prompt length x K, each method in its own process (memory).
 compile: the compiled engine's cold compile (a fresh process, an empty inductor cache) at 2, 8 and 28 decoder layers.

@@ -116,7 +116,12 @@ def non_finite_rejects(users: pa.Array, broken: np.ndarray) -> pa.Table:
 def no_items_rejects(users: pa.Array, items: np.ndarray, broken: np.ndarray) -> pa.Table:
     """users [U], items [U, k] (-1: none), broken [U] -> the rejects of the users left with no item at all (every
     item a list may hold is excluded for them), who are not broken."""
-    return _rejects(users, ~broken & (items < 0).all(1), "no_items", NO_ITEMS)
+    return _rejects(users, no_items(items, broken), "no_items", NO_ITEMS)
+
+
+def no_items(items: np.ndarray, broken: np.ndarray) -> np.ndarray:
+    """items [U, k] (-1: none), broken [U] -> [U] bool: the users left with no item at all who are not broken."""
+    return ~broken & (items < 0).all(1)
 
 
 def _rejects(users: pa.Array, rows: np.ndarray, reason: str, detail: str) -> pa.Table:

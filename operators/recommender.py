@@ -1,9 +1,11 @@
-"""The Ray Data recommender actor: loads target, draft and catalog once; `__call__(batch)` is pure.
+"""The Ray Data recommender actor: loads target, draft and catalog once; `recommend(batch)` is pure.
 
-The graph (pipeline/nightly.py) resolves everything first and hands the actor an `ActorSpec` of plain values: local
-model directories, the catalog table it read once, the decoding settings. `__call__` validates the batch's rows
-(operators/validate.py), renders their prompts (operators/prompts.py), decodes them and returns its output rows
-(operators/outputs.py: recommendations, rejects and one metric row, each row tagged with its kind).
+The graph (pipeline/nightly.py, or the processor: pipeline/processor.py) resolves everything first and hands the actor
+an `ActorSpec` of plain values: local model directories, the catalog table it read once, the decoding settings.
+`recommend` validates the batch's rows (operators/validate.py), renders their prompts (operators/prompts.py), decodes
+them and returns its users' recommendations, its rejects and one metric row (`Recommended`); `__call__` returns them
+as the nightly's output rows (operators/outputs.py: each row tagged with its kind), the processor as columns beside
+each input row.
 
 The actor composes what a decode needs, each in a module of its own: the decoder and engine choice
 (operators/engines.py: decoding.mode auto, compute.engine auto's trials and decision), the compiled engine
@@ -20,6 +22,7 @@ import socket
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -43,6 +46,7 @@ from operators.outputs import (
     Decoded,
     batch_counts,
     decoder_metrics,
+    no_items,
     no_items_rejects,
     non_finite_rejects,
     output_table,
@@ -51,7 +55,7 @@ from operators.outputs import (
 )
 from operators.prompts import Prompts, Renderer, answer_ids, catalog_probes
 from operators.spec import ActorSpec
-from operators.validate import fitted, validate
+from operators.validate import fitted, validate_rows
 
 FAIL_AFTER_ENV = "GENREC_TEST_FAIL_AFTER"  # tests only: "N:/path/marker" exits the actor once, after N batches
 log = logging.getLogger("genrec.actor")
@@ -66,6 +70,18 @@ class Inputs:
     tokenizer: object
     catalog: Catalog  # index + item-to-tokens map, every code token checked against the tokenizer
     renderer: Renderer  # the prompt template compiled against the tokenizer
+
+
+@dataclass
+class Recommended:
+    """One batch's decode (`Recommender.recommend`), rows B, validated users U, rejects R."""
+
+    rows: np.ndarray  # [U] the validated users' rows in the batch, in order
+    listed: np.ndarray  # [U] the items each got (0: none, a rejected user's)
+    recs: pa.Table  # their recommendations (TABLES["rec"]): listed[u] rows each, users in order, ranks 1..
+    rejects: pa.Table  # (TABLES["reject"]) the batch's invalid rows, then its users rejected after their decode
+    reject_rows: np.ndarray  # [R] each reject's row in the batch
+    metric: dict  # the batch's metric row
 
 
 def prepare(spec: ActorSpec, device: torch.device | str = "cpu") -> Inputs:
@@ -108,13 +124,25 @@ def prepare(spec: ActorSpec, device: torch.device | str = "cpu") -> Inputs:
     return Inputs(target, draft, tokenizer, catalog, renderer)
 
 
-def rendered(renderer: Renderer, batch: pa.Table, items, d, skip: int) -> tuple[pa.Table, pa.Table, Prompts]:
-    """A batch -> (its valid rows whose prompt fits, the rejects, those rows' prompts without their first `skip`
-    tokens): operators/validate.py's rules, then the renderer's bound (prompt_too_long)."""
-    good, rejects = validate(batch, items, renderer.windows, d.exclude_column, renderer.user_columns)
+class Rendered(NamedTuple):
+    """A batch's rows B validated and rendered: U users to decode, R rejected."""
+
+    good: pa.Table  # [U] the valid rows whose prompt fits
+    rejects: pa.Table  # [R] the others, with their reasons
+    prompts: Prompts  # [U, S] the good rows' prompts
+    rows: np.ndarray  # [U] each good row's place in the batch
+    reject_rows: np.ndarray  # [R] each reject's place in the batch
+
+
+def rendered(renderer: Renderer, batch: pa.Table, items, d, skip: int) -> Rendered:
+    """A batch -> its valid rows whose prompt fits, the rejects, those rows' prompts without their first `skip` tokens
+    and where each came from: operators/validate.py's rules, then the renderer's bound (prompt_too_long)."""
+    good, rejects, bad = validate_rows(batch, items, renderer.windows, d.exclude_column, renderer.user_columns)
     prompts = renderer.render(good, items, skip)
     good, rejects = fitted(good, rejects, prompts.kept, renderer.max_prompt_tokens)
-    return good, rejects, prompts
+    rows = np.flatnonzero(~bad)  # [G] the validated rows
+    kept = prompts.kept if prompts.kept is not None else np.ones(len(rows), bool)  # [G]
+    return Rendered(good, rejects, prompts, rows[kept], np.concatenate([np.flatnonzero(bad), rows[~kept]]))
 
 
 def compile_renderer(spec: ActorSpec, tokenizer, catalog: Catalog, target: str, configs) -> Renderer:
@@ -202,21 +230,29 @@ class Recommender:
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         """A histories batch -> its output rows: its users' recommendations and rejects, and one metric row."""
+        out = self.recommend(batch)
+        return output_table(out.recs, out.rejects, out.metric, batch.schema.field("user_id").type)
+
+    def recommend(self, batch: pa.Table) -> Recommended:
+        """A histories batch -> its users' recommendations, its rejects with their rows, its metric row: the decode
+        the nightly's shards (`__call__`) and the processor's rows (pipeline/processor.py) are both made of."""
         fault_injection(self.batches)
         t0 = time.perf_counter()
         d = self.spec.decoding
-        good, rejects, prompts = rendered(self.renderer, batch, self.catalog.item_tokens, d, self.prefix_len)
-        users = good.column("user_id")
+        r = rendered(self.renderer, batch, self.catalog.item_tokens, d, self.prefix_len)
+        good, rejects, prompts, rows = r.good, r.rejects, r.prompts, r.rows
+        users = good.column("user_id")  # [U]
         exclude, excluded = batch_exclusions(good, self.catalog, d)
         decoded = self._decode_batch(prompts, users, exclude)
         items, broken = decoded.items, decoded.broken
         rejects = pa.concat_tables([rejects, non_finite_rejects(users, broken), no_items_rejects(users, items, broken)])
+        reject_rows = np.concatenate([r.reject_rows, rows[broken], rows[no_items(items, broken)]])  # [R]
         recs = recommendation_table(users, items, decoded.scores, d.mode)
         wall = time.perf_counter() - t0 - decoded.audit.get("audit_s", 0.0)  # the audit is reported as its own cost
         counts = batch_counts(batch.num_rows, items, broken, rejects.num_rows, recs.num_rows, prompts, self.prefix_len)
         metric = {**self._metric_row(counts, wall, decoded), **excluded, **prompts.fit_counts()}
         self.batches += 1
-        return output_table(recs, rejects, metric, batch.schema.field("user_id").type)
+        return Recommended(rows, (items >= 0).sum(1), recs, rejects, reject_rows, metric)
 
     def _decode_batch(self, prompts: Prompts, users, exclude: Exclusions | None) -> Decoded:
         """The validated users' prompts [U, S] decoded by this batch's decoder (auto: the one whose turn it is), in
@@ -321,19 +357,20 @@ class Recommender:
             "users_non_finite": int(decoded.broken.sum()),
             "decoder": decoded.mode,
             "engine_note": note,
-            "auto": self._auto_state(),
+            "auto": auto_state(self.auto, self.engine_auto),
             "dtype": self.dtype,
             **decoded.audit,
             **self.compiled.since(self.target, self.batch_engine),
         }
 
-    def _auto_state(self) -> dict | None:
-        """The actor's auto choices so far: decoding.mode auto's (choice, trial users/s, trial batches) and, under
-        "engine", compute.engine auto's (AutoEngine.state)."""
-        state = self.auto.state() if self.auto else {}
-        if self.engine_auto:
-            state["engine"] = self.engine_auto.state()
-        return state or None
+
+def auto_state(auto: AutoMode | None, engine: AutoEngine | None) -> dict | None:
+    """An actor's auto choices so far: decoding.mode auto's (choice, trial users/s, trial batches) and, under
+    "engine", compute.engine auto's (AutoEngine.state)."""
+    state = auto.state() if auto else {}
+    if engine:
+        state["engine"] = engine.state()
+    return state or None
 
 
 def _device_id(device: torch.device) -> str:

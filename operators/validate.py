@@ -40,6 +40,19 @@ def validate(
     carried as list<int64>); `carry`: more columns kept as they are (the template's user fields). Vectorised: Python
     runs only over the rejected rows' details (and over the rows of a column that does not cast to lists of
     integers)."""
+    good, rejects, _ = validate_rows(batch, items, history_len, exclude_column, carry)
+    return good, rejects
+
+
+def validate_rows(
+    batch: pa.Table,
+    items: ItemTokens,
+    history_len: int | dict[str, int],
+    exclude_column: str = "exclude_items",
+    carry: list[str] | tuple = (),
+) -> tuple[pa.Table, pa.Table, np.ndarray]:
+    """`validate`, and which of the batch's rows were rejected [B] bool (the good rows and the rejects each keep the
+    batch's order)."""
     windows = history_len if isinstance(history_len, dict) else {"history": history_len}
     users = batch.column("user_id").combine_chunks()
     lists = {c: _as_int_lists(batch.column(c).combine_chunks(), c) for c in windows}
@@ -56,7 +69,7 @@ def validate(
     columns = {c: lists[c][0] for c in windows}
     columns |= {exclude_column: exclude} if exclude is not None else {}
     columns |= {c: batch.column(c).combine_chunks() for c in carry if c not in columns}
-    return reasons.split(users, columns)
+    return *reasons.split(users, columns), reasons.reason != None  # noqa: E711 (object array: elementwise)
 
 
 class Reasons:

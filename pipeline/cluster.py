@@ -13,7 +13,7 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from pipeline.config import Compute
+from pipeline.config import Compute, actor_range
 
 log = logging.getLogger("genrec.nightly")
 
@@ -66,14 +66,14 @@ def fits(c: Compute, resources: dict) -> int:
 def actor_pool(c: Compute, resources: dict) -> Pool:
     """compute.num_actors -> the pool; N and auto can shrink to a single actor where they must: when actors that
     Ray restarted after a node loss take the CPUs the read side needs, the idle ones are released and the reads run.
-    N: up to N, starting with what fits now (a resume on a smaller cluster runs on what it has); `min..max`: starting
-    with what fits now, at least min where the cluster holds it beside the reads; auto: what fits now, then more
-    wherever a node joins."""
+    N: up to N, starting with what fits now (a resume on a smaller cluster runs on what it has); `min..max` or
+    (min, max): starting with what fits now, at least min where the cluster holds it beside the reads; auto: what fits
+    now, then more wherever a node joins."""
     now = fits(c, resources)
     if c.num_actors == "auto":
         return Pool(1, None, now)
-    if isinstance(c.num_actors, str):
-        lo, hi = (int(x) for x in c.num_actors.split(".."))
+    if span := actor_range(c.num_actors):
+        lo, hi = span
         return Pool(min(lo, now), hi, min(now, hi))
     return Pool(1, c.num_actors, min(now, c.num_actors))
 

@@ -8,9 +8,10 @@ AWS_SECRET_ACCESS_KEY) or the cloud's default chain, and are never logged or wri
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import os
 import re
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, make_dataclass
 from pathlib import Path
 
 import yaml
@@ -52,9 +53,10 @@ class Compute:
     # shard's longest (docs/engine.md, padding)
     batches_per_task: int = 4  # an actor-pool task decodes this many batches (each its own shard): amortises Ray's
     # per-task cost (~10-20 ms) at the price of a coarser tail; 1 balances best across many actors
-    num_actors: int | str = 1  # up to N actors, starting with what fits the cluster; or a range min..max (e.g.
-    # 2..16); or auto: follows the cluster, an actor more where a node joins. Ray Data's autoscaling pool; what fits is
-    # every GPU (by gpus_per_actor) and every CPU but one, the read side's (docs/nightly.md, nodes that come and go)
+    num_actors: int | str | tuple[int, int] = 1  # up to N actors, starting with what fits the cluster; or a range
+    # min..max (e.g. 2..16; in Python also a tuple (2, 16), as Ray Data LLM's `concurrency`); or auto: follows the
+    # cluster, an actor more where a node joins. Ray Data's autoscaling pool; what fits is every GPU (by
+    # gpus_per_actor) and every CPU but one, the read side's (docs/nightly.md, nodes that come and go)
     gpus_per_actor: float = 0.0  # 0: CPU actors
     cpus_per_actor: float = 1.0  # Ray CPUs each actor holds
     threads_per_actor: int | None = None  # torch CPU threads in an actor (None: Ray's OMP_NUM_THREADS = CPUs)
@@ -215,8 +217,62 @@ Loader.yaml_implicit_resolvers = {
 }
 
 
+PROCESSOR_FIELDS = ("columns", "catalog", "recommendable", "recommendable_column", "blocked", "blocked_items")
+PROCESSOR_FIELDS += ("duplicate_items", "models", "decoding", "compute", "storage")
+# ^ what the processor reads of a config (genrec_batch.build_processor): what to decode, with which models and items,
+# and how; where users come from and where their lists go is the user's own pipeline
+
+ProcessorConfig = make_dataclass(
+    "ProcessorConfig",
+    [
+        (f.name, f.type, field(default=f.default, default_factory=f.default_factory))
+        for f in fields(Config)
+        if f.name in PROCESSOR_FIELDS
+    ],
+    namespace={
+        "__module__": __name__,
+        "__doc__": "The processor's config (genrec_batch.build_processor): the nightly config's fields that say what "
+        "to decode and how (PROCESSOR_FIELDS), with their names, defaults and meanings (docs/configuration.md).",
+    },
+)
+
+
+def processor_config(cfg: Config | ProcessorConfig) -> ProcessorConfig:
+    """A processor's config, or a nightly config's processor fields (the rest, the nightly's own, left out) ->
+    a validated ProcessorConfig."""
+    if isinstance(cfg, Config):
+        cfg = ProcessorConfig(**{name: getattr(cfg, name) for name in PROCESSOR_FIELDS})
+    if not isinstance(cfg, ProcessorConfig):
+        raise TypeError(f"build_processor: config must be a ProcessorConfig (or a nightly Config), got {cfg!r}")
+    validate_processor(cfg)
+    return cfg
+
+
+def load_processor_config(path: str | None = None, overrides: list[str] | None = None) -> ProcessorConfig:
+    """`load_config`'s YAML file (optional) + overrides -> a validated ProcessorConfig. A nightly config file does:
+    the fields the processor does not read (its input, output, runs, ...) are named in a log line and left out."""
+    raw = read_raw(path, overrides)
+    ignored = sorted(k for k in raw if k not in PROCESSOR_FIELDS and k in {f.name for f in fields(Config)})
+    if ignored:
+        logging.getLogger("genrec.processor").info(
+            "config %s: the processor ignores the nightly's %s", path or "--set", ", ".join(ignored)
+        )
+    cfg = _build(ProcessorConfig, {k: v for k, v in raw.items() if k not in ignored}, "")
+    validate_processor(cfg)
+    return cfg
+
+
 def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
     """YAML file (optional) + `a.b=value` overrides (values parsed as YAML) -> a validated Config."""
+    cfg = _build(Config, read_raw(path, overrides), "")
+    if not cfg.run_date:
+        cfg.run_date = dt.datetime.now(dt.UTC).date().isoformat()
+    validate(cfg)
+    return fill_dates(cfg)
+
+
+def read_raw(path: str | None, overrides: list[str] | None) -> dict:
+    """A YAML config file (optional) with the `a.b=value` overrides applied (values parsed as YAML) -> its mapping."""
     raw: dict = {}
     if path:
         try:
@@ -236,11 +292,7 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
             if not isinstance(node, dict):
                 raise ValueError(f"--set {key}: {part} is not a section")
         node[parts[-1]] = yaml.load(value, Loader=Loader) if value.strip() else None
-    cfg = _build(Config, raw, "")
-    if not cfg.run_date:
-        cfg.run_date = dt.datetime.now(dt.UTC).date().isoformat()
-    validate(cfg)
-    return fill_dates(cfg)
+    return raw
 
 
 DATED = ("input", "catalog", "recommendable", "blocked", "output")  # the paths {run_date} is filled in
@@ -373,7 +425,7 @@ def _build(cls, raw: dict, prefix: str):
         if name not in raw:
             continue
         value = raw[name]
-        sub = SECTIONS.get(name) if cls is Config else None
+        sub = SECTIONS.get(name) if cls in (Config, ProcessorConfig) else None
         if sub is not None:
             if not isinstance(value, dict):
                 raise ValueError(f"config: {prefix}{name} must be a section (mapping), got {value!r}")
@@ -423,6 +475,19 @@ def validate(cfg: Config) -> None:
     _check_tables(cfg)
 
 
+def validate_processor(cfg: ProcessorConfig) -> None:
+    """A processor's config checked as the nightly's fields are, and what the processor cannot give refused: the
+    precision audit (it has no metrics table to report one in); the first that is wrong raises ValueError naming it."""
+    _check_items(cfg)
+    _check_decoding(cfg)
+    _check_compute(cfg.compute, cfg.decoding)
+    _check_storage(cfg.storage)
+    _check_columns(cfg)
+    audit = cfg.compute.audit_users
+    why = "is the nightly's precision audit, which the processor has no metrics table to report: leave it unset"
+    _need(not audit, "compute.audit_users", why, audit)
+
+
 def _need(cond: bool, name: str, what: str, value) -> None:
     if not cond:
         raise ValueError(f"config: {name} {what}, got {value!r}")
@@ -430,14 +495,28 @@ def _need(cond: bool, name: str, what: str, value) -> None:
 
 def _check_sources(cfg: Config) -> None:
     """What the run reads and writes: the input, catalog and output URIs, the run date, the models."""
-    for name in ("input", "catalog", "output", "recommendable", "blocked"):
+    for name in ("input", "output"):
         uri = getattr(cfg, name)
-        if uri is None:
-            continue
         _need(bool(uri), name, "must be set (a local path or an s3:// URI)", uri)
         if name == "input" and uri.startswith(DELTA):
             uri = uri.removeprefix(DELTA)
             _need(bool(uri), name, "must name the table after delta+ (delta+s3://bucket/prefix, delta+/path)", uri)
+        _need("://" not in uri or uri.startswith("s3://"), name, "must be a local path or an s3:// URI", uri)
+    _check_items(cfg)
+    try:
+        dt.date.fromisoformat(cfg.run_date)
+    except ValueError:
+        _need(False, "run_date", "must be a date YYYY-MM-DD", cfg.run_date)
+
+
+def _check_items(cfg: Config | ProcessorConfig) -> None:
+    """What the lists are drawn from and by which model: the catalog, the recommendable set, the block list,
+    models.target."""
+    for name in ("catalog", "recommendable", "blocked"):
+        uri = getattr(cfg, name)
+        if uri is None:
+            continue
+        _need(bool(uri), name, "must be set (a local path or an s3:// URI)", uri)
         _need("://" not in uri or uri.startswith("s3://"), name, "must be a local path or an s3:// URI", uri)
     _need(
         not (cfg.recommendable and cfg.recommendable_column),
@@ -515,10 +594,16 @@ def _check_draft_beams(d: Decoding) -> None:
     )
 
 
-def _actor_range(value) -> bool:
-    """Whether compute.num_actors is a range `min..max` with 1 <= min <= max."""
-    m = re.fullmatch(r"(\d+)\.\.(\d+)", value) if isinstance(value, str) else None
-    return m is not None and 1 <= int(m[1]) <= int(m[2])
+def actor_range(value) -> tuple[int, int] | None:
+    """compute.num_actors as a range with 1 <= min <= max: `min..max` (the config file) or (min, max) (in Python, as
+    Ray Data LLM's `concurrency`) -> (min, max); None when it is not one."""
+    if isinstance(value, tuple | list) and len(value) == 2:
+        integers = all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        lo, hi = value if integers else (0, 0)
+    else:
+        m = re.fullmatch(r"(\d+)\.\.(\d+)", value) if isinstance(value, str) else None
+        lo, hi = (int(m[1]), int(m[2])) if m else (0, 0)
+    return (lo, hi) if 1 <= lo <= hi else None
 
 
 def _check_compute(c: Compute, d: Decoding) -> None:
@@ -526,7 +611,7 @@ def _check_compute(c: Compute, d: Decoding) -> None:
     _need(c.decode_batch is None or c.decode_batch >= 1, "compute.decode_batch", "must be >= 1 or null", c.decode_batch)
     _need(c.batches_per_task >= 1, "compute.batches_per_task", "must be >= 1", c.batches_per_task)
     _need(
-        c.num_actors == "auto" or (isinstance(c.num_actors, int) and c.num_actors >= 1) or _actor_range(c.num_actors),
+        c.num_actors == "auto" or (isinstance(c.num_actors, int) and c.num_actors >= 1) or actor_range(c.num_actors),
         "compute.num_actors",
         "must be an integer >= 1, a range min..max (1 <= min <= max) or auto",
         c.num_actors,
@@ -621,15 +706,21 @@ DELTA = "delta+"  # a URI that names a Delta table: delta+s3://bucket/prefix, de
 def _check_tables(cfg: Config) -> None:
     """input_version, columns and table: a version needs a Delta input, the columns two distinct names, the output
     table a Delta URI (`check_table`)."""
-    v, c = cfg.input_version, cfg.columns
+    v = cfg.input_version
     _need(v is None or cfg.input.startswith(DELTA), "input_version", f"needs a Delta input ({DELTA}...)", v)
     _need(v is None or v >= 0, "input_version", "must be >= 0", v)
+    _check_columns(cfg)
+    check_table(cfg.table)
+
+
+def _check_columns(cfg: Config | ProcessorConfig) -> None:
+    """columns: two distinct names, neither of them the exclusion column."""
+    c = cfg.columns
     for name in ("user_id", "history"):
         _need(bool(getattr(c, name)), f"columns.{name}", "must name an input column", getattr(c, name))
     _need(c.user_id != c.history, "columns.history", f"must differ from columns.user_id ({c.user_id})", c.history)
     column = cfg.decoding.exclude_column
     _need(column not in (c.user_id, c.history), "decoding.exclude_column", "must differ from columns.*", column)
-    check_table(cfg.table)
 
 
 def check_table(t: Table) -> None:

@@ -33,7 +33,9 @@ parsed as YAML), and validates every field before anything runs: a wrong one fai
 it (`config: decoding.k must be an integer >= 1, got 0`). Credentials never come from the file; a key that looks like
 one is refused. `pipeline/configs/demo.yaml` is the demo's config (the default),
 `infra/configs/production.example.yaml` a GPU cluster's. How the job uses these fields: [the operator's
-manual](nightly.md); the terms: [the glossary](glossary.md).
+manual](nightly.md); the terms: [the glossary](glossary.md). The processor, the same decode as a step of your own Ray
+Data pipeline, reads the fields that say what to decode and how (the items, `columns`, `models`, `decoding`,
+`compute`, `storage`) under the same names ([library.md](library.md#its-config)).
 
 This page is generated from `pipeline/config.py`, `pipeline/storage.py` and `operators/spec.py` (`make docs`);
 `tests/test_docs.py` fails when it is stale.

@@ -13,6 +13,7 @@ import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import pyarrow as pa
 import pyarrow.dataset as pads
@@ -374,14 +375,7 @@ def plan_at(cfg: Config, version: int | None, pinned_by: str | None) -> Plan:
         if uri:
             S.check_access(tables.location(uri), cfg.storage)
     data, fs, _, kind, version = open_input_pinned(cfg, version, pinned_by)
-    models = resolve_models(cfg)
-    template = resolve_template(cfg, models)
-    check_prompt_columns(cfg, template, data.schema)
-    items = read_items(Sources.of(cfg, template.item_columns), cfg.storage)
-    log_items(items.info)
-    spec = actor_spec(cfg, "", items, template)
-    heads = {m["uri"]: m["dir"] for m in models.values()}  # the driver's copies: no weights
-    inputs = prepare(replace(spec, fetch=lambda uri, _: heads[uri]))  # what an actor would refuse fails here first
+    items, models, spec, inputs = resolve_decoder(cfg, data.schema)
     plan_units, clock = units.plan_units(data), Clock()
     with clock.phase("input_identity"):
         identity = content_identity(cfg, data, fs, plan_units, models, items, version)
@@ -397,6 +391,30 @@ def plan_at(cfg: Config, version: int | None, pinned_by: str | None) -> Plan:
     plan = Plan(cfg, data, fs, plan_units, items, models, spec, inputs, identity, seconds, parts, base, incremental)
     plan.input_version = version
     return plan
+
+
+class Decoder(NamedTuple):
+    """What every actor decodes with, checked on the driver (`resolve_decoder`)."""
+
+    items: Items  # the item index, the recommendable set and the block list
+    models: dict  # role -> {"uri", "sha256", "dir", ...} (`resolve_models`)
+    spec: ActorSpec  # run_id unset
+    inputs: Inputs  # what an actor builds from the spec before loading weights (`prepare`)
+
+
+def resolve_decoder(cfg: Config, schema: pa.Schema | None = None) -> Decoder:
+    """The items, the models and their sha256, the template and an actor's own checks, on the driver: what an actor
+    would refuse fails here, before any work (the nightly's plan and the processor's). `schema`: the input's, whose
+    columns the template's placeholders must name (the processor's dataset is checked batch by batch instead)."""
+    models = resolve_models(cfg)
+    template = resolve_template(cfg, models)
+    if schema is not None:
+        check_prompt_columns(cfg, template, schema)
+    items = read_items(Sources.of(cfg, template.item_columns), cfg.storage)
+    log_items(items.info)
+    spec = actor_spec(cfg, "", items, template)
+    heads = {m["uri"]: m["dir"] for m in models.values()}  # the driver's copies: no weights
+    return Decoder(items, models, spec, prepare(replace(spec, fetch=lambda uri, _: heads[uri])))
 
 
 def open_input_pinned(cfg: Config, version: int | None, pinned_by: str | None) -> tuple:

@@ -69,6 +69,7 @@ SLOW_FIRST = [
     "test_nightly_s3",
     "test_nightly_faults",
     "test_nightly",
+    "test_library",
     "test_store_faults",
     "test_bench",
     "test_compiled",

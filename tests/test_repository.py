@@ -4,11 +4,14 @@ data as package data."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
+import site as sitepackages
 import subprocess
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -104,22 +107,31 @@ def test_the_demo_data_and_the_schemas_are_tracked():
     assert (ROOT / "docs" / "architecture.md").is_file()
 
 
+PIP = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+
+
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory):
-    """A wheel built from a copy of the tracked tree, installed without dependencies into a folder of its own."""
+def wheel(tmp_path_factory) -> Path:
+    """A wheel built from a copy of the tracked tree."""
     tmp = tmp_path_factory.mktemp("wheel")
     src = tmp / "src"
     for path in tracked():
         dest = src / path.relative_to(ROOT)
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(path, dest)
-    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    built = subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp / "dist"), str(src)])
+    built = subprocess.run([*PIP, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp / "dist"), str(src)])
     assert built.returncode == 0
-    (wheel,) = (tmp / "dist").glob("genrec_batch-*.whl")
-    done = subprocess.run([*pip, "install", "--no-deps", "--target", str(tmp / "site"), str(wheel)])
+    (found,) = (tmp / "dist").glob("genrec_batch-*.whl")
+    return found
+
+
+@pytest.fixture(scope="module")
+def installed(wheel, tmp_path_factory):
+    """The wheel installed without dependencies into a folder of its own."""
+    site = tmp_path_factory.mktemp("site")
+    done = subprocess.run([*PIP, "install", "--no-deps", "--target", str(site), str(wheel)])
     assert done.returncode == 0
-    return tmp / "site"
+    return site
 
 
 def from_wheel(site: Path, cwd: Path, *argv: str) -> subprocess.CompletedProcess:
@@ -154,6 +166,35 @@ def test_the_wheel_runs_from_another_folder(installed, tmp_path):
     assert pq.read_metadata(tmp_path / "data" / "beauty" / "test.parquet").num_rows > 0
     night = from_wheel(installed, tmp_path, "nightly")
     assert night.returncode == 2 and "genrec-batch train-target" in night.stderr, night.stderr
+
+
+def test_import_genrec_batch_from_the_wheel_in_a_fresh_environment(wheel, tmp_path):
+    """A venv of its own with the wheel installed, its dependencies seen in this environment's site-packages (a .pth
+    line, whose folder's own .pth files, the checkout's editable install among them, never run): from a folder
+    outside the checkout, `import genrec_batch` is the wheel's, loads no dependency, has the wheel's version, and
+    every name of its surface resolves."""
+    venv = tmp_path / "venv"
+    assert subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)]).returncode == 0
+    python = venv / "bin" / "python"
+    assert subprocess.run([*PIP, "--python", str(python), "install", "--no-deps", str(wheel)]).returncode == 0
+    site = subprocess.run([python, "-c", "import site; print(site.getsitepackages()[0])"], capture_output=True)
+    (Path(site.stdout.decode().strip()) / "dependencies.pth").write_text("\n".join(sitepackages.getsitepackages()))
+    code = (
+        "import json, sys, genrec_batch as gb; light = sorted({m.split('.')[0] for m in sys.modules}); "
+        "names = [n for n in gb.__all__ if getattr(gb, n) is None]; "
+        "print(json.dumps({'file': gb.__file__, 'version': gb.__version__, 'light': light, 'none': names}))"
+    )
+    out = subprocess.run([python, "-c", code], cwd=tmp_path, capture_output=True, text=True, env=without_paths())
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["file"].startswith(str(venv)) and got["none"] == []
+    assert got["version"] == wheel.name.split("-")[1] == version("genrec-batch")
+    assert not {"torch", "ray", "pyarrow", "decoding", "pipeline"} & set(got["light"]), got["light"]
+
+
+def without_paths() -> dict:
+    """The environment without what would put the checkout on a child's path."""
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
 
 
 def test_nothing_reads_the_folder_beside_the_checkout(tmp_path):

@@ -11,11 +11,11 @@ import sys
 
 import duckdb
 
-from pipeline.output import open_run
+import genrec_batch as gb
 
 
 def main(output: str) -> None:
-    run = open_run(output)
+    run = gb.open_run(output)
     print(f"run {run.run_id} of {run.run_date}: {run.uri}")
 
     # pandas: the whole recommendations table in memory, each user's top 3 (rank 1 is the best)

@@ -154,6 +154,20 @@ class ScaleParams:
 
 
 @dataclass
+class ProcessorParams:
+    """`bench processor`: on `nightly-scale`'s world of each size in `users`, the nightly job and a Ray Data pipeline
+    through the processor (read_parquet -> processor -> write_parquet) on the same users and config, each run in its
+    own driver process, interleaved `repeats` times: users/s, every user once, the drivers' peak memory."""
+
+    users: list[int] = field(default_factory=lambda: [100_000])
+    repeats: int = 3
+    k: int = 10
+    batch: int = 256
+    cpus: int = 2  # CPUs of the local Ray
+    out: str = "bench-out"
+
+
+@dataclass
 class ExportParams:
     """`bench export`: a nightly of `users` synthetic users (`nightly-scale`'s world) at each K, exported into a local
     redis-server (append-only file, fsync every second) `repeats` times, each into its own namespace: users/s and

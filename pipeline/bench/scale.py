@@ -180,14 +180,16 @@ def direct_users_per_s(p: ScaleParams, root: Path) -> list[float]:
 
 def poll(pid: int, samples: list[dict], done: threading.Event) -> None:
     """Every second: the driver's resident memory (anonymous: its own heap; shared: object-store pages it mapped) and
-    the object store's use."""
+    the object store's use (this process's cluster's: other Ray instances may run on the machine)."""
+    import ray
     from ray._private.internal_api import memory_summary
 
+    address = ray.get_runtime_context().gcs_address
     t0 = time.perf_counter()
     while not done.wait(1.0):
         try:
             status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
-            used = re.search(r"Plasma memory usage (\d+) MiB", memory_summary(stats_only=True))
+            used = re.search(r"Plasma memory usage (\d+) MiB", memory_summary(address, stats_only=True))
         except Exception:  # the driver has exited, or the cluster is busy: try again
             continue
         kib = {key: int(status.get(key, "0 kB").split()[0]) for key in ("VmRSS", "RssAnon", "RssShmem")}

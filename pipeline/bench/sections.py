@@ -73,6 +73,13 @@ BENCHES = {
         "scale:markdown_scale",
         CPU,
     ),
+    "processor": Section(
+        P.ProcessorParams,
+        "the processor in a Ray Data pipeline vs the nightly on the same users: users/s, driver memory",
+        "processor:run_processor",
+        "processor:markdown_processor",
+        CPU,
+    ),
     "items": Section(
         P.ItemsParams,
         "the constraint index over a catalog and a recommendable subset, and an actor's items: seconds, bytes per item",
