@@ -22,7 +22,6 @@ import socket
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -55,7 +54,7 @@ from operators.outputs import (
 )
 from operators.prompts import Prompts, Renderer, answer_ids, catalog_probes
 from operators.spec import ActorSpec
-from operators.validate import fitted, validate_rows
+from operators.validate import rendered
 
 FAIL_AFTER_ENV = "GENREC_TEST_FAIL_AFTER"  # tests only: "N:/path/marker" exits the actor once, after N batches
 log = logging.getLogger("genrec.actor")
@@ -122,27 +121,6 @@ def prepare(spec: ActorSpec, device: torch.device | str = "cpu") -> Inputs:
             f"{vocab['target']}: a draft must share its target's tokenizer"
         )
     return Inputs(target, draft, tokenizer, catalog, renderer)
-
-
-class Rendered(NamedTuple):
-    """A batch's rows B validated and rendered: U users to decode, R rejected."""
-
-    good: pa.Table  # [U] the valid rows whose prompt fits
-    rejects: pa.Table  # [R] the others, with their reasons
-    prompts: Prompts  # [U, S] the good rows' prompts
-    rows: np.ndarray  # [U] each good row's place in the batch
-    reject_rows: np.ndarray  # [R] each reject's place in the batch
-
-
-def rendered(renderer: Renderer, batch: pa.Table, items, d, skip: int) -> Rendered:
-    """A batch -> its valid rows whose prompt fits, the rejects, those rows' prompts without their first `skip` tokens
-    and where each came from: operators/validate.py's rules, then the renderer's bound (prompt_too_long)."""
-    good, rejects, bad = validate_rows(batch, items, renderer.windows, d.exclude_column, renderer.user_columns)
-    prompts = renderer.render(good, items, skip)
-    good, rejects = fitted(good, rejects, prompts.kept, renderer.max_prompt_tokens)
-    rows = np.flatnonzero(~bad)  # [G] the validated rows
-    kept = prompts.kept if prompts.kept is not None else np.ones(len(rows), bool)  # [G]
-    return Rendered(good, rejects, prompts, rows[kept], np.concatenate([np.flatnonzero(bad), rows[~kept]]))
 
 
 def compile_renderer(spec: ActorSpec, tokenizer, catalog: Catalog, target: str, configs) -> Renderer:

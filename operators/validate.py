@@ -16,13 +16,15 @@ Duplicate user ids are a rule across batches: the nightly graph applies it (`dup
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from decoding.catalog import ItemTokens
 from operators.outputs import reject_schema
-from operators.prompts import history_window
+from operators.prompts import Prompts, Renderer, history_window
 
 _INT_LIST = pa.list_(pa.int64())
 
@@ -175,6 +177,27 @@ def fitted(good: pa.Table, rejects: pa.Table, kept: np.ndarray, limit: int | Non
     reasons.mark(np.flatnonzero(~kept), "prompt_too_long", why)
     kept_rows, too_long = reasons.split(users, {c: good.column(c) for c in good.column_names if c != "user_id"})
     return kept_rows, pa.concat_tables([rejects, too_long])
+
+
+class Rendered(NamedTuple):
+    """A batch's rows B validated and rendered: U users to decode, R rejected."""
+
+    good: pa.Table  # [U] the valid rows whose prompt fits
+    rejects: pa.Table  # [R] the others, with their reasons
+    prompts: Prompts  # [U, S] the good rows' prompts
+    rows: np.ndarray  # [U] each good row's place in the batch
+    reject_rows: np.ndarray  # [R] each reject's place in the batch
+
+
+def rendered(renderer: Renderer, batch: pa.Table, items, d, skip: int) -> Rendered:
+    """A batch -> its valid rows whose prompt fits, the rejects, those rows' prompts without their first `skip` tokens
+    and where each came from: operators/validate.py's rules, then the renderer's bound (prompt_too_long)."""
+    good, rejects, bad = validate_rows(batch, items, renderer.windows, d.exclude_column, renderer.user_columns)
+    prompts = renderer.render(good, items, skip)
+    good, rejects = fitted(good, rejects, prompts.kept, renderer.max_prompt_tokens)
+    rows = np.flatnonzero(~bad)  # [G] the validated rows
+    kept = prompts.kept if prompts.kept is not None else np.ones(len(rows), bool)  # [G]
+    return Rendered(good, rejects, prompts, rows[kept], np.concatenate([np.flatnonzero(bad), rows[~kept]]))
 
 
 def duplicates(user_ids: pa.Array) -> pa.Array:

@@ -495,6 +495,7 @@ def _need(cond: bool, name: str, what: str, value) -> None:
 
 def _check_sources(cfg: Config) -> None:
     """What the run reads and writes: the input, catalog and output URIs, the run date, the models."""
+    checked_date(cfg.run_date, "config: run_date")
     for name in ("input", "output"):
         uri = getattr(cfg, name)
         _need(bool(uri), name, "must be set (a local path or an s3:// URI)", uri)
@@ -531,7 +532,6 @@ def _check_items(cfg: Config | ProcessorConfig) -> None:
         "must name a boolean column of the catalog",
         column,
     )
-    checked_date(cfg.run_date, "config: run_date")
     target = cfg.models.target
     _need(bool(target), "models.target", "must be set (a local model directory or s3:// prefix)", target)
 
