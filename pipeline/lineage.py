@@ -336,15 +336,3 @@ def differences(base: dict, parts: dict) -> list[str]:
         elif old != new:
             out.append(name)
     return out
-
-
-def model_files_sha256(model_dir: str) -> str:
-    """A model folder's files but its weights (config, tokenizer, generation config): sha256 over their names and
-    contents, sorted by name. With the weights' sha256, what the model is."""
-    h = hashlib.sha256()
-    for f in sorted(Path(model_dir).iterdir()):
-        skip = f.name.startswith(".") or f.suffix == ".safetensors" or f.name == "sha256sums.json"
-        if f.is_file() and not skip:
-            h.update(f"{f.name}\0".encode())
-            h.update(hashlib.sha256(f.read_bytes()).digest())
-    return h.hexdigest()

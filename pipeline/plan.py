@@ -29,7 +29,7 @@ from pipeline import storage as S
 from pipeline.carry import Base, choose_base
 from pipeline.config import ROW_COLUMNS, Config
 from pipeline.items import Items, Sources, read_items
-from pipeline.lineage import catalog_texts_sha256, code_identity, describe_code, fingerprint, model_files_sha256
+from pipeline.lineage import catalog_texts_sha256, code_identity, describe_code, fingerprint
 from pipeline.models import compile_store
 
 log = logging.getLogger("genrec.nightly")
@@ -160,10 +160,11 @@ def model_of(uri: str, storage) -> dict:
     folder, removed when the process ends; "head": that folder)."""
     if not S.is_s3(uri):
         local = S.local_model_dir(uri, "", storage)
-        return {"uri": uri, "sha256": S.fingerprint(local), "dir": str(local), "files": model_files_sha256(local)}
+        files = S.local_files_fingerprint(local)
+        return {"uri": uri, "sha256": S.fingerprint(local), "dir": str(local), "files": files}
     head = tempfile.TemporaryDirectory(prefix="genrec-model-head-")
     sums = S.model_head(uri, storage, Path(head.name))
-    files = model_files_sha256(head.name)
+    files = S.files_fingerprint(sums)
     return {"uri": uri, "sha256": S.weights_fingerprint(sums), "dir": head.name, "head": head, "files": files}
 
 
@@ -183,10 +184,11 @@ def resolve_template(cfg: Config, models: dict) -> PromptTemplate:
     return template
 
 
-def fetch_model(uri: str, sha256: str, cache_dir: str, storage) -> str:
-    """A model URI and the sha256 the plan fingerprinted -> a local directory on this node holding that model
-    (s3:// copied once per node, verified; `S.local_model_dir`), else ModelChanged or NodeDenied."""
-    return str(S.local_model_dir(uri, cache_dir, storage, sha256))
+def fetch_model(uri: str, sha256: str, files: str, cache_dir: str, storage) -> str:
+    """A model URI and what the plan fingerprinted of it (its weights' sha256, its other files') -> a local directory
+    on this node holding that model (s3:// copied once per node, verified; `S.local_model_dir`), else ModelChanged or
+    NodeDenied."""
+    return str(S.local_model_dir(uri, cache_dir, storage, sha256, files))
 
 
 def actor_spec(cfg: Config, run_id: str, items: Items, template: PromptTemplate) -> ActorSpec:
@@ -268,7 +270,8 @@ class Plan:
     @property
     def fingerprint(self) -> str:
         """What a resume must find unchanged: the config (but `runs`), the input's row groups and the content of the
-        input files, the catalog, the recommendable set, the block list, the models and the code."""
+        input files, the catalog, the recommendable set, the block list, the models (weights and files) and the
+        code."""
         return hashlib.sha256(json.dumps([self.config, self.identity], default=str).encode()).hexdigest()
 
     @property
@@ -300,6 +303,11 @@ class Plan:
             f"models.{r} {getattr(self.cfg.models, r)}"
             for r in sorted(set(old.get("models", {})) | set(new["models"]))
             if old.get("model_sha256") == MODEL_SHA256 and old.get("models", {}).get(r) != new["models"].get(r)
+        ]
+        out += [
+            f"models.{r} {getattr(self.cfg.models, r)} (its files but the weights: config, tokenizer, ...)"
+            for r in sorted(set(old.get("model_files", {})) | set(new["model_files"]))
+            if "model_files" in old and old["model_files"].get(r) != new["model_files"].get(r)
         ]
         out += ["the incremental base"] * (old.get("base") != new.get("base") and "base" in old)
         was, now = old.get("code"), new["code"]
@@ -336,9 +344,9 @@ def content_identity(
     cfg: Config, data: pads.Dataset, fs, plan_units: list, models: dict, items: Items, version: int | None
 ) -> dict:
     """Each input file's content identity (S3: ETag and size; locally the sha256 of its bytes), a Delta input's
-    version (`input_version`, None for parquet), the input's row groups,
-    the catalog's identity, the recommendable set's and the block list's (sha256 of their ids), every model's
-    sha256 and the code's (`lineage.code_identity`: a run's shards are all decoded by one code)."""
+    version (`input_version`, None for parquet), the input's row groups, the catalog's identity, the recommendable
+    set's and the block list's (sha256 of their ids), every model's sha256 and its other files' (config, tokenizer:
+    `S.files_fingerprint`) and the code's (`lineage.code_identity`: a run's shards are all decoded by one code)."""
     cat_fs, cat_path = S.filesystem(cfg.catalog, cfg.storage)
     rows = [(u.path, u.row_group, u.rows) for u in plan_units]
     return {
@@ -348,6 +356,7 @@ def content_identity(
         "catalog": S.content_id(cat_path, cat_fs, cfg.storage),
         "items": items.identity,
         "models": {role: m["sha256"] for role, m in models.items()},
+        "model_files": {role: m["files"] for role, m in models.items()},  # config, tokenizer, ... (`files_fingerprint`)
         "model_sha256": MODEL_SHA256,
         "code": code_identity(),
     }
@@ -414,7 +423,7 @@ def resolve_decoder(cfg: Config, schema: pa.Schema | None = None) -> Decoder:
     log_items(items.info)
     spec = actor_spec(cfg, "", items, template)
     heads = {m["uri"]: m["dir"] for m in models.values()}  # the driver's copies: no weights
-    return Decoder(items, models, spec, prepare(replace(spec, fetch=lambda uri, _: heads[uri])))
+    return Decoder(items, models, spec, prepare(replace(spec, fetch=lambda uri, *_: heads[uri])))
 
 
 def open_input_pinned(cfg: Config, version: int | None, pinned_by: str | None) -> tuple:

@@ -697,6 +697,23 @@ def test_a_resume_trusts_only_an_unchanged_input(world, ray_session, tmp_path, c
     ]
 
 
+def test_a_resume_refuses_a_model_whose_config_changed(world, tmp_path):
+    """What a run started under, as _RUN.json records it: the same weights with another config.json (rope_theta:
+    other lists) is named, the model's files."""
+    from pipeline.plan import plan_run
+
+    model = shutil.copytree(world / "target", tmp_path / "target")
+    cfg = config(world, tmp_path / "out", f"models.target={model}")
+    plan = plan_run(cfg)
+    state = {"fingerprint": plan.fingerprint, "identity": plan.identity, "config": cfg.to_dict()}
+    state = json.loads(json.dumps(state, default=str))  # as _RUN.json holds it
+    settings = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**settings, "rope_parameters": {"rope_theta": 10.0}}))
+    assert plan_run(cfg).changes(state) == [
+        f"models.target {model} (its files but the weights: config, tokenizer, ...)"
+    ]
+
+
 def test_a_complete_unpublished_run_is_published_without_decoding(world, ray_session, tmp_path):
     """A driver that stopped between _SUCCESS and _LATEST: --resume latest publishes that run as it is."""
     from pipeline.nightly import run_nightly
