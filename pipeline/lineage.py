@@ -196,7 +196,7 @@ def fingerprint(
         "dtype": dtype,
         **({"engine": c.engine} if dtype != "float32" else {}),
         "device": device,
-        "software": {name: _version(name) for name in ("genrec-batch", "torch", "transformers")},
+        "software": software(),
         "code": code_identity()["sha256"],
         "user_id": id_kind,
         "input_hash": HASH,
@@ -308,6 +308,12 @@ def code_refusal(expected: str, where: str) -> str | None:
         f"planned the run with ({expected[:12]}): every node must run the driver's code (the same image, or the job's "
         "working_dir on every node)"
     )
+
+
+def software() -> dict:
+    """The versions of the software that decodes (genrec-batch, torch, transformers): a fingerprint's `software`, and
+    what a resume must find unchanged."""
+    return {name: _version(name) for name in ("genrec-batch", "torch", "transformers")}
 
 
 def _version(package: str) -> str | None:

@@ -29,7 +29,7 @@ from pipeline import storage as S
 from pipeline.carry import Base, choose_base
 from pipeline.config import ROW_COLUMNS, Config
 from pipeline.items import Items, Sources, read_items
-from pipeline.lineage import catalog_texts_sha256, code_identity, describe_code, fingerprint
+from pipeline.lineage import catalog_texts_sha256, code_identity, describe_code, fingerprint, software
 from pipeline.models import compile_store
 
 log = logging.getLogger("genrec.nightly")
@@ -270,8 +270,8 @@ class Plan:
     @property
     def fingerprint(self) -> str:
         """What a resume must find unchanged: the config (but `runs`), the input's row groups and the content of the
-        input files, the catalog, the recommendable set, the block list, the models (weights and files) and the
-        code."""
+        input files, the catalog, the recommendable set, the block list, the models (weights and files), the code and
+        the software."""
         return hashlib.sha256(json.dumps([self.config, self.identity], default=str).encode()).hexdigest()
 
     @property
@@ -312,6 +312,12 @@ class Plan:
         out += ["the incremental base"] * (old.get("base") != new.get("base") and "base" in old)
         was, now = old.get("code"), new["code"]
         out += [f"the code (genrec-batch {describe_code(was)} then, {describe_code(now)} now)"] * (was != now)
+        was, now = old.get("software") or {}, new["software"]
+        out += [
+            f"the software ({name} {was.get(name)} then, {now.get(name)} now)"
+            for name in sorted(set(was) | set(now))
+            if "software" in old and was.get(name) != now.get(name)
+        ]
         was = {**DEFAULTS, **resume_config(state.get("config") or {})}  # a field it predates: as if at its default
         keys = sorted(k for k in set(was) | set(self.config) if was.get(k) != self.config.get(k))
         out += [f"the config ({', '.join(keys)})"] * bool(keys)
@@ -346,7 +352,8 @@ def content_identity(
     """Each input file's content identity (S3: ETag and size; locally the sha256 of its bytes), a Delta input's
     version (`input_version`, None for parquet), the input's row groups, the catalog's identity, the recommendable
     set's and the block list's (sha256 of their ids), every model's sha256 and its other files' (config, tokenizer:
-    `S.files_fingerprint`) and the code's (`lineage.code_identity`: a run's shards are all decoded by one code)."""
+    `S.files_fingerprint`), the code's (`lineage.code_identity`: a run's shards are all decoded by one code) and the
+    software's versions (torch, transformers: `lineage.software`)."""
     cat_fs, cat_path = S.filesystem(cfg.catalog, cfg.storage)
     rows = [(u.path, u.row_group, u.rows) for u in plan_units]
     return {
@@ -359,6 +366,7 @@ def content_identity(
         "model_files": {role: m["files"] for role, m in models.items()},  # config, tokenizer, ... (`files_fingerprint`)
         "model_sha256": MODEL_SHA256,
         "code": code_identity(),
+        "software": software(),
     }
 
 

@@ -697,9 +697,10 @@ def test_a_resume_trusts_only_an_unchanged_input(world, ray_session, tmp_path, c
     ]
 
 
-def test_a_resume_refuses_a_model_whose_config_changed(world, tmp_path):
-    """What a run started under, as _RUN.json records it: the same weights with another config.json (rope_theta:
-    other lists) is named, the model's files."""
+def test_a_resume_refuses_a_model_whose_config_changed_and_other_software(world, tmp_path, monkeypatch):
+    """What a run started under, as _RUN.json records it: another transformers (the fingerprint's software) is named;
+    so is the same weights with another config.json (rope_theta: other lists), the model's files."""
+    from pipeline import lineage
     from pipeline.plan import plan_run
 
     model = shutil.copytree(world / "target", tmp_path / "target")
@@ -707,6 +708,10 @@ def test_a_resume_refuses_a_model_whose_config_changed(world, tmp_path):
     plan = plan_run(cfg)
     state = {"fingerprint": plan.fingerprint, "identity": plan.identity, "config": cfg.to_dict()}
     state = json.loads(json.dumps(state, default=str))  # as _RUN.json holds it
+    real = lineage._version
+    monkeypatch.setattr(lineage, "_version", lambda name: "9.9" if name == "transformers" else real(name))
+    assert plan_run(cfg).changes(state) == [f"the software (transformers {real('transformers')} then, 9.9 now)"]
+    monkeypatch.undo()
     settings = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**settings, "rope_parameters": {"rope_theta": 10.0}}))
     assert plan_run(cfg).changes(state) == [
