@@ -392,7 +392,7 @@ def plan_at(cfg: Config, version: int | None, pinned_by: str | None) -> Plan:
         if uri:
             S.check_access(tables.location(uri), cfg.storage)
     data, fs, _, kind, version = open_input_pinned(cfg, version, pinned_by)
-    items, models, spec, inputs = resolve_decoder(cfg, data.schema)
+    items, models, spec, inputs = resolve_decoder(cfg, data)
     plan_units, clock = units.plan_units(data), Clock()
     with clock.phase("input_identity"):
         identity = content_identity(cfg, data, fs, plan_units, models, items, version)
@@ -419,14 +419,14 @@ class Decoder(NamedTuple):
     inputs: Inputs  # what an actor builds from the spec before loading weights (`prepare`)
 
 
-def resolve_decoder(cfg: Config, schema: pa.Schema | None = None) -> Decoder:
+def resolve_decoder(cfg: Config, data: pads.Dataset | None = None) -> Decoder:
     """The items, the models and their sha256, the template and an actor's own checks, on the driver: what an actor
-    would refuse fails here, before any work (the nightly's plan and the processor's). `schema`: the input's, whose
+    would refuse fails here, before any work (the nightly's plan and the processor's). `data`: the input, whose
     columns the template's placeholders must name (the processor's dataset is checked batch by batch instead)."""
     models = resolve_models(cfg)
     template = resolve_template(cfg, models)
-    if schema is not None:
-        check_prompt_columns(cfg, template, schema)
+    if data is not None:
+        check_prompt_columns(cfg, template, data)
     items = read_items(Sources.of(cfg, template.item_columns), cfg.storage)
     log_items(items.info)
     spec = actor_spec(cfg, "", items, template)
@@ -589,13 +589,16 @@ def input_columns(cfg: Config, schema: pa.Schema, template: PromptTemplate | Non
     return out | {c: c for c in (template.input_columns if template else []) if c not in out}
 
 
-def check_prompt_columns(cfg: Config, template: PromptTemplate, schema: pa.Schema) -> None:
-    """The input columns the template writes, refused before any work when the input lacks one (named), when one is
-    not of its kind (a {history:...} column not a list, a {user:...} column not text or numbers) or when its name is
-    one the job gives the rows it reads."""
+def check_prompt_columns(cfg: Config, template: PromptTemplate, data: pads.Dataset) -> None:
+    """The input columns the template writes, refused before any work when the input lacks one (named; one whose
+    files hold two kinds of type, left out of their unified schema, names both files: `S.unified_schema`), when one
+    is not of its kind (a {history:...} column not a list, a {user:...} column not text or numbers) or when its name
+    is one the job gives the rows it reads."""
+    schema = data.schema
     names = schema.names
     missing = [c for c in template.input_columns if c not in names]
     if missing:
+        S.unified_schema(list(data.get_fragments()), f"input {cfg.input}", missing)
         raise ValueError(
             f"models.template {template.name!r} writes the input's column(s) {missing}, which input {cfg.input} "
             f"lacks (has {names})"
