@@ -778,17 +778,18 @@ def files_fingerprint(sums: dict[str, str]) -> str:
     """{file name: sha256} of a model's files -> sha256 over the names and sha256s of all but its weights (config,
     tokenizer, generation config, chat and prompt templates), sorted by name: with `weights_fingerprint`, what the
     model is; the same from a local folder (`local_files_fingerprint`) and an s3:// model's sha256sums.json."""
-    files = sorted(
-        (name, digest)
-        for name, digest in sums.items()
-        if not (name.startswith(".") or name.endswith(".safetensors") or name == MODEL_SUMS)
-    )
+    files = sorted((name, digest) for name, digest in sums.items() if not _weights_or_hidden(name))
     return hashlib.sha256("".join(f"{name}\0{digest}\n" for name, digest in files).encode()).hexdigest()
 
 
+def _weights_or_hidden(name: str) -> bool:
+    return name.startswith(".") or name.endswith(".safetensors") or name == MODEL_SUMS
+
+
 def local_files_fingerprint(model_dir) -> str:
-    """`files_fingerprint` of a local model folder's regular files."""
-    return files_fingerprint({f.name: sha256_file(f) for f in Path(model_dir).iterdir() if f.is_file()})
+    """`files_fingerprint` of a local model folder's regular files (its weights never read)."""
+    files = [f for f in Path(model_dir).iterdir() if f.is_file() and not _weights_or_hidden(f.name)]
+    return files_fingerprint({f.name: sha256_file(f) for f in files})
 
 
 MODEL_SUMS = "sha256sums.json"  # beside an s3:// model's files: their sha256, written last (`upload_model_dir`)
