@@ -196,7 +196,7 @@ def fingerprint(
         "dtype": dtype,
         **({"engine": c.engine} if dtype != "float32" else {}),
         "device": device,
-        "software": {name: _version(name) for name in ("genrec-batch", "torch", "transformers")},
+        "software": software(),
         "code": code_identity()["sha256"],
         "user_id": id_kind,
         "input_hash": HASH,
@@ -310,6 +310,12 @@ def code_refusal(expected: str, where: str) -> str | None:
     )
 
 
+def software() -> dict:
+    """The versions of the software that decodes (genrec-batch, torch, transformers): a fingerprint's `software`, and
+    what a resume must find unchanged."""
+    return {name: _version(name) for name in ("genrec-batch", "torch", "transformers")}
+
+
 def _version(package: str) -> str | None:
     try:
         return version(package)
@@ -336,15 +342,3 @@ def differences(base: dict, parts: dict) -> list[str]:
         elif old != new:
             out.append(name)
     return out
-
-
-def model_files_sha256(model_dir: str) -> str:
-    """A model folder's files but its weights (config, tokenizer, generation config): sha256 over their names and
-    contents, sorted by name. With the weights' sha256, what the model is."""
-    h = hashlib.sha256()
-    for f in sorted(Path(model_dir).iterdir()):
-        skip = f.name.startswith(".") or f.suffix == ".safetensors" or f.name == "sha256sums.json"
-        if f.is_file() and not skip:
-            h.update(f"{f.name}\0".encode())
-            h.update(hashlib.sha256(f.read_bytes()).digest())
-    return h.hexdigest()

@@ -120,6 +120,8 @@ def actor_args(cfg: ProcessorConfig, decoder: Decoder) -> dict:
         audit_users=0,  # no metrics table to report it in
         target_sha256=decoder.models["target"]["sha256"],
         draft_sha256=decoder.models.get("draft", {}).get("sha256", ""),
+        target_files=decoder.models["target"]["files"],
+        draft_files=decoder.models.get("draft", {}).get("files", ""),
         decode_batch=c.decode_batch or (None if c.gpus_per_actor else c.batch_size),  # a nightly shard's on a CPU
     )
     items = ItemsRef(
