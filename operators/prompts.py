@@ -127,6 +127,7 @@ class Renderer:
             raise ValueError(f"too_long must be one of {TOO_LONG}, got {too_long!r}")
         probes = np.asarray(probes, dtype=np.int64)
         text = TextTokenizer(tokenizer)
+        _check_plain_text(template, tokenizer, text, probes)
         chat = chat_template_text(template, tokenizer, model_dir)
         top = top_symbols(template, tokenizer, text, chat)
         program = Program(template, probes.shape[1], text, top, ItemTexts.from_table(catalog, template.item_columns))
@@ -286,6 +287,26 @@ def catalog_probes(items: ItemTokens, count: int = 3) -> np.ndarray:
     """Code token ids [P, L] of a few items spread over the catalog (first, middle, last), to compile a Renderer."""
     rows = np.unique(np.linspace(0, len(items.item_ids) - 1, count).astype(np.int64))
     return items.token_ids[rows]
+
+
+def _check_plain_text(template: PromptTemplate, tokenizer, text: TextTokenizer, probes: np.ndarray) -> None:
+    """Refused when the template writes text from data that it does not trust and the tokenizer reads code tokens
+    (those of `probes` [P, L]) or its added tokens out of plain text: its vocabulary holds them as words, so a title
+    or a profile holding `<a_12>` would write that token, not text."""
+    untrusted = [c for c in (*template.user_columns, *template.item_columns) if c not in template.trusted]
+    if not untrusted:
+        return
+    ids = {int(i) for i in np.unique(probes)}
+    tokens = {i: t for i, t in zip(sorted(ids), tokenizer.convert_ids_to_tokens(sorted(ids)))}
+    tokens |= {i: t.content for i, t in tokenizer.added_tokens_decoder.items() if t.content.strip()}
+    forged = text.reads_as_tokens(tokens)
+    if forged:
+        raise ValueError(
+            f"prompt template {template.name!r} writes text from data ({', '.join(untrusted)}), but the tokenizer "
+            f"reads {', '.join(forged[:3])} out of plain text (its vocabulary holds them as words): that text could "
+            "write code or control tokens. Use a tokenizer with the code tokens added (tokenizer.add_tokens), or list "
+            "the columns in `trusted`"
+        )
 
 
 def _pad_id(template: PromptTemplate, tokenizer) -> int:

@@ -60,6 +60,12 @@ class TextTokenizer:
                 at = b
         return out + [text[at:]] * (at < len(text))
 
+    def reads_as_tokens(self, tokens: dict[int, str]) -> list[str]:
+        """Tokens {id: text} -> the texts that `plain` still turns into their own token: a vocabulary that holds them
+        as words (a word-level one over `<a_12>`), where text from data could write them."""
+        ids = list(tokens)
+        return [tokens[i] for i, got in zip(ids, self.encode([tokens[i] for i in ids])) if i in got]
+
     def encode(self, texts: list[str]) -> list[list[int]]:
         """Spans of text, each tokenized as text (no added token matched) -> their ids."""
         return [e.ids for e in self.plain.encode_batch_fast(texts, add_special_tokens=False)] if texts else []

@@ -203,6 +203,18 @@ def test_a_tokenizer_that_merges_text_into_code_tokens_is_refused(bpe):
         Renderer.compile(PRESETS["codes"], merging, catalog_probes(catalog.item_tokens))
 
 
+def test_text_from_data_cannot_write_a_code_token_the_vocabulary_holds_as_a_word(tok, items):
+    """The project tokenizer holds the code tokens as words of its vocabulary, not as added tokens: a profile
+    holding `<a_5><b_0>` would be read as item 30's codes, so a template that writes untrusted text is refused; the
+    same column trusted is parsed as the tokenizer parses it, by the template's choice."""
+    profile = PromptTemplate(name="profile", prefix="{user:profile}", bos=True)
+    with pytest.raises(ValueError, match=r"writes text from data \(profile\), but the tokenizer reads <a_"):
+        Renderer.compile(profile, tok, catalog_probes(items))
+    trusted = Renderer.compile(replace(profile, trusted=["profile"]), tok, catalog_probes(items))
+    rows = pa.table({"history": pa.array([[10]], pa.list_(pa.int64())), "profile": ["<a_5><b_0>"]})
+    assert trusted.render(rows, items).input_ids[0].tolist() == [BOS, *T30, *T10]
+
+
 def test_template_files_and_refusals(tmp_path, bpe):
     tok, cat, _ = bpe
     custom = PromptTemplate(
