@@ -15,7 +15,7 @@ import pyarrow as pa
 
 from decoding.catalog import ItemTokens, argsort_ids
 from decoding.codes import format_rows, ragged_ranges
-from decoding.templates import Field, PromptTemplate, parse
+from decoding.templates import Field, PromptTemplate, as_text, parse
 from operators.text import BREAK, TextTokenizer, chat_skeleton
 
 CODES = "codes"  # an item's code tokens, among a template's symbols
@@ -56,29 +56,6 @@ def history_window(histories, history_len: int):
     used = np.minimum(lengths, history_len)  # [B]
     items = values[ragged_ranges(starts + lengths - used, used)]  # [U]
     return items, np.repeat(np.arange(len(lengths)), used), used
-
-
-def as_text(column) -> list[str]:
-    """A column of strings or numbers [B] -> each value as the prompt writes it [B] (numbers as Python writes them;
-    a null: "")."""
-    if isinstance(column, pa.ChunkedArray):
-        column = column.combine_chunks() if column.num_chunks else pa.array([], column.type)
-    if pa.types.is_dictionary(column.type):
-        column = column.dictionary_decode()
-    if not is_text(column.type):
-        raise ValueError(f"a {column.type} column cannot be written as text (strings, integers, floats, booleans)")
-    strings = pa.types.is_string(column.type) or pa.types.is_large_string(column.type)
-    return [("" if v is None else v if strings else str(v)) for v in column.to_pylist()]
-
-
-def is_text(kind: pa.DataType) -> bool:
-    """Can a column of this type fill a {user:...} or {item:...} placeholder?"""
-    t = pa.types
-    if t.is_dictionary(kind):
-        kind = kind.value_type
-    return (
-        t.is_string(kind) or t.is_large_string(kind) or t.is_integer(kind) or t.is_floating(kind) or t.is_boolean(kind)
-    )
 
 
 @dataclass

@@ -34,14 +34,12 @@ import torch
 
 from decoding.catalog import ItemTokens
 from decoding.codes import ragged_ranges
-from decoding.templates import PromptTemplate
+from decoding.templates import PromptTemplate, as_text, is_text
 from operators.prompt_parts import (
     Batch,
     ItemTexts,
     Layout,
-    as_text,
     history_window,
-    is_text,
     list_array,
     ragged_arrays,
     top_symbols,
@@ -51,7 +49,7 @@ from operators.spec import TOO_LONG
 from operators.text import TextTokenizer, chat_template_text, library_ids, prompt_pieces
 
 __all__ = ["Prompts", "Renderer", "answer_ids", "as_text", "catalog_probes", "history_window", "is_text"]
-__all__ += ["ragged_arrays"]  # with history_window, as_text, is_text: their home is operators/prompt_parts.py
+__all__ += ["ragged_arrays"]  # homes: operators/prompt_parts.py (as_text, is_text: decoding/templates.py)
 
 
 class Prompts(NamedTuple):

@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from decoding.codes import ragged_ranges
+from decoding.templates import as_text
 
 HASH = "blake2b-128/windows+exclusions+fields/v2"  # how `input_hashes` reads a row: a part of the fingerprint
 
@@ -90,16 +91,14 @@ def _digests(parts: list, extra: list[bytes]) -> pa.Array:
 
 
 def _text_bytes(texts: list[pa.Array], rows: int) -> list[bytes]:
-    """User fields [B] each -> per row, each field as its length (8 bytes; -1: null) and its UTF-8 bytes."""
+    """User fields [B] each -> per row, each field as its length (8 bytes; -1: null) and the UTF-8 bytes of the text
+    the prompt writes (`as_text`: a float column's 3.0 is "3.0", an integer column's 3 is "3")."""
     out = [b""] * rows
     for column in texts:
-        column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
-        if pa.types.is_dictionary(column.type):
-            column = column.dictionary_decode()
-        values = column.cast(pa.large_string()).to_pylist()
+        nulls = column.is_null().to_numpy(zero_copy_only=False).tolist()
         out = [
-            x + (b"\xff" * 8 if v is None else len(b := v.encode()).to_bytes(8, "little") + b)
-            for x, v in zip(out, values)
+            x + (b"\xff" * 8 if null else len(b := v.encode()).to_bytes(8, "little") + b)
+            for x, v, null in zip(out, as_text(column), nulls)
         ]
     return out
 
@@ -151,11 +150,12 @@ def catalog_texts_sha256(table: pa.Table, columns: list[str]) -> str | None:
     order = pa.array(np.argsort(table.column("item_id").to_numpy(), kind="stable"))
     h = hashlib.sha256()
     for c in columns:
-        values = table.column(c).combine_chunks().take(order).cast(pa.large_string())
-        lengths = pc.fill_null(pc.binary_length(values), -1).to_numpy(zero_copy_only=False).astype("<i8")
+        values = table.column(c).combine_chunks().take(order)
+        written = [v.encode() for v in as_text(values)]  # the text the prompt writes
+        lengths = np.where(values.is_null().to_numpy(zero_copy_only=False), -1, [len(v) for v in written])
         h.update(f"{c}\0".encode())
-        h.update(lengths.tobytes())
-        h.update(b"".join(v.encode() for v in pc.fill_null(values, "").to_pylist()))
+        h.update(lengths.astype("<i8").tobytes())
+        h.update(b"".join(written))
     return h.hexdigest()
 
 

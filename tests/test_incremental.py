@@ -199,6 +199,20 @@ def test_the_input_hash_reads_the_window_and_the_exclusions():
     assert input_hashes(h, None, 3, False)[0] != window[0]
 
 
+def test_the_input_hash_reads_the_text_a_prompt_writes():
+    """A user field hashes as the prompt writes it: an integer column's 3 writes "3", the float column pandas makes of
+    it on a night with a null writes "3.0", another prompt, another hash (so is the catalog's text); a string "3"
+    and an integer 3 write the same text; a null stays apart from an empty text."""
+    from pipeline.lineage import catalog_texts_sha256
+
+    h = pa.array([[1]] * 3)
+    of = lambda column: input_hashes(h, None, 3, False, texts=[column]).to_pylist()  # noqa: E731
+    ints, floats, strings = of(pa.array([3, None, 0])), of(pa.array([3.0, None, 0.0])), of(pa.array(["3", None, ""]))
+    assert ints[0] != floats[0] and ints[0] == strings[0] and ints[1] == floats[1] == strings[1] != strings[2]
+    table = lambda values: pa.table({"item_id": [2, 1], "title": values})  # noqa: E731
+    assert catalog_texts_sha256(table([3, 4]), ["title"]) != catalog_texts_sha256(table([3.0, 4.0]), ["title"])
+
+
 def test_a_first_night_or_an_older_base_runs_full(world, tmp_path):
     """No published run to carry from: a full night that says why."""
     from pipeline.plan import plan_run
