@@ -202,7 +202,31 @@ class Renderer:
             layout = layout.without(over).plus(redone)
             tokens[over] = redone.tokens(b)[over]
             over = over[tokens[over] > limit]
+        layout = self._give_back(batch, layout, tokens, used, np.flatnonzero(truncated & kept))
         return layout, tokens, kept, truncated
+
+    def _give_back(self, batch: Batch, layout: Layout, tokens: np.ndarray, used: dict, rows: np.ndarray) -> Layout:
+        """Rows [R] that dropped items and fit -> the last dropped items given back, one at a time, while the row
+        still fits (`_drop` can overshoot: an item's text before its codes joins the text before the history, which
+        it does not count) -> the layout; `tokens` and `used` updated in place."""
+        limit, b = self.max_prompt_tokens, len(tokens)
+        while len(rows):
+            back, left = {c: u.copy() for c, u in used.items()}, np.ones(len(rows), bool)
+            for c in reversed(self.program.regions):  # the last history `_drop` took from, first
+                can = left & (back[c][rows] < batch.used[c][rows])
+                back[c][rows[can]] += 1
+                left &= ~can
+            rows = rows[~left]
+            redone = self.program.layout(batch, rows, back)
+            fits = redone.tokens(b)[rows] <= limit
+            if not fits.any():
+                break
+            redone, rows = redone.without(rows[~fits]), rows[fits]
+            for c in used:
+                used[c][rows] = back[c][rows]
+            layout = layout.without(rows).plus(redone)
+            tokens[rows] = redone.tokens(b)[rows]
+        return layout
 
     def _drop(self, layout: Layout, rows: np.ndarray, excess: np.ndarray, used: dict) -> np.ndarray:
         """The rows' [R] oldest items dropped, history by history in prompt order (`history` keeps one), the fewest

@@ -199,6 +199,32 @@ def test_prompts_that_do_not_fit(world):
     assert not none.kept.any() and none.input_ids.shape == (0, 0)
 
 
+def test_drop_oldest_drops_no_more_than_it_must_when_item_text_comes_first(world):
+    """An item pattern whose title comes before the codes: the oldest item's title joins the text before the history,
+    so dropping it saves more than the item's own tokens. A user whose oldest item has a long title and whose prompt
+    is a few tokens over the bound drops that one item, not two."""
+    tok, catalog, _, _ = world
+    head = PromptTemplate(name="head", prefix="History: ", item="{item:title}<|sid_begin|>{codes}<|sid_end|>",
+                          separator=" ", suffix=" Answer:", max_items=6, bos=False, code_token="<s_{level}_{code}>")  # fmt: skip
+    titles = ["旅行 美食 猫咪 sale Hello world " * 4] + ["x"] * (catalog.num_rows - 1)
+    titled = catalog.set_column(2, "title", pa.array(titles))
+    ids = titled["item_id"].to_pylist()
+    rows = pa.table({"history": pa.array([ids[:5], [ids[3], *ids[:4]]], pa.list_(pa.int64()))})
+    free, cat = compiled((tok, titled, rows, None), head)
+    lengths = free.render(rows, cat.item_tokens).attention_mask.sum(1).tolist()
+    bound = lengths[0] - 3
+    cut = compiled((tok, titled, rows, None), head, max_prompt_tokens=bound)[0].render(rows, cat.item_tokens)
+    assert cut.kept.all() and cut.truncated.all()
+    for row in range(rows.num_rows):  # the fewest oldest items dropped that fit: one for the first user
+        fits = [
+            n
+            for n in range(5, 0, -1)
+            if len(reference((tok, titled, rows, None), head, row, {"history": n})[0]) <= bound
+        ]
+        assert ids_of(cut, row) == reference((tok, titled, rows, None), head, row, {"history": fits[0]})[0], row
+        assert row or fits[0] == 4
+
+
 def test_chat_templates_that_change_content_are_refused(world):
     """A chat template that trims content, with a placeholder at its edge, or that upper-cases it: refused at
     compile time; trimming only fixed text at the edges is the template's own business, accepted."""
