@@ -313,14 +313,15 @@ def catalog_probes(items: ItemTokens, count: int = 3) -> np.ndarray:
 
 def _check_plain_text(template: PromptTemplate, tokenizer, text: TextTokenizer, probes: np.ndarray) -> None:
     """Refused when the template writes text from data that it does not trust and the tokenizer reads code tokens
-    (those of `probes` [P, L]) or its added tokens out of plain text: its vocabulary holds them as words, so a title
-    or a profile holding `<a_12>` would write that token, not text."""
+    (those of `probes` [P, L]) or its added tokens (but unk) out of plain text: its vocabulary holds them as words, so
+    a title or a profile holding `<a_12>` would write that token, not text."""
     untrusted = [c for c in (*template.user_columns, *template.item_columns) if c not in template.trusted]
     if not untrusted:
         return
     ids = {int(i) for i in np.unique(probes)}
     tokens = {i: t for i, t in zip(sorted(ids), tokenizer.convert_ids_to_tokens(sorted(ids)))}
     tokens |= {i: t.content for i, t in tokenizer.added_tokens_decoder.items() if t.content.strip()}
+    tokens.pop(tokenizer.unk_token_id, None)  # what unknown text becomes anyway: no control
     forged = text.reads_as_tokens(tokens)
     if forged:
         raise ValueError(
