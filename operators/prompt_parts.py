@@ -90,6 +90,7 @@ class Span(NamedTuple):
     which), `which` naming the item: first or last of the history's window, self (this item), prev (the one before)."""
 
     parts: tuple
+    leading: bool = False  # the span starts the text the tokenizer is given (no added token before it)
 
     @property
     def refs(self) -> set:

@@ -128,7 +128,8 @@ class Renderer:
         _check_plain_text(template, tokenizer, text, probes)
         chat = chat_template_text(template, tokenizer, model_dir)
         top = top_symbols(template, tokenizer, text, chat)
-        program = Program(template, probes.shape[1], text, top, ItemTexts.from_table(catalog, template.item_columns))
+        texts = ItemTexts.from_table(catalog, template.item_columns)
+        program = Program(template, probes.shape[1], text, top, texts, bos=template.uses_bos(tokenizer))
         program.compile_regions()
         answer = answer_ids(template, tokenizer, probes)
         r = cls(
