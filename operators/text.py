@@ -7,8 +7,9 @@ template's own text and for the columns a template trusts, and never matches add
 profile, a title or a query holding `<|im_end|>` or `<a_12>` stays text. So a prompt's ids are its atoms (added
 tokens of the template's text, code tokens, BOS) and between them spans of text, each encoded by the tokenizer's
 pipeline without its added tokens (`TextTokenizer.plain`), as the start of the text or as text after an added token
-(`TextTokenizer.after`: a SentencePiece-style pre-tokenizer writes its "▁" at the very start only). On text from data free of added tokens that is exactly the
-tokenizer on the whole text (`operators.prompts.Renderer.compile` checks it on probes).
+(`TextTokenizer.after`: a SentencePiece-style pre-tokenizer writes its "▁" at the very start only). On text from
+data free of added tokens that is exactly the tokenizer on the whole text (`operators.prompts.Renderer.compile` checks
+it on probes).
 
 A chat template (jinja, in `transformers`' sandboxed environment) is rendered once per template with a sentinel in
 place of each placeholder (`chat_skeleton`); the data never steers the template (a profile that starts with

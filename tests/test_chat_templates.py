@@ -204,8 +204,9 @@ def test_drop_oldest_drops_no_more_than_it_must_when_item_text_comes_first(world
     so dropping it saves more than the item's own tokens. A user whose oldest item has a long title and whose prompt
     is a few tokens over the bound drops that one item, not two."""
     tok, catalog, _, _ = world
-    head = PromptTemplate(name="head", prefix="History: ", item="{item:title}<|sid_begin|>{codes}<|sid_end|>",
-                          separator=" ", suffix=" Answer:", max_items=6, bos=False, code_token="<s_{level}_{code}>")  # fmt: skip
+    item = "{item:title}<|sid_begin|>{codes}<|sid_end|>"
+    head = replace(CHAT, messages=[], chat_template_kwargs={}, generation_prefix="", windows={}, item=item)
+    head = replace(head, name="head", prefix="History: ", separator=" ", suffix=" Answer:")
     titles = ["旅行 美食 猫咪 sale Hello world " * 4] + ["x"] * (catalog.num_rows - 1)
     titled = catalog.set_column(2, "title", pa.array(titles))
     ids = titled["item_id"].to_pylist()
