@@ -48,6 +48,7 @@ from operators.prompt_program import Program
 from operators.spec import TOO_LONG
 from operators.text import TextTokenizer, chat_template_text, library_ids, prompt_pieces
 
+PROBES = ("probe", "", " \n probe\t\n ")  # the text of the probe users' fields (`Renderer._check`)
 __all__ = ["Prompts", "Renderer", "answer_ids", "as_text", "catalog_probes", "history_window", "is_text"]
 __all__ += ["ragged_arrays"]  # homes: operators/prompt_parts.py (as_text, is_text: decoding/templates.py)
 
@@ -257,53 +258,66 @@ class Renderer:
 
     def _check(self, tokenizer, chat: str | None, probes: np.ndarray) -> int:
         """Probe users (1, 2 and 3 items from `probes`, shifted by one for other codes; every combination of written
-        histories; "probe" in every text field) rendered here and written out for the tokenizer: refused unless the
-        ids are equal -> the tokens of the longest probe, every window full."""
+        histories; in every text field "probe", nothing, or "probe" between whitespace: an added token that strips
+        the whitespace beside it, lstrip or rstrip, would take it from the data) rendered here and written out for
+        the tokenizer: refused unless the ids are equal -> the tokens of the longest "probe" probe, every window
+        full."""
         names = np.asarray(tokenizer.convert_ids_to_tokens(probes.ravel().tolist()), dtype=object).reshape(probes.shape)
         item_ids = np.arange(len(probes), dtype=np.int64)
         items = ItemTokens.from_arrays(item_ids, probes)
-        table = {"item_id": item_ids, **{c: ["probe"] * len(probes) for c in self.template.item_columns}}
-        texts = ItemTexts.from_table(pa.table(table), self.template.item_columns)
-        program = replace(self.program, item_texts=texts, plans={}, cache={})
-        probe = replace(self, program=program, max_prompt_tokens=None)
-        longest = 0
-        for pattern in self.program.patterns():
-            for n, shift in ((1, 0), (2, 0), (3, 0), (3, 1)):
-                histories = {
-                    c: [int(i) for i in (np.arange(min(n, w)) + shift + k) % len(probes)] if on else []
-                    for k, ((c, w), on) in enumerate(zip(self.windows.items(), pattern))
-                }
-                got = probe.render(self._probe_rows(histories), items).input_ids[0].tolist()
-                want = self._written(tokenizer, chat, histories, names)
-                if got != want:
-                    raise ValueError(
-                        f"prompt template {self.template.name!r}: the tokenizer does not keep the code tokens (or the "
-                        f"template's added tokens) apart from the text around them ({n}-item probe: rendered "
-                        f"{got[:40]}..., the tokenizer {want[:40]}...); the code tokens must be tokens of their own "
-                        "(tokenizer.add_tokens, the LC-Rec recipe)"
+        longest, reads = 0, bool(self.template.user_columns or self.template.item_columns)
+        for value in PROBES:
+            table = {"item_id": item_ids, **{c: [value] * len(probes) for c in self.template.item_columns}}
+            texts = ItemTexts.from_table(pa.table(table), self.template.item_columns)
+            program = replace(self.program, item_texts=texts, plans={}, cache={})
+            probe = replace(self, program=program, max_prompt_tokens=None)
+            for pattern in self.program.patterns():
+                for n, shift in ((1, 0), (2, 0), (3, 0), (3, 1))[: 4 if value == PROBES[0] else 2]:
+                    histories = {
+                        c: [int(i) for i in (np.arange(min(n, w)) + shift + k) % len(probes)] if on else []
+                        for k, ((c, w), on) in enumerate(zip(self.windows.items(), pattern))
+                    }
+                    got = probe.render(self._probe_rows(histories, value), items).input_ids[0].tolist()
+                    want = self._written(tokenizer, chat, histories, names, value)
+                    if got != want:
+                        raise ValueError(
+                            _apart(self.template, f"{n}-item probe" + f", text {value!r}" * reads, got, want)
+                        )
+                if value == PROBES[0]:
+                    most = max(self.windows.values(), default=1)
+                    full = ItemTokens.from_arrays(np.arange(most), probes[[0]].repeat(most, 0))
+                    rows = self._probe_rows(
+                        {c: list(range(w)) if on else [] for (c, w), on in zip(self.windows.items(), pattern)}, value
                     )
-            most = max(self.windows.values(), default=1)
-            full = ItemTokens.from_arrays(np.arange(most), probes[[0]].repeat(most, 0))
-            rows = self._probe_rows(
-                {c: list(range(w)) if on else [] for (c, w), on in zip(self.windows.items(), pattern)}
-            )
-            longest = max(longest, int(probe.render(rows, full).attention_mask.sum()))
+                    longest = max(longest, int(probe.render(rows, full).attention_mask.sum()))
+            if not reads:
+                break  # no text from data: one value says it all
         return longest
 
-    def _probe_rows(self, histories: dict) -> pa.Table:
-        """One probe user: these histories, "probe" in every user field."""
+    def _probe_rows(self, histories: dict, value: str) -> pa.Table:
+        """One probe user: these histories, `value` in every user field."""
         columns = {c: pa.array([h], pa.list_(pa.int64())) for c, h in histories.items()}
-        return pa.table(columns | {c: pa.array(["probe"]) for c in self.user_columns if c not in columns})
+        return pa.table(columns | {c: pa.array([value]) for c in self.user_columns if c not in columns})
 
-    def _written(self, tokenizer, chat, histories: dict, names: np.ndarray) -> list[int]:
+    def _written(self, tokenizer, chat, histories: dict, names: np.ndarray, value: str) -> list[int]:
         """A probe user's prompt written out as text (operators/text.py) and tokenized by the tokenizer."""
-        probe = {k: "probe" for k in self.template.item_columns}
+        probe = {k: value for k in self.template.item_columns}
         written = {
             c: [self.template.item_text(q + 1, "".join(names[i]), probe) for q, i in enumerate(items)]
             for c, items in histories.items()
         }
-        users = {c: "probe" for c in self.user_columns}
+        users = {c: value for c in self.user_columns}
         return library_ids(prompt_pieces(self.template, tokenizer, chat, written, users), tokenizer)
+
+
+def _apart(template: PromptTemplate, probe: str, got: list[int], want: list[int]) -> str:
+    """The refusal of a template whose probe's ids differ from the tokenizer's."""
+    return (
+        f"prompt template {template.name!r}: the tokenizer does not keep the code tokens (or the template's added "
+        f"tokens) apart from the text around them ({probe}: rendered {got[:40]}..., the tokenizer {want[:40]}...); "
+        "the code tokens must be tokens of their own (tokenizer.add_tokens, the LC-Rec recipe), and added tokens "
+        "beside text from data must not strip its whitespace (lstrip, rstrip)"
+    )
 
 
 def catalog_probes(items: ItemTokens, count: int = 3) -> np.ndarray:

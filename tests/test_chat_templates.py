@@ -241,6 +241,31 @@ def test_chat_templates_that_change_content_are_refused(world):
     Renderer.compile(inside, _with_chat(tok, trim), catalog_probes(compiled(world, CHAT)[1].item_tokens), catalog)
 
 
+@pytest.mark.parametrize("strip", ["lstrip", "rstrip"])
+def test_an_added_token_that_strips_the_whitespace_of_data_is_refused(world, strip):
+    """`<|im_end|>` with lstrip eats the whitespace that ends a query; `<|im_start|>` with rstrip, as Phi-3's turn
+    tokens have, eats the newline after it and the whitespace that starts a profile: the tokenizer on the
+    rendered text differs from the text tokenized as text, so the template is refused at compile time (probe fields
+    that are empty or edged with whitespace), never rendered differently."""
+    import json
+
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    tok, catalog, _, _ = world
+    spec = json.loads(tok.backend_tokenizer.to_str())
+    for t in spec["added_tokens"]:
+        t[strip] = t["content"] == ("<|im_end|>" if strip == "lstrip" else "<|im_start|>")
+    stripping = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(json.dumps(spec)), eos_token="<|endoftext|>"
+    )
+    stripping.chat_template = "{% for m in messages %}<|im_start|>\n{{ m.content }}<|im_end|>{% endfor %}"
+    edge = replace(CHAT, messages=[{"role": "user", "content": "{user:profile}{history}{user:query}"}], windows={})
+    probes = catalog_probes(compiled(world, CHAT)[1].item_tokens)
+    with pytest.raises(ValueError, match="must not strip its whitespace"):
+        Renderer.compile(edge, stripping, probes, catalog)
+
+
 def _with_chat(tok, chat: str):
     """The tokenizer with another chat template."""
     import copy
