@@ -213,7 +213,7 @@ def test_drop_oldest_drops_no_more_than_it_must_when_item_text_comes_first(world
     rows = pa.table({"history": pa.array([ids[:5], [ids[3], *ids[:4]]], pa.list_(pa.int64()))})
     free, cat = compiled((tok, titled, rows, None), head)
     lengths = free.render(rows, cat.item_tokens).attention_mask.sum(1).tolist()
-    bound = lengths[0] - 3
+    bound = lengths[0] - 10  # more than the oldest item and the text joining the next, less than with its title
     cut = compiled((tok, titled, rows, None), head, max_prompt_tokens=bound)[0].render(rows, cat.item_tokens)
     assert cut.kept.all() and cut.truncated.all()
     for row in range(rows.num_rows):  # the fewest oldest items dropped that fit: one for the first user
