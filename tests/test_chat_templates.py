@@ -202,7 +202,7 @@ def test_prompts_that_do_not_fit(world):
 def test_drop_oldest_drops_no_more_than_it_must_when_item_text_comes_first(world):
     """An item pattern whose title comes before the codes: the oldest item's title joins the text before the history,
     so dropping it saves more than the item's own tokens. A user whose oldest item has a long title and whose prompt
-    is a few tokens over the bound drops that one item, not two."""
+    is ten tokens over the bound drops that one item, not two."""
     tok, catalog, _, _ = world
     item = "{item:title}<|sid_begin|>{codes}<|sid_end|>"
     head = replace(CHAT, messages=[], chat_template_kwargs={}, generation_prefix="", windows={}, item=item)
