@@ -58,6 +58,27 @@ def history_window(histories, history_len: int):
     return items, np.repeat(np.arange(len(lengths)), used), used
 
 
+def not_utf8(column: pa.Array) -> np.ndarray:
+    """A column [B] -> the rows [R] of its strings that are not valid UTF-8 (a writer that let a lone surrogate
+    through): checked at C speed, the rows found in Python only when there are some."""
+    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+        return np.zeros(0, np.int64)
+    try:
+        column.validate(full=True)
+        return np.zeros(0, np.int64)
+    except pa.ArrowInvalid:
+        raw = column.cast(pa.large_binary()).to_pylist()
+        return np.array([r for r, v in enumerate(raw) if v is not None and not _is_utf8(v)], np.int64)
+
+
+def _is_utf8(value: bytes) -> bool:
+    try:
+        value.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
 @dataclass
 class ItemTexts:
     """The catalog's columns a template writes ({item:COLUMN}), by item id."""
@@ -73,6 +94,10 @@ class ItemTexts:
         if missing:
             raise ValueError(f"the prompt template writes the catalog's {missing}, which the catalog lacks")
         ids = table.column("item_id").to_numpy().astype(np.int64)
+        for c in columns:
+            bad = not_utf8(table.column(c).combine_chunks())
+            if len(bad):
+                raise ValueError(f"the catalog's {c} is not valid UTF-8 text for item ids {format_rows(ids[bad])}")
         order = argsort_ids(ids)
         take = pa.array(order)
         return cls(ids[order], {c: table.column(c).combine_chunks().take(take) for c in columns})

@@ -324,3 +324,26 @@ def test_every_history_a_prompt_writes_is_validated_like_history(world):
     assert good["user_id"].to_pylist() == [2, 3, 4] and renderer.render(good, cat.item_tokens).kept.all()
     strings = rows.set_column(2, "goods", pa.array([["a"]] * 5, pa.list_(pa.string())))
     assert {r["reason"] for r in validate(strings, cat.item_tokens, renderer.windows)[1].to_pylist()} == {"bad_type"}
+
+
+def test_text_that_is_not_utf8_is_a_reject_or_a_refused_catalog(world):
+    """A profile whose bytes are not UTF-8 (a lone surrogate a writer let through, read from Parquet unchecked): its
+    row is bad_type naming the column and hashes like any other (the read task does not fail), the other rows
+    render; a catalog title like that refuses the template at load time, naming the item."""
+    from operators.validate import validate
+    from pipeline.lineage import input_hashes
+
+    tok, catalog, rows, _ = world
+    renderer, cat = compiled(world, CHAT)
+    bad, good = b"\xed\xa0\x80 surrogate", "画像".encode()
+    offsets = pa.py_buffer(np.array([0, len(good), len(good) + len(bad)], np.int32).tobytes())
+    profile = pa.Array.from_buffers(pa.string(), 2, [None, offsets, pa.py_buffer(good + bad)])
+    two = rows.slice(0, 2).set_column(rows.schema.get_field_index("profile"), "profile", profile)
+    assert input_hashes(two["history"].combine_chunks(), None, 6, False, texts=[two["profile"]]).null_count == 0
+    ok, rejects = validate(two, cat.item_tokens, renderer.windows, "exclude_items", renderer.user_columns)
+    assert rejects.to_pylist() == [{"user_id": 1, "reason": "bad_type", "detail": "profile is not valid UTF-8 text"}]
+    assert renderer.render(ok, cat.item_tokens).kept.tolist() == [True]
+    titles = pa.Array.from_buffers(pa.string(), 2, [None, offsets, pa.py_buffer(good + bad)])
+    broken = catalog.slice(0, 2).set_column(2, "title", titles)
+    with pytest.raises(ValueError, match=r"the catalog's title is not valid UTF-8 text for item ids \[10\]"):
+        Renderer.compile(CHAT, tok, catalog_probes(cat.item_tokens), broken)
