@@ -474,7 +474,10 @@ def test_a_prompt_reads_the_columns_its_template_names_and_nothing_else_carries_
     titles = [f"item {i}" for i in catalog["item_id"].to_pylist()]
     pq.write_table(catalog.append_column("title", pa.array(titles)), tmp_path / "items.parquet")
     template = tmp_path / "template.json"
-    template.write_text(json.dumps({"name": "titled", "item": "{codes}{item:title}", "max_items": 8}))
+    # the world's word-level tokenizer holds the code tokens as words: text from data is the template's to trust
+    template.write_text(
+        json.dumps({"name": "titled", "item": "{codes}{item:title}", "max_items": 8, "trusted": ["title"]})
+    )
     cfg = night_config(root, tmp_path / "out", f"catalog={tmp_path / 'items.parquet'}", f"models.template={template}")
     before = plan_run(cfg)
     state = {"fingerprint": before.fingerprint, "identity": before.identity, "config": before.config}
@@ -508,7 +511,8 @@ def test_a_night_that_changes_only_a_user_text_field_decodes_only_those_users(wo
         profiles[i] = "likes <a_1> now" if i % 2 else None
     pq.write_table(base.append_column("profile", pa.array(profiles)), tmp_path / "night.parquet")
     template = tmp_path / "template.json"
-    template.write_text(json.dumps({"name": "profiled", "prefix": "{user:profile} ", "max_items": 8}))
+    profiled = {"name": "profiled", "prefix": "{user:profile} ", "max_items": 8, "trusted": ["profile"]}  # word-level
+    template.write_text(json.dumps(profiled))  # tokenizer: its code tokens are words, the profile trusted
     extra = [f"models.template={template}", "decoding.exclude=none", "decoding.max_prompt_tokens=22"]
     extra += ["compute.batch_size=64"]
     base_cfg = config(root, tmp_path / "out", f"input={tmp_path / 'base.parquet'}", f"run_date={BASE_DATE}", *extra)
