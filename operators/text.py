@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import threading
 from pathlib import Path
 
 from decoding.templates import Field, PromptTemplate, parse
@@ -124,14 +125,32 @@ def chat_template_text(template: PromptTemplate, tokenizer, model_dir) -> str | 
     return tokenizer.chat_template
 
 
-def render_chat(tokenizer, chat: str, messages: list[dict], kwargs: dict) -> str:
-    """Messages -> the chat template's text with the generation prompt (transformers' sandboxed jinja)."""
-    try:
-        return tokenizer.apply_chat_template(
-            messages, chat_template=chat, tokenize=False, add_generation_prompt=True, **kwargs
-        )
-    except Exception as e:  # jinja's errors: the template's own, named
+CHAT_RENDER_S = 30.0  # what rendering a chat template once may take (a few ms for any real one)
+
+
+def render_chat(tokenizer, chat: str, messages: list[dict], kwargs: dict, deadline_s: float = CHAT_RENDER_S) -> str:
+    """Messages -> the chat template's text with the generation prompt (transformers' sandboxed jinja: no attribute
+    escapes, but loops are its own). A template that has not rendered after `deadline_s` (a loop that does not end)
+    is refused, naming it, rather than holding the run: it renders on a daemon thread, left behind on refusal."""
+    out: dict = {}
+
+    def render():
+        try:
+            out["text"] = tokenizer.apply_chat_template(
+                messages, chat_template=chat, tokenize=False, add_generation_prompt=True, **kwargs
+            )
+        except Exception as e:  # noqa: BLE001 -- jinja's errors: the template's own, named below
+            out["error"] = e
+
+    worker = threading.Thread(target=render, name="chat-template", daemon=True)
+    worker.start()
+    worker.join(deadline_s)
+    if worker.is_alive():
+        raise ValueError(f"the chat template did not render within {deadline_s:g} s (a loop that does not end?)")
+    if "error" in out:
+        e = out["error"]
         raise ValueError(f"the chat template does not render these messages: {type(e).__name__}: {e}") from None
+    return out["text"]
 
 
 def chat_skeleton(template: PromptTemplate, tokenizer, chat: str) -> list[str | Field]:

@@ -241,6 +241,17 @@ def test_chat_templates_that_change_content_are_refused(world):
     Renderer.compile(inside, _with_chat(tok, trim), catalog_probes(compiled(world, CHAT)[1].item_tokens), catalog)
 
 
+def test_a_chat_template_that_never_ends_is_refused_not_waited_on(world):
+    """A chat template whose loops do not end (jinja's sandbox bounds attribute access, not loops) is refused after
+    its deadline, naming it: the plan never waits on it in silence."""
+    from operators.text import render_chat
+
+    tok = world[0]
+    endless = "{% for a in range(100000) %}{% for b in range(100000) %}{{ '' }}{% endfor %}{% endfor %}"
+    with pytest.raises(ValueError, match="did not render within 0.5 s"):
+        render_chat(tok, endless, [{"role": "user", "content": "x"}], {}, deadline_s=0.5)
+
+
 @pytest.mark.parametrize("strip", ["lstrip", "rstrip"])
 def test_an_added_token_that_strips_the_whitespace_of_data_is_refused(world, strip):
     """`<|im_end|>` with lstrip eats the whitespace that ends a query; `<|im_start|>` with rstrip, as Phi-3's turn
