@@ -988,9 +988,10 @@ def denied(e: BaseException) -> bool:
 
 
 @contextlib.contextmanager
-def on_node(what: str, uri: str):
-    """A worker node's reads of `what` at `uri` (the input, the items, a model): an error saying the node has no
-    credentials, or that they are refused, raises NodeDenied naming the node, the URI and the fix (exit 9)."""
+def on_node(what: str, uri: str, verb: str = "read"):
+    """A worker node's reads of `what` at `uri` (the input, the items, a model, a base run) or its writes (`verb`:
+    the run's shards): an error saying the node has no credentials, or that they are refused, raises NodeDenied
+    naming the node, the URI and the fix (exit 9)."""
     try:
         yield
     except Exception as e:
@@ -998,10 +999,11 @@ def on_node(what: str, uri: str):
             raise
         cause = " ".join(str(e).split()) or type(e).__name__
         raise NodeDenied(
-            f"node {node_name()} cannot read {what} {uri}: {cause}. Every worker node reads the input, the items and "
-            "the models itself, so each needs the object store's credentials, not only the driver: give the worker "
-            "pods the IAM role (IRSA: their serviceAccountName) or the AWS_* variables (the Secret in the RayJob's "
-            "worker group, or the job's runtime_env env_vars); docs/deploy.md#3-credentials-and-region-one-place"
+            f"node {node_name()} cannot {verb} {what} {uri}: {cause}. Every worker node reads the input, the items, "
+            "the models and an incremental base and writes its shards itself, so each needs the object store's "
+            "credentials, not only the driver: give the worker pods the IAM role (IRSA: their serviceAccountName) or "
+            "the AWS_* variables (the Secret in the RayJob's worker group, or the job's runtime_env env_vars); "
+            "docs/deploy.md#3-credentials-and-region-one-place"
         ) from None
 
 
