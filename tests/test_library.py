@@ -299,3 +299,22 @@ def test_a_batch_becomes_its_rows_with_their_lists_or_reasons():
     assert got.column_names == [*batch.column_names, "item_ids", "scores", "reject_reason"]
     assert got["item_ids"].to_pylist() == [[5, 6, 7], None, None] and got["scores"].type == pa.list_(pa.float32())
     assert got["reject_reason"].to_pylist() == [None, "no_items", "empty_history"]
+
+
+def test_a_repeated_user_id_is_decoded_once_per_row(world):
+    """The actor without Ray: a user id repeated in a dataset is decoded once per row, each from its own history (the
+    processor has no duplicate_user rule: docs/library.md)."""
+    import genrec_batch as gb
+    from pipeline.processor import RowRecommender, actor_args
+
+    cfg = gb.ProcessorConfig(
+        models=gb.Models(target=str(world / "target")),
+        catalog=str(world / "data" / "items.parquet"),
+        decoding=gb.Decoding(k=K),
+    )
+    processor = gb.build_processor(cfg)
+    actor = RowRecommender(**actor_args(processor.config, processor.decoder))
+    h = pq.read_table(world / "data" / "test.parquet")["history"].to_pylist()
+    out = actor(pa.table({"user_id": [1, 1, 2, 3], "history": [h[0], h[2], h[0], h[2]]}))
+    lists = out["item_ids"].to_pylist()
+    assert out["reject_reason"].null_count == 4 and lists[0] == lists[2] != lists[1] == lists[3]
