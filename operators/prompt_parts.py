@@ -60,11 +60,13 @@ def history_window(histories, history_len: int):
 
 def as_text(column) -> list[str]:
     """A column of strings or numbers [B] -> each value as the prompt writes it [B] (numbers as Python writes them;
-    a null: "")."""
+    a null: "", and a column of Arrow's null type, all nulls, writes nothing)."""
     if isinstance(column, pa.ChunkedArray):
         column = column.combine_chunks() if column.num_chunks else pa.array([], column.type)
     if pa.types.is_dictionary(column.type):
         column = column.dictionary_decode()
+    if pa.types.is_null(column.type):
+        return [""] * len(column)
     if not is_text(column.type):
         raise ValueError(f"a {column.type} column cannot be written as text (strings, integers, floats, booleans)")
     strings = pa.types.is_string(column.type) or pa.types.is_large_string(column.type)
@@ -72,12 +74,18 @@ def as_text(column) -> list[str]:
 
 
 def is_text(kind: pa.DataType) -> bool:
-    """Can a column of this type fill a {user:...} or {item:...} placeholder?"""
+    """Can a column of this type fill a {user:...} or {item:...} placeholder? (Arrow's null type: a column of nulls
+    only, as a block of a Ray Data or pandas column holds where every value is None, writes nothing.)"""
     t = pa.types
     if t.is_dictionary(kind):
         kind = kind.value_type
     return (
-        t.is_string(kind) or t.is_large_string(kind) or t.is_integer(kind) or t.is_floating(kind) or t.is_boolean(kind)
+        t.is_string(kind)
+        or t.is_large_string(kind)
+        or t.is_integer(kind)
+        or t.is_floating(kind)
+        or t.is_boolean(kind)
+        or t.is_null(kind)
     )
 
 

@@ -22,6 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from operators.prompts import is_text
 from operators.recommender import Recommended
 from pipeline import cluster, units
 from pipeline import storage as S
@@ -150,8 +151,9 @@ def decoder_rows(batch: pa.Table, cfg: ProcessorConfig, template=None) -> pa.Tab
     """A batch of the user's dataset -> the rows the recommender reads, as the nightly's read tasks give them
     (`plan.input_columns`: the user id and the history by `columns`, the exclusion column where the dataset has
     it, and the columns the prompt template writes), Ray Data's one-dimensional tensor columns as lists. A column
-    missing, an output column already there or user ids that are not ids (`plan.id_kind`) -> ValueError naming
-    them."""
+    missing, an output column already there, user ids that are not ids (`plan.id_kind`) or a {user:COLUMN} the
+    template writes that is not text or numbers (`is_text`; the nightly's plan checks its input's once) ->
+    ValueError naming them."""
     taken = [c for c in OUTPUT_COLUMNS if c in batch.column_names]
     if taken:
         raise ValueError(f"processor: the dataset already has column(s) {taken}, which the processor adds; rename them")
@@ -163,6 +165,13 @@ def decoder_rows(batch: pa.Table, cfg: ProcessorConfig, template=None) -> pa.Tab
             f"processor: the dataset has no column(s) {missing} (columns.user_id {c.user_id}, columns.history "
             f"{c.history}); it has {batch.column_names}"
         )
+    for c in template.user_columns if template else ():
+        kind = batch.schema.field(c).type
+        if not is_text(kind):
+            raise ValueError(
+                f"processor: models.template writes {{user:{c}}}, but the dataset's {c} is {kind}: strings, integers, "
+                "floats or booleans are written as text"
+            )
     user = batch.schema.field(cfg.columns.user_id).type
     if user != pa.null():  # a batch whose every id is null: each row is rejected (missing_user_id)
         id_kind(user, f"(the processor's dataset, columns.user_id {cfg.columns.user_id})")

@@ -318,3 +318,30 @@ def test_a_repeated_user_id_is_decoded_once_per_row(world):
     out = actor(pa.table({"user_id": [1, 1, 2, 3], "history": [h[0], h[2], h[0], h[2]]}))
     lists = out["item_ids"].to_pylist()
     assert out["reject_reason"].null_count == 4 and lists[0] == lists[2] != lists[1] == lists[3]
+
+
+def test_a_user_text_column_of_nulls_only_writes_nothing(world, tmp_path):
+    """The actor without Ray: a {user:COLUMN} the template writes that a block holds as Arrow's null type (a pandas
+    or Ray Data column whose every value in the block is None) writes nothing, as the same nulls typed as strings do;
+    a column of another type is refused, naming it."""
+    import json
+
+    import genrec_batch as gb
+    from pipeline.processor import RowRecommender, actor_args
+
+    template = tmp_path / "profiled.json"
+    template.write_text(json.dumps({"name": "profiled", "prefix": "{user:profile} ", "max_items": 8}))
+    cfg = gb.ProcessorConfig(
+        models=gb.Models(target=str(world / "target"), template=str(template)),
+        catalog=str(world / "data" / "items.parquet"),
+        decoding=gb.Decoding(k=K),
+    )
+    processor = gb.build_processor(cfg)
+    actor = RowRecommender(**actor_args(processor.config, processor.decoder))
+    batch = pq.read_table(world / "data" / "test.parquet", columns=["user_id", "history"]).slice(0, 4)
+    typed = actor(batch.append_column("profile", pa.nulls(4, pa.string())))
+    untyped = actor(batch.append_column("profile", pa.nulls(4)))
+    assert typed["reject_reason"].null_count == 4
+    assert untyped.drop_columns(["profile"]).equals(typed.drop_columns(["profile"]))
+    with pytest.raises(ValueError, match=re.escape("{user:profile}, but the dataset's profile is struct")):
+        actor(batch.append_column("profile", pa.array([{"a": 1}] * 4)))
