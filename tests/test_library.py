@@ -345,3 +345,13 @@ def test_a_user_text_column_of_nulls_only_writes_nothing(world, tmp_path):
     assert untyped.drop_columns(["profile"]).equals(typed.drop_columns(["profile"]))
     with pytest.raises(ValueError, match=re.escape("{user:profile}, but the dataset's profile is struct")):
         actor(batch.append_column("profile", pa.array([{"a": 1}] * 4)))
+
+
+def test_the_library_page_names_every_reason_a_row_can_carry():
+    """docs/library.md's reject_reason names every reason of docs/output.md's rejects but duplicate_user, which the
+    processor does not give (a repeated id is decoded again)."""
+    output = (ROOT / "docs" / "output.md").read_text().split("Reasons, in order of precedence", 1)[1].split("###")[0]
+    reasons = set(re.findall(r"^\| `(\w+)` \|", output, re.M)) - {"duplicate_user"}
+    page = (ROOT / "docs" / "library.md").read_text()
+    listed = set(re.findall(r"`(\w+)`", page.split("- `reject_reason`", 1)[1].split("\n\n", 1)[0]))
+    assert reasons and reasons <= listed, reasons - listed
