@@ -355,3 +355,57 @@ def test_the_library_page_names_every_reason_a_row_can_carry():
     page = (ROOT / "docs" / "library.md").read_text()
     listed = set(re.findall(r"`(\w+)`", page.split("- `reject_reason`", 1)[1].split("\n\n", 1)[0]))
     assert reasons and reasons <= listed, reasons - listed
+
+
+def test_every_bad_row_keeps_its_place_with_its_reason(world, tmp_path):
+    """The actor without Ray, one batch of every kind of row, among them those rejected only once rendered
+    (prompt_too_long) or decoded (non_finite_logits: the target's embedding of one code token planted NaN, which only
+    that row's prompt holds; no_items): each row comes out in its place with the nightly's reason and no list, and the
+    others with a direct beam search's lists."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    import genrec_batch as gb
+    from pipeline.processor import RowRecommender, actor_args
+    from tests.test_nightly import direct_beam_search
+
+    target = tmp_path / "target"
+    shutil.copytree(world / "target", target)
+    weights = load_file(target / "model.safetensors")
+    weights["model.embed_tokens.weight"][gb.load_tokenizer(str(target)).convert_tokens_to_ids("<c_5>")] = float("nan")
+    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
+    items = pq.read_table(world / "data" / "items.parquet").to_pylist()
+    poisoned = next(i["item_id"] for i in items if "<c_5>" in i["code_tokens"])
+    a, b, c, d = [i["item_id"] for i in items if "<c_5>" not in i["code_tokens"]][:4]
+    rows = [  # (user, history, exclusions, reason)
+        (1, [a, b], None, None),
+        (None, [a], None, "missing_user_id"),
+        (3, [poisoned], None, "non_finite_logits"),
+        (4, [a, b, c], None, "prompt_too_long"),
+        (5, [], None, "empty_history"),
+        (6, [1.5], None, "bad_type"),
+        (7, [10**12], None, "unknown_item"),
+        (8, [c], [None], "bad_exclude_items"),
+        (9, [b], [i["item_id"] for i in items], "no_items"),
+        (10, [d, c], None, None),
+    ]
+    batch = pa.table(
+        {
+            "user_id": pa.array([r[0] for r in rows], pa.int64()),
+            "history": pa.array([r[1] for r in rows], pa.list_(pa.float64())),
+            "exclude_items": pa.array([r[2] for r in rows], pa.list_(pa.int64())),
+        }
+    )
+    cfg = gb.ProcessorConfig(
+        models=gb.Models(target=str(target)),
+        catalog=str(world / "data" / "items.parquet"),
+        decoding=gb.Decoding(k=K, max_prompt_tokens=7, too_long="reject"),  # <bos> and two items of 3 codes
+    )
+    processor = gb.build_processor(cfg)
+    out = RowRecommender(**actor_args(processor.config, processor.decoder))(batch)
+    assert out["reject_reason"].to_pylist() == [r[3] for r in rows]
+    lists = out["item_ids"].to_pylist()
+    assert [i for i in range(len(rows)) if lists[i] is None] == [i for i, r in enumerate(rows) if r[3]]
+    direct = direct_beam_search(world, [[a, b], [d, c]], k=K)[0].item_ids.tolist()
+    assert [lists[0], lists[-1]] == direct
