@@ -301,25 +301,6 @@ def test_a_batch_becomes_its_rows_with_their_lists_or_reasons():
     assert got["reject_reason"].to_pylist() == [None, "no_items", "empty_history"]
 
 
-def test_a_repeated_user_id_is_decoded_once_per_row(world):
-    """The actor without Ray: a user id repeated in a dataset is decoded once per row, each from its own history (the
-    processor has no duplicate_user rule: docs/library.md)."""
-    import genrec_batch as gb
-    from pipeline.processor import RowRecommender, actor_args
-
-    cfg = gb.ProcessorConfig(
-        models=gb.Models(target=str(world / "target")),
-        catalog=str(world / "data" / "items.parquet"),
-        decoding=gb.Decoding(k=K),
-    )
-    processor = gb.build_processor(cfg)
-    actor = RowRecommender(**actor_args(processor.config, processor.decoder))
-    h = pq.read_table(world / "data" / "test.parquet")["history"].to_pylist()
-    out = actor(pa.table({"user_id": [1, 1, 2, 3], "history": [h[0], h[2], h[0], h[2]]}))
-    lists = out["item_ids"].to_pylist()
-    assert out["reject_reason"].null_count == 4 and lists[0] == lists[2] != lists[1] == lists[3]
-
-
 def test_a_user_text_column_of_nulls_only_writes_nothing(world, tmp_path):
     """The actor without Ray: a {user:COLUMN} the template writes that a block holds as Arrow's null type (a pandas
     or Ray Data column whose every value in the block is None) writes nothing, as the same nulls typed as strings do;
@@ -361,7 +342,8 @@ def test_every_bad_row_keeps_its_place_with_its_reason(world, tmp_path):
     """The actor without Ray, one batch of every kind of row, among them those rejected only once rendered
     (prompt_too_long) or decoded (non_finite_logits: the target's embedding of one code token planted NaN, which only
     that row's prompt holds; no_items): each row comes out in its place with the nightly's reason and no list, and the
-    others with a direct beam search's lists."""
+    others with a direct beam search's lists, a repeated user id's rows each with its own history's (docs/library.md:
+    the processor has no duplicate_user)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -389,6 +371,7 @@ def test_every_bad_row_keeps_its_place_with_its_reason(world, tmp_path):
         (8, [c], [None], "bad_exclude_items"),
         (9, [b], [i["item_id"] for i in items], "no_items"),
         (10, [d, c], None, None),
+        (1, [d, c], None, None),  # a repeated id: decoded again, from its own history (no duplicate_user)
     ]
     batch = pa.table(
         {
@@ -408,4 +391,4 @@ def test_every_bad_row_keeps_its_place_with_its_reason(world, tmp_path):
     lists = out["item_ids"].to_pylist()
     assert [i for i in range(len(rows)) if lists[i] is None] == [i for i, r in enumerate(rows) if r[3]]
     direct = direct_beam_search(world, [[a, b], [d, c]], k=K)[0].item_ids.tolist()
-    assert [lists[0], lists[-1]] == direct
+    assert [lists[0], lists[-2], lists[-1]] == [direct[0], direct[1], direct[1]]
