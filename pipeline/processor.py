@@ -27,7 +27,7 @@ from operators.recommender import Recommended
 from pipeline import cluster, units
 from pipeline import storage as S
 from pipeline.attempt import actor_resources
-from pipeline.config import Config, ProcessorConfig, processor_config
+from pipeline.config import Compute, Config, ProcessorConfig, processor_config
 from pipeline.items import ItemsRef, Sources
 from pipeline.plan import Decoder, id_kind, input_columns, resolve_decoder
 from pipeline.shards import recommender_of
@@ -78,15 +78,34 @@ class Processor:
 
         if not ray.is_initialized():
             ray.init()  # what the dataset's execution would do: the pool's size needs the cluster's resources
-        c = self.config.compute
+        c, resources = self.config.compute, ray.cluster_resources()
+        warn_unplaceable(c, resources)
         return ds.map_batches(
             RowRecommender,
             batch_size=c.batch_size * c.batches_per_task,
             batch_format="pyarrow",
             fn_constructor_kwargs=actor_args(self.config, self.decoder),
-            compute=cluster.actor_pool(c, ray.cluster_resources()).strategy(),
+            compute=cluster.actor_pool(c, resources).strategy(),
             **actor_resources(c),
         )
+
+
+def warn_unplaceable(c: Compute, resources: dict) -> None:
+    """A pool whose actor the cluster (`resources`: ray.cluster_resources()) cannot hold now, GPUs or CPUs (GPU
+    actors on a CPU-only cluster, say), waits for a node that can, as long as the pipeline runs: said once, on the
+    driver, with the setting, the cluster and how to bound the wait, before it starts waiting."""
+    gpus, cpus = resources.get("GPU", 0.0), resources.get("CPU", 0.0)
+    if gpus >= c.gpus_per_actor and cpus >= c.cpus_per_actor:
+        return
+    log.warning(
+        "processor: an actor needs compute.gpus_per_actor %g GPU and compute.cpus_per_actor %g CPU, and this Ray "
+        "cluster has %s now: its actors wait until a node that holds one joins (an autoscaling cluster's), which a "
+        "fixed cluster never gives. Set compute.gpus_per_actor: 0 for CPU actors, or bound the wait with Ray Data's "
+        "DataContext.get_current().wait_for_min_actors_s",
+        c.gpus_per_actor,
+        c.cpus_per_actor,
+        cluster.short(resources),
+    )
 
 
 def build_processor(

@@ -392,3 +392,21 @@ def test_every_bad_row_keeps_its_place_with_its_reason(world, tmp_path):
     assert [i for i in range(len(rows)) if lists[i] is None] == [i for i, r in enumerate(rows) if r[3]]
     direct = direct_beam_search(world, [[a, b], [d, c]], k=K)[0].item_ids.tolist()
     assert [lists[0], lists[-2], lists[-1]] == [direct[0], direct[1], direct[1]]
+
+
+def test_gpu_actors_on_a_cluster_without_gpus_are_said_before_the_wait(world, ray_session_plain, caplog):
+    """A processor of GPU actors applied on this CPU-only Ray: the driver warns, naming the setting, the cluster and
+    the bound on the wait, when the dataset is built (its execution would wait for a GPU node as long as it runs)."""
+    import ray
+
+    import genrec_batch as gb
+
+    cfg = gb.ProcessorConfig(
+        models=gb.Models(target=str(world / "target")),
+        catalog=str(world / "data" / "items.parquet"),
+        compute=gb.Compute(gpus_per_actor=1),
+    )
+    with caplog.at_level(logging.WARNING, logger="genrec.processor"):
+        gb.build_processor(cfg)(ray.data.range(1))
+    assert "compute.gpus_per_actor 1 GPU" in caplog.text and "has CPU 2 now" in caplog.text, caplog.text
+    assert "wait_for_min_actors_s" in caplog.text
