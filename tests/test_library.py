@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 import tomllib
+import warnings
 from importlib.metadata import version
 from pathlib import Path
 
@@ -208,9 +209,13 @@ def test_the_library_pages_example_runs_as_written(world, ray_session_plain, tmp
     blocks = re.findall(r"^```python\n(.*?)^```", page.split("\n## An example\n", 1)[1], re.M | re.S)
     assert len(blocks) == 2
     scope: dict = {}
-    for block in blocks:  # its relative paths under tmp_path: this Ray's workers run in the repository's folder
-        block = re.sub(r'"(data|models|out)/', lambda m: f'"{tmp_path}/{m[1]}/', block)
-        exec(compile(block, "docs/library.md", "exec"), scope)
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        for block in blocks:  # its relative paths under tmp_path: this Ray's workers run in the repository's folder
+            block = re.sub(r'"(data|models|out)/', lambda m: f'"{tmp_path}/{m[1]}/', block)
+            exec(compile(block, "docs/library.md", "exec"), scope)
+    deprecated = [f"{w.lineno}: {w.message}" for w in warned if w.filename == "docs/library.md"]
+    assert not deprecated, deprecated  # the page's calls are the libraries' current API
     got = pq.read_table(tmp_path / "out" / "library").to_pandas().set_index("user_id")
     features = pq.read_table(tmp_path / "data" / "features.parquet").to_pandas()
     active = features[features.active]
