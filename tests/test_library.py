@@ -415,3 +415,21 @@ def test_gpu_actors_on_a_cluster_without_gpus_are_said_before_the_wait(world, ra
         gb.build_processor(cfg)(ray.data.range(1))
     assert "compute.gpus_per_actor 1 GPU" in caplog.text and "has CPU 2 now" in caplog.text, caplog.text
     assert "wait_for_min_actors_s" in caplog.text
+
+
+def test_the_docs_python_examples_import_only_the_public_api():
+    """Every Python example of the docs imports genrec-batch's code as `genrec_batch` (its public API), never the
+    internal packages it re-exports from."""
+    internal = re.compile(r"^\s*(?:from|import)\s+(decoding|operators|pipeline|jobs)\b", re.M)
+    found = [
+        f"{page.relative_to(ROOT)}: {m.group(0).strip()}"
+        for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+        for block in re.findall(r"^```python\n(.*?)^```", page.read_text(), re.M | re.S)
+        for m in internal.finditer(block)
+    ]
+    found += [
+        f"{p.relative_to(ROOT)}: {m.group(0).strip()}"
+        for p in (ROOT / "docs").rglob("*.py")
+        for m in internal.finditer(p.read_text())
+    ]
+    assert not found, found
