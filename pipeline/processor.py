@@ -16,6 +16,7 @@ are the user's to write.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import replace
 
 import numpy as np
@@ -149,8 +150,15 @@ def actor_args(cfg: ProcessorConfig, decoder: Decoder) -> dict:
 
 
 def merged(row: dict, fn) -> dict:
-    """Ray Data LLM's preprocess: the row with the columns `fn(row)` returns merged in."""
-    return {**row, **fn(row)}
+    """Ray Data LLM's preprocess: the row with the columns `fn(row)` returns merged in; anything but a mapping of
+    columns refused, naming the preprocess and what it returned."""
+    columns = fn(row)
+    if not isinstance(columns, Mapping):
+        raise TypeError(
+            f"processor: preprocess {getattr(fn, '__name__', fn)!r} must return a dict of the columns to add or "
+            f"replace, got {type(columns).__name__}: {str(columns)[:80]}"
+        )
+    return {**row, **columns}
 
 
 class RowRecommender:

@@ -274,10 +274,11 @@ def test_the_processor_config_is_the_nightlys_fields_checked_alike(world, caplog
 
 def test_a_batch_becomes_its_rows_with_their_lists_or_reasons():
     """The actor's two ends, without Ray: a dataset's batch -> the recommender's rows (`columns` renamed, Ray Data's
-    tensor columns as lists, refusals naming the column); its decode -> one row per row in, lists where listed."""
+    tensor columns as lists, refusals naming the column); its decode -> one row per row in, lists where listed; and
+    preprocess's merge (a preprocess that returns no dict refused, naming it)."""
     from operators.recommender import Recommended
     from pipeline.config import Columns, ProcessorConfig
-    from pipeline.processor import decoder_rows, plain, with_lists
+    from pipeline.processor import decoder_rows, merged, plain, with_lists
 
     cfg = ProcessorConfig(columns=Columns(user_id="uid", history="items"))
     batch = pa.table({"uid": [7, 8, 9], "items": [[1, 2], [3], []], "exclude_items": [[2], None, None], "x": [1, 2, 3]})
@@ -296,6 +297,10 @@ def test_a_batch_becomes_its_rows_with_their_lists_or_reasons():
     ragged = ArrowTensorArray.from_numpy(np.array([np.array([1, 2]), np.array([3])], dtype=object))
     square = ArrowTensorArray.from_numpy(np.array([[1, 2], [3, 4]]))
     assert [plain(pa.chunked_array([t])).to_pylist() for t in (ragged, square)] == [[[1, 2], [3]], [[1, 2], [3, 4]]]
+
+    assert merged({"a": 1, "b": 2}, lambda row: {"b": 3, "c": row["a"]}) == {"a": 1, "b": 3, "c": 1}
+    with pytest.raises(TypeError, match="preprocess '<lambda>' must return a dict .* got NoneType"):
+        merged({"a": 1}, lambda row: None)
 
     recs = pa.table({"item_id": pa.array([5, 6, 7], pa.int64()), "score": pa.array([-1, -2, -3], pa.float32())})
     rejects = pa.table({"user_id": [9, 8], "reason": ["empty_history", "no_items"], "detail": ["", ""]})
