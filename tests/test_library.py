@@ -31,7 +31,8 @@ HEAVY = ("torch", "ray", "pyarrow", "transformers", "pandas", "decoding", "opera
 
 def test_import_genrec_batch_is_light_and_names_its_surface():
     """`import genrec_batch` loads none of the packages it re-exports from (nor torch, Ray, pyarrow); `__all__` is
-    the surface, every name in it is its module's own object, and type checkers see the same names."""
+    the surface, every name in it is its module's own object, type checkers see the same names, and docs/library.md's
+    table names exactly them."""
     import genrec_batch as gb
 
     code = "import genrec_batch, sys; print(sorted({m.split('.')[0] for m in sys.modules}))"
@@ -53,6 +54,10 @@ def test_import_genrec_batch_is_light_and_names_its_surface():
     assert typed == gb._SURFACE
     with pytest.raises(AttributeError, match="no attribute 'plan_run'"):
         gb.plan_run  # noqa: B018 -- internal, not re-exported
+    api = (ROOT / "docs" / "library.md").read_text().split("## The public API", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| (`.*?) \|", api, re.M)  # the table's first column
+    documented = {name for row in rows for name in re.findall(r"`(\w+)`", row)}
+    assert documented == set(gb.__all__), documented ^ set(gb.__all__)  # docs/library.md's table is the surface
 
 
 # --- the processor -------------------------------------------------------------------------------------------------
