@@ -84,11 +84,13 @@ def parse(text: str, where: str = "text", source: str = "template") -> list[str 
 
 def as_text(column) -> list[str]:
     """A column of strings or numbers [B] -> each value as the prompt writes it [B] (numbers as Python writes them;
-    a null: "")."""
+    a null: "", and a column of Arrow's null type, all nulls, writes nothing)."""
     if isinstance(column, pa.ChunkedArray):
         column = column.combine_chunks() if column.num_chunks else pa.array([], column.type)
     if pa.types.is_dictionary(column.type):
         column = column.dictionary_decode()
+    if pa.types.is_null(column.type):
+        return [""] * len(column)
     if not is_text(column.type):
         raise ValueError(f"a {column.type} column cannot be written as text (strings, integers, floats, booleans)")
     strings = pa.types.is_string(column.type) or pa.types.is_large_string(column.type)
@@ -96,13 +98,13 @@ def as_text(column) -> list[str]:
 
 
 def is_text(kind: pa.DataType) -> bool:
-    """Can a column of this type fill a {user:...} or {item:...} placeholder?"""
+    """Can a column of this type fill a {user:...} or {item:...} placeholder? (Arrow's null type: a column of nulls
+    only, as a block of a Ray Data or pandas column holds where every value is None, writes nothing.)"""
     t = pa.types
     if t.is_dictionary(kind):
         kind = kind.value_type
-    return (
-        t.is_string(kind) or t.is_large_string(kind) or t.is_integer(kind) or t.is_floating(kind) or t.is_boolean(kind)
-    )
+    kinds = (t.is_string, t.is_large_string, t.is_integer, t.is_floating, t.is_boolean, t.is_null)
+    return any(is_kind(kind) for is_kind in kinds)
 
 
 @dataclass(frozen=True)
