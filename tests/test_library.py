@@ -326,7 +326,8 @@ def test_a_user_text_column_of_nulls_only_writes_nothing(world, tmp_path):
     from pipeline.processor import RowRecommender, actor_args
 
     template = tmp_path / "profiled.json"
-    template.write_text(json.dumps({"name": "profiled", "prefix": "{user:profile} ", "max_items": 8}))
+    profiled = {"name": "profiled", "prefix": "{user:profile} ", "max_items": 8, "trusted": ["profile"]}
+    template.write_text(json.dumps(profiled))  # trusted: the tiny word-level tokenizer holds code tokens as words
     cfg = gb.ProcessorConfig(
         models=gb.Models(target=str(world / "target"), template=str(template)),
         catalog=str(world / "data" / "items.parquet"),
