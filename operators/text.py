@@ -19,6 +19,7 @@ content (trim it, rewrite it) are refused: the sentinels must come through whole
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import json
 import re
@@ -128,10 +129,22 @@ def chat_template_text(template: PromptTemplate, tokenizer, model_dir) -> str | 
 CHAT_RENDER_S = 30.0  # what rendering a chat template once may take (a few ms for any real one)
 
 
+class RenderStopped(Exception):
+    """Raised inside a chat template's render that ran past its deadline."""
+
+
+def _stop(thread: threading.Thread, wait_s: float = 5.0) -> bool:
+    """Stop a thread at its next bytecode with `RenderStopped` (a jinja template is Python code, so its loops stop
+    there); True once it has ended. Nothing is left spinning in the process: a refused template costs no core."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(RenderStopped))
+    thread.join(wait_s)
+    return not thread.is_alive()
+
+
 def render_chat(tokenizer, chat: str, messages: list[dict], kwargs: dict, deadline_s: float = CHAT_RENDER_S) -> str:
     """Messages -> the chat template's text with the generation prompt (transformers' sandboxed jinja: no attribute
     escapes, but loops are its own). A template that has not rendered after `deadline_s` (a loop that does not end)
-    is refused, naming it, rather than holding the run: it renders on a daemon thread, left behind on refusal."""
+    is stopped and refused, naming it, rather than holding the run."""
     out: dict = {}
 
     def render():
@@ -139,6 +152,8 @@ def render_chat(tokenizer, chat: str, messages: list[dict], kwargs: dict, deadli
             out["text"] = tokenizer.apply_chat_template(
                 messages, chat_template=chat, tokenize=False, add_generation_prompt=True, **kwargs
             )
+        except RenderStopped:
+            pass
         except Exception as e:  # noqa: BLE001 -- jinja's errors: the template's own, named below
             out["error"] = e
 
@@ -146,7 +161,11 @@ def render_chat(tokenizer, chat: str, messages: list[dict], kwargs: dict, deadli
     worker.start()
     worker.join(deadline_s)
     if worker.is_alive():
-        raise ValueError(f"the chat template did not render within {deadline_s:g} s (a loop that does not end?)")
+        stopped = _stop(worker)
+        raise ValueError(
+            f"the chat template did not render within {deadline_s:g} s (a loop that does not end?)"
+            + ("" if stopped else "; its render is still running (stuck outside Python code)")
+        )
     if "error" in out:
         e = out["error"]
         raise ValueError(f"the chat template does not render these messages: {type(e).__name__}: {e}") from None

@@ -5,6 +5,7 @@ slow reference (tests/helpers.py reference_ids) on hundreds of random rows, and 
 where the data holds no added token; text from data never becomes a control token or a code token; prompts that do
 not fit are cut or left out; a tiny Qwen3 decodes them exactly as `transformers` beam search does."""
 
+import threading
 from dataclasses import replace
 
 import numpy as np
@@ -248,8 +249,10 @@ def test_a_chat_template_that_never_ends_is_refused_not_waited_on(world):
 
     tok = world[0]
     endless = "{% for a in range(100000) %}{% for b in range(100000) %}{{ '' }}{% endfor %}{% endfor %}"
-    with pytest.raises(ValueError, match="did not render within 0.5 s"):
+    with pytest.raises(ValueError, match=r"did not render within 0.5 s \(a loop that does not end\?\)$"):
         render_chat(tok, endless, [{"role": "user", "content": "x"}], {}, deadline_s=0.5)
+    # and it is stopped, not left spinning on a core for the rest of the process
+    assert not [t for t in threading.enumerate() if t.name == "chat-template"]
 
 
 @pytest.mark.parametrize("strip", ["lstrip", "rstrip"])
