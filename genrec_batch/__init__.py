@@ -70,18 +70,29 @@ __all__ = ["__version__", *_SURFACE]
 
 
 def __getattr__(name: str):
-    """A name of the surface, imported from its module on first use (then cached here); `__version__` from the
-    installed package's metadata."""
+    """A name of the surface, imported from its module on first use (then cached here); `__version__`: the
+    installed package's version."""
     if name == "__version__":
-        from importlib.metadata import version
-
-        value = version("genrec-batch")
+        value = _version()
     elif name in _SURFACE:
         value = getattr(importlib.import_module(_SURFACE[name]), name)
     else:
         raise AttributeError(f"module 'genrec_batch' has no attribute {name!r}")
     globals()[name] = value
     return value
+
+
+def _version() -> str:
+    """The installed distribution's version; in a clone on PYTHONPATH (not installed), its pyproject.toml's."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("genrec-batch")
+    except PackageNotFoundError:
+        import tomllib
+        from pathlib import Path
+
+        return tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["version"]
 
 
 def __dir__() -> list[str]:

@@ -244,7 +244,7 @@ def code_identity() -> dict:
             for f in sorted(Path(folder).rglob("*.py")):
                 h.update(f"{name}/{f.relative_to(folder).as_posix()}\0".encode())
                 h.update(hashlib.sha256(f.read_bytes()).digest())
-    return {"version": _project()[1] or _version(DISTRIBUTION), "sha256": h.hexdigest()}
+    return {"version": package_version(), "sha256": h.hexdigest()}
 
 
 def code_packages() -> list[str]:
@@ -274,6 +274,12 @@ def _project() -> tuple[Path | None, str | None]:
     root = Path(__file__).resolve().parents[1]
     project = _pyproject(root).get("project", {})
     return (root, project.get("version")) if project.get("name") == DISTRIBUTION else (None, None)
+
+
+def package_version() -> str | None:
+    """genrec-batch's version: its source tree's pyproject.toml where it runs from one (a clone on PYTHONPATH, an
+    editable install), else the installed distribution's; None when neither says."""
+    return _project()[1] or _version(DISTRIBUTION)
 
 
 def _pyproject(root: Path) -> dict:
@@ -313,7 +319,7 @@ def code_refusal(expected: str, where: str) -> str | None:
 def software() -> dict:
     """The versions of the software that decodes (genrec-batch, torch, transformers): a fingerprint's `software`, and
     what a resume must find unchanged."""
-    return {name: _version(name) for name in ("genrec-batch", "torch", "transformers")}
+    return {"genrec-batch": package_version(), **{name: _version(name) for name in ("torch", "transformers")}}
 
 
 def _version(package: str) -> str | None:

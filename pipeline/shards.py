@@ -413,9 +413,15 @@ def recommender_of(spec: ActorSpec, items: ItemsRef, storage: Storage) -> Recomm
 
 def restarted() -> bool:
     """Whether this actor is a restart (Ray brought it back after its process or node was lost)."""
+    import warnings
+
     import ray
 
-    return ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed
+    if not ray.is_initialized():
+        return False
+    with warnings.catch_warnings():  # Ray's own property reads its deprecated `actor_id`: not ours to print per actor
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return ray.get_runtime_context().was_current_actor_reconstructed
 
 
 def ranges_of(pos: np.ndarray) -> list[list[int]]:

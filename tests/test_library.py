@@ -40,6 +40,10 @@ def test_import_genrec_batch_is_light_and_names_its_surface():
     assert "genrec_batch" in loaded and not set(HEAVY) & set(loaded), loaded
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert gb.__version__ == version("genrec-batch") == pyproject["project"]["version"]
+    # a clone on the path, never installed (-S: no site-packages, so no distribution): its pyproject.toml's version
+    clone = f"import sys; sys.path.insert(0, {str(ROOT)!r}); import genrec_batch; print(genrec_batch.__version__)"
+    bare = subprocess.run([sys.executable, "-S", "-c", clone], capture_output=True, text=True, cwd="/")
+    assert bare.stdout.strip() == pyproject["project"]["version"], bare.stderr
     assert set(gb.__all__) == {"__version__", *gb._SURFACE} and sorted(dir(gb)) == sorted(gb.__all__)
     for name, module in gb._SURFACE.items():
         assert getattr(gb, name) is getattr(importlib.import_module(module), name), name
