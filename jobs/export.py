@@ -37,9 +37,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("run", metavar="RUN", nargs="?", help="output root, run_date= folder or run folder")
     p.add_argument(
-        "--to", required=True, metavar="URL", help="redis:// or rediss://[user:password@]host:port/db, or delta+URI"
+        "--to",
+        required=True,
+        metavar="URL",
+        help="redis:// or rediss://[user:password@]host:port/db, delta+URI or iceberg+CATALOG/NAMESPACE.TABLE",
     )
-    p.add_argument("--rows-per-file", type=int, default=2_000_000, help="delta: rows in each data file (2,000,000)")
+    p.add_argument("--rows-per-file", type=int, default=2_000_000, help="a table: rows in each data file (2,000,000)")
     p.add_argument("--namespace", default="genrec", help="the keys' namespace (default genrec)")
     p.add_argument("--keep", type=int, default=2, help="previous versions kept for --rollback (default 2)")
     p.add_argument(
@@ -47,7 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--rollback", action="store_true", help="point readers back at the previous version")
     p.add_argument("--writers", type=int, default=4, help="Ray tasks writing at once (default 4)")
-    p.add_argument("--retry-s", type=float, default=300.0, help="how long transient Redis errors are retried")
+    p.add_argument("--retry-s", type=float, default=300.0, help="how long the store's transient errors are retried")
     p.add_argument("--allow-eviction", action="store_true", help="export into a store whose policy may evict")
     p.add_argument("--allow-no-persistence", action="store_true", help="export into a store that does not persist")
     p.add_argument("--allow-older", action="store_true", help="export a run of an earlier date than the current one")
@@ -55,61 +58,44 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if (args.run is None) != args.rollback:
         p.error("give RUN, or --rollback alone")
-    if args.rollback and args.to.startswith("delta+"):
-        p.error("--rollback is for Redis; a Delta table keeps its history (RESTORE, or read an earlier version)")
+    from pipeline import stores
+    from pipeline.config import masked_url
+
+    sink = stores.sink(args.to)
+    if sink is None:
+        p.error(f"--to {masked_url(args.to)}: name a store: {', '.join(f'{x}...' for x in stores.SINKS)}")
+    if args.rollback and not hasattr(sink, "rollback"):
+        p.error(f"--rollback is for Redis; a {sink.NAME} keeps its history (roll it back with its own tools)")
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return commit(args) if args.to.startswith("delta+") else export(args)
+    return export(args)
 
 
 def export(args) -> int:
-    """--to redis://...: the run exported (or --rollback) -> the exit code."""
-    from redis.exceptions import RedisClusterException, RedisError
-
-    from pipeline import serving
-    from pipeline.config import Serving
-    from pipeline.output import open_run
-    from pipeline.storage import Storage, StoreUnavailable
-
-    flags = ("keep", "retry_s", "writers", "allow_eviction", "allow_no_persistence", "allow_older", "grace_s")
-    t = Serving(args.to, args.namespace, **{name: getattr(args, name) for name in flags})
-    try:
-        if args.rollback:
-            was, now = serving.rollback(t)
-            print(json.dumps({"namespace": t.namespace, "rolled_back": was, "current": now}))
-            return 0
-        run = open_run(args.run, Storage(args.endpoint, args.region))
-        from pipeline.signals import connect_ray
-
-        connect_ray()
-        print(json.dumps(serving.export(run, t).record(), indent=2))
-        return 0
-    except Exception as e:
-        not_transient = (FileNotFoundError, ValueError, PermissionError, RedisError, RedisClusterException)
-        return failed(e, [(serving.Raced, 3), (StoreUnavailable, 4), (not_transient, 2)])
-
-
-def commit(args) -> int:
-    """--to delta+URI: the run committed to the table (pipeline/tables.py) -> the exit code."""
-    from pipeline import tables
-    from pipeline.config import Table, check_table
+    """The run committed to the store --to names (pipeline/stores: its sink), or --rollback -> the exit code."""
+    from pipeline import stores
     from pipeline.output import open_run
     from pipeline.signals import connect_ray
-    from pipeline.storage import Storage, StoreUnavailable
+    from pipeline.storage import Storage
 
+    sink = stores.sink(args.to)
     try:
-        t = Table(args.to, args.rows_per_file, args.writers)
-        check_table(t)
+        t = sink.target(args.to, vars(args))
+        sink.check(t, Storage(args.endpoint, args.region, args.retry_s))
+        if args.rollback:
+            was, now = sink.rollback(t)
+            print(json.dumps({"namespace": t.namespace, "rolled_back": was, "current": now}))
+            return 0
         run = open_run(args.run, Storage(args.endpoint, args.region, args.retry_s), allow_unpublished=True)
         connect_ray()
-        print(json.dumps(tables.commit_run(run, t).record(), indent=2))
+        print(json.dumps(sink.commit_run(run, t).record(), indent=2))
         return 0
     except Exception as e:
-        return failed(e, [(StoreUnavailable, 4), ((FileNotFoundError, ValueError, PermissionError), 2)])
+        return failed(e, sink.refusals())
 
 
 def failed(e: Exception, codes: list) -> int:

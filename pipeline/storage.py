@@ -249,11 +249,16 @@ def write_bytes(uri: str, data: bytes, storage: Storage) -> None:
 
 
 def write_parquet(table: pa.Table, uri: str, storage: Storage) -> None:
-    """One parquet file, encoded once and written whole (`write_bytes`). Floating-point columns are not dictionary
-    encoded: scores rarely repeat, and trying costs more than the rest of the encoding."""
+    """One parquet file, encoded once (`encode_parquet`) and written whole (`write_bytes`)."""
+    write_bytes(uri, encode_parquet(table), storage)
+
+
+def encode_parquet(table: pa.Table) -> pa.Buffer:
+    """A table as the bytes of one parquet file. Floating-point columns are not dictionary encoded: scores rarely
+    repeat, and trying costs more than the rest of the encoding."""
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink, use_dictionary=[p for f in table.schema for p in _leaves(f.name, f.type)])
-    write_bytes(uri, sink.getvalue(), storage)
+    return sink.getvalue()
 
 
 def _leaves(path: str, kind: pa.DataType) -> list[str]:

@@ -46,6 +46,8 @@ from pipeline.config import masked_url as masked
 
 log = logging.getLogger("genrec.serving")
 
+NAME, SECTION, BEFORE = "Redis", "serving", "the version before"
+
 FORMAT = 1  # the first byte of every list value (`encode`)
 SAFE_POLICIES = ("noeviction",)  # a maxmemory-policy that never drops a key
 USERS_PER_PIPELINE = 1000  # SETs a writer sends in one round trip
@@ -119,6 +121,36 @@ NOW_MS = """
 local t = redis.call('TIME')
 return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """  # KEYS any key of the slot to ask (a cluster's node) -> the server's time, Unix ms
+
+
+def check_uri(uri: str) -> str | None:
+    return None if urllib.parse.urlsplit(uri).scheme in ("redis", "rediss") else "must be redis:// or rediss://"
+
+
+def target(uri: str, options: dict) -> Serving:
+    """`genrec-batch export --to redis://...` -> the serving section it exports with (its flags)."""
+    names = ("namespace", "keep", "retry_s", "writers", "allow_eviction", "allow_no_persistence", "allow_older")
+    return Serving(uri, **{name: options[name] for name in (*names, "grace_s") if name in options})
+
+
+def check(t: Serving, storage) -> None:
+    """The plan's check of the serving section: its settings (the store itself is checked as the export starts)."""
+    check_serving(t)
+
+
+def refusals() -> list:
+    from redis.exceptions import RedisClusterException, RedisError
+
+    not_transient = (FileNotFoundError, ValueError, PermissionError, RedisError, RedisClusterException)
+    return [(Raced, 3), (S.StoreUnavailable, 4), (not_transient, 2)]
+
+
+def shown(uri: str) -> str:
+    return masked(uri)
+
+
+def export_flags(t: Serving) -> str:
+    return f"--namespace {t.namespace}"
 
 
 class Refused(ValueError):
@@ -423,6 +455,9 @@ def export(run, t: Serving) -> Export:
         return Export(url, t.namespace, run_id, version, previous, True, users, size, resumed, took, removed, error)
     finally:
         client.close()
+
+
+commit_run = export  # the Sink protocol's name (pipeline/stores/__init__.py)
 
 
 def superseded(run) -> str | None:
