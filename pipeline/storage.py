@@ -133,7 +133,7 @@ def retrying(
     first try; then StoreUnavailable naming the store, `what` (the request and its URI) and the last cause. A
     permanent error is raised at once. An attempt in flight when the budget ends is not cut short (at most the SDK's
     timeouts more). Only for calls that may run twice: reads, whole-object puts, conditional puts (`put_if`).
-    `store`: another store's (name, transient, the budget's setting), e.g. a Redis (pipeline/serving.py); default
+    `store`: another store's (name, transient, the budget's setting), e.g. a Redis (pipeline/stores/redis.py); default
     the object store's."""
     name, is_transient, setting = store or (f"object store {store_name(storage)}", transient, "storage.retry_s")
     budget = storage.retry_s if budget_s is None else budget_s

@@ -265,8 +265,9 @@ def read_all(plan) -> pa.Table:
 
     columns = input_columns(plan.cfg, plan.data.schema)
     return pa.concat_tables(
-        units.read_units(pa.table({k: [v] for k, v in u.items()}), plan.fs, columns, schema=plan.data.schema,
-                         names=plan.names)  # fmt: skip
+        units.read_units(
+            pa.table({k: [v] for k, v in u.items()}), plan.fs, columns, schema=plan.data.schema, names=plan.names
+        )  # fmt: skip
         for u in units.todo(plan.units, [])
     )
 

@@ -17,9 +17,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline import runs, serving
+from pipeline import runs
 from pipeline.config import Serving
 from pipeline.output import open_run
+from pipeline.stores import redis as serving
 from tests.helpers import assert_one_error_line
 from tests.redis_server import RedisServer, require_redis, start_cluster
 from tests.test_nightly import config, make_world
