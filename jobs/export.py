@@ -1,8 +1,10 @@
-"""Serve a published run from Redis: `genrec-batch export RUN --to redis://HOST:PORT/DB [--namespace NS]`, or
-`genrec-batch export --rollback --to redis://...` (docs/output.md#serving-from-redis); or commit it to a Delta table:
-`genrec-batch export RUN --to delta+s3://bucket/prefix` (or delta+/local/path; docs/output.md#reading-the-lists-as-a-
-delta-table), one commit that replaces the run's date's rows, made once: a run already committed, or no longer its
-date's published run, is left as it is (the JSON result says `skipped`).
+"""Commit a published run to a store (pipeline/stores): serve it from Redis,
+`genrec-batch export RUN --to redis://HOST:PORT/DB [--namespace NS]`, or `genrec-batch export --rollback --to
+redis://...` (docs/output.md#serving-from-redis); or commit it to a table: `genrec-batch export RUN --to
+delta+s3://bucket/prefix` (or delta+/local/path) or `--to iceberg+CATALOG/NAMESPACE.TABLE` (the catalog as pyiceberg
+configures it; docs/output.md#reading-the-lists-as-a-table), one commit that replaces the run's date's rows, made
+once. A run already committed (by this command or another at once), or no longer its date's published run, is left
+as it is (the JSON result says `skipped`).
 
 RUN is an output root (its newest date's published run), `<output>/run_date=D` or a run folder, local or s3://.
 Every user's list is written under the run's own version, counted against the manifest, then the namespace's pointer
@@ -13,12 +15,13 @@ result says `skipped`). An export killed or failed part-way leaves the pointer w
 run it again: it writes only the shards not yet written, then switches. `rediss://` for TLS; the ACL user and
 password come from the URL or REDIS_USERNAME and REDIS_PASSWORD, and are never printed.
 
-Exit codes: 0 switched (or the run already was the current version; the result on stdout as JSON); 2 a bad run,
-URL or namespace, a run older than the one served (unless --allow-older), a store that could silently drop keys (an
-evicting maxmemory-policy, or no persistence) unless --allow-eviction / --allow-no-persistence, or an error Redis
-gives that trying again does not mend (a refused password or permission, out of memory); 3 another export or a
-rollback changed the pointer first (this one's version is removed; readers see the other's); 4 Redis or the object
-store stayed unavailable for --retry-s (one `error:` line; the pointer is unchanged: run it again).
+Exit codes: 0 committed, switched or skipped (the result on stdout as JSON); 2 a bad run, URL or namespace, a run
+older than the one served (unless --allow-older), a store that could silently drop keys (an evicting
+maxmemory-policy, or no persistence) unless --allow-eviction / --allow-no-persistence, a table whose columns or
+partitioning are not the run's, an Iceberg catalog not configured, or an error the store gives that trying again
+does not mend (a refused password or permission, out of memory); 3 another export or a rollback changed the pointer
+first (this one's version is removed; readers see the other's); 4 the store, the catalog or the object store stayed
+unavailable for --retry-s (one `error:` line; nothing changed for readers: run it again).
 """
 
 from __future__ import annotations
