@@ -275,7 +275,8 @@ def read_all(plan) -> pa.Table:
 def test_columns_are_matched_by_field_id_and_what_cannot_be_read_is_refused(lake, tmp_path, capsys):
     """A SQLite catalog's table: the history column renamed, the exclusion column dropped and added again between
     snapshots, a parquet file without field ids added (matched by the name mapping pyiceberg gave the table): each
-    file's columns are read by field id, so the dropped column's values are never read as the new one's. Refused
+    file's columns are read by field id, so the dropped column's values are never read as the new one's. A table
+    partitioned by a column (identity) is read file by file, as any other. Refused
     before any work, exit 2, naming them: a snapshot expired from the table's metadata (also as a resume's), a
     table whose data files have position deletes, a catalog nobody configured and one whose database refuses the
     password (which no message shows)."""
@@ -307,6 +308,15 @@ def test_columns_are_matched_by_field_id_and_what_cannot_be_read_is_refused(lake
     assert by_user == {**dict.fromkeys(ids[:10]), **{u: [2] for u in ids[10:15]}, **dict.fromkeys(ids[15:20])}
     histories = dict(zip(got["user_id"].to_pylist(), got["history"].to_pylist(), strict=True))
     assert histories == dict(zip(ids[:20], users["history"].to_pylist()[:20], strict=True))
+
+    regions = users.slice(0, 6).append_column("region", pa.array(["north", "south"] * 3))
+    parted = cat.create_table("db.parted", schema=regions.schema)  # identity-partitioned: a file per region
+    with parted.update_spec() as spec:
+        spec.add_identity("region")
+    parted.append(regions)
+    plan = plan_run(load_config(None, settings(lake, f"iceberg+{LOCAL}/db.parted", str(tmp_path / "out"))))
+    got = read_all(plan)
+    assert len(plan.data.files) == 2 and sorted(got["user_id"].to_pylist()) == sorted(ids[:6])
 
     evolving.maintenance.expire_snapshots().by_id(expired).commit()
     with pytest.raises(FileNotFoundError, match=rf"snapshot {expired} is not in the table's metadata"):

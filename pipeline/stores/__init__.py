@@ -126,6 +126,19 @@ def read_footers(data: pads.Dataset, storage: Storage) -> None:
             raise ValueError(f"input file {fragment.path}: corrupt or not parquet ({e})") from None
 
 
+def check_present(fs, paths: list[str], what: str, storage: Storage, why: str = "") -> None:
+    """FileNotFoundError naming `what` (a table's version) when some of its data files are gone (`why`: how that
+    comes about, for the message)."""
+    import pyarrow.fs as pafs
+
+    from pipeline import storage as S
+
+    infos = S.retrying(lambda: fs.get_file_info(paths), storage, f"HEAD the files of {what}")
+    gone = [i.path for i in infos if i.type == pafs.FileType.NotFound]
+    if gone:
+        raise FileNotFoundError(f"{what}: {len(gone)} of its {len(paths)} data files are gone{why}, e.g. {gone[0]}")
+
+
 @dataclass(frozen=True)
 class Commit:
     """What a table sink's commit of a published run did (the nightly prints it under `table`)."""

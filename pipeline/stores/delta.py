@@ -33,13 +33,12 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as pads
-import pyarrow.fs as pafs
 
 from pipeline import runs
 from pipeline import storage as S
 from pipeline.config import Config, Table
 from pipeline.storage import Storage
-from pipeline.stores import Commit, Input, read_footers
+from pipeline.stores import Commit, Input, check_present, read_footers
 from pipeline.stores.lake import (
     CALL,
     CONFLICT_TRIES,
@@ -176,13 +175,7 @@ def snapshot(uri: str, storage: Storage, version: int | None, columns: list[str]
         )
     fs, _ = S.filesystem(location(uri), storage)
     files = data_files(table, uri, storage)
-    infos = S.retrying(lambda: fs.get_file_info(files), storage, f"HEAD the files of {uri} version {version}")
-    gone = [i.path for i in infos if i.type == pafs.FileType.NotFound]
-    if gone:
-        raise FileNotFoundError(
-            f"input {uri} version {version}: {len(gone)} of its {len(files)} data files are gone (the table was "
-            f"vacuumed past this version), e.g. {gone[0]}"
-        )
+    check_present(fs, files, f"input {uri} version {version}", storage, " (the table was vacuumed past this version)")
     return Snapshot(uri, version, files, pa.schema(table.schema().to_arrow()))
 
 

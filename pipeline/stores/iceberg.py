@@ -50,7 +50,7 @@ from pipeline import storage as S
 from pipeline.config import Config, Table
 from pipeline.signals import hold_for_test
 from pipeline.storage import Storage
-from pipeline.stores import Commit, Input, read_footers
+from pipeline.stores import Commit, Input, check_present, read_footers
 from pipeline.stores.lake import (
     CALL,
     CONFLICT_TRIES,
@@ -141,9 +141,6 @@ class CatalogError(Exception):
     def __init__(self, message: str, transient: bool, denied: bool):
         super().__init__(message)
         self.transient, self.denied = transient, denied
-
-
-PASSED = ()  # pyiceberg's errors its callers handle, passed on as they are (`calling`); set on first use
 
 
 def calling(call, storage: Storage, what: str, name: str):
@@ -246,7 +243,7 @@ def open(cfg: Config, version: int | None = None) -> Input:
     files = sorted(local(t.file.file_path) for t in tasks)
     fs = S.filesystem(files[0], storage)[0] if files else pafs.LocalFileSystem()
     paths = [S.filesystem(f, storage)[1] for f in files]
-    check_present(fs, paths, uri, sid, storage)
+    check_present(fs, paths, f"input {uri} snapshot {sid}", storage, " (removed from the table's location)")
     data = S.retrying(
         lambda: pads.dataset(paths, filesystem=fs, format="parquet", schema=arrow_schema(schema)),
         storage,
@@ -295,16 +292,6 @@ def local(path: str) -> str:
     if path.startswith(("s3a://", "s3n://")):
         return "s3://" + path.split("://", 1)[1]
     return re.sub(r"^file:(//)?", "", path)
-
-
-def check_present(fs, paths: list[str], uri: str, sid: int | None, storage: Storage) -> None:
-    """FileNotFoundError naming the snapshot when some of its data files are gone (removed as orphans, or by hand)."""
-    infos = S.retrying(lambda: fs.get_file_info(paths), storage, f"HEAD the files of {uri} snapshot {sid}")
-    gone = [i.path for i in infos if i.type == pafs.FileType.NotFound]
-    if gone:
-        raise FileNotFoundError(
-            f"input {uri} snapshot {sid}: {len(gone)} of its {len(paths)} data files are gone, e.g. {gone[0]}"
-        )
 
 
 def arrow_schema(schema) -> pa.Schema:
