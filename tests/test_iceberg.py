@@ -165,7 +165,8 @@ def test_a_night_from_an_iceberg_snapshot_equals_the_parquet_night_and_a_rerun_o
     before the column was renamed read by field id. Its commit created the table (one APPEND snapshot naming the
     run) and reads back equal to the run; the OTHER_DATE night's commit adds its date. Exporting the parquet night's
     run of DATE (a rerun of the date) makes one OVERWRITE snapshot: the date's rows are that run's, the other
-    date's untouched, the earlier snapshot still reads the first run's; exporting either run again does nothing."""
+    date's untouched, the earlier snapshot still reads the first run's; exporting either run again does nothing, and
+    exporting into a table of other columns is refused, exit 2."""
     s3, storage = lake.s3, lake.storage
     ice, parquet = nights["ice"], nights["parquet"]
     assert ice["input"] == {"uri": f"iceberg+{SHARED}/hist.users", "version": nights["pinned"], "files": 2}
@@ -203,6 +204,8 @@ def test_a_night_from_an_iceberg_snapshot_equals_the_parquet_night_and_a_rerun_o
     for again in (rerun, ice_run):  # both committed once already: nothing done
         assert export.main([again, "--to", nights["table"], *flags]) == 0
     assert len(catalog(SHARED, lake).load_table("recs.daily").snapshots()) == snapshots
+    catalog(SHARED, lake).create_table("recs.foreign", schema=pa.schema([("x", pa.int64())]))
+    assert export.main([rerun, "--to", f"iceberg+{SHARED}/recs.foreign", *flags]) == 2  # not the run's columns
 
     path = iceberg.local(next(iter(table.scan().plan_files())).file.file_path)
     fs, where = S.filesystem(path, storage)

@@ -19,16 +19,16 @@ that are not parquet or not on S3 or a local disk, a file lacking an identity pa
 in the manifests only).
 
 Output. `table.uri`, or `genrec-batch export RUN --to iceberg+...`. After the run is published, Ray tasks write its
-recommendations as parquet data files under the table's data location (run_date=D/, table.rows_per_file rows a file,
-the table's field ids, run_date in every row) and return their footers; the driver makes their DataFiles from them
-and commits ONE snapshot that deletes the date's data files and adds these (an OVERWRITE; the first commit of a
-table, an APPEND), its summary naming the run (genrec_batch.run_id) and the call (genrec_batch.commit, a nonce). The
-catalog's compare-and-swap fences it: a commit that lost to another (CommitFailedException, or pyiceberg's
-ValidationException once its own retry finds files added meanwhile) reloads the table and checks again. A call
-reports "committed" only when the snapshot holding the run names it; a run already committed (its snapshot in the
-main branch's history: a retry after a lost answer finds it), or no longer its date's published run, is skipped, and
-the files the call wrote are deleted. A table created here (with its namespace, when absent) is partitioned by
-run_date (identity): two calls creating it at once leave one table.
+recommendations as parquet data files where the table's location provider puts the date's partition (run_date=D/,
+table.rows_per_file rows a file, the table's field ids, run_date in every row) and return their footers; the driver
+makes their DataFiles from them and commits ONE snapshot that deletes the date's data files and adds these (an
+OVERWRITE; the first commit of a table, an APPEND), its summary naming the run (genrec_batch.run_id) and the call
+(genrec_batch.commit, a nonce). The catalog's compare-and-swap fences it: a commit that lost to another
+(CommitFailedException, or pyiceberg's ValidationException once its own retry finds files added meanwhile) reloads
+the table and checks again. A call reports "committed" only when the snapshot holding the run names it; a run
+already committed (its snapshot in the main branch's history: a retry after a lost answer finds it), or no longer
+its date's published run, is skipped, and the files the call wrote are deleted. A table created here (with its
+namespace, when absent) is partitioned by run_date (identity): two calls creating it at once leave one table.
 """
 
 from __future__ import annotations
@@ -447,28 +447,32 @@ def describe(schema: pa.Schema) -> str:
 
 
 def write_files(run, t: Table, table, schema: pa.Schema, call: str) -> pa.Table | None:
-    """The run's recommendation files written as the table's data files by Ray tasks (`lake.write_parts`), in the
-    date's partition folder as the table's location provider names it -> one row a file (path, size, rows, its
-    pickled footer); None for a run without a file."""
+    """The run's recommendation files written as the table's data files by Ray tasks (`lake.write_parts`), each
+    where the table's location provider puts a file of the date's partition -> one row a file (location, size,
+    rows, its pickled footer); None for a run without a file. A table whose location is not on S3 or a local disk
+    is refused (ValueError): the tasks write with the job's own S3 client."""
     from pyiceberg.partitioning import PartitionFieldValue, PartitionKey
 
+    where = local(table.location())
+    if "://" in where and not where.startswith("s3://"):
+        raise ValueError(f"table {t.uri}: its location {table.location()} is not on S3 or a local disk")
     spec, ice = table.spec(), table.schema()
     key = PartitionKey([PartitionFieldValue(spec.fields[0], run.run_date)], spec, ice)
-    folder = table.location_provider().new_data_location("x", key).rpartition("/")[0]
     ids = {f.name: str(f.field_id).encode() for f in ice.fields}
     schema = pa.schema([f.with_metadata({FIELD_ID: ids[f.name]}) for f in schema])
-    return write_parts(run, t, write_part, folder=folder, schema=schema, nonce=call)
+    provider = table.location_provider()
+    return write_parts(run, t, write_part, provider=provider, key=key, schema=schema, nonce=call)
 
 
 def write_part(
-    batch: pa.Table, folder: str, run_id: str, run_date: str, schema: pa.Schema, storage: Storage, nonce: str
+    batch: pa.Table, provider, key, run_id: str, run_date: str, schema: pa.Schema, storage: Storage, nonce: str
 ) -> pa.Table:
     """`lake.write_parts`' task: a group's rows, each with its run_date and run_id, in the table's types and field
-    ids, written as one parquet file in `folder` (none for a group without a row) -> (its location, size, rows,
-    footer)."""
+    ids, written as one parquet file where the table's location provider puts it in the partition `key` (none for
+    a group without a row) -> (its location, size, rows, footer)."""
     part, files = group(batch)
     found = rows(files, run_id, run_date, schema, storage)
-    path = f"{folder}/{file_name(run_id, nonce, part)}"
+    path = provider.new_data_location(file_name(run_id, nonce, part), key)
     if not found.num_rows:
         return pa.table({"path": [path], "size": [0], "rows": [0], "footer": [b""]})
     data = S.encode_parquet(found)
