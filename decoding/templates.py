@@ -45,6 +45,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import NamedTuple
 
+import pyarrow as pa
+
 TEMPLATE_FILE = "genrec_template.json"
 PLACEHOLDER = re.compile(r"\{(history|user|item|codes|index)(?::([^{}]*))?\}")
 WHERE = {  # which placeholders each part of a template may hold
@@ -78,6 +80,31 @@ def parse(text: str, where: str = "text", source: str = "template") -> list[str 
         parts += [text[at : m.start()]] * (m.start() > at) + [Field(kind, column or ("history" * (kind == "history")))]
         at = m.end()
     return parts + [text[at:]] * (at < len(text))
+
+
+def as_text(column) -> list[str]:
+    """A column of strings or numbers [B] -> each value as the prompt writes it [B] (numbers as Python writes them;
+    a null: "", and a column of Arrow's null type, all nulls, writes nothing)."""
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks() if column.num_chunks else pa.array([], column.type)
+    if pa.types.is_dictionary(column.type):
+        column = column.dictionary_decode()
+    if pa.types.is_null(column.type):
+        return [""] * len(column)
+    if not is_text(column.type):
+        raise ValueError(f"a {column.type} column cannot be written as text (strings, integers, floats, booleans)")
+    strings = pa.types.is_string(column.type) or pa.types.is_large_string(column.type)
+    return [("" if v is None else v if strings else str(v)) for v in column.to_pylist()]
+
+
+def is_text(kind: pa.DataType) -> bool:
+    """Can a column of this type fill a {user:...} or {item:...} placeholder? (Arrow's null type: a column of nulls
+    only, as a block of a Ray Data or pandas column holds where every value is None, writes nothing.)"""
+    t = pa.types
+    if t.is_dictionary(kind):
+        kind = kind.value_type
+    kinds = (t.is_string, t.is_large_string, t.is_integer, t.is_floating, t.is_boolean, t.is_null)
+    return any(is_kind(kind) for is_kind in kinds)
 
 
 @dataclass(frozen=True)

@@ -49,9 +49,10 @@ _SURFACE = {
     "load_config": "pipeline.config",
     "run_nightly": "pipeline.nightly",
     "check_run": "pipeline.nightly",
-    # reading a published run (docs/output.md)
+    # reading a published run, and a user's list from the serving store it was exported to (docs/output.md)
     "open_run": "pipeline.output",
     "PublishedRun": "pipeline.output",
+    "Reader": "pipeline.stores.redis",
     # the processor: a step of your own Ray Data pipeline (docs/library.md)
     "build_processor": "pipeline.processor",
     "Processor": "pipeline.processor",
@@ -100,3 +101,4 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time `__getattr__` 
     from pipeline.output import PublishedRun, open_run
     from pipeline.processor import Processor, build_processor
     from pipeline.storage import Storage
+    from pipeline.stores.redis import Reader

@@ -15,7 +15,7 @@ import pyarrow as pa
 
 from decoding.catalog import ItemTokens, argsort_ids
 from decoding.codes import format_rows, ragged_ranges
-from decoding.templates import Field, PromptTemplate, parse
+from decoding.templates import Field, PromptTemplate, as_text, parse
 from operators.text import BREAK, TextTokenizer, chat_skeleton
 
 CODES = "codes"  # an item's code tokens, among a template's symbols
@@ -58,27 +58,25 @@ def history_window(histories, history_len: int):
     return items, np.repeat(np.arange(len(lengths)), used), used
 
 
-def as_text(column) -> list[str]:
-    """A column of strings or numbers [B] -> each value as the prompt writes it [B] (numbers as Python writes them;
-    a null: "")."""
-    if isinstance(column, pa.ChunkedArray):
-        column = column.combine_chunks() if column.num_chunks else pa.array([], column.type)
-    if pa.types.is_dictionary(column.type):
-        column = column.dictionary_decode()
-    if not is_text(column.type):
-        raise ValueError(f"a {column.type} column cannot be written as text (strings, integers, floats, booleans)")
-    strings = pa.types.is_string(column.type) or pa.types.is_large_string(column.type)
-    return [("" if v is None else v if strings else str(v)) for v in column.to_pylist()]
+def not_utf8(column: pa.Array) -> np.ndarray:
+    """A column [B] -> the rows [R] of its strings that are not valid UTF-8 (a writer that let a lone surrogate
+    through): checked at C speed, the rows found in Python only when there are some."""
+    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+        return np.zeros(0, np.int64)
+    try:
+        column.validate(full=True)
+        return np.zeros(0, np.int64)
+    except pa.ArrowInvalid:
+        raw = column.cast(pa.large_binary()).to_pylist()
+        return np.array([r for r, v in enumerate(raw) if v is not None and not _is_utf8(v)], np.int64)
 
 
-def is_text(kind: pa.DataType) -> bool:
-    """Can a column of this type fill a {user:...} or {item:...} placeholder?"""
-    t = pa.types
-    if t.is_dictionary(kind):
-        kind = kind.value_type
-    return (
-        t.is_string(kind) or t.is_large_string(kind) or t.is_integer(kind) or t.is_floating(kind) or t.is_boolean(kind)
-    )
+def _is_utf8(value: bytes) -> bool:
+    try:
+        value.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
 
 
 @dataclass
@@ -96,6 +94,10 @@ class ItemTexts:
         if missing:
             raise ValueError(f"the prompt template writes the catalog's {missing}, which the catalog lacks")
         ids = table.column("item_id").to_numpy().astype(np.int64)
+        for c in columns:
+            bad = not_utf8(table.column(c).combine_chunks())
+            if len(bad):
+                raise ValueError(f"the catalog's {c} is not valid UTF-8 text for item ids {format_rows(ids[bad])}")
         order = argsort_ids(ids)
         take = pa.array(order)
         return cls(ids[order], {c: table.column(c).combine_chunks().take(take) for c in columns})
@@ -113,6 +115,7 @@ class Span(NamedTuple):
     which), `which` naming the item: first or last of the history's window, self (this item), prev (the one before)."""
 
     parts: tuple
+    leading: bool = False  # the span starts the text the tokenizer is given (no added token before it)
 
     @property
     def refs(self) -> set:

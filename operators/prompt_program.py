@@ -43,6 +43,7 @@ class Program:
     regions: dict = field(default_factory=dict)  # history column -> Region, in prompt order
     plans: dict = field(default_factory=dict)  # which histories are written -> the prompt's slots
     cache: dict = field(default_factory=dict)  # Span -> what it has tokenized (`_cached`, `_indexed`)
+    bos: bool = False  # top[0] is BOS, which the tokenizer adds before the text (not an added token in it)
 
     @property
     def windows(self) -> dict[str, int]:
@@ -95,20 +96,23 @@ class Program:
         Span (text) and Region pieces, in order."""
         if pattern in self.plans:
             return self.plans[pattern]
-        out, span = [], []
+        out, span, leading = [], [], [True]  # leading: no atom yet in the text the tokenizer is given
 
         def flush():
             if span:
-                out.append(self._span(tuple(span)))
+                out.append(self._span(tuple(span), leading[0]))
                 span.clear()
+            leading[0] = False
 
         written = dict(zip(self.regions, pattern))
-        for el in self.top:
+        for k, el in enumerate(self.top):
             if isinstance(el, (int, np.integer)):
-                flush()
+                if not (k == 0 and self.bos):
+                    flush()
                 out.append(Block(np.array([el], np.int64)))
-            elif el == BREAK:
+            elif el == BREAK:  # the instruction ends: the rest is tokenized on its own
                 flush()
+                leading[0] = True
             elif not isinstance(el, Field):
                 span.append(el)
             elif el.kind == "user":
@@ -123,8 +127,9 @@ class Program:
         self.plans[pattern] = out = merge_blocks(out)
         return out
 
-    def _span(self, parts: tuple) -> Span | Block:
-        """A span of text: tokenized now when it reads nothing from data (a Block of its ids)."""
+    def _span(self, parts: tuple, leading: bool = False) -> Span | Block:
+        """A span of text (`leading`: it starts the text the tokenizer is given) -> tokenized now when it reads nothing
+        from data (a Block of its ids), else a Span."""
         merged = []
         for p in parts:
             if p[0] == "n" and p[2] == "first":
@@ -133,9 +138,9 @@ class Program:
                 merged[-1] = ("t", merged[-1][1] + p[1])
             else:
                 merged.append(p)
-        s = Span(tuple(merged))
+        s = Span(tuple(merged), leading)
         if s.kind == "const":
-            return Block(np.asarray(self.text.encode([s.parts[0][1]])[0] if s.parts else [], np.int64))
+            return Block(np.asarray(self.text.encode([s.parts[0][1]], leading)[0] if s.parts else [], np.int64))
         return s
 
     def _leading(self, plan: list) -> np.ndarray:
@@ -218,7 +223,7 @@ class Program:
             return self._cached(piece, occ)
         if piece.kind == "index":
             return self._indexed(piece, occ)
-        return ragged_ids(self.text.encode_spans(self._strings(piece, lambda p: self._part(p, occ), n)))
+        return ragged_ids(self.text.encode_spans(self._strings(piece, lambda p: self._part(p, occ), n), piece.leading))
 
     def _part(self, p: tuple, occ: Occurrences) -> str | list[str]:
         """One part of a span at its occurrences: a text, or the texts [O] it takes there."""
@@ -245,7 +250,7 @@ class Program:
         new = np.unique(rows[cache.start[rows] < 0])
         if len(new):
             values = lambda p: self.item_texts.values(p[3], new) if p[0] == "i" else p[1]  # noqa: E731
-            cache.add(new, *ragged_ids(self.text.encode_spans(self._strings(span, values, len(new)))))
+            cache.add(new, *ragged_ids(self.text.encode_spans(self._strings(span, values, len(new)), span.leading)))
         return cache.ids, cache.start[rows], cache.length[rows]
 
     def _indexed(self, span: Span, occ: Occurrences):
@@ -256,7 +261,7 @@ class Program:
         for key in {tuple(k) for k in np.unique(keys, axis=0).tolist()} - set(known):
             values = dict(zip(refs, key))
             text = "".join(p[1] if p[0] == "t" else str(values[(p[1], p[2])]) for p in span.parts)
-            known[key] = self.text.encode([text])[0]
+            known[key] = self.text.encode([text], span.leading)[0]
         order = sorted(known)
         src, at, n = ragged_ids([known[k] for k in order])
         where = {k: i for i, k in enumerate(order)}

@@ -34,14 +34,12 @@ import torch
 
 from decoding.catalog import ItemTokens
 from decoding.codes import ragged_ranges
-from decoding.templates import PromptTemplate
+from decoding.templates import PromptTemplate, as_text, is_text
 from operators.prompt_parts import (
     Batch,
     ItemTexts,
     Layout,
-    as_text,
     history_window,
-    is_text,
     list_array,
     ragged_arrays,
     top_symbols,
@@ -50,8 +48,9 @@ from operators.prompt_program import Program
 from operators.spec import TOO_LONG
 from operators.text import TextTokenizer, chat_template_text, library_ids, prompt_pieces
 
+PROBES = ("probe", "", " \n probe\t\n ")  # the text of the probe users' fields (`Renderer._check`)
 __all__ = ["Prompts", "Renderer", "answer_ids", "as_text", "catalog_probes", "history_window", "is_text"]
-__all__ += ["ragged_arrays"]  # with history_window, as_text, is_text: their home is operators/prompt_parts.py
+__all__ += ["ragged_arrays"]  # homes: operators/prompt_parts.py (as_text, is_text: decoding/templates.py)
 
 
 class Prompts(NamedTuple):
@@ -127,9 +126,11 @@ class Renderer:
             raise ValueError(f"too_long must be one of {TOO_LONG}, got {too_long!r}")
         probes = np.asarray(probes, dtype=np.int64)
         text = TextTokenizer(tokenizer)
+        _check_plain_text(template, tokenizer, text, probes)
         chat = chat_template_text(template, tokenizer, model_dir)
         top = top_symbols(template, tokenizer, text, chat)
-        program = Program(template, probes.shape[1], text, top, ItemTexts.from_table(catalog, template.item_columns))
+        texts = ItemTexts.from_table(catalog, template.item_columns)
+        program = Program(template, probes.shape[1], text, top, texts, bos=template.uses_bos(tokenizer))
         program.compile_regions()
         answer = answer_ids(template, tokenizer, probes)
         r = cls(
@@ -203,7 +204,31 @@ class Renderer:
             layout = layout.without(over).plus(redone)
             tokens[over] = redone.tokens(b)[over]
             over = over[tokens[over] > limit]
+        layout = self._give_back(batch, layout, tokens, used, np.flatnonzero(truncated & kept))
         return layout, tokens, kept, truncated
+
+    def _give_back(self, batch: Batch, layout: Layout, tokens: np.ndarray, used: dict, rows: np.ndarray) -> Layout:
+        """Rows [R] that dropped items and fit -> the last dropped items given back, one at a time, while the row
+        still fits (`_drop` can overshoot: an item's text before its codes joins the text before the history, which
+        it does not count) -> the layout; `tokens` and `used` updated in place."""
+        limit, b = self.max_prompt_tokens, len(tokens)
+        while len(rows):
+            back, left = {c: u.copy() for c, u in used.items()}, np.ones(len(rows), bool)
+            for c in reversed(self.program.regions):  # the last history `_drop` took from, first
+                can = left & (back[c][rows] < batch.used[c][rows])
+                back[c][rows[can]] += 1
+                left &= ~can
+            rows = rows[~left]
+            redone = self.program.layout(batch, rows, back)
+            fits = redone.tokens(b)[rows] <= limit
+            if not fits.any():
+                break
+            redone, rows = redone.without(rows[~fits]), rows[fits]
+            for c in used:
+                used[c][rows] = back[c][rows]
+            layout = layout.without(rows).plus(redone)
+            tokens[rows] = redone.tokens(b)[rows]
+        return layout
 
     def _drop(self, layout: Layout, rows: np.ndarray, excess: np.ndarray, used: dict) -> np.ndarray:
         """The rows' [R] oldest items dropped, history by history in prompt order (`history` keeps one), the fewest
@@ -233,59 +258,93 @@ class Renderer:
 
     def _check(self, tokenizer, chat: str | None, probes: np.ndarray) -> int:
         """Probe users (1, 2 and 3 items from `probes`, shifted by one for other codes; every combination of written
-        histories; "probe" in every text field) rendered here and written out for the tokenizer: refused unless the
-        ids are equal -> the tokens of the longest probe, every window full."""
+        histories; in every text field "probe", nothing, or "probe" between whitespace: an added token that strips
+        the whitespace beside it, lstrip or rstrip, would take it from the data) rendered here and written out for
+        the tokenizer: refused unless the ids are equal -> the tokens of the longest "probe" probe, every window
+        full."""
         names = np.asarray(tokenizer.convert_ids_to_tokens(probes.ravel().tolist()), dtype=object).reshape(probes.shape)
         item_ids = np.arange(len(probes), dtype=np.int64)
         items = ItemTokens.from_arrays(item_ids, probes)
-        table = {"item_id": item_ids, **{c: ["probe"] * len(probes) for c in self.template.item_columns}}
-        texts = ItemTexts.from_table(pa.table(table), self.template.item_columns)
-        program = replace(self.program, item_texts=texts, plans={}, cache={})
-        probe = replace(self, program=program, max_prompt_tokens=None)
-        longest = 0
-        for pattern in self.program.patterns():
-            for n, shift in ((1, 0), (2, 0), (3, 0), (3, 1)):
-                histories = {
-                    c: [int(i) for i in (np.arange(min(n, w)) + shift + k) % len(probes)] if on else []
-                    for k, ((c, w), on) in enumerate(zip(self.windows.items(), pattern))
-                }
-                got = probe.render(self._probe_rows(histories), items).input_ids[0].tolist()
-                want = self._written(tokenizer, chat, histories, names)
-                if got != want:
-                    raise ValueError(
-                        f"prompt template {self.template.name!r}: the tokenizer does not keep the code tokens (or the "
-                        f"template's added tokens) apart from the text around them ({n}-item probe: rendered "
-                        f"{got[:40]}..., the tokenizer {want[:40]}...); the code tokens must be tokens of their own "
-                        "(tokenizer.add_tokens, the LC-Rec recipe)"
+        longest, reads = 0, bool(self.template.user_columns or self.template.item_columns)
+        for value in PROBES:
+            table = {"item_id": item_ids, **{c: [value] * len(probes) for c in self.template.item_columns}}
+            texts = ItemTexts.from_table(pa.table(table), self.template.item_columns)
+            program = replace(self.program, item_texts=texts, plans={}, cache={})
+            probe = replace(self, program=program, max_prompt_tokens=None)
+            for pattern in self.program.patterns():
+                for n, shift in ((1, 0), (2, 0), (3, 0), (3, 1))[: 4 if value == PROBES[0] else 2]:
+                    histories = {
+                        c: [int(i) for i in (np.arange(min(n, w)) + shift + k) % len(probes)] if on else []
+                        for k, ((c, w), on) in enumerate(zip(self.windows.items(), pattern))
+                    }
+                    got = probe.render(self._probe_rows(histories, value), items).input_ids[0].tolist()
+                    want = self._written(tokenizer, chat, histories, names, value)
+                    if got != want:
+                        raise ValueError(
+                            _apart(self.template, f"{n}-item probe" + f", text {value!r}" * reads, got, want)
+                        )
+                if value == PROBES[0]:
+                    most = max(self.windows.values(), default=1)
+                    full = ItemTokens.from_arrays(np.arange(most), probes[[0]].repeat(most, 0))
+                    rows = self._probe_rows(
+                        {c: list(range(w)) if on else [] for (c, w), on in zip(self.windows.items(), pattern)}, value
                     )
-            most = max(self.windows.values(), default=1)
-            full = ItemTokens.from_arrays(np.arange(most), probes[[0]].repeat(most, 0))
-            rows = self._probe_rows(
-                {c: list(range(w)) if on else [] for (c, w), on in zip(self.windows.items(), pattern)}
-            )
-            longest = max(longest, int(probe.render(rows, full).attention_mask.sum()))
+                    longest = max(longest, int(probe.render(rows, full).attention_mask.sum()))
+            if not reads:
+                break  # no text from data: one value says it all
         return longest
 
-    def _probe_rows(self, histories: dict) -> pa.Table:
-        """One probe user: these histories, "probe" in every user field."""
+    def _probe_rows(self, histories: dict, value: str) -> pa.Table:
+        """One probe user: these histories, `value` in every user field."""
         columns = {c: pa.array([h], pa.list_(pa.int64())) for c, h in histories.items()}
-        return pa.table(columns | {c: pa.array(["probe"]) for c in self.user_columns if c not in columns})
+        return pa.table(columns | {c: pa.array([value]) for c in self.user_columns if c not in columns})
 
-    def _written(self, tokenizer, chat, histories: dict, names: np.ndarray) -> list[int]:
+    def _written(self, tokenizer, chat, histories: dict, names: np.ndarray, value: str) -> list[int]:
         """A probe user's prompt written out as text (operators/text.py) and tokenized by the tokenizer."""
-        probe = {k: "probe" for k in self.template.item_columns}
+        probe = {k: value for k in self.template.item_columns}
         written = {
             c: [self.template.item_text(q + 1, "".join(names[i]), probe) for q, i in enumerate(items)]
             for c, items in histories.items()
         }
-        users = {c: "probe" for c in self.user_columns}
+        users = {c: value for c in self.user_columns}
         return library_ids(prompt_pieces(self.template, tokenizer, chat, written, users), tokenizer)
+
+
+def _apart(template: PromptTemplate, probe: str, got: list[int], want: list[int]) -> str:
+    """The refusal of a template whose probe's ids differ from the tokenizer's."""
+    return (
+        f"prompt template {template.name!r}: the tokenizer does not keep the code tokens (or the template's added "
+        f"tokens) apart from the text around them ({probe}: rendered {got[:40]}..., the tokenizer {want[:40]}...); "
+        "the code tokens must be tokens of their own (tokenizer.add_tokens, the LC-Rec recipe), and added tokens "
+        "beside text from data must not strip its whitespace (lstrip, rstrip)"
+    )
 
 
 def catalog_probes(items: ItemTokens, count: int = 3) -> np.ndarray:
     """Code token ids [P, L] of a few items spread over the catalog (first, middle, last), to compile a Renderer."""
     rows = np.unique(np.linspace(0, len(items.item_ids) - 1, count).astype(np.int64))
     return items.token_ids[rows]
+
+
+def _check_plain_text(template: PromptTemplate, tokenizer, text: TextTokenizer, probes: np.ndarray) -> None:
+    """Refused when the template writes text from data that it does not trust and the tokenizer reads code tokens
+    (those of `probes` [P, L]) or its added tokens (but unk) out of plain text: its vocabulary holds them as words, so
+    a title or a profile holding `<a_12>` would write that token, not text."""
+    untrusted = [c for c in (*template.user_columns, *template.item_columns) if c not in template.trusted]
+    if not untrusted:
+        return
+    ids = {int(i) for i in np.unique(probes)}
+    tokens = {i: t for i, t in zip(sorted(ids), tokenizer.convert_ids_to_tokens(sorted(ids)))}
+    tokens |= {i: t.content for i, t in tokenizer.added_tokens_decoder.items() if t.content.strip()}
+    tokens.pop(tokenizer.unk_token_id, None)  # what unknown text becomes anyway: no control
+    forged = text.reads_as_tokens(tokens)
+    if forged:
+        raise ValueError(
+            f"prompt template {template.name!r} writes text from data ({', '.join(untrusted)}), but the tokenizer "
+            f"reads {', '.join(forged[:3])} out of plain text (its vocabulary holds them as words): that text could "
+            "write code or control tokens. Use a tokenizer with the code tokens added (tokenizer.add_tokens), or list "
+            "the columns in `trusted`"
+        )
 
 
 def _pad_id(template: PromptTemplate, tokenizer) -> int:

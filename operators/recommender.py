@@ -87,10 +87,10 @@ def prepare(spec: ActorSpec, device: torch.device | str = "cpu") -> Inputs:
     """Fetches the model directories, checks the models (causal LMs; a sliding window covering the longest prompt
     plus an item; one vocabulary for target and draft), parses the catalog with the template's code-token names and
     compiles the template. The graph calls it on the driver first: what an actor would refuse fails before any work."""
-    fetch = spec.fetch or (lambda uri, _: uri)  # models on object storage: copied once per node by the graph's fetch,
+    fetch = spec.fetch or (lambda uri, *_: uri)  # models on object storage: copied once per node by the graph's fetch,
     # which refuses a model that is not the one the plan fingerprinted
-    target = fetch(spec.target, spec.target_sha256)
-    draft = fetch(spec.draft, spec.draft_sha256) if spec.decoding.uses_draft else None
+    target = fetch(spec.target, spec.target_sha256, spec.target_files)
+    draft = fetch(spec.draft, spec.draft_sha256, spec.draft_files) if spec.decoding.uses_draft else None
     tokenizer = load_tokenizer(target)
     configs = {role: load_config(path) for role, path in (("target", target), ("draft", draft)) if path is not None}
     catalog = Catalog.from_table(

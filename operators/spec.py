@@ -61,8 +61,8 @@ class ActorSpec:
     template: PromptTemplate = PRESETS["codes"]  # how the model's prompts are written (resolved by the graph)
     on_duplicate: str = "first"  # items sharing a semantic ID: the duplicate_items policy (decoding.codes.POLICIES)
     draft: str | None = None  # the same, atspeed modes
-    fetch: Callable[[str, str], str] | None = None  # (model URI, its sha256 below) -> its local directory on the
-    # actor's node, refused when the model there is not that one (None: local paths, used as they are)
+    fetch: Callable[[str, str, str], str] | None = None  # (model URI, its sha256 and files' below) -> its local
+    # directory on the actor's node, refused when the model there is not that one (None: local paths, used as they are)
     gpu: bool = False  # decode on CUDA when the actor has one
     decode_batch: int | None = None  # users per decode (None: on CUDA the largest that fits, else the whole shard)
     order_by_length: bool = True  # decode a shard's users in order of prompt length (outputs in the input order)
@@ -82,4 +82,7 @@ class ActorSpec:
     target_sha256: str = ""  # the target's weights as the plan fingerprinted them (its compile cache's key; "": not
     # checked)
     draft_sha256: str = ""  # the draft's, the same
+    target_files: str = ""  # the target's other files (config, tokenizer, ...) as the plan fingerprinted them ("": not
+    # checked)
+    draft_files: str = ""  # the draft's, the same
     warm_users: int = 1  # compiled: users per decode the actor compiles its bucket for at start

@@ -6,8 +6,10 @@ the text, then normalises, pre-tokenises and encodes every remaining span on its
 template's own text and for the columns a template trusts, and never matches added tokens in other text from data: a
 profile, a title or a query holding `<|im_end|>` or `<a_12>` stays text. So a prompt's ids are its atoms (added
 tokens of the template's text, code tokens, BOS) and between them spans of text, each encoded by the tokenizer's
-pipeline without its added tokens (`TextTokenizer.plain`). On text from data free of added tokens that is exactly the
-tokenizer on the whole text (`operators.prompts.Renderer.compile` checks it on probes).
+pipeline without its added tokens (`TextTokenizer.plain`), as the start of the text or as text after an added token
+(`TextTokenizer.after`: a SentencePiece-style pre-tokenizer writes its "▁" at the very start only). On text from
+data free of added tokens that is exactly the tokenizer on the whole text (`operators.prompts.Renderer.compile` checks
+it on probes).
 
 A chat template (jinja, in `transformers`' sandboxed environment) is rendered once per template with a sentinel in
 place of each placeholder (`chat_skeleton`); the data never steers the template (a profile that starts with
@@ -17,9 +19,11 @@ content (trim it, rewrite it) are refused: the sentinels must come through whole
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import json
 import re
+import threading
 from pathlib import Path
 
 from decoding.templates import Field, PromptTemplate, parse
@@ -27,6 +31,7 @@ from decoding.templates import Field, PromptTemplate, parse
 BREAK = "break"  # a boundary the template tokenizes across never (the instruction's end)
 DATA, TRUSTED = ("\U000f0010", "\U000f0011"), ("\U000f0012", "\U000f0013")  # `prompt_pieces`' markers
 SENTINEL = ("\U000f0000", "\U000f0001")  # `chat_skeleton`'s
+AFTER = "\U000f0020"  # `TextTokenizer.after`'s added token
 
 
 class TextTokenizer:
@@ -34,7 +39,7 @@ class TextTokenizer:
     pipeline without any added token (text from data, every span between atoms)."""
 
     def __init__(self, tokenizer):
-        from tokenizers import Tokenizer
+        from tokenizers import AddedToken, Tokenizer
 
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is None:
@@ -45,8 +50,11 @@ class TextTokenizer:
         raw = json.loads(backend.to_str())
         raw["added_tokens"] = []
         self.full, self.plain = backend, Tokenizer.from_str(json.dumps(raw))
-        self.plain.no_padding()
-        self.plain.no_truncation()
+        self.after = Tokenizer.from_str(json.dumps(raw))  # `plain` with one added token, AFTER: text that follows it
+        self.after.add_special_tokens([AddedToken(AFTER, normalized=False)])
+        for t in (self.plain, self.after):
+            t.no_padding()
+            t.no_truncation()
         self.added = set(tokenizer.added_tokens_decoder)  # every added token's id
 
     def atoms(self, text: str) -> list[str | int]:
@@ -60,18 +68,30 @@ class TextTokenizer:
                 at = b
         return out + [text[at:]] * (at < len(text))
 
-    def encode(self, texts: list[str]) -> list[list[int]]:
-        """Spans of text, each tokenized as text (no added token matched) -> their ids."""
-        return [e.ids for e in self.plain.encode_batch_fast(texts, add_special_tokens=False)] if texts else []
+    def reads_as_tokens(self, tokens: dict[int, str]) -> list[str]:
+        """Tokens {id: text} -> the texts that `plain` still turns into their own token: a vocabulary that holds them
+        as words (a word-level one over `<a_12>`), where text from data could write them."""
+        ids = list(tokens)
+        return [tokens[i] for i, got in zip(ids, self.encode([tokens[i] for i in ids])) if i in got]
 
-    def encode_spans(self, spans: list[list[tuple[str, bool]]]) -> list[list[int]]:
+    def encode(self, texts: list[str], leading: bool = True) -> list[list[int]]:
+        """Spans of text, each tokenized as text (no added token matched) -> their ids; `leading`: each starts the
+        text the tokenizer is given, else each follows an added token, which a pre-tokenizer may tell apart (a
+        SentencePiece-style `Metaspace` with prepend_scheme "first" adds its "▁" at the very start only)."""
+        if not texts:
+            return []
+        if leading:
+            return [e.ids for e in self.plain.encode_batch_fast(texts, add_special_tokens=False)]
+        return [e.ids[1:] for e in self.after.encode_batch_fast([AFTER + t for t in texts], add_special_tokens=False)]
+
+    def encode_spans(self, spans: list[list[tuple[str, bool]]], leading: bool = True) -> list[list[int]]:
         """Spans given as parts (text, trusted) -> their ids: untrusted parts as text; a trusted part's added tokens
         matched (`atoms`) and the text between them tokenized with its neighbours, as the tokenizer would."""
         if not any(trusted for span in spans for _, trusted in span):
-            return self.encode(["".join(text for text, _ in span) for span in spans])
-        return [self._span(span) for span in spans]
+            return self.encode(["".join(text for text, _ in span) for span in spans], leading)
+        return [self._span(span, leading) for span in spans]
 
-    def _span(self, parts: list[tuple[str, bool]]) -> list[int]:
+    def _span(self, parts: list[tuple[str, bool]], leading: bool) -> list[int]:
         """One span with trusted parts -> its ids (atoms cut out of the trusted parts, the text around them joined)."""
         texts, atoms = [""], []  # texts[i] comes before atoms[i]
         for value, trusted in parts:
@@ -81,7 +101,7 @@ class TextTokenizer:
                 else:
                     atoms.append(p)
                     texts.append("")
-        ids = self.encode(texts)
+        ids = self.encode(texts[:1], leading) + self.encode(texts[1:], leading=False)
         return [*itertools.chain.from_iterable([*span, *atoms[i : i + 1]] for i, span in enumerate(ids))]
 
 
@@ -106,14 +126,50 @@ def chat_template_text(template: PromptTemplate, tokenizer, model_dir) -> str | 
     return tokenizer.chat_template
 
 
-def render_chat(tokenizer, chat: str, messages: list[dict], kwargs: dict) -> str:
-    """Messages -> the chat template's text with the generation prompt (transformers' sandboxed jinja)."""
-    try:
-        return tokenizer.apply_chat_template(
-            messages, chat_template=chat, tokenize=False, add_generation_prompt=True, **kwargs
+CHAT_RENDER_S = 30.0  # what rendering a chat template once may take (a few ms for any real one)
+
+
+class RenderStopped(Exception):
+    """Raised inside a chat template's render that ran past its deadline."""
+
+
+def _stop(thread: threading.Thread, wait_s: float = 5.0) -> bool:
+    """Stop a thread at its next bytecode with `RenderStopped` (a jinja template is Python code, so its loops stop
+    there); True once it has ended. Nothing is left spinning in the process: a refused template costs no core."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(RenderStopped))
+    thread.join(wait_s)
+    return not thread.is_alive()
+
+
+def render_chat(tokenizer, chat: str, messages: list[dict], kwargs: dict, deadline_s: float = CHAT_RENDER_S) -> str:
+    """Messages -> the chat template's text with the generation prompt (transformers' sandboxed jinja: no attribute
+    escapes, but loops are its own). A template that has not rendered after `deadline_s` (a loop that does not end)
+    is stopped and refused, naming it, rather than holding the run."""
+    out: dict = {}
+
+    def render():
+        try:
+            out["text"] = tokenizer.apply_chat_template(
+                messages, chat_template=chat, tokenize=False, add_generation_prompt=True, **kwargs
+            )
+        except RenderStopped:
+            pass
+        except Exception as e:  # noqa: BLE001 -- jinja's errors: the template's own, named below
+            out["error"] = e
+
+    worker = threading.Thread(target=render, name="chat-template", daemon=True)
+    worker.start()
+    worker.join(deadline_s)
+    if worker.is_alive():
+        stopped = _stop(worker)
+        raise ValueError(
+            f"the chat template did not render within {deadline_s:g} s (a loop that does not end?)"
+            + ("" if stopped else "; its render is still running (stuck outside Python code)")
         )
-    except Exception as e:  # jinja's errors: the template's own, named
+    if "error" in out:
+        e = out["error"]
         raise ValueError(f"the chat template does not render these messages: {type(e).__name__}: {e}") from None
+    return out["text"]
 
 
 def chat_skeleton(template: PromptTemplate, tokenizer, chat: str) -> list[str | Field]:

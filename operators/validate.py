@@ -3,7 +3,8 @@
 Reasons, in order of precedence (a row gets the first that applies):
     missing_user_id   user_id is null
     bad_type          history, or another history the prompt template writes ({history:COLUMN}), is not a list of
-                      integer item ids (the detail names the column)
+                      integer item ids, or a text field it writes ({user:COLUMN}) is not valid UTF-8 (the detail
+                      names the column)
     bad_exclude_items the exclusion column (`exclude_items` by default), when the input has it, is not a list of integer
                       item ids (null: nothing excluded; ids the catalog does not hold are ignored, not rejected)
     empty_history     history is null or has no items (another history may be null or empty: it writes no items)
@@ -24,6 +25,7 @@ import pyarrow.compute as pc
 
 from decoding.catalog import ItemTokens
 from operators.outputs import reject_schema
+from operators.prompt_parts import not_utf8
 from operators.prompts import Prompts, Renderer, history_window
 
 _INT_LIST = pa.list_(pa.int64())
@@ -64,6 +66,8 @@ def validate_rows(
     reasons.mark(np.flatnonzero(users.is_null().to_numpy(zero_copy_only=False)), "missing_user_id", "user_id is null")
     for c in windows:
         reasons.mark_each(lists[c][1], "bad_type")
+    for c in carry:
+        reasons.mark_each(_bad_text(batch.column(c).combine_chunks(), c), "bad_type")
     reasons.mark_each(bad_exclude, "bad_exclude_items")
     _mark_empty(reasons, history)
     for c, w in windows.items():
@@ -111,6 +115,12 @@ def _exclusion_lists(batch: pa.Table, column: str) -> tuple[pa.Array | None, dic
         nulls = np.unique(pc.list_parent_indices(exclude).to_numpy()[flat.is_null().to_numpy(zero_copy_only=False)])
         bad.update({int(r): f"{column} holds a null item id" for r in nulls})
     return exclude, bad
+
+
+def _bad_text(column: pa.Array, name: str) -> dict:
+    """A text column -> {row: why} for its values that are not valid UTF-8 (a writer that let a lone surrogate
+    through)."""
+    return {int(r): f"{name} is not valid UTF-8 text" for r in not_utf8(column)}
 
 
 def _mark_empty(reasons: Reasons, history: pa.Array) -> None:

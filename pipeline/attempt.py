@@ -204,6 +204,8 @@ def recommend(ds, plan: Plan, a: Attempt):
                 users_per_actor=-(-a.left // a.pool.initial),
                 target_sha256=plan.identity["models"]["target"],
                 draft_sha256=plan.identity["models"].get("draft") or "",
+                target_files=plan.identity["model_files"]["target"],
+                draft_files=plan.identity["model_files"].get("draft") or "",
                 **engine_auto_inputs(plan, a),
             ),
             "items": ItemsRef(

@@ -376,7 +376,8 @@ def carry_part(batch: pa.Table, carry: Carry) -> pa.Table:
 
     check_code(carry.code, "a carry task")
     part = batch["part"][0].as_py()
-    view = base_lists(carry.base, batch["stems"][0].as_py(), carry.storage)  # [U] key, base_items, base_scores
+    with S.on_node("the incremental base", carry.base):
+        view = base_lists(carry.base, batch["stems"][0].as_py(), carry.storage)  # [U] key, base_items, base_scores
     index, tonight = ray.get([carry.indexes.base, carry.indexes.tonight])
     keys = view["key"].combine_chunks()
     listed, night = find(keys, index), find(keys, tonight)  # [U], [U]
@@ -390,7 +391,8 @@ def carry_part(batch: pa.Table, carry: Carry) -> pa.Table:
     rows = tonight.select(list(CARRIED_COLUMNS)).take(pa.array(night[ok]))
     lists = view.select(["base_items", "base_scores"]).take(pa.array(ok))
     columns = [*rows.columns, *lists.columns]
-    summary = write_carried(pa.Table.from_arrays(columns, [*rows.column_names, *lists.column_names]), carry)
+    with S.on_node("the run's shards under", carry.run, "write"):
+        summary = write_carried(pa.Table.from_arrays(columns, [*rows.column_names, *lists.column_names]), carry)
     return pa.Table.from_pylist([summary], schema=SUMMARY)
 
 

@@ -514,10 +514,6 @@ def _check_sources(cfg: Config) -> None:
         else:
             _need("://" not in uri or uri.startswith("s3://"), name, "must be a local path or an s3:// URI", uri)
     _check_items(cfg)
-    try:
-        dt.date.fromisoformat(cfg.run_date)
-    except ValueError:
-        _need(False, "run_date", "must be a date YYYY-MM-DD", cfg.run_date)
 
 
 def _check_items(cfg: Config | ProcessorConfig) -> None:

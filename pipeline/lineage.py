@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from decoding.codes import ragged_ranges
+from decoding.templates import as_text
 
 HASH = "blake2b-128/windows+exclusions+fields/v2"  # how `input_hashes` reads a row: a part of the fingerprint
 
@@ -90,17 +91,19 @@ def _digests(parts: list, extra: list[bytes]) -> pa.Array:
 
 
 def _text_bytes(texts: list[pa.Array], rows: int) -> list[bytes]:
-    """User fields [B] each -> per row, each field as its length (8 bytes; -1: null) and its UTF-8 bytes."""
+    """User fields [B] each -> per row, each field as its length (8 bytes; -1: null) and the UTF-8 bytes of the text
+    the prompt writes (`as_text`: a float column's 3.0 is "3.0", an integer column's 3 is "3")."""
     out = [b""] * rows
     for column in texts:
         column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
         if pa.types.is_dictionary(column.type):
             column = column.dictionary_decode()
-        values = column.cast(pa.large_string()).to_pylist()
-        out = [
-            x + (b"\xff" * 8 if v is None else len(b := v.encode()).to_bytes(8, "little") + b)
-            for x, v in zip(out, values)
-        ]
+        if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):  # its bytes, not decoded: a
+            # value that is not UTF-8 hashes too (validation rejects it)
+            values = column.cast(pa.large_binary()).to_pylist()
+        else:
+            values = [None if null else v.encode() for v, null in zip(as_text(column), column.is_null().to_pylist())]
+        out = [x + (b"\xff" * 8 if v is None else len(v).to_bytes(8, "little") + v) for x, v in zip(out, values)]
     return out
 
 
@@ -145,17 +148,14 @@ def _words(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> tuple[np.n
 
 def catalog_texts_sha256(table: pa.Table, columns: list[str]) -> str | None:
     """The catalog's columns a prompt template writes, by content: sha256 over each column's name, then its values
-    as text in item id order, each with its length (a null: -1). None when the template writes none."""
+    as the prompt writes them, in item id order (`_text_bytes`). None when the template writes none."""
     if not columns:
         return None
     order = pa.array(np.argsort(table.column("item_id").to_numpy(), kind="stable"))
     h = hashlib.sha256()
     for c in columns:
-        values = table.column(c).combine_chunks().take(order).cast(pa.large_string())
-        lengths = pc.fill_null(pc.binary_length(values), -1).to_numpy(zero_copy_only=False).astype("<i8")
         h.update(f"{c}\0".encode())
-        h.update(lengths.tobytes())
-        h.update(b"".join(v.encode() for v in pc.fill_null(values, "").to_pylist()))
+        h.update(b"".join(_text_bytes([table.column(c).combine_chunks().take(order)], table.num_rows)))
     return h.hexdigest()
 
 
@@ -196,7 +196,7 @@ def fingerprint(
         "dtype": dtype,
         **({"engine": c.engine} if dtype != "float32" else {}),
         "device": device,
-        "software": {name: _version(name) for name in ("genrec-batch", "torch", "transformers")},
+        "software": software(),
         "code": code_identity()["sha256"],
         "user_id": id_kind,
         "input_hash": HASH,
@@ -310,6 +310,12 @@ def code_refusal(expected: str, where: str) -> str | None:
     )
 
 
+def software() -> dict:
+    """The versions of the software that decodes (genrec-batch, torch, transformers): a fingerprint's `software`, and
+    what a resume must find unchanged."""
+    return {name: _version(name) for name in ("genrec-batch", "torch", "transformers")}
+
+
 def _version(package: str) -> str | None:
     try:
         return version(package)
@@ -336,15 +342,3 @@ def differences(base: dict, parts: dict) -> list[str]:
         elif old != new:
             out.append(name)
     return out
-
-
-def model_files_sha256(model_dir: str) -> str:
-    """A model folder's files but its weights (config, tokenizer, generation config): sha256 over their names and
-    contents, sorted by name. With the weights' sha256, what the model is."""
-    h = hashlib.sha256()
-    for f in sorted(Path(model_dir).iterdir()):
-        skip = f.name.startswith(".") or f.suffix == ".safetensors" or f.name == "sha256sums.json"
-        if f.is_file() and not skip:
-            h.update(f"{f.name}\0".encode())
-            h.update(hashlib.sha256(f.read_bytes()).digest())
-    return h.hexdigest()

@@ -28,7 +28,7 @@ from pipeline import storage as S
 from pipeline.carry import Base, choose_base
 from pipeline.config import ROW_COLUMNS, Config
 from pipeline.items import Items, Sources, read_items
-from pipeline.lineage import catalog_texts_sha256, code_identity, describe_code, fingerprint, model_files_sha256
+from pipeline.lineage import catalog_texts_sha256, code_identity, describe_code, fingerprint, software
 from pipeline.models import compile_store
 from pipeline.stores import Input
 
@@ -125,10 +125,11 @@ def model_of(uri: str, storage) -> dict:
     folder, removed when the process ends; "head": that folder)."""
     if not S.is_s3(uri):
         local = S.local_model_dir(uri, "", storage)
-        return {"uri": uri, "sha256": S.fingerprint(local), "dir": str(local), "files": model_files_sha256(local)}
+        files = S.local_files_fingerprint(local)
+        return {"uri": uri, "sha256": S.fingerprint(local), "dir": str(local), "files": files}
     head = tempfile.TemporaryDirectory(prefix="genrec-model-head-")
     sums = S.model_head(uri, storage, Path(head.name))
-    files = model_files_sha256(head.name)
+    files = S.files_fingerprint(sums)
     return {"uri": uri, "sha256": S.weights_fingerprint(sums), "dir": head.name, "head": head, "files": files}
 
 
@@ -148,10 +149,11 @@ def resolve_template(cfg: Config, models: dict) -> PromptTemplate:
     return template
 
 
-def fetch_model(uri: str, sha256: str, cache_dir: str, storage) -> str:
-    """A model URI and the sha256 the plan fingerprinted -> a local directory on this node holding that model
-    (s3:// copied once per node, verified; `S.local_model_dir`), else ModelChanged or NodeDenied."""
-    return str(S.local_model_dir(uri, cache_dir, storage, sha256))
+def fetch_model(uri: str, sha256: str, files: str, cache_dir: str, storage) -> str:
+    """A model URI and what the plan fingerprinted of it (its weights' sha256, its other files') -> a local directory
+    on this node holding that model (s3:// copied once per node, verified; `S.local_model_dir`), else ModelChanged or
+    NodeDenied."""
+    return str(S.local_model_dir(uri, cache_dir, storage, sha256, files))
 
 
 def actor_spec(cfg: Config, run_id: str, items: Items, template: PromptTemplate) -> ActorSpec:
@@ -234,7 +236,8 @@ class Plan:
     @property
     def fingerprint(self) -> str:
         """What a resume must find unchanged: the config (but `runs`), the input's row groups and the content of the
-        input files, the catalog, the recommendable set, the block list, the models and the code."""
+        input files, the catalog, the recommendable set, the block list, the models (weights and files), the code and
+        the software."""
         return hashlib.sha256(json.dumps([self.config, self.identity], default=str).encode()).hexdigest()
 
     @property
@@ -267,9 +270,20 @@ class Plan:
             for r in sorted(set(old.get("models", {})) | set(new["models"]))
             if old.get("model_sha256") == MODEL_SHA256 and old.get("models", {}).get(r) != new["models"].get(r)
         ]
+        out += [
+            f"models.{r} {getattr(self.cfg.models, r)} (its files but the weights: config, tokenizer, ...)"
+            for r in sorted(set(old.get("model_files", {})) | set(new["model_files"]))
+            if "model_files" in old and old["model_files"].get(r) != new["model_files"].get(r)
+        ]
         out += ["the incremental base"] * (old.get("base") != new.get("base") and "base" in old)
         was, now = old.get("code"), new["code"]
         out += [f"the code (genrec-batch {describe_code(was)} then, {describe_code(now)} now)"] * (was != now)
+        was, now = old.get("software") or {}, new["software"]
+        out += [
+            f"the software ({name} {was.get(name)} then, {now.get(name)} now)"
+            for name in sorted(set(was) | set(now))
+            if "software" in old and was.get(name) != now.get(name)
+        ]
         was = {**DEFAULTS, **resume_config(state.get("config") or {})}  # a field it predates: as if at its default
         keys = sorted(k for k in set(was) | set(self.config) if was.get(k) != self.config.get(k))
         out += [f"the config ({', '.join(keys)})"] * bool(keys)
@@ -302,9 +316,10 @@ def content_identity(
     cfg: Config, data: pads.Dataset, fs, plan_units: list, models: dict, items: Items, version: int | None
 ) -> dict:
     """Each input file's content identity (S3: ETag and size; locally the sha256 of its bytes), a table input's
-    version (`input_version`: a Delta version, an Iceberg snapshot id; None for parquet), the input's row groups,
-    the catalog's identity, the recommendable set's and the block list's (sha256 of their ids), every model's
-    sha256 and the code's (`lineage.code_identity`: a run's shards are all decoded by one code)."""
+    version (`input_version`: a Delta version, an Iceberg snapshot id; None for parquet), the input's row groups, the
+    catalog's identity, the recommendable set's and the block list's (sha256 of their ids), every model's sha256 and
+    its other files' (config, tokenizer: `S.files_fingerprint`), the code's (`lineage.code_identity`: a run's shards
+    are all decoded by one code) and the software's versions (torch, transformers: `lineage.software`)."""
     cat_fs, cat_path = S.filesystem(cfg.catalog, cfg.storage)
     rows = [(u.path, u.row_group, u.rows) for u in plan_units]
     return {
@@ -314,8 +329,10 @@ def content_identity(
         "catalog": S.content_id(cat_path, cat_fs, cfg.storage),
         "items": items.identity,
         "models": {role: m["sha256"] for role, m in models.items()},
+        "model_files": {role: m["files"] for role, m in models.items()},  # config, tokenizer, ... (`files_fingerprint`)
         "model_sha256": MODEL_SHA256,
         "code": code_identity(),
+        "software": software(),
     }
 
 
@@ -344,7 +361,7 @@ def plan_at(cfg: Config, version: int | None, pinned_by: str | None) -> Plan:
             S.check_access(uri, cfg.storage)
     inp, kind = open_input_pinned(cfg, version, pinned_by)
     data = inp.data
-    items, models, spec, inputs = resolve_decoder(cfg, data.schema)
+    items, models, spec, inputs = resolve_decoder(cfg, data)
     plan_units, clock = units.plan_units(data), Clock()
     with clock.phase("input_identity"):
         identity = content_identity(cfg, data, inp.fs, plan_units, models, items, inp.version)
@@ -371,19 +388,19 @@ class Decoder(NamedTuple):
     inputs: Inputs  # what an actor builds from the spec before loading weights (`prepare`)
 
 
-def resolve_decoder(cfg: Config, schema: pa.Schema | None = None) -> Decoder:
+def resolve_decoder(cfg: Config, data: pads.Dataset | None = None) -> Decoder:
     """The items, the models and their sha256, the template and an actor's own checks, on the driver: what an actor
-    would refuse fails here, before any work (the nightly's plan and the processor's). `schema`: the input's, whose
+    would refuse fails here, before any work (the nightly's plan and the processor's). `data`: the input, whose
     columns the template's placeholders must name (the processor's dataset is checked batch by batch instead)."""
     models = resolve_models(cfg)
     template = resolve_template(cfg, models)
-    if schema is not None:
-        check_prompt_columns(cfg, template, schema)
+    if data is not None:
+        check_prompt_columns(cfg, template, data)
     items = read_items(Sources.of(cfg, template.item_columns), cfg.storage)
     log_items(items.info)
     spec = actor_spec(cfg, "", items, template)
     heads = {m["uri"]: m["dir"] for m in models.values()}  # the driver's copies: no weights
-    return Decoder(items, models, spec, prepare(replace(spec, fetch=lambda uri, _: heads[uri])))
+    return Decoder(items, models, spec, prepare(replace(spec, fetch=lambda uri, *_: heads[uri])))
 
 
 def open_input_pinned(cfg: Config, version: int | None, pinned_by: str | None) -> tuple[Input, str]:
@@ -541,13 +558,16 @@ def input_columns(cfg: Config, schema: pa.Schema, template: PromptTemplate | Non
     return out | {c: c for c in (template.input_columns if template else []) if c not in out}
 
 
-def check_prompt_columns(cfg: Config, template: PromptTemplate, schema: pa.Schema) -> None:
-    """The input columns the template writes, refused before any work when the input lacks one (named), when one is
-    not of its kind (a {history:...} column not a list, a {user:...} column not text or numbers) or when its name is
-    one the job gives the rows it reads."""
+def check_prompt_columns(cfg: Config, template: PromptTemplate, data: pads.Dataset) -> None:
+    """The input columns the template writes, refused before any work when the input lacks one (named; one whose
+    files hold two kinds of type, left out of their unified schema, names both files: `S.unified_schema`), when one
+    is not of its kind (a {history:...} column not a list, a {user:...} column not text or numbers) or when its name
+    is one the job gives the rows it reads."""
+    schema = data.schema
     names = schema.names
     missing = [c for c in template.input_columns if c not in names]
     if missing:
+        S.unified_schema(list(data.get_fragments()), f"input {cfg.input}", missing)
         raise ValueError(
             f"models.template {template.name!r} writes the input's column(s) {missing}, which input {cfg.input} "
             f"lacks (has {names})"

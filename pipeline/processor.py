@@ -16,17 +16,19 @@ are the user's to write.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import replace
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from operators.prompts import is_text
 from operators.recommender import Recommended
 from pipeline import cluster, units
 from pipeline import storage as S
 from pipeline.attempt import actor_resources
-from pipeline.config import Config, ProcessorConfig, processor_config
+from pipeline.config import Compute, Config, ProcessorConfig, processor_config
 from pipeline.items import ItemsRef, Sources
 from pipeline.plan import Decoder, id_kind, input_columns, resolve_decoder
 from pipeline.shards import recommender_of
@@ -77,15 +79,34 @@ class Processor:
 
         if not ray.is_initialized():
             ray.init()  # what the dataset's execution would do: the pool's size needs the cluster's resources
-        c = self.config.compute
+        c, resources = self.config.compute, ray.cluster_resources()
+        warn_unplaceable(c, resources)
         return ds.map_batches(
             RowRecommender,
             batch_size=c.batch_size * c.batches_per_task,
             batch_format="pyarrow",
             fn_constructor_kwargs=actor_args(self.config, self.decoder),
-            compute=cluster.actor_pool(c, ray.cluster_resources()).strategy(),
+            compute=cluster.actor_pool(c, resources).strategy(),
             **actor_resources(c),
         )
+
+
+def warn_unplaceable(c: Compute, resources: dict) -> None:
+    """A pool whose actor the cluster (`resources`: ray.cluster_resources()) cannot hold now, GPUs or CPUs (GPU
+    actors on a CPU-only cluster, say), waits for a node that can, as long as the pipeline runs: said once, on the
+    driver, with the setting, the cluster and how to bound the wait, before it starts waiting."""
+    gpus, cpus = resources.get("GPU", 0.0), resources.get("CPU", 0.0)
+    if gpus >= c.gpus_per_actor and cpus >= c.cpus_per_actor:
+        return
+    log.warning(
+        "processor: an actor needs compute.gpus_per_actor %g GPU and compute.cpus_per_actor %g CPU, and this Ray "
+        "cluster has %s now: its actors wait until a node that holds one joins (an autoscaling cluster's), which a "
+        "fixed cluster never gives. Set compute.gpus_per_actor: 0 for CPU actors, or bound the wait with Ray Data's "
+        "DataContext.get_current().wait_for_min_actors_s",
+        c.gpus_per_actor,
+        c.cpus_per_actor,
+        cluster.short(resources),
+    )
 
 
 def build_processor(
@@ -120,6 +141,8 @@ def actor_args(cfg: ProcessorConfig, decoder: Decoder) -> dict:
         audit_users=0,  # no metrics table to report it in
         target_sha256=decoder.models["target"]["sha256"],
         draft_sha256=decoder.models.get("draft", {}).get("sha256", ""),
+        target_files=decoder.models["target"]["files"],
+        draft_files=decoder.models.get("draft", {}).get("files", ""),
         decode_batch=c.decode_batch or (None if c.gpus_per_actor else c.batch_size),  # a nightly shard's on a CPU
     )
     items = ItemsRef(
@@ -129,8 +152,15 @@ def actor_args(cfg: ProcessorConfig, decoder: Decoder) -> dict:
 
 
 def merged(row: dict, fn) -> dict:
-    """Ray Data LLM's preprocess: the row with the columns `fn(row)` returns merged in."""
-    return {**row, **fn(row)}
+    """Ray Data LLM's preprocess: the row with the columns `fn(row)` returns merged in; anything but a mapping of
+    columns refused, naming the preprocess and what it returned."""
+    columns = fn(row)
+    if not isinstance(columns, Mapping):
+        raise TypeError(
+            f"processor: preprocess {getattr(fn, '__name__', fn)!r} must return a dict of the columns to add or "
+            f"replace, got {type(columns).__name__}: {str(columns)[:80]}"
+        )
+    return {**row, **columns}
 
 
 class RowRecommender:
@@ -150,8 +180,9 @@ def decoder_rows(batch: pa.Table, cfg: ProcessorConfig, template=None) -> pa.Tab
     """A batch of the user's dataset -> the rows the recommender reads, as the nightly's read tasks give them
     (`plan.input_columns`: the user id and the history by `columns`, the exclusion column where the dataset has
     it, and the columns the prompt template writes), Ray Data's one-dimensional tensor columns as lists. A column
-    missing, an output column already there or user ids that are not ids (`plan.id_kind`) -> ValueError naming
-    them."""
+    missing, an output column already there, user ids that are not ids (`plan.id_kind`) or a {user:COLUMN} the
+    template writes that is not text or numbers (`is_text`; the nightly's plan checks its input's once) ->
+    ValueError naming them."""
     taken = [c for c in OUTPUT_COLUMNS if c in batch.column_names]
     if taken:
         raise ValueError(f"processor: the dataset already has column(s) {taken}, which the processor adds; rename them")
@@ -163,6 +194,13 @@ def decoder_rows(batch: pa.Table, cfg: ProcessorConfig, template=None) -> pa.Tab
             f"processor: the dataset has no column(s) {missing} (columns.user_id {c.user_id}, columns.history "
             f"{c.history}); it has {batch.column_names}"
         )
+    for c in template.user_columns if template else ():
+        kind = batch.schema.field(c).type
+        if not is_text(kind):
+            raise ValueError(
+                f"processor: models.template writes {{user:{c}}}, but the dataset's {c} is {kind}: strings, integers, "
+                "floats or booleans are written as text"
+            )
     user = batch.schema.field(cfg.columns.user_id).type
     if user != pa.null():  # a batch whose every id is null: each row is rejected (missing_user_id)
         id_kind(user, f"(the processor's dataset, columns.user_id {cfg.columns.user_id})")

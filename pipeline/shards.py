@@ -332,7 +332,8 @@ class ShardRecommender:
         if shard in self.written:  # Ray retries a task whose later batch gave up on the store: this one is committed
             return self.written[shard]
         try:
-            return self.commit(shard, batch)
+            with S.on_node("the run's shards under", self.run, "write"):
+                return self.commit(shard, batch)
         except S.StoreUnavailable as e:
             self.gave_up[shard] = self.gave_up.get(shard, 0) + 1
             if self.gave_up[shard] > S.BATCH_RETRIES:

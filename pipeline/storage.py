@@ -779,6 +779,24 @@ def weights_fingerprint(sums: dict[str, str]) -> str:
     return hashlib.sha256("".join(f"{name}\0{digest}\n" for name, digest in weights).encode()).hexdigest()
 
 
+def files_fingerprint(sums: dict[str, str]) -> str:
+    """{file name: sha256} of a model's files -> sha256 over the names and sha256s of all but its weights (config,
+    tokenizer, generation config, chat and prompt templates), sorted by name: with `weights_fingerprint`, what the
+    model is; the same from a local folder (`local_files_fingerprint`) and an s3:// model's sha256sums.json."""
+    files = sorted((name, digest) for name, digest in sums.items() if not _weights_or_hidden(name))
+    return hashlib.sha256("".join(f"{name}\0{digest}\n" for name, digest in files).encode()).hexdigest()
+
+
+def _weights_or_hidden(name: str) -> bool:
+    return name.startswith(".") or name.endswith(".safetensors") or name == MODEL_SUMS
+
+
+def local_files_fingerprint(model_dir) -> str:
+    """`files_fingerprint` of a local model folder's regular files (its weights never read)."""
+    files = [f for f in Path(model_dir).iterdir() if f.is_file() and not _weights_or_hidden(f.name)]
+    return files_fingerprint({f.name: sha256_file(f) for f in files})
+
+
 MODEL_SUMS = "sha256sums.json"  # beside an s3:// model's files: their sha256, written last (`upload_model_dir`)
 
 
@@ -975,9 +993,10 @@ def denied(e: BaseException) -> bool:
 
 
 @contextlib.contextmanager
-def on_node(what: str, uri: str):
-    """A worker node's reads of `what` at `uri` (the input, the items, a model): an error saying the node has no
-    credentials, or that they are refused, raises NodeDenied naming the node, the URI and the fix (exit 9)."""
+def on_node(what: str, uri: str, verb: str = "read"):
+    """A worker node's reads of `what` at `uri` (the input, the items, a model, a base run) or its writes (`verb`:
+    the run's shards): an error saying the node has no credentials, or that they are refused, raises NodeDenied
+    naming the node, the URI and the fix (exit 9)."""
     try:
         yield
     except Exception as e:
@@ -985,10 +1004,11 @@ def on_node(what: str, uri: str):
             raise
         cause = " ".join(str(e).split()) or type(e).__name__
         raise NodeDenied(
-            f"node {node_name()} cannot read {what} {uri}: {cause}. Every worker node reads the input, the items and "
-            "the models itself, so each needs the object store's credentials, not only the driver: give the worker "
-            "pods the IAM role (IRSA: their serviceAccountName) or the AWS_* variables (the Secret in the RayJob's "
-            "worker group, or the job's runtime_env env_vars); docs/deploy.md#3-credentials-and-region-one-place"
+            f"node {node_name()} cannot {verb} {what} {uri}: {cause}. Every worker node reads the input, the items, "
+            "the models and an incremental base and writes its shards itself, so each needs the object store's "
+            "credentials, not only the driver: give the worker pods the IAM role (IRSA: their serviceAccountName) or "
+            "the AWS_* variables (the Secret in the RayJob's worker group, or the job's runtime_env env_vars); "
+            "docs/deploy.md#3-credentials-and-region-one-place"
         ) from None
 
 
@@ -1004,31 +1024,35 @@ def node_name() -> str:
     return host
 
 
-def local_model_dir(uri: str, cache_dir: str, storage: Storage, sha256: str = "") -> Path:
+def local_model_dir(uri: str, cache_dir: str, storage: Storage, sha256: str = "", files: str = "") -> Path:
     """A local directory holding the model: the path itself, or an s3:// model copied once per node into the cache
-    (`cached_model`). With `sha256` (what the run's plan fingerprinted: `fingerprint`, `weights_fingerprint`) a model
-    whose weights are others now is refused, ModelChanged naming the URI and both digests; an s3:// one before any
-    weight is downloaded. A node whose credentials the store lacks or refuses raises NodeDenied naming the node, the
-    URI and the fix."""
+    (`cached_model`). With `sha256` and `files` (what the run's plan fingerprinted: `weights_fingerprint`,
+    `files_fingerprint`) a model whose weights or other files (its config, tokenizer, ...) are others now is refused,
+    ModelChanged naming the URI and both digests; an s3:// one before any file is downloaded. A node whose
+    credentials the store lacks or refuses raises NodeDenied naming the node, the URI and the fix."""
     if not is_s3(uri):
         path = Path(uri).expanduser()
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model directory {uri} not found (no config.json)")
         if sha256:
-            check_model(uri, fingerprint(path), sha256)
+            check_model(uri, "weights", fingerprint(path), sha256)
+        if files:
+            check_model(uri, "files but the weights", local_files_fingerprint(path), files)
         return path
     with on_node("the model", uri):
         sums = model_sums(uri, storage)
         if sha256:
-            check_model(uri, weights_fingerprint(sums), sha256)
+            check_model(uri, "weights", weights_fingerprint(sums), sha256)
+        if files:
+            check_model(uri, "files but the weights", files_fingerprint(sums), files)
         return cached_model(uri, sums, Path(cache_dir).expanduser(), storage)
 
 
-def check_model(uri: str, got: str, want: str) -> None:
-    """A model's weights digest against the plan's: ModelChanged naming the URI and both when they differ."""
+def check_model(uri: str, what: str, got: str, want: str) -> None:
+    """A model's digest of its `what` against the plan's: ModelChanged naming the URI and both when they differ."""
     if got != want:
         raise ModelChanged(
-            f"model {uri} on node {node_name()}: its weights are {got} now, the run was planned with {want}: the "
+            f"model {uri} on node {node_name()}: its {what} are {got} now, the run was planned with {want}: the "
             "model was replaced at its URI after the run started. Start a new run (it fingerprints the model there "
             "now); upload each model version to a prefix of its own"
         )

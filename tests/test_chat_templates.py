@@ -5,6 +5,7 @@ slow reference (tests/helpers.py reference_ids) on hundreds of random rows, and 
 where the data holds no added token; text from data never becomes a control token or a code token; prompts that do
 not fit are cut or left out; a tiny Qwen3 decodes them exactly as `transformers` beam search does."""
 
+import threading
 from dataclasses import replace
 
 import numpy as np
@@ -199,6 +200,33 @@ def test_prompts_that_do_not_fit(world):
     assert not none.kept.any() and none.input_ids.shape == (0, 0)
 
 
+def test_drop_oldest_drops_no_more_than_it_must_when_item_text_comes_first(world):
+    """An item pattern whose title comes before the codes: the oldest item's title joins the text before the history,
+    so dropping it saves more than the item's own tokens. A user whose oldest item has a long title and whose prompt
+    is ten tokens over the bound drops that one item, not two."""
+    tok, catalog, _, _ = world
+    item = "{item:title}<|sid_begin|>{codes}<|sid_end|>"
+    head = replace(CHAT, messages=[], chat_template_kwargs={}, generation_prefix="", windows={}, item=item)
+    head = replace(head, name="head", prefix="History: ", separator=" ", suffix=" Answer:")
+    titles = ["旅行 美食 猫咪 sale Hello world " * 4] + ["x"] * (catalog.num_rows - 1)
+    titled = catalog.set_column(2, "title", pa.array(titles))
+    ids = titled["item_id"].to_pylist()
+    rows = pa.table({"history": pa.array([ids[:5], [ids[3], *ids[:4]]], pa.list_(pa.int64()))})
+    free, cat = compiled((tok, titled, rows, None), head)
+    lengths = free.render(rows, cat.item_tokens).attention_mask.sum(1).tolist()
+    bound = lengths[0] - 10  # more than the oldest item and the text joining the next, less than with its title
+    cut = compiled((tok, titled, rows, None), head, max_prompt_tokens=bound)[0].render(rows, cat.item_tokens)
+    assert cut.kept.all() and cut.truncated.all()
+    for row in range(rows.num_rows):  # the fewest oldest items dropped that fit: one for the first user
+        fits = [
+            n
+            for n in range(5, 0, -1)
+            if len(reference((tok, titled, rows, None), head, row, {"history": n})[0]) <= bound
+        ]
+        assert ids_of(cut, row) == reference((tok, titled, rows, None), head, row, {"history": fits[0]})[0], row
+        assert row or fits[0] == 4
+
+
 def test_chat_templates_that_change_content_are_refused(world):
     """A chat template that trims content, with a placeholder at its edge, or that upper-cases it: refused at
     compile time; trimming only fixed text at the edges is the template's own business, accepted."""
@@ -212,6 +240,44 @@ def test_chat_templates_that_change_content_are_refused(world):
         Renderer.compile(CHAT, _with_chat(tok, upper), catalog_probes(compiled(world, CHAT)[1].item_tokens))
     inside = replace(CHAT, messages=[{"role": "user", "content": "  画像：{user:profile}\n{history}。 "}], windows={})
     Renderer.compile(inside, _with_chat(tok, trim), catalog_probes(compiled(world, CHAT)[1].item_tokens), catalog)
+
+
+def test_a_chat_template_that_never_ends_is_refused_not_waited_on(world):
+    """A chat template whose loops do not end (jinja's sandbox bounds attribute access, not loops) is refused after
+    its deadline, naming it: the plan never waits on it in silence."""
+    from operators.text import render_chat
+
+    tok = world[0]
+    endless = "{% for a in range(100000) %}{% for b in range(100000) %}{{ '' }}{% endfor %}{% endfor %}"
+    with pytest.raises(ValueError, match=r"did not render within 0.5 s \(a loop that does not end\?\)$"):
+        render_chat(tok, endless, [{"role": "user", "content": "x"}], {}, deadline_s=0.5)
+    # and it is stopped, not left spinning on a core for the rest of the process
+    assert not [t for t in threading.enumerate() if t.name == "chat-template"]
+
+
+@pytest.mark.parametrize("strip", ["lstrip", "rstrip"])
+def test_an_added_token_that_strips_the_whitespace_of_data_is_refused(world, strip):
+    """`<|im_end|>` with lstrip eats the whitespace that ends a query; `<|im_start|>` with rstrip, as Phi-3's turn
+    tokens have, eats the newline after it and the whitespace that starts a profile: the tokenizer on the
+    rendered text differs from the text tokenized as text, so the template is refused at compile time (probe fields
+    that are empty or edged with whitespace), never rendered differently."""
+    import json
+
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    tok, catalog, _, _ = world
+    spec = json.loads(tok.backend_tokenizer.to_str())
+    for t in spec["added_tokens"]:
+        t[strip] = t["content"] == ("<|im_end|>" if strip == "lstrip" else "<|im_start|>")
+    stripping = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(json.dumps(spec)), eos_token="<|endoftext|>"
+    )
+    stripping.chat_template = "{% for m in messages %}<|im_start|>\n{{ m.content }}<|im_end|>{% endfor %}"
+    edge = replace(CHAT, messages=[{"role": "user", "content": "{user:profile}{history}{user:query}"}], windows={})
+    probes = catalog_probes(compiled(world, CHAT)[1].item_tokens)
+    with pytest.raises(ValueError, match="must not strip its whitespace"):
+        Renderer.compile(edge, stripping, probes, catalog)
 
 
 def _with_chat(tok, chat: str):
@@ -272,3 +338,26 @@ def test_every_history_a_prompt_writes_is_validated_like_history(world):
     assert good["user_id"].to_pylist() == [2, 3, 4] and renderer.render(good, cat.item_tokens).kept.all()
     strings = rows.set_column(2, "goods", pa.array([["a"]] * 5, pa.list_(pa.string())))
     assert {r["reason"] for r in validate(strings, cat.item_tokens, renderer.windows)[1].to_pylist()} == {"bad_type"}
+
+
+def test_text_that_is_not_utf8_is_a_reject_or_a_refused_catalog(world):
+    """A profile whose bytes are not UTF-8 (a lone surrogate a writer let through, read from Parquet unchecked): its
+    row is bad_type naming the column and hashes like any other (the read task does not fail), the other rows
+    render; a catalog title like that refuses the template at load time, naming the item."""
+    from operators.validate import validate
+    from pipeline.lineage import input_hashes
+
+    tok, catalog, rows, _ = world
+    renderer, cat = compiled(world, CHAT)
+    bad, good = b"\xed\xa0\x80 surrogate", "画像".encode()
+    offsets = pa.py_buffer(np.array([0, len(good), len(good) + len(bad)], np.int32).tobytes())
+    profile = pa.Array.from_buffers(pa.string(), 2, [None, offsets, pa.py_buffer(good + bad)])
+    two = rows.slice(0, 2).set_column(rows.schema.get_field_index("profile"), "profile", profile)
+    assert input_hashes(two["history"].combine_chunks(), None, 6, False, texts=[two["profile"]]).null_count == 0
+    ok, rejects = validate(two, cat.item_tokens, renderer.windows, "exclude_items", renderer.user_columns)
+    assert rejects.to_pylist() == [{"user_id": 1, "reason": "bad_type", "detail": "profile is not valid UTF-8 text"}]
+    assert renderer.render(ok, cat.item_tokens).kept.tolist() == [True]
+    titles = pa.Array.from_buffers(pa.string(), 2, [None, offsets, pa.py_buffer(good + bad)])
+    broken = catalog.slice(0, 2).set_column(2, "title", titles)
+    with pytest.raises(ValueError, match=r"the catalog's title is not valid UTF-8 text for item ids \[10\]"):
+        Renderer.compile(CHAT, tok, catalog_probes(cat.item_tokens), broken)

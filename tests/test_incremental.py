@@ -199,6 +199,20 @@ def test_the_input_hash_reads_the_window_and_the_exclusions():
     assert input_hashes(h, None, 3, False)[0] != window[0]
 
 
+def test_the_input_hash_reads_the_text_a_prompt_writes():
+    """A user field hashes as the prompt writes it: an integer column's 3 writes "3", the float column pandas makes of
+    it on a night with a null writes "3.0", another prompt, another hash (so is the catalog's text); a string "3"
+    and an integer 3 write the same text; a null stays apart from an empty text."""
+    from pipeline.lineage import catalog_texts_sha256
+
+    h = pa.array([[1]] * 3)
+    of = lambda column: input_hashes(h, None, 3, False, texts=[column]).to_pylist()  # noqa: E731
+    ints, floats, strings = of(pa.array([3, None, 0])), of(pa.array([3.0, None, 0.0])), of(pa.array(["3", None, ""]))
+    assert ints[0] != floats[0] and ints[0] == strings[0] and ints[1] == floats[1] == strings[1] != strings[2]
+    table = lambda values: pa.table({"item_id": [2, 1], "title": values})  # noqa: E731
+    assert catalog_texts_sha256(table([3, 4]), ["title"]) != catalog_texts_sha256(table([3.0, 4.0]), ["title"])
+
+
 def test_a_first_night_or_an_older_base_runs_full(world, tmp_path):
     """No published run to carry from: a full night that says why."""
     from pipeline.plan import plan_run
@@ -460,7 +474,10 @@ def test_a_prompt_reads_the_columns_its_template_names_and_nothing_else_carries_
     titles = [f"item {i}" for i in catalog["item_id"].to_pylist()]
     pq.write_table(catalog.append_column("title", pa.array(titles)), tmp_path / "items.parquet")
     template = tmp_path / "template.json"
-    template.write_text(json.dumps({"name": "titled", "item": "{codes}{item:title}", "max_items": 8}))
+    # the world's word-level tokenizer holds the code tokens as words: text from data is the template's to trust
+    template.write_text(
+        json.dumps({"name": "titled", "item": "{codes}{item:title}", "max_items": 8, "trusted": ["title"]})
+    )
     cfg = night_config(root, tmp_path / "out", f"catalog={tmp_path / 'items.parquet'}", f"models.template={template}")
     before = plan_run(cfg)
     state = {"fingerprint": before.fingerprint, "identity": before.identity, "config": before.config}
@@ -494,7 +511,8 @@ def test_a_night_that_changes_only_a_user_text_field_decodes_only_those_users(wo
         profiles[i] = "likes <a_1> now" if i % 2 else None
     pq.write_table(base.append_column("profile", pa.array(profiles)), tmp_path / "night.parquet")
     template = tmp_path / "template.json"
-    template.write_text(json.dumps({"name": "profiled", "prefix": "{user:profile} ", "max_items": 8}))
+    profiled = {"name": "profiled", "prefix": "{user:profile} ", "max_items": 8, "trusted": ["profile"]}  # word-level
+    template.write_text(json.dumps(profiled))  # tokenizer: its code tokens are words, the profile trusted
     extra = [f"models.template={template}", "decoding.exclude=none", "decoding.max_prompt_tokens=22"]
     extra += ["compute.batch_size=64"]
     base_cfg = config(root, tmp_path / "out", f"input={tmp_path / 'base.parquet'}", f"run_date={BASE_DATE}", *extra)

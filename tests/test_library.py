@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 import tomllib
+import warnings
 from importlib.metadata import version
 from pathlib import Path
 
@@ -30,7 +31,8 @@ HEAVY = ("torch", "ray", "pyarrow", "transformers", "pandas", "decoding", "opera
 
 def test_import_genrec_batch_is_light_and_names_its_surface():
     """`import genrec_batch` loads none of the packages it re-exports from (nor torch, Ray, pyarrow); `__all__` is
-    the surface, every name in it is its module's own object, and type checkers see the same names."""
+    the surface, every name in it is its module's own object, type checkers see the same names, and docs/library.md's
+    table names exactly them."""
     import genrec_batch as gb
 
     code = "import genrec_batch, sys; print(sorted({m.split('.')[0] for m in sys.modules}))"
@@ -52,6 +54,10 @@ def test_import_genrec_batch_is_light_and_names_its_surface():
     assert typed == gb._SURFACE
     with pytest.raises(AttributeError, match="no attribute 'plan_run'"):
         gb.plan_run  # noqa: B018 -- internal, not re-exported
+    api = (ROOT / "docs" / "library.md").read_text().split("## The public API", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| (`.*?) \|", api, re.M)  # the table's first column
+    documented = {name for row in rows for name in re.findall(r"`(\w+)`", row)}
+    assert documented == set(gb.__all__), documented ^ set(gb.__all__)  # docs/library.md's table is the surface
 
 
 # --- the processor -------------------------------------------------------------------------------------------------
@@ -208,9 +214,13 @@ def test_the_library_pages_example_runs_as_written(world, ray_session_plain, tmp
     blocks = re.findall(r"^```python\n(.*?)^```", page.split("\n## An example\n", 1)[1], re.M | re.S)
     assert len(blocks) == 2
     scope: dict = {}
-    for block in blocks:  # its relative paths under tmp_path: this Ray's workers run in the repository's folder
-        block = re.sub(r'"(data|models|out)/', lambda m: f'"{tmp_path}/{m[1]}/', block)
-        exec(compile(block, "docs/library.md", "exec"), scope)
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        for block in blocks:  # its relative paths under tmp_path: this Ray's workers run in the repository's folder
+            block = re.sub(r'"(data|models|out)/', lambda m: f'"{tmp_path}/{m[1]}/', block)
+            exec(compile(block, "docs/library.md", "exec"), scope)
+    deprecated = [f"{w.lineno}: {w.message}" for w in warned if w.filename == "docs/library.md"]
+    assert not deprecated, deprecated  # the page's calls are the libraries' current API
     got = pq.read_table(tmp_path / "out" / "library").to_pandas().set_index("user_id")
     features = pq.read_table(tmp_path / "data" / "features.parquet").to_pandas()
     active = features[features.active]
@@ -269,10 +279,11 @@ def test_the_processor_config_is_the_nightlys_fields_checked_alike(world, caplog
 
 def test_a_batch_becomes_its_rows_with_their_lists_or_reasons():
     """The actor's two ends, without Ray: a dataset's batch -> the recommender's rows (`columns` renamed, Ray Data's
-    tensor columns as lists, refusals naming the column); its decode -> one row per row in, lists where listed."""
+    tensor columns as lists, refusals naming the column); its decode -> one row per row in, lists where listed; and
+    preprocess's merge (a preprocess that returns no dict refused, naming it)."""
     from operators.recommender import Recommended
     from pipeline.config import Columns, ProcessorConfig
-    from pipeline.processor import decoder_rows, plain, with_lists
+    from pipeline.processor import decoder_rows, merged, plain, with_lists
 
     cfg = ProcessorConfig(columns=Columns(user_id="uid", history="items"))
     batch = pa.table({"uid": [7, 8, 9], "items": [[1, 2], [3], []], "exclude_items": [[2], None, None], "x": [1, 2, 3]})
@@ -292,6 +303,10 @@ def test_a_batch_becomes_its_rows_with_their_lists_or_reasons():
     square = ArrowTensorArray.from_numpy(np.array([[1, 2], [3, 4]]))
     assert [plain(pa.chunked_array([t])).to_pylist() for t in (ragged, square)] == [[[1, 2], [3]], [[1, 2], [3, 4]]]
 
+    assert merged({"a": 1, "b": 2}, lambda row: {"b": 3, "c": row["a"]}) == {"a": 1, "b": 3, "c": 1}
+    with pytest.raises(TypeError, match="preprocess '<lambda>' must return a dict .* got NoneType"):
+        merged({"a": 1}, lambda row: None)
+
     recs = pa.table({"item_id": pa.array([5, 6, 7], pa.int64()), "score": pa.array([-1, -2, -3], pa.float32())})
     rejects = pa.table({"user_id": [9, 8], "reason": ["empty_history", "no_items"], "detail": ["", ""]})
     out = Recommended(np.array([0, 1]), np.array([3, 0]), recs, rejects, np.array([2, 1]), {})
@@ -299,3 +314,133 @@ def test_a_batch_becomes_its_rows_with_their_lists_or_reasons():
     assert got.column_names == [*batch.column_names, "item_ids", "scores", "reject_reason"]
     assert got["item_ids"].to_pylist() == [[5, 6, 7], None, None] and got["scores"].type == pa.list_(pa.float32())
     assert got["reject_reason"].to_pylist() == [None, "no_items", "empty_history"]
+
+
+def test_a_user_text_column_of_nulls_only_writes_nothing(world, tmp_path):
+    """The actor without Ray: a {user:COLUMN} the template writes that a block holds as Arrow's null type (a pandas
+    or Ray Data column whose every value in the block is None) writes nothing, as the same nulls typed as strings do;
+    a column of another type is refused, naming it."""
+    import json
+
+    import genrec_batch as gb
+    from pipeline.processor import RowRecommender, actor_args
+
+    template = tmp_path / "profiled.json"
+    profiled = {"name": "profiled", "prefix": "{user:profile} ", "max_items": 8, "trusted": ["profile"]}
+    template.write_text(json.dumps(profiled))  # trusted: the tiny word-level tokenizer holds code tokens as words
+    cfg = gb.ProcessorConfig(
+        models=gb.Models(target=str(world / "target"), template=str(template)),
+        catalog=str(world / "data" / "items.parquet"),
+        decoding=gb.Decoding(k=K),
+    )
+    processor = gb.build_processor(cfg)
+    actor = RowRecommender(**actor_args(processor.config, processor.decoder))
+    batch = pq.read_table(world / "data" / "test.parquet", columns=["user_id", "history"]).slice(0, 4)
+    typed = actor(batch.append_column("profile", pa.nulls(4, pa.string())))
+    untyped = actor(batch.append_column("profile", pa.nulls(4)))
+    assert typed["reject_reason"].null_count == 4
+    assert untyped.drop_columns(["profile"]).equals(typed.drop_columns(["profile"]))
+    with pytest.raises(ValueError, match=re.escape("{user:profile}, but the dataset's profile is struct")):
+        actor(batch.append_column("profile", pa.array([{"a": 1}] * 4)))
+
+
+def test_the_library_page_names_every_reason_a_row_can_carry():
+    """docs/library.md's reject_reason names every reason of docs/output.md's rejects but duplicate_user, which the
+    processor does not give (a repeated id is decoded again)."""
+    output = (ROOT / "docs" / "output.md").read_text().split("Reasons, in order of precedence", 1)[1].split("###")[0]
+    reasons = set(re.findall(r"^\| `(\w+)` \|", output, re.M)) - {"duplicate_user"}
+    page = (ROOT / "docs" / "library.md").read_text()
+    listed = set(re.findall(r"`(\w+)`", page.split("- `reject_reason`", 1)[1].split("\n\n", 1)[0]))
+    assert reasons and reasons <= listed, reasons - listed
+
+
+def test_every_bad_row_keeps_its_place_with_its_reason(world, tmp_path):
+    """The actor without Ray, one batch of every kind of row, among them those rejected only once rendered
+    (prompt_too_long) or decoded (non_finite_logits: the target's embedding of one code token planted NaN, which only
+    that row's prompt holds; no_items): each row comes out in its place with the nightly's reason and no list, and the
+    others with a direct beam search's lists, a repeated user id's rows each with its own history's (docs/library.md:
+    the processor has no duplicate_user)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    import genrec_batch as gb
+    from pipeline.processor import RowRecommender, actor_args
+    from tests.test_nightly import direct_beam_search
+
+    target = tmp_path / "target"
+    shutil.copytree(world / "target", target)
+    weights = load_file(target / "model.safetensors")
+    weights["model.embed_tokens.weight"][gb.load_tokenizer(str(target)).convert_tokens_to_ids("<c_5>")] = float("nan")
+    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
+    items = pq.read_table(world / "data" / "items.parquet").to_pylist()
+    poisoned = next(i["item_id"] for i in items if "<c_5>" in i["code_tokens"])
+    a, b, c, d = [i["item_id"] for i in items if "<c_5>" not in i["code_tokens"]][:4]
+    rows = [  # (user, history, exclusions, reason)
+        (1, [a, b], None, None),
+        (None, [a], None, "missing_user_id"),
+        (3, [poisoned], None, "non_finite_logits"),
+        (4, [a, b, c], None, "prompt_too_long"),
+        (5, [], None, "empty_history"),
+        (6, [1.5], None, "bad_type"),
+        (7, [10**12], None, "unknown_item"),
+        (8, [c], [None], "bad_exclude_items"),
+        (9, [b], [i["item_id"] for i in items], "no_items"),
+        (10, [d, c], None, None),
+        (1, [d, c], None, None),  # a repeated id: decoded again, from its own history (no duplicate_user)
+    ]
+    batch = pa.table(
+        {
+            "user_id": pa.array([r[0] for r in rows], pa.int64()),
+            "history": pa.array([r[1] for r in rows], pa.list_(pa.float64())),
+            "exclude_items": pa.array([r[2] for r in rows], pa.list_(pa.int64())),
+        }
+    )
+    cfg = gb.ProcessorConfig(
+        models=gb.Models(target=str(target)),
+        catalog=str(world / "data" / "items.parquet"),
+        decoding=gb.Decoding(k=K, max_prompt_tokens=7, too_long="reject"),  # <bos> and two items of 3 codes
+    )
+    processor = gb.build_processor(cfg)
+    out = RowRecommender(**actor_args(processor.config, processor.decoder))(batch)
+    assert out["reject_reason"].to_pylist() == [r[3] for r in rows]
+    lists = out["item_ids"].to_pylist()
+    assert [i for i in range(len(rows)) if lists[i] is None] == [i for i, r in enumerate(rows) if r[3]]
+    direct = direct_beam_search(world, [[a, b], [d, c]], k=K)[0].item_ids.tolist()
+    assert [lists[0], lists[-2], lists[-1]] == [direct[0], direct[1], direct[1]]
+
+
+def test_gpu_actors_on_a_cluster_without_gpus_are_said_before_the_wait(world, ray_session_plain, caplog):
+    """A processor of GPU actors applied on this CPU-only Ray: the driver warns, naming the setting, the cluster and
+    the bound on the wait, when the dataset is built (its execution would wait for a GPU node as long as it runs)."""
+    import ray
+
+    import genrec_batch as gb
+
+    cfg = gb.ProcessorConfig(
+        models=gb.Models(target=str(world / "target")),
+        catalog=str(world / "data" / "items.parquet"),
+        compute=gb.Compute(gpus_per_actor=1),
+    )
+    with caplog.at_level(logging.WARNING, logger="genrec.processor"):
+        gb.build_processor(cfg)(ray.data.range(1))
+    assert "compute.gpus_per_actor 1 GPU" in caplog.text and "has CPU 2 now" in caplog.text, caplog.text
+    assert "wait_for_min_actors_s" in caplog.text
+
+
+def test_the_docs_python_examples_import_only_the_public_api():
+    """Every Python example of the docs imports genrec-batch's code as `genrec_batch` (its public API), never the
+    internal packages it re-exports from."""
+    internal = re.compile(r"^\s*(?:from|import)\s+(decoding|operators|pipeline|jobs)\b", re.M)
+    found = [
+        f"{page.relative_to(ROOT)}: {m.group(0).strip()}"
+        for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+        for block in re.findall(r"^```python\n(.*?)^```", page.read_text(), re.M | re.S)
+        for m in internal.finditer(block)
+    ]
+    found += [
+        f"{p.relative_to(ROOT)}: {m.group(0).strip()}"
+        for p in (ROOT / "docs").rglob("*.py")
+        for m in internal.finditer(p.read_text())
+    ]
+    assert not found, found

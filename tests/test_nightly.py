@@ -697,6 +697,50 @@ def test_a_resume_trusts_only_an_unchanged_input(world, ray_session, tmp_path, c
     ]
 
 
+def test_a_resume_refuses_a_model_whose_config_changed_and_other_software(world, tmp_path, monkeypatch):
+    """What a run started under, as _RUN.json records it: another transformers (the fingerprint's software) is named;
+    so is the same weights with another config.json (rope_theta: other lists), the model's files."""
+    from pipeline import lineage
+    from pipeline.plan import plan_run
+
+    model = shutil.copytree(world / "target", tmp_path / "target")
+    cfg = config(world, tmp_path / "out", f"models.target={model}")
+    plan = plan_run(cfg)
+    state = {"fingerprint": plan.fingerprint, "identity": plan.identity, "config": cfg.to_dict()}
+    state = json.loads(json.dumps(state, default=str))  # as _RUN.json holds it
+    real = lineage._version
+    monkeypatch.setattr(lineage, "_version", lambda name: "9.9" if name == "transformers" else real(name))
+    assert plan_run(cfg).changes(state) == [f"the software (transformers {real('transformers')} then, 9.9 now)"]
+    monkeypatch.undo()
+    settings = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**settings, "rope_parameters": {"rope_theta": 10.0}}))
+    assert plan_run(cfg).changes(state) == [
+        f"models.target {model} (its files but the weights: config, tokenizer, ...)"
+    ]
+
+
+def test_a_template_column_of_two_types_in_an_input_folder_is_refused_naming_both_files(world, tmp_path):
+    """A column the prompt template writes ({user:segment}) is an integer in one file of the input and a string in
+    the other: refused before any work naming both files and types, as the input's own columns are (exit 2)."""
+    from pipeline.plan import plan_run
+
+    users, folder = pq.read_table(world / "data" / "test.parquet").select(["user_id", "history"]), tmp_path / "in"
+    folder.mkdir()
+    parts = [folder / f"part-{i}.parquet" for i in (0, 1)]
+    pq.write_table(users.slice(0, 10).append_column("segment", pa.array(range(10), pa.int64())), parts[0])
+    rest = users.slice(10)
+    pq.write_table(rest.append_column("segment", pa.array(["s"] * rest.num_rows)), parts[1])
+    template = tmp_path / "template.json"
+    template.write_text(json.dumps({"name": "segmented", "prefix": "{user:segment} ", "max_items": 8}))
+    cfg = config(world, tmp_path / "out", f"input={folder}", f"models.template={template}")
+    with pytest.raises(ValueError) as e:
+        plan_run(cfg)
+    assert str(e.value) == (
+        f"input {folder}: column 'segment' is int64 in {parts[0]} and string in {parts[1]}; its files must hold one "
+        "type (cast it where they are written)"
+    )
+
+
 def test_a_complete_unpublished_run_is_published_without_decoding(world, ray_session, tmp_path):
     """A driver that stopped between _SUCCESS and _LATEST: --resume latest publishes that run as it is."""
     from pipeline.nightly import run_nightly

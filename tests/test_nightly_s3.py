@@ -681,7 +681,7 @@ def test_a_model_replaced_at_its_prefix_is_fetched_anew_and_an_actor_refuses_the
     finally:
         holder.terminate()
         holder.join()
-    assert Path(fetch(uri, two)) == new and not old.exists()  # M1's actor is gone: the next fetch deletes its copy
+    assert Path(fetch(uri, two, "")) == new and not old.exists()  # M1's actor is gone: the next fetch deletes its copy
 
 
 def test_worker_nodes_without_credentials_end_the_run_with_one_line_naming_the_node_and_the_fix(cluster, tmp_path):
@@ -705,3 +705,35 @@ def test_worker_nodes_without_credentials_end_the_run_with_one_line_naming_the_n
                           r"credentials\. Every worker node .*IRSA.*runtime_env env_vars.*")  # fmt: skip
     assert runs.latest_run(str(out), "2026-11-21", Storage()) is None
     assert not list(out.rglob("*.parquet"))  # no shard: nothing was decoded
+
+
+def test_a_model_whose_config_changed_at_its_prefix_with_the_same_weights_is_refused(cluster, tmp_path):
+    """The plan fingerprints a model's weights and its other files (config, tokenizer, chat template). M1 is replaced
+    by M1', the same weights and a config.json of another rope_theta (other lists): an actor of a run planned with M1
+    refuses it, s3:// or local, naming the URI; one planned with M1' gets it."""
+    from pipeline.plan import fetch_model, model_of
+
+    world, s3, _, _ = cluster
+    storage, uri, cache = Storage(s3.endpoint), s3.uri("models", "reconfigured"), str(tmp_path / "cache")
+    local = shutil.copytree(world / "target", tmp_path / "local")
+
+    def put(local: Path) -> dict:  # the model's files at the prefix, then its sums (as upload-model writes them)
+        sums = {f.name: S.sha256_file(f) for f in local.iterdir()}
+        for name in sums:
+            S.write_bytes(S.join(uri, name), (local / name).read_bytes(), storage)
+        S.write_bytes(S.join(uri, S.MODEL_SUMS), json.dumps(sums).encode(), storage)
+        return sums
+
+    put(local)
+    planned = {where: model_of(where, storage) for where in (uri, str(local))}
+    assert planned[uri]["files"] == planned[str(local)]["files"]
+    config = json.loads((local / "config.json").read_text())
+    config["rope_parameters"]["rope_theta"] = 10.0
+    (local / "config.json").write_text(json.dumps(config))
+    now = put(local)
+    assert S.weights_fingerprint(now) == planned[uri]["sha256"] and S.files_fingerprint(now) != planned[uri]["files"]
+    for where, m in planned.items():
+        with pytest.raises(S.ModelChanged, match=f"model {re.escape(where)} on node .*: its files but the weights"):
+            fetch_model(where, m["sha256"], m["files"], cache, storage)
+    got = Path(fetch_model(uri, S.weights_fingerprint(now), S.files_fingerprint(now), cache, storage))
+    assert json.loads((got / "config.json").read_text())["rope_parameters"]["rope_theta"] == 10.0

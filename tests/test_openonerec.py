@@ -24,10 +24,9 @@ from decoding.templates import read_template
 from jobs.prepare_data import main as prepare_data
 from jobs.template import main as template_cli
 from operators.prompts import Renderer, catalog_probes
-from pipeline.lineage import model_files_sha256
 from pipeline.prepare import build_chat_tokenizer
 from pipeline.prepare.contract import CHATML
-from pipeline.storage import HEAD_FILES
+from pipeline.storage import HEAD_FILES, local_files_fingerprint
 
 LEVELS, CODES, PIDS = 3, 12, 90
 PEER = os.environ.get("GENREC_PEER_OPENONEREC")  # a checkout of github Kuaishou-OneRec/OpenOneRec
@@ -162,9 +161,9 @@ def test_the_prompt_is_their_video_prompt_token_for_token(imported, model_dir):
     inputs = prepare(spec)
     assert inputs.renderer.max_prompt_tokens == 512 - LEVELS and inputs.renderer.chat == CHATML
     # the chat template is part of the model: its files' sha256, and what a driver reads of an s3:// model
-    before = model_files_sha256(model)
+    before = local_files_fingerprint(model)
     (model / template.chat_template).write_text(CHATML.replace("/no_think", "/nothink"))
-    assert model_files_sha256(model) != before and any(fnmatch(template.chat_template, f) for f in HEAD_FILES)
+    assert local_files_fingerprint(model) != before and any(fnmatch(template.chat_template, f) for f in HEAD_FILES)
     (model / template.chat_template).write_text(CHATML)
 
 

@@ -2,6 +2,7 @@
 prompt equal to the tokenizer's own ids for a real BPE tokenizer), operators/validate.py (row rules) and the
 catalog's item-to-tokens map."""
 
+import json
 from dataclasses import replace
 
 import numpy as np
@@ -181,6 +182,44 @@ def test_rendered_ids_equal_the_tokenizer_on_the_rendered_text(bpe, preset):
         )
 
 
+def test_a_sentencepiece_style_tokenizer_renders_its_own_ids(bpe):
+    """A SentencePiece-style BPE as Llama-2 and Mistral tokenizers are converted today (`Metaspace`, prepend_scheme
+    "first": "▁" before the very first word only, none after an added token; byte fallback), the code tokens added:
+    LC-Rec's prompt and a template that writes a title and a query right after code tokens equal tokenizer(text)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from pipeline.prepare.contract import INSTRUCTION_TEXT
+
+    _, _, codes_of = bpe
+    raw = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
+    raw.decoder = decoders.Metaspace(prepend_scheme="first", split=False)
+    raw.train_from_iterator(INSTRUCTION_TEXT * 5, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>"]))
+    spec = json.loads(raw.to_str())  # the 256 byte pieces in the vocabulary, as Llama's: "猫" becomes 3 of them
+    spec["model"]["vocab"] |= {f"<0x{b:02X}>": len(spec["model"]["vocab"]) + b for b in range(256)}
+    raw = Tokenizer.from_str(json.dumps(spec))
+    raw.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", unk_token="<unk>", pad_token="<unk>")
+    tok.add_tokens([f"<{chr(97 + j)}_{c}>" for j in range(LEVELS) for c in range(CODES)])
+    ids = sorted(codes_of)
+    catalog = pa.table({"item_id": ids, "semantic_id": [codes_of[i] for i in ids], "title": ["x y", "\n猫", ""] * 40})
+    cat = Catalog.from_table(catalog, tok)
+    titled = PromptTemplate(name="titled", prefix="{user:q}", item="{codes}{item:title}", suffix="{user:q}", bos=True)
+    rng = np.random.default_rng(2)
+    rows = pa.table({"history": [rng.choice(ids, int(n)).tolist() for n in rng.integers(1, 6, 24)],
+                     "q": [["", "ok", " Item", "\nnext", "猫 ok"][i % 5] for i in range(24)]})  # fmt: skip
+    title = dict(zip(ids, catalog["title"].to_pylist()))
+    sid = lambda i: "".join(f"<{chr(97 + j)}_{c}>" for j, c in enumerate(codes_of[i]))  # noqa: E731
+    for template in (PRESETS["lcrec"], titled):
+        p = Renderer.compile(template, tok, catalog_probes(cat.item_tokens), catalog).render(rows, cat.item_tokens)
+        for row, (history, q) in enumerate(zip(rows["history"].to_pylist(), rows["q"].to_pylist())):
+            text = template.text([codes_of[i] for i in history])
+            if template is titled:
+                text = q + "".join(sid(i) + title[i] for i in history) + q
+            assert p.input_ids[row][p.attention_mask[row].bool()].tolist() == tok(text)["input_ids"], (row, text)
+
+
 def test_a_tokenizer_that_merges_text_into_code_tokens_is_refused(bpe):
     """A tokenizer whose vocabulary holds every code token but that does not split them out of the text around them
     (words split at whitespace only, the way a tokenizer without added tokens treats `<a_0><b_1><c_2>,`): the
@@ -201,6 +240,18 @@ def test_a_tokenizer_that_merges_text_into_code_tokens_is_refused(bpe):
         Renderer.compile(PRESETS["lcrec"], merging, catalog_probes(catalog.item_tokens))
     with pytest.raises(ValueError, match=r"1-item probe: rendered .*, the tokenizer \[1, 0\]"):  # one word <unk>
         Renderer.compile(PRESETS["codes"], merging, catalog_probes(catalog.item_tokens))
+
+
+def test_text_from_data_cannot_write_a_code_token_the_vocabulary_holds_as_a_word(tok, items):
+    """The project tokenizer holds the code tokens as words of its vocabulary, not as added tokens: a profile
+    holding `<a_5><b_0>` would be read as item 30's codes, so a template that writes untrusted text is refused; the
+    same column trusted is parsed as the tokenizer parses it, by the template's choice."""
+    profile = PromptTemplate(name="profile", prefix="{user:profile}", bos=True)
+    with pytest.raises(ValueError, match=r"writes text from data \(profile\), but the tokenizer reads <a_"):
+        Renderer.compile(profile, tok, catalog_probes(items))
+    trusted = Renderer.compile(replace(profile, trusted=["profile"]), tok, catalog_probes(items))
+    rows = pa.table({"history": pa.array([[10]], pa.list_(pa.int64())), "profile": ["<a_5><b_0>"]})
+    assert trusted.render(rows, items).input_ids[0].tolist() == [BOS, *T30, *T10]
 
 
 def test_template_files_and_refusals(tmp_path, bpe):

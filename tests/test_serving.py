@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -188,6 +189,28 @@ def test_a_writer_racing_a_removal_leaves_no_key_behind(two_runs, redis_server, 
     assert not client.sismember("{recs}:removing", version)
 
 
+def test_an_export_whose_run_is_superseded_while_it_writes_is_skipped(two_runs, redis_server, monkeypatch):
+    """While it writes, a rerun of its date publishes and the rerun's export removes the version it writes (a
+    superseded run's, `serving.abandoned`): the export says skipped, never Raced, and its keys expire."""
+    _, _, a, _ = two_runs
+    t, client, why = target(redis_server.url, grace_s=GRACE_S), redis_server.client(), []
+    write = serving.write_version
+
+    def rerun_published(run, t, version, *args):
+        out = write(run, t, version, *args)
+        why.append("not published: superseded by run R")  # the rerun published, then its export removed this one:
+        assert serving.abandoned(client, t, run) == [version]  # (the run superseded, as `runs.unpublished` says)
+        return out
+
+    monkeypatch.setattr(serving, "write_version", rerun_published)
+    monkeypatch.setattr(serving, "superseded", lambda run: why[-1] if why else None)
+    monkeypatch.setattr(runs, "unpublished", lambda run, storage: why[-1] if why else None)
+    done = serving.export(open_run(a), t)
+    assert not done.switched and done.skipped == why[0] and serving.Reader(client, "recs").version() is None
+    keys = list(client.scan_iter(match=f"recs:{done.version}:*".encode()))
+    assert keys and all(0 < client.pttl(k) <= GRACE_S * 1000 for k in keys)
+
+
 def export_cli(run: str, url: str, *extra: str, env: dict | None = None, **popen) -> subprocess.Popen:
     """`genrec-batch export` in its own process, a driver of the tests' Ray cluster."""
     import ray
@@ -337,14 +360,26 @@ def test_a_list_value_round_trips_and_a_foreign_value_is_refused():
 
 
 def test_a_run_superseded_after_it_published_is_skipped_by_its_serve_step(two_runs, redis_server, tmp_path):
-    """A night publishes, and a rerun of its date publishes and exports before the first night's serve step runs:
-    that step skips the superseded run (as its table commit does), never exit 7, and readers keep the rerun's."""
+    """A night publishes; an export of it dies after one shard. A rerun of its date publishes and exports before the
+    first night's serve step runs: that step skips the superseded run (as its table commit does), never exit 7, and
+    readers keep the rerun's. The dead export's version, which no export can switch to any more, is removed: none of
+    its keys outlives the grace."""
     from pipeline.nightly import after_publish, run_nightly
 
     root, _, _, _ = two_runs
     cfg = config(root, tmp_path / "out", f"serving.url={redis_server.url}", "serving.namespace=recs")
-    first, second = run_nightly(cfg), run_nightly(cfg)
+    cfg = replace(cfg, serving=replace(cfg.serving, grace_s=GRACE_S))
+    first, client = run_nightly(cfg), redis_server.client()
+    run = open_run(runs.run_dir(cfg.output, cfg.run_date, first["run_id"]))
+    dead = serving.version_of(client, cfg.serving, run.run_id)
+    shard = pa.table({"file": [run.files("recommendations")[0]], "shard": ["s0"]})
+    serving.write_shard(shard, cfg.serving, dead, serving.Credentials(), run.storage)
+    assert list(client.scan_iter(match=f"recs:{dead}:*".encode()))
+    second = run_nightly(cfg)
     assert after_publish(cfg, second)["serving"]["switched"]
     late = after_publish(cfg, first)["serving"]  # raised ExportFailed (exit 7) before
     assert not late["switched"] and late["skipped"].startswith("not published: ") and late["run_id"] == first["run_id"]
-    assert_serves(redis_server.client(), "recs", runs.run_dir(cfg.output, cfg.run_date, second["run_id"]))
+    assert_serves(client, "recs", runs.run_dir(cfg.output, cfg.run_date, second["run_id"]))
+    assert not client.hexists("{recs}:pending", run.run_id)
+    assert all(0 < client.pttl(k) <= GRACE_S * 1000 for k in client.scan_iter(match=f"recs:{dead}:*".encode()))
+    wait_for(lambda: not list(client.scan_iter(match=f"recs:{dead}:*".encode())), "the keys' expiry", 10)

@@ -395,3 +395,20 @@ def test_an_error_in_a_ray_task_is_its_cause_on_the_error_line():
     wrapped.__cause__ = S.StoreUnavailable("Redis r unavailable")
     assert str(ray_cause(ray.exceptions.RayTaskError("f", "tb", wrapped))) == "Redis r unavailable"
     assert ray_cause(ValueError("x")).args == ("x",)
+
+
+def test_a_node_refused_on_a_write_or_a_base_read_is_named_with_the_fix():
+    """A worker without credentials fails where it first touches the store: reading the input, items, models or an
+    incremental base, or writing its shards; each is NodeDenied (exit 9) naming what it could not reach and how."""
+    import botocore.exceptions
+
+    from pipeline import storage as S
+
+    with pytest.raises(
+        S.NodeDenied, match=r"cannot write the run's shards under s3://b/out/run: Unable to locate .*IRSA"
+    ):
+        with S.on_node("the run's shards under", "s3://b/out/run", "write"):
+            raise botocore.exceptions.NoCredentialsError()
+    with pytest.raises(ValueError, match="not a credential error"):  # anything else passes through as itself
+        with S.on_node("the incremental base", "s3://b/base"):
+            raise ValueError("not a credential error")

@@ -9,7 +9,8 @@ script reads and changes them together, while the users' keys spread over every 
     {ns}:current              the version readers use; absent: none yet
     {ns}:versions             the versions switched to, newest first (a list): the current one, then the kept ones
     {ns}:dates                each version switched to -> its run's date (a hash)
-    {ns}:pending              run id -> the version an unfinished export of it writes (a hash: a rerun resumes it)
+    {ns}:pending              run id -> the version an unfinished export of it writes (a hash: a rerun resumes it;
+                              removed once the run is superseded, `abandoned`)
     {ns}:done:<version>       the version's shards written (a hash: shard -> users); `__removed__` once removed: the
                               time its keys expire (Unix ms, the server's clock)
     {ns}:removing             versions being removed (a set: each export's trim passes over them again)
@@ -43,6 +44,7 @@ import pyarrow.compute as pc
 from pipeline import storage as S
 from pipeline.config import Serving, check_serving
 from pipeline.config import masked_url as masked
+from pipeline.signals import ray_cause
 
 log = logging.getLogger("genrec.serving")
 
@@ -427,9 +429,11 @@ def export(run, t: Serving) -> Export:
     StoreUnavailable (exit 4); a removal that fails after the switch is recorded, not raised."""
     check_serving(t)
     start, creds = time.perf_counter(), Credentials.of(t.url)
-    if (why := superseded(run)) is not None:
-        return Export(masked(t.url), t.namespace, run.run_id, "", None, False, 0, 0, 0, 0.0, [], skipped=why)
     client, keys, run_id = connect(t, creds), Keys(t.namespace), run.run_id
+    if (why := superseded(run)) is not None:
+        removed, error = after(lambda: abandoned(client, t, run), "removing its unfinished version")
+        client.close()
+        return Export(masked(t.url), t.namespace, run_id, "", None, False, 0, 0, 0, 0.0, removed, error, why)
     try:
         check_store(client, t)
         previous = _str(retrying(lambda: client.get(keys.current), t, f"GET {keys.current}"))
@@ -441,15 +445,20 @@ def export(run, t: Serving) -> Export:
         version = version_of(client, t, run_id)
         names = run.manifest["files"]["recommendations"]
         files = {n.removesuffix(".parquet"): f for n, f in zip(names, run.files("recommendations"), strict=True)}
-        resumed, size = write_version(run, t, version, files, creds, client)
-        users = counted(client, t, run, version, files)
+        try:
+            resumed, size = write_version(run, t, version, files, creds, client)
+            users = counted(client, t, run, version, files)
+        except Exception as e:  # Raced: its version removed, also by its successor's export (`abandoned`)
+            if not isinstance(ray_cause(e), Raced) or superseded(run) is None:
+                raise
+            resumed, size, users = 0, 0, 0
         if (why := superseded(run)) is not None:  # while it wrote: its successor's export is the one to switch
             remove_version(client, t, version, unlisted=True)
             took = time.perf_counter() - start
             return Export(masked(t.url), t.namespace, run_id, version, previous, False, users, size, resumed, took, [],
                           skipped=why)  # fmt: skip
         version = switch(client, t, run, version, previous, len(files), users)
-        removed, error = trim_after_switch(client, t, version)
+        removed, error = after(lambda: trim(client, t) + abandoned(client, t, run), "removing old versions")
         took = time.perf_counter() - start
         url = masked(t.url)
         return Export(url, t.namespace, run_id, version, previous, True, users, size, resumed, took, removed, error)
@@ -540,17 +549,32 @@ def switch(client, t: Serving, run, version: str, previous: str | None, shards: 
     return version
 
 
-def trim_after_switch(client, t: Serving, version: str) -> tuple[list[str], str | None]:
-    """`trim` once the pointer names `version` -> (versions removed, the error that cut it short: the switch stands,
-    and the next export's trim finishes the removal)."""
+def after(remove, what: str) -> tuple[list[str], str | None]:
+    """A removal after the export's outcome is settled (`trim`, `abandoned`) -> (versions removed, the error that
+    cut it short: the outcome stands, and the next export finishes the removal)."""
     try:
-        return trim(client, t), None
+        return remove(), None
     except Exception as e:
         error = f"{type(e).__name__}: {e}"
-        log.warning(
-            "export: switched to %s; removing old versions failed (%s), the next export retries", version, error
-        )
+        log.warning("export: %s failed (%s), the next export retries", what, error)
         return [], error
+
+
+def abandoned(client, t: Serving, run) -> list[str]:
+    """The versions that unfinished exports of the superseded runs of `run`'s date left (`{ns}:pending`: an export
+    died part-way, then a rerun of the date published) removed, `run`'s own if it is superseded (`remove_version`:
+    their keys expire grace_s later) -> them. No export switches to a superseded run's version, and no rerun resumes
+    it: left, its keys would outlive it. A run of another date or output is its own export's."""
+    from pipeline import runs
+
+    pending = Keys(t.namespace).control("pending")
+    date = run.uri.rstrip("/").rpartition("/")[0]
+    out = []
+    for rid, version in sorted(retrying(lambda: client.hgetall(pending), t, f"HGETALL {pending}").items()):
+        folder = S.join(date, f"run_id={rid.decode()}")
+        if runs.complete(folder, run.storage) and runs.unpublished(folder, run.storage) is not None:
+            out += [version.decode()] * remove_version(client, t, version.decode(), unlisted=True)
+    return out
 
 
 def check_newer(client, t: Serving, keys: Keys, current: str | None, run_date: str) -> None:
