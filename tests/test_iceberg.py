@@ -16,14 +16,15 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 import torch
 
 from jobs import export
 from jobs import nightly as nightly_job
+from pipeline import runs, units
 from pipeline import storage as S
-from pipeline import units
 from pipeline.config import Table, load_config
 from pipeline.output import open_run
 from pipeline.storage import Storage
@@ -262,6 +263,30 @@ def test_two_commits_of_one_run_at_once_make_one_snapshot_and_leave_no_orphan(la
     assert {o["Key"].rpartition("/")[2] for o in listed} == named and len(named) == won.files
 
 
+def test_a_commit_that_lost_to_another_reloads_and_commits_against_the_table_now(lake, nights, monkeypatch, caplog):
+    """The table moves on between a commit's load and its snapshot (another run of the date commits in between): the
+    catalog's compare-and-swap refuses it (CommitFailedException), and the call reloads the table and commits again,
+    deleting the date's files as they are now. A SQLite catalog: one snapshot each, the date's rows the later run's
+    only."""
+    s3, storage = lake.s3, lake.storage
+    mine, theirs = (open_run(f"{s3.uri(out)}/run_date={DATE}", storage) for out in ("out-ice", "out-parquet"))
+    uri, overwrite, between = f"iceberg+{LOCAL}/db.overtaken", iceberg.overwrite, []
+
+    def overtaken(table, old, new, summary):
+        if summary[RUN_ID] == mine.run_id and not between:
+            between.append(iceberg.commit_run(theirs, Table(uri)))  # commits after `table` was loaded
+        overwrite(table, old, new, summary)
+
+    monkeypatch.setattr(iceberg, "overwrite", overtaken)
+    done = iceberg.commit_run(mine, Table(uri))
+    assert between[0].skipped is None and done.skipped is None and "lost to another" in caplog.text
+    table = catalog(LOCAL, lake).load_table("db.overtaken")
+    assert [s.summary[RUN_ID] for s in table.snapshots()] == [theirs.run_id, mine.run_id]
+    assert table.current_snapshot().snapshot_id == done.version
+    got = date_rows(table, DATE)
+    assert set(got["run_id"].to_pylist()) == {mine.run_id} and rows(got) == rows(mine.table("recommendations"))
+
+
 def read_all(plan) -> pa.Table:
     """Every row of a plan's input as the read tasks read it (`units.read_units`), in scan order."""
     from pipeline.plan import input_columns
@@ -281,9 +306,13 @@ def test_columns_are_matched_by_field_id_and_what_cannot_be_read_is_refused(lake
     file's columns are read by field id, so the dropped column's values are never read as the new one's. A table
     partitioned by a column (identity) is read file by file, as any other. Refused
     before any work, exit 2, naming them: a snapshot expired from the table's metadata (also as a resume's), a
-    table whose data files have position deletes, a catalog nobody configured and one whose database refuses the
-    password (which no message shows)."""
-    from pipeline.plan import plan_run
+    table whose data files have position deletes, one whose equality deletes apply to a data file (once the files
+    they applied to are rewritten, the table reads whole), a catalog nobody configured and one whose database
+    refuses the password (which no message shows)."""
+    from pyiceberg.expressions import EqualTo
+
+    from pipeline.attempt import start_run
+    from pipeline.plan import plan_at, plan_run
 
     cat = catalog(LOCAL, lake)
     cat.create_namespace_if_not_exists("db")
@@ -317,13 +346,19 @@ def test_columns_are_matched_by_field_id_and_what_cannot_be_read_is_refused(lake
     with parted.update_spec() as spec:
         spec.add_identity("region")
     parted.append(regions)
-    plan = plan_run(load_config(None, settings(lake, f"iceberg+{LOCAL}/db.parted", str(tmp_path / "out"))))
+    parted_cfg = load_config(None, settings(lake, f"iceberg+{LOCAL}/db.parted", str(tmp_path / "out")))
+    plan = plan_run(parted_cfg)
     got = read_all(plan)
     assert len(plan.data.files) == 2 and sorted(got["user_id"].to_pylist()) == sorted(ids[:6])
 
+    started = load_config(None, settings(lake, f"iceberg+{LOCAL}/db.evolving", str(tmp_path / "started")))
+    run_id = "20261121T000000Z-bbbbbb"  # a run that started on the first snapshot (its columns' names then)
+    start_run(plan_at(started, expired, None), run_id, runs.run_dir(started.output, DATE, run_id))
     evolving.maintenance.expire_snapshots().by_id(expired).commit()
     with pytest.raises(FileNotFoundError, match=rf"snapshot {expired} is not in the table's metadata"):
         plan_run(load_config(None, [*base, f"input_version={expired}"]))
+    with pytest.raises(FileNotFoundError, match=rf"--resume: run {run_id} started on .* version {expired}, "):
+        plan_run(started, resume="latest")  # its resume reads its snapshot or nothing
     config = tmp_path / "empty.json"
     config.write_text(json.dumps({}))
     flags = [x for item in [*base, f"input_version={expired}"] for x in ("--set", item)]
@@ -332,10 +367,16 @@ def test_columns_are_matched_by_field_id_and_what_cannot_be_read_is_refused(lake
 
     deleted = cat.create_table("db.deleted", schema=users.schema)
     deleted.append(users.slice(0, 10))
-    delete_rows(deleted, [0, 3])
+    delete_rows(deleted, "position", [0, 3])
     assert deleted.scan().to_arrow().num_rows == 8  # pyiceberg applies them: the table is sound
     with pytest.raises(ValueError, match=r"1 delete file\(s\) \(position deletes\) .* does not apply them"):
         plan_run(load_config(None, settings(lake, f"iceberg+{LOCAL}/db.deleted", str(tmp_path / "out"))))
+    delete_rows(parted, "equality", [0], EqualTo("region", "north"))  # user ids[0]'s row in north's file
+    with pytest.raises(ValueError, match=r"1 delete file\(s\) \(equality deletes\) .* does not apply them"):
+        plan_run(parted_cfg)
+    north = regions.filter(pc.equal(regions["region"], "north")).slice(1)  # north rewritten, its deletes applied
+    parted.overwrite(north, overwrite_filter=EqualTo("region", "north"))  # (a compaction): they apply to no file
+    assert sorted(read_all(plan_run(parted_cfg))["user_id"].to_pylist()) == sorted(ids[1:6])
 
     for source, words, exc in (
         ("iceberg+nowhere/db.t", "Iceberg catalog 'nowhere' is not configured", ValueError),
@@ -355,19 +396,26 @@ def test_columns_are_matched_by_field_id_and_what_cannot_be_read_is_refused(lake
             load_config(None, [*settings(lake, str(plain), str(tmp_path / "out")), *bad])
 
 
-def delete_rows(table, positions: list[int]) -> None:
-    """A position delete file deleting `positions` of the table's one data file, committed in a delete manifest (as
-    Spark's merge-on-read writes them; pyiceberg writes none of its own)."""
+def delete_rows(table, kind: str, rows_: list[int], where=None) -> None:
+    """A delete file committed in a delete manifest (as Spark's merge-on-read writes them; pyiceberg writes none of
+    its own), deleting rows `rows_` of the table's one data file (`where`: of its one file that matches) in its
+    partition: by position ("position"), or by their user_id ("equality")."""
     from pyiceberg.manifest import DataFile, DataFileContent, FileFormat, ManifestContent, ManifestWriterV2
     from pyiceberg.table.snapshots import Operation
     from pyiceberg.table.update.snapshot import _FastAppendFiles
-    from pyiceberg.typedef import Record
 
-    (task,) = table.scan().plan_files()
-    path = f"{table.location()}/data/deletes-0.parquet"
-    schema = pa.schema([pa.field("file_path", pa.string(), False, {b"PARQUET:field_id": b"2147483546"}),
-                        pa.field("pos", pa.int64(), False, {b"PARQUET:field_id": b"2147483545"})])  # fmt: skip
-    pq.write_table(pa.table([[task.file.file_path] * len(positions), positions], schema=schema), iceberg.local(path))
+    (task,) = table.scan(**({"row_filter": where} if where is not None else {})).plan_files()
+    path = f"{table.location()}/data/{kind}-deletes-0.parquet"
+    if kind == "position":
+        schema = pa.schema([pa.field("file_path", pa.string(), False, {b"PARQUET:field_id": b"2147483546"}),
+                            pa.field("pos", pa.int64(), False, {b"PARQUET:field_id": b"2147483545"})])  # fmt: skip
+        deletes, content, ids = [[task.file.file_path] * len(rows_), rows_], DataFileContent.POSITION_DELETES, None
+    else:
+        field = table.schema().find_field("user_id")
+        users = pq.read_table(iceberg.local(task.file.file_path))["user_id"].take(rows_)
+        schema = pa.schema([pa.field("user_id", users.type, True, {b"PARQUET:field_id": str(field.field_id).encode()})])
+        deletes, content, ids = [users], DataFileContent.EQUALITY_DELETES, [field.field_id]
+    pq.write_table(pa.table(deletes, schema=schema), iceberg.local(path))
 
     class DeleteManifest(ManifestWriterV2):
         def content(self) -> ManifestContent:
@@ -378,8 +426,9 @@ def delete_rows(table, positions: list[int]) -> None:
             return DeleteManifest(spec, self.schema(), self.new_manifest_output(), self._snapshot_id, self._compression)
 
     delete = DataFile.from_args(
-        content=DataFileContent.POSITION_DELETES, file_path=path, file_format=FileFormat.PARQUET, partition=Record(),
-        record_count=len(positions), file_size_in_bytes=os.path.getsize(iceberg.local(path)), spec_id=0,
+        content=content, file_path=path, file_format=FileFormat.PARQUET, partition=task.file.partition,
+        equality_ids=ids, record_count=len(rows_), file_size_in_bytes=os.path.getsize(iceberg.local(path)),
+        spec_id=task.file.spec_id,
     )  # fmt: skip
     with table.transaction() as txn:
         with AddDeletes(Operation.DELETE, txn, table.io) as producer:

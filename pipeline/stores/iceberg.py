@@ -261,14 +261,15 @@ def open(cfg: Config, version: int | None = None) -> Input:
 
 
 def plan_files(table, uri: str, sid: int | None, storage: Storage) -> list:
-    """The snapshot's data files as pyiceberg plans a scan of it (its manifests; each with the delete files that
-    apply to it) -> their FileScanTasks. Refused naming them: delete files that apply (their rows would be read as
-    if present), data files not in parquet, or not on S3 or a local disk."""
+    """The snapshot's data files as pyiceberg plans a scan of it (its manifests; each with the position delete files
+    that apply to it) -> their FileScanTasks. Refused naming them: delete files that apply (position deletes,
+    deletion vectors, equality deletes: their rows would be read as if present), data files not in parquet, or not
+    on S3 or a local disk."""
     if sid is None:
         return []
     name = parse(uri)[0]
-    tasks = calling(lambda: list(table.scan(snapshot_id=sid).plan_files()), storage, f"plan {uri} snapshot {sid}", name)
-    deletes = {d.file_path: d for t in tasks for d in t.delete_files}
+    tasks, equality = calling(lambda: planned(table, sid), storage, f"plan {uri} snapshot {sid}", name)
+    deletes = {d.file_path: d for t in tasks for d in t.delete_files} | {d.file_path: d for d in equality}
     if deletes:
         kinds = sorted({"deletion vectors" if d.file_format.name == "PUFFIN" else DELETES[d.content] for d in
                         deletes.values()})  # fmt: skip
@@ -285,6 +286,46 @@ def plan_files(table, uri: str, sid: int | None, storage: Storage) -> list:
         if "://" in local(path) and not local(path).startswith("s3://"):
             raise ValueError(f"input {uri} snapshot {sid}: data file {path}: only s3:// and local files are read")
     return tasks
+
+
+def planned(table, sid: int) -> tuple[list, list]:
+    """pyiceberg's plan of the snapshot's files, read from its manifests here (pyiceberg's scan refuses any equality
+    delete file, even one that applies to no data file) -> (its FileScanTasks, the equality delete files that apply
+    to one of them: `applying`)."""
+    from pyiceberg.manifest import DataFileContent
+    from pyiceberg.table import ManifestGroupPlanner
+
+    data, equality = [], []
+
+    def kept(entry) -> bool:
+        content = entry.data_file.content
+        if content == DataFileContent.DATA:
+            data.append(entry)
+        elif content == DataFileContent.EQUALITY_DELETES:
+            equality.append(entry)
+        return content != DataFileContent.EQUALITY_DELETES
+
+    manifests = table.snapshot_by_id(sid).manifests(table.io)
+    tasks = list(ManifestGroupPlanner(table.metadata, table.io).plan_files(manifests, manifest_entry_filter=kept))
+    return tasks, applying(equality, data, table.metadata.specs())
+
+
+def applying(deletes: list, data: list, specs: dict) -> list:
+    """The equality delete files (manifest entries) that apply to a data file, as the Iceberg spec says: the data
+    file's sequence number below the delete file's, and the delete file's partition spec unpartitioned or its spec
+    and partition the data file's -> their DataFiles."""
+    first, by_partition = None, {}  # the lowest data sequence number, overall and per (spec, partition)
+    for e in data:
+        seq, key = e.sequence_number or 0, (e.data_file.spec_id, e.data_file.partition)
+        first = seq if first is None else min(first, seq)
+        by_partition[key] = min(by_partition.get(key, seq), seq)
+    out = []
+    for d in deletes:
+        f, seq = d.data_file, d.sequence_number or 0
+        lowest = first if specs[f.spec_id].is_unpartitioned() else by_partition.get((f.spec_id, f.partition))
+        if lowest is not None and lowest < seq:
+            out.append(f)
+    return out
 
 
 def local(path: str) -> str:
