@@ -62,6 +62,8 @@ def open_input(cfg: Config, version: int | None = None) -> tuple[Input, str]:
         raise ValueError(f"input {cfg.input}: {user} is {shown}: one kind of id in every file (an id is one user)")
     if not kinds and user in inp.data.schema.names:  # a table without a file: its schema's
         kinds[""] = id_kind(inp.data.schema.field(user).type, cfg.input)
+    if kinds and user not in inp.data.schema.names:  # files of one kind of id in two types no read casts between
+        S.unified_schema(list(inp.data.get_fragments()), f"input {cfg.input}", [user])  # (uint64, int64): named
     return inp, next(iter(kinds.values()), "integer")
 
 

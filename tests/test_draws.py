@@ -225,8 +225,7 @@ def cfg_rest(world, tmp_path) -> list[str]:
 
 
 def test_one_kind_of_user_id_in_every_file(world, tmp_path):
-    """Integer ids in one file and string ids in another: the same user would be two; refused, naming both files
-    and types."""
+    """Integer ids in one file and string ids in another: the same user would be two; refused, naming both."""
     from pipeline.config import load_config
     from pipeline.plan import plan_run
 
@@ -234,7 +233,7 @@ def test_one_kind_of_user_id_in_every_file(world, tmp_path):
     (tmp_path / "mixed").mkdir()
     pq.write_table(users, tmp_path / "mixed" / "a.parquet")
     pq.write_table(users.set_column(0, "user_id", pc.cast(users["user_id"], pa.string())), tmp_path / "mixed" / "b.pq")
-    with pytest.raises(ValueError, match=r"'user_id' is int64 in .*a.parquet and string in .*b.pq; its files must"):
+    with pytest.raises(ValueError, match=r"user_id is integer in .*a.parquet; string in .*b.pq: one kind of id"):
         plan_run(load_config(None, [f"input={tmp_path / 'mixed'}", *cfg_rest(world, tmp_path)]))
 
 

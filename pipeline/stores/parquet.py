@@ -1,7 +1,8 @@
 """Parquet input: a file, a folder of files or an s3:// prefix (`input: s3://bucket/histories/`). Unversioned: what a
 resume must find unchanged is every file's content (pipeline/plan.py `content_identity`). Its schema is every file's
 unified (`S.unified_schema`): a column some files lack reads as nulls in those; a column the run reads with two
-kinds of value is refused naming two of its files."""
+kinds of value is refused naming two of its files (the user id by the plan, which checks each file's first: a type
+that is no id, two kinds of id)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def open(cfg: Config, version: int | None = None) -> Input:
     fs, path = S.filesystem(cfg.input, cfg.storage)
     data = dataset(cfg, fs, path)
     read_footers(data, cfg.storage)
-    read = [cfg.columns.user_id, cfg.columns.history, cfg.decoding.exclude_column]
+    read = [cfg.columns.history, cfg.decoding.exclude_column]  # the user id's types: the plan's per-file checks
     return Input(S.unified_dataset(data, f"input {cfg.input}", read), fs)
 
 
