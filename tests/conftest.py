@@ -70,6 +70,7 @@ SLOW_FIRST = [
     "test_nightly_faults",
     "test_nightly",
     "test_library",
+    "test_iceberg",
     "test_store_faults",
     "test_bench",
     "test_compiled",
