@@ -30,7 +30,7 @@ from pipeline.config import ROW_COLUMNS, Config
 from pipeline.items import Items, Sources, read_items
 from pipeline.lineage import catalog_texts_sha256, code_identity, describe_code, fingerprint, software
 from pipeline.models import compile_store
-from pipeline.stores import Input
+from pipeline.stores.base import Input
 
 log = logging.getLogger("genrec.nightly")
 
@@ -247,6 +247,21 @@ class Plan:
         """The config a resume must find unchanged, as _RUN.json records it (`resume_config`)."""
         return resume_config(self.cfg.to_dict())
 
+    def changed_models(self, old: dict) -> list[str]:
+        """The models whose weights or other files (config, tokenizer, ...) differ from a recorded start's identity
+        (`old`), named; a model's sha256 compares only within one way of computing it (`MODEL_SHA256`)."""
+        new, named = self.identity, lambda r: f"models.{r} {getattr(self.cfg.models, r)}"
+        out = [
+            named(r)
+            for r in sorted(set(old.get("models", {})) | set(new["models"]))
+            if old.get("model_sha256") == MODEL_SHA256 and old.get("models", {}).get(r) != new["models"].get(r)
+        ]
+        return out + [
+            f"{named(r)} (its files but the weights: config, tokenizer, ...)"
+            for r in sorted(set(old.get("model_files", {})) | set(new["model_files"]))
+            if "model_files" in old and old["model_files"].get(r) != new["model_files"].get(r)
+        ]
+
     def changes(self, state: dict) -> list[str]:
         """What differs between a run's recorded start (_RUN.json) and this plan, named; [] when it can resume."""
         if state.get("fingerprint") == self.fingerprint:
@@ -267,16 +282,7 @@ class Plan:
             for what in ("recommendable", "blocked")
             if "items" in old and old["items"].get(what) != new["items"][what]  # a run of an older version: below
         ]
-        out += [  # a model's sha256 compares only within one way of computing it (`MODEL_SHA256`)
-            f"models.{r} {getattr(self.cfg.models, r)}"
-            for r in sorted(set(old.get("models", {})) | set(new["models"]))
-            if old.get("model_sha256") == MODEL_SHA256 and old.get("models", {}).get(r) != new["models"].get(r)
-        ]
-        out += [
-            f"models.{r} {getattr(self.cfg.models, r)} (its files but the weights: config, tokenizer, ...)"
-            for r in sorted(set(old.get("model_files", {})) | set(new["model_files"]))
-            if "model_files" in old and old["model_files"].get(r) != new["model_files"].get(r)
-        ]
+        out += self.changed_models(old)
         out += ["the incremental base"] * (old.get("base") != new.get("base") and "base" in old)
         was, now = old.get("code"), new["code"]
         out += [f"the code (genrec-batch {describe_code(was)} then, {describe_code(now)} now)"] * (was != now)

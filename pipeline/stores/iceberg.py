@@ -50,7 +50,7 @@ from pipeline import storage as S
 from pipeline.config import Config, Table
 from pipeline.signals import hold_for_test
 from pipeline.storage import Storage
-from pipeline.stores import Commit, Input, check_present, read_footers
+from pipeline.stores.base import Commit, Input, check_present, read_footers
 from pipeline.stores.lake import (
     CALL,
     CONFLICT_TRIES,

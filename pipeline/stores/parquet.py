@@ -12,7 +12,7 @@ import pyarrow.fs as pafs
 
 from pipeline import storage as S
 from pipeline.config import Config
-from pipeline.stores import Input, read_footers
+from pipeline.stores.base import Input, read_footers
 
 VERSIONED = False
 

@@ -445,13 +445,7 @@ def export(run, t: Serving) -> Export:
         version = version_of(client, t, run_id)
         names = run.manifest["files"]["recommendations"]
         files = {n.removesuffix(".parquet"): f for n, f in zip(names, run.files("recommendations"), strict=True)}
-        try:
-            resumed, size = write_version(run, t, version, files, creds, client)
-            users = counted(client, t, run, version, files)
-        except Exception as e:  # Raced: its version removed, also by its successor's export (`abandoned`)
-            if not isinstance(ray_cause(e), Raced) or superseded(run) is None:
-                raise
-            resumed, size, users = 0, 0, 0
+        resumed, size, users = write_and_count(run, t, version, files, creds, client)
         if (why := superseded(run)) is not None:  # while it wrote: its successor's export is the one to switch
             remove_version(client, t, version, unlisted=True)
             took = time.perf_counter() - start
@@ -466,7 +460,20 @@ def export(run, t: Serving) -> Export:
         client.close()
 
 
-commit_run = export  # the Sink protocol's name (pipeline/stores/__init__.py)
+commit_run = export  # the Sink protocol's name (pipeline/stores/base.py)
+
+
+def write_and_count(run, t: Serving, version: str, files: dict, creds: Credentials, client) -> tuple[int, int, int]:
+    """The run's lists written under `version` (`write_version`) and counted (`counted`) -> (shards resumed, bytes,
+    users); zeros where the writes raced the version's removal because the run was superseded meanwhile (Raced: its
+    successor's export removed it, `abandoned`)."""
+    try:
+        resumed, size = write_version(run, t, version, files, creds, client)
+        return resumed, size, counted(client, t, run, version, files)
+    except Exception as e:
+        if not isinstance(ray_cause(e), Raced) or superseded(run) is None:
+            raise
+        return 0, 0, 0
 
 
 def superseded(run) -> str | None:
