@@ -10,7 +10,7 @@ DATA    ?= data/beauty
 TORCH_INDEX ?=
 PIP      = $(BIN)/pip install -q -c constraints.txt
 
-.PHONY: install browser redis demo models nightly bench bench-gpu report docs lint test test-faults test-kernels test-oldest clean
+.PHONY: install browser redis postgres demo models nightly bench bench-gpu report docs lint test test-faults test-kernels test-oldest clean
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -33,6 +33,14 @@ browser:
 redis:
 	@command -v redis-server >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends redis-server >/dev/null; }
+
+# Debian's PostgreSQL (its server binaries, /usr/lib/postgresql/VERSION/bin), for the tests whose Iceberg SQL catalog
+# runs on a real PostgreSQL that they start themselves (skipped where it is missing, but in CI:
+# GENREC_REQUIRE_POSTGRES=1)
+postgres:
+	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null 2>&1 || { \
+		$(SUDO) apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends postgresql >/dev/null; }
 
 $(DATA)/items.parquet: $(BIN)/.installed
 	$(BIN)/python -m jobs.prepare_data --out $(DATA)

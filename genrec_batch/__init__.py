@@ -52,7 +52,7 @@ _SURFACE = {
     # reading a published run, and a user's list from the serving store it was exported to (docs/output.md)
     "open_run": "pipeline.output",
     "PublishedRun": "pipeline.output",
-    "Reader": "pipeline.serving",
+    "Reader": "pipeline.stores.redis",
     # the processor: a step of your own Ray Data pipeline (docs/library.md)
     "build_processor": "pipeline.processor",
     "Processor": "pipeline.processor",
@@ -111,5 +111,5 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time `__getattr__` 
     from pipeline.nightly import check_run, run_nightly
     from pipeline.output import PublishedRun, open_run
     from pipeline.processor import Processor, build_processor
-    from pipeline.serving import Reader
     from pipeline.storage import Storage
+    from pipeline.stores.redis import Reader

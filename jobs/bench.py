@@ -73,7 +73,7 @@ def parser() -> argparse.ArgumentParser:
         names = {f.name for f in fields(cls)}
         paths = {k: v for k, v in PATHS.items() if k in names and (name, k) != ("gpu", "target")}  # gpu: random
         values = {**P.field_defaults(cls), **paths}
-        special = {"dtype", "attn", "seed", "drafts", "overrides", *P.LISTS} & names
+        special = {"seed", "drafts", "overrides", *P.CHOICES, *P.LISTS} & names
         dataclass_args(s, cls, skip=special, zero_ok=("trie_max_items",), helps=P.FLAG_HELP, defaults=values)
         for field_name in [f.name for f in fields(cls) if f.name in special and f.name in P.CHOICES]:  # in order
             choices = P.GPU_SECTIONS if (name, field_name) == ("gpu", "sections") else P.CHOICES[field_name]

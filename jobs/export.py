@@ -1,8 +1,10 @@
-"""Serve a published run from Redis: `genrec-batch export RUN --to redis://HOST:PORT/DB [--namespace NS]`, or
-`genrec-batch export --rollback --to redis://...` (docs/output.md#serving-from-redis); or commit it to a Delta table:
-`genrec-batch export RUN --to delta+s3://bucket/prefix` (or delta+/local/path; docs/output.md#reading-the-lists-as-a-
-delta-table), one commit that replaces the run's date's rows, made once: a run already committed, or no longer its
-date's published run, is left as it is (the JSON result says `skipped`).
+"""Commit a published run to a store (pipeline/stores): serve it from Redis,
+`genrec-batch export RUN --to redis://HOST:PORT/DB [--namespace NS]`, or `genrec-batch export --rollback --to
+redis://...` (docs/output.md#serving-from-redis); or commit it to a table: `genrec-batch export RUN --to
+delta+s3://bucket/prefix` (or delta+/local/path) or `--to iceberg+CATALOG/NAMESPACE.TABLE` (the catalog as pyiceberg
+configures it; docs/output.md#reading-the-lists-as-a-table), one commit that replaces the run's date's rows, made
+once. A run already committed (by this command or another at once), or no longer its date's published run, is left
+as it is (the JSON result says `skipped`).
 
 RUN is an output root (its newest date's published run), `<output>/run_date=D` or a run folder, local or s3://.
 Every user's list is written under the run's own version, counted against the manifest, then the namespace's pointer
@@ -13,12 +15,13 @@ result says `skipped`). An export killed or failed part-way leaves the pointer w
 run it again: it writes only the shards not yet written, then switches. `rediss://` for TLS; the ACL user and
 password come from the URL or REDIS_USERNAME and REDIS_PASSWORD, and are never printed.
 
-Exit codes: 0 switched (or the run already was the current version; the result on stdout as JSON); 2 a bad run,
-URL or namespace, a run older than the one served (unless --allow-older), a store that could silently drop keys (an
-evicting maxmemory-policy, or no persistence) unless --allow-eviction / --allow-no-persistence, or an error Redis
-gives that trying again does not mend (a refused password or permission, out of memory); 3 another export or a
-rollback changed the pointer first (this one's version is removed; readers see the other's); 4 Redis or the object
-store stayed unavailable for --retry-s (one `error:` line; the pointer is unchanged: run it again).
+Exit codes: 0 committed, switched or skipped (the result on stdout as JSON); 2 a bad run, URL or namespace, a run
+older than the one served (unless --allow-older), a store that could silently drop keys (an evicting
+maxmemory-policy, or no persistence) unless --allow-eviction / --allow-no-persistence, a table whose columns or
+partitioning are not the run's, an Iceberg catalog not configured, or an error the store gives that trying again
+does not mend (a refused password or permission, out of memory); 3 another export or a rollback changed the pointer
+first (this one's version is removed; readers see the other's); 4 the store, the catalog or the object store stayed
+unavailable for --retry-s (one `error:` line; nothing changed for readers: run it again).
 """
 
 from __future__ import annotations
@@ -37,9 +40,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("run", metavar="RUN", nargs="?", help="output root, run_date= folder or run folder")
     p.add_argument(
-        "--to", required=True, metavar="URL", help="redis:// or rediss://[user:password@]host:port/db, or delta+URI"
+        "--to",
+        required=True,
+        metavar="URL",
+        help="redis:// or rediss://[user:password@]host:port/db, delta+URI or iceberg+CATALOG/NAMESPACE.TABLE",
     )
-    p.add_argument("--rows-per-file", type=int, default=2_000_000, help="delta: rows in each data file (2,000,000)")
+    p.add_argument("--rows-per-file", type=int, default=2_000_000, help="a table: rows in each data file (2,000,000)")
     p.add_argument("--namespace", default="genrec", help="the keys' namespace (default genrec)")
     p.add_argument("--keep", type=int, default=2, help="previous versions kept for --rollback (default 2)")
     p.add_argument(
@@ -47,7 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--rollback", action="store_true", help="point readers back at the previous version")
     p.add_argument("--writers", type=int, default=4, help="Ray tasks writing at once (default 4)")
-    p.add_argument("--retry-s", type=float, default=300.0, help="how long transient Redis errors are retried")
+    p.add_argument("--retry-s", type=float, default=300.0, help="how long the store's transient errors are retried")
     p.add_argument("--allow-eviction", action="store_true", help="export into a store whose policy may evict")
     p.add_argument("--allow-no-persistence", action="store_true", help="export into a store that does not persist")
     p.add_argument("--allow-older", action="store_true", help="export a run of an earlier date than the current one")
@@ -55,61 +61,44 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if (args.run is None) != args.rollback:
         p.error("give RUN, or --rollback alone")
-    if args.rollback and args.to.startswith("delta+"):
-        p.error("--rollback is for Redis; a Delta table keeps its history (RESTORE, or read an earlier version)")
+    from pipeline import stores
+    from pipeline.config import masked_url
+
+    sink = stores.sink(args.to)
+    if sink is None:
+        p.error(f"--to {masked_url(args.to)}: name a store: {', '.join(f'{x}...' for x in stores.SINKS)}")
+    if args.rollback and not hasattr(sink, "rollback"):
+        p.error(f"--rollback is for Redis; a {sink.NAME} keeps its history (roll it back with its own tools)")
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return commit(args) if args.to.startswith("delta+") else export(args)
+    return export(args)
 
 
 def export(args) -> int:
-    """--to redis://...: the run exported (or --rollback) -> the exit code."""
-    from redis.exceptions import RedisClusterException, RedisError
-
-    from pipeline import serving
-    from pipeline.config import Serving
-    from pipeline.output import open_run
-    from pipeline.storage import Storage, StoreUnavailable
-
-    flags = ("keep", "retry_s", "writers", "allow_eviction", "allow_no_persistence", "allow_older", "grace_s")
-    t = Serving(args.to, args.namespace, **{name: getattr(args, name) for name in flags})
-    try:
-        if args.rollback:
-            was, now = serving.rollback(t)
-            print(json.dumps({"namespace": t.namespace, "rolled_back": was, "current": now}))
-            return 0
-        run = open_run(args.run, Storage(args.endpoint, args.region))
-        from pipeline.signals import connect_ray
-
-        connect_ray()
-        print(json.dumps(serving.export(run, t).record(), indent=2))
-        return 0
-    except Exception as e:
-        not_transient = (FileNotFoundError, ValueError, PermissionError, RedisError, RedisClusterException)
-        return failed(e, [(serving.Raced, 3), (StoreUnavailable, 4), (not_transient, 2)])
-
-
-def commit(args) -> int:
-    """--to delta+URI: the run committed to the table (pipeline/tables.py) -> the exit code."""
-    from pipeline import tables
-    from pipeline.config import Table, check_table
+    """The run committed to the store --to names (pipeline/stores: its sink), or --rollback -> the exit code."""
+    from pipeline import stores
     from pipeline.output import open_run
     from pipeline.signals import connect_ray
-    from pipeline.storage import Storage, StoreUnavailable
+    from pipeline.storage import Storage
 
+    sink = stores.sink(args.to)
     try:
-        t = Table(args.to, args.rows_per_file, args.writers)
-        check_table(t)
+        t = sink.target(args.to, vars(args))
+        sink.check(t, Storage(args.endpoint, args.region, args.retry_s))
+        if args.rollback:
+            was, now = sink.rollback(t)
+            print(json.dumps({"namespace": t.namespace, "rolled_back": was, "current": now}))
+            return 0
         run = open_run(args.run, Storage(args.endpoint, args.region, args.retry_s), allow_unpublished=True)
         connect_ray()
-        print(json.dumps(tables.commit_run(run, t).record(), indent=2))
+        print(json.dumps(sink.commit_run(run, t).record(), indent=2))
         return 0
     except Exception as e:
-        return failed(e, [(StoreUnavailable, 4), ((FileNotFoundError, ValueError, PermissionError), 2)])
+        return failed(e, sink.refusals())
 
 
 def failed(e: Exception, codes: list) -> int:

@@ -118,7 +118,7 @@ def find_duplicates(plan: Plan) -> tuple[pa.Table | None, str]:
     cfg = plan.cfg
     return S.retrying(
         lambda: units.find_duplicates(
-            plan.units, plan.fs, cfg.runs.duplicates_driver_mb, cfg.columns.user_id, plan.data.schema
+            plan.units, plan.fs, cfg.runs.duplicates_driver_mb, cfg.columns.user_id, plan.data.schema, plan.names
         ),
         cfg.storage,
         f"read the user ids of {cfg.input}",
@@ -151,6 +151,7 @@ def read_args(plan: Plan, a: Attempt) -> dict:
         "fs": plan.fs,
         "columns": columns,
         "schema": plan.data.schema,
+        "names": plan.names,
         "duplicates": a.duplicates,
         "hashing": hashing,
         "storage": cfg.storage,
@@ -229,9 +230,11 @@ def engine_auto_inputs(plan: Plan, a: Attempt) -> dict:
         return {}
     n = c.engine_trial_max * plan.spec.warm_users
     columns = input_columns(plan.cfg, plan.data.schema, plan.spec.template)
-    read = list(dict.fromkeys(columns.values()))
-    head = S.retrying(lambda: plan.data.head(n, columns=read), plan.cfg.storage, f"read {plan.cfg.input}")
-    trial = units.renamed(head, columns)
+    trial = S.retrying(
+        lambda: units.head(plan.units, plan.fs, columns, n, plan.data.schema, plan.names),
+        plan.cfg.storage,
+        f"read {plan.cfg.input}",
+    )
     return {"engine_record": runs.EngineRecord(a.run, plan.cfg.storage), "trial_users": trial}
 
 

@@ -130,6 +130,11 @@ class Serving:
     # long: its keys expire then, so a reader that read the pointer just before still gets its list. Longer than a
     # reader's two GETs (pointer, then list) with its retries
 
+    @property
+    def uri(self) -> str | None:
+        """The store, as every sink's section names it (pipeline/stores)."""
+        return self.url
+
 
 @dataclass
 class Columns:
@@ -139,9 +144,10 @@ class Columns:
 
 @dataclass
 class Table:
-    uri: str | None = None  # delta+s3://bucket/prefix or delta+/local/path: once a run is published, its
-    # recommendations are committed to this Delta table, partitioned by run_date, in one commit that replaces the
-    # date's rows (docs/output.md#reading-the-lists-as-a-delta-table); None: no table
+    uri: str | None = None  # a Delta table (delta+s3://bucket/prefix or delta+/local/path) or an Iceberg table
+    # (iceberg+CATALOG/NAMESPACE.TABLE, the catalog as pyiceberg configures it): once a run is published, its
+    # recommendations are committed to it, partitioned by run_date, in one commit that replaces the date's rows
+    # (docs/output.md#reading-the-lists-as-a-table); None: no table
     rows_per_file: int = 2_000_000  # rows in each data file the commit adds, about (whole shards of the run each):
     # readers open fewer, larger files
     writers: int = 4  # Ray tasks writing the table's files at once
@@ -167,10 +173,11 @@ def masked_url(url: str | None) -> str | None:
 
 @dataclass
 class Config:
-    input: str = ""  # histories: parquet (file, folder or s3:// URI), or a Delta table: delta+s3://bucket/prefix or
-    # delta+/local/path, read at one version (input_version)
-    input_version: int | None = None  # a Delta input's version; None: the newest when the run starts. A resume reads
-    # the version its run started on
+    input: str = ""  # histories: parquet (file, folder or s3:// URI), a Delta table (delta+s3://bucket/prefix or
+    # delta+/local/path) or an Iceberg table (iceberg+CATALOG/NAMESPACE.TABLE, the catalog as pyiceberg configures
+    # it), a table read at one version (input_version)
+    input_version: int | None = None  # a table input's version (Delta) or snapshot id (Iceberg); None: the newest
+    # when the run starts. A resume reads the version its run started on
     columns: Columns = field(default_factory=Columns)  # the input's columns that hold the user id and the history
     catalog: str = ""  # the item index (items.parquet: item_id, semantic_id): every item a history may name,
     # tonight's and every earlier one users still hold; prompts render from it. Only an item it lacks is unknown_item
@@ -499,10 +506,13 @@ def _check_sources(cfg: Config) -> None:
     for name in ("input", "output"):
         uri = getattr(cfg, name)
         _need(bool(uri), name, "must be set (a local path or an s3:// URI)", uri)
-        if name == "input" and uri.startswith(DELTA):
-            uri = uri.removeprefix(DELTA)
-            _need(bool(uri), name, "must name the table after delta+ (delta+s3://bucket/prefix, delta+/path)", uri)
-        _need("://" not in uri or uri.startswith("s3://"), name, "must be a local path or an s3:// URI", uri)
+        if name == "input":  # parquet, or a table whose source checks its URI (pipeline/stores)
+            from pipeline import stores
+
+            why = stores.source(uri).check_uri(uri)
+            _need(why is None, name, why, uri)
+        else:
+            _need("://" not in uri or uri.startswith("s3://"), name, "must be a local path or an s3:// URI", uri)
     _check_items(cfg)
 
 
@@ -684,10 +694,7 @@ def check_serving(v: Serving) -> None:
     """A serving section that cannot be exported to -> ValueError naming the setting."""
     if v.url is None:
         return
-    import urllib.parse
-
-    scheme = urllib.parse.urlsplit(v.url).scheme
-    _need(scheme in ("redis", "rediss"), "serving.url", "must be redis:// or rediss://", masked_url(v.url))
+    _check_sink("serving.url", v.url, "serving")
     named = re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", v.namespace) is not None
     _need(named, "serving.namespace", "must be 1 to 64 of A-Z a-z 0-9 _ . -", v.namespace)
     _need(v.keep >= 0, "serving.keep", "must be >= 0", v.keep)
@@ -696,14 +703,26 @@ def check_serving(v: Serving) -> None:
     _need(v.writers >= 1, "serving.writers", "must be >= 1", v.writers)
 
 
-DELTA = "delta+"  # a URI that names a Delta table: delta+s3://bucket/prefix, delta+/local/path
+def _check_sink(name: str, uri: str, section: str) -> None:
+    """A URI a config section names a sink by (pipeline/stores SINKS): one of the section's, well formed."""
+    from pipeline import stores
+
+    sink = stores.sink(uri)
+    if sink is None or sink.SECTION != section:
+        kinds = " or ".join(f"{p}..." for p in stores.sinks_of(section))
+        _need(False, name, f"must name a store: {kinds}", masked_url(uri))
+    why = sink.check_uri(uri)
+    _need(why is None, name, why, masked_url(uri))
 
 
 def _check_tables(cfg: Config) -> None:
-    """input_version, columns and table: a version needs a Delta input, the columns two distinct names, the output
-    table a Delta URI (`check_table`)."""
+    """input_version, columns and table: a version needs a table input, the columns two distinct names, the output
+    table a table sink's URI (`check_table`)."""
+    from pipeline import stores
+
     v = cfg.input_version
-    _need(v is None or cfg.input.startswith(DELTA), "input_version", f"needs a Delta input ({DELTA}...)", v)
+    versioned = bool(cfg.input) and stores.source(cfg.input).VERSIONED
+    _need(v is None or versioned, "input_version", "needs a table input (delta+..., iceberg+...)", v)
     _need(v is None or v >= 0, "input_version", "must be >= 0", v)
     _check_columns(cfg)
     check_table(cfg.table)
@@ -722,9 +741,7 @@ def _check_columns(cfg: Config | ProcessorConfig) -> None:
 def check_table(t: Table) -> None:
     """A table section that cannot be committed to -> ValueError naming the setting."""
     if t.uri is not None:
-        where = t.uri.removeprefix(DELTA)
-        named = t.uri.startswith(DELTA) and bool(where) and ("://" not in where or where.startswith("s3://"))
-        _need(named, "table.uri", f"must be a Delta table: {DELTA}s3://bucket/prefix or {DELTA}/local/path", t.uri)
+        _check_sink("table.uri", t.uri, "table")
     _need(t.rows_per_file >= 1, "table.rows_per_file", "must be >= 1", t.rows_per_file)
     _need(t.writers >= 1, "table.writers", "must be >= 1", t.writers)
 

@@ -24,7 +24,7 @@ from pipeline import runs, signals
 from pipeline import storage as S
 from pipeline.attempt import decode_pending, record_interruption, start_attempt
 from pipeline.carry import BaseGone
-from pipeline.config import Config, masked_url
+from pipeline.config import Config
 from pipeline.lease import Lease
 from pipeline.plan import Clock, Plan, finished_unpublished, plan_run, resume_id
 from pipeline.publish import manifest_of, publish_run, tally_shards, timings
@@ -164,68 +164,65 @@ class ExportFailed(Exception):
     readers of the store still see the version before."""
 
 
-def serve(cfg: Config, manifest: dict) -> dict | None:
-    """A published run exported to serving.url (pipeline/serving.py) -> the export's record; None without a serving
-    store. A run superseded since it published is not exported (the record says `skipped`: its successor exports
-    itself), as its table commit is not. Any failure raises ExportFailed naming the run and the cause."""
-    if not cfg.serving.url:
-        return None
-    from pipeline import serving
+class TableCommitFailed(Exception):
+    """The run is published, but its commit to the table failed (exit 8): `genrec-batch export RUN --to URI` retries
+    it; the table's readers still see the date's rows before."""
+
+
+SINK_STEPS = (("table", TableCommitFailed), ("serving", ExportFailed))  # after the publish, in this order: each
+# config section naming a sink (pipeline/stores), and what its failure raises (exit 8, exit 7)
+
+
+def to_sink(cfg: Config, manifest: dict, section: str) -> dict | None:
+    """A published run committed to the sink the config's `section` names (`stores.sink`, by its URI) -> what the
+    commit did (its record); None when the section names none. A run superseded since it published is not committed
+    (the record says `skipped`: its successor commits itself), never an error. Any failure raises the section's
+    failure (SINK_STEPS) naming the run, the store, the cause and the command that retries it."""
+    from pipeline import stores
     from pipeline.output import open_run
 
+    target, failure = getattr(cfg, section), dict(SINK_STEPS)[section]
+    if not target.uri:
+        return None
+    sink = stores.sink(target.uri)
     run = runs.run_dir(cfg.output, cfg.run_date, manifest["run_id"])
     try:
-        return serving.export(open_run(run, cfg.storage, allow_unpublished=True), cfg.serving).record()
+        return sink.commit_run(open_run(run, cfg.storage, allow_unpublished=True), target).record()
     except Exception as e:
-        raise ExportFailed(
-            f"run {manifest['run_id']} is published, its export to {serving.masked(cfg.serving.url)} failed: "
-            f"{ray_cause(e)}. "
-            f"Readers of the store see the version before. Retry: genrec-batch export {run} --to URL "
-            f"--namespace {cfg.serving.namespace}"
+        raise failure(
+            f"run {manifest['run_id']} is published, its commit to the {sink.NAME} {sink.shown(target.uri)} failed: "
+            f"{ray_cause(e)}. Readers of the {sink.NAME} see {sink.BEFORE}. Retry: {retry_command(cfg, run, section)}"
         ) from e
 
 
-class TableCommitFailed(Exception):
-    """The run is published, but its commit to the Delta table failed (exit 8): `genrec-batch export RUN --to
-    delta+URI` retries it; the table's readers still see the date's rows before."""
+def retry_command(cfg: Config, run: str, section: str) -> str:
+    """The command that commits a published run to the sink of `section` (what the nightly's step does)."""
+    from pipeline import stores
 
-
-def commit_table(cfg: Config, manifest: dict) -> dict | None:
-    """A published run committed to table.uri (pipeline/tables.py) -> the commit's record; None without a table.
-    Any failure raises TableCommitFailed naming the run and the cause."""
-    if not cfg.table.uri:
-        return None
-    from pipeline import tables
-    from pipeline.output import open_run
-
-    run = runs.run_dir(cfg.output, cfg.run_date, manifest["run_id"])
-    try:  # a run superseded since it published is not committed (tables.commit_run says so), never an error
-        return tables.commit_run(open_run(run, cfg.storage, allow_unpublished=True), cfg.table).record()
-    except Exception as e:
-        raise TableCommitFailed(
-            f"run {manifest['run_id']} is published, its commit to the table {cfg.table.uri} failed: "
-            f"{ray_cause(e)}. Readers of the table see the date's rows before. Retry: genrec-batch export {run} --to "
-            f"{cfg.table.uri}"
-        ) from e
+    target = getattr(cfg, section)
+    sink = stores.sink(target.uri)
+    return " ".join(
+        x for x in ("genrec-batch export", run, "--to", sink.shown(target.uri), sink.export_flags(target)) if x
+    )
 
 
 def after_publish(cfg: Config, manifest: dict) -> dict:
-    """A published run committed to its table, then exported to its serving store -> {"table": ..., "serving": ...}
-    (the ones configured). Both are tried; then the first failure is raised (TableCommitFailed, exit 8;
-    ExportFailed, exit 7), the run staying published."""
+    """A published run committed to each sink the config names (SINK_STEPS: the table, then the serving store) ->
+    {"table": ..., "serving": ...} (the ones configured). All are tried; then the first failure is raised
+    (TableCommitFailed, exit 8; ExportFailed, exit 7), the run staying published."""
     done, failed = {}, []
-    for name, step in (("table", commit_table), ("serving", serve)):
+    for section, _ in SINK_STEPS:
         try:
-            record = step(cfg, manifest)
+            record = to_sink(cfg, manifest, section)
         except (TableCommitFailed, ExportFailed) as e:
             log.error("%s", e)
             failed.append(e)
             continue
         except Interrupted as e:  # exit 6, its `stopped:` line saying what is left (signals.stop_note)
-            e.after_publish = f"run {manifest['run_id']} is published; {undone(cfg, manifest, name)}"
+            e.after_publish = f"run {manifest['run_id']} is published; {undone(cfg, manifest, section)}"
             raise
         if record is not None:
-            done[name] = record
+            done[section] = record
     if len(failed) == 2:
         raise TableCommitFailed(f"{failed[0]}; and {failed[1]}") from failed[0]  # exit 8, both causes named
     if failed:
@@ -236,9 +233,8 @@ def after_publish(cfg: Config, manifest: dict) -> dict:
 def undone(cfg: Config, manifest: dict, step: str) -> str:
     """What a signal left undone after the publish, from `step` on, with the commands that do it."""
     run = runs.run_dir(cfg.output, cfg.run_date, manifest["run_id"])
-    table = f"genrec-batch export {run} --to {cfg.table.uri}"
-    serving = f"genrec-batch export {run} --to {masked_url(cfg.serving.url)} --namespace {cfg.serving.namespace}"
-    left = ([table] if step == "table" else []) + ([serving] if cfg.serving.url else [])
+    sections = [section for section, _ in SINK_STEPS]
+    left = [retry_command(cfg, run, s) for s in sections[sections.index(step) :] if getattr(cfg, s).uri]
     return "nothing is left to do" if not left else "left to do (not a resume): " + "; ".join(left)
 
 

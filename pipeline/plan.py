@@ -11,26 +11,26 @@ import logging
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
 
 import pyarrow as pa
 import pyarrow.dataset as pads
-import pyarrow.fs as pafs
 
 from decoding.stats import timed
 from decoding.templates import TEMPLATE_FILE, PromptTemplate, get_template, read_template
 from operators.prompts import is_text
 from operators.recommender import Inputs, prepare
 from operators.spec import ActorSpec
-from pipeline import runs, tables, units
+from pipeline import runs, stores, units
 from pipeline import storage as S
 from pipeline.carry import Base, choose_base
 from pipeline.config import ROW_COLUMNS, Config
 from pipeline.items import Items, Sources, read_items
 from pipeline.lineage import catalog_texts_sha256, code_identity, describe_code, fingerprint, software
 from pipeline.models import compile_store
+from pipeline.stores.base import Input
 
 log = logging.getLogger("genrec.nightly")
 
@@ -39,45 +39,32 @@ RESUME_FREE_COMPUTE = ("num_actors", "cpus_per_actor", "threads_per_actor", "bat
 # ^ not in the rows: how the users are cut into shards and slices, never what a user gets
 
 
-def open_input(cfg: Config, version: int | None = None) -> tuple[pads.Dataset, object, str, str, int | None]:
-    """The histories as a pyarrow dataset, its filesystem, path, kind of user id (`id_kind`) and, for a Delta input,
-    the table version read (`version`, None: the newest); every file's footer is read here, so a corrupt file fails
-    fast, named. Its schema is the table's (Delta) or every file's unified (`S.unified_schema`: an exclusion column
-    in some files only is read, as nulls where a file lacks it; a column the run reads with two types is refused)."""
-    snapshot = None
-    if tables.is_delta(cfg.input):
-        columns = [cfg.columns.user_id, cfg.columns.history, cfg.decoding.exclude_column]
-        snapshot = tables.snapshot(cfg.input, cfg.storage, version, columns)
-    fs, path = S.filesystem(tables.location(cfg.input), cfg.storage)
-    if snapshot is not None:
-        data = S.retrying(  # the table's schema: a column added later (schema evolution) is in it, not in old files
-            lambda: pads.dataset(snapshot.files, filesystem=fs, format="parquet", schema=snapshot.schema),
-            cfg.storage,
-            f"open {cfg.input} version {snapshot.version}",
-        )
-    else:
-        data = open_parquet(cfg, fs, path)
+def open_input(cfg: Config, version: int | None = None) -> tuple[Input, str]:
+    """The histories opened by their source (pipeline/stores: parquet, a Delta or an Iceberg table) at `version`
+    (None: the newest; a table's version read is the Input's), every file's footer read (a corrupt file fails fast,
+    named), and the kind of user id (`id_kind`). Every file must hold the user id and history columns, with one kind
+    of id; the schema is the source's (a table's, or every parquet file's unified)."""
+    inp = stores.source(cfg.input).open(cfg, version)
     kinds = {}  # each file's user_id type
     user, history = cfg.columns.user_id, cfg.columns.history
-    fragments = list(data.get_fragments())
-    for fragment in fragments:
-        try:
-            S.retrying(fragment.ensure_complete_metadata, cfg.storage, f"read the footer of {fragment.path}")
-        except (OSError, pa.ArrowInvalid) as e:
-            raise ValueError(f"input file {fragment.path}: corrupt or not parquet ({e})") from None
-        names = fragment.physical_schema.names
-        missing = [c for c in (user, history) if c not in names]
+    for fragment in inp.data.get_fragments():
+        names = inp.names.get(fragment.path, {})
+        held = {c: names.get(c, c) for c in (user, history)}  # the file's names for them (None: it lacks one)
+        physical = fragment.physical_schema
+        missing = [c for c, name in held.items() if name is None or name not in physical.names]
         if missing:
-            raise ValueError(f"input file {fragment.path}: missing column(s) {missing} (has {names}){mapped(cfg)}")
-        kinds[fragment.path] = id_kind(fragment.physical_schema.field(user).type, fragment.path)
+            raise ValueError(
+                f"input file {fragment.path}: missing column(s) {missing} (has {physical.names}){mapped(cfg)}"
+            )
+        kinds[fragment.path] = id_kind(physical.field(held[user]).type, fragment.path)
     if len(set(kinds.values())) > 1:
         shown = "; ".join(f"{kind} in {path}" for path, kind in sorted(kinds.items(), key=lambda x: x[1])[:4])
         raise ValueError(f"input {cfg.input}: {user} is {shown}: one kind of id in every file (an id is one user)")
-    if not kinds and snapshot is not None and user in data.schema.names:
-        kinds[""] = id_kind(data.schema.field(user).type, cfg.input)
-    if snapshot is None:  # every file's columns, not the first file's: a column a file lacks reads as nulls
-        data = S.unified_dataset(data, f"input {cfg.input}", [user, history, cfg.decoding.exclude_column])
-    return data, fs, path, next(iter(kinds.values()), "integer"), snapshot.version if snapshot else None
+    if not kinds and user in inp.data.schema.names:  # a table without a file: its schema's
+        kinds[""] = id_kind(inp.data.schema.field(user).type, cfg.input)
+    if kinds and user not in inp.data.schema.names:  # files of one kind of id in two types no read casts between
+        S.unified_schema(list(inp.data.get_fragments()), f"input {cfg.input}", [user])  # (uint64, int64): named
+    return inp, next(iter(kinds.values()), "integer")
 
 
 def mapped(cfg: Config) -> str:
@@ -85,26 +72,6 @@ def mapped(cfg: Config) -> str:
     c = cfg.columns
     renamed = (c.user_id, c.history) != ("user_id", "history")
     return f" (columns.user_id {c.user_id}, columns.history {c.history})" if renamed else ""
-
-
-def open_parquet(cfg: Config, fs, path: str) -> pads.Dataset:
-    """A parquet input (a file, a folder, an s3:// prefix) as a pyarrow dataset; refused naming it when it is not
-    there, not readable, or the store refuses access."""
-    try:
-        info = S.retrying(lambda: fs.get_file_info(path), cfg.storage, f"HEAD {cfg.input}")
-    except OSError as e:
-        if "ACCESS_DENIED" in str(e) or "AccessDenied" in str(e):
-            raise PermissionError(
-                f"input {cfg.input}: the object store refused access; check the credentials in "
-                "the environment and storage.endpoint"
-            ) from None
-        raise
-    if info.type == pafs.FileType.NotFound:
-        raise FileNotFoundError(f"input {cfg.input} not found")
-    try:
-        return S.retrying(lambda: pads.dataset(path, filesystem=fs, format="parquet"), cfg.storage, f"LIST {cfg.input}")
-    except (OSError, pa.ArrowInvalid) as e:
-        raise ValueError(f"input {cfg.input}: not readable as parquet ({e})") from None
 
 
 def id_kind(kind: pa.DataType, uri: str) -> str:
@@ -260,7 +227,8 @@ class Plan:
     lineage: dict  # the run's fingerprint: every input of a list but the user's own (pipeline/lineage.py)
     base: Base | None  # incremental: the run it carries users from (None: a full run)
     incremental: dict  # the manifest's `incremental` record (carry.choose_base)
-    input_version: int | None = None  # a Delta input: the table version read
+    input_version: int | None = None  # a table input: the version (Delta) or snapshot id (Iceberg) read
+    names: dict = field(default_factory=dict)  # the files that name the input's columns otherwise (`stores.Input`)
 
     @property
     def user_type(self) -> pa.DataType:
@@ -278,6 +246,21 @@ class Plan:
     def config(self) -> dict:
         """The config a resume must find unchanged, as _RUN.json records it (`resume_config`)."""
         return resume_config(self.cfg.to_dict())
+
+    def changed_models(self, old: dict) -> list[str]:
+        """The models whose weights or other files (config, tokenizer, ...) differ from a recorded start's identity
+        (`old`), named; a model's sha256 compares only within one way of computing it (`MODEL_SHA256`)."""
+        new, named = self.identity, lambda r: f"models.{r} {getattr(self.cfg.models, r)}"
+        out = [
+            named(r)
+            for r in sorted(set(old.get("models", {})) | set(new["models"]))
+            if old.get("model_sha256") == MODEL_SHA256 and old.get("models", {}).get(r) != new["models"].get(r)
+        ]
+        return out + [
+            f"{named(r)} (its files but the weights: config, tokenizer, ...)"
+            for r in sorted(set(old.get("model_files", {})) | set(new["model_files"]))
+            if "model_files" in old and old["model_files"].get(r) != new["model_files"].get(r)
+        ]
 
     def changes(self, state: dict) -> list[str]:
         """What differs between a run's recorded start (_RUN.json) and this plan, named; [] when it can resume."""
@@ -299,16 +282,7 @@ class Plan:
             for what in ("recommendable", "blocked")
             if "items" in old and old["items"].get(what) != new["items"][what]  # a run of an older version: below
         ]
-        out += [  # a model's sha256 compares only within one way of computing it (`MODEL_SHA256`)
-            f"models.{r} {getattr(self.cfg.models, r)}"
-            for r in sorted(set(old.get("models", {})) | set(new["models"]))
-            if old.get("model_sha256") == MODEL_SHA256 and old.get("models", {}).get(r) != new["models"].get(r)
-        ]
-        out += [
-            f"models.{r} {getattr(self.cfg.models, r)} (its files but the weights: config, tokenizer, ...)"
-            for r in sorted(set(old.get("model_files", {})) | set(new["model_files"]))
-            if "model_files" in old and old["model_files"].get(r) != new["model_files"].get(r)
-        ]
+        out += self.changed_models(old)
         out += ["the incremental base"] * (old.get("base") != new.get("base") and "base" in old)
         was, now = old.get("code"), new["code"]
         out += [f"the code (genrec-batch {describe_code(was)} then, {describe_code(now)} now)"] * (was != now)
@@ -349,11 +323,11 @@ MODEL_SHA256 = "weights-sha256-v2"  # how a model's sha256 is computed (S.weight
 def content_identity(
     cfg: Config, data: pads.Dataset, fs, plan_units: list, models: dict, items: Items, version: int | None
 ) -> dict:
-    """Each input file's content identity (S3: ETag and size; locally the sha256 of its bytes), a Delta input's
-    version (`input_version`, None for parquet), the input's row groups, the catalog's identity, the recommendable
-    set's and the block list's (sha256 of their ids), every model's sha256 and its other files' (config, tokenizer:
-    `S.files_fingerprint`), the code's (`lineage.code_identity`: a run's shards are all decoded by one code) and the
-    software's versions (torch, transformers: `lineage.software`)."""
+    """Each input file's content identity (S3: ETag and size; locally the sha256 of its bytes), a table input's
+    version (`input_version`: a Delta version, an Iceberg snapshot id; None for parquet), the input's row groups, the
+    catalog's identity, the recommendable set's and the block list's (sha256 of their ids), every model's sha256 and
+    its other files' (config, tokenizer: `S.files_fingerprint`), the code's (`lineage.code_identity`: a run's shards
+    are all decoded by one code) and the software's versions (torch, transformers: `lineage.software`)."""
     cat_fs, cat_path = S.filesystem(cfg.catalog, cfg.storage)
     rows = [(u.path, u.row_group, u.rows) for u in plan_units]
     return {
@@ -371,7 +345,7 @@ def content_identity(
 
 
 def plan_run(cfg: Config, resume: str | None = None) -> Plan:
-    """Every check that needs no Ray (`plan_at`). A Delta input without input_version is read at the version of the
+    """Every check that needs no Ray (`plan_at`). A table input without input_version is read at the version of the
     run `resume` continues, if that run can continue (`pinned_versions`); else at its newest version."""
     for run_id, version in pinned_versions(cfg, resume):
         plan = plan_at(cfg, version, run_id)
@@ -384,29 +358,32 @@ def plan_run(cfg: Config, resume: str | None = None) -> Plan:
 
 
 def plan_at(cfg: Config, version: int | None, pinned_by: str | None) -> Plan:
-    """Every check that needs no Ray: credentials, input (a Delta input at `version`, None: the newest; `pinned_by`:
-    the run whose start pinned it), the items (catalog, recommendable set, block list), models, template, the
-    actor's own checks, the output store's conditional writes (`S.check_conditional_writes`). A missing input,
-    catalog, item set or model raises FileNotFoundError naming it ("... not found")."""
-    for uri in (cfg.output, tables.location(cfg.input), cfg.catalog, cfg.recommendable, cfg.blocked, cfg.table.uri):
+    """Every check that needs no Ray: credentials, input (a table input at `version`, None: the newest;
+    `pinned_by`: the run whose start pinned it), the items (catalog, recommendable set, block list), models,
+    template, the actor's own checks, the output store's conditional writes (`S.check_conditional_writes`), each
+    sink's own checks (pipeline/stores). A missing input, catalog, item set or model raises FileNotFoundError naming
+    it ("... not found")."""
+    source = stores.source(cfg.input).location(cfg.input)
+    for uri in (cfg.output, source, cfg.catalog, cfg.recommendable, cfg.blocked):
         if uri:
-            S.check_access(tables.location(uri), cfg.storage)
-    data, fs, _, kind, version = open_input_pinned(cfg, version, pinned_by)
+            S.check_access(uri, cfg.storage)
+    inp, kind = open_input_pinned(cfg, version, pinned_by)
+    data = inp.data
     items, models, spec, inputs = resolve_decoder(cfg, data)
     plan_units, clock = units.plan_units(data), Clock()
     with clock.phase("input_identity"):
-        identity = content_identity(cfg, data, fs, plan_units, models, items, version)
+        identity = content_identity(cfg, data, inp.fs, plan_units, models, items, inp.version)
     S.check_conditional_writes(cfg.output, cfg.storage)  # what the lease and _LATEST rest on, before the lease
-    table = tables.location(cfg.table.uri or "")
-    if S.is_s3(table) and not S.is_s3(cfg.output):  # delta-rs's commits rest on them too (one store: checked above)
-        S.check_conditional_writes(table, cfg.storage)
+    for target in (cfg.table, cfg.serving):
+        if target.uri:
+            stores.sink(target.uri).check(target, cfg.storage)
     parts = run_fingerprint(cfg, models, inputs, items, kind, data.schema)
     base, incremental = choose_base(cfg, parts)
     identity["base"] = base.uri if base else None  # a resume carries from the base its run started with
     log_incremental(incremental)
     seconds = clock.seconds["input_identity_s"]
-    plan = Plan(cfg, data, fs, plan_units, items, models, spec, inputs, identity, seconds, parts, base, incremental)
-    plan.input_version = version
+    plan = Plan(cfg, data, inp.fs, plan_units, items, models, spec, inputs, identity, seconds, parts, base, incremental)
+    plan.input_version, plan.names = inp.version, inp.names
     return plan
 
 
@@ -434,7 +411,7 @@ def resolve_decoder(cfg: Config, data: pads.Dataset | None = None) -> Decoder:
     return Decoder(items, models, spec, prepare(replace(spec, fetch=lambda uri, *_: heads[uri])))
 
 
-def open_input_pinned(cfg: Config, version: int | None, pinned_by: str | None) -> tuple:
+def open_input_pinned(cfg: Config, version: int | None, pinned_by: str | None) -> tuple[Input, str]:
     """`open_input` at `version`; one a resumed run pinned (`pinned_by`) that is gone is refused naming it and the
     way on (FileNotFoundError: exit 2)."""
     try:
@@ -449,11 +426,11 @@ def open_input_pinned(cfg: Config, version: int | None, pinned_by: str | None) -
 
 
 def pinned_versions(cfg: Config, resume: str | None) -> list[tuple[str, int]]:
-    """The runs a resume may continue, with the Delta input version each started on [(run id, version)], in the
+    """The runs a resume may continue, with the table input's version each started on [(run id, version)], in the
     order the resume tries them: `--resume RUN_ID` that run; `--resume latest` the date's complete, unpublished runs
     (newest first: one that can is published without decoding), then its newest unfinished run. [] for a parquet
     input, with input_version set, or without a resume."""
-    if not tables.is_delta(cfg.input) or cfg.input_version is not None or not resume:
+    if not stores.source(cfg.input).VERSIONED or cfg.input_version is not None or not resume:
         return []
     found = [resume]
     if resume == "latest":

@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import time
 from dataclasses import asdict
-from pathlib import Path
 
 import pyarrow as pa
 
@@ -21,6 +18,7 @@ from pipeline.config import Config
 from pipeline.lease import Lease
 from pipeline.lineage import NOT_PARTS, decoded_on, sha256_of
 from pipeline.plan import Clock, Plan, code_version
+from pipeline.signals import hold_for_test
 
 log = logging.getLogger("genrec.nightly")
 
@@ -205,21 +203,6 @@ def exclusions_summary(cfg: Config, schema: pa.Schema, sums: dict) -> dict:
     }
 
 
-HOLD_ENV = (
-    "GENREC_TEST_HOLD_BEFORE_PUBLISH"  # tests only: a folder; the driver writes `held` there, then waits for `go`
-)
-
-
-def hold_for_test() -> None:
-    """Tests only (HOLD_ENV): a driver that reached publication signals it and waits, so that a test can pause it
-    from outside (SIGSTOP) at that very point."""
-    folder = os.environ.get(HOLD_ENV)
-    if folder:
-        Path(folder, "held").write_text(str(os.getpid()))
-        while not Path(folder, "go").exists():
-            time.sleep(0.05)
-
-
 def publish_run(plan: Plan, a: Attempt, manifest: dict, lease: Lease, latest: str | None) -> None:
     """Checks the date's lease, writes the manifest and _SUCCESS (each created only if absent: no second writer
     replaces them), checks the lease again and publishes the run, deleting the runs it superseded past their grace.
@@ -227,7 +210,7 @@ def publish_run(plan: Plan, a: Attempt, manifest: dict, lease: Lease, latest: st
     cfg = plan.cfg
     if plan.base is not None:
         check_decoded_on(plan.base, manifest["lineage"]["decoded_on"])
-    hold_for_test()
+    hold_for_test("BEFORE_PUBLISH")
     lease.check()
     runs.finish(a.run, manifest, cfg.storage, lease.check)
     lease.check()

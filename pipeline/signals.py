@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 import signal
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 log = logging.getLogger("genrec.nightly")
 
@@ -190,3 +193,18 @@ def without_retry_context(e: BaseException) -> BaseException:
     elif len(args) > 1 and isinstance(args[-1], str) and RETRY_CONTEXT.fullmatch("\n" + args[-1]):
         e.args = args[:-1]
     return e
+
+
+HOLD_ENV = "GENREC_TEST_HOLD_"  # tests only: GENREC_TEST_HOLD_<POINT> names a folder (`hold_for_test`)
+
+
+def hold_for_test(point: str) -> None:
+    """Tests only: a process that reaches `point` (BEFORE_PUBLISH: a driver about to publish; BEFORE_COMMIT and
+    AFTER_COMMIT: an Iceberg commit's data files written, its snapshot committed) while GENREC_TEST_HOLD_<POINT>
+    names a folder writes `held` there (its pid) and waits for `go`, so that a test can pause or kill it from
+    outside at that very point."""
+    folder = os.environ.get(HOLD_ENV + point)
+    if folder:
+        Path(folder, "held").write_text(str(os.getpid()))
+        while not Path(folder, "go").exists():
+            time.sleep(0.05)

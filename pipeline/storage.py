@@ -133,7 +133,7 @@ def retrying(
     first try; then StoreUnavailable naming the store, `what` (the request and its URI) and the last cause. A
     permanent error is raised at once. An attempt in flight when the budget ends is not cut short (at most the SDK's
     timeouts more). Only for calls that may run twice: reads, whole-object puts, conditional puts (`put_if`).
-    `store`: another store's (name, transient, the budget's setting), e.g. a Redis (pipeline/serving.py); default
+    `store`: another store's (name, transient, the budget's setting), e.g. a Redis (pipeline/stores/redis.py); default
     the object store's."""
     name, is_transient, setting = store or (f"object store {store_name(storage)}", transient, "storage.retry_s")
     budget = storage.retry_s if budget_s is None else budget_s
@@ -249,11 +249,16 @@ def write_bytes(uri: str, data: bytes, storage: Storage) -> None:
 
 
 def write_parquet(table: pa.Table, uri: str, storage: Storage) -> None:
-    """One parquet file, encoded once and written whole (`write_bytes`). Floating-point columns are not dictionary
-    encoded: scores rarely repeat, and trying costs more than the rest of the encoding."""
+    """One parquet file, encoded once (`encode_parquet`) and written whole (`write_bytes`)."""
+    write_bytes(uri, encode_parquet(table), storage)
+
+
+def encode_parquet(table: pa.Table) -> pa.Buffer:
+    """A table as the bytes of one parquet file. Floating-point columns are not dictionary encoded: scores rarely
+    repeat, and trying costs more than the rest of the encoding."""
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink, use_dictionary=[p for f in table.schema for p in _leaves(f.name, f.type)])
-    write_bytes(uri, sink.getvalue(), storage)
+    return sink.getvalue()
 
 
 def _leaves(path: str, kind: pa.DataType) -> list[str]:

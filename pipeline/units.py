@@ -123,6 +123,31 @@ def conformed(t: pa.Table, columns: list[str], schema: pa.Schema | None) -> pa.T
     return t.cast(pa.schema([pa.field(c, k) for c, k in zip(t.column_names, kinds)]))
 
 
+def read_group(f: pq.ParquetFile, group: int, columns: list[str], schema: pa.Schema | None, names=None) -> pa.Table:
+    """One row group of a file's `columns` (the input's names) -> in the input's types (`conformed`), each read from
+    the file's column of its name, or the one `names` gives ({the input's column: the file's, None where the file
+    lacks it}: an Iceberg file's, matched by field id); a column the file lacks as nulls."""
+    names, held = names or {}, set(f.schema_arrow.names)
+    found = {c: names.get(c, c) for c in columns}
+    found = {c: name for c, name in found.items() if name is not None and name in held}
+    t = f.read_row_group(group, columns=list(found.values()))
+    return conformed(t.select(list(found.values())).rename_columns(list(found)), columns, schema)
+
+
+def head(units: list[Unit], fs, columns: dict[str, str], n: int, schema: pa.Schema | None, names=None) -> pa.Table:
+    """The input's first `n` rows in scan order, `columns` ({name in the rows: the input's column}) under their
+    names in the rows; `names`: per file, `read_group`'s."""
+    read, tables, got = list(dict.fromkeys(columns.values())), [], 0
+    for u in units:
+        if got >= n:
+            break
+        t = read_group(pq.ParquetFile(u.path, filesystem=fs), u.row_group, read, schema, (names or {}).get(u.path))
+        tables.append(t)
+        got += t.num_rows
+    rows = pa.concat_tables(tables).slice(0, n) if tables else conformed(pa.table({}), read, schema)
+    return renamed(rows, columns)
+
+
 def renamed(t: pa.Table, columns: dict[str, str]) -> pa.Table:
     """An input table's columns -> {name in the rows: the input's column} under their names in the rows."""
     return pa.table({name: t[column] for name, column in columns.items()})
@@ -137,10 +162,12 @@ def read_units(
     hashing: Hashing | None = None,
     lookup=None,
     schema: pa.Schema | None = None,
+    names: dict | None = None,
 ) -> pa.Table:
     """Ray Data map over units (rows of `todo`, "done" as JSON): the rows still to decode (`columns`: {name in the
     rows: the input's column}, `plan.input_columns`; `schema`: the input's, which each file's rows are cast to, a
-    column a file lacks read as nulls), with `pos`, a `duplicate` flag (the user id was seen at an earlier position)
+    column a file lacks read as nulls; `names`: per file whose columns are named otherwise, `read_group`'s), with
+    `pos`, a `duplicate` flag (the user id was seen at an earlier position)
     and, with `hashing`, each row's `input_hash` (pipeline/lineage.py); `lookup` (an incremental run's
     `carry.Lookup`): the rows it keeps, the carried ones or the rest; `order`: each unit's rows by history length
     (`by_length`), so that the shards cut from them hold users of like prompt lengths."""
@@ -149,9 +176,7 @@ def read_units(
         unit["done"] = json.loads(unit["done"])
         read = list(dict.fromkeys(columns.values()))
         f = pq.ParquetFile(unit["path"], filesystem=fs)
-        t = conformed(f.read_row_group(unit["row_group"], columns=[c for c in read if c in f.schema_arrow.names]),
-                      read, schema)  # fmt: skip
-        t = renamed(t, columns)
+        t = renamed(read_group(f, unit["row_group"], read, schema, (names or {}).get(unit["path"])), columns)
         pos = positions(unit)
         t = t.take(pa.array(pos - unit["offset"])).append_column("pos", pa.array(pos))
         dup = pa.array(np.zeros(t.num_rows, bool))
@@ -181,38 +206,39 @@ def by_length(t: pa.Table) -> pa.Table:
 
 
 def find_duplicates(
-    units: list[Unit], fs, budget_mb: float = 1024, user: str = "user_id", schema: pa.Schema | None = None
+    units: list[Unit], fs, budget_mb: float = 1024, user: str = "user_id", schema: pa.Schema | None = None, names=None
 ) -> tuple[pa.Table | None, str]:
     """The user ids seen more than once in the whole input, with the position of their first row [user_id, first]
     (None: no duplicates), and where they were found: "driver" when the id column (uncompressed, with positions and
     the hash table: `id_bytes`) takes at most `budget_mb`, read and grouped by pyarrow in this process (milliseconds
     per million rows); else "ray", an aggregation over the cluster. `user`: the input's user id column; `schema`:
-    the input's, whose id type every file's ids are read in (`conformed`)."""
-    if id_bytes(units, fs, user) <= budget_mb * 2**20:
-        return duplicates_on_driver(units, fs, user, schema), "driver"
-    return duplicates_on_ray(units, fs, user, schema), "ray"
+    the input's, whose id type every file's ids are read in (`conformed`); `names`: per file, `read_group`'s."""
+    if id_bytes(units, fs, user, names) <= budget_mb * 2**20:
+        return duplicates_on_driver(units, fs, user, schema, names), "driver"
+    return duplicates_on_ray(units, fs, user, schema, names), "ray"
 
 
-def id_bytes(units: list[Unit], fs, user: str = "user_id") -> int:
+def id_bytes(units: list[Unit], fs, user: str = "user_id", names=None) -> int:
     """Working memory of the driver-side check, from the footers: 3 x (the user_id column's uncompressed size + 8-byte
     positions), for the ids, the positions and pyarrow's hash grouping."""
     total = 0
     for path, group in itertools.groupby(units, key=lambda u: u.path):
         meta = pq.ParquetFile(path, filesystem=fs).metadata
+        held = (names or {}).get(path, {}).get(user, user)  # the file's name for the user id column
         for u in group:
             rg = meta.row_group(u.row_group)
-            col = next(rg.column(j) for j in range(rg.num_columns) if rg.column(j).path_in_schema == user)
+            col = next(rg.column(j) for j in range(rg.num_columns) if rg.column(j).path_in_schema == held)
             total += col.total_uncompressed_size + 8 * u.rows
     return 3 * total
 
 
-def duplicates_on_driver(units: list[Unit], fs, user: str = "user_id", schema=None) -> pa.Table | None:
+def duplicates_on_driver(units: list[Unit], fs, user: str = "user_id", schema=None, names=None) -> pa.Table | None:
     """`find_duplicates` in this process: every row group's user_id column with its positions, grouped by pyarrow."""
     tables = []
     for path, group in itertools.groupby(units, key=lambda u: u.path):
         f = pq.ParquetFile(path, filesystem=fs)
         for u in group:
-            ids = conformed(f.read_row_group(u.row_group, columns=[user]), [user], schema)[user]
+            ids = read_group(f, u.row_group, [user], schema, (names or {}).get(path))[user]
             tables.append(pa.table({"user_id": ids, "pos": np.arange(u.offset, u.offset + u.rows, dtype=np.int64)}))
     if not tables:
         return None
@@ -221,7 +247,7 @@ def duplicates_on_driver(units: list[Unit], fs, user: str = "user_id", schema=No
     return pa.table({"user_id": found["user_id"], "first": found["pos_min"]}) if found.num_rows else None
 
 
-def duplicates_on_ray(units: list[Unit], fs, user: str = "user_id", schema=None) -> pa.Table | None:
+def duplicates_on_ray(units: list[Unit], fs, user: str = "user_id", schema=None, names=None) -> pa.Table | None:
     """`find_duplicates` as a Ray Data aggregation (inputs whose ids do not fit the driver's budget)."""
     import ray
     from ray.data.aggregate import Count, Min
@@ -231,7 +257,7 @@ def duplicates_on_ray(units: list[Unit], fs, user: str = "user_id", schema=None)
         read_units,
         batch_size=1,
         batch_format="pyarrow",
-        fn_kwargs={"fs": fs, "columns": {"user_id": user}, "schema": schema},
+        fn_kwargs={"fs": fs, "columns": {"user_id": user}, "schema": schema, "names": names},
     )
     rows = sum(u.rows for u in units)
     grouped = ids.groupby("user_id", num_partitions=max(1, min(64, rows // 500_000 + 1))).aggregate(

@@ -58,7 +58,7 @@ NUMERICS = {
 # runs them (`-m faults`), `make test` the rest (`-m "not faults"`); CI runs both, each against its budget
 # (tests/budget.py).
 FAULTS = {"test_cluster", "test_nightly_faults", "test_store_faults", "test_store_retries", "test_incremental_faults"}
-FAULTS |= {"test_tables_faults"}
+FAULTS |= {"test_tables_faults", "test_iceberg_faults"}
 
 
 # The modules that take longest (setup included, measured with `python -m tests.budget`) run first, so that no worker
@@ -70,6 +70,7 @@ SLOW_FIRST = [
     "test_nightly_faults",
     "test_nightly",
     "test_library",
+    "test_iceberg",
     "test_store_faults",
     "test_bench",
     "test_compiled",

@@ -664,7 +664,7 @@ def test_the_data_pages_example_passes_the_jobs_own_checks(tmp_path, monkeypatch
     monkeypatch.chdir(tmp_path)
     exec(compile(python, "docs/data.md", "exec"), {})
     cfg = Config(**{k: str(tmp_path / v) for k, v in yaml.safe_load(config).items()})
-    data = open_input(cfg)[0]
+    data = open_input(cfg)[0].data
     items = read_items(Sources.of(cfg), cfg.storage)
     assert items.info["recommendable"] == 2 and items.info["items"] == 3
     ids = np.array(items.table.column("item_id").to_numpy())  # a writable copy

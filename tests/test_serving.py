@@ -18,9 +18,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline import runs, serving
+from pipeline import runs
 from pipeline.config import Serving
 from pipeline.output import open_run
+from pipeline.stores import redis as serving
 from tests.helpers import assert_one_error_line
 from tests.redis_server import RedisServer, require_redis, start_cluster
 from tests.test_nightly import config, make_world
@@ -318,7 +319,7 @@ def test_a_redis_cluster_serves_every_user_from_keys_over_every_node(two_runs, t
 
 
 def test_the_nightly_exports_after_it_publishes_and_never_records_the_password(two_runs, tmp_path, caplog):
-    from pipeline.nightly import run_nightly, serve
+    from pipeline.nightly import run_nightly, to_sink
 
     root, _, _, _ = two_runs
     server = RedisServer(tmp_path / "redis", password="s3cret-pw").start()
@@ -326,7 +327,7 @@ def test_the_nightly_exports_after_it_publishes_and_never_records_the_password(t
         url = server.url
         cfg = config(root, tmp_path / "out", f"serving.url={url}", "serving.namespace=nightly")
         manifest = run_nightly(cfg)
-        record = serve(cfg, manifest)
+        record = to_sink(cfg, manifest, "serving")
         assert record["switched"] and record["run_id"] == manifest["run_id"] and "s3cret" not in record["url"]
         run = runs.run_dir(cfg.output, cfg.run_date, manifest["run_id"])
         assert "s3cret" not in (Path(run) / "manifest.json").read_text() and "s3cret" not in caplog.text
@@ -338,7 +339,7 @@ def test_the_nightly_exports_after_it_publishes_and_never_records_the_password(t
     from pipeline.nightly import ExportFailed, exit_code
 
     with pytest.raises(ExportFailed, match="is published") as e:  # the store is gone: exit 7, the run stays published
-        serve(config(root, tmp_path / "out", f"serving.url={url}", "serving.retry_s=0.5"), manifest)
+        to_sink(config(root, tmp_path / "out", f"serving.url={url}", "serving.retry_s=0.5"), manifest, "serving")
     assert exit_code(e.value) == 7 and "s3cret" not in str(e.value)
 
 

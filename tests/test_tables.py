@@ -14,10 +14,10 @@ import pytest
 
 from jobs import export
 from jobs import nightly as nightly_job
-from pipeline import tables
 from pipeline.config import load_config
 from pipeline.output import open_run
 from pipeline.storage import Storage
+from pipeline.stores import delta
 from tests.servers import seaweedfs
 from tests.test_nightly import direct_beam_search, make_world
 
@@ -60,7 +60,7 @@ def lake(tmp_path_factory):
 def write(uri: str, t: pa.Table, storage: Storage, mode: str) -> None:
     from deltalake import write_deltalake
 
-    write_deltalake(uri, t, mode=mode, storage_options=tables.storage_options(storage))
+    write_deltalake(uri, t, mode=mode, storage_options=delta.storage_options(storage))
 
 
 def settings(world, s3, history: str, out: str, *extra) -> list[str]:
@@ -120,40 +120,40 @@ def test_a_night_from_a_delta_table_commits_its_lists_and_a_rerun_replaces_its_d
     commit = done["table"]
     assert commit["run_id"] == manifest["run_id"] and commit["rows"] == published.num_rows == len(users) * K
     assert commit["files"] == -(-published.num_rows // 120) and commit["skipped"] is None
-    options = tables.storage_options(storage)
-    dt = DeltaTable(tables.location(table), storage_options=options)
+    options = delta.storage_options(storage)
+    dt = DeltaTable(delta.location(table), storage_options=options)
     assert dt.version() == commit["version"] and dt.metadata().partition_columns == ["run_date"]
     read = dt.to_pyarrow_table(filters=[("run_date", "=", DATE)])
     assert rows(read) == rows(published) and set(read["run_id"].to_pylist()) == {manifest["run_id"]}
     fs = s3.filesystem()
-    files = tables.data_files(dt, table, storage)
+    files = delta.data_files(dt, table, storage)
     by_pyarrow = pads.dataset(files, filesystem=fs, format="parquet", partitioning="hive").to_table()
     assert sorted(by_pyarrow["run_date"].unique().to_pylist()) == [OTHER_DATE, DATE]
     assert rows(by_pyarrow.filter(pads.field("run_date") == DATE)) == rows(published)
 
     again, redone = night(items)  # a rerun of the date: its rows replace the first run's, in one commit
     assert again["run_id"] != manifest["run_id"]
-    dt = DeltaTable(tables.location(table), storage_options=options)
+    dt = DeltaTable(delta.location(table), storage_options=options)
     assert dt.version() == commit["version"] + 1 == redone["table"]["version"]
     last = dt.history(1)[0]
     assert last["operation"] == "WRITE" and last["operationParameters"]["mode"] == "Overwrite"
-    assert last[tables.RUN_ID] == again["run_id"]
+    assert last[delta.RUN_ID] == again["run_id"]
     now = dt.to_pyarrow_table()
     assert set(now.filter(pads.field("run_date") == DATE)["run_id"].to_pylist()) == {again["run_id"]}
     assert rows(now.filter(pads.field("run_date") == DATE)) == rows(
         open_run(f"{out}/run_date={DATE}", storage).table("recommendations")
     )
     assert set(now.filter(pads.field("run_date") == OTHER_DATE)["run_id"].to_pylist()) == {other["run_id"]}
-    assert DeltaTable(tables.location(table), version=commit["version"], storage_options=options).to_pyarrow_table(
+    assert DeltaTable(delta.location(table), version=commit["version"], storage_options=options).to_pyarrow_table(
         filters=[("run_date", "=", DATE)]
     )["run_id"].unique().to_pylist() == [manifest["run_id"]]  # time travel: the first run's rows
 
     run_dir = f"{out}/run_date={DATE}/run_id={again['run_id']}"
     assert export.main([run_dir, "--to", table, "--endpoint", s3.endpoint]) == 0  # committed already: nothing done
-    assert DeltaTable(tables.location(table), storage_options=options).version() == dt.version()
+    assert DeltaTable(delta.location(table), storage_options=options).version() == dt.version()
     old = f"{out}/run_date={DATE}/run_id={manifest['run_id']}"
     assert export.main([old, "--to", table, "--endpoint", s3.endpoint]) == 0  # superseded: never committed over
-    assert DeltaTable(tables.location(table), storage_options=options).version() == dt.version()
+    assert DeltaTable(delta.location(table), storage_options=options).version() == dt.version()
 
     write(s3.uri("lake", "foreign"), pa.table({"x": [1]}), storage, "overwrite")
     assert export.main([run_dir, "--to", f"delta+{s3.uri('lake', 'foreign')}", "--endpoint", s3.endpoint]) == 2
@@ -177,7 +177,7 @@ def test_a_pinned_input_version_reads_that_version_and_one_gone_is_refused(lake,
     assert plan.input_version == 0 and sum(u.rows for u in plan.units) == 10
     assert plan.identity["input_version"] == 0
 
-    DeltaTable(uri, storage_options=tables.storage_options(storage)).vacuum(
+    DeltaTable(uri, storage_options=delta.storage_options(storage)).vacuum(
         retention_hours=0, enforce_retention_duration=False, dry_run=False
     )
     for version, words in ((0, "vacuumed"), (7, "cannot be read")):
@@ -204,19 +204,19 @@ def test_a_delta_input_is_checked_like_parquet(lake, tmp_path):
     from deltalake import write_deltalake
 
     t = users.rename_columns([{"history": "items"}.get(n, n) for n in users.column_names]).slice(0, 5)
-    write_deltalake(parted, t, partition_by=["user_id"], storage_options=tables.storage_options(storage))
+    write_deltalake(parted, t, partition_by=["user_id"], storage_options=delta.storage_options(storage))
     with pytest.raises(ValueError, match=r"\['user_id'\] are partition columns"):
         plan_run(load_config(None, [*settings(world, s3, parted, s3.uri("lake", "x")), "columns.user_id=user_id"]))
     spaced = tmp_path / "a lake" / "histories"  # a space in the root, characters the log URI-encodes in the paths
     t = users.slice(0, 3).append_column("region", pa.array(["São Paulo", "a b", "x%y"]))
     write_deltalake(str(spaced), t, partition_by=["region"])
-    snap = tables.snapshot(f"delta+{spaced}", storage, None, ["user_id", "history"])
+    snap = delta.snapshot(f"delta+{spaced}", storage, None, ["user_id", "history"])
     assert len(snap.files) == 3 and all(os.path.isfile(f) for f in snap.files)
     for bad, words in (
-        ([f"input={world / 'data' / 'test.parquet'}", "input_version=3"], "input_version needs a Delta input"),
-        (["table.uri=s3://bucket/recs"], "table.uri must be a Delta table"),
+        ([f"input={world / 'data' / 'test.parquet'}", "input_version=3"], "input_version needs a table input"),
+        (["table.uri=delta+http://host/recs"], "table.uri must be a Delta table"),
         (["columns.history=customer"], "columns.history must differ"),
-        (["input=delta+"], "must name the table after delta+"),
+        (["input=delta+"], "input must be a Delta table"),
     ):
         with pytest.raises(ValueError, match=words):
             load_config(None, [*items, *bad])
@@ -240,7 +240,7 @@ def test_a_resume_reads_its_runs_version_only_when_that_run_continues(lake):
     later = first.slice(10, 5).append_column("exclude_items", pa.array([[1]] * 5, pa.list_(pa.int64())))
     from deltalake import write_deltalake
 
-    write_deltalake(uri, later, mode="append", schema_mode="merge", storage_options=tables.storage_options(storage))
+    write_deltalake(uri, later, mode="append", schema_mode="merge", storage_options=delta.storage_options(storage))
     items = settings(world, s3, uri, s3.uri("lake", "evolving-out"))
     cfg = load_config(None, [*items, "input_version=0"])
     old = plan_at(cfg, 0, None)
@@ -262,7 +262,7 @@ def test_a_resume_reads_its_runs_version_only_when_that_run_continues(lake):
     assert dict(zip(got["user_id"].to_pylist(), got["exclude_items"].to_pylist(), strict=True)) == want
 
     empty = s3.uri("lake", "empty")
-    DeltaTable.create(empty, schema=first.schema, storage_options=tables.storage_options(storage))
+    DeltaTable.create(empty, schema=first.schema, storage_options=delta.storage_options(storage))
     plan = plan_run(load_config(None, settings(world, s3, empty, s3.uri("lake", "empty-out"))))
     assert plan.units == [] and plan.input_version == 0
 
@@ -274,29 +274,25 @@ def test_after_the_publish_a_failure_or_a_signal_names_what_is_left(monkeypatch)
     import signal
 
     from pipeline import nightly
-    from pipeline.nightly import ExportFailed, TableCommitFailed, after_publish, exit_code
+    from pipeline.nightly import SINK_STEPS, TableCommitFailed, after_publish, exit_code
     from pipeline.signals import Interrupted, stop_note
 
     cfg = load_config(None, ["input=x", "catalog=x", "output=/o", "models.target=x", "run_date=2026-11-21"])
     cfg.table.uri, cfg.serving.url = "delta+/t", "redis://:secret@h:6379/0"
     manifest = {"run_id": "R"}
 
-    def fail(what, kind):
-        def step(cfg, manifest):
-            raise kind(f"{what} failed")
+    def fail(cfg, manifest, section):
+        raise dict(SINK_STEPS)[section](f"the {section} step failed")
 
-        return step
-
-    monkeypatch.setattr(nightly, "commit_table", fail("the commit", TableCommitFailed))
-    monkeypatch.setattr(nightly, "serve", fail("the export", ExportFailed))
-    with pytest.raises(TableCommitFailed, match="the commit failed; and the export failed") as caught:
+    monkeypatch.setattr(nightly, "to_sink", fail)
+    with pytest.raises(TableCommitFailed, match="the table step failed; and the serving step failed") as caught:
         after_publish(cfg, manifest)
     assert exit_code(caught.value) == 8
 
-    def stopped(cfg, manifest):
+    def stopped(cfg, manifest, section):
         raise Interrupted(signal.SIGTERM)
 
-    monkeypatch.setattr(nightly, "commit_table", stopped)
+    monkeypatch.setattr(nightly, "to_sink", stopped)
     with pytest.raises(Interrupted) as caught:
         after_publish(cfg, manifest)
     note = stop_note(caught.value, resume=False)
@@ -323,7 +319,7 @@ def test_two_commits_of_one_run_at_once_make_one_version_and_leave_no_orphan(lak
 
     def call(_):
         barrier.wait()
-        return tables.commit_run(run, Table(uri, rows_per_file=120))
+        return delta.commit_run(run, Table(uri, rows_per_file=120))
 
     logged = Records()
     logging.getLogger("ray.data").addHandler(logged)
@@ -337,9 +333,9 @@ def test_two_commits_of_one_run_at_once_make_one_version_and_leave_no_orphan(lak
     won, lost = sorted(done, key=lambda c: c.skipped is not None)
     assert won.rows == run.table("recommendations").num_rows and (lost.files, lost.rows) == (0, 0)
     assert lost.version == won.version and "already committed" in lost.skipped
-    dt = DeltaTable(tables.location(uri), storage_options=tables.storage_options(storage))
+    dt = DeltaTable(delta.location(uri), storage_options=delta.storage_options(storage))
     assert [h["operation"] for h in dt.history()] == ["WRITE", "CREATE TABLE"] and dt.version() == won.version == 1
-    named = {f.rpartition("/")[2] for f in tables.data_files(dt, uri, storage)}
+    named = {f.rpartition("/")[2] for f in delta.data_files(dt, uri, storage)}
     held = {o["Key"].rpartition("/")[2] for o in s3.client().list_objects_v2(
         Bucket=s3.bucket, Prefix=f"lake/twice/run_date={DATE}/")["Contents"]}  # fmt: skip
     assert held == named and len(named) == won.files
@@ -369,11 +365,11 @@ def test_tables_created_at_once_are_one_table(tmp_path):
 
         def call(_, uri=uri, barrier=barrier):
             barrier.wait()
-            tables.create(uri, Storage(), schema)
+            delta.create(uri, Storage(), schema)
 
         with ThreadPoolExecutor(4) as pool:
             list(pool.map(call, range(4)))
-        dt = DeltaTable(tables.location(uri))
+        dt = DeltaTable(delta.location(uri))
         assert dt.version() == 0 and [h["operation"] for h in dt.history()] == ["CREATE TABLE"]
 
 

@@ -11,9 +11,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline import runs, tables
+from pipeline import runs
 from pipeline.output import open_run
 from pipeline.storage import Storage
+from pipeline.stores import delta
 from tests.servers import ray_head, seaweedfs
 from tests.test_nightly import direct_beam_search, make_world
 from tests.test_store_faults import DATE, Driver, K, items, wait_committed
@@ -43,7 +44,7 @@ def lake(tmp_path_factory):
 def table_state(uri: str, storage: Storage) -> tuple[int, list]:
     from deltalake import DeltaTable
 
-    dt = DeltaTable(tables.location(uri), storage_options=tables.storage_options(storage))
+    dt = DeltaTable(delta.location(uri), storage_options=delta.storage_options(storage))
     return dt.version(), rows(dt.to_pyarrow_table())
 
 
@@ -92,7 +93,7 @@ def test_a_killed_night_commits_nothing_and_its_resume_reads_its_version(lake):
     write(history, new, storage, "overwrite")  # version 2; then version 1's files are vacuumed
     from deltalake import DeltaTable
 
-    DeltaTable(history, storage_options=tables.storage_options(storage)).vacuum(
+    DeltaTable(history, storage_options=delta.storage_options(storage)).vacuum(
         retention_hours=0, enforce_retention_duration=False, dry_run=False
     )
     rc, _, err = Driver(head, s3, base, "--resume", "latest").finish()

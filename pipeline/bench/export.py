@@ -1,8 +1,8 @@
 """export: a published run served from Redis. For each K, a nightly of synthetic users (`nightly-scale`'s world, a
-tiny model), then `genrec-batch export`'s path (pipeline/serving.py) into a local redis-server started for the bench
-(append-only file, fsync every second, noeviction), `repeats` times, each into a namespace of its own: wall seconds,
-users/s and MB/s of list values (medians, min-max), and Redis's memory per user (used_memory after the first export
-less before, over its users)."""
+tiny model), then `genrec-batch export`'s path (pipeline/stores/redis.py) into a local redis-server started for the
+bench (append-only file, fsync every second, noeviction), `repeats` times, each into a namespace of its own: wall
+seconds, users/s and MB/s of list values (medians, min-max), and Redis's memory per user (used_memory after the first
+export less before, over its users)."""
 
 from __future__ import annotations
 
@@ -67,10 +67,10 @@ def bench_one(p: ExportParams, n: int, k: int, url: str) -> dict:
     """A nightly of n users at K k, exported `repeats` times -> the row."""
     import redis
 
-    from pipeline import serving
     from pipeline.config import Serving, load_config
     from pipeline.nightly import run_nightly
     from pipeline.output import open_run
+    from pipeline.stores import redis as serving
 
     scale = ScaleParams(users=[n], k=k, batch=p.batch, cpus=p.cpus, out=p.out)
     root = world(scale, n)

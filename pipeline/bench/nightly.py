@@ -60,7 +60,7 @@ def direct_recommender(cfg) -> tuple:
     from operators.recommender import Recommender
     from pipeline.plan import direct_spec, open_input
 
-    data = open_input(cfg)[0]
+    data = open_input(cfg)[0].data
     table = data.to_table(columns=["user_id", "history"])
     size = cfg.compute.batch_size
     batches = [table.slice(a, size) for a in range(0, table.num_rows, size)]

@@ -186,11 +186,13 @@ class ExportParams:
 @dataclass
 class TableParams:
     """`bench table`: `repeats` nightlies of `users` synthetic users (`nightly-scale`'s world) at K `k`, each
-    published run then committed to a fresh local Delta table (pipeline/tables.py) and re-committed (a no-op:
-    already committed): seconds of the publish step, the commit and the re-commit side by side, rows/s, the table's
-    files, the nightly's total; the table read back once per size against the run's rows."""
+    published run then committed to a fresh local table of each `format` in turn (pipeline/stores: a Delta table,
+    an Iceberg table of a SQLite catalog) and re-committed (a no-op: already committed): seconds of the publish step,
+    the commit and the re-commit side by side, rows/s, the table's files, the nightly's total; each table read back
+    once per size against the run's rows."""
 
     users: list[int] = field(default_factory=lambda: [1_000_000])
+    format: list[str] = field(default_factory=lambda: ["delta", "iceberg"])
     k: int = 10
     repeats: int = 3
     rows_per_file: int = 2_000_000  # table.rows_per_file
@@ -414,6 +416,7 @@ FLAG_HELP = {
     "page": "gpu: also keep the report as a dated page in this folder, gpu-<device>-<date>.md (docs/benchmarks)",
     "budget_s": "gpu: seconds for the cells, compiles included (the report is rewritten after every cell)",
     "plan": "gpu: each cell's expected seconds on an H100 (FLOPs and the matmul rate), without running anything",
+    "format": "table: the table formats each night's run is committed to, in turn",
 }
 CHOICES = {
     "dtype": ["auto", "float32", "bfloat16", "float16"],
@@ -425,6 +428,7 @@ CHOICES = {
     "simulate_oom": ["beam_search", "transformers"],
     "engines": ["eager", "compiled"],
     "methods": ["beam_search", "beam_search_compiled", "transformers"],
+    "format": ["delta", "iceberg"],
 }
 LISTS = (
     "sections",
@@ -434,6 +438,7 @@ LISTS = (
     "dtypes",
     "engines",
     "methods",
+    "format",
 )  # flags that take several values
 
 

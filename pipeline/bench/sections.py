@@ -103,7 +103,7 @@ BENCHES = {
     ),
     "table": Section(
         P.TableParams,
-        "a published run committed to a fresh local Delta table: seconds, rows/s, files, against the nightly's own",
+        "a published run committed to fresh local Delta and Iceberg tables: seconds, rows/s, against the nightly",
         "table:run_table",
         "table:markdown_table",
         CPU,

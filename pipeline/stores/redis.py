@@ -48,6 +48,8 @@ from pipeline.signals import ray_cause
 
 log = logging.getLogger("genrec.serving")
 
+NAME, SECTION, BEFORE = "Redis", "serving", "the version before"
+
 FORMAT = 1  # the first byte of every list value (`encode`)
 SAFE_POLICIES = ("noeviction",)  # a maxmemory-policy that never drops a key
 USERS_PER_PIPELINE = 1000  # SETs a writer sends in one round trip
@@ -121,6 +123,36 @@ NOW_MS = """
 local t = redis.call('TIME')
 return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """  # KEYS any key of the slot to ask (a cluster's node) -> the server's time, Unix ms
+
+
+def check_uri(uri: str) -> str | None:
+    return None if urllib.parse.urlsplit(uri).scheme in ("redis", "rediss") else "must be redis:// or rediss://"
+
+
+def target(uri: str, options: dict) -> Serving:
+    """`genrec-batch export --to redis://...` -> the serving section it exports with (its flags)."""
+    names = ("namespace", "keep", "retry_s", "writers", "allow_eviction", "allow_no_persistence", "allow_older")
+    return Serving(uri, **{name: options[name] for name in (*names, "grace_s") if name in options})
+
+
+def check(t: Serving, storage) -> None:
+    """The plan's check of the serving section: its settings (the store itself is checked as the export starts)."""
+    check_serving(t)
+
+
+def refusals() -> list:
+    from redis.exceptions import RedisClusterException, RedisError
+
+    not_transient = (FileNotFoundError, ValueError, PermissionError, RedisError, RedisClusterException)
+    return [(Raced, 3), (S.StoreUnavailable, 4), (not_transient, 2)]
+
+
+def shown(uri: str) -> str:
+    return masked(uri)
+
+
+def export_flags(t: Serving) -> str:
+    return f"--namespace {t.namespace}"
 
 
 class Refused(ValueError):
@@ -413,13 +445,7 @@ def export(run, t: Serving) -> Export:
         version = version_of(client, t, run_id)
         names = run.manifest["files"]["recommendations"]
         files = {n.removesuffix(".parquet"): f for n, f in zip(names, run.files("recommendations"), strict=True)}
-        try:
-            resumed, size = write_version(run, t, version, files, creds, client)
-            users = counted(client, t, run, version, files)
-        except Exception as e:  # Raced: its version removed, also by its successor's export (`abandoned`)
-            if not isinstance(ray_cause(e), Raced) or superseded(run) is None:
-                raise
-            resumed, size, users = 0, 0, 0
+        resumed, size, users = write_and_count(run, t, version, files, creds, client)
         if (why := superseded(run)) is not None:  # while it wrote: its successor's export is the one to switch
             remove_version(client, t, version, unlisted=True)
             took = time.perf_counter() - start
@@ -432,6 +458,22 @@ def export(run, t: Serving) -> Export:
         return Export(url, t.namespace, run_id, version, previous, True, users, size, resumed, took, removed, error)
     finally:
         client.close()
+
+
+commit_run = export  # the Sink protocol's name (pipeline/stores/base.py)
+
+
+def write_and_count(run, t: Serving, version: str, files: dict, creds: Credentials, client) -> tuple[int, int, int]:
+    """The run's lists written under `version` (`write_version`) and counted (`counted`) -> (shards resumed, bytes,
+    users); zeros where the writes raced the version's removal because the run was superseded meanwhile (Raced: its
+    successor's export removed it, `abandoned`)."""
+    try:
+        resumed, size = write_version(run, t, version, files, creds, client)
+        return resumed, size, counted(client, t, run, version, files)
+    except Exception as e:
+        if not isinstance(ray_cause(e), Raced) or superseded(run) is None:
+            raise
+        return 0, 0, 0
 
 
 def superseded(run) -> str | None:

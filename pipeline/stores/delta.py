@@ -1,5 +1,6 @@
-"""Lakehouse tables, in Delta Lake through delta-rs (`deltalake`): histories read at one table version, and a
-published run's recommendations committed to a table partitioned by run_date (docs/architecture.md says why Delta).
+"""Delta Lake tables through delta-rs (`deltalake`): a source (histories read at one table version) and a sink (a
+published run's recommendations committed to a table partitioned by run_date). docs/architecture.md compares the
+two table formats.
 
 Input. `input: delta+URI` names a Delta table. The plan pins one version (input_version; else a resume's, the version
 its run started on, _RUN.json `identity.input_version`; else the newest) and reads that version's data files as it
@@ -27,34 +28,56 @@ import logging
 import os
 import time
 import urllib.parse
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.fs as pafs
+import pyarrow.dataset as pads
 
 from pipeline import runs
 from pipeline import storage as S
-from pipeline.config import DELTA, Table
+from pipeline.config import Config, Table
 from pipeline.storage import Storage
+from pipeline.stores.base import Commit, Input, check_present, read_footers
+from pipeline.stores.lake import (
+    CALL,
+    CONFLICT_TRIES,
+    DENIED_WORDS,
+    PARTITION,
+    RUN_ID,
+    TRANSIENT_WORDS,
+    delete_written,
+    file_name,
+    group,
+    refusals,  # noqa: F401 -- the Sink protocol's
+    rows,
+    table_schema,
+    target,  # noqa: F401 -- the Sink protocol's
+    whose,
+    worded,
+    write_parts,
+)
 
 log = logging.getLogger("genrec.tables")
 
-RUN_ID = "genrec_batch.run_id"  # the commit info's key naming the run a commit published
-CALL = "genrec_batch.commit"  # the commit info's key naming the call that made it (a nonce per commit_run)
-PARTITION = "run_date"
+PREFIX = "delta+"  # a URI that names a Delta table: delta+s3://bucket/prefix, delta+/local/path
+VERSIONED = True
+NAME, SECTION, BEFORE = "Delta table", "table", "the date's rows before"
+
 READABLE = frozenset({"timestampNtz", "v2Checkpoint", "vacuumProtocolCheck"})  # reader features that change nothing
 # about reading a version's files as they are (deletion vectors and column mapping do)
-CONFLICT_TRIES = 20  # commits of one table that lost to another (they reload and try again)
-
-
-def is_delta(uri: str | None) -> bool:
-    return bool(uri) and uri.startswith(DELTA)
 
 
 def location(uri: str) -> str:
     """delta+s3://b/p -> s3://b/p; delta+/path -> /path."""
-    return uri.removeprefix(DELTA)
+    return uri.removeprefix(PREFIX)
+
+
+def check_uri(uri: str) -> str | None:
+    where = location(uri)
+    if where and ("://" not in where or where.startswith("s3://")):
+        return None
+    return f"must be a Delta table: {PREFIX}s3://bucket/prefix or {PREFIX}/local/path"
 
 
 def storage_options(storage: Storage) -> dict[str, str]:
@@ -69,33 +92,6 @@ def storage_options(storage: Storage) -> dict[str, str]:
     return options
 
 
-TRANSIENT_WORDS = (
-    "connection refused",
-    "connection reset",
-    "connection closed",
-    "broken pipe",
-    "timed out",
-    "timeout",
-    "error sending request",
-    "service unavailable",
-    "slowdown",
-    "slow down",
-    "internal server error",
-    "bad gateway",
-    "gateway timeout",
-)
-
-
-DENIED_WORDS = (
-    "privileges",
-    "access denied",
-    "accessdenied",
-    "forbidden",
-    "invalidaccesskeyid",
-    "signaturedoesnotmatch",
-)
-
-
 def transient(e: BaseException, uri: str = "") -> bool:
     """A delta-rs error worth trying again: the object store's own transient errors, or delta-rs's words for them in
     its message (the table's own URI left out: a path may hold any word)."""
@@ -105,8 +101,7 @@ def transient(e: BaseException, uri: str = "") -> bool:
         return True
     if isinstance(e, (FileNotFoundError, PermissionError, TableNotFoundError, CommitFailedError)):
         return False
-    text = str(e).replace(uri, "").replace(location(uri) if uri else "", "").lower()
-    return any(w in text for w in TRANSIENT_WORDS)
+    return worded(str(e).replace(uri, "").replace(location(uri) if uri else "", ""), TRANSIENT_WORDS)
 
 
 def retrying(call, storage: Storage, what: str, uri: str):
@@ -137,7 +132,7 @@ def load(uri: str, storage: Storage, version: int | None = None):
     except S.StoreUnavailable:
         raise
     except Exception as e:
-        if any(w in str(e).lower() for w in DENIED_WORDS):
+        if worded(str(e), DENIED_WORDS):
             raise PermissionError(
                 f"{uri}: the object store refused access ({' '.join(str(e).split())[:300]}); check the credentials "
                 "in the environment and storage.endpoint"
@@ -180,14 +175,23 @@ def snapshot(uri: str, storage: Storage, version: int | None, columns: list[str]
         )
     fs, _ = S.filesystem(location(uri), storage)
     files = data_files(table, uri, storage)
-    infos = S.retrying(lambda: fs.get_file_info(files), storage, f"HEAD the files of {uri} version {version}")
-    gone = [i.path for i in infos if i.type == pafs.FileType.NotFound]
-    if gone:
-        raise FileNotFoundError(
-            f"input {uri} version {version}: {len(gone)} of its {len(files)} data files are gone (the table was "
-            f"vacuumed past this version), e.g. {gone[0]}"
-        )
+    check_present(fs, files, f"input {uri} version {version}", storage, " (the table was vacuumed past this version)")
     return Snapshot(uri, version, files, pa.schema(table.schema().to_arrow()))
+
+
+def open(cfg: Config, version: int | None = None) -> Input:
+    """cfg.input at `version` (None: the newest; `snapshot`) -> its files, footers read, in the table's schema: a
+    column added later (schema evolution) is in it, read as nulls in the files older than it."""
+    columns = [cfg.columns.user_id, cfg.columns.history, cfg.decoding.exclude_column]
+    snap = snapshot(cfg.input, cfg.storage, version, columns)
+    fs, _ = S.filesystem(location(cfg.input), cfg.storage)
+    data = S.retrying(
+        lambda: pads.dataset(snap.files, filesystem=fs, format="parquet", schema=snap.schema),
+        cfg.storage,
+        f"open {cfg.input} version {snap.version}",
+    )
+    read_footers(data, cfg.storage)
+    return Input(data, fs, snap.version)
 
 
 def data_files(table, uri: str, storage: Storage) -> list[str]:
@@ -226,21 +230,21 @@ def check_readable(table, uri: str, version: int, columns: list[str]) -> None:
 # ------------------------------------------------------------------ output: a published run committed
 
 
-@dataclass(frozen=True)
-class Commit:
-    """What a commit of a published run did (the nightly prints it under `table`)."""
+def check(t: Table, storage: Storage) -> None:
+    """The plan's checks of the output table: its folder reachable with these credentials and, on S3, a store
+    that honours conditional writes (delta-rs's commits rest on them)."""
+    where = location(t.uri)
+    S.check_access(where, storage)
+    if S.is_s3(where):
+        S.check_conditional_writes(where, storage)
 
-    table: str  # delta+...
-    run_id: str
-    run_date: str
-    version: int | None  # the table version that holds the run; None: skipped
-    files: int  # data files added
-    rows: int
-    seconds: float
-    skipped: str | None = None  # why nothing was committed now (already committed, superseded)
 
-    def record(self) -> dict:
-        return asdict(self)
+def shown(uri: str) -> str:
+    return uri
+
+
+def export_flags(t: Table) -> str:
+    return ""
 
 
 def commit_run(run, t: Table) -> Commit:
@@ -252,7 +256,7 @@ def commit_run(run, t: Table) -> Commit:
     import uuid
 
     start, storage = time.perf_counter(), run.storage
-    schema = table_schema(run)
+    schema = table_schema(run)  # in Delta's types
     done = committed(t.uri, storage, run.run_id)
     if done is not None:
         return Commit(t.uri, run.run_id, run.run_date, done[0], 0, 0, time.perf_counter() - start, "already committed")
@@ -263,16 +267,16 @@ def commit_run(run, t: Table) -> Commit:
     check_schema(created, t.uri, schema)
     call = uuid.uuid4().hex[:12]
     adds = write_files(run, t, schema, call)
-    version, skipped = commit(run, t, adds, schema, call)
+    version, skipped = transact(run, t, adds, schema, call)
     if skipped is not None:  # another call's files hold the run, or none may: this call's are in no version
-        remove_files(t.uri, adds, storage)
+        delete_written([S.join(location(t.uri), a.path) for a in adds], storage)
         log.info("table %s: run %s not committed by this call (%s)", t.uri, run.run_id, skipped)
         return Commit(t.uri, run.run_id, run.run_date, version, 0, 0, time.perf_counter() - start, skipped)
-    rows = sum(json.loads(a.stats)["numRecords"] for a in adds)
+    count = sum(json.loads(a.stats)["numRecords"] for a in adds)
     took = time.perf_counter() - start
     log.info("table %s: run %s of %s committed as version %s (%d files, %d rows, %.1f s)", t.uri, run.run_id,
-             run.run_date, version, len(adds), rows, took)  # fmt: skip
-    return Commit(t.uri, run.run_id, run.run_date, version, len(adds), rows, took, None)
+             run.run_date, version, len(adds), count, took)  # fmt: skip
+    return Commit(t.uri, run.run_id, run.run_date, version, len(adds), count, took, None)
 
 
 def run_app(run_id: str) -> str:
@@ -296,29 +300,6 @@ def committed(uri: str, storage: Storage, run_id: str, table=None) -> tuple[int,
         if entry.get(RUN_ID) == run_id:
             return int(entry["version"]), entry.get(CALL)
     return table.version(), None
-
-
-def table_schema(run) -> pa.Schema:
-    """The table's schema for a run: run_date (the partition), run_id, then the run's recommendation columns, in
-    types Delta has (`delta_type`)."""
-    recs = run.dataset("recommendations").schema
-    fields = [pa.field(f.name, delta_type(f.type), nullable=True) for f in recs if f.name not in (PARTITION, "run_id")]
-    return pa.schema([pa.field(PARTITION, pa.string()), pa.field("run_id", pa.string()), *fields])
-
-
-def delta_type(kind: pa.DataType) -> pa.DataType:
-    """An arrow type -> the one the table stores: dictionaries decoded, unsigned integers widened (uint64 as
-    decimal(20, 0): Delta has no unsigned types, and no narrower type holds every uint64), large strings plain."""
-    t = pa.types
-    if t.is_dictionary(kind):
-        return delta_type(kind.value_type)
-    if t.is_unsigned_integer(kind):
-        return {8: pa.int16(), 16: pa.int32(), 32: pa.int64()}.get(kind.bit_width, pa.decimal128(20, 0))
-    if t.is_large_string(kind):
-        return pa.string()
-    if t.is_large_binary(kind) or t.is_fixed_size_binary(kind):
-        return pa.binary()
-    return kind
 
 
 def create(uri: str, storage: Storage, schema: pa.Schema):
@@ -370,28 +351,12 @@ def describe(schema: pa.Schema) -> str:
 
 
 def write_files(run, t: Table, schema: pa.Schema, call: str) -> list:
-    """The run's recommendation files copied into the table's folder by Ray tasks (table.writers at once), about
-    table.rows_per_file rows a file -> their AddActions. The files' names hold the run, the call (a task run again
-    writes the same file; two commits of one run at once never write over each other's, which a version may name)
-    and the group."""
-    import ray
+    """The run's recommendation files copied into the table's folder by Ray tasks (`lake.write_parts`) -> their
+    AddActions."""
     from deltalake.transaction import AddAction
 
-    files = run.files("recommendations")
-    rows = int(run.manifest["counts"]["recommendations"])
-    per = max(1, round(t.rows_per_file / max(rows / max(len(files), 1), 1)))  # recommendation files per table file
-    groups = [{"part": i, "files": json.dumps(files[lo : lo + per])} for i, lo in enumerate(range(0, len(files), per))]
-    ds = ray.data.from_items(groups).map_batches(
-        write_part,
-        batch_size=1,
-        batch_format="pyarrow",
-        compute=ray.data.TaskPoolStrategy(size=min(t.writers, max(len(groups), 1))),
-        fn_kwargs={"uri": t.uri, "run_id": run.run_id, "run_date": run.run_date, "schema": schema,
-                   "storage": run.storage, "nonce": call},
-    )  # fmt: skip
-    ds.context.raise_original_map_exception = True
-    written = pa.concat_tables(list(ds.iter_batches(batch_size=None, batch_format="pyarrow"))) if groups else None
-    if written is None or not written.num_rows:
+    written = write_parts(run, t, write_part, uri=t.uri, schema=schema, nonce=call)
+    if written is None:
         return []
     now = int(time.time() * 1000)
     return [
@@ -404,28 +369,19 @@ def write_files(run, t: Table, schema: pa.Schema, call: str) -> list:
 def write_part(
     batch: pa.Table, uri: str, run_id: str, run_date: str, schema: pa.Schema, storage: Storage, nonce: str
 ) -> pa.Table:
-    """Ray Data map over groups of a run's recommendation files (one a row): the group's rows, each with its
-    run_id, in the table's types, written as one parquet file under run_date=D/ (none for a group without a row)
+    """`lake.write_parts`' task: a group's rows, each with its run_id, in the table's types, written as one parquet
+    file under run_date=D/ (none for a group without a row; run_date is the file's partition value, not a column)
     -> (path in the table, size, rows, Delta stats)."""
-    part, files = batch["part"][0].as_py(), json.loads(batch["files"][0].as_py())
-    data = [S.read_parquet(f, storage) for f in files]
-    rows = pa.concat_tables([conform(d, run_id, schema) for d in data]) if data else schema.empty_table()
-    rows = rows.drop_columns([PARTITION])
-    path = f"{PARTITION}={run_date}/part-{run_id}-{nonce}-{part:05d}.parquet"
-    if not rows.num_rows:
+    part, files = group(batch)
+    found = rows(files, run_id, run_date, schema, storage).drop_columns([PARTITION])
+    path = f"{PARTITION}={run_date}/{file_name(run_id, nonce, part)}"
+    if not found.num_rows:
         return pa.table({"path": [path], "size": [0], "rows": [0], "stats": [""]})
-    target = S.join(location(uri), path)
-    S.write_parquet(rows, target, storage)
-    fs, where = S.filesystem(target, storage)
-    size = S.retrying(lambda: fs.get_file_info(where).size, storage, f"HEAD {target}")
-    return pa.table({"path": [path], "size": [size], "rows": [rows.num_rows], "stats": [stats_of(rows)]})
-
-
-def conform(t: pa.Table, run_id: str, schema: pa.Schema) -> pa.Table:
-    """A run's recommendation rows -> the table's columns and types (run_date is the file's partition value)."""
-    n = t.num_rows
-    added = {PARTITION: pa.nulls(n, pa.string()), "run_id": pa.array([run_id] * n, pa.string())}
-    return pa.table([added[f.name] if f.name in added else t[f.name].cast(f.type) for f in schema], schema=schema)
+    dest = S.join(location(uri), path)
+    S.write_parquet(found, dest, storage)
+    fs, where = S.filesystem(dest, storage)
+    size = S.retrying(lambda: fs.get_file_info(where).size, storage, f"HEAD {dest}")
+    return pa.table({"path": [path], "size": [size], "rows": [found.num_rows], "stats": [stats_of(found)]})
 
 
 def stats_of(t: pa.Table) -> str:
@@ -441,17 +397,7 @@ def stats_of(t: pa.Table) -> str:
     return json.dumps({"numRecords": t.num_rows, "minValues": low, "maxValues": high, "nullCount": nulls})
 
 
-def remove_files(uri: str, adds: list, storage: Storage) -> None:
-    """Deletes data files a call wrote that no version names (`adds`: their AddActions)."""
-    folders: dict[str, list[str]] = {}
-    for a in adds:
-        folder, _, name = a.path.rpartition("/")
-        folders.setdefault(folder, []).append(name)
-    for folder, names in folders.items():
-        S.delete_files(S.join(location(uri), folder), names, storage)
-
-
-def commit(run, t: Table, adds: list, schema: pa.Schema, call: str) -> tuple[int | None, str | None]:
+def transact(run, t: Table, adds: list, schema: pa.Schema, call: str) -> tuple[int | None, str | None]:
     """One Delta transaction: `adds` in, the date's earlier rows out (overwrite where run_date = D), the commit info
     naming the run and the call, the date's and the run's app transactions -> (the table version, None), or (the
     version, why) when another call committed the run first, or (None, why) when the run was superseded before its
@@ -491,20 +437,10 @@ def commit(run, t: Table, adds: list, schema: pa.Schema, call: str) -> tuple[int
     raise S.StoreUnavailable(f"table {t.uri}: the commit of run {run.run_id} lost to others {CONFLICT_TRIES} times")
 
 
-def whose(done: tuple[int, str | None] | None, call: str) -> tuple[int | None, str | None]:
-    """The version found holding the run (`committed`) -> (it, None) when this call made it, else (it, why not)."""
-    if done is None:
-        raise ValueError("a commit that succeeded is not in the table's history")
-    version, by = done
-    if by == call:
-        return version, None
-    return version, f"already committed by another call (version {version})"
-
-
 def commit_properties(run, table, call: str):
     """A run's commit: its info naming the run and the call; the date's app transaction (the next of its sequence:
     two commits of the date from one version conflict) and the run's (a commit tried again finds itself made); no
-    retry by delta-rs (a conflict comes back to `commit`: the run is checked again on the table it lost to)."""
+    retry by delta-rs (a conflict comes back to `transact`: the run is checked again on the table it lost to)."""
     from deltalake.transaction import CommitProperties, Transaction
 
     sequence = (table.transaction_version(date_app(run.run_date)) or 0) + 1
