@@ -29,7 +29,7 @@ from pipeline.config import Table, load_config
 from pipeline.output import open_run
 from pipeline.storage import Storage
 from pipeline.stores import iceberg
-from pipeline.stores.lake import CALL, RUN_ID
+from pipeline.stores.lake import CALL, RUN_ID, table_schema
 from tests.helpers import float32_atol
 from tests.postgres_server import postgres
 from tests.servers import seaweedfs
@@ -284,6 +284,29 @@ def test_a_commit_that_lost_to_another_reloads_and_commits_against_the_table_now
     assert [s.summary[RUN_ID] for s in table.snapshots()] == [theirs.run_id, mine.run_id]
     assert table.current_snapshot().snapshot_id == done.version
     got = date_rows(table, DATE)
+    assert set(got["run_id"].to_pylist()) == {mine.run_id} and rows(got) == rows(mine.table("recommendations"))
+
+
+def test_a_commit_that_lost_is_planned_again_under_any_isolation_level(lake, nights, monkeypatch):
+    """A table made elsewhere whose write.delete.isolation-level is snapshot: a commit of the date's first rows that
+    loses to another run's (theirs lands between its load and its snapshot) is planned again against the table as
+    it is now, not rebased by pyiceberg's own retry as it was planned (which under snapshot isolation checks
+    nothing and keeps both runs' rows of the date)."""
+    s3, storage = lake.s3, lake.storage
+    mine, theirs = (open_run(f"{s3.uri(out)}/run_date={DATE}", storage) for out in ("out-ice", "out-parquet"))
+    uri, overwrite, between = f"iceberg+{LOCAL}/db.isolated", iceberg.overwrite, []
+    with iceberg.create(uri, storage, table_schema(mine, narrowest=32)).transaction() as txn:
+        txn.set_properties({"write.delete.isolation-level": "snapshot"})
+
+    def overtaken(table, old, new, summary):
+        if summary[RUN_ID] == mine.run_id and not between:
+            between.append(iceberg.commit_run(theirs, Table(uri)))  # the date's first rows, after `table` loaded
+        overwrite(table, old, new, summary)
+
+    monkeypatch.setattr(iceberg, "overwrite", overtaken)
+    done = iceberg.commit_run(mine, Table(uri))
+    assert between[0].skipped is None and done.skipped is None
+    got = date_rows(catalog(LOCAL, lake).load_table("db.isolated"), DATE)
     assert set(got["run_id"].to_pylist()) == {mine.run_id} and rows(got) == rows(mine.table("recommendations"))
 
 

@@ -24,10 +24,10 @@ table.rows_per_file rows a file, the table's field ids, run_date in every row) a
 makes their DataFiles from them and commits ONE snapshot that deletes the date's data files and adds these (an
 OVERWRITE; the first commit of a table, an APPEND), its summary naming the run (genrec_batch.run_id) and the call
 (genrec_batch.commit, a nonce). The catalog's compare-and-swap fences it: a commit that lost to another
-(CommitFailedException, or pyiceberg's ValidationException once its own retry finds files added meanwhile) reloads
-the table and checks again. A call reports "committed" only when the snapshot holding the run names it; a run
-already committed (its snapshot in the main branch's history: a retry after a lost answer finds it), or no longer
-its date's published run, is skipped, and the files the call wrote are deleted. A table created here (with its
+(CommitFailedException; pyiceberg's own retry, which would rebase it unplanned, is off: `overwrite`) reloads the table,
+plans the date's files again and checks again. A call reports "committed" only when the snapshot holding the run names
+it; a run already committed (its snapshot in the main branch's history: a retry after a lost answer finds it), or no
+longer its date's published run, is skipped, and the files the call wrote are deleted. A table created here (with its
 namespace, when absent) is partitioned by run_date (identity): two calls creating it at once leave one table.
 """
 
@@ -606,7 +606,15 @@ def date_files(table, run_date: str) -> list:
 
 def overwrite(table, old: list, new: list, summary: dict) -> None:
     """One snapshot of the main branch that deletes `old` and adds `new` (pyiceberg's overwrite producer, one
-    transaction: the catalog's compare-and-swap against the snapshot the table was loaded at)."""
+    transaction: the catalog's compare-and-swap against the snapshot the table was loaded at). pyiceberg's own retry
+    of a commit that lost is off (commit.retry.num-retries 0 in this process's copy of the table's metadata, never
+    committed): it would rebase the files planned at the load, and under a table's isolation level other than
+    serializable check nothing, keeping another run's rows of the date beside these. A commit that lost comes back
+    to `transact` (CommitFailedException), which plans the date's files again against the table as it is now."""
+    from pyiceberg.table import TableProperties
+
+    props = {**table.metadata.properties, TableProperties.COMMIT_NUM_RETRIES: "0"}
+    table.metadata = table.metadata.model_copy(update={"properties": props})
     with table.transaction() as txn:
         with txn.update_snapshot(snapshot_properties=summary).overwrite() as snapshot:
             for f in old:
