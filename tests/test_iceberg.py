@@ -310,6 +310,41 @@ def test_a_commit_that_lost_is_planned_again_under_any_isolation_level(lake, nig
     assert set(got["run_id"].to_pylist()) == {mine.run_id} and rows(got) == rows(mine.table("recommendations"))
 
 
+def test_a_catalog_that_refuses_the_commit_is_exit_2_its_password_not_shown(lake, nights, monkeypatch, capsys):
+    """A SQL catalog whose database role may read the catalog's tables but not update them: the export loads the
+    table, writes its files, and the catalog refuses the commit. Exit 2 (docs/output.md: a catalog that refuses the
+    commit), one `error:` line naming the table, the role's password in no message. A commit that keeps failing
+    transiently is StoreUnavailable (exit 4) after storage.retry_s."""
+    import psycopg2
+
+    pg, s3 = lake.pg, lake.s3
+    with psycopg2.connect(host="127.0.0.1", port=pg.port, user="genrec", password=pg.password, dbname="postgres") as c:
+        with c.cursor() as cur:
+            cur.execute("CREATE ROLE reader LOGIN PASSWORD 'reader-password-5678'")
+            cur.execute("GRANT SELECT ON ALL TABLES IN SCHEMA public TO reader")
+    shared = f"PYICEBERG_CATALOG__{SHARED.upper()}__"
+    for k, v in list(os.environ.items()):
+        if k.startswith(shared):  # the catalog `reader`: the lake's database and warehouse
+            monkeypatch.setenv(k.replace(shared, "PYICEBERG_CATALOG__READER__"), v)
+    run = open_run(f"{s3.uri('out-ice')}/run_date={DATE}", lake.storage)
+    iceberg.create("iceberg+reader/recs.refused", lake.storage, table_schema(run, narrowest=32))  # by the owner
+    monkeypatch.setenv("PYICEBERG_CATALOG__READER__URI", pg.url.replace(pg.password, "reader-password-5678")
+                       .replace("genrec:", "reader:"))  # fmt: skip
+    capsys.readouterr()
+    flags = ["--endpoint", s3.endpoint, "--retry-s", "2"]
+    assert export.main([run.uri, "--to", "iceberg+reader/recs.refused", *flags]) == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and "recs.refused" in err and "reader-password-5678" not in err, err
+
+    def down(*_):
+        raise ConnectionRefusedError("connection refused")
+
+    monkeypatch.setattr(iceberg, "overwrite", down)  # a catalog whose commits fail transiently, for retry_s
+    flaky = open_run(run.uri, Storage(s3.endpoint, retry_s=1))
+    with pytest.raises(S.StoreUnavailable, match="Iceberg catalog reader unavailable: commit run"):  # exit 4
+        iceberg.transact(flaky, Table("iceberg+reader/recs.refused"), [], "a-call")
+
+
 def read_all(plan) -> pa.Table:
     """Every row of a plan's input as the read tasks read it (`units.read_units`), in scan order."""
     from pipeline.plan import input_columns
