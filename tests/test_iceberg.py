@@ -29,7 +29,7 @@ from pipeline.config import Table, load_config
 from pipeline.output import open_run
 from pipeline.storage import Storage
 from pipeline.stores import iceberg
-from pipeline.stores.lake import CALL, RUN_ID
+from pipeline.stores.lake import CALL, RUN_ID, table_schema
 from tests.helpers import float32_atol
 from tests.postgres_server import postgres
 from tests.servers import seaweedfs
@@ -285,6 +285,64 @@ def test_a_commit_that_lost_to_another_reloads_and_commits_against_the_table_now
     assert table.current_snapshot().snapshot_id == done.version
     got = date_rows(table, DATE)
     assert set(got["run_id"].to_pylist()) == {mine.run_id} and rows(got) == rows(mine.table("recommendations"))
+
+
+def test_a_commit_that_lost_is_planned_again_under_any_isolation_level(lake, nights, monkeypatch):
+    """A table made elsewhere whose write.delete.isolation-level is snapshot: a commit of the date's first rows that
+    loses to another run's (theirs lands between its load and its snapshot) is planned again against the table as
+    it is now, not rebased by pyiceberg's own retry as it was planned (which under snapshot isolation checks
+    nothing and keeps both runs' rows of the date)."""
+    s3, storage = lake.s3, lake.storage
+    mine, theirs = (open_run(f"{s3.uri(out)}/run_date={DATE}", storage) for out in ("out-ice", "out-parquet"))
+    uri, overwrite, between = f"iceberg+{LOCAL}/db.isolated", iceberg.overwrite, []
+    with iceberg.create(uri, storage, table_schema(mine, narrowest=32)).transaction() as txn:
+        txn.set_properties({"write.delete.isolation-level": "snapshot"})
+
+    def overtaken(table, old, new, summary):
+        if summary[RUN_ID] == mine.run_id and not between:
+            between.append(iceberg.commit_run(theirs, Table(uri)))  # the date's first rows, after `table` loaded
+        overwrite(table, old, new, summary)
+
+    monkeypatch.setattr(iceberg, "overwrite", overtaken)
+    done = iceberg.commit_run(mine, Table(uri))
+    assert between[0].skipped is None and done.skipped is None
+    got = date_rows(catalog(LOCAL, lake).load_table("db.isolated"), DATE)
+    assert set(got["run_id"].to_pylist()) == {mine.run_id} and rows(got) == rows(mine.table("recommendations"))
+
+
+def test_a_catalog_that_refuses_the_commit_is_exit_2_its_password_not_shown(lake, nights, monkeypatch, capsys):
+    """A SQL catalog whose database role may read the catalog's tables but not update them: the export loads the
+    table, writes its files, and the catalog refuses the commit. Exit 2 (docs/output.md: a catalog that refuses the
+    commit), one `error:` line naming the table, the role's password in no message. A commit that keeps failing
+    transiently is StoreUnavailable (exit 4) after storage.retry_s."""
+    import psycopg2
+
+    pg, s3 = lake.pg, lake.s3
+    with psycopg2.connect(host="127.0.0.1", port=pg.port, user="genrec", password=pg.password, dbname="postgres") as c:
+        with c.cursor() as cur:
+            cur.execute("CREATE ROLE reader LOGIN PASSWORD 'reader-password-5678'")
+            cur.execute("GRANT SELECT ON ALL TABLES IN SCHEMA public TO reader")
+    shared = f"PYICEBERG_CATALOG__{SHARED.upper()}__"
+    for k, v in list(os.environ.items()):
+        if k.startswith(shared):  # the catalog `reader`: the lake's database and warehouse
+            monkeypatch.setenv(k.replace(shared, "PYICEBERG_CATALOG__READER__"), v)
+    run = open_run(f"{s3.uri('out-ice')}/run_date={DATE}", lake.storage)
+    iceberg.create("iceberg+reader/recs.refused", lake.storage, table_schema(run, narrowest=32))  # by the owner
+    monkeypatch.setenv("PYICEBERG_CATALOG__READER__URI", pg.url.replace(pg.password, "reader-password-5678")
+                       .replace("genrec:", "reader:"))  # fmt: skip
+    capsys.readouterr()
+    flags = ["--endpoint", s3.endpoint, "--retry-s", "2"]
+    assert export.main([run.uri, "--to", "iceberg+reader/recs.refused", *flags]) == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and "recs.refused" in err and "reader-password-5678" not in err, err
+
+    def down(*_):
+        raise ConnectionRefusedError("connection refused")
+
+    monkeypatch.setattr(iceberg, "overwrite", down)  # a catalog whose commits fail transiently, for retry_s
+    flaky = open_run(run.uri, Storage(s3.endpoint, retry_s=1))
+    with pytest.raises(S.StoreUnavailable, match="Iceberg catalog reader unavailable: commit run"):  # exit 4
+        iceberg.transact(flaky, Table("iceberg+reader/recs.refused"), [], "a-call")
 
 
 def read_all(plan) -> pa.Table:

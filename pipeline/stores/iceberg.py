@@ -24,10 +24,10 @@ table.rows_per_file rows a file, the table's field ids, run_date in every row) a
 makes their DataFiles from them and commits ONE snapshot that deletes the date's data files and adds these (an
 OVERWRITE; the first commit of a table, an APPEND), its summary naming the run (genrec_batch.run_id) and the call
 (genrec_batch.commit, a nonce). The catalog's compare-and-swap fences it: a commit that lost to another
-(CommitFailedException, or pyiceberg's ValidationException once its own retry finds files added meanwhile) reloads
-the table and checks again. A call reports "committed" only when the snapshot holding the run names it; a run
-already committed (its snapshot in the main branch's history: a retry after a lost answer finds it), or no longer
-its date's published run, is skipped, and the files the call wrote are deleted. A table created here (with its
+(CommitFailedException; pyiceberg's own retry, which would rebase it unplanned, is off: `overwrite`) reloads the table,
+plans the date's files again and checks again. A call reports "committed" only when the snapshot holding the run names
+it; a run already committed (its snapshot in the main branch's history: a retry after a lost answer finds it), or no
+longer its date's published run, is skipped, and the files the call wrote are deleted. A table created here (with its
 namespace, when absent) is partitioned by run_date (identity): two calls creating it at once leave one table.
 """
 
@@ -152,7 +152,6 @@ def calling(call, storage: Storage, what: str, name: str):
 
     passed = (ie.NoSuchTableError, ie.NoSuchNamespaceError, ie.TableAlreadyExistsError, ie.CommitFailedException)
     passed += (ie.ValidationException, ie.CommitStateUnknownException, ie.NamespaceAlreadyExistsError)
-    hidden = secrets(properties(name))
 
     def once():
         try:
@@ -160,17 +159,31 @@ def calling(call, storage: Storage, what: str, name: str):
         except passed:
             raise
         except Exception as e:
-            text = " ".join(f"{type(e).__name__}: {e}".split())
-            for secret in hidden:
-                text = text.replace(secret, "***")
-            denied = isinstance(e, (ie.ForbiddenError, ie.UnauthorizedError)) or worded(text, DENIED_WORDS)
-            raise CatalogError(text[:800], transient(e) and not denied, denied) from None
+            raise catalog_error(e, name) from None
 
     store = (f"Iceberg catalog {name}", lambda e: isinstance(e, CatalogError) and e.transient, "storage.retry_s")
     try:
         return S.retrying(once, storage, what, store=store)
     except CatalogError as e:
-        raise (PermissionError if e.denied else ValueError)(f"{what}: {e}") from None
+        raise refused(e, what) from None
+
+
+def catalog_error(e: BaseException, name: str) -> CatalogError:
+    """An error of a call to the catalog `name` -> CatalogError: its text with the catalog's secrets masked,
+    transient or not (`transient`), a refused credential or permission or not."""
+    from pyiceberg import exceptions as ie
+
+    text = " ".join(f"{type(e).__name__}: {e}".split())
+    for secret in secrets(properties(name)):
+        text = text.replace(secret, "***")
+    denied = isinstance(e, (ie.ForbiddenError, ie.UnauthorizedError)) or worded(text, DENIED_WORDS)
+    return CatalogError(text[:800], transient(e) and not denied, denied)
+
+
+def refused(e: CatalogError, what: str) -> Exception:
+    """A catalog's error that trying again does not mend -> PermissionError (a refused credential or permission),
+    else ValueError, naming `what`: exit 2."""
+    return (PermissionError if e.denied else ValueError)(f"{what}: {e}")
 
 
 def transient(e: BaseException) -> bool:
@@ -400,7 +413,8 @@ def commit_run(run, t: Table) -> Commit:
     (see the module docstring); created partitioned by run_date if absent. A call that finds the run committed
     (before it writes, or by another call while it wrote) or superseded commits nothing, says why (`skipped`) and
     deletes the files it wrote. Raises StoreUnavailable (the catalog or the store gave out for storage.retry_s),
-    ValueError (a table whose schema or partitioning is not the run's, a catalog that refused the commit)."""
+    ValueError (a table whose schema or partitioning is not the run's, a catalog that refused the commit) or
+    PermissionError (one that refused the credential or permission)."""
     import uuid
 
     start, storage = time.perf_counter(), run.storage
@@ -588,8 +602,14 @@ def transact(run, t: Table, files: list, call: str) -> tuple[int | None, str | N
             log.warning("table %s: the commit of run %s lost to another (%s); checking again", t.uri, run.run_id, e)
             continue
         except Exception as e:  # an answer lost, or a catalog that fails: whether it landed is read again
-            if not (isinstance(e, CommitStateUnknownException) or transient(e)) or time.monotonic() > deadline:
-                raise
+            error, what = catalog_error(e, name), f"commit run {run.run_id} to {t.uri}"
+            if not (isinstance(e, CommitStateUnknownException) or error.transient):
+                raise refused(error, what) from None  # the catalog refused it: exit 2, its secrets masked
+            if time.monotonic() > deadline:
+                raise S.StoreUnavailable(
+                    f"Iceberg catalog {name} unavailable: {what} failed for storage.retry_s = {storage.retry_s:g} "
+                    f"s: {error}"
+                ) from None
             log.warning("table %s: the commit of run %s failed (%s); checking whether it landed", t.uri, run.run_id,
                         type(e).__name__)  # fmt: skip
             time.sleep(1.0)
@@ -606,7 +626,15 @@ def date_files(table, run_date: str) -> list:
 
 def overwrite(table, old: list, new: list, summary: dict) -> None:
     """One snapshot of the main branch that deletes `old` and adds `new` (pyiceberg's overwrite producer, one
-    transaction: the catalog's compare-and-swap against the snapshot the table was loaded at)."""
+    transaction: the catalog's compare-and-swap against the snapshot the table was loaded at). pyiceberg's own retry
+    of a commit that lost is off (commit.retry.num-retries 0 in this process's copy of the table's metadata, never
+    committed): it would rebase the files planned at the load, and under a table's isolation level other than
+    serializable check nothing, keeping another run's rows of the date beside these. A commit that lost comes back
+    to `transact` (CommitFailedException), which plans the date's files again against the table as it is now."""
+    from pyiceberg.table import TableProperties
+
+    props = {**table.metadata.properties, TableProperties.COMMIT_NUM_RETRIES: "0"}
+    table.metadata = table.metadata.model_copy(update={"properties": props})
     with table.transaction() as txn:
         with txn.update_snapshot(snapshot_properties=summary).overwrite() as snapshot:
             for f in old:
