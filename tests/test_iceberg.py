@@ -447,6 +447,8 @@ def test_columns_are_matched_by_field_id_and_what_cannot_be_read_is_refused(lake
         assert "not-the-password-1234" not in str(caught.value)
     for bad, words in (
         (["input=iceberg+lake"], "must be an Iceberg table: iceberg"),
+        (["input=iceberg+postgresql://u:hunter2@h/db.t"], "by its pyiceberg name .* not a connection"),
+        (["table.uri=iceberg+sql:x@y/db.t"], "by its pyiceberg name"),
         (["input_version=3"], "input_version needs a table input"),
         (["table.uri=s3://bucket/recs"], "table.uri must name a store: delta\\+... or iceberg\\+..."),
     ):

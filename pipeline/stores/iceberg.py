@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import json
 import logging
-import pickle
 import re
 import time
 import urllib.parse
@@ -90,8 +89,18 @@ def parse(uri: str) -> tuple[str, tuple[str, ...], str]:
     return catalog, tuple(namespace), table
 
 
+CATALOG_NAME = re.compile(r"[A-Za-z0-9_-]+")  # a name pyiceberg configures (PYICEBERG_CATALOG__NAME__...)
+
+
 def check_uri(uri: str) -> str | None:
+    """Why `uri` names no Iceberg table, or None. The catalog is a name pyiceberg configures, never a connection
+    string: a URI, user or password in the run's config would be recorded in its manifest."""
     catalog, namespace, table = parse(uri)
+    if catalog and not CATALOG_NAME.fullmatch(catalog):
+        return (
+            "must name an Iceberg catalog by its pyiceberg name (letters, digits, _ and -), not a connection: its "
+            "URI and credentials go in ~/.pyiceberg.yaml or PYICEBERG_CATALOG__<NAME>__* variables (docs/deploy.md)"
+        )
     if catalog and namespace and table and all(namespace):
         return None
     return f"must be an Iceberg table: {PREFIX}CATALOG/NAMESPACE.TABLE, the catalog as pyiceberg configures it"
@@ -504,7 +513,7 @@ def describe(schema: pa.Schema) -> str:
 def write_files(run, t: Table, table, schema: pa.Schema, call: str) -> pa.Table | None:
     """The run's recommendation files written as the table's data files by Ray tasks (`lake.write_parts`), each
     where the table's location provider puts a file of the date's partition -> one row a file (location, size,
-    rows, its pickled footer); None for a run without a file. A table whose location is not on S3 or a local disk
+    rows, its parquet footer); None for a run without a file. A table whose location is not on S3 or a local disk
     is refused (ValueError): the tasks write with the job's own S3 client."""
     from pyiceberg.partitioning import PartitionFieldValue, PartitionKey
 
@@ -532,8 +541,14 @@ def write_part(
         return pa.table({"path": [path], "size": [0], "rows": [0], "footer": [b""]})
     data = S.encode_parquet(found)
     S.write_bytes(local(path), data, storage)
-    footer = pickle.dumps(pq.read_metadata(pa.BufferReader(data)))
-    return pa.table({"path": [path], "size": [len(data)], "rows": [found.num_rows], "footer": [footer]})
+    return pa.table({"path": [path], "size": [len(data)], "rows": [found.num_rows], "footer": [footer(data)]})
+
+
+def footer(data: bytes) -> bytes:
+    """A parquet file's footer as a file of its own (the magic, the footer, its length, the magic): what
+    `pq.read_metadata` reads of a file, without its data pages."""
+    size = int.from_bytes(data[-8:-4], "little")
+    return b"PAR1" + data[-(size + 8) :]
 
 
 def data_files(table, written: pa.Table | None) -> list:
@@ -554,7 +569,9 @@ def data_files(table, written: pa.Table | None) -> list:
     for r in written.sort_by("path").to_pylist():
         if not r["rows"]:
             continue
-        stats = data_file_statistics_from_parquet_metadata(pickle.loads(r["footer"]), plan, mapping)
+        stats = data_file_statistics_from_parquet_metadata(
+            pq.read_metadata(pa.BufferReader(r["footer"])), plan, mapping
+        )
         out.append(
             DataFile.from_args(
                 content=DataFileContent.DATA,
@@ -577,7 +594,7 @@ def transact(run, t: Table, files: list, call: str) -> tuple[int | None, str | N
     None), or (the snapshot, why) when another call committed the run first, or (None, why) when the run was
     superseded before its commit. A commit that lost to another's, or whose answer was lost, reloads the table and
     checks again (conflicts CONFLICT_TRIES times, a catalog failing transiently for storage.retry_s)."""
-    from pyiceberg.exceptions import CommitFailedException, CommitStateUnknownException, ValidationException
+    from pyiceberg.exceptions import CommitFailedException, ValidationException
 
     storage, name = run.storage, parse(t.uri)[0]
     deadline, conflicts = time.monotonic() + storage.retry_s, 0
@@ -602,19 +619,26 @@ def transact(run, t: Table, files: list, call: str) -> tuple[int | None, str | N
             log.warning("table %s: the commit of run %s lost to another (%s); checking again", t.uri, run.run_id, e)
             continue
         except Exception as e:  # an answer lost, or a catalog that fails: whether it landed is read again
-            error, what = catalog_error(e, name), f"commit run {run.run_id} to {t.uri}"
-            if not (isinstance(e, CommitStateUnknownException) or error.transient):
-                raise refused(error, what) from None  # the catalog refused it: exit 2, its secrets masked
-            if time.monotonic() > deadline:
-                raise S.StoreUnavailable(
-                    f"Iceberg catalog {name} unavailable: {what} failed for storage.retry_s = {storage.retry_s:g} "
-                    f"s: {error}"
-                ) from None
-            log.warning("table %s: the commit of run %s failed (%s); checking whether it landed", t.uri, run.run_id,
-                        type(e).__name__)  # fmt: skip
-            time.sleep(1.0)
+            failed(e, f"commit run {run.run_id} to {t.uri}", name, deadline, storage.retry_s)
             continue
         return whose(committed(load(t.uri, storage), run.run_id), call)
+
+
+def failed(e: Exception, what: str, name: str, deadline: float, retry_s: float) -> None:
+    """A commit that raised other than a conflict: raised as refused when the catalog refused it (exit 2, its
+    secrets masked), as StoreUnavailable when it still fails past `deadline`; else, after a pause, whether it landed
+    is to be read again."""
+    from pyiceberg.exceptions import CommitStateUnknownException
+
+    error = catalog_error(e, name)
+    if not (isinstance(e, CommitStateUnknownException) or error.transient):
+        raise refused(error, what) from None
+    if time.monotonic() > deadline:
+        raise S.StoreUnavailable(
+            f"Iceberg catalog {name} unavailable: {what} failed for storage.retry_s = {retry_s:g} s: {error}"
+        ) from None
+    log.warning("%s failed (%s); checking whether it landed", what, type(e).__name__)
+    time.sleep(1.0)
 
 
 def date_files(table, run_date: str) -> list:
