@@ -55,8 +55,9 @@ NUMERICS = {
 
 # The fault-injection modules: drivers, Ray nodes and the store killed, paused, restarted or failing (a proxy's
 # errors) from outside, several processes each, minutes of waiting on the timeouts they test. `make test-faults`
-# runs them (`-m faults`), `make test` the rest (`-m "not faults"`); CI runs both, each against its budget
-# (tests/budget.py).
+# runs them (`-m faults`), with the tests of other modules marked `faults` (test_nightly_s3's leases lost, drivers
+# paused or overlapping, nodes without credentials); `make test` the rest (`-m "not faults"`); CI runs both, each
+# against its budget (tests/budget.py).
 FAULTS = {"test_cluster", "test_nightly_faults", "test_store_faults", "test_store_retries", "test_incremental_faults"}
 FAULTS |= {"test_tables_faults", "test_iceberg_faults"}
 
@@ -66,21 +67,35 @@ FAULTS |= {"test_tables_faults", "test_iceberg_faults"}
 # order is kept; a stale list costs minutes, never a verdict.
 SLOW_FIRST = [
     "test_cluster",
-    "test_nightly_s3",
     "test_nightly_faults",
+    "test_nightly_s3",
     "test_nightly",
-    "test_library",
-    "test_iceberg",
     "test_store_faults",
+    "test_tables",
+    "test_tables_faults",
+    "test_incremental",
     "test_bench",
-    "test_compiled",
+    "test_iceberg",
     "test_compile_store",
-    "test_report",
-    "test_engine_auto",
-    "test_prepare_data",
-    "test_bring_your_own_model",
-    "test_minionerec",
+    "test_serving",
+    "test_library",
+    "test_iceberg_faults",
+    "test_incremental_faults",
+    "test_compiled",
     "test_store_retries",
+    "test_report",
+    "test_bring_your_own_model",
+    "test_gpu_rehearsal",
+    "test_servers",
+    "test_training",
+    "test_prepare_data",
+    "test_exclusions",
+    "test_items",
+    "test_repository",
+    "test_minionerec",
+    "test_engine_auto",
+    "test_engine",
+    "test_disc",
 ]
 
 

@@ -350,9 +350,10 @@ def test_disc_bias_distances():
 def test_bench_templates_small(data, tmp_path):
     """Rendering cost of every template (renderer vs tokenizer) and one nightly job per template, at tiny sizes."""
     out = tmp_path / "out"
-    run = bench("templates", data=data, users=40, repeats=1, batch=20, out=out, **TINY)
+    run = bench("templates", data=data, users=40, shape_users=8, repeats=1, batch=20, out=out, **TINY)
     assert run.returncode == 0, run.stderr[-3000:]
     t = json.loads((out / "templates.json").read_text())["templates"]
+    assert set(t["shapes"]["shapes"]) == {"300", "openonerec", "titles"}, t["shapes"]
     render = t["render"]["templates"]
     assert set(render) == {"codes", "lcrec"} and render["codes"]["max_prompt_tokens"] == 81
     assert render["lcrec"]["max_prompt_tokens"] > render["codes"]["max_prompt_tokens"]

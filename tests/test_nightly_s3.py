@@ -262,6 +262,7 @@ def test_ray_job_submit_end_to_end(cluster, tmp_path):
     assert refused.returncode != 0
 
 
+@pytest.mark.faults
 def test_s3_lease_is_exclusive_expires_and_is_lost(cluster):
     """The date's lease on S3 (conditional puts): a second run is refused while the first holds it, gets it once
     released; a lease its holder stopped renewing expires, is taken over, and the old holder may no longer publish.
@@ -312,6 +313,7 @@ except LeaseHeld as e:
 """
 
 
+@pytest.mark.faults
 def test_skewed_clocks_never_take_a_live_lease(cluster):
     """A taker on a machine whose wall clock runs ahead of the holder's by 2.5 s of a 3 s lease (more than the two
     thirds that let it take a live lease before) asks just before the holder's next renewal, when the holder's
@@ -341,6 +343,7 @@ def test_skewed_clocks_never_take_a_live_lease(cluster):
     Lease(date, "B", storage, ttl_s=3).acquire().release()  # released: taken at once
 
 
+@pytest.mark.faults
 def test_a_holder_that_cannot_renew_counts_itself_lost(cluster, monkeypatch):
     """A partition from the store: every renewal fails. After lease_s without a renewal (its own monotonic clock)
     the holder has lost the date (another run may take it over from then on) and refuses to publish."""
@@ -362,6 +365,7 @@ def test_a_holder_that_cannot_renew_counts_itself_lost(cluster, monkeypatch):
         a.check()
 
 
+@pytest.mark.faults
 def test_a_paused_publisher_publishes_nothing(cluster):
     """A driver that read _LATEST's version when it took the date, then paused past its lease while another run
     took over and published: its publish (compare-and-swap on that version) fails with LeaseLost; the newer run
@@ -385,6 +389,7 @@ def test_a_paused_publisher_publishes_nothing(cluster):
     assert runs.latest_run(output, "2026-11-21", storage).endswith("run_id=C")
 
 
+@pytest.mark.faults
 def test_overlapping_runs_on_s3_publish_once(cluster, tmp_path):
     """Two drivers of one date started together against S3: one publishes a complete run, the other is refused
     (exit 3) and writes nothing."""
@@ -684,6 +689,7 @@ def test_a_model_replaced_at_its_prefix_is_fetched_anew_and_an_actor_refuses_the
     assert Path(fetch(uri, two, "")) == new and not old.exists()  # M1's actor is gone: the next fetch deletes its copy
 
 
+@pytest.mark.faults
 def test_worker_nodes_without_credentials_end_the_run_with_one_line_naming_the_node_and_the_fix(cluster, tmp_path):
     """The driver has the store's credentials, its workers none (the job's runtime env empties AWS_*): the first
     actor cannot read the s3:// model and the run ends before any decoding, exit 9, its whole stderr one `error:`
