@@ -350,7 +350,7 @@ def test_disc_bias_distances():
 def test_bench_templates_small(data, tmp_path):
     """Rendering cost of every template (renderer vs tokenizer) and one nightly job per template, at tiny sizes."""
     out = tmp_path / "out"
-    run = bench("templates", data=data, users=40, shape_users=8, repeats=1, batch=20, out=out, **TINY)
+    run = bench("templates", data=data, users=40, shape_users=8, render_users=500, repeats=1, batch=20, out=out, **TINY)
     assert run.returncode == 0, run.stderr[-3000:]
     t = json.loads((out / "templates.json").read_text())["templates"]
     assert set(t["shapes"]["shapes"]) == {"300", "openonerec", "titles"}, t["shapes"]
@@ -359,7 +359,7 @@ def test_bench_templates_small(data, tmp_path):
     assert render["lcrec"]["max_prompt_tokens"] > render["codes"]["max_prompt_tokens"]
     assert all(x["renderer_ms_per_1000"]["median"] > 0 for x in render.values())
     jobs = t["nightly"]["templates"]
-    assert all(x["users"] == 40 for x in jobs.values())
+    assert all(x["users"] == 40 for x in jobs.values()) and t["render"]["users"] == 500
     assert jobs["lcrec"]["prompt_tokens_per_user"] > jobs["codes"]["prompt_tokens_per_user"]
     assert "| lcrec |" in (out / "templates.md").read_text()
 

@@ -230,6 +230,7 @@ class TemplatesParams(Timed):
     shape_users: int = 1000
     beauty: bool = True
     templates: list[str] = field(default_factory=lambda: ["codes", "lcrec"])
+    render_users: int | None = None  # the first N Beauty test users rendered (None: every one)
     users: int = 2000
     layers: int = 2
     hidden: int = 128

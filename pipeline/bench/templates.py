@@ -60,8 +60,9 @@ def bench_templates(p: TemplatesParams) -> dict:
 
 
 def bench_render(p: TemplatesParams, tok, catalog: Catalog, items, test) -> dict:
-    """Every Beauty test user with a history, in blocks of 1,000, per template: renderer vs tokenizer."""
-    histories = test["history"].to_pylist()
+    """Every Beauty test user with a history (the first p.render_users), in blocks of 1,000, per template: renderer
+    vs tokenizer."""
+    histories = test["history"].to_pylist()[: p.render_users]
     codes_of = dict(zip(items["item_id"].to_pylist(), items["semantic_id"].to_pylist()))
     blocks = [histories[a : a + 1000] for a in range(0, len(histories), 1000)]
     methods, out = {}, {}
