@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 
 from jobs.cli import prog
@@ -87,13 +86,13 @@ def main(argv=None) -> int:
         print(f"error: {missing}", file=sys.stderr)
         return 2
     from pipeline.nightly import exit_code
-    from pipeline.signals import STOP, Interrupted, ray_cause, stop_note
+    from pipeline.signals import STOP, Interrupted, exit_stopped, ray_cause, stop_note
 
     STOP.install()
     try:
         summary = run(cfg, args)
     except Interrupted as e:
-        stopped(e, args)
+        exit_stopped(e, bool(args.resume), STOPPED)
     except Exception as e:
         cause = ray_cause(e)  # an error in a Ray task: its own, not Ray's header and remote traceback
         code = exit_code(cause)
@@ -122,30 +121,6 @@ def run(cfg, args) -> dict:
     manifest = run_nightly(cfg, args.resume, plan)
     summary = {k: manifest[k] for k in ("run_id", "run_date", "status", "counts", "resume", "timings", "outputs")}
     return summary | after_publish(cfg, manifest)
-
-
-def stopped(e, args) -> None:
-    """The end of a run a signal stopped (its decode is shut down, its lease released): one `stopped:` line, Ray
-    disconnected, then exit STOPPED at once. os._exit, not a return: Ray's own threads (its core worker's, Ray
-    Data's) outlive a stopped execution, and one that calls into Ray while the interpreter exits aborts the process
-    (SIGABRT)."""
-    from pipeline.signals import stop_note
-
-    print(stop_note(e, bool(args.resume)), file=sys.stderr)
-    import ray
-
-    from pipeline import cluster
-
-    if ray.is_initialized():
-        try:
-            cluster.stop_executions(e)  # any execution a signal met outside the decode's own shutdown
-            ray.shutdown()
-        except Exception as err:  # exiting anyway: the cluster ends a gone driver's job itself
-            print(f"ray.shutdown: {err}", file=sys.stderr)
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(STOPPED)
 
 
 if __name__ == "__main__":

@@ -26,8 +26,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from jobs.cli import positive, prog, synthetic_flags
-from pipeline.prepare import BEAUTY_SOURCE, prepare_beauty, prepare_lcrec, prepare_minionerec, write_synthetic
-from pipeline.prepare.openonerec import HIST_MAX_LEN, prepare_openonerec
+from pipeline.prepare import BEAUTY_SOURCE, prepare_source, write_synthetic
+from pipeline.prepare.openonerec import HIST_MAX_LEN
 
 DEFAULT_SOURCE = BEAUTY_SOURCE
 
@@ -132,34 +132,11 @@ def main(argv=None) -> int:
 def prepare(args: argparse.Namespace):
     """The import or the synthetic data the flags ask for -> its summary."""
     if args.synthetic:
-        return write_synthetic(
-            args.out,
-            args.users,
-            args.items,
-            args.levels,
-            args.codes,
-            args.seed,
-            history_len=args.history_len,
-            chunk_users=args.chunk_users,
-        )
-    if args.format == "lcrec":
-        return prepare_lcrec(
-            args.source,
-            args.out,
-            history_len=args.history_len,
-            code_token=args.code_token,
-            index=args.index,
-            id_offset=args.id_offset,
-            allow_mismatch=args.allow_mismatch,
-        )
-    if args.format == "openonerec":
-        return prepare_openonerec(args.source, args.out, args.pid2sid, args.history_len)
-    if args.format == "minionerec":
-        return prepare_minionerec(
-            args.source, args.out, args.category, code_token=args.code_token, allow_mismatch=args.allow_mismatch
-        )
-    source = args.source or DEFAULT_SOURCE
-    return prepare_beauty(source, args.out, history_len=args.history_len, allow_mismatch=args.allow_mismatch)
+        return write_synthetic(args.out, args.users, args.items, args.levels, args.codes, args.seed,
+                               history_len=args.history_len, chunk_users=args.chunk_users)  # fmt: skip
+    options = {k: getattr(args, k) for k in ("code_token", "index", "id_offset", "allow_mismatch", "pid2sid")}
+    return prepare_source(args.format, args.source or DEFAULT_SOURCE, args.out, args.history_len,
+                          category=args.category, **options)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -159,6 +159,30 @@ def stop_note(e: BaseException, resume: bool) -> str | None:
     return None
 
 
+def exit_stopped(e: BaseException, resume: bool, code: int) -> None:
+    """The end of a run a signal stopped (its decode is shut down, its lease released): one `stopped:` line, Ray
+    disconnected, then exit `code` at once. os._exit, not a return: Ray's own threads (its core worker's, Ray
+    Data's) outlive a stopped execution, and one that calls into Ray while the interpreter exits aborts the process
+    (SIGABRT)."""
+    import sys
+
+    import ray
+
+    from pipeline import cluster
+
+    print(stop_note(e, resume), file=sys.stderr)
+    if ray.is_initialized():
+        try:
+            cluster.stop_executions(e)  # any execution a signal met outside the decode's own shutdown
+            ray.shutdown()
+        except Exception as err:  # exiting anyway: the cluster ends a gone driver's job itself
+            print(f"ray.shutdown: {err}", file=sys.stderr)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def ray_cause(e: BaseException) -> BaseException:
     """The error behind Ray's wrappers, what a command's `error:` line prints and its exit code is chosen by: a task's
     RayTaskError (the class Ray raises it as, a subclass of its cause's, too), whose text is Ray's coloured task

@@ -37,6 +37,7 @@ from pipeline.prepare.synthetic import (
 )
 
 __all__ = [
+    "prepare_source",
     "BEAUTY_SOURCE",
     "SPLIT_CONVENTION",
     "SYNTHETIC_SPLITS",
@@ -57,3 +58,30 @@ __all__ = [
     "write_contract",
     "write_synthetic",
 ]
+
+
+def prepare_source(
+    fmt: str,
+    source,
+    out,
+    history_len: int,
+    *,
+    category=None,
+    code_token=None,
+    index=None,
+    id_offset=None,
+    allow_mismatch: bool = False,
+    pid2sid=None,
+):
+    """An import of `source` in format `fmt` (beauty, lcrec, minionerec, openonerec) into `out` -> its summary; each
+    format takes the options of its layout (`genrec-batch prepare`'s flags)."""
+    from pipeline.prepare.openonerec import prepare_openonerec
+
+    if fmt == "lcrec":
+        return prepare_lcrec(source, out, history_len=history_len, code_token=code_token, index=index,
+                             id_offset=id_offset, allow_mismatch=allow_mismatch)  # fmt: skip
+    if fmt == "openonerec":
+        return prepare_openonerec(source, out, pid2sid, history_len)
+    if fmt == "minionerec":
+        return prepare_minionerec(source, out, category, code_token=code_token, allow_mismatch=allow_mismatch)
+    return prepare_beauty(source, out, history_len=history_len, allow_mismatch=allow_mismatch)
