@@ -360,7 +360,7 @@ def plan_run(cfg: Config, resume: str | None = None) -> Plan:
 def plan_at(cfg: Config, version: int | None, pinned_by: str | None) -> Plan:
     """Every check that needs no Ray: credentials, input (a table input at `version`, None: the newest;
     `pinned_by`: the run whose start pinned it), the items (catalog, recommendable set, block list), models,
-    template, the actor's own checks, the output store's conditional writes (`S.check_conditional_writes`), each
+    template, the actor's own checks, the output store's conditional writes (`S.check_store_once`), each
     sink's own checks (pipeline/stores). A missing input, catalog, item set or model raises FileNotFoundError naming
     it ("... not found")."""
     source = stores.source(cfg.input).location(cfg.input)
@@ -373,7 +373,7 @@ def plan_at(cfg: Config, version: int | None, pinned_by: str | None) -> Plan:
     plan_units, clock = units.plan_units(data), Clock()
     with clock.phase("input_identity"):
         identity = content_identity(cfg, data, inp.fs, plan_units, models, items, inp.version)
-    S.check_conditional_writes(cfg.output, cfg.storage)  # what the lease and _LATEST rest on, before the lease
+    S.check_store_once(cfg.output, cfg.storage)  # what the lease and _LATEST rest on, before the lease
     for target in (cfg.table, cfg.serving):
         if target.uri:
             stores.sink(target.uri).check(target, cfg.storage)

@@ -16,7 +16,6 @@ import torch
 
 from decoding.compiled import GRAPHS_PER_BUCKET
 from pipeline.models import KEY_ENV, KEY_FILE_ENV
-from tests.helpers import COMPILE_CACHE
 from tests.servers import seaweedfs
 
 SECRET = "a-test-signing-key-of-the-store"
@@ -52,11 +51,11 @@ def test_a_store_warm_starts_the_next_nightly_actor_and_auto_records_its_choice(
             for run in ("cold", "warm"):  # each actor with a node cache of its own, empty
                 cache = f"compute.compile_cache={root / ('node-cache-' + run)}"
                 runs[run] = run_nightly(config(world, world / run, "compute.engine=compiled", cache, *store))
-            auto_cfg = config(
+            auto_cfg = config(  # on the warm run's node cache: its trials compile nothing from scratch
                 world,
                 world / "auto",
                 "compute.engine=auto",
-                f"compute.compile_cache={COMPILE_CACHE}",
+                f"compute.compile_cache={root / 'node-cache-warm'}",
                 "compute.engine_short_run_s=0",
                 "compute.engine_trials=1",
             )

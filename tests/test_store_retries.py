@@ -314,6 +314,23 @@ def test_an_atomic_store_passes_the_racing_store_check(store, proxy):
     assert scratch_keys(s3, "atomic") == []
 
 
+def test_the_plan_checks_an_output_store_once_per_process(store, proxy):
+    """`check_store_once` (what the plan and the Delta sink call): the first call on an output runs the check (its
+    scratch puts reach the store), a second on the same output at the same endpoint sends nothing, and another
+    output is checked anew."""
+    s3, _ = store
+    storage = storage_of(proxy)
+    proxy.requests[:] = []
+    S.check_store_once(s3.uri("once"), storage)
+    assert any(method == "PUT" and "_STORE_CHECK" in target for method, target in proxy.requests)
+    proxy.requests[:] = []
+    S.check_store_once(s3.uri("once") + "/", storage)
+    assert proxy.requests == []
+    S.check_store_once(s3.uri("once-more"), storage)
+    assert any(method == "PUT" and "once-more/_STORE_CHECK" in target for method, target in proxy.requests)
+    assert scratch_keys(s3, "once") == scratch_keys(s3, "once-more") == []
+
+
 def test_a_store_that_checks_then_writes_fails_the_races(store, proxy):
     """A gateway that emulates conditional puts with a HEAD, then a PUT (`check_then_put`) answers each put alone as
     S3 would, so the sequential checks pass; of the racing creates, and of the racing replaces, more than one

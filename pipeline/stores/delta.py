@@ -236,7 +236,7 @@ def check(t: Table, storage: Storage) -> None:
     where = location(t.uri)
     S.check_access(where, storage)
     if S.is_s3(where):
-        S.check_conditional_writes(where, storage)
+        S.check_store_once(where, storage)
 
 
 def shown(uri: str) -> str:
