@@ -90,11 +90,11 @@ docs: $(BIN)/.installed
 # worker, with its fixtures, servers and models, the slowest modules first; each worker's torch takes its share of
 # the cores (tests/conftest.py). Three on CI's 2 cores: a third of a worker's time is spent waiting on processes it
 # started (Ray's, a job's, a store's), which a third worker fills (make test: 14.2 -> 12.3 min, measured). The other
-# suites run in WORKERS: the fault-injection modules' waits are the timeouts they test, kept apart from more load,
+# suites run in SUITE_WORKERS: the fault-injection modules' waits are the timeouts they test, kept apart from more load,
 # and the numerics-sensitive tests are CPU-bound.
 # PYTEST_ARGS adds pytest flags (CI: --junitxml, which `python -m tests.budget` reads).
 TEST_WORKERS  ?= 3
-WORKERS       ?= 2
+SUITE_WORKERS ?= 2
 PYTEST_ARGS   ?=
 xdist = $(if $(filter-out 0,$(1)),-n $(1) --dist loadfile --no-loadscope-reorder)
 PYTEST = $(BIN)/python -m pytest -q
@@ -106,7 +106,7 @@ test: $(BIN)/.installed lint
 	$(PYTEST) $(call xdist,$(TEST_WORKERS)) -m "not faults" $(PYTEST_ARGS)
 
 test-faults: $(BIN)/.installed
-	$(PYTEST) $(call xdist,$(WORKERS)) -m faults $(PYTEST_ARGS)
+	$(PYTEST) $(call xdist,$(SUITE_WORKERS)) -m faults $(PYTEST_ARGS)
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check .
@@ -118,7 +118,7 @@ lint: $(BIN)/.installed
 test-kernels: $(BIN)/.installed
 	@for setting in $$($(BIN)/python -m tests.kernels); do \
 		echo "== numerics-sensitive tests under $$setting"; \
-		env $$(echo "$$setting" | tr + ' ') $(PYTEST) $(call xdist,$(WORKERS)) -m numerics || exit 1; \
+		env $$(echo "$$setting" | tr + ' ') $(PYTEST) $(call xdist,$(SUITE_WORKERS)) -m numerics || exit 1; \
 	done
 
 # The numerics-sensitive tests under the oldest versions pyproject.toml admits (python -m tests.oldest: transformers'
@@ -133,7 +133,7 @@ test-oldest:
 	$(OLDEST)/bin/pip install -q -c $(OLDEST)/constraints.txt torch $(if $(TORCH_INDEX),--no-deps --index-url "$(TORCH_INDEX)")
 	$(OLDEST)/bin/pip install -q -c $(OLDEST)/constraints.txt -e ".[dev]" $$($(PY) -m tests.oldest requirements)
 	$(OLDEST)/bin/python -c "import transformers; print('== numerics-sensitive tests under transformers', transformers.__version__)"
-	$(subst $(BIN)/,$(OLDEST)/bin/,$(PYTEST)) $(call xdist,$(WORKERS)) -m numerics
+	$(subst $(BIN)/,$(OLDEST)/bin/,$(PYTEST)) $(call xdist,$(SUITE_WORKERS)) -m numerics
 	$(OLDEST)/bin/python -m pytest -q tests/test_transformers_compat.py
 
 clean:

@@ -18,6 +18,7 @@ import os
 import random
 import re
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -222,18 +223,29 @@ def s3_client(storage: Storage):
         connect_timeout=CONNECT_S, read_timeout=REQUEST_S, retries={"mode": "standard", "max_attempts": SDK_ATTEMPTS}
     )
     session = botocore.session.get_session()
-    session.register_component("data_loader", _botocore_loader())
-    return boto3.session.Session(botocore_session=session).client(
-        "s3", endpoint_url=storage.endpoint, region_name=storage.region, config=config
-    )
+    loader = _botocore_loader(session.get_config_variable("data_path"))
+    session.register_component("data_loader", loader)
+    with _LOADER_LOCK:  # boto3's Session appends its data folder to its loader's search paths, each time: kept once
+        kept = len(loader.search_paths)
+        boto = boto3.session.Session(botocore_session=session)
+        del loader.search_paths[kept:]
+    return boto.client("s3", endpoint_url=storage.endpoint, region_name=storage.region, config=config)
+
+
+_LOADER_LOCK = threading.Lock()
 
 
 @functools.cache
-def _botocore_loader():
-    """This process's botocore data loader (its files cached as loaded), shared by every `s3_client`'s session."""
+def _botocore_loader(data_path: str | None):
+    """This process's botocore data loader for a `data_path` (AWS_DATA_PATH or the config file's; None: botocore's
+    own models), its files cached as loaded, shared by every `s3_client`'s session; boto3's data folder on its
+    search paths once, as boto3 puts it there."""
+    import boto3
     import botocore.loaders
 
-    return botocore.loaders.create_loader()
+    loader = botocore.loaders.create_loader(data_path)
+    loader.search_paths.append(os.path.join(os.path.dirname(boto3.__file__), "data"))
+    return loader
 
 
 def join(uri: str, *parts: str) -> str:
@@ -637,18 +649,19 @@ def check_conditional_writes(output: str, storage: Storage) -> None:
         )
 
 
-_STORES_CHECKED: set[tuple] = set()  # (endpoint, region, output) whose S3 store passed check_conditional_writes
+_STORES_CHECKED: set[tuple] = set()  # (endpoint, region, output) whose store passed check_conditional_writes
 
 
 def check_store_once(output: str, storage: Storage) -> None:
     """`check_conditional_writes` of an s3:// output once per process (its pass remembered for the output at that
     endpoint: a store's capability does not change while a process runs; a local output is checked each time, as
     its check costs nothing). The plan and the table sinks call this; the check itself stays a check each call."""
-    key = (storage.endpoint, storage.region, output.rstrip("/"))
-    if key in _STORES_CHECKED:
-        return
-    check_conditional_writes(output, storage)
-    if is_s3(output):
+    if not is_s3(output):
+        return check_conditional_writes(output, storage)
+    client = s3_client(storage)  # the endpoint and region it resolved (storage.endpoint, else the environment's)
+    key = (client.meta.endpoint_url, client.meta.region_name, output.rstrip("/"))
+    if key not in _STORES_CHECKED:
+        check_conditional_writes(output, storage)
         _STORES_CHECKED.add(key)
 
 

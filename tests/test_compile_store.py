@@ -1,6 +1,8 @@
-"""The compiled engine's cache in object storage (pipeline/models.CompileStore, compute.compile_store) and the nightly's
-record of compute.engine auto, on SeaweedFS and a local Ray. Not numerics-sensitive (what is compared here is files,
-counts and records; the engines' parity is tests/test_compiled.py's), so `make test-kernels` does not repeat it."""
+"""The compiled engine in the nightly: its cache in object storage (pipeline/models.CompileStore,
+compute.compile_store), a compiled night publishing the eager night's lists, and the record of compute.engine auto,
+on SeaweedFS and a local Ray. Not numerics-sensitive: what is compared here is files, counts, records and the
+actor's plumbing (a compiled night's lists against an eager night's, users clear of a near-tie); the engines' parity
+under every kernel family is tests/test_compiled.py's, so `make test-kernels` does not repeat this."""
 
 import hashlib
 import io
@@ -26,8 +28,9 @@ def test_a_store_warm_starts_the_next_nightly_actor_and_auto_records_its_choice(
     at its key an archive planted by a store writer without the signing key (code that runs when inductor loads it),
     never unpacks it (the code never runs), compiles its bucket cold at start and uploads the cache, signed; the
     second run's actor (a new process, another empty node cache) fetches it, verifies it and starts warm: 0 graphs
-    compiled from scratch, the same recommendations. Then compute.engine auto: the run's one decision, its trials
-    and parity in the manifest and the report."""
+    compiled from scratch, the same recommendations. The cold run publishes the eager run's lists
+    (`assert_publishes_what_eager_does`). Then compute.engine auto: the run's one decision, its trials and parity in
+    the manifest and the report."""
     import pyarrow.parquet as pq
     import ray
 
@@ -51,6 +54,7 @@ def test_a_store_warm_starts_the_next_nightly_actor_and_auto_records_its_choice(
             for run in ("cold", "warm"):  # each actor with a node cache of its own, empty
                 cache = f"compute.compile_cache={root / ('node-cache-' + run)}"
                 runs[run] = run_nightly(config(world, world / run, "compute.engine=compiled", cache, *store))
+            runs["eager"] = run_nightly(config(world, world / "eager"))  # a local target: no store
             auto_cfg = config(  # on the warm run's node cache: its trials compile nothing from scratch
                 world,
                 world / "auto",
@@ -62,7 +66,8 @@ def test_a_store_warm_starts_the_next_nightly_actor_and_auto_records_its_choice(
             auto = run_nightly(auto_cfg)
         finally:
             ray.shutdown()
-    out = {run: read_run(config(world, world / run))[1] for run in ("cold", "warm")}
+    out = {run: read_run(config(world, world / run))[1] for run in ("cold", "warm", "eager")}
+    assert_publishes_what_eager_does(world, out, runs)
     cache = [json.loads(out[run]["metrics"].to_pandas().compile_cache.dropna().iloc[0]) for run in ("cold", "warm")]
     assert cache[0]["key"] == planted and cache[0]["fetched"]["found"] and not cache[0]["fetched"]["used"]
     assert "is not signed with this store's key" in cache[0]["fetched"]["note"] and not marker.exists()
@@ -89,6 +94,36 @@ def test_a_store_warm_starts_the_next_nightly_actor_and_auto_records_its_choice(
     assert state["engine"]["trial_batches"] >= 1 and decision["parity"][0]["users"] >= 16
     _, page = report_run(str(world / "auto"), auto_cfg.storage)
     assert f"engine **{state['engine']['choice']}** on cpu" in (Path(page) / "report.md").read_text()
+
+
+def assert_publishes_what_eager_does(world: Path, out: dict, runs: dict) -> None:
+    """The cold compiled run (its actor compiled its bucket at start) against the eager run: the same users and
+    ranks, and the same lists for every user clear of a near-tie within the two runs' largest score difference
+    (at least 90% of them); compile seconds and graphs in the metrics and the manifest, none for eager."""
+    import pyarrow.parquet as pq
+
+    from tests.test_nightly import direct_beam_search
+
+    recs = {e: out[e]["recommendations"].to_pandas().sort_values(["user_id", "rank"]) for e in ("eager", "cold")}
+    assert recs["eager"][["user_id", "rank"]].values.tolist() == recs["cold"][["user_id", "rank"]].values.tolist()
+    users = pq.read_table(world / "data" / "test.parquet").to_pandas()
+    ref, _ = direct_beam_search(world, users.history.tolist())
+    gap = dict(zip(users.user_id, ref.stats["tie_gap"].tolist()))
+    diff = float((recs["eager"].score.values - recs["cold"].score.values).__abs__().max())
+    same = {u: g.item_id.tolist() for u, g in recs["eager"].groupby("user_id")}
+    clear = [u for u in same if gap[u] > 2 * diff]
+    assert len(clear) >= 0.9 * len(same), f"{len(same) - len(clear)} users within {2 * diff:.2g} of a near-tie"
+    got = {u: g.item_id.tolist() for u, g in recs["cold"].groupby("user_id")}
+    assert all(got[u] == same[u] for u in clear)
+    metrics = out["cold"]["metrics"].to_pandas()
+    assert (metrics.engine == "compiled").all() and sorted(metrics.users_in) == [8, 16, 16]
+    assert metrics.graphs_compiled.sum() == GRAPHS_PER_BUCKET  # the warm-up's: every shard snapped to its bucket
+    manifest, eager = runs["cold"], runs["eager"]
+    ((actor, seconds),) = manifest["timings"]["compile_s"].items()
+    assert seconds > 0 and manifest["engine"]["name"] == "compiled"
+    assert manifest["engine"]["graphs_compiled"] == GRAPHS_PER_BUCKET
+    assert eager["timings"]["compile_s"] is None and eager["engine"]["graphs_compiled"] == 0
+    assert eager["engine"]["compile_store"] is None  # a local target: no store unless one is named
 
 
 def test_a_corrupted_partial_or_foreign_compile_cache_is_ignored_with_a_warning(tmp_path, caplog):

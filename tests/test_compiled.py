@@ -35,7 +35,6 @@ from decoding.metrics import same_within_ties, topk_agreement
 from decoding.models import tiny_model
 from decoding.stats import BASE_KEYS, PHASES
 from tests.helpers import (
-    COMPILE_CACHE,
     assert_same_ranking,
     hf_beam_search,
     left_padded_prompts,
@@ -352,51 +351,6 @@ def test_other_models_and_sampling_run_eager_and_say_why(catalog):
     assert rec.stats["engine"] == "eager" and "do_sample" in rec.stats["engine_note"] and seen
     with pytest.raises(ValueError, match="engine must be eager or compiled"):
         beam_search(llama, ids, mask, catalog, 4, engine="fast")
-
-
-def test_a_compiled_nightly_publishes_what_eager_does(tmp_path_factory):
-    """The nightly job on a local Ray with compute.engine=compiled: the actor compiles its bucket at start (cache in
-    COMPILE_CACHE) and publishes the eager run's recommendations, for every user clear of a near-tie within the
-    two runs' largest score difference; compile seconds and graphs in the metrics and the manifest (the compile store
-    and compute.engine auto's record: tests/test_compile_store.py)."""
-    import pyarrow.parquet as pq
-    import ray
-
-    from pipeline.nightly import run_nightly
-    from tests.test_nightly import config, direct_beam_search, make_world, read_run
-
-    world = make_world(tmp_path_factory.mktemp("compiled-nightly"), n_users=40)  # shards of 16, 16 and 8 users
-    ray.init(num_cpus=2, include_dashboard=False)
-    try:
-        runs = {
-            engine: run_nightly(
-                config(world, world / engine, f"compute.engine={engine}", f"compute.compile_cache={COMPILE_CACHE}")
-            )
-            for engine in ("eager", "compiled")
-        }
-    finally:
-        ray.shutdown()
-    out = {engine: read_run(config(world, world / engine))[1] for engine in ("eager", "compiled")}
-    recs = {e: t["recommendations"].to_pandas().sort_values(["user_id", "rank"]) for e, t in out.items()}
-    assert recs["eager"][["user_id", "rank"]].values.tolist() == recs["compiled"][["user_id", "rank"]].values.tolist()
-    users = pq.read_table(world / "data" / "test.parquet").to_pandas()
-    ref, _ = direct_beam_search(world, users.history.tolist())
-    gap = dict(zip(users.user_id, ref.stats["tie_gap"].tolist()))
-    diff = float((recs["eager"].score.values - recs["compiled"].score.values).__abs__().max())
-    same = {u: g.item_id.tolist() for u, g in recs["eager"].groupby("user_id")}
-    clear = [u for u in same if gap[u] > 2 * diff]
-    assert len(clear) >= 0.9 * len(same), f"{len(same) - len(clear)} users within {2 * diff:.2g} of a near-tie"
-    got = {u: g.item_id.tolist() for u, g in recs["compiled"].groupby("user_id")}
-    assert all(got[u] == same[u] for u in clear)
-    metrics = out["compiled"]["metrics"].to_pandas()
-    assert (metrics.engine == "compiled").all() and sorted(metrics.users_in) == [8, 16, 16]
-    assert metrics.graphs_compiled.sum() == GRAPHS_PER_BUCKET  # the warm-up's: every shard snapped to its bucket
-    manifest, eager = runs["compiled"], runs["eager"]
-    ((actor, seconds),) = manifest["timings"]["compile_s"].items()
-    assert seconds > 0 and manifest["engine"]["name"] == "compiled"
-    assert manifest["engine"]["graphs_compiled"] == GRAPHS_PER_BUCKET
-    assert eager["timings"]["compile_s"] is None and eager["engine"]["graphs_compiled"] == 0
-    assert eager["engine"]["compile_store"] is None  # a local target: no store unless one is named
 
 
 def test_config_names_a_bad_engine():

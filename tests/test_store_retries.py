@@ -314,21 +314,30 @@ def test_an_atomic_store_passes_the_racing_store_check(store, proxy):
     assert scratch_keys(s3, "atomic") == []
 
 
-def test_the_plan_checks_an_output_store_once_per_process(store, proxy):
+def test_the_plan_checks_an_output_store_once_per_process(store, proxy, monkeypatch):
     """`check_store_once` (what the plan and the Delta sink call): the first call on an output runs the check (its
     scratch puts reach the store), a second on the same output at the same endpoint sends nothing, and another
-    output is checked anew."""
+    output is checked anew. The endpoint is the one the client resolved: a pass at the endpoint the environment
+    named (AWS_ENDPOINT_URL_S3, storage.endpoint unset) is not another endpoint's pass."""
     s3, _ = store
-    storage = storage_of(proxy)
+    monkeypatch.setattr(S, "_STORES_CHECKED", set())
+    storage, check, checked = storage_of(proxy), S.check_conditional_writes, []
+    monkeypatch.setattr(S, "check_conditional_writes", lambda out, st: checked.append(out) or check(out, st))
     proxy.requests[:] = []
     S.check_store_once(s3.uri("once"), storage)
     assert any(method == "PUT" and "_STORE_CHECK" in target for method, target in proxy.requests)
     proxy.requests[:] = []
     S.check_store_once(s3.uri("once") + "/", storage)
-    assert proxy.requests == []
+    assert proxy.requests == [] and checked == [s3.uri("once")]
     S.check_store_once(s3.uri("once-more"), storage)
     assert any(method == "PUT" and "once-more/_STORE_CHECK" in target for method, target in proxy.requests)
-    assert scratch_keys(s3, "once") == scratch_keys(s3, "once-more") == []
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.endpoint)
+    S.check_store_once(s3.uri("env"), Storage())
+    S.check_store_once(s3.uri("env"), Storage())
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3.endpoint)  # another endpoint, named the same way
+    S.check_store_once(s3.uri("env"), Storage())
+    assert checked == [s3.uri("once"), s3.uri("once-more"), s3.uri("env"), s3.uri("env")]
+    assert scratch_keys(s3, "once") == scratch_keys(s3, "once-more") == scratch_keys(s3, "env") == []
 
 
 def test_a_store_that_checks_then_writes_fails_the_races(store, proxy):
