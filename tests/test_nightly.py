@@ -757,6 +757,7 @@ def test_a_complete_unpublished_run_is_published_without_decoding(world, ray_ses
     assert {f: f.stat().st_mtime_ns for f in run.rglob("*.parquet")} == written  # nothing decoded again
 
 
+@pytest.mark.faults  # a driver paused past its lease: make test-faults
 def test_a_fenced_attempts_late_shards_are_never_read(world, ray_session, tmp_path, monkeypatch):
     """A driver paused past its lease while a resume took the run over: its actor commits a shard (for users the
     resume decodes too) after the resume started. The published run lists only the resume's lineage: every user

@@ -243,6 +243,7 @@ def wait_for(check, what: str, timeout: float = 120) -> None:
         time.sleep(0.02)
 
 
+@pytest.mark.faults  # Redis killed (SIGKILL) mid-export: make test-faults
 def test_redis_killed_mid_export_keeps_the_previous_version_whole_and_a_rerun_switches(two_runs, redis_server):
     """Day 1 is served; day 2's export (one writer) is paused from outside once its first shard is recorded, then
     Redis is killed (SIGKILL): the export gives up (exit 4), Redis restarts from its append-only file and still
